@@ -1,0 +1,250 @@
+"""One place for the engine's configuration: model shape, engine limits, speculation.
+
+Every user-facing knob is validated here, so a bad value fails before any work starts and the
+message names the field and the allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value does not fit; the message names the field and what is allowed."""
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE frequencies: base plus an optional scaling rule (HF `rope_scaling`/`rope_parameters`)."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama-3.x, Qwen2/2.5, Qwen3), read from HF config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    max_position_embeddings: int = 4096
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    torch_dtype: str = "float32"
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        """Build from a HF config dict; raise ConfigError naming the field for anything that won't fit."""
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"{source}: model_type {model_type!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-3.x, Qwen2/2.5, Qwen3 families)"
+            )
+        if "text_config" in cfg and "hidden_size" not in cfg:
+            raise ConfigError(f"{source}: multimodal configs (text_config) are not supported")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            value = cfg.get(name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{source}: field {name!r} must be a positive integer, got {value!r}")
+        heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ConfigError(
+                f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+            )
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        if head_dim % 2:
+            raise ConfigError(f"{source}: head_dim must be even for RoPE, got {head_dim}")
+        layers = cfg["num_hidden_layers"]
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        layer_types = tuple(cfg.get("layer_types") or ())
+        if layer_types and len(layer_types) != layers:
+            raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries for {layers} layers")
+        if not layer_types:
+            if sliding:
+                max_window_layers = cfg.get("max_window_layers", layers)
+                layer_types = tuple(
+                    "sliding_attention" if i >= max_window_layers or model_type == "mistral" else "full_attention"
+                    for i in range(layers)
+                )
+            else:
+                layer_types = ("full_attention",) * layers
+        bad = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise ConfigError(f"{source}: layer_types {bad} not supported (full_attention, sliding_attention)")
+        if "sliding_attention" in layer_types and not cfg.get("sliding_window"):
+            raise ConfigError(f"{source}: sliding_attention layers need a positive sliding_window")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        return ModelConfig(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=rope_from_hf(cfg, source),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            qkv_bias=bool(cfg.get("attention_bias", False)) or model_type == "qwen2",
+            o_bias=bool(cfg.get("attention_bias", False)) and model_type in ("llama", "mistral"),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            sliding_window=cfg.get("sliding_window") if "sliding_attention" in layer_types else None,
+            layer_types=layer_types,
+            torch_dtype=str(dtype).replace("torch.", ""),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF config.json dict for this shape (used when blockspec writes checkpoints)."""
+        cfg: dict[str, Any] = {
+            "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                               "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope.theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": self.torch_dtype,
+            "attention_bias": self.qkv_bias if self.model_type != "qwen2" else False,
+        }
+        if self.rope.type != "default":
+            cfg["rope_scaling"] = {k: v for k, v in dataclasses.asdict(self.rope).items() if k != "theta" and v is not None}
+            cfg["rope_scaling"]["rope_type"] = cfg["rope_scaling"].pop("type")
+        if self.eos_token_ids:
+            cfg["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+        if self.bos_token_id is not None:
+            cfg["bos_token_id"] = self.bos_token_id
+        return cfg
+
+
+def rope_from_hf(cfg: dict[str, Any], source: str) -> RopeConfig:
+    """Read RoPE settings from either transformers 4.x (`rope_theta` + `rope_scaling`) or 5.x (`rope_parameters`)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"{source}: rope type {rope_type!r} not supported; supported: {', '.join(ROPE_TYPES)}")
+    return RopeConfig(
+        theta=theta,
+        type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=params.get("original_max_position_embeddings"),
+        beta_fast=float(params.get("beta_fast", 32.0)),
+        beta_slow=float(params.get("beta_slow", 1.0)),
+        attention_factor=params.get("attention_factor"),
+    )
+
+
+SPEC_METHODS = ("dflash", "dspark")
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+REJECTION_SAMPLE_METHODS = ("standard", "block")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`speculative_config` as users pass it to `LLM(...)` (vLLM's field names)."""
+
+    method: str
+    model: str
+    num_speculative_tokens: int | None = None
+    draft_sample_method: str = "greedy"
+    rejection_sample_method: str = "standard"
+    confidence_threshold: float = 0.0
+    adaptive_verification: bool = False
+    max_batch_for_speculation: int | None = None
+
+    @staticmethod
+    def from_user(value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be a dict or None, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        if "method" not in value or "model" not in value:
+            raise ConfigError("speculative_config needs 'method' and 'model' (a drafter directory or hub id)")
+        cfg = SpeculativeConfig(**value)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"speculative_config.method {self.method!r} not supported; allowed: {SPEC_METHODS}")
+        k = self.num_speculative_tokens
+        if k is not None and (not isinstance(k, int) or k < 1):
+            raise ConfigError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ConfigError(
+                f"speculative_config.draft_sample_method {self.draft_sample_method!r}; allowed: {DRAFT_SAMPLE_METHODS}"
+            )
+        if self.rejection_sample_method not in REJECTION_SAMPLE_METHODS:
+            raise ConfigError(
+                "speculative_config.rejection_sample_method "
+                f"{self.rejection_sample_method!r}; allowed: {REJECTION_SAMPLE_METHODS}"
+            )
+        if not 0.0 <= float(self.confidence_threshold) < 1.0:
+            raise ConfigError(
+                f"speculative_config.confidence_threshold must be in [0, 1), got {self.confidence_threshold!r}"
+            )
+        if self.max_batch_for_speculation is not None and self.max_batch_for_speculation < 1:
+            raise ConfigError("speculative_config.max_batch_for_speculation must be >= 1 or None")
+
+
+@dataclass
+class EngineConfig:
+    """Limits of one engine instance (memory is planned from these at start-up)."""
+
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    max_prefill_tokens: int = 4096
+    seed: int = 0

@@ -1,0 +1,130 @@
+"""Preallocated per-slot KV cache; a request's cache length is just a number, so rollback is free.
+
+Layout per layer: [max_slots, kv_heads, max_len + 1, head_dim]. Column `max_len` is a trash column
+that padded query rows write into, so padding never overwrites real keys and is never read (every
+real query position is below `max_len`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+class OutOfSlots(RuntimeError):
+    """No free slot: the scheduler must queue the request."""
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        max_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (max_slots, num_kv_heads, max_len + 1, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_slots = max_slots
+        self.max_len = max_len
+        self.trash = max_len
+        self._free = list(range(max_slots - 1, -1, -1))
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise OutOfSlots("no free KV slot")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        if slot in self._free:
+            raise ValueError(f"slot {slot} released twice")
+        self._free.append(slot)
+
+    def write(self, layer: int, meta: "AttnMeta", k: Tensor, v: Tensor) -> None:
+        """k, v: [R, kv_heads, Q, hd], stored at (slot, write_pos) for every query row."""
+        idx = (meta.slots[:, None], slice(None), meta.write_pos)
+        self.k[layer][idx] = k.transpose(1, 2)
+        self.v[layer][idx] = v.transpose(1, 2)
+
+    def read(self, layer: int, meta: "AttnMeta") -> tuple[Tensor, Tensor]:
+        """Keys and values of the first kv_len positions of each request's slot: [R, kv_heads, kv_len, hd]."""
+        if meta.contiguous_slot is not None:
+            s = meta.contiguous_slot
+            return self.k[layer][s : s + 1, :, : meta.kv_len], self.v[layer][s : s + 1, :, : meta.kv_len]
+        return self.k[layer][meta.slots, :, : meta.kv_len], self.v[layer][meta.slots, :, : meta.kv_len]
+
+
+@dataclass
+class AttnMeta:
+    """Where each query row sits: its slot, RoPE position, cache column, and what it may attend to."""
+
+    slots: Tensor  # [R] int64
+    positions: Tensor  # [R, Q] int64, absolute positions (RoPE)
+    write_pos: Tensor  # [R, Q] int64, cache column (trash column for padding rows)
+    kv_len: int  # keys read per request
+    masks: dict[str, Tensor]  # layer type -> [R, 1, Q, kv_len] bool
+    contiguous_slot: int | None = None  # single request: read its slot as a view, no gather
+
+
+def causal_meta(
+    slots: list[int],
+    starts: list[int],
+    q_lens: list[int],
+    num_queries: int,
+    trash: int,
+    device: torch.device | str,
+    sliding_window: int | None = None,
+    layer_types: tuple[str, ...] = ("full_attention",),
+    kv_len: int | None = None,
+) -> AttnMeta:
+    """Metadata for a causal forward: request r feeds q_lens[r] tokens at positions starts[r], ... .
+
+    Query i of request r sees keys at positions <= starts[r] + i (its own cache plus earlier rows of
+    the same forward); rows i >= q_lens[r] are padding whose K/V go to the trash column. Host lists
+    in, device tensors out: the engine knows every length on the host, so this needs no sync.
+    """
+    kv_len = kv_len or max(s + q for s, q in zip(starts, q_lens))
+    slot_t = torch.tensor(slots, dtype=torch.int64, device=device)
+    start_t = torch.tensor(starts, dtype=torch.int64, device=device)
+    qlen_t = torch.tensor(q_lens, dtype=torch.int64, device=device)
+    ar = torch.arange(num_queries, device=device)
+    positions = start_t[:, None] + ar[None, :]
+    valid = ar[None, :] < qlen_t[:, None]
+    write_pos = torch.where(valid, positions, torch.full_like(positions, trash))
+    keys = torch.arange(kv_len, device=device)
+    full = keys[None, None, :] <= positions[:, :, None]
+    masks = {"full_attention": full.unsqueeze(1)}
+    if "sliding_attention" in layer_types:
+        assert sliding_window is not None
+        window = full & (positions[:, :, None] - keys[None, None, :] < sliding_window)
+        masks["sliding_attention"] = window.unsqueeze(1)
+    contiguous = slots[0] if len(slots) == 1 else None
+    return AttnMeta(slot_t, positions, write_pos, kv_len, masks, contiguous)
+
+
+def dense_causal_meta(batch: int, seq: int, device: torch.device | str, sliding_window: int | None = None,
+                      layer_types: tuple[str, ...] = ("full_attention",)) -> AttnMeta:
+    """Metadata for a cache-free causal forward over [batch, seq] tokens at positions 0..seq-1."""
+    positions = torch.arange(seq, device=device).expand(batch, seq)
+    keys = torch.arange(seq, device=device)
+    full = keys[None, None, :] <= positions[:, :, None]
+    masks = {"full_attention": full.unsqueeze(1)}
+    if "sliding_attention" in layer_types:
+        assert sliding_window is not None
+        masks["sliding_attention"] = (full & (positions[:, :, None] - keys[None, None, :] < sliding_window)).unsqueeze(1)
+    slots = torch.zeros(batch, dtype=torch.int64, device=device)
+    return AttnMeta(slots, positions, positions, seq, masks, None)

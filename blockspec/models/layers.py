@@ -1,0 +1,107 @@
+"""Building blocks shared by the target models and the drafters: norm, RoPE, MLP, attention math."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from blockspec.config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, as the HF Llama/Qwen implementations do."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[Tensor, float]:
+    """Inverse frequencies and the attention scaling for a RoPE config (default, linear, llama3, yarn)."""
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    scale = 1.0
+    if rope.type == "linear":
+        inv = inv / rope.factor
+    elif rope.type == "llama3":
+        old = rope.original_max_position_embeddings or 8192
+        low_wavelen = old / rope.low_freq_factor
+        high_wavelen = old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    elif rope.type == "yarn":
+        old = rope.original_max_position_embeddings or 4096
+        base = rope.theta
+
+        def correction_dim(rotations: float) -> float:
+            return (head_dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(rope.beta_slow)), head_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        inv = (inv / rope.factor) * (1 - extrapolation) + inv * extrapolation
+        scale = rope.attention_factor or (0.1 * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0)
+    return inv, scale
+
+
+class Rotary(nn.Module):
+    """Precomputed cos/sin tables indexed by absolute position (neox / rotate-half layout)."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv, scale = rope_inv_freq(rope, head_dim)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos/sin of shape [*positions.shape, head_dim] in `dtype`."""
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            raise ValueError(f"position {int(positions.max())} beyond the RoPE table ({self.cos.shape[0]})")
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [R, heads, Q, hd]; cos/sin: [R, Q, hd]."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool = False) -> None:
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Masked GQA attention. q: [R, Hq, Q, hd]; k, v: [R, Hkv, L, hd]; mask: [R, 1, Q, L] bool (True = attend)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

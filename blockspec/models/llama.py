@@ -1,0 +1,127 @@
+"""The Llama decoder family (Llama-3.x, Qwen2/2.5, Qwen3, Mistral) on blockspec's KV cache.
+
+One forward serves prefill, decode and verify: every request feeds a run of tokens at known
+positions into its cache slot. The same pass can return the outputs of chosen decoder layers
+(the "taps" DFlash and DSpark condition on), so no extra target pass is needed for features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from blockspec.config import ModelConfig
+from blockspec.engine.kv_cache import AttnMeta, KVCache
+from blockspec.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attention
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.heads * self.head_dim
+        self.kv_size = self.kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.head_dim**-0.5
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x: [R, Q, H] -> q [R, Hq, Q, hd], k/v [R, Hkv, Q, hd] with q/k-norm and RoPE applied."""
+        r, n, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(r, n, self.heads, self.head_dim)
+        k = k.view(r, n, self.kv_heads, self.head_dim)
+        v = v.view(r, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        return q, k, v
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, cache: KVCache | None, meta: AttnMeta, mask: Tensor
+    ) -> Tensor:
+        q, k, v = self.project(x, cos, sin)
+        if cache is None:  # training / one-shot scoring: attend within this forward only
+            keys, values = k, v
+        else:
+            cache.write(layer, meta, k, v)
+            keys, values = cache.read(layer, meta)
+        out = attention(q, keys, values, mask, self.scale)
+        r, _, n, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(r, n, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, cache: KVCache | None, meta: AttnMeta
+    ) -> Tensor:
+        mask = meta.masks[self.layer_type]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, meta, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Target model. `forward` returns final-normed hidden states (logits are taken only where needed)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
+
+    def new_cache(self, max_slots: int, max_len: int, device: torch.device | str | None = None) -> KVCache:
+        w = self.embed_tokens.weight
+        c = self.config
+        return KVCache(c.num_hidden_layers, max_slots, c.num_key_value_heads, c.head_dim, max_len, w.dtype,
+                       device or w.device)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self, input_ids: Tensor, meta: AttnMeta, cache: KVCache | None, taps: Sequence[int] = ()
+    ) -> tuple[Tensor, Tensor | None]:
+        """input_ids [R, Q] -> (final hidden [R, Q, H], concatenated tap outputs [R, Q, len(taps)*H] or None).
+
+        Tap i is the output of decoder layer i (HF `hidden_states[i + 1]`); for the last layer that
+        is the final-normed state, as in HF. With `cache=None` the rows attend only to each other
+        (training and scoring; build `meta` with `dense_causal_meta`).
+        """
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(meta.positions, x.dtype)
+        tapped: dict[int, Tensor] = {}
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, cache, meta)
+            if i in taps and i != last:
+                tapped[i] = x
+        x = self.norm(x)
+        if last in taps:
+            tapped[last] = x
+        features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
+        return x, features
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """Logits in fp32 for the given final hidden rows."""
+        return self.lm_head(hidden).float()

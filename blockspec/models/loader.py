@@ -1,0 +1,195 @@
+"""Checkpoint loading: Hugging Face directories or hub ids, safetensors (single or sharded) or .bin.
+
+Every failure names the path and the field at fault, before any weights are touched where possible.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from blockspec.config import ConfigError, ModelConfig
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint is missing, malformed or does not fit; the message names the path and the problem."""
+
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.bin"]
+
+
+def resolve_model_dir(name_or_path: str | os.PathLike[str], what: str = "model") -> Path:
+    """A local directory, or a hub id downloaded (or found in the local hub cache) with huggingface_hub."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    text = str(name_or_path)
+    if path.exists():
+        raise ModelLoadError(f"{what} path {text!r} is a file; expected a Hugging Face model directory")
+    looks_like_path = text.startswith((".", "/", "~")) or text.count("/") != 1
+    if looks_like_path:
+        raise ModelLoadError(f"{what} directory {text!r} does not exist (and is not a hub id of the form 'org/name')")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=text, allow_patterns=HUB_PATTERNS))
+    except Exception as exc:  # hub errors come in many classes; the user needs the id and the cause
+        raise ModelLoadError(
+            f"{what} {text!r} is not a local directory and could not be fetched from the Hugging Face hub: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object")
+    return data
+
+
+def read_state_dict(model_dir: Path) -> dict[str, Tensor]:
+    """All tensors of a checkpoint directory (single file or sharded index)."""
+    from safetensors.torch import load_file
+
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index}: missing 'weight_map'")
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+    elif (model_dir / "pytorch_model.bin").is_file():
+        return torch.load(model_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise ModelLoadError(
+            f"{model_dir}: no weights found (model.safetensors, model.safetensors.index.json or pytorch_model.bin)"
+        )
+    state: dict[str, Tensor] = {}
+    for f in files:
+        if not f.is_file():
+            raise ModelLoadError(f"{f}: shard listed in the index is missing")
+        try:
+            state.update(load_file(str(f)))
+        except Exception as exc:
+            raise ModelLoadError(f"{f}: cannot read safetensors file: {exc}") from None
+    return state
+
+
+def assign_weights(module: nn.Module, state: dict[str, Tensor], source: str, optional: tuple[str, ...] = ()) -> None:
+    """Copy `state` into `module`'s parameters by name; name every missing, unexpected or mis-shaped tensor."""
+    params = dict(module.named_parameters())
+    missing = [n for n in params if n not in state and not n.startswith(optional)]
+    unexpected = [n for n in state if n not in params]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    for name, t in state.items():
+        if name in params and tuple(params[name].shape) != tuple(t.shape):
+            problems.append(f"{name}: checkpoint shape {tuple(t.shape)} != expected {tuple(params[name].shape)}")
+    if problems:
+        raise ModelLoadError(f"{source}: weights do not fit the config: " + "; ".join(problems))
+    with torch.no_grad():
+        for name, t in state.items():
+            params[name].copy_(t)
+
+
+def fuse_hf_layer_names(state: dict[str, Tensor], prefix: str, rename: Callable[[str], str]) -> dict[str, Tensor]:
+    """Map HF per-layer q/k/v and gate/up tensors onto blockspec's fused qkv_proj and gate_up_proj."""
+    out: dict[str, Tensor] = {}
+    groups: dict[str, dict[str, Tensor]] = {}
+    for name, t in state.items():
+        if not name.startswith(prefix):
+            continue
+        short = rename(name[len(prefix):])
+        for parts, fused in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+            hit = next((p for p in parts if f".{p}." in short), None)
+            if hit:
+                key = short.replace(f".{hit}.", f".{fused}.")
+                groups.setdefault(key, {})[hit] = t
+                break
+        else:
+            out[short] = t
+    order = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    for key, parts in groups.items():
+        fused = "qkv_proj" if ".qkv_proj." in key else "gate_up_proj"
+        need = order[fused]
+        if set(parts) != set(need):
+            raise ModelLoadError(f"{key}: checkpoint has {sorted(parts)} but needs all of {list(need)}")
+        out[key] = torch.cat([parts[p] for p in need], dim=0)
+    return out
+
+
+def resolve_dtype(dtype: str | torch.dtype, config_dtype: str, device: torch.device) -> torch.dtype:
+    """'auto' = the checkpoint's dtype on GPU, float32 on CPU (CPU half-precision matmuls are slow)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "half": torch.float16}
+    if dtype == "auto":
+        return names.get(config_dtype, torch.float32) if device.type == "cuda" else torch.float32
+    if dtype not in names:
+        raise ConfigError(f"dtype {dtype!r} not supported; allowed: auto, {', '.join(names)}")
+    return names[dtype]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"device {device!r} not understood; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asked for but CUDA is not available on this machine")
+    return dev
+
+
+def load_target(
+    name_or_path: str | os.PathLike[str],
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    max_positions: int | None = None,
+) -> tuple["CausalLM", Path]:
+    """Load a Llama/Qwen2/Qwen3 causal LM from a HF directory or hub id."""
+    from blockspec.models.layers import Rotary
+    from blockspec.models.llama import CausalLM
+
+    model_dir = resolve_model_dir(name_or_path)
+    raw = read_json(model_dir / "config.json")
+    cfg = ModelConfig.from_hf(raw, str(model_dir / "config.json"))
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, cfg.torch_dtype, dev)
+    state = read_state_dict(model_dir)
+    prefix = "model." if any(k.startswith("model.") for k in state) else ""
+    mapped = fuse_hf_layer_names(state, prefix, lambda n: n)
+    if "lm_head.weight" in state and not cfg.tie_word_embeddings:
+        mapped["lm_head.weight"] = state["lm_head.weight"]
+    mapped = {k: v for k, v in mapped.items() if not k.endswith("rotary_emb.inv_freq")}
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_positions)
+    model = model.to_empty(device="cpu")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    assign_weights(model, mapped, str(model_dir))
+    model = model.to(device=dev, dtype=torch_dtype)
+    # RoPE tables stay fp32 (built after the dtype cast); they are cast per use.
+    model.rotary = Rotary(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings).to(dev)
+    model.eval().requires_grad_(False)
+    return model, model_dir
