@@ -104,13 +104,13 @@ class CausalLM(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """input_ids [R, Q] -> (final hidden [R, Q, H], concatenated tap outputs [R, Q, len(taps)*H] or None).
 
-        Tap i is the output of decoder layer i (HF `hidden_states[i + 1]`); for the last layer that
-        is the final-normed state, as in HF. With `cache=None` the rows attend only to each other
+        Tap i is the output of decoder layer i (HF `hidden_states[i + 1]`; -1 is the embedding
+        output); for the last layer that is the final-normed state, as in HF. With `cache=None` the rows attend only to each other
         (training and scoring; build `meta` with `dense_causal_meta`).
         """
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(meta.positions, x.dtype)
-        tapped: dict[int, Tensor] = {}
+        tapped: dict[int, Tensor] = {-1: x} if -1 in taps else {}
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, cache, meta)
