@@ -60,3 +60,29 @@ def save_tiny(path: Path, family: str = "qwen3", seed: int = 0, max_shard_size: 
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return Path(path)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def save_tiny_tokenizer(path: Path) -> Path:
+    """A character-level tokenizer over printable ASCII: id 0 = <s>, 1 = </s> (EOS), chars from 2."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"<s>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return Path(path)
+
+
+def save_tiny_model_with_tokenizer(path: Path, family: str = "qwen3", seed: int = 0, **kw) -> Path:
+    """Tiny checkpoint (vocab 128) plus the character tokenizer: enough for text-level tests."""
+    save_tiny(path, family, seed, vocab=128, **kw)
+    save_tiny_tokenizer(path)
+    return Path(path)

@@ -1,0 +1,411 @@
+"""The step loop: schedule, prefill, then plain or speculative decode steps, commit, detokenise, stop.
+
+One step touches the host once: the sampled/accepted ids (and counts) come back in a single copy;
+everything else (logits, probabilities, acceptance) stays on the device.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
+from blockspec.engine.request import IncrementalDetokenizer, Logprob, Request, RequestOutput, SpecStats, Status
+from blockspec.engine.runner import ModelRunner
+from blockspec.models.llama import CausalLM
+from blockspec.sample import RowParams, bad_rows, logprobs as top_logprobs, process_logits, sample
+from blockspec.sampling_params import SamplingError, SamplingParams
+
+
+class RequestError(ValueError):
+    """A request cannot be served as given (empty, too long, ids outside the vocabulary)."""
+
+
+class StepTimer:
+    """Splits step time into draft / verify / rest with CUDA events (read after the step's one sync)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.totals = {"draft_s": 0.0, "verify_s": 0.0, "rest_s": 0.0}
+        self._marks: list[tuple[str, Any]] = []
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._marks.append((name, ev))
+        else:
+            self._marks.append((name, time.perf_counter()))
+
+    def close(self) -> None:
+        """Account the marks of one step: each interval is charged to the mark that opens it."""
+        for (name, a), (_, b) in itertools.pairwise(self._marks):
+            dt = a.elapsed_time(b) / 1000 if self.cuda else b - a
+            self.totals[f"{name}_s"] = self.totals.get(f"{name}_s", 0.0) + dt
+        self._marks.clear()
+
+
+class Engine:
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer: Any,
+        config: EngineConfig,
+        spec_config: SpeculativeConfig | None = None,
+        drafter: Any = None,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.device = model.embed_tokens.weight.device
+        self.vocab_size = model.config.vocab_size
+        self.eos_ids = sorted(set(eos_token_ids))
+        self.proposer = None
+        taps: tuple[int, ...] = ()
+        if spec_config is not None:
+            from blockspec.spec.proposer import Proposer
+
+            self.proposer = Proposer(drafter, model, spec_config, config.max_num_seqs, config.max_model_len)
+            taps = self.proposer.taps
+        # Verify rows reach past the committed length by the draft length; leave room for them.
+        margin = (self.proposer.num_speculative_tokens + 1) if self.proposer else 1
+        self.runner = ModelRunner(model, config.max_num_seqs, config.max_model_len + margin, taps)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.seed_gen = torch.Generator().manual_seed(config.seed)
+        self.spec_totals = SpecStats()
+        self.timer = StepTimer(self.device)
+        self.num_steps = 0
+        self.num_generated = 0
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int],
+                    params: SamplingParams) -> list[Request]:
+        """Validate and queue a request (n copies for n > 1); errors are raised before any work starts."""
+        if not prompt_ids:
+            raise RequestError(f"request {request_id}: the prompt is empty (no tokens)")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"request {request_id}: prompt token ids {bad[:5]} outside [0, {self.vocab_size})")
+        limit = self.config.max_model_len
+        if len(prompt_ids) >= limit:
+            raise RequestError(f"request {request_id}: prompt has {len(prompt_ids)} tokens; the context holds "
+                               f"{limit} (max_model_len), leaving no room to generate")
+        params.check_vocab(self.vocab_size)
+        reqs = []
+        for i in range(params.n):
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.seed_gen))
+            if params.n > 1:
+                seed = hash((seed, i)) & (2**62 - 1)
+            rid = request_id if params.n == 1 else f"{request_id}-{i}"
+            req = Request(rid, prompt, list(prompt_ids), params, seed, index=i)
+            req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+            if params.logprobs is not None:
+                req.logprobs = []
+            self.waiting.append(req)
+            reqs.append(req)
+        return reqs
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request; its slot (and KV) is freed now, between steps."""
+        for req in list(self.waiting):
+            if req.request_id == request_id or req.request_id.startswith(f"{request_id}-"):
+                self.waiting.remove(req)
+                self._finish(req, "abort")
+        for req in list(self.running):
+            if req.request_id == request_id or req.request_id.startswith(f"{request_id}-"):
+                self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[Request]:
+        """Run one engine step; return the requests whose output changed."""
+        self._admit()
+        prefilling = [r for r in self.running if r.num_cached < len(r.prompt_token_ids)]
+        if prefilling:
+            touched = self._prefill(prefilling)
+        else:
+            decoding = list(self.running)
+            if not decoding:
+                return []
+            spec = [r for r in decoding if self._speculates(r, len(decoding))]
+            plain = [r for r in decoding if r not in spec]
+            touched = []
+            if spec:
+                touched += self._spec_step(spec)
+            if plain:
+                touched += self._plain_step(plain)
+        self.num_steps += 1
+        return touched
+
+    def _admit(self) -> None:
+        while self.waiting and self.runner.cache.num_free_slots:
+            req = self.waiting.popleft()
+            req.slot = self.runner.cache.allocate()
+            req.status = Status.RUNNING
+            self.running.append(req)
+
+    def _speculates(self, req: Request, batch: int) -> bool:
+        if self.proposer is None or not req.params.use_speculation:
+            return False
+        return self.proposer.enabled_for_batch(batch)
+
+    def _prefill(self, reqs: list[Request]) -> list[Request]:
+        budget = self.config.max_prefill_tokens
+        runs, starts, chosen = [], [], []
+        for req in reqs:
+            left = len(req.prompt_token_ids) - req.num_cached
+            take = min(left, budget) if chosen else min(left, max(budget, 1))
+            if take <= 0:
+                break
+            runs.append(req.prompt_token_ids[req.num_cached : req.num_cached + take])
+            starts.append(req.num_cached)
+            chosen.append(req)
+            budget -= take
+        self.timer.mark("rest")
+        hidden, feats = self.runner.forward(runs, starts, [r.slot for r in chosen], with_taps=self.proposer is not None)
+        done = []
+        for i, req in enumerate(chosen):
+            n = len(runs[i])
+            req.num_cached += n
+            if feats is not None:
+                req.pending_features.append(feats[i, :n])
+            if req.num_cached == len(req.prompt_token_ids):
+                done.append((i, req, n - 1))
+        if not done:
+            self.timer.close()
+            return []
+        last_hidden = torch.stack([hidden[i, row] for i, _, row in done])
+        finished_reqs = [req for _, req, _ in done]
+        for req in finished_reqs:
+            self._init_history(req)
+        tokens, lps = self._sample(finished_reqs, last_hidden)
+        self.timer.close()
+        for j, req in enumerate(finished_reqs):
+            self._append(req, [tokens[j]], lps[j] if lps else None)
+        return finished_reqs
+
+    def _plain_step(self, reqs: list[Request]) -> list[Request]:
+        self.timer.mark("rest")
+        runs = [[r.output_ids[-1]] for r in reqs]
+        starts = [r.num_cached for r in reqs]
+        hidden, feats = self.runner.forward(runs, starts, [r.slot for r in reqs], with_taps=self.proposer is not None)
+        tokens, lps = self._sample(reqs, hidden[:, 0])
+        self.timer.close()
+        for j, req in enumerate(reqs):
+            req.num_cached += 1
+            if feats is not None:
+                req.pending_features.append(feats[j, :1])
+            self._append(req, [tokens[j]], lps[j] if lps else None)
+        return reqs
+
+    def _spec_step(self, reqs: list[Request]) -> list[Request]:
+        assert self.proposer is not None
+        budgets = [self._draft_budget(r) for r in reqs]
+        self.timer.mark("draft")
+        block = self.proposer.propose(reqs, budgets, self)
+        self.timer.mark("verify")
+        k = block.tokens.shape[1]
+        anchors = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)
+        ids = torch.cat([anchors[:, None], block.tokens.clamp(min=0)], dim=1)
+        q_lens = [1 + n for n in block.lens]
+        starts = [r.num_cached for r in reqs]
+        hidden, feats = self.runner.forward_ids(ids, q_lens, starts, [r.slot for r in reqs], with_taps=True)
+        self.timer.mark("rest")
+        num_acc, out_tokens, lps = self.proposer.verify(self, reqs, block, hidden)
+        self.timer.close()
+        touched = []
+        for j, req in enumerate(reqs):
+            a = num_acc[j]
+            if a < 0:
+                self._fail(req, "the target produced non-finite logits (NaN or inf) for this request")
+                continue
+            req.spec.record(block.lens[j], a)
+            self.spec_totals.record(block.lens[j], a)
+            req.num_cached += a + 1
+            req.pending_features.append(feats[j, : a + 1])
+            self._append(req, out_tokens[j][: a + 1], lps[j] if lps else None)
+            touched.append(req)
+        return touched
+
+    def _draft_budget(self, req: Request) -> int:
+        """Drafts worth sending: never past max_tokens or the context (emitted tokens <= drafts + 1)."""
+        assert self.proposer is not None
+        left = self.config.max_model_len - req.length
+        if req.params.max_tokens is not None:
+            left = min(left, req.params.max_tokens - len(req.output_ids))
+        return max(0, min(self.proposer.num_speculative_tokens, left - 1))
+
+    # ---------------------------------------------------------------- sampling
+    def row_params(self, reqs: list[Request], rows_per_req: list[int], block_tokens: Tensor | None = None) -> RowParams:
+        """Per-row sampling parameters; row j of request r samples the token at position length + j."""
+        dev = self.device
+        n = sum(rows_per_req)
+        req_of_row = [i for i, c in enumerate(rows_per_req) for _ in range(c)]
+        offset = [j for c in rows_per_req for j in range(c)]
+        ps = [reqs[i].params for i in req_of_row]
+
+        def col(values: list[Any], dtype: torch.dtype) -> Tensor:
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        temperature = col([p.temperature for p in ps], torch.float32)
+        bias_rows, bias_ids, bias_vals = [], [], []
+        for row, (ri, j) in enumerate(zip(req_of_row, offset)):
+            req = reqs[ri]
+            p = req.params
+            for tok, b in (p.logit_bias or {}).items():
+                bias_rows.append(row), bias_ids.append(tok), bias_vals.append(b)
+            if len(req.output_ids) + j < p.min_tokens:
+                for tok in set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(self.eos_ids)):
+                    bias_rows.append(row), bias_ids.append(tok), bias_vals.append(float("-inf"))
+        logit_bias = (col(bias_rows, torch.int64), col(bias_ids, torch.int64), col(bias_vals, torch.float32)) \
+            if bias_rows else None
+        output_counts = prompt_mask = None
+        if any(p.uses_penalties for p in ps):
+            counts = torch.stack([r.output_counts for r in reqs])
+            masks = torch.stack([r.prompt_mask for r in reqs])
+            req_idx = col(req_of_row, torch.int64)
+            if block_tokens is None:
+                block_tokens = torch.full((len(reqs), 1), -1, dtype=torch.int64, device=dev)
+            from blockspec.sample import expand_history
+
+            output_counts = expand_history(counts, req_idx, block_tokens, col(offset, torch.int64))
+            prompt_mask = masks[req_idx]
+        return RowParams(
+            temperature=temperature,
+            top_k=col([p.top_k if p.top_k > 0 else 0 for p in ps], torch.int64),
+            top_p=col([p.top_p for p in ps], torch.float32),
+            min_p=col([p.min_p for p in ps], torch.float32),
+            presence_penalty=col([p.presence_penalty for p in ps], torch.float32),
+            frequency_penalty=col([p.frequency_penalty for p in ps], torch.float32),
+            repetition_penalty=col([p.repetition_penalty for p in ps], torch.float32),
+            seed=col([reqs[i].seed for i in req_of_row], torch.int64),
+            position=col([reqs[i].length + j for i, j in zip(req_of_row, offset)], torch.int64),
+            suppress_eos=torch.zeros(n, dtype=torch.bool, device=dev),
+            output_counts=output_counts,
+            prompt_mask=prompt_mask,
+            logit_bias=logit_bias,
+            eos_ids=None,
+        )
+
+    @staticmethod
+    def needs_processing(reqs: list[Request]) -> bool:
+        """False when every row is plain greedy: then ids are all the step keeps."""
+        return any(not r.params.greedy or r.params.uses_penalties or r.params.logit_bias
+                   or r.params.min_tokens or r.logprobs is not None for r in reqs)
+
+    def _sample(self, reqs: list[Request], hidden_rows: Tensor) -> tuple[list[int], list[list[dict]] | None]:
+        """Sample one token per request from its last hidden row; one host copy of the ids."""
+        if not self.needs_processing(reqs):
+            ids = self.runner.greedy_ids(hidden_rows)
+            return ids.tolist(), None
+        logits = self.runner.logits(hidden_rows)
+        params = self.row_params(reqs, [1] * len(reqs))
+        bad = bad_rows(logits)
+        tokens = sample(logits, params)
+        tokens = torch.where(bad, torch.full_like(tokens, -1), tokens)
+        lps = self.logprob_entries(reqs, process_logits(logits, params), tokens, [1] * len(reqs)) \
+            if any(r.logprobs is not None for r in reqs) else None
+        return tokens.tolist(), lps
+
+    def logprob_entries(self, reqs: list[Request], processed: Tensor, tokens: Tensor,
+                        rows_per_req: list[int]) -> list[list[dict]]:
+        """Logprob dicts (sampled token + top-n) per emitted row, from the processed distribution."""
+        top_n = max((r.params.logprobs or 0) for r in reqs)
+        lp, top_ids, top_lp = top_logprobs(processed, tokens.clamp(min=0), top_n)
+        rank = (processed > processed.gather(1, tokens.clamp(min=0)[:, None])).sum(-1) + 1
+        host = torch.cat([lp[:, None], rank[:, None].float(), top_lp], 1).tolist()
+        ids = torch.cat([tokens[:, None], top_ids], 1).tolist()
+        out, row = [], 0
+        for req, c in zip(reqs, rows_per_req):
+            entries = []
+            for _ in range(c):
+                tok = ids[row][0]
+                entry = {tok: Logprob(host[row][0], int(host[row][1]))}
+                for t, v in zip(ids[row][1 : 1 + (req.params.logprobs or 0)], host[row][2:]):
+                    entry.setdefault(t, Logprob(v))
+                entries.append(entry)
+                row += 1
+            out.append(entries)
+        return out
+
+    def _init_history(self, req: Request) -> None:
+        if req.params.uses_penalties:
+            req.output_counts = torch.zeros(self.vocab_size, dtype=torch.int32, device=self.device)
+            req.prompt_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+            req.prompt_mask[torch.tensor(req.prompt_token_ids, device=self.device)] = True
+
+    # ---------------------------------------------------------------- commit / stop
+    def _append(self, req: Request, tokens: list[int], lps: list[dict] | None) -> None:
+        """Commit tokens one by one; a stop inside the block truncates the rest."""
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        p = req.params
+        for j, tok in enumerate(tokens):
+            if tok < 0:
+                self._fail(req, "the target produced non-finite logits (NaN or inf) for this request")
+                return
+            req.output_ids.append(tok)
+            self.num_generated += 1
+            if req.output_counts is not None:
+                req.output_counts[tok] += 1
+            if lps is not None and req.logprobs is not None:
+                req.logprobs.append(lps[j])
+                req.cumulative_logprob += lps[j][tok].logprob
+            new_text = req.detok.add(tok) if req.detok else ""
+            n_out = len(req.output_ids)
+            if n_out >= p.min_tokens:
+                if not p.ignore_eos and tok in self.eos_ids:
+                    return self._finish(req, "stop", tok)
+                if p.stop_token_ids and tok in p.stop_token_ids:
+                    return self._finish(req, "stop", tok)
+                if p.stop_strings and new_text and self._check_stop_strings(req, len(new_text)):
+                    return
+            if p.max_tokens is not None and n_out >= p.max_tokens:
+                return self._finish(req, "length")
+            if req.length >= self.config.max_model_len:
+                return self._finish(req, "length")
+
+    def _check_stop_strings(self, req: Request, new_len: int) -> bool:
+        text = req.detok.text
+        longest = max(len(s) for s in req.params.stop_strings)
+        window_start = max(0, len(text) - new_len - longest + 1)
+        for s in req.params.stop_strings:
+            at = text.find(s, window_start)
+            if at >= 0:
+                end = at + len(s) if req.params.include_stop_str_in_output else at
+                req.truncated_text = text[:end]
+                self._finish(req, "stop", s)
+                return True
+        return False
+
+    def _fail(self, req: Request, message: str) -> None:
+        req.error = message
+        self._finish(req, "error")
+
+    def _finish(self, req: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        req.finish_time = time.perf_counter()
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self.runner.cache.release(req.slot)
+        req.status = Status.FINISHED
+        req.pending_features.clear()
+
+    # ---------------------------------------------------------------- metrics
+    def metrics(self) -> dict[str, Any]:
+        out = self.spec_totals.as_dict()
+        out.update(self.timer.totals)
+        out["num_steps"] = self.num_steps
+        out["num_generated_tokens"] = self.num_generated
+        return out

@@ -1,0 +1,187 @@
+"""A request's life: its tokens, cache lengths, stop handling, text and metrics; and the outputs users see."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from blockspec.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters with vLLM's names and meanings."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft <= 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.num_accepted_tokens_per_pos) < num_draft:
+            self.num_accepted_tokens_per_pos.extend([0] * (num_draft - len(self.num_accepted_tokens_per_pos)))
+        for i in range(num_accepted):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+    def merge(self, other: "SpecStats") -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for i, n in enumerate(other.num_accepted_tokens_per_pos):
+            if i >= len(self.num_accepted_tokens_per_pos):
+                self.num_accepted_tokens_per_pos.append(0)
+            self.num_accepted_tokens_per_pos[i] += n
+
+    def as_dict(self) -> dict[str, Any]:
+        rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        length = 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+            "acceptance_rate": rate,
+            "mean_acceptance_length": length,
+        }
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict[str, Any]
+    error: str | None = None
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token list without re-decoding it all each step (prefix/read offsets, as vLLM)."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-6:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly completed text (may be empty mid-character)."""
+        if self.tokenizer is None:
+            return ""
+        self.ids.append(token_id)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new = full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += new
+            return new
+        return ""
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    index: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    status: Status = Status.WAITING
+    slot: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0  # target KV length (tokens whose K/V are in the cache)
+    num_draft_ctx: int = 0  # drafter context length (tokens whose features are in the draft cache)
+    pending_features: list[Tensor] = field(default_factory=list)  # target taps not yet in the draft cache
+    output_counts: Tensor | None = None  # [V] int32 history for penalties (device)
+    prompt_mask: Tensor | None = None  # [V] bool tokens of the prompt (device)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    detok: IncrementalDetokenizer | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    hidden_text_len: int = 0  # text held back because it may be the start of a stop string
+    truncated_text: str | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_ids
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_ids)
+
+    @property
+    def text(self) -> str:
+        if self.truncated_text is not None:
+            return self.truncated_text
+        return self.detok.text if self.detok else ""
+
+    def metrics(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "arrival_time": self.arrival_time,
+            "first_token_time": self.first_token_time,
+            "finished_time": self.finish_time,
+            "ttft_s": (self.first_token_time - self.arrival_time) if self.first_token_time else None,
+            "num_prompt_tokens": len(self.prompt_token_ids),
+            "num_generated_tokens": len(self.output_ids),
+        }
+        if self.finish_time and self.first_token_time and len(self.output_ids) > 1:
+            out["tpot_s"] = (self.finish_time - self.first_token_time) / (len(self.output_ids) - 1)
+        out.update(self.spec.as_dict())
+        return out
+
+    def to_output(self) -> RequestOutput:
+        completion = CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=list(self.output_ids),
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+        )
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion],
+                             self.status is Status.FINISHED, self.metrics(), self.error)

@@ -1,0 +1,200 @@
+"""Offline API shaped like vLLM's: `LLM(model, ...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
+from blockspec.engine.engine import Engine, RequestError
+from blockspec.engine.request import RequestOutput
+from blockspec.models.loader import ModelLoadError, load_target, read_json, resolve_device, resolve_model_dir
+from blockspec.sampling_params import SamplingParams
+
+log = logging.getLogger("blockspec")
+
+PromptType = str | dict[str, Any]
+
+
+def load_tokenizer(path: Path | None) -> Any:
+    """The HF fast tokenizer of a model directory, or None when the directory has no tokenizer files."""
+    if path is None or not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: cannot load the tokenizer: {type(exc).__name__}: {exc}") from None
+
+
+def generation_eos_ids(model_dir: Path, config_eos: Sequence[int], tokenizer: Any) -> list[int]:
+    """EOS ids from generation_config.json, config.json and the tokenizer, merged."""
+    ids = set(config_eos)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = read_json(gen).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+class LLM:
+    """Load a target (and optionally a drafter) once; generate for many prompts in one batch."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        tokenizer: str | os.PathLike[str] | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        seed: int | None = None,
+        speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
+        max_num_seqs: int = 64,
+        max_prefill_tokens: int = 4096,
+    ) -> None:
+        spec = SpeculativeConfig.from_user(speculative_config)
+        dev = resolve_device(device)
+        model_dir = resolve_model_dir(model)
+        cfg_len = read_json(model_dir / "config.json").get("max_position_embeddings", 4096)
+        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
+            raise ConfigError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        max_len = max_model_len or min(int(cfg_len), 4096)
+        if max_len > cfg_len:
+            raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings ({cfg_len})")
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+        margin = 64  # RoPE rows for draft/verify positions past the committed length
+        self.model, self.model_dir = load_target(model_dir, dtype, dev, max_positions=max_len + margin)
+        self.tokenizer = load_tokenizer(resolve_model_dir(tokenizer, "tokenizer") if tokenizer else self.model_dir)
+        eos = generation_eos_ids(self.model_dir, self.model.config.eos_token_ids, self.tokenizer)
+        drafter = None
+        if spec is not None:
+            from blockspec.spec.drafter import load_drafter
+
+            weight = self.model.embed_tokens.weight
+            drafter = load_drafter(spec.method, spec.model, weight.device, weight.dtype)
+        engine_cfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_num_seqs,
+                                  max_prefill_tokens=max_prefill_tokens, seed=seed if seed is not None else 0)
+        self.engine = Engine(self.model, self.tokenizer, engine_cfg, spec, drafter, eos)
+        self.speculative_config = spec
+        self._ids = itertools.count()
+
+    # ---------------------------------------------------------------- inputs
+    def _prompt_ids(self, prompt: PromptType, where: str) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"{where}: text prompt given but {self.model_dir} has no tokenizer; "
+                                   "pass {'prompt_token_ids': [...]} instead")
+            if not prompt:
+                raise RequestError(f"{where}: the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise RequestError(f"{where}: prompt_token_ids must be a list of ints")
+            return prompt.get("prompt"), ids
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._prompt_ids(prompt["prompt"], where)
+        raise RequestError(f"{where}: a prompt is a string or a dict with 'prompt_token_ids'; "
+                           f"got {type(prompt).__name__}")
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for all prompts as one batch; outputs come back in prompt order.
+
+        Every prompt and parameter is checked before any work starts, so one bad prompt cannot
+        cost the others their results.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ConfigError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each")
+        prepared = [self._prompt_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        for i, (_, ids) in enumerate(prepared):
+            self._check_prompt(ids, params[i], f"prompt {i}")
+        groups = []
+        for (text, ids), sp in zip(prepared, params):
+            groups.append(self.engine.add_request(str(next(self._ids)), text, ids, sp))
+        self._run(sum((len(g) for g in groups), 0), use_tqdm)
+        outputs = []
+        for group in groups:
+            first = group[0].to_output()
+            first.request_id = group[0].request_id.rsplit("-", 1)[0] if len(group) > 1 else first.request_id
+            first.outputs = [req.to_output().outputs[0] for req in group]
+            errors = [req.error for req in group if req.error]
+            first.error = errors[0] if errors else None
+            outputs.append(first)
+        return outputs
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams, where: str) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"{where}: sampling_params must be SamplingParams, got {type(params).__name__}")
+        limit = self.engine.config.max_model_len
+        if not ids:
+            raise RequestError(f"{where}: the prompt is empty (no tokens)")
+        if len(ids) >= limit:
+            raise RequestError(f"{where}: prompt has {len(ids)} tokens; max_model_len is {limit}")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        params.check_vocab(vocab)
+
+    def _run(self, total: int, use_tqdm: bool) -> None:
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc="Generating", unit="req", dynamic_ncols=True)
+        done = 0
+        while self.engine.has_unfinished():
+            changed = self.engine.step()
+            if bar is not None:
+                finished = sum(1 for r in changed if r.finish_reason is not None)
+                if finished:
+                    bar.update(finished)
+                    done += finished
+        if bar is not None:
+            bar.close()
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError(f"{self.model_dir} has no tokenizer chat template; use generate() with plain text")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for i, conv in enumerate(conversations):
+            if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
+                raise RequestError(f"conversation {i}: messages must be a non-empty list of {{'role', 'content'}}")
+            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
+            if not isinstance(ids, list):  # BatchEncoding in newer transformers
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_metrics(self) -> dict[str, Any]:
+        """Aggregate speculation counters (vLLM names) and the draft / verify / rest time split."""
+        return self.engine.metrics()

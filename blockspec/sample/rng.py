@@ -1,0 +1,89 @@
+"""Counter-based keyed noise: every random number is a pure function of its key.
+
+Why counter-based instead of a stateful generator: a sampled token must not depend on which other
+requests share the batch, on how rows are chunked, on whether the step was a plain decode or a
+verify block, or on the device. So each uniform is a hash of (seed, absolute position, stream,
+round, column) computed with integer arithmetic on the device; int64 multiplies wrap and shifts
+are made logical by masking, which gives bit-identical numbers on CPU and CUDA.
+
+Streams keep the independent uses of randomness apart (sampling.md 3.3, 9.4):
+
+- ``STREAM_TARGET``: target sampling, keyed by (seed, absolute position) only. A verify row and
+  the plain decode step that samples the same position see the same noise, which is what makes
+  sample-and-match verification reproduce plain sampling token for token. A value of this stream
+  influences an outcome only when its position is committed, and committed positions are never
+  sampled again, so no observed value is ever reused.
+- ``STREAM_DRAFT``, ``STREAM_ACCEPT``, ``STREAM_RESIDUAL``: drafting and rejection sampling. They
+  take ``round_``, a per-request value unique to each verify round (e.g. the committed length at
+  the start of the step). Block verification reads acceptance uniforms beyond the accepted
+  prefix; without the round in the key, the next round would reuse those values after they were
+  observed to exceed their thresholds, which biases the output (sampling.md 3.3).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+STREAM_TARGET = 0
+STREAM_DRAFT = 1
+STREAM_ACCEPT = 2
+STREAM_RESIDUAL = 3
+
+
+def _signed(c: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GAMMA = _signed(0x9E3779B97F4A7C15)  # splitmix64 increment (odd, so k -> k * _GAMMA is a bijection)
+_M1 = _signed(0xBF58476D1CE4E5B9)
+_M2 = _signed(0x94D049BB133111EB)
+_INV_2_53 = 2.0**-53
+
+
+def _srl(x: Tensor, s: int) -> Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64_(x: Tensor) -> Tensor:
+    """splitmix64 finaliser, in place on a tensor the caller owns; a bijection of 64-bit words."""
+    x ^= _srl(x, 30)
+    x *= _M1
+    x ^= _srl(x, 27)
+    x *= _M2
+    x ^= _srl(x, 31)
+    return x
+
+
+def _key(seed: Tensor, position: Tensor, stream: int, round_: Tensor | None) -> Tensor:
+    """One 64-bit state per row; each field is absorbed then mixed, so field order matters."""
+    h = _mix64_(seed.to(torch.int64) * _GAMMA + stream)
+    h = _mix64_(h + (position.to(torch.int64) + 1) * _GAMMA)
+    if round_ is not None:
+        h = _mix64_(h + (round_.to(torch.int64) + 1) * _GAMMA)
+    return h
+
+
+def keyed_uniform(seed: Tensor, position: Tensor, stream: int, round_: Tensor | None, width: int) -> Tensor:
+    """Uniforms in the open interval (0, 1), shape [N, width], float64.
+
+    Column j of row n is splitmix64(state_n + (j + 1) * gamma): the splitmix64 sequence of the
+    row's key. The top 52 bits k give (2k + 1) / 2^53, exactly representable, never 0 or 1.
+    """
+    h = _key(seed, position, stream, round_)
+    cols = (torch.arange(1, width + 1, device=h.device, dtype=torch.int64) * _GAMMA).unsqueeze(0)
+    x = _mix64_(h.unsqueeze(1) + cols)
+    return (_srl(x, 12) * 2 + 1).to(torch.float64) * _INV_2_53
+
+
+def gumbel(seed: Tensor, position: Tensor, stream: int, round_: Tensor | None, width: int,
+           dtype: torch.dtype = torch.float32) -> Tensor:
+    """Standard Gumbel noise -log(-log u) from ``keyed_uniform``, [N, width].
+
+    Computed in float64 (u has 52 random bits, so both tails stay resolved) and then cast; the
+    argmax of logprobs + this noise is a sample from the row's distribution (Gumbel-max).
+    """
+    u = keyed_uniform(seed, position, stream, round_, width)
+    return u.log_().neg_().log_().neg_().to(dtype)

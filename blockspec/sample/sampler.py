@@ -1,0 +1,87 @@
+"""Sampling tokens from processed logits: greedy ids, seeded Gumbel-max, draft sampling, logprobs.
+
+A sampled row's token is argmax(processed_logprobs + gumbel(seed, position, stream)). The noise is
+a pure function of its key (rng.py), so the token a row gets does not depend on the batch, and a
+verify row at absolute position t gets the same token as the plain decode step at t.
+Bad rows (NaN, +inf, all -inf) get the sentinel id -1 instead of an out-of-range token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from blockspec.sample.processors import (CHUNK_ELEMS, RowParams, features, needs_full_processing,
+                                         process_logits, row_chunks)
+from blockspec.sample.rng import STREAM_DRAFT, STREAM_TARGET, gumbel
+
+
+def greedy_ids(logits: Tensor) -> Tensor:
+    """Argmax over the last dim (ties -> lowest id), -1 for bad rows; ids only, no vocab buffer."""
+    values, ids = logits.max(dim=-1)
+    return torch.where(torch.isfinite(values), ids, -1)
+
+
+def sample(logits: Tensor, p: RowParams) -> Tensor:
+    """One token per row [N] int64 from raw logits [N, V]: the plain (non-speculative) sampler.
+
+    Batches that are all greedy with nothing to apply take the raw-logits argmax; this is the same
+    token the processed path gives (process_logits keeps greedy rows argmax-exact)."""
+    if not needs_full_processing(p):
+        return greedy_ids(logits)
+    return sample_processed(process_logits(logits, p), p)
+
+
+def sample_processed(processed: Tensor, p: RowParams, stream: int = STREAM_TARGET,
+                     round_: Tensor | None = None, chunk_elems: int = CHUNK_ELEMS) -> Tensor:
+    """Tokens [N] from processed log-probs [N, V]: greedy rows argmax, other rows Gumbel-max with
+    noise keyed (seed, position, stream, round_). Noise is built in row chunks (CHUNK_ELEMS)."""
+    ids = greedy_ids(processed)
+    if not features(p).sampled:
+        return ids
+    greedy = p.temperature <= 0
+    out = torch.empty_like(ids)
+    for s in row_chunks(processed.shape[0], processed.shape[1], chunk_elems):
+        noise = gumbel(p.seed[s], p.position[s], stream, None if round_ is None else round_[s], processed.shape[1])
+        drawn = (processed[s] + noise).argmax(dim=1)
+        out[s] = torch.where(greedy[s] | (ids[s] < 0), ids[s], drawn)
+    return out
+
+
+def sample_draft(draft_logits: Tensor, p: RowParams, round_: Tensor, greedy: bool = False,
+                 chunk_elems: int = CHUNK_ELEMS) -> tuple[Tensor, Tensor | None]:
+    """Draft tokens [R, K] and the distribution each was drawn from, q [R, K, V] float32.
+
+    ``p`` has R*K rows (request-major) and describes the draft-side processing; ``round_`` [R] is
+    the per-request verify-round value (rng.py). Noise is STREAM_DRAFT, so drafts never share
+    noise with acceptance, residual or target sampling. q is exactly the law of the Gumbel-max
+    draw: exp of the processed log-probs, one-hot for greedy (temperature 0) rows, NaN for bad
+    rows (whose token is -1; the verifier truncates the draft there).
+    ``greedy=True``: argmax of the raw draft logits, no q (the DFlash/DSpark default; ids only).
+    Memory: q itself (the processed buffer, exponentiated in place) plus chunked temporaries.
+    """
+    r, k, vocab = draft_logits.shape
+    flat = draft_logits.reshape(r * k, vocab)
+    if greedy:
+        return greedy_ids(flat).view(r, k), None
+    q = process_logits(flat, p, chunk_elems)
+    tokens = sample_processed(q, p, STREAM_DRAFT, round_.repeat_interleave(k), chunk_elems)
+    is_greedy = (p.temperature <= 0).unsqueeze(1)
+    for s in row_chunks(r * k, vocab, chunk_elems):
+        one_hot = torch.nn.functional.one_hot(tokens[s].clamp(min=0), vocab).to(torch.float32)
+        q[s] = torch.where(is_greedy[s], one_hot, q[s].exp())
+        q[s].masked_fill_((tokens[s] < 0).unsqueeze(1), float("nan"))
+    return tokens.view(r, k), q.view(r, k, vocab)
+
+
+def logprobs(processed: Tensor, tokens: Tensor, top_n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Log-probs of the chosen tokens [N] and the top_n alternatives ([N, top_n] ids and values).
+
+    Rows are renormalised with one logsumexp (greedy rows hold shifted scores; for sampled rows
+    it is a no-op up to rounding), so no [N, V] copy is made. Tokens of -1 get NaN.
+    """
+    lse = torch.logsumexp(processed, dim=-1)
+    chosen = processed.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1) - lse
+    chosen = chosen.masked_fill(tokens < 0, float("nan"))
+    top_lp, top_ids = processed.topk(top_n, dim=-1)
+    return chosen, top_ids, top_lp - lse.unsqueeze(-1)

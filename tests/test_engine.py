@@ -1,0 +1,169 @@
+"""Engine behaviour through the public API: exact greedy, seeded sampling, stops, logprobs, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from blockspec import LLM, SamplingError, SamplingParams
+from blockspec.config import ConfigError
+from blockspec.engine.engine import RequestError
+from factories import FAMILIES, save_tiny, save_tiny_model_with_tokenizer
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """Reference greedy decoding: full forward each step, argmax of transformers' logits."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_transformers_64_tokens_batched(tmp_path, family):
+    path = save_tiny(tmp_path / family, family, seed=5)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), device="cpu", max_model_len=256)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 96, (n,), generator=g).tolist() for n in (3, 17, 9)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, p, 64)
+        assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = save_tiny_model_with_tokenizer(tmp_path_factory.mktemp("m"), "qwen3", seed=7)
+    return LLM(str(path), device="cpu", max_model_len=192, max_num_seqs=8)
+
+
+def test_seeded_sampling_ignores_batch_composition(llm):
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = llm.generate("def main():", params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, seed=s, max_tokens=n, ignore_eos=True) for s, n in ((1, 5), (2, 30))]
+    batch = llm.generate(["x = 1", "def main():", "import os\n"], [others[0], params, others[1]], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    different_seed = SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=99, max_tokens=24, ignore_eos=True)
+    assert llm.generate("def main():", different_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_top_k_one_equals_greedy_and_n_copies_differ(llm):
+    greedy = llm.generate("class A:", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    topk1 = llm.generate("class A:", SamplingParams(temperature=1.3, top_k=1, max_tokens=12, ignore_eos=True),
+                         use_tqdm=False)
+    assert greedy[0].outputs[0].token_ids == topk1[0].outputs[0].token_ids
+    many = llm.generate("class A:", SamplingParams(n=3, temperature=1.5, seed=3, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0]
+    assert len(many.outputs) == 3 and len({tuple(o.token_ids) for o in many.outputs}) > 1
+
+
+def test_stops_and_lengths(llm):
+    base = llm.generate("a", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
+    ids, text = base.outputs[0].token_ids, base.outputs[0].text
+    assert len(ids) == 40
+    # stop token id: output ends at its first occurrence, token included
+    stop_id = ids[5]
+    out = llm.generate("a", SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ids[: ids.index(stop_id) + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
+    # stop string: text cut before it (or kept with include_stop_str_in_output)
+    needle = text[10:13]
+    cut = llm.generate("a", SamplingParams(temperature=0, max_tokens=40, stop=[needle]), use_tqdm=False)[0]
+    assert cut.outputs[0].text == text[: text.index(needle)] and cut.outputs[0].finish_reason == "stop"
+    kept = llm.generate("a", SamplingParams(temperature=0, max_tokens=40, stop=needle,
+                                            include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept.outputs[0].text == text[: text.index(needle) + len(needle)]
+
+
+def test_eos_and_min_tokens(llm):
+    bias = {1: 100.0}  # make EOS (id 1) the argmax everywhere
+    out = llm.generate("a", SamplingParams(temperature=0, max_tokens=20, logit_bias=bias), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == [1] and out.outputs[0].finish_reason == "stop"
+    out = llm.generate("a", SamplingParams(temperature=0, max_tokens=20, min_tokens=6, logit_bias=bias),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 7 and 1 not in out.outputs[0].token_ids[:6]
+    out = llm.generate("a", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logit_bias=bias),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == [1] * 5 and out.outputs[0].finish_reason == "length"
+
+
+def test_logprobs_are_the_processed_distribution(llm):
+    out = llm.generate("def", SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True),
+                       use_tqdm=False)[0]
+    c = out.outputs[0]
+    model = llm.model
+    ids = out.prompt_token_ids + c.token_ids
+    from blockspec.engine.kv_cache import dense_causal_meta
+
+    meta = dense_causal_meta(1, len(ids), "cpu")
+    ref = torch.log_softmax(model.compute_logits(model(torch.tensor([ids]), meta, None)[0])[0], -1)
+    for i, (tok, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+        row = ref[len(out.prompt_token_ids) - 1 + i]
+        assert abs(entry[tok].logprob - float(row[tok])) < 1e-4 and entry[tok].rank == 1
+        assert len(entry) == 3  # greedy token is also the top-1
+        assert set(entry) == set(row.topk(3).indices.tolist())
+
+
+def test_chat_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    expect = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    expect = expect if isinstance(expect, list) else expect["input_ids"]
+    assert out[0].prompt_token_ids == list(expect)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"), (dict(max_tokens=0), "max_tokens"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(presence_penalty=3), "presence_penalty"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=99), "logprobs"), (dict(stop=[""]), "stop"),
+    (dict(temperature=float("nan")), "temperature"), (dict(n=0), "n"),
+])
+def test_invalid_sampling_values_name_the_field(kwargs, field):
+    with pytest.raises(SamplingError, match=rf"SamplingParams\.{field}=.*allowed"):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_fail_before_any_work(llm):
+    good = SamplingParams(max_tokens=4)
+    with pytest.raises(RequestError, match="prompt 1: the prompt is empty"):
+        llm.generate(["ok", ""], good, use_tqdm=False)
+    with pytest.raises(RequestError, match="max_model_len is 192"):
+        llm.generate(["ok", "x" * 400], good, use_tqdm=False)
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        llm.generate([{"prompt_token_ids": [5, 999]}], good, use_tqdm=False)
+    with pytest.raises(SamplingError, match="stop_token_ids"):
+        llm.generate(["ok"], SamplingParams(stop_token_ids=[10**6]), use_tqdm=False)
+    with pytest.raises(ConfigError, match="2 SamplingParams for 1 prompts"):
+        llm.generate(["ok"], [good, good], use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    assert llm.generate("ok", good, use_tqdm=False)[0].outputs[0].token_ids  # engine still serves
+
+
+def test_nonfinite_logits_fail_one_request_only(llm, monkeypatch):
+    runner = llm.engine.runner
+    real = runner.logits
+
+    def poisoned(hidden):
+        out = real(hidden)
+        if out.shape[0] == 2:  # only while both requests share the batch: request 0's row
+            out[0, 3] = float("nan")
+        return out
+
+    monkeypatch.setattr(runner, "logits", poisoned)
+    outs = llm.generate(["aa", "bb"], SamplingParams(temperature=0.8, seed=1, max_tokens=3), use_tqdm=False)
+    assert outs[0].error and "non-finite" in outs[0].error and outs[0].outputs[0].finish_reason == "error"
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 3
+
+
+def test_llm_config_errors(tmp_path):
+    path = save_tiny(tmp_path / "m", "llama")
+    with pytest.raises(ConfigError, match="max_model_len=100000 exceeds"):
+        LLM(str(path), device="cpu", max_model_len=100000)
+    with pytest.raises(ConfigError, match="speculative_config.method"):
+        LLM(str(path), device="cpu", speculative_config={"method": "medusa", "model": "x"})
+    with pytest.raises(ConfigError, match="unknown field"):
+        LLM(str(path), device="cpu", speculative_config={"method": "dflash", "model": "x", "bogus": 1})

@@ -1,0 +1,120 @@
+"""Target models against transformers on the same tiny checkpoints; loader errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from blockspec.config import ConfigError
+from blockspec.engine.kv_cache import causal_meta
+from blockspec.models.loader import ModelLoadError, load_target
+from factories import FAMILIES, save_tiny
+
+CASES = [(fam, tie) for fam in FAMILIES for tie in (False, True)]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{'tied' if t else 'untied'}" for f, t in CASES])
+def pair(request, tmp_path_factory):
+    family, tie = request.param
+    path = save_tiny(tmp_path_factory.mktemp(family), family, seed=3, tie=tie)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours, _ = load_target(path, dtype="float32", device="cpu", max_positions=512)
+    return hf, ours
+
+
+def test_prefill_logits_and_taps_match_transformers(pair):
+    hf, ours = pair
+    ids = torch.randint(0, 96, (1, 33), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True)
+    cache = ours.new_cache(2, 64)
+    layers = ours.config.num_hidden_layers
+    taps = (-1, 0, layers // 2, layers - 1)
+    meta = causal_meta([1], [0], [33], 33, cache.trash, "cpu", layer_types=ours.config.layer_types)
+    hidden, feats = ours(ids, meta, cache, taps)
+    logits = ours.compute_logits(hidden)
+    assert (logits - ref.logits).abs().max() < 1e-4
+    expect = torch.cat([ref.hidden_states[t + 1] for t in taps], dim=-1)
+    assert (feats - expect).abs().max() < 1e-4
+
+
+def test_incremental_decode_matches_full_forward(pair):
+    """Cache written in chunks of different sizes gives the same logits as one pass."""
+    _, ours = pair
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(1))
+    cache = ours.new_cache(3, 64)
+    full_meta = causal_meta([0], [0], [20], 20, cache.trash, "cpu", layer_types=ours.config.layer_types)
+    full = ours.compute_logits(ours(ids, full_meta, cache)[0])
+    pieces, start = [], 0
+    for n in (7, 1, 5, 1, 6):
+        meta = causal_meta([2], [start], [n], n, cache.trash, "cpu", layer_types=ours.config.layer_types)
+        pieces.append(ours.compute_logits(ours(ids[:, start : start + n], meta, cache)[0]))
+        start += n
+    assert (torch.cat(pieces, 1) - full).abs().max() < 1e-4
+
+
+def test_batched_padded_rows_equal_single(pair):
+    """Requests of different lengths in one padded batch equal each run alone."""
+    _, ours = pair
+    g = torch.Generator().manual_seed(2)
+    lens = [5, 12, 1]
+    seqs = [torch.randint(0, 96, (n,), generator=g) for n in lens]
+    cache = ours.new_cache(4, 64)
+    batch = torch.zeros(3, 12, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        batch[i, : len(s)] = s
+    meta = causal_meta([3, 0, 1], [0, 0, 0], lens, 12, cache.trash, "cpu", layer_types=ours.config.layer_types)
+    out = ours.compute_logits(ours(batch, meta, cache)[0])
+    for i, s in enumerate(seqs):
+        c2 = ours.new_cache(1, 64)
+        m2 = causal_meta([0], [0], [len(s)], len(s), c2.trash, "cpu", layer_types=ours.config.layer_types)
+        alone = ours.compute_logits(ours(s[None], m2, c2)[0])
+        assert (out[i, : len(s)] - alone[0]).abs().max() < 1e-4
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    path = save_tiny(tmp_path / "m", "qwen2", seed=1, max_shard_size="20KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    model, _ = load_target(path, device="cpu")
+    assert model.config.model_type == "qwen2" and model.config.qkv_bias
+
+
+def test_missing_directory_is_named(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_target(tmp_path / "nope")
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = save_tiny(tmp_path / "m", "qwen3")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
+        load_target(path)
+
+
+def test_malformed_config_and_bad_shapes(tmp_path):
+    path = save_tiny(tmp_path / "m", "llama")
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="not valid JSON"):
+        load_target(path)
+    path = save_tiny(tmp_path / "m2", "llama")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["hidden_size"] = 32
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="checkpoint shape"):
+        load_target(path)
+    cfg["num_key_value_heads"] = 3
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="num_key_value_heads"):
+        load_target(path)
+
+
+def test_missing_weights_file(tmp_path):
+    path = save_tiny(tmp_path / "m", "llama")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="no weights found"):
+        load_target(path)

@@ -1,0 +1,118 @@
+"""Keyed noise: exact formula, determinism, key separation, distribution, CPU == CUDA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from blockspec.sample.rng import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL, STREAM_TARGET, gumbel,
+                                  keyed_uniform)
+
+MASK = (1 << 64) - 1
+GAMMA = 0x9E3779B97F4A7C15
+
+
+def _mix(x: int) -> int:
+    x &= MASK
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & MASK
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & MASK
+    return x ^ (x >> 31)
+
+
+def _reference(seed: int, position: int, stream: int, round_: int | None, column: int) -> float:
+    """The documented formula with Python's unbounded integers (independent of torch's wrapping)."""
+    h = _mix(seed * GAMMA + stream)
+    h = _mix(h + (position + 1) * GAMMA)
+    if round_ is not None:
+        h = _mix(h + (round_ + 1) * GAMMA)
+    return ((_mix(h + (column + 1) * GAMMA) >> 12) * 2 + 1) / 2.0**53
+
+
+def _keys(n: int = 6):
+    seed = torch.tensor([0, 1, -7, 2**62 + 5, -(2**63), 123456789][:n])
+    position = torch.tensor([0, 5, 3, 2**40, 17, 99][:n])
+    round_ = torch.tensor([0, 1, -1, 7, 2**33, 4][:n])
+    return seed, position, round_
+
+
+@pytest.mark.parametrize("use_round", [False, True])
+def test_matches_python_reference(use_round: bool) -> None:
+    seed, position, round_ = _keys()
+    u = keyed_uniform(seed, position, STREAM_ACCEPT, round_ if use_round else None, 7)
+    assert u.dtype == torch.float64 and u.shape == (6, 7)
+    for n in range(6):
+        for j in range(7):
+            ref = _reference(int(seed[n]), int(position[n]), STREAM_ACCEPT, int(round_[n]) if use_round else None, j)
+            assert u[n, j].item() == ref
+
+
+def test_deterministic_and_row_independent() -> None:
+    seed, position, round_ = _keys()
+    a = keyed_uniform(seed, position, STREAM_RESIDUAL, round_, 50)
+    b = keyed_uniform(seed, position, STREAM_RESIDUAL, round_, 50)
+    assert torch.equal(a, b)
+    for n in range(6):  # a row alone gives the same numbers as inside the batch
+        alone = keyed_uniform(seed[n:n + 1], position[n:n + 1], STREAM_RESIDUAL, round_[n:n + 1], 50)
+        assert torch.equal(alone[0], a[n])
+    wide = keyed_uniform(seed, position, STREAM_RESIDUAL, round_, 80)
+    assert torch.equal(wide[:, :50], a)
+
+
+def test_every_key_field_changes_the_numbers() -> None:
+    seed, position, round_ = _keys()
+    base = keyed_uniform(seed, position, STREAM_DRAFT, round_, 64)
+    variants = [keyed_uniform(seed + 1, position, STREAM_DRAFT, round_, 64),
+                keyed_uniform(seed, position + 1, STREAM_DRAFT, round_, 64),
+                keyed_uniform(seed, position, STREAM_ACCEPT, round_, 64),
+                keyed_uniform(seed, position, STREAM_DRAFT, round_ + 1, 64),
+                keyed_uniform(seed, position, STREAM_DRAFT, None, 64)]
+    for v in variants:
+        assert (v != base).float().mean() > 0.99
+    assert len({STREAM_TARGET, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL}) == 4
+    # swapping seed and position must not collide (fields are absorbed in order)
+    swapped = keyed_uniform(position, seed, STREAM_DRAFT, round_, 64)
+    differ = seed != position
+    assert differ.sum() == 5 and (swapped[differ] != base[differ]).float().mean() > 0.99
+
+
+def test_open_interval_and_uniform_moments() -> None:
+    n = 4096
+    seed = torch.arange(n)
+    u = keyed_uniform(seed, torch.zeros(n, dtype=torch.int64), STREAM_TARGET, None, 64).flatten()
+    assert (u > 0).all() and (u < 1).all()
+    m = u.numel()
+    assert abs(u.mean().item() - 0.5) < 5 * math.sqrt(1 / 12 / m)
+    assert abs(u.var().item() - 1 / 12) < 5 * math.sqrt(1 / 180 / m)
+    # 64-bin histogram, chi-square well inside 10 sigma of its mean
+    counts = torch.bincount((u * 64).long(), minlength=64).double()
+    chi2 = ((counts - m / 64) ** 2 / (m / 64)).sum().item()
+    assert chi2 < 63 + 10 * math.sqrt(2 * 63)
+    # neighbouring seeds and columns are not correlated
+    grid = u.view(n, 64)
+    assert abs(torch.corrcoef(torch.stack([grid[:-1, 0], grid[1:, 0]]))[0, 1].item()) < 0.1
+    assert abs(torch.corrcoef(torch.stack([grid[:, 0], grid[:, 1]]))[0, 1].item()) < 0.1
+
+
+def test_extreme_values_stay_inside() -> None:
+    # the smallest and largest representable outputs, through the documented mapping
+    assert 1 / 2.0**53 > 0 and (2 * (2**52 - 1) + 1) / 2.0**53 < 1.0
+    g = gumbel(torch.arange(256), torch.arange(256), STREAM_TARGET, None, 512, dtype=torch.float64)
+    assert torch.isfinite(g).all()
+    assert abs(g.mean().item() - 0.5772156649) < 0.02  # Euler-Mascheroni constant
+    g32 = gumbel(torch.arange(256), torch.arange(256), STREAM_TARGET, None, 512)
+    assert g32.dtype == torch.float32 and torch.equal(g32, g.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu() -> None:
+    seed = torch.randint(-(2**62), 2**62, (512,))
+    position = torch.randint(0, 2**40, (512,))
+    round_ = torch.randint(0, 2**30, (512,))
+    cpu = keyed_uniform(seed, position, STREAM_RESIDUAL, round_, 4096)
+    gpu = keyed_uniform(seed.cuda(), position.cuda(), STREAM_RESIDUAL, round_.cuda(), 4096)
+    assert torch.equal(cpu, gpu.cpu())
