@@ -114,7 +114,7 @@ def test_sample_draft_greedy_rows_and_bad_rows() -> None:
 
 
 def test_logprobs() -> None:
-    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.5, 0.0, 2.0, -1.0], [0.0, 1.0, 0.0, 0.0]])
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.5, 0.0, 2.0, -1.0], [0.0, 1.0, 0.5, -1.0]])
     p = _uniform_params(3, temperature=[0.0, 1.0, 0.7], top_k=[0, 0, 2])
     processed = process_logits(logits, p)
     tokens = torch.tensor([1, 3, -1])

@@ -28,12 +28,14 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        shape = (max_slots, num_kv_heads, max_len + 1, head_dim)
+        # One extra slot (index max_slots) is scratch space for padded rows of captured batches.
+        shape = (max_slots + 1, num_kv_heads, max_len + 1, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_slots = max_slots
         self.max_len = max_len
         self.trash = max_len
+        self.scratch_slot = max_slots
         self._free = list(range(max_slots - 1, -1, -1))
 
     @property
@@ -93,27 +95,43 @@ def causal_meta(
 ) -> AttnMeta:
     """Metadata for a causal forward: request r feeds q_lens[r] tokens at positions starts[r], ... .
 
-    Query i of request r sees keys at positions <= starts[r] + i (its own cache plus earlier rows of
-    the same forward); rows i >= q_lens[r] are padding whose K/V go to the trash column. Host lists
-    in, device tensors out: the engine knows every length on the host, so this needs no sync.
+    Host lists in, device tensors out: the engine knows every length on the host, so this needs no
+    sync. A single request reads its slot as a view instead of a gather.
     """
     kv_len = kv_len or max(s + q for s, q in zip(starts, q_lens))
-    slot_t = torch.tensor(slots, dtype=torch.int64, device=device)
-    start_t = torch.tensor(starts, dtype=torch.int64, device=device)
-    qlen_t = torch.tensor(q_lens, dtype=torch.int64, device=device)
-    ar = torch.arange(num_queries, device=device)
-    positions = start_t[:, None] + ar[None, :]
-    valid = ar[None, :] < qlen_t[:, None]
+    as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+    meta = meta_from_tensors(as_t(slots), as_t(starts), as_t(q_lens), num_queries, kv_len, trash, sliding_window,
+                             layer_types)
+    meta.contiguous_slot = slots[0] if len(slots) == 1 else None
+    return meta
+
+
+def meta_from_tensors(
+    slots: Tensor,
+    starts: Tensor,
+    q_lens: Tensor,
+    num_queries: int,
+    kv_len: int,
+    trash: int,
+    sliding_window: int | None = None,
+    layer_types: tuple[str, ...] = ("full_attention",),
+) -> AttnMeta:
+    """Device-only metadata (CUDA-graph capturable): query i of request r sits at starts[r] + i and
+    sees keys at positions <= its own (its cache plus earlier rows of this forward); rows
+    i >= q_lens[r] are padding whose K/V go to the trash column.
+    """
+    ar = torch.arange(num_queries, device=starts.device)
+    positions = starts[:, None] + ar[None, :]
+    valid = ar[None, :] < q_lens[:, None]
     write_pos = torch.where(valid, positions, torch.full_like(positions, trash))
-    keys = torch.arange(kv_len, device=device)
+    keys = torch.arange(kv_len, device=starts.device)
     full = keys[None, None, :] <= positions[:, :, None]
     masks = {"full_attention": full.unsqueeze(1)}
     if "sliding_attention" in layer_types:
         assert sliding_window is not None
         window = full & (positions[:, :, None] - keys[None, None, :] < sliding_window)
         masks["sliding_attention"] = window.unsqueeze(1)
-    contiguous = slots[0] if len(slots) == 1 else None
-    return AttnMeta(slot_t, positions, write_pos, kv_len, masks, contiguous)
+    return AttnMeta(slots, positions, write_pos, kv_len, masks)
 
 
 def dense_causal_meta(batch: int, seq: int, device: torch.device | str, sliding_window: int | None = None,

@@ -1,24 +1,52 @@
-"""Target forwards for the engine: packs requests' token runs into one padded batch on the device."""
+"""Target forwards for the engine: packs requests' token runs into one padded batch on the device.
+
+On CUDA, fixed-shape forwards (decode and verify: every request feeds at most Q tokens) replay
+captured CUDA graphs, bucketed by batch size and by the key length read, so Python and kernel
+launch overhead do not bound batch-1 speed. Prefill and CPU runs take the eager path, which is the
+reference the graph path is tested against.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from blockspec.engine.kv_cache import KVCache, causal_meta
+from blockspec.engine.kv_cache import KVCache, causal_meta, meta_from_tensors
 from blockspec.models.llama import CausalLM
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+MIN_KV_BUCKET = 256
+MAX_GRAPH_QUERIES = 32
+
+
+def bucket(value: int, buckets: Sequence[int]) -> int | None:
+    return next((b for b in buckets if b >= value), None)
+
+
+@dataclass
+class CapturedForward:
+    graph: "torch.cuda.CUDAGraph"
+    ids: Tensor  # [B, Q] static input
+    control: Tensor  # [3, B] static input: slots, starts, q_lens
+    hidden: Tensor  # [B, Q, H] static output
+    features: Tensor | None  # [B, Q, F] static output
 
 
 class ModelRunner:
     """Owns the target model and its KV cache; every forward is `tokens at positions -> hidden (+ taps)`."""
 
-    def __init__(self, model: CausalLM, max_slots: int, max_len: int, taps: Sequence[int] = ()) -> None:
+    def __init__(self, model: CausalLM, max_slots: int, max_len: int, taps: Sequence[int] = (),
+                 use_cuda_graphs: bool | None = None) -> None:
         self.model = model
         self.device = model.embed_tokens.weight.device
         self.cache: KVCache = model.new_cache(max_slots, max_len, self.device)
         self.taps = tuple(taps)
+        self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        self.graphs: dict[tuple[int, int, int, bool], CapturedForward] = {}
+        self._pool = None
 
     def forward(
         self, runs: Sequence[Sequence[int]], starts: Sequence[int], slots: Sequence[int], with_taps: bool = False
@@ -34,12 +62,61 @@ class ModelRunner:
     def forward_ids(
         self, ids: Tensor, q_lens: Sequence[int], starts: Sequence[int], slots: Sequence[int], with_taps: bool = False
     ) -> tuple[Tensor, Tensor | None]:
-        """Same as `forward` with the ids already a padded device tensor [R, Q] (e.g. drafts + anchors)."""
+        """Same as `forward` with the ids already a padded device tensor [R, Q] (e.g. anchors + drafts)."""
+        r, q = ids.shape
+        kv_len = max(s + n for s, n in zip(starts, q_lens))
+        b = bucket(r, BATCH_BUCKETS)
+        kv_bucket = bucket(kv_len, [MIN_KV_BUCKET << i for i in range(24)])
+        if self.use_graphs and b is not None and q <= MAX_GRAPH_QUERIES and kv_bucket <= self.cache.max_len + 1:
+            return self._replay(ids, q_lens, starts, slots, with_taps, b, kv_bucket)
         cfg = self.model.config
-        meta = causal_meta(list(slots), list(starts), list(q_lens), ids.shape[1], self.cache.trash, self.device,
+        meta = causal_meta(list(slots), list(starts), list(q_lens), q, self.cache.trash, self.device,
                            cfg.sliding_window, cfg.layer_types)
         return self.model(ids, meta, self.cache, self.taps if with_taps else ())
 
+    # ---------------------------------------------------------------- CUDA graphs
+    def _replay(self, ids: Tensor, q_lens: Sequence[int], starts: Sequence[int], slots: Sequence[int],
+                with_taps: bool, b: int, kv_len: int) -> tuple[Tensor, Tensor | None]:
+        r, q = ids.shape
+        key = (b, q, kv_len, with_taps)
+        cap = self.graphs.get(key) or self._capture(key)
+        control = torch.tensor([list(slots) + [self.cache.scratch_slot] * (b - r),
+                                list(starts) + [0] * (b - r), list(q_lens) + [0] * (b - r)], dtype=torch.int64)
+        cap.control.copy_(control, non_blocking=True)
+        cap.ids[:r].copy_(ids)
+        cap.graph.replay()
+        # Features outlive this replay (they become draft context later): copy them out.
+        feats = cap.features[:r].clone() if cap.features is not None else None
+        return cap.hidden[:r], feats
+
+    def _capture(self, key: tuple[int, int, int, bool]) -> CapturedForward:
+        b, q, kv_len, with_taps = key
+        cfg = self.model.config
+        ids = torch.zeros(b, q, dtype=torch.int64, device=self.device)
+        control = torch.zeros(3, b, dtype=torch.int64, device=self.device)
+        control[0] = self.cache.scratch_slot  # warm-up and capture write only the scratch slot
+
+        def run() -> tuple[Tensor, Tensor | None]:
+            meta = meta_from_tensors(control[0], control[1], control[2], q, kv_len, self.cache.trash,
+                                     cfg.sliding_window, cfg.layer_types)
+            return self.model(ids, meta, self.cache, self.taps if with_taps else ())
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            hidden, features = run()
+        cap = CapturedForward(graph, ids, control, hidden, features)
+        self.graphs[key] = cap
+        return cap
+
+    # ---------------------------------------------------------------- heads
     def logits(self, hidden: Tensor) -> Tensor:
         return self.model.compute_logits(hidden)
 

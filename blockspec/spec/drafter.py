@@ -818,6 +818,13 @@ def speculators_config(model: DraftModel, kind: str, target_vocab: int | None = 
     return cfg
 
 
+def _t2d(model: DraftModel, target_vocab: int) -> Tensor:
+    """speculators' training-side target->draft membership mask (written next to d2t)."""
+    t2d = torch.zeros(target_vocab, dtype=torch.bool)
+    t2d[model.target_index().cpu()] = True
+    return t2d
+
+
 def _vocab_tensors(model: DraftModel, state: dict[str, Tensor], target: nn.Module | None,
                    need_embed: bool, need_head: bool, what: str) -> None:
     if need_embed and "embed_tokens.weight" not in state:
@@ -869,6 +876,8 @@ def save_dflash(model: DraftModel, out_dir: str | os.PathLike[str], format: str 
     if format == "speculators":
         config = speculators_config(model, "dflash")
         _vocab_tensors(model, state, target, True, True, "save_dflash(format='speculators')")
+        if model.d2t is not None:
+            state["t2d"] = _t2d(model, c.vocab_size)
         return _write(out, config, state)
     raise ValueError(f"save_dflash: format {format!r} (allowed: zlab, speculators)")
 

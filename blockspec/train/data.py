@@ -156,9 +156,17 @@ def pack_documents(docs: Iterable[list[int]], max_len: int, eos_id: int, min_len
 
 
 def text_examples(texts: Iterable[str], tokenizer: Any, max_len: int) -> list[Example]:
-    """Plain text or source files as packed full-loss sequences."""
-    docs = (tokenizer.encode(t, add_special_tokens=False) for t in texts)
-    return pack_documents(docs, max_len, tokenizer.eos_token_id)
+    """Plain text or source files as packed full-loss sequences (batch-encoded in Rust when possible)."""
+    return pack_documents(encode_texts(texts, tokenizer), max_len, tokenizer.eos_token_id)
+
+
+def encode_texts(texts: Iterable[str], tokenizer: Any) -> list[list[int]]:
+    """Token ids of each text without special tokens; uses the fast backend's parallel batch encode."""
+    texts = list(texts)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:

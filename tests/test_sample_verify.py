@@ -1,0 +1,416 @@
+"""Acceptance rules: exact laws by enumeration, the real functions by seeded chi-square over
+several verify steps (with negative controls), acceptance lengths, penalties inside a block,
+greedy semantics and bad rows."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from blockspec.sample import verify as verify_mod
+from blockspec.sample.processors import RowParams, expand_history, process_logits
+from blockspec.sample.sampler import sample_draft
+from blockspec.sample.verify import (bad_rows, verify_block, verify_greedy, verify_sample_and_match,
+                                     verify_standard)
+
+V, K = 4, 3
+START = V  # context symbol before the first token
+T_TARGET = 0.9
+
+
+def _tables(seed: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    """Order-2 Markov target and draft logits [V+1, V+1, V]: both depend on the drafted prefix."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(V + 1, V + 1, V, generator=g, dtype=torch.float64) * 1.5, \
+        torch.randn(V + 1, V + 1, V, generator=g, dtype=torch.float64) * 1.5
+
+
+P_TAB, Q_TAB = _tables()
+
+
+def _ctx(prefix: tuple[int, ...]) -> tuple[int, int]:
+    full = (START, START) + prefix
+    return full[-2], full[-1]
+
+
+def p_dist(prefix: tuple[int, ...]) -> torch.Tensor:
+    return torch.softmax(P_TAB[_ctx(prefix)] / T_TARGET, 0)
+
+
+def q_dist(prefix: tuple[int, ...]) -> torch.Tensor:
+    return torch.softmax(Q_TAB[_ctx(prefix)], 0)
+
+
+def q_onehot(prefix: tuple[int, ...]) -> torch.Tensor:
+    return torch.nn.functional.one_hot(Q_TAB[_ctx(prefix)].argmax(), V).double()
+
+
+# ---------------------------------------------------------------- exact laws (explicit formulas)
+
+Law = dict[tuple[int, ...], float]
+Dist = Callable[[tuple[int, ...]], torch.Tensor]
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor, rho: float = 1.0) -> torch.Tensor:
+    r = (rho * p - q).clamp(min=0)
+    return r / r.sum() if r.sum() > 0 else p
+
+
+def law_standard(q_fn: Dist, gamma: int, residual: Callable = _residual) -> Law:
+    out: Law = defaultdict(float)
+    for x in itertools.product(range(V), repeat=gamma):
+        reach = math.prod(q_fn(x[:i])[x[i]].item() for i in range(gamma))
+        if reach == 0:
+            continue
+        for i in range(gamma):
+            p, q = p_dist(x[:i]), q_fn(x[:i])
+            accept = min(1.0, (p[x[i]] / q[x[i]]).item())
+            for y, ry in enumerate(residual(p, q).tolist()):
+                out[x[:i] + (y,)] += reach * (1 - accept) * ry
+            reach *= accept
+        for y, py in enumerate(p_dist(x).tolist()):
+            out[x + (y,)] += reach * py
+    return out
+
+
+def law_block(q_fn: Dist, gamma: int) -> Law:
+    out: Law = defaultdict(float)
+    for x in itertools.product(range(V), repeat=gamma):
+        pd = math.prod(q_fn(x[:i])[x[i]].item() for i in range(gamma))
+        if pd == 0:
+            continue
+        rho = [1.0]
+        for i in range(gamma):
+            rho.append(min(1.0, rho[-1] * (p_dist(x[:i])[x[i]] / q_fn(x[:i])[x[i]]).item()))
+        z = [(rho[i] * p_dist(x[:i]) - q_fn(x[:i])).clamp(min=0).sum().item() for i in range(gamma)]
+        h = [None] + [z[i] / (z[i] + 1 - rho[i]) if z[i] + 1 - rho[i] > 0 else 1.0 for i in range(1, gamma)]
+        h.append(rho[gamma])
+        for t in range(gamma + 1):
+            prob = (h[t] if t >= 1 else 1.0) * math.prod(1 - h[i] for i in range(t + 1, gamma + 1))
+            y_dist = p_dist(x) if t == gamma else _residual(p_dist(x[:t]), q_fn(x[:t]), rho[t])
+            for y, py in enumerate(y_dist.tolist()):
+                out[x[:t] + (y,)] += pd * prob * py
+    return out
+
+
+def law_sample_and_match(draft_fn: Dist, gamma: int) -> Law:
+    """Drafts d_i = argmax of draft_fn; sample y_i ~ p_i, accept while y_i == d_i."""
+    d: tuple[int, ...] = ()
+    for _ in range(gamma):
+        d += (int(draft_fn(d).argmax()),)
+    out: Law = defaultdict(float)
+    reach = 1.0
+    for i in range(gamma):
+        p = p_dist(d[:i])
+        for y in range(V):
+            if y != d[i]:
+                out[d[:i] + (y,)] += reach * p[y].item()
+        reach *= p[d[i]].item()
+    for y, py in enumerate(p_dist(d).tolist()):
+        out[d + (y,)] += reach * py
+    return out
+
+
+def completion_error(law: Law, gamma: int) -> float:
+    """max |P(first gamma+1 tokens) - target joint| after completing every output with target samples."""
+    worst = 0.0
+    for z in itertools.product(range(V), repeat=gamma + 1):
+        target = math.prod(p_dist(z[:j])[z[j]].item() for j in range(gamma + 1))
+        full = sum(law.get(z[:n], 0.0) * math.prod(p_dist(z[:j])[z[j]].item() for j in range(n, gamma + 1))
+                   for n in range(1, gamma + 2))
+        worst = max(worst, abs(full - target))
+    return worst
+
+
+def mean_accepted(law: Law) -> float:
+    return sum(prob * (len(s) - 1) for s, prob in law.items())
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 3])
+def test_exact_laws_equal_target(gamma: int) -> None:
+    laws = {"standard": law_standard(q_dist, gamma), "block": law_block(q_dist, gamma),
+            "standard-onehot": law_standard(q_onehot, gamma), "block-onehot": law_block(q_onehot, gamma),
+            "sample-and-match": law_sample_and_match(q_dist, gamma)}
+    for name, law in laws.items():
+        assert abs(sum(law.values()) - 1) < 1e-12, name
+        assert completion_error(law, gamma) < 1e-12, name
+    # acceptance: block >= token-wise on probabilistic drafts (strictly here), equal on one-hot drafts
+    if gamma >= 2:
+        assert mean_accepted(laws["block"]) > mean_accepted(laws["standard"]) + 1e-3
+    assert abs(mean_accepted(laws["block-onehot"]) - mean_accepted(laws["standard-onehot"])) < 1e-12
+    assert abs(mean_accepted(laws["sample-and-match"]) - mean_accepted(laws["standard-onehot"])) < 1e-12
+
+
+def test_exact_enumeration_detects_a_wrong_residual() -> None:
+    broken = law_standard(q_dist, 2, residual=lambda p, q: p)  # resample from p instead of the residual
+    assert completion_error(broken, 2) > 1e-3
+
+
+# ---------------------------------------------------------------- the real functions, several steps
+
+N_TRIALS = 40000
+LENGTH = 4  # tokens compared per trial: needs up to LENGTH verify steps, so keys must differ per round
+
+
+def _rows_params(seed: torch.Tensor, position: torch.Tensor, temperature: float) -> RowParams:
+    n = seed.shape[0]
+    return RowParams(temperature=torch.full((n,), temperature), top_k=torch.zeros(n, dtype=torch.int64),
+                     top_p=torch.ones(n), min_p=torch.zeros(n), presence_penalty=torch.zeros(n),
+                     frequency_penalty=torch.zeros(n), repetition_penalty=torch.ones(n), seed=seed,
+                     position=position, suppress_eos=torch.zeros(n, dtype=torch.bool))
+
+
+def simulate(method: str, drafting: str, seed_base: int = 0, q_override: str | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run verify steps for N_TRIALS independent requests until each has LENGTH tokens.
+
+    Returns (counts of the first LENGTH tokens over V**LENGTH cells, accepted count of step 1).
+    Step 1 drafts K tokens; later steps use random draft lengths 0..K (truncated blocks)."""
+    n = N_TRIALS
+    g = torch.Generator().manual_seed(1234 + seed_base)
+    seeds = torch.arange(n, dtype=torch.int64) + 10**6 * seed_base
+    seq = torch.full((n, LENGTH * (K + 1)), -1, dtype=torch.int64)
+    lens = torch.zeros(n, dtype=torch.int64)
+    rows = torch.arange(n)
+    first_accept = None
+    for step in range(LENGTH):
+        c1 = torch.where(lens >= 2, seq[rows, (lens - 2).clamp(min=0)], START)
+        c2 = torch.where(lens >= 1, seq[rows, (lens - 1).clamp(min=0)], START)
+        a1, a2 = c1, c2
+        drafts, qs = [], []
+        for i in range(K):  # drafts sampled left to right: q_i depends on the drafted prefix
+            logits = Q_TAB[a1, a2].float()
+            if drafting == "greedy":
+                tok, _ = sample_draft(logits.unsqueeze(1), None, None, greedy=True)
+                tok = tok[:, 0]
+            else:
+                tok, q = sample_draft(logits.unsqueeze(1), _rows_params(seeds, lens + i, 1.0), lens)
+                tok = tok[:, 0]
+                qs.append(q[:, 0])
+            drafts.append(tok)
+            a1, a2 = a2, tok
+        drafts_t = torch.stack(drafts, 1)
+        draft_lens = torch.full((n,), K) if step == 0 else torch.randint(0, K + 1, (n,), generator=g)
+        drafts_t = torch.where(torch.arange(K) < draft_lens.unsqueeze(1), drafts_t, -1)
+        # target rows 0..K: row i sees the drafts before it
+        t1, t2, ctx = c1, c2, []
+        for i in range(K + 1):
+            ctx.append((t1, t2))
+            if i < K:
+                t1, t2 = t2, drafts_t[:, i].clamp(min=0)
+        target_logits = torch.stack([P_TAB[a, b] for a, b in ctx], 1).float()
+        positions = (lens.unsqueeze(1) + torch.arange(K + 1)).flatten()
+        params = _rows_params(seeds.repeat_interleave(K + 1), positions, T_TARGET)
+        processed = process_logits(target_logits.view(n * (K + 1), V), params).view(n, K + 1, V)
+        q_probs = torch.stack(qs, 1) if qs and q_override is None else None
+        if method == "sample_and_match":
+            a, out = verify_sample_and_match(processed, drafts_t, draft_lens, params)
+        elif method == "standard":
+            a, out = verify_standard(processed, q_probs, drafts_t, draft_lens, params, lens)
+        else:
+            a, out = verify_block(processed, q_probs, drafts_t, draft_lens, params, lens)
+        assert (a >= 0).all() and (out[rows, a] >= 0).all()
+        if first_accept is None:
+            first_accept = a
+        for j in range(K + 1):
+            write = j <= a
+            seq[rows[write], lens[write] + j] = out[write, j]
+        lens = lens + a + 1
+    assert (lens >= LENGTH).all()
+    codes = (seq[:, :LENGTH] * (V ** torch.arange(LENGTH - 1, -1, -1))).sum(1)
+    return torch.bincount(codes, minlength=V**LENGTH), first_accept
+
+
+def target_law() -> torch.Tensor:
+    probs = torch.zeros(V**LENGTH, dtype=torch.float64)
+    for z in itertools.product(range(V), repeat=LENGTH):
+        code = sum(t * V ** (LENGTH - 1 - j) for j, t in enumerate(z))
+        probs[code] = math.prod(p_dist(z[:j])[z[j]].item() for j in range(LENGTH))
+    return probs
+
+
+def chi2_pvalue(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson chi-square p-value; cells expected below 5 are merged into one."""
+    counts, expected = counts.double(), expected.double()
+    small = expected < 5
+    counts = torch.cat([counts[~small], counts[small].sum().view(1)])
+    expected = torch.cat([expected[~small], expected[small].sum().view(1)])
+    stat = ((counts - expected) ** 2 / expected.clamp(min=1e-300)).sum()
+    df = torch.tensor(float(len(counts) - 1), dtype=torch.float64)
+    return torch.special.gammaincc(df / 2, stat / 2).item()
+
+
+@pytest.fixture(scope="module")
+def law() -> torch.Tensor:
+    return target_law()
+
+
+@pytest.fixture(scope="module")
+def exact_mean_accepted() -> dict[str, float]:
+    return {"standard": mean_accepted(law_standard(q_dist, K)), "block": mean_accepted(law_block(q_dist, K)),
+            "onehot": mean_accepted(law_standard(q_onehot, K))}
+
+
+CASES = [("standard", "probabilistic", "standard"), ("block", "probabilistic", "block"),
+         ("standard", "greedy", "onehot"), ("block", "greedy", "onehot"),
+         ("sample_and_match", "greedy", "onehot"), ("sample_and_match", "probabilistic", None)]
+
+
+@pytest.mark.parametrize("method,drafting,expected_key", CASES)
+def test_verify_functions_match_target_law(method: str, drafting: str, expected_key: str | None,
+                                           law: torch.Tensor, exact_mean_accepted: dict[str, float]) -> None:
+    counts, first = simulate(method, drafting)
+    assert chi2_pvalue(counts, N_TRIALS * law) > 1e-4
+    if expected_key is not None:  # step-1 accepted length agrees with the exact expectation
+        se = first.double().std().item() / math.sqrt(N_TRIALS)
+        assert abs(first.double().mean().item() - exact_mean_accepted[expected_key]) < 5 * se
+
+
+def test_block_accepts_more_than_standard_on_sampled_drafts() -> None:
+    _, standard = simulate("standard", "probabilistic", seed_base=3)
+    _, block = simulate("block", "probabilistic", seed_base=3)
+    diff = block.double().mean() - standard.double().mean()
+    se = math.sqrt((block.double().var() + standard.double().var()).item() / N_TRIALS)
+    assert diff > 5 * se
+
+
+def test_negative_control_wrong_q_fails(law: torch.Tensor) -> None:
+    counts, _ = simulate("standard", "probabilistic", q_override="onehot")  # q handed in != q sampled from
+    assert chi2_pvalue(counts, N_TRIALS * law) < 1e-9
+
+
+def test_negative_control_residual_replaced_by_p_fails(law: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(verify_mod, "_residual_scores", lambda log_p, *args: log_p)
+    counts, _ = simulate("standard", "probabilistic")
+    assert chi2_pvalue(counts, N_TRIALS * law) < 1e-9
+
+
+def test_negative_control_block_without_residual_mass_fails(law: torch.Tensor,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(verify_mod, "_residual_mass", lambda target, q, drafts, rho, *args: torch.zeros_like(rho))
+    counts, _ = simulate("block", "probabilistic")
+    assert chi2_pvalue(counts, N_TRIALS * law) < 1e-9
+
+
+# ---------------------------------------------------------------- deterministic behaviour
+
+
+def _params(n: int, temperature: float | list[float], **kw) -> RowParams:
+    temps = temperature if isinstance(temperature, list) else [temperature] * n
+    kw.setdefault("seed", [5] * n)
+    kw.setdefault("position", list(range(n)))
+    return RowParams.from_host(temperature=temps, **kw)
+
+
+ALL_RULES = ["greedy", "sample_and_match", "standard", "block"]
+
+
+def _run(rule: str, processed: torch.Tensor, drafts: torch.Tensor, lens: torch.Tensor, p: RowParams,
+         q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    rnd = torch.arange(drafts.shape[0])
+    if rule == "greedy":
+        return verify_greedy(processed, drafts, lens)
+    if rule == "sample_and_match":
+        return verify_sample_and_match(processed, drafts, lens, p)
+    fn = verify_standard if rule == "standard" else verify_block
+    return fn(processed, q, drafts, lens, p, rnd)
+
+
+@pytest.mark.parametrize("rule", ALL_RULES)
+def test_greedy_requests_follow_argmax(rule: str) -> None:
+    logits = torch.tensor([[[0, 5, 1, 0], [3, 0, 0, 1], [0, 0, 2, 1], [1, 0, 0, 0]],
+                           [[0, 5, 1, 0], [3, 0, 0, 1], [0, 0, 2, 1], [1, 0, 0, 0]],
+                           [[0, 5, 1, 0], [3, 0, 0, 1], [0, 0, 2, 1], [1, 0, 0, 0]],
+                           [[0, 5, 1, 0], [3, 0, 0, 1], [0, 0, 2, 1], [1, 0, 0, 0]],
+                           [[0, 5, 1, 0], [3, 0, 0, 1], [0, 0, 2, 1], [1, 0, 0, 0]]], dtype=torch.float32)
+    drafts = torch.tensor([[1, 0, 2], [1, 3, 2], [1, 0, 9], [2, -1, -1], [1, 0, 2]])
+    lens = torch.tensor([3, 3, 3, 1, 0])
+    p = _params(5 * 4, 0.0)
+    a, out = _run(rule, process_logits(logits.view(20, 4), p).view(5, 4, 4), drafts, lens, p)
+    assert a.tolist() == [3, 1, 2, 0, 0]
+    assert out.tolist() == [[1, 0, 2, 0], [1, 0, -1, -1], [1, 0, 2, -1], [1, -1, -1, -1], [1, -1, -1, -1]]
+    # an id outside the vocabulary ends the draft (request 2), like the end of the block
+
+
+@pytest.mark.parametrize("rule", ALL_RULES)
+def test_bad_rows_give_the_sentinel_and_spare_other_requests(rule: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, K + 1, 6, generator=g)
+    logits[0, 1, 2] = float("nan")
+    logits[1, 0] = float("-inf")
+    logits[2, 3, 0] = float("inf")  # bonus row, request 2 drafts all K
+    logits[3, 3, 0] = float("nan")  # request 3 drafts only 1: row 3 is not one of its rows
+    drafts = torch.tensor([[1, 2, 3], [0, 0, 0], [4, 4, 4], [5, -1, -1]])
+    lens = torch.tensor([3, 3, 3, 1])
+    p = _params(4 * (K + 1), 0.0 if rule == "greedy" else 0.8)
+    processed = process_logits(logits.view(-1, 6), p).view(4, K + 1, 6)
+    assert bad_rows(processed).any(1).tolist() == [True, True, True, True]
+    q = torch.softmax(torch.randn(4, K, 6, generator=g), -1) if rule in ("standard", "block") else None
+    a, out = _run(rule, processed, drafts, lens, p, q)
+    assert a[:3].tolist() == [0, 0, 0] and (out[:3] == -1).all()
+    assert 0 <= out[3, a[3]].item() < 6
+
+
+def test_frequency_penalty_rejects_repeated_draft_at_the_right_index() -> None:
+    # token 3 leads by 1.5 at every row; with frequency penalty 1.0 each earlier 3 costs 1.0, so
+    # rows 0 and 1 still pick 3 and row 2 (two 3s before it) picks token 0
+    vocab, k = 5, 3
+    row = torch.tensor([1.0, -2.0, -2.0, 2.5, -2.0])
+    logits = row.expand(1, k + 1, vocab).clone()
+    drafts = torch.tensor([[3, 3, 3]])
+    lens = torch.tensor([3])
+    req_counts = torch.zeros(1, vocab, dtype=torch.int32)
+    offsets = torch.arange(k + 1)
+    with_block = expand_history(req_counts, torch.zeros(k + 1, dtype=torch.int64), drafts, offsets)
+    no_block = req_counts.expand(k + 1, vocab).clone()
+    for temperature in (0.0, 0.05):
+        results = []
+        for counts in (with_block, no_block):
+            p = _params(k + 1, temperature, frequency_penalty=[1.0] * (k + 1), output_counts=counts)
+            processed = process_logits(logits.view(k + 1, vocab), p).view(1, k + 1, vocab)
+            if temperature == 0:
+                results.append(verify_greedy(processed, drafts, lens))
+            else:
+                results.append(verify_sample_and_match(processed, drafts, lens, p))
+                assert torch.equal(verify_standard(processed, None, drafts, lens, p, torch.zeros(1))[1],
+                                   results[-1][1])
+        (a, out), (a_no, out_no) = results
+        assert a.item() == 2 and out[0].tolist() == [3, 3, 0, -1]
+        assert a_no.item() == 3 and out_no[0].tolist() == [3, 3, 3, 3]  # without the block history: accepted
+
+
+@pytest.mark.parametrize("rule", ["standard", "block"])
+def test_round_key_changes_acceptance_noise(rule: str) -> None:
+    g = torch.Generator().manual_seed(5)
+    n = 2000
+    processed = torch.log_softmax(torch.randn(n, K + 1, 5, generator=g), -1)
+    drafts = torch.randint(0, 5, (n, K), generator=g)
+    lens = torch.full((n,), K)
+    p = _params(n * (K + 1), 1.0)
+    fn = verify_standard if rule == "standard" else verify_block
+    a1, o1 = fn(processed, None, drafts, lens, p, torch.zeros(n, dtype=torch.int64))
+    a2, o2 = fn(processed, None, drafts, lens, p, torch.zeros(n, dtype=torch.int64))
+    a3, _ = fn(processed, None, drafts, lens, p, torch.ones(n, dtype=torch.int64))
+    assert torch.equal(a1, a2) and torch.equal(o1, o2)
+    assert (a1 != a3).any()
+
+
+def test_chunked_equals_unchunked() -> None:
+    g = torch.Generator().manual_seed(9)
+    n, vocab = 33, 40
+    processed = torch.log_softmax(torch.randn(n, K + 1, vocab, generator=g), -1)
+    q = torch.softmax(torch.randn(n, K, vocab, generator=g), -1)
+    drafts = torch.randint(0, vocab, (n, K), generator=g)
+    lens = torch.randint(0, K + 1, (n,), generator=g)
+    p = _params(n * (K + 1), 0.9)
+    rnd = torch.arange(n)
+    for fn in (verify_standard, verify_block):
+        for qq in (q, None):
+            full = fn(processed, qq, drafts, lens, p, rnd)
+            small = fn(processed, qq, drafts, lens, p, rnd, chunk_elems=vocab * K * 2)
+            assert torch.equal(full[0], small[0]) and torch.equal(full[1], small[1])
