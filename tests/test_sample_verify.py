@@ -14,7 +14,7 @@ import torch
 
 from blockspec.sample import verify as verify_mod
 from blockspec.sample.processors import RowParams, expand_history, process_logits
-from blockspec.sample.sampler import sample_draft
+from blockspec.sample.sampler import greedy_ids, sample_draft
 from blockspec.sample.verify import (bad_rows, verify_block, verify_greedy, verify_sample_and_match,
                                      verify_standard)
 
@@ -165,20 +165,20 @@ def _rows_params(seed: torch.Tensor, position: torch.Tensor, temperature: float)
                      position=position, suppress_eos=torch.zeros(n, dtype=torch.bool))
 
 
-def simulate(method: str, drafting: str, seed_base: int = 0, q_override: str | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run verify steps for N_TRIALS independent requests until each has LENGTH tokens.
+def simulate(method: str, drafting: str, seed_base: int = 0, q_override: str | None = None,
+             length: int = LENGTH) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run verify steps for N_TRIALS independent requests until each has ``length`` tokens.
 
-    Returns (counts of the first LENGTH tokens over V**LENGTH cells, accepted count of step 1).
+    Returns (the first ``length`` tokens [N_TRIALS, length], accepted count of step 1).
     Step 1 drafts K tokens; later steps use random draft lengths 0..K (truncated blocks)."""
     n = N_TRIALS
     g = torch.Generator().manual_seed(1234 + seed_base)
     seeds = torch.arange(n, dtype=torch.int64) + 10**6 * seed_base
-    seq = torch.full((n, LENGTH * (K + 1)), -1, dtype=torch.int64)
+    seq = torch.full((n, length * (K + 1)), -1, dtype=torch.int64)
     lens = torch.zeros(n, dtype=torch.int64)
     rows = torch.arange(n)
     first_accept = None
-    for step in range(LENGTH):
+    for step in range(length):
         c1 = torch.where(lens >= 2, seq[rows, (lens - 2).clamp(min=0)], START)
         c2 = torch.where(lens >= 1, seq[rows, (lens - 1).clamp(min=0)], START)
         a1, a2 = c1, c2
@@ -186,8 +186,7 @@ def simulate(method: str, drafting: str, seed_base: int = 0, q_override: str | N
         for i in range(K):  # drafts sampled left to right: q_i depends on the drafted prefix
             logits = Q_TAB[a1, a2].float()
             if drafting == "greedy":
-                tok, _ = sample_draft(logits.unsqueeze(1), None, None, greedy=True)
-                tok = tok[:, 0]
+                tok = greedy_ids(logits)
             else:
                 tok, q = sample_draft(logits.unsqueeze(1), _rows_params(seeds, lens + i, 1.0), lens)
                 tok = tok[:, 0]
@@ -207,7 +206,9 @@ def simulate(method: str, drafting: str, seed_base: int = 0, q_override: str | N
         positions = (lens.unsqueeze(1) + torch.arange(K + 1)).flatten()
         params = _rows_params(seeds.repeat_interleave(K + 1), positions, T_TARGET)
         processed = process_logits(target_logits.view(n * (K + 1), V), params).view(n, K + 1, V)
-        q_probs = torch.stack(qs, 1) if qs and q_override is None else None
+        q_probs = torch.stack(qs, 1) if qs else None
+        if q_override == "uniform":
+            q_probs = torch.full_like(q_probs, 1 / V)
         if method == "sample_and_match":
             a, out = verify_sample_and_match(processed, drafts_t, draft_lens, params)
         elif method == "standard":
@@ -221,9 +222,13 @@ def simulate(method: str, drafting: str, seed_base: int = 0, q_override: str | N
             write = j <= a
             seq[rows[write], lens[write] + j] = out[write, j]
         lens = lens + a + 1
-    assert (lens >= LENGTH).all()
-    codes = (seq[:, :LENGTH] * (V ** torch.arange(LENGTH - 1, -1, -1))).sum(1)
-    return torch.bincount(codes, minlength=V**LENGTH), first_accept
+    assert (lens >= length).all()
+    return seq[:, :length], first_accept
+
+
+def joint_counts(tokens: torch.Tensor) -> torch.Tensor:
+    codes = (tokens * (V ** torch.arange(tokens.shape[1] - 1, -1, -1))).sum(1)
+    return torch.bincount(codes, minlength=V ** tokens.shape[1])
 
 
 def target_law() -> torch.Tensor:
@@ -264,8 +269,8 @@ CASES = [("standard", "probabilistic", "standard"), ("block", "probabilistic", "
 @pytest.mark.parametrize("method,drafting,expected_key", CASES)
 def test_verify_functions_match_target_law(method: str, drafting: str, expected_key: str | None,
                                            law: torch.Tensor, exact_mean_accepted: dict[str, float]) -> None:
-    counts, first = simulate(method, drafting)
-    assert chi2_pvalue(counts, N_TRIALS * law) > 1e-4
+    tokens, first = simulate(method, drafting)
+    assert chi2_pvalue(joint_counts(tokens), N_TRIALS * law) > 1e-4
     if expected_key is not None:  # step-1 accepted length agrees with the exact expectation
         se = first.double().std().item() / math.sqrt(N_TRIALS)
         assert abs(first.double().mean().item() - exact_mean_accepted[expected_key]) < 5 * se
@@ -280,21 +285,24 @@ def test_block_accepts_more_than_standard_on_sampled_drafts() -> None:
 
 
 def test_negative_control_wrong_q_fails(law: torch.Tensor) -> None:
-    counts, _ = simulate("standard", "probabilistic", q_override="onehot")  # q handed in != q sampled from
-    assert chi2_pvalue(counts, N_TRIALS * law) < 1e-9
+    # the verifier is told q is uniform while the drafts came from the draft table. (Claiming
+    # one-hot q would not do: conditioned on the drafted token that rule is sample-and-match,
+    # which is lossless for any drafter.)
+    tokens, _ = simulate("standard", "probabilistic", q_override="uniform")
+    assert chi2_pvalue(joint_counts(tokens), N_TRIALS * law) < 1e-9
 
 
 def test_negative_control_residual_replaced_by_p_fails(law: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(verify_mod, "_residual_scores", lambda log_p, *args: log_p)
-    counts, _ = simulate("standard", "probabilistic")
-    assert chi2_pvalue(counts, N_TRIALS * law) < 1e-9
+    tokens, _ = simulate("standard", "probabilistic")
+    assert chi2_pvalue(joint_counts(tokens), N_TRIALS * law) < 1e-9
 
 
 def test_negative_control_block_without_residual_mass_fails(law: torch.Tensor,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(verify_mod, "_residual_mass", lambda target, q, drafts, rho, *args: torch.zeros_like(rho))
-    counts, _ = simulate("block", "probabilistic")
-    assert chi2_pvalue(counts, N_TRIALS * law) < 1e-9
+    tokens, _ = simulate("block", "probabilistic")
+    assert chi2_pvalue(joint_counts(tokens), N_TRIALS * law) < 1e-9
 
 
 # ---------------------------------------------------------------- deterministic behaviour

@@ -66,8 +66,8 @@ class ModelRunner:
         r, q = ids.shape
         kv_len = max(s + n for s, n in zip(starts, q_lens))
         b = bucket(r, BATCH_BUCKETS)
-        kv_bucket = bucket(kv_len, [MIN_KV_BUCKET << i for i in range(24)])
-        if self.use_graphs and b is not None and q <= MAX_GRAPH_QUERIES and kv_bucket <= self.cache.max_len + 1:
+        kv_bucket = min(bucket(kv_len, [MIN_KV_BUCKET << i for i in range(24)]), self.cache.max_len + 1)
+        if self.use_graphs and b is not None and q <= MAX_GRAPH_QUERIES:
             return self._replay(ids, q_lens, starts, slots, with_taps, b, kv_bucket)
         cfg = self.model.config
         meta = causal_meta(list(slots), list(starts), list(q_lens), q, self.cache.trash, self.device,

@@ -359,7 +359,8 @@ class DraftModel(nn.Module):
     # ------------------------------------------------------------------ plumbing
     def _make_rotary(self, device: torch.device | str | None = None) -> Rotary:
         c = self.config
-        return Rotary(c.rope, c.head_dim, c.max_position_embeddings + c.block_size + 1).to(device or "cpu")
+        rotary = Rotary(c.rope, c.head_dim, c.max_position_embeddings + c.block_size + 1)
+        return rotary if device is None else rotary.to(device)
 
     def cast(self, device: torch.device | str, dtype: torch.dtype) -> "DraftModel":
         """Move to device/dtype; RoPE tables stay fp32 and d2t int64."""
@@ -693,6 +694,26 @@ def _speculators_vocab(state: dict[str, Tensor], cfg: DrafterConfig, source: str
                 head_rows=head.shape[0] if head is not None else None, has_d2t=reduced)
 
 
+def _zlab_vocab(state: dict[str, Tensor], cfg: DrafterConfig, raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """z-lab checkpoints normally carry no embedding / LM head; some exports do (vLLM then keeps them)."""
+    embed, head = state.get("embed_tokens.weight"), state.get("lm_head.weight")
+    if embed is None and head is None:
+        state.pop("d2t", None), state.pop("t2d", None)
+        return {}
+    state.pop("t2d", None)
+    rows = head.shape[0] if head is not None else None
+    declared = raw.get("draft_vocab_size")
+    if rows is not None and declared is not None and declared != rows:
+        raise ModelLoadError(f"{source}: lm_head.weight has {rows} rows but draft_vocab_size is {declared}")
+    reduced = rows is not None and rows < cfg.vocab_size
+    if reduced and "d2t" not in state:
+        raise ModelLoadError(f"{source}: lm_head.weight has {rows} rows < vocab_size {cfg.vocab_size}: a reduced "
+                             "draft vocabulary needs a d2t tensor")
+    if not reduced:
+        state.pop("d2t", None)
+    return dict(embed_rows=embed.shape[0] if embed is not None else None, head_rows=rows, has_d2t=reduced)
+
+
 def load_dflash(path_or_id: str | os.PathLike[str], device: str | torch.device = "auto",
                 dtype: str | torch.dtype = "auto", use_own_head: bool = True) -> DFlashDraft:
     """Load a z-lab DFlash checkpoint (or a speculators-format ``dflash`` one)."""
@@ -713,10 +734,12 @@ def load_dflash(path_or_id: str | os.PathLike[str], device: str | torch.device =
         if any("DSpark" in a for a in raw.get("architectures") or []):
             raise ModelLoadError(f"{source}: {raw['architectures']} is a DSpark checkpoint (use load_dspark)")
         cfg = parse_zlab_config(raw, source)
-        for k in ("embed_tokens.weight", "lm_head.weight"):
-            if k in state:
-                raise ModelLoadError(f"{source}: z-lab DFlash checkpoints carry no {k.split('.')[0]}; found {k}")
-        kw = {}
+        for old, new in (("encoder.fc.weight", "fc.weight"), ("encoder.output_norm_enc.weight", "hidden_norm.weight")):
+            if old in state and new not in state:  # Muse-Glimmer "assistant" naming
+                state[new] = state.pop(old)
+        kw = _zlab_vocab(state, cfg, raw, source)
+        if kw:
+            cfg = replace(cfg, draft_vocab_size=kw["head_rows"])
         fmt = "zlab"
     state = backbone_state(state)
     _check_fc(state, cfg, source)

@@ -1,19 +1,58 @@
-"""Training loop pieces shared by the target LM and the drafters: optimiser, schedule, wall-clock budget."""
+"""`blockspec train`: train DFlash and DSpark drafters against a frozen target.
+
+One step, per batch of sequences [b, S]:
+
+1. The frozen target runs cache-free over the clean sequences and returns, in the same pass, the
+   drafter's tap features (``target_layer_ids``) and its final hidden states (next-token
+   distributions, computed only where a loss needs them).
+2. Up to ``num_anchors`` random anchors p per sequence are drawn among loss positions (p and p+1
+   both supervised). Each anchor gets a block ``[x_p, MASK x (B-1)]`` at positions p..p+B-1; all
+   blocks of a sequence are one query sequence of length N*B.
+3. Every draft layer attends over ``[context K/V of all S positions | all N*B block K/V]`` with one
+   dense mask: a block's queries see context positions strictly before its anchor and the whole
+   block bidirectionally, nothing of other blocks. Context K/V come from the fused features through
+   each layer's own k/v projection, k-norm and RoPE, exactly as ``append_context`` computes them at
+   inference, so the trained function is the one ``block_hidden`` runs (tested).
+4. Draft slot j (0-based; DFlash block row j+1, DSpark row j) predicts the token at p+j+1. Its
+   weight is exp(-j/gamma) times the contiguous valid prefix (labels inside the sequence and
+   supervised). DFlash: cross-entropy. DSpark: 0.1 CE + 0.9 L1(p_draft, p_target) + 1.0
+   BCE(confidence, 1 - L1/2) with the Markov head teacher-forced (previous token = the true token,
+   x_0 = the anchor); the BCE target is detached, its features are not (DeepSpec).
+
+Exported drafters use the drafter module's own writers (z-lab DFlash, DeepSpec DSpark).
+"""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import copy
+import dataclasses
+import json
 import math
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from blockspec.config import ConfigError, ModelConfig
+from blockspec.engine.kv_cache import dense_causal_meta
+from blockspec.models.llama import CausalLM
+from blockspec.models.loader import load_target, resolve_device
+from blockspec.spec.drafter import DFlashDraft, DrafterConfig, DraftModel, build_target_layer_ids, save_dflash
+from blockspec.spec.dspark_model import DSparkDraft, DSparkHeads, save_dspark
+from blockspec.train.data import Batches, Example, collate, load_examples, split_examples
+
+METHODS = ("dflash", "dspark")
 
 
-# ---------------------------------------------------------------- shared optimisation
+# ================================================================ shared optimisation
 def make_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)
                    ) -> torch.optim.AdamW:
     """AdamW over trainable parameters; weight decay only on matrices that are not embeddings."""
@@ -21,7 +60,7 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tupl
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
+        (decay if p.dim() >= 2 and "embed" not in name and "markov_w1" not in name else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas)
 
@@ -48,7 +87,7 @@ class StepBudget:
     def __init__(self, max_steps: int | None, max_seconds: float | None, start_step: int = 0,
                  total: int | None = None) -> None:
         if max_steps is None and max_seconds is None:
-            raise ValueError("give max_steps, a time budget, or both")
+            raise ConfigError("training needs max_steps, a time budget (max_minutes), or both")
         self.max_steps = max_steps
         self.max_seconds = max_seconds
         self.t0 = time.monotonic()
@@ -87,24 +126,753 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def progress_bar(total: int | None, desc: str, enabled: bool) -> Iterator[None] | Any:
-    """A tqdm bar (or None when disabled) whose postfix carries the running loss and metrics."""
+def progress_bar(total: int | None, desc: str, enabled: bool) -> Any:
+    """A tqdm bar, or None when disabled."""
     if not enabled:
         return None
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, dynamic_ncols=True, mininterval=0.5)
+
+
+# ================================================================ configuration
+@dataclass
+class DrafterTrainConfig:
+    """Everything a drafter training run needs besides the target and the data.
+
+    Shape fields left as None copy the target's (hidden size, heads, MLP width). Loss weights
+    left as None take the method's published values: DFlash CE only with gamma 7/5/4 for block
+    16/10/8; DSpark 0.1 CE + 0.9 L1 + 1.0 BCE with gamma 4.
+    """
+
+    method: str = "dflash"
+    num_layers: int = 2
+    block_size: int | None = None  # dflash 16, dspark 7
+    target_layer_ids: tuple[int, ...] | None = None
+    num_target_features: int = 3
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    mask_token_id: int | None = None
+    markov_rank: int = 64
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = True
+    # data
+    max_len: int = 512
+    batch_size: int = 8
+    num_anchors: int = 512
+    eval_frac: float = 0.02
+    # loss
+    loss_decay_gamma: float | None = None
+    ce_alpha: float | None = None
+    l1_alpha: float | None = None
+    conf_alpha: float | None = None
+    # optimisation
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    max_steps: int | None = 1000
+    max_minutes: float | None = None
+    eval_every: int = 0
+    eval_batches: int = 8
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    seed: int = 0
+    device: str = "auto"
+    target_dtype: str = "auto"
+    progress: bool = True
+    # optional regeneration of responses by the target (blockspec's engine)
+    regenerate: bool = False
+    regen_temperature: float = 0.0
+    regen_prompt_tokens: int = 64
+    regen_max_new_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"method {self.method!r} not supported; allowed: {METHODS}")
+        if self.block_size is None:
+            self.block_size = 16 if self.method == "dflash" else 7
+        min_block = 2 if self.method == "dflash" else 1
+        if self.block_size < min_block:
+            raise ConfigError(f"block_size must be >= {min_block} for {self.method}, got {self.block_size}")
+        if self.loss_decay_gamma is None:
+            b = self.block_size
+            self.loss_decay_gamma = 4.0 if self.method == "dspark" else (7.0 if b >= 16 else 5.0 if b >= 10 else 4.0)
+        dspark = self.method == "dspark"
+        self.ce_alpha = self.ce_alpha if self.ce_alpha is not None else (0.1 if dspark else 1.0)
+        self.l1_alpha = self.l1_alpha if self.l1_alpha is not None else (0.9 if dspark else 0.0)
+        has_conf = dspark and self.confidence_head
+        self.conf_alpha = self.conf_alpha if self.conf_alpha is not None else (1.0 if has_conf else 0.0)
+        if self.target_layer_ids is not None:
+            self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        if self.num_anchors < 1 or self.batch_size < 1 or self.max_len < 2:
+            raise ConfigError("num_anchors, batch_size must be >= 1 and max_len >= 2")
+
+
+def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
+    """z-lab's uniform taps between layer 1 and L-3; spread over [1, L-2] when those collide (small targets).
+
+    The last layer is never tapped: its HF hidden state is post-norm (DeepSpec refuses it).
+    """
+    ids = sorted(set(build_target_layer_ids(num_target_layers, n)))
+    if len(ids) < n or ids[-1] >= num_target_layers - 1:
+        hi = max(1, num_target_layers - 2)
+        ids = sorted({round(1 + i * (hi - 1) / max(1, n - 1)) for i in range(n)})
+    return tuple(i for i in ids if 0 <= i < num_target_layers - 1) or (0,)
+
+
+def resolve_mask_token_id(cfg: DrafterTrainConfig, tokenizer: Any, target_cfg: ModelConfig) -> int:
+    """The config's id, else the tokenizer's mask token, else the first embedding row past the tokenizer
+    (the Qwen3 convention: 151669 is the first padded, unused row)."""
+    if cfg.mask_token_id is not None:
+        mask = cfg.mask_token_id
+    elif tokenizer is not None and getattr(tokenizer, "mask_token_id", None) is not None:
+        mask = tokenizer.mask_token_id
+    elif tokenizer is not None and len(tokenizer) < target_cfg.vocab_size:
+        mask = len(tokenizer)
+    else:
+        raise ConfigError("mask_token_id: give one (a row of the target embedding), or a tokenizer with a mask "
+                          "token or with fewer tokens than the target's embedding rows")
+    if not 0 <= mask < target_cfg.vocab_size:
+        raise ConfigError(f"mask_token_id {mask} outside the target embedding [0, {target_cfg.vocab_size})")
+    return mask
+
+
+def build_drafter(cfg: DrafterTrainConfig, target_cfg: ModelConfig, mask_token_id: int, seed: int = 0) -> DraftModel:
+    """A freshly initialised drafter (HF-style N(0, 0.02) init) sharing the target's embedding and LM head."""
+    taps = cfg.target_layer_ids or default_target_layer_ids(target_cfg.num_hidden_layers, cfg.num_target_features)
+    hidden = cfg.hidden_size or target_cfg.hidden_size
+    heads = cfg.num_heads or target_cfg.num_attention_heads
+    dcfg = DrafterConfig(
+        hidden_size=hidden,
+        intermediate_size=cfg.intermediate_size or (target_cfg.intermediate_size if hidden == target_cfg.hidden_size
+                                                    else 3 * hidden),
+        num_layers=cfg.num_layers, num_heads=heads,
+        num_kv_heads=cfg.num_kv_heads or min(target_cfg.num_key_value_heads, heads),
+        head_dim=cfg.head_dim or (target_cfg.head_dim if cfg.num_heads is None else hidden // heads),
+        vocab_size=target_cfg.vocab_size, block_size=cfg.block_size, mask_token_id=mask_token_id,
+        target_layer_ids=tuple(taps), target_hidden_size=target_cfg.hidden_size,
+        rms_norm_eps=target_cfg.rms_norm_eps, rope=target_cfg.rope,
+        max_position_embeddings=target_cfg.max_position_embeddings,
+        anchor_first=cfg.method == "dspark", num_target_layers=target_cfg.num_hidden_layers, torch_dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    if cfg.method == "dspark":
+        heads_cfg = DSparkHeads(cfg.markov_rank, cfg.markov_head_type if cfg.markov_rank > 0 else None,
+                                cfg.confidence_head, cfg.confidence_head and cfg.markov_rank > 0, cfg.num_anchors)
+        model: DraftModel = DSparkDraft(dcfg, heads_cfg)
+    else:
+        model = DFlashDraft(dcfg)
+    for name, p in model.named_parameters():
+        if "norm" in name and p.dim() == 1:
+            nn.init.ones_(p)
+        elif p.dim() >= 2:
+            nn.init.normal_(p, 0.0, 0.02)
+        else:
+            nn.init.zeros_(p)
+    return model
+
+
+# ================================================================ batch construction
+def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Up to num_anchors distinct anchors per row among positions p with loss_mask[p] and loss_mask[p+1].
+
+    Returns (anchors [b, N] sorted ascending, valid [b, N]); N = min(num_anchors, most candidates in a
+    row), so every row has the same block count and rows with fewer candidates get dummy blocks.
+    """
+    cand = (loss_mask[:, :-1] > 0) & (loss_mask[:, 1:] > 0)
+    b, n_pos = cand.shape
+    n = max(1, min(num_anchors, int(cand.sum(1).max()) if n_pos else 0))
+    keys = torch.rand(b, max(n_pos, 1), generator=generator)
+    if n_pos:
+        keys = torch.where(cand, keys, keys + 2.0)  # invalid positions sort last
+    idx = keys.topk(n, dim=1, largest=False).indices.sort(dim=1).values
+    valid = cand.gather(1, idx) if n_pos else torch.zeros(b, n, dtype=torch.bool)
+    return idx, valid
+
+
+def block_attention_masks(dcfg: DrafterConfig, anchors: Tensor, seq_len: int) -> list[Tensor]:
+    """Per draft layer, the [b, 1, N*B, S + N*B] bool mask (True = attend) of the training forward.
+
+    Keys are [context 0..S-1 | block 0 | ... | block N-1]. A query of block n sees context keys
+    strictly before anchor n and the keys of block n, under the same per-layer causal and window
+    rules ``DraftModel._block_masks`` applies at inference.
+    """
+    bsz, n = anchors.shape
+    blk = dcfg.block_size
+    dev = anchors.device
+    q_anchor = anchors.repeat_interleave(blk, dim=1)  # [b, NB]
+    ctx_k = torch.arange(seq_len, device=dev)[None, None, :]
+    ctx_base = ctx_k < q_anchor[:, :, None]  # [b, NB, S]
+    slot = torch.arange(blk, device=dev).repeat(n)  # slot within the block, per query/key
+    which = torch.arange(n * blk, device=dev) // blk
+    same = which[:, None] == which[None, :]
+    diff = slot[:, None] - slot[None, :]  # q_slot - k_slot (= q_pos - k_pos inside a block)
+    q_pos = (q_anchor + slot[None, :])[:, :, None]
+    out, cache = [], {}
+    for lt, causal in zip(dcfg.layer_types, dcfg.causal):
+        window = dcfg.sliding_window if lt == "sliding_attention" else None
+        key = (causal, window)
+        if key not in cache:
+            ctx, own = ctx_base, same
+            if causal:
+                own = own & (diff >= 0)
+            if window is not None:
+                if dcfg.window_mode == "query":
+                    ctx = ctx & (q_pos - ctx_k < window)
+                    own = own & (diff < window)
+                    if not causal:
+                        own = own & (-diff < window)
+                else:  # speculators: context within `window` before the anchor; the block in full
+                    ctx = ctx & (ctx_k >= q_anchor[:, :, None] - window)
+            cache[key] = torch.cat([ctx, own[None].expand(bsz, -1, -1)], dim=-1).unsqueeze(1)
+        out.append(cache[key])
+    return out
+
+
+def train_block_hidden(drafter: DraftModel, input_ids: Tensor, features: Tensor, anchors: Tensor,
+                       embed: Any) -> Tensor:
+    """Final-normed drafter hidden states [b, N, B, H] for all blocks of all sequences in one forward.
+
+    The same modules and formulas as inference: context K/V from ``context_kv`` on the fused
+    features at positions 0..S-1, block rows through the draft layers at positions p..p+B-1.
+    """
+    bsz, seq = input_ids.shape
+    n = anchors.shape[1]
+    blk = drafter.block_size
+    dev = input_ids.device
+    ctx = drafter.hidden_norm(drafter.fc(features.to(drafter.dtype)))
+    cos_c, sin_c = drafter._rope(torch.arange(seq, device=dev).expand(bsz, seq), seq + blk)
+    positions = (anchors[:, :, None] + torch.arange(blk, device=dev)).reshape(bsz, n * blk)
+    cos_b, sin_b = drafter._rope(positions, seq + blk)
+    ids = torch.full((bsz, n, blk), drafter.mask_token_id, dtype=torch.int64, device=dev)
+    ids[:, :, 0] = input_ids.gather(1, anchors)
+    x = drafter.embed_block(ids.view(bsz, n * blk), embed)
+    masks = block_attention_masks(drafter.config, anchors, seq)
+    for i, layer in enumerate(drafter.layers):
+        k, v = layer.self_attn.context_kv(ctx, cos_c, sin_c)
+        x = layer(x, cos_b, sin_b, k, v, masks[i])
+    return drafter.norm(x).view(bsz, n, blk, -1)
+
+
+@torch.no_grad()
+def target_forward(target: CausalLM, input_ids: Tensor, taps: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """(final hidden [b, S, H], tap features [b, S, n*H]) of the frozen target, cache-free."""
+    bsz, seq = input_ids.shape
+    c = target.config
+    meta = dense_causal_meta(bsz, seq, input_ids.device, c.sliding_window, c.layer_types)
+    hidden, feats = target(input_ids, meta, None, taps)
+    return hidden, feats
+
+
+def markov_latents(drafter: DSparkDraft, slot_h: Tensor, prev: Tensor) -> Tensor:
+    """Teacher-forced Markov latents [b, N, K, r] (the vector W2 maps to the bias); rnn is unrolled over K."""
+    head = drafter.markov_head
+    if head.head_type != "rnn":
+        return head.latent(slot_h, prev, None)[0]
+    bsz, n, k, hid = slot_h.shape
+    state = None
+    out = []
+    for j in range(k):
+        latent, state = head.latent(slot_h[:, :, j].reshape(bsz * n, hid), prev[:, :, j].reshape(-1), state)
+        out.append(latent.view(bsz, n, -1))
+    return torch.stack(out, dim=2)
+
+
+@dataclass
+class StepOutput:
+    loss: Tensor
+    parts: dict[str, float]
+    match: Tensor  # [b, N, K] 1 where the greedy draft equals the target's greedy token (valid prefix only)
+    valid: Tensor  # [b, N, K] contiguous valid prefix
+
+
+def drafter_loss(drafter: DraftModel, target: CausalLM, input_ids: Tensor, loss_mask: Tensor, anchors: Tensor,
+                 anchor_valid: Tensor, cfg: DrafterTrainConfig) -> StepOutput:
+    """Loss and greedy-match statistics of one batch (see the module docstring for the definitions)."""
+    bsz, seq = input_ids.shape
+    dev = input_ids.device
+    k = drafter.num_draft_slots
+    final, feats = target_forward(target, input_ids, drafter.target_layer_ids)
+    hidden = train_block_hidden(drafter, input_ids, feats, anchors, target.embed)  # [b, N, B, H]
+    n = anchors.shape[1]
+    slot_h = drafter.slot_hidden(hidden.flatten(0, 1)).view(bsz, n, k, -1)
+
+    j = torch.arange(k, device=dev)
+    label_pos = anchors[:, :, None] + j + 1  # [b, N, K]
+    inside = label_pos < seq
+    label_pos_c = label_pos.clamp(max=seq - 1)
+    flat = lambda t: t.reshape(bsz, -1)  # noqa: E731 - gather helper over [b, N*K]
+    supervised = flat(loss_mask).gather(1, flat(label_pos_c)).view_as(label_pos) > 0
+    valid = (inside & supervised & anchor_valid[:, :, None]).long().cumprod(dim=-1).bool()
+    decay = torch.exp(-j.float() / cfg.loss_decay_gamma)
+    weight = valid.float() * decay
+
+    bi, ni, ji = valid.nonzero(as_tuple=True)
+    w = weight[bi, ni, ji]
+    h_sel = slot_h[bi, ni, ji]
+    prev_pos = label_pos_c[bi, ni, ji] - 1  # = anchor + j: the teacher-forced previous token / target row
+    labels = input_ids[bi, label_pos_c[bi, ni, ji]]
+    with torch.no_grad():
+        tgt_logits = target.compute_logits(final[bi, prev_pos])
+    logits = drafter.logits(h_sel, target)
+    conf_logit = None
+    if isinstance(drafter, DSparkDraft):
+        prev_ids = input_ids[bi, prev_pos]
+        if drafter.markov_head is not None:
+            prev_full = input_ids.gather(1, flat(label_pos_c - 1)).view_as(label_pos)
+            latent = markov_latents(drafter, slot_h, prev_full)[bi, ni, ji]
+            bias = drafter.markov_head.markov_w2(latent).float()
+            logits = logits + (bias * drafter.config.logit_scale if drafter.config.logit_scale != 1.0 else bias)
+        if drafter.confidence_head is not None and cfg.conf_alpha:
+            conf_logit = drafter.confidence(h_sel, prev_ids, logits=True)
+
+    denom = w.sum().clamp(min=1e-6)
+    log_pd = F.log_softmax(logits, dim=-1)
+    ce = -log_pd.gather(1, labels[:, None]).squeeze(1)
+    loss = cfg.ce_alpha * (ce * w).sum() / denom
+    parts = {"ce": float((ce.detach() * w).sum() / denom)}
+    if cfg.l1_alpha or conf_logit is not None:
+        l1 = (log_pd.exp() - F.softmax(tgt_logits, dim=-1)).abs().sum(-1)
+        if cfg.l1_alpha:
+            loss = loss + cfg.l1_alpha * (l1 * w).sum() / denom
+        parts["l1"] = float((l1.detach() * w).sum() / denom)
+        if conf_logit is not None:
+            c_star = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
+            bce = F.binary_cross_entropy_with_logits(conf_logit, c_star, reduction="none")
+            loss = loss + cfg.conf_alpha * (bce * w).sum() / denom
+            parts["bce"] = float((bce.detach() * w).sum() / denom)
+    match = torch.zeros(bsz, n, k, dtype=torch.bool, device=dev)
+    match[bi, ni, ji] = logits.detach().argmax(-1) == tgt_logits.argmax(-1)
+    return StepOutput(loss, parts, match, valid)
+
+
+class AcceptanceMeter:
+    """Greedy acceptance estimates from teacher-forced blocks: per-position match rate and expected length.
+
+    acc@j = P(draft j == target greedy token | position j supervised); tau = 1 + E[accepted prefix]
+    over valid blocks, the bonus token included (the "fixed ground truth" estimate; real decoding
+    conditions on the drafts and is measured by ``greedy_acceptance``).
+    """
+
+    def __init__(self, k: int) -> None:
+        self.hits = torch.zeros(k, dtype=torch.float64)
+        self.counts = torch.zeros(k, dtype=torch.float64)
+        self.prefix_sum = 0.0
+        self.blocks = 0
+
+    def add(self, match: Tensor, valid: Tensor) -> None:
+        m, v = match.cpu(), valid.cpu()
+        self.hits += (m & v).flatten(0, 1).sum(0).double()
+        self.counts += v.flatten(0, 1).sum(0).double()
+        blocks = v[..., 0]
+        self.prefix_sum += float((m & v).long().cumprod(-1).sum(-1)[blocks].sum())
+        self.blocks += int(blocks.sum())
+
+    def per_position(self) -> list[float]:
+        return [round(float(h / c), 4) if c else 0.0 for h, c in zip(self.hits, self.counts)]
+
+    def tau(self) -> float:
+        return round(1.0 + self.prefix_sum / max(1, self.blocks), 4)
+
+
+# ================================================================ trainer
+@dataclass
+class TrainResult:
+    drafter: DraftModel
+    metrics: dict[str, Any]
+    export_dir: Path | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class DrafterTrainer:
+    """Holds the frozen target, the drafter, the optimiser and the data stream; one `step` = one update."""
+
+    def __init__(self, target: CausalLM, train: list[Example], cfg: DrafterTrainConfig, mask_token_id: int,
+                 pad_id: int, heldout: list[Example] | None = None, drafter: DraftModel | None = None) -> None:
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.target = target.to(self.device).eval().requires_grad_(False)
+        self.pad_id = pad_id
+        self.train_examples = [e for e in train if len(e.input_ids) >= 2]
+        self.heldout = heldout or []
+        self.drafter = drafter or build_drafter(cfg, target.config, mask_token_id, cfg.seed)
+        self.drafter.cast(self.device, torch.float32)
+        self.drafter.train().requires_grad_(True)
+        self.drafter.check_target(target.config)
+        self.opt = make_optimizer(self.drafter, cfg.lr, cfg.weight_decay)
+        self.batches = Batches(self.train_examples, cfg.batch_size, pad_id, cfg.seed)
+        self.anchor_gen = torch.Generator().manual_seed(cfg.seed + 17)
+        self.step_num = 0
+        self.total: int | None = None
+        self.meter = AcceptanceMeter(self.drafter.num_draft_slots)
+
+    # ------------------------------------------------------------ one update
+    def step(self, total: int) -> StepOutput:
+        cfg = self.cfg
+        ids, mask = next(self.batches)
+        anchors, valid = sample_anchors(mask, cfg.num_anchors, self.anchor_gen)
+        ids, mask, anchors, valid = (t.to(self.device, non_blocking=True) for t in (ids, mask, anchors, valid))
+        lr = cosine_lr(self.step_num, total, cfg.lr, cfg.warmup_frac, cfg.min_lr_ratio)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        with autocast(self.device):
+            out = drafter_loss(self.drafter, self.target, ids, mask, anchors, valid, cfg)
+        self.opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+        self.opt.step()
+        self.step_num += 1
+        out.parts["lr"] = lr
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, examples: list[Example] | None = None, max_batches: int | None = None) -> dict[str, Any]:
+        """Mean loss parts and greedy acceptance estimates on held-out examples (fixed anchors)."""
+        examples = self.heldout if examples is None else examples
+        if not examples:
+            return {}
+        gen = torch.Generator().manual_seed(self.cfg.seed + 99)
+        meter = AcceptanceMeter(self.drafter.num_draft_slots)
+        sums: dict[str, float] = {}
+        n = 0
+        self.drafter.eval()
+        bs = self.cfg.batch_size
+        limit = max_batches or self.cfg.eval_batches
+        for i in range(0, len(examples), bs):
+            if n >= limit:
+                break
+            ids, mask = collate(examples[i : i + bs], self.pad_id)
+            anchors, valid = sample_anchors(mask, self.cfg.num_anchors, gen)
+            ids, mask, anchors, valid = (t.to(self.device) for t in (ids, mask, anchors, valid))
+            with autocast(self.device):
+                out = drafter_loss(self.drafter, self.target, ids, mask, anchors, valid, self.cfg)
+            sums["loss"] = sums.get("loss", 0.0) + float(out.loss)
+            for key, value in out.parts.items():
+                sums[key] = sums.get(key, 0.0) + value
+            meter.add(out.match, out.valid)
+            n += 1
+        self.drafter.train()
+        res: dict[str, Any] = {key: round(v / max(n, 1), 4) for key, v in sums.items()}
+        res["acc_per_position"] = meter.per_position()
+        res["tau_estimate"] = meter.tau()
+        return res
+
+    # ------------------------------------------------------------ checkpoints
+    def checkpoint_state(self) -> dict[str, Any]:
+        d = self.drafter
+        heads = dataclasses.asdict(d.heads) if isinstance(d, DSparkDraft) else None
+        return {
+            "step": self.step_num, "total": self.total, "train_config": dataclasses.asdict(self.cfg),
+            "drafter_config": d.config, "heads": heads, "drafter": d.state_dict(),
+            "optimizer": self.opt.state_dict(), "batches": self.batches.state_dict(),
+            "anchor_gen": self.anchor_gen.get_state(),
+            "rng": {"python": random.getstate(), "torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        }
+
+    def save_checkpoint(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(self.checkpoint_state(), tmp)
+        tmp.replace(path)
+        return path
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore drafter, optimiser, data position, anchor and global RNG: the next step is the one that
+        the interrupted run would have taken."""
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if state["drafter_config"] != self.drafter.config:
+            raise ConfigError(f"{path}: checkpoint drafter shape differs from this run's configuration")
+        self.drafter.load_state_dict(state["drafter"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.batches.load_state_dict(state["batches"])
+        self.anchor_gen.set_state(state["anchor_gen"])
+        random.setstate(state["rng"]["python"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        self.step_num = int(state["step"])
+        self.total = state["total"]
+
+    # ------------------------------------------------------------ loop
+    def fit(self) -> dict[str, Any]:
+        cfg = self.cfg
+        ckpt = Path(cfg.checkpoint_dir) / "last.pt" if cfg.checkpoint_dir else None
+        if cfg.resume and ckpt is not None and ckpt.is_file():
+            self.load_checkpoint(ckpt)
+        budget = StepBudget(cfg.max_steps, cfg.max_minutes * 60 if cfg.max_minutes else None, self.step_num,
+                            self.total)
+        bar = progress_bar(budget.total if budget.calibrated else None, f"train {cfg.method}", cfg.progress)
+        if bar is not None:
+            bar.update(self.step_num)
+        history: list[dict[str, Any]] = []
+        last: dict[str, float] = {}
+        self.meter = AcceptanceMeter(self.drafter.num_draft_slots)
+        while not budget.done(self.step_num):
+            out = self.step(budget.total)
+            budget.after_step(self.step_num)
+            self.total = budget.total if budget.calibrated else None
+            self.meter.add(out.match, out.valid)
+            last = {"loss": float(out.loss.detach()), **out.parts}
+            if self.step_num % 10 == 0 or self.step_num == 1:
+                history.append({"step": self.step_num, **{k: round(v, 5) for k, v in last.items()}})
+                if bar is not None:
+                    if budget.calibrated and bar.total != budget.total:
+                        bar.total = budget.total
+                    acc = self.meter.per_position()
+                    bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{self.meter.tau():.2f}",
+                                    acc="/".join(f"{a:.2f}" for a in acc[:4]))
+                self.meter = AcceptanceMeter(self.drafter.num_draft_slots)
+            if bar is not None:
+                bar.update(1)
+            if cfg.eval_every and self.step_num % cfg.eval_every == 0 and self.heldout:
+                history.append({"step": self.step_num, "eval": self.evaluate()})
+            if ckpt is not None and cfg.checkpoint_every and self.step_num % cfg.checkpoint_every == 0:
+                self.save_checkpoint(ckpt)
+        if bar is not None:
+            bar.close()
+        if ckpt is not None:
+            self.save_checkpoint(ckpt)
+        metrics: dict[str, Any] = {"steps": self.step_num, "seconds": round(budget.elapsed(), 1),
+                                   "final_train": {k: round(v, 5) for k, v in last.items()}}
+        if self.heldout:
+            metrics["heldout"] = self.evaluate()
+        self.history = history
+        return metrics
+
+    def export(self, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+        """z-lab DFlash or DeepSpec DSpark directory (weights in `dtype`); DeepSpec files carry the target's
+        embedding and LM head, as the released checkpoints do."""
+        model = copy.deepcopy(self.drafter).cast("cpu", dtype).eval()
+        if isinstance(model, DSparkDraft):
+            return save_dspark(model, out_dir, format="deepspec", target=self.target)
+        return save_dflash(model, out_dir, format="zlab")
+
+
+# ================================================================ regeneration
+def regenerate_examples(target_dir: str | Path, examples: list[Example], cfg: DrafterTrainConfig,
+                        device: str = "auto") -> list[Example]:
+    """Replace each example's supervised part by the target's own continuation (blockspec's engine).
+
+    The prompt is everything before the first supervised token (or the first regen_prompt_tokens
+    tokens of a fully supervised text chunk); the generated tokens become the supervised part.
+    """
+    from blockspec import LLM, SamplingParams
+
+    llm = LLM(str(target_dir), device=device, max_model_len=cfg.max_len + 1, seed=cfg.seed,
+              max_num_seqs=min(64, max(1, len(examples))))
+    prompts, params = [], []
+    for ex in examples:
+        first = ex.loss_mask.index(1) if 1 in ex.loss_mask else len(ex.input_ids)
+        cut = first if first > 0 else min(cfg.regen_prompt_tokens, len(ex.input_ids) - 1)
+        cut = max(1, min(cut, cfg.max_len - 2))
+        room = cfg.max_len - cut
+        new = min(room, cfg.regen_max_new_tokens or room)
+        prompts.append({"prompt_token_ids": list(ex.input_ids[:cut])})
+        params.append(SamplingParams(temperature=cfg.regen_temperature, max_tokens=new, seed=cfg.seed))
+    outs = llm.generate(prompts, params, use_tqdm=cfg.progress)
+    result = []
+    for prompt, out in zip(prompts, outs):
+        gen = list(out.outputs[0].token_ids)
+        if len(gen) >= 2:
+            ids = prompt["prompt_token_ids"] + gen
+            result.append(Example(ids, [0] * len(prompt["prompt_token_ids"]) + [1] * len(gen)))
+    return result
+
+
+# ================================================================ acceptance
+@torch.no_grad()
+def greedy_acceptance(target: CausalLM, drafter: DraftModel, prompts: list[list[int]], max_new_tokens: int,
+                      eos_ids: Sequence[int] = (), num_draft: int | None = None) -> dict[str, Any]:
+    """Real greedy speculative decoding with the model-level functions, one prompt at a time.
+
+    A simple reference (the target re-scores the whole sequence cache-free each step) that needs
+    only ``append_context`` / ``block_hidden``; it also checks that the output equals plain greedy
+    decoding. Returns mean acceptance length (bonus included) and per-position acceptance counts.
+    """
+    dev = next(target.parameters()).device
+    k = min(num_draft or drafter.num_draft_slots, drafter.num_draft_slots)
+    taps = drafter.target_layer_ids
+    eos = set(eos_ids)
+    steps = accepted = 0
+    per_pos = [0] * k
+    identical = True
+    for prompt in prompts:
+        seq = list(prompt)
+        limit = len(prompt) + max_new_tokens
+        cache = drafter.new_cache(1, limit + drafter.block_size + 2, dev)
+        hidden, feats = target_forward(target, torch.tensor([seq], device=dev), taps)
+        drafter.append_context(cache, [0], [0], [len(seq)], feats)
+        anchor = int(target.compute_logits(hidden[:, -1]).argmax(-1))
+        reference = _plain_greedy(target, prompt, max_new_tokens, eos)
+        done = False
+        while len(seq) < limit and not done:
+            ctx = len(seq)
+            anchor_t = torch.tensor([anchor], device=dev)
+            block = drafter.block_hidden(cache, [0], [ctx], anchor_t, target.embed)
+            slot_h = drafter.slot_hidden(block)[:, :k]
+            base = drafter.logits(slot_h, target)
+            if isinstance(drafter, DSparkDraft):
+                drafts = drafter.draft_greedy(base, slot_h, anchor_t)[0][0].tolist()
+            else:
+                drafts = base.argmax(-1)[0].tolist()
+            hidden, feats = target_forward(target, torch.tensor([seq + [anchor] + drafts], device=dev), taps)
+            preds = target.compute_logits(hidden[0, ctx:]).argmax(-1).tolist()
+            a = 0
+            while a < k and drafts[a] == preds[a]:
+                a += 1
+            steps += 1
+            accepted += a
+            for i in range(a):
+                per_pos[i] += 1
+            new = [anchor] + drafts[:a]
+            drafter.append_context(cache, [0], [ctx], [a + 1], feats[:, ctx : ctx + a + 1])
+            seq.extend(new)
+            anchor = preds[a]
+            done = any(t in eos for t in new)
+        out = seq[len(prompt):limit]
+        if eos and any(t in eos for t in out):
+            out = out[: next(i for i, t in enumerate(out) if t in eos) + 1]
+        identical &= out == reference
+    return {
+        "mean_acceptance_length": round(1 + accepted / max(1, steps), 4),
+        "num_drafts": steps,
+        "num_accepted_tokens_per_pos": per_pos,
+        "acceptance_rate_per_pos": [round(c / max(1, steps), 4) for c in per_pos],
+        "num_speculative_tokens": k,
+        "matches_plain_greedy": identical,
+        "path": "model-level reference loop",
+    }
+
+
+def _plain_greedy(target: CausalLM, prompt: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    """Greedy continuation by re-scoring the whole sequence (reference for the equality check)."""
+    dev = next(target.parameters()).device
+    seq = list(prompt)
+    for _ in range(max_new_tokens):
+        c = target.config
+        meta = dense_causal_meta(1, len(seq), dev, c.sliding_window, c.layer_types)
+        hidden, _ = target(torch.tensor([seq], device=dev), meta, None)
+        seq.append(int(target.compute_logits(hidden[:, -1]).argmax(-1)))
+        if seq[-1] in eos:
+            break
+    return seq[len(prompt):]
+
+
+def engine_acceptance(target_dir: str | Path, method: str, drafter_dir: str | Path, prompts: list[list[int]],
+                      max_new_tokens: int, device: str = "auto") -> dict[str, Any]:
+    """Greedy acceptance measured through blockspec's engine (``LLM`` with a speculative_config)."""
+    from blockspec import LLM, SamplingParams
+
+    llm = LLM(str(target_dir), device=device, seed=0,
+              speculative_config={"method": method, "model": str(drafter_dir)})
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_new_tokens),
+                 use_tqdm=False)
+    m = llm.get_metrics()
+    drafts = max(1, m.get("num_drafts", 0))
+    return {
+        "mean_acceptance_length": round(m["mean_acceptance_length"], 4),
+        "num_drafts": m.get("num_drafts", 0),
+        "num_accepted_tokens_per_pos": m.get("num_accepted_tokens_per_pos", []),
+        "acceptance_rate_per_pos": [round(c / drafts, 4) for c in m.get("num_accepted_tokens_per_pos", [])],
+        "path": "blockspec engine",
+    }
+
+
+# ================================================================ entry points
+def train_drafter(
+    target: str | Path | CausalLM,
+    data: str | Path | list[Example],
+    cfg: DrafterTrainConfig,
+    tokenizer: Any = None,
+    eval_data: str | Path | list[Example] | None = None,
+    out_dir: str | Path | None = None,
+) -> TrainResult:
+    """Train a DFlash or DSpark drafter for `target` on `data`; export it to `out_dir` when given.
+
+    target: a HF directory / hub id (loaded with blockspec's loader; its tokenizer is used when
+    `tokenizer` is None) or a loaded CausalLM. data: a .jsonl of records, text/source files (a
+    file, directory or glob) or ready Examples. Held-out data defaults to a seeded eval_frac split.
+    """
+    device = resolve_device(cfg.device)
+    target_dir = None
+    if not isinstance(target, CausalLM):
+        target, target_dir = load_target(target, cfg.target_dtype, device, max_positions=cfg.max_len + 64)
+        if tokenizer is None:
+            from blockspec.llm import load_tokenizer
+
+            tokenizer = load_tokenizer(target_dir)
+    if not isinstance(data, list) or (eval_data is not None and not isinstance(eval_data, list)):
+        if tokenizer is None:
+            raise ConfigError("train_drafter: a tokenizer is needed to read text/jsonl data (the target directory "
+                              "has none; pass tokenizer=)")
+    examples = data if isinstance(data, list) else load_examples(data, tokenizer, cfg.max_len)
+    if eval_data is None:
+        examples, heldout = split_examples(examples, cfg.eval_frac, cfg.seed)
+    else:
+        heldout = eval_data if isinstance(eval_data, list) else load_examples(eval_data, tokenizer, cfg.max_len)
+    if cfg.regenerate:
+        if target_dir is None:
+            raise ConfigError("regenerate=True needs the target as a directory (the engine loads it)")
+        examples = regenerate_examples(target_dir, examples, cfg, str(device))
+    pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    mask_id = resolve_mask_token_id(cfg, tokenizer, target.config)
+    trainer = DrafterTrainer(target, examples, cfg, mask_id, pad_id, heldout)
+    metrics = trainer.fit()
+    metrics["train_examples"] = len(trainer.train_examples)
+    metrics["heldout_examples"] = len(heldout)
+    metrics["params"] = sum(p.numel() for p in trainer.drafter.parameters())
+    export = trainer.export(out_dir) if out_dir is not None else None
+    trainer.drafter.eval().requires_grad_(False)
+    return TrainResult(trainer.drafter, metrics, export, trainer.history)
+
+
+def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Arguments of `blockspec train` (one per DrafterTrainConfig field that users set)."""
+    p = parser or argparse.ArgumentParser(prog="blockspec train", description="Train a DFlash or DSpark drafter.")
+    p.add_argument("--target", required=True, help="target HF directory or hub id")
+    p.add_argument("--data", required=True, help=".jsonl of {prompt,response}/{messages}, or text files/dir/glob")
+    p.add_argument("--eval-data", default=None)
+    p.add_argument("--out", required=True, help="directory for the exported drafter")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the target's)")
+    skip = {"target_layer_ids", "checkpoint_dir"}
+    for f in dataclasses.fields(DrafterTrainConfig):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if isinstance(default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" |")[0], str)
+            p.add_argument(flag, type=kind, default=default)
+    p.add_argument("--target-layer-ids", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
+                   help="comma-separated target layers to tap (default: z-lab's uniform choice)")
+    p.add_argument("--checkpoint-dir", default=None, help="where last.pt goes (resume with --resume)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    fields = {f.name for f in dataclasses.fields(DrafterTrainConfig)}
+    cfg = DrafterTrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    result = train_drafter(args.target, args.data, cfg, tokenizer, args.eval_data, args.out)
+    (Path(args.out) / "train_metrics.json").write_text(json.dumps(result.metrics, indent=2) + "\n")
+    print(json.dumps(result.metrics, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
