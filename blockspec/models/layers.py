@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -11,19 +14,42 @@ from torch import Tensor, nn
 from blockspec.config import RopeConfig
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back, as the HF Llama/Qwen implementations do."""
+def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run `fn` as one generated kernel on CUDA (torch.compile fuses its elementwise ops; shapes are
+    dynamic so prefill, decode and verify share one compilation); eager elsewhere, which is also the
+    reference the compiled path is tested against."""
+    compiled: list[Callable[..., Any]] = []
 
+    @functools.wraps(fn)
+    def run(*args: Any) -> Any:
+        if not args[0].is_cuda or not FUSE_ON_CUDA:
+            return fn(*args)
+        if not compiled:
+            compiled.append(torch.compile(fn, dynamic=True, fullgraph=True))
+        return compiled[0](*args)
+
+    return run
+
+
+FUSE_ON_CUDA = True
+
+
+@fused
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm computed in fp32 and cast back, as the HF Llama/Qwen implementations do."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[Tensor, float]:
@@ -77,6 +103,7 @@ class Rotary(nn.Module):
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
+@fused
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [R, heads, Q, hd]; cos/sin: [R, Q, hd]."""
     cos = cos.unsqueeze(1)
@@ -96,8 +123,13 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+
+@fused
+def silu_mul(gate_up: Tensor) -> Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
