@@ -249,7 +249,6 @@ class Engine:
     def row_params(self, reqs: list[Request], rows_per_req: list[int], block_tokens: Tensor | None = None) -> RowParams:
         """Per-row sampling parameters; row j of request r samples the token at position length + j."""
         dev = self.device
-        n = sum(rows_per_req)
         req_of_row = [i for i, c in enumerate(rows_per_req) for _ in range(c)]
         offset = [j for c in rows_per_req for j in range(c)]
         ps = [reqs[i].params for i in req_of_row]
@@ -257,44 +256,42 @@ class Engine:
         def col(values: list[Any], dtype: torch.dtype) -> Tensor:
             return torch.tensor(values, dtype=dtype, device=dev)
 
-        temperature = col([p.temperature for p in ps], torch.float32)
         bias_rows, bias_ids, bias_vals = [], [], []
         for row, (ri, j) in enumerate(zip(req_of_row, offset)):
             req = reqs[ri]
             p = req.params
             for tok, b in (p.logit_bias or {}).items():
                 bias_rows.append(row), bias_ids.append(tok), bias_vals.append(b)
-            if len(req.output_ids) + j < p.min_tokens:
+            if len(req.output_ids) + j < p.min_tokens:  # min_tokens: stop ids impossible at this row
                 for tok in set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(self.eos_ids)):
                     bias_rows.append(row), bias_ids.append(tok), bias_vals.append(float("-inf"))
         logit_bias = (col(bias_rows, torch.int64), col(bias_ids, torch.int64), col(bias_vals, torch.float32)) \
             if bias_rows else None
         output_counts = prompt_mask = None
         if any(p.uses_penalties for p in ps):
+            from blockspec.sample import expand_history
+
             counts = torch.stack([r.output_counts for r in reqs])
             masks = torch.stack([r.prompt_mask for r in reqs])
             req_idx = col(req_of_row, torch.int64)
             if block_tokens is None:
                 block_tokens = torch.full((len(reqs), 1), -1, dtype=torch.int64, device=dev)
-            from blockspec.sample import expand_history
-
             output_counts = expand_history(counts, req_idx, block_tokens, col(offset, torch.int64))
             prompt_mask = masks[req_idx]
-        return RowParams(
-            temperature=temperature,
-            top_k=col([p.top_k if p.top_k > 0 else 0 for p in ps], torch.int64),
-            top_p=col([p.top_p for p in ps], torch.float32),
-            min_p=col([p.min_p for p in ps], torch.float32),
-            presence_penalty=col([p.presence_penalty for p in ps], torch.float32),
-            frequency_penalty=col([p.frequency_penalty for p in ps], torch.float32),
-            repetition_penalty=col([p.repetition_penalty for p in ps], torch.float32),
-            seed=col([reqs[i].seed for i in req_of_row], torch.int64),
-            position=col([reqs[i].length + j for i, j in zip(req_of_row, offset)], torch.int64),
-            suppress_eos=torch.zeros(n, dtype=torch.bool, device=dev),
+        return RowParams.from_host(
+            temperature=[p.temperature for p in ps],
+            seed=[reqs[i].seed for i in req_of_row],
+            position=[reqs[i].length + j for i, j in zip(req_of_row, offset)],
+            device=dev,
+            top_k=[max(p.top_k, 0) for p in ps],
+            top_p=[p.top_p for p in ps],
+            min_p=[p.min_p for p in ps],
+            presence_penalty=[p.presence_penalty for p in ps],
+            frequency_penalty=[p.frequency_penalty for p in ps],
+            repetition_penalty=[p.repetition_penalty for p in ps],
             output_counts=output_counts,
             prompt_mask=prompt_mask,
             logit_bias=logit_bias,
-            eos_ids=None,
         )
 
     @staticmethod

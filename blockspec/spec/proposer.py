@@ -4,6 +4,7 @@ every speculating request in one forward, and accept on the device.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,7 @@ from blockspec.config import ConfigError, SpeculativeConfig
 from blockspec.engine.request import Request
 from blockspec.models.llama import CausalLM
 from blockspec.sample import (
+    RowParams,
     bad_rows,
     process_logits,
     sample_draft,
@@ -40,6 +42,7 @@ class DraftBlock:
 class Proposer:
     def __init__(self, drafter: Any, target: CausalLM, cfg: SpeculativeConfig, max_slots: int, max_len: int) -> None:
         drafter.check_target(target.config)
+        drafter.bind_target(target)
         self.drafter = drafter
         self.target = target
         self.cfg = cfg
@@ -86,29 +89,55 @@ class Proposer:
         slot_hidden = self.drafter.slot_hidden(hidden)[:, :k]
         q_probs = confidence = None
         probabilistic = self.cfg.draft_sample_method == "probabilistic" and not all(r.params.greedy for r in reqs)
-        if hasattr(self.drafter, "draft_greedy") and not probabilistic:
-            base = self.drafter.logits(slot_hidden)
-            tokens, confidence = self.drafter.draft_greedy(base, slot_hidden, anchors)
-        elif probabilistic:
+        if probabilistic:
             tokens, q_probs, confidence = self._sample_drafts(reqs, slot_hidden, anchors, engine)
+        elif hasattr(self.drafter, "draft_greedy"):
+            tokens, confidence = self.drafter.draft_greedy(self.drafter.logits(slot_hidden), slot_hidden, anchors)
+        elif self._plain_target_head():
+            tokens = engine.runner.greedy_ids(slot_hidden)  # ids only, chunked over rows
         else:
-            tokens = engine.runner.greedy_ids(slot_hidden)
+            tokens = self.drafter.draft_to_target(self.drafter.logits(slot_hidden).argmax(-1))
         lens = list(budgets)
         cut = torch.arange(k, device=device)[None, :] >= torch.tensor(lens, device=device)[:, None]
         tokens = tokens.masked_fill(cut, -1)
         return DraftBlock(tokens, lens, q_probs, confidence)
 
+    def _plain_target_head(self) -> bool:
+        """The drafter's logits are exactly the target LM head's (no own head, scale or softcap)."""
+        c = self.drafter.config
+        return not self.drafter.use_own_head and c.output_multiplier == 1.0 and not c.final_logit_softcapping
+
     def _sample_drafts(self, reqs: list[Request], slot_hidden: Tensor, anchors: Tensor,
                        engine: "Engine") -> tuple[Tensor, Tensor, Tensor | None]:
-        """Drafts drawn from the processed draft distribution (q recorded exactly as sampled)."""
+        """Drafts drawn on the device from the processed draft distribution, q recorded exactly as sampled.
+
+        DFlash positions are independent given the context, so all K are drawn at once; DSpark's
+        Markov head makes position k depend on the token drawn at k-1, so it goes left to right.
+        Draft-vocabulary logits are placed into target-vocabulary rows (-inf elsewhere) first.
+        """
         r, k = slot_hidden.shape[:2]
+        vocab = self.target.config.vocab_size
         params = engine.row_params(reqs, [k] * r)
-        round_ = torch.tensor([req.length for req in reqs for _ in range(k)], device=slot_hidden.device)
-        if hasattr(self.drafter, "sample_markov"):
-            return self.drafter.sample_markov(slot_hidden, anchors, params, round_)
-        logits = self.target.compute_logits(slot_hidden)
-        tokens, q = sample_draft(logits, params, round_)
-        return tokens, q, None
+        round_ = torch.tensor([req.length for req in reqs], dtype=torch.int64, device=slot_hidden.device)
+        base = self.drafter.logits(slot_hidden)
+        markov = getattr(self.drafter, "markov_step", None)
+        if markov is None or self.drafter.markov_head_type is None:
+            tokens, q = sample_draft(self.drafter.scatter_to_target(base, vocab, float("-inf")), params, round_)
+            return tokens, q, None
+        prev, state = anchors, None
+        tokens, qs, confs = [], [], []
+        for i in range(k):
+            rows = torch.arange(r, device=slot_hidden.device) * k + i
+            if self.drafter.has_confidence:
+                confs.append(self.drafter.confidence(slot_hidden[:, i], prev))
+            bias, state = markov(i, slot_hidden[:, i], prev, state)
+            logits_i = self.drafter.scatter_to_target(base[:, i] + bias, vocab, float("-inf"))
+            tok, q = sample_draft(logits_i[:, None], take_rows(params, rows), round_)
+            prev = tok[:, 0].clamp(min=0)
+            tokens.append(tok[:, 0])
+            qs.append(q[:, 0])
+        conf = torch.stack(confs, 1) if confs else None
+        return torch.stack(tokens, 1), torch.stack(qs, 1), conf
 
     # ---------------------------------------------------------------- verify
     def verify(self, engine: "Engine", reqs: list[Request], block: DraftBlock,
@@ -147,3 +176,20 @@ class Proposer:
     def _to_host(num_acc: Tensor, out: Tensor) -> tuple[list[int], list[list[int]]]:
         both = torch.cat([num_acc[:, None], out], dim=1).tolist()
         return [row[0] for row in both], [row[1:] for row in both]
+
+
+def take_rows(params: RowParams, rows: Tensor) -> RowParams:
+    """The sampling parameters of a subset of rows (e.g. one block position of every request)."""
+    out = {}
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        if isinstance(value, Tensor) and f.name != "eos_ids":
+            value = value[rows]
+        elif f.name == "logit_bias" and value is not None:
+            row, tok, bias = value
+            remap = torch.full((params.temperature.shape[0],), -1, dtype=torch.int64, device=rows.device)
+            remap[rows] = torch.arange(rows.shape[0], device=rows.device)
+            keep = remap[row] >= 0
+            value = (remap[row][keep], tok[keep], bias[keep])
+        out[f.name] = value
+    return RowParams(**out)

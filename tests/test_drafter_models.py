@@ -1,0 +1,553 @@
+"""Drafter models (DFlash, DSpark) against fixtures produced by the reference implementations.
+
+tests/fixtures/drafters/README.md says which reference commit produced each fixture and how.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from blockspec.config import ConfigError, ModelConfig
+from blockspec.models.loader import ModelLoadError
+from blockspec.spec.drafter import (
+    DFlashDraft,
+    build_target_layer_ids,
+    load_dflash,
+    load_drafter,
+    save_dflash,
+)
+from blockspec.spec.dspark_model import DSparkDraft, load_dspark, save_dspark
+from factories import hf_config
+
+FIX = Path(__file__).parent / "fixtures" / "drafters"
+DFLASH_CASES = ["dflash", "dflash_swa", "dflash_swa_noncausal"]
+DSPARK_CASES = ["dspark_vanilla", "dspark_gated", "dspark_rnn"]
+ATOL = 1e-5
+
+torch.set_grad_enabled(False)
+
+
+class StubTarget(nn.Module):
+    """The target's embedding and LM head as stored in the fixtures (what DFlash borrows)."""
+
+    def __init__(self, embed: torch.Tensor, head: torch.Tensor) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding.from_pretrained(embed.clone())
+        self.lm_head = nn.Linear(head.shape[1], head.shape[0], bias=False)
+        self.lm_head.weight.data.copy_(head)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+def fixture(name: str) -> tuple[dict[str, torch.Tensor], dict]:
+    d = FIX / name
+    return load_file(str(d / "expected.safetensors")), json.loads((d / "meta.json").read_text())
+
+
+def target_config(**kw) -> ModelConfig:
+    args = dict(vocab=96, hidden=32, layers=5, heads=4, kv_heads=2, head_dim=8)
+    args.update(kw)
+    return ModelConfig.from_hf(hf_config("qwen3", **args).to_dict())
+
+
+def load(name: str, path: Path | None = None):
+    path = path or FIX / name
+    fn = load_dspark if name.startswith("dspark") else load_dflash
+    return fn(path, device="cpu", dtype=torch.float32)
+
+
+def run_steps(model, exp, meta, embed=None, slot=1):
+    """Replay the fixture's schedule: append each step's new context, then draft the block."""
+    cache = model.new_cache(4, 64)
+    outs = []
+    for start, lo, hi in meta["steps"]:
+        model.append_context(cache, [slot], [lo], [hi - lo], exp["features"][None, lo:hi])
+        outs.append(model.block_hidden(cache, [slot], [start], exp["tokens"][start:start + 1], embed))
+    return outs
+
+
+# ------------------------------------------------------------------------------ reference equality
+@pytest.mark.parametrize("name", DFLASH_CASES)
+def test_dflash_matches_reference(name):
+    exp, meta = fixture(name)
+    model = load(name)
+    assert isinstance(model, DFlashDraft) and not model.anchor_first
+    assert model.num_draft_slots == meta["block_size"] - 1
+    assert model.target_layer_ids == tuple(meta["target_layer_ids"])
+    target = StubTarget(exp["embed"], exp["lm_head"])
+    model.check_target(target_config())
+    for i, h in enumerate(run_steps(model, exp, meta, target.embed)):
+        assert (h[0] - exp[f"hidden_{i}"]).abs().max() <= ATOL
+        logits = model.logits(model.slot_hidden(h), target)
+        assert (logits[0] - exp[f"logits_{i}"]).abs().max() <= ATOL
+
+
+def test_dflash_causality_and_window_parsed():
+    assert load("dflash").config.causal == (False, False)
+    swa = load("dflash_swa").config
+    assert swa.causal == (True, False) and swa.sliding_window == 5 and swa.window_mode == "query"
+    nc = load("dflash_swa_noncausal").config
+    assert nc.causal == (False, False) and nc.is_causal is False and nc.sliding_window == 3
+
+
+@pytest.mark.parametrize("name", DSPARK_CASES)
+def test_dspark_matches_reference(name):
+    exp, meta = fixture(name)
+    model = load(name)
+    assert isinstance(model, DSparkDraft) and model.anchor_first
+    assert model.num_draft_slots == meta["block_size"] and model.markov_head_type == meta["markov_head_type"]
+    model.check_target(target_config())
+    for i, h in enumerate(run_steps(model, exp, meta)):  # own embed_tokens copy, as DeepSpec does
+        assert (h[0] - exp[f"hidden_{i}"]).abs().max() <= ATOL
+        sh = model.slot_hidden(h)
+        base = model.logits(sh)
+        assert (base[0] - exp[f"base_logits_{i}"]).abs().max() <= ATOL
+        anchor = exp["tokens"][meta["steps"][i][0]][None]
+        tokens, conf = model.draft_greedy(base, sh, anchor)
+        assert torch.equal(tokens[0], exp[f"draft_tokens_{i}"])
+        assert (conf[0] - exp[f"confidence_logits_{i}"].sigmoid()).abs().max() <= ATOL
+        # corrected logits along the greedy path, from markov_step (the single source of the formula)
+        prev, state = anchor, None
+        for k in range(sh.shape[1]):
+            bias, state = model.markov_step(k, sh[:, k], prev, state)
+            assert (base[0, k] + bias[0] - exp[f"corrected_logits_{i}"][k]).abs().max() <= ATOL
+            prev = tokens[:, k]
+        # teacher-forced on random previous tokens (rnn: state carried across positions)
+        prev_tf = exp[f"tf_prev_{i}"][None]
+        state = None
+        for k in range(sh.shape[1]):
+            bias, state = model.markov_step(k, sh[:, k], prev_tf[:, k], state)
+            assert (bias[0] - exp[f"tf_bias_{i}"][k]).abs().max() <= ATOL
+            c = model.confidence(sh[:, k], prev_tf[:, k], logits=True)
+            assert (c[0] - exp[f"tf_confidence_logits_{i}"][k]).abs().max() <= ATOL
+
+
+def test_dspark_speculators_reduced_vocab_matches_reference():
+    exp, meta = fixture("dspark_speculators")
+    gated, _ = fixture("dspark_gated")
+    model = load("dspark_speculators")
+    assert model.source_format == "speculators" and model.anchor_first
+    assert model.target_layer_ids == (-1, 1, 3)  # aux_hidden_state_layer_ids [0, 2, 4] are HF indices
+    assert model.draft_vocab_size == 64 and model.heads.confidence_head_with_markov is False
+    model.check_target(target_config())
+    subset = torch.tensor(meta["draft_subset"])
+    assert torch.equal(model.draft_to_target(torch.arange(64)), subset)
+    assert torch.equal(model.target_index(), subset)
+    for i, h in enumerate(run_steps(model, gated, meta)):
+        assert (h[0] - gated[f"hidden_{i}"]).abs().max() <= ATOL
+        sh = model.slot_hidden(h)
+        base = model.logits(sh)
+        assert base.shape[-1] == 64
+        assert (base[0] - gated[f"base_logits_{i}"][:, subset]).abs().max() <= ATOL
+        tokens, conf = model.draft_greedy(base, sh, gated["tokens"][meta["steps"][i][0]][None])
+        assert torch.equal(tokens[0], exp[f"draft_tokens_{i}"]) and conf is not None
+        state, prev = None, gated[f"tf_prev_{i}"][None]
+        for k in range(sh.shape[1]):
+            bias, state = model.markov_step(k, sh[:, k], prev[:, k], state)
+            assert (bias[0] - exp[f"tf_bias_{i}"][k]).abs().max() <= ATOL
+    probs = torch.softmax(torch.randn(2, 3, 64), -1)
+    full = model.scatter_to_target(probs, 96)
+    assert full.shape == (2, 3, 96) and torch.allclose(full.sum(-1), torch.ones(2, 3))
+    assert torch.equal(full[..., subset], probs) and full[..., [i for i in range(96) if i not in subset]].eq(0).all()
+    logits_full = model.scatter_to_target(torch.randn(2, 64), 96, fill=float("-inf"))
+    assert torch.isneginf(logits_full).sum() == 2 * 32
+
+
+def test_draft_greedy_top_k():
+    exp, meta = fixture("dspark_rnn")
+    model = load("dspark_rnn")
+    h = run_steps(model, exp, meta)[-1]
+    sh = model.slot_hidden(h)
+    base = model.logits(sh)
+    anchor = exp["tokens"][meta["steps"][-1][0]][None]
+    full, _ = model.draft_greedy(base, sh, anchor)
+    assert torch.equal(model.draft_greedy(base, sh, anchor, top_k=96)[0], full)
+    topk, _ = model.draft_greedy(base, sh, anchor, top_k=3)
+    prev, state = anchor, None  # brute force: bias over the whole vocab, then keep the top-3 of U_k
+    for k in range(sh.shape[1]):
+        bias, state = model.markov_step(k, sh[:, k], prev, state)
+        cand = base[:, k].topk(3).indices
+        pick = cand.gather(-1, (base[:, k] + bias).gather(-1, cand).argmax(-1, keepdim=True)).squeeze(-1)
+        assert torch.equal(pick, topk[:, k])
+        prev = pick
+
+
+# ------------------------------------------------------------------------------ batching and cache
+@pytest.mark.parametrize("name", ["dflash_swa", "dspark_rnn"])
+def test_batched_equals_single(name):
+    exp, meta = fixture(name)
+    model = load(name)
+    embed = StubTarget(exp["embed"], exp["lm_head"]).embed if "embed" in exp else None
+    feats, toks = exp["features"], exp["tokens"]
+    # three requests: different prompt lengths, then uneven commits (one request commits nothing)
+    prompts, commits, slots = [5, 11, 8], [3, 0, 2], [2, 0, 3]
+    batch = model.new_cache(4, 64)
+    c = max(prompts)
+    padded = torch.zeros(3, c, feats.shape[-1])
+    for r, n in enumerate(prompts):
+        padded[r, :n] = feats[:n]
+    model.append_context(batch, slots, [0] * 3, prompts, padded)
+    ends = [p + m for p, m in zip(prompts, commits)]
+    padded = torch.full((3, max(commits), feats.shape[-1]), 7.0)  # padding rows carry junk on purpose
+    for r in range(3):
+        padded[r, : commits[r]] = feats[prompts[r]:ends[r]]
+    model.append_context(batch, slots, prompts, commits, padded)
+    hb = model.block_hidden(batch, slots, ends, toks[torch.tensor(ends)], embed)
+    for r in range(3):
+        single = model.new_cache(1, 64)
+        model.append_context(single, [0], [0], [ends[r]], feats[None, : ends[r]])
+        hs = model.block_hidden(single, [0], [ends[r]], toks[ends[r]][None], embed)
+        assert (hb[r] - hs[0]).abs().max() <= ATOL
+
+
+@pytest.mark.parametrize("name", ["dflash_swa_noncausal", "dspark_vanilla"])
+def test_block_kv_never_persists(name):
+    exp, meta = fixture(name)
+    model = load(name)
+    embed = StubTarget(exp["embed"], exp["lm_head"]).embed if "embed" in exp else None
+    feats, toks = exp["features"], exp["tokens"]
+    cache = model.new_cache(2, 64)
+    model.append_context(cache, [1], [0], [9], feats[None, :9])
+    before = [t.clone() for t in cache.k + cache.v]
+    h1 = model.block_hidden(cache, [1], [9], toks[9:10], embed)
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.k + cache.v))
+    h2 = model.block_hidden(cache, [1], [9], toks[9:10], embed)
+    assert torch.equal(h1, h2)
+    # appending after a block equals a fresh cache fed the same context
+    model.append_context(cache, [1], [9], [4], feats[None, 9:13])
+    fresh = model.new_cache(2, 64)
+    model.append_context(fresh, [1], [0], [13], feats[None, :13])
+    a = model.block_hidden(cache, [1], [13], toks[13:14], embed)
+    b = model.block_hidden(fresh, [1], [13], toks[13:14], embed)
+    assert (a - b).abs().max() <= ATOL
+    # stale rows beyond ctx_len (a longer earlier context in the slot) are ignored
+    model.append_context(fresh, [1], [13], [5], feats[None, 13:18])
+    c = model.block_hidden(fresh, [1], [13], toks[13:14], embed)
+    assert (a - c).abs().max() <= ATOL
+
+
+def test_cache_shape_and_limits():
+    model = load("dspark_vanilla")
+    cache = model.new_cache(3, 20)
+    assert len(cache.k) == 2 and cache.k[0].shape[1:] == (2, 21, 8) and cache.max_slots == 3
+    with pytest.raises(ValueError, match="beyond the cache"):
+        model.append_context(cache, [0], [18], [4], torch.zeros(1, 4, 96))
+
+
+# ------------------------------------------------------------------------------ save / load
+def _same_outputs(a, b, name):
+    exp, meta = fixture(name if name in DFLASH_CASES + DSPARK_CASES else "dspark_gated")
+    embed = StubTarget(exp["embed"], exp["lm_head"]).embed if "embed" in exp else None
+    for x, y in zip(run_steps(a, exp, meta, embed), run_steps(b, exp, meta, embed)):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("name", DFLASH_CASES)
+def test_dflash_zlab_round_trip(name, tmp_path):
+    model = load(name)
+    save_dflash(model, tmp_path / "out")
+    ref = load_file(str(FIX / name / "model.safetensors"))
+    ours = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(ours) == set(ref) and all(torch.equal(ours[k], ref[k]) for k in ref)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    src = json.loads((FIX / name / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["mask_token_id"] == 95
+    for key in ("block_size", "hidden_size", "num_hidden_layers", "layer_types", "num_target_layers", "head_dim"):
+        assert cfg[key] == src[key], key
+    assert cfg["dflash_config"]["target_layer_ids"] == src["dflash_config"]["target_layer_ids"]
+    assert cfg.get("is_causal") == src.get("is_causal")
+    again = load_dflash(tmp_path / "out", device="cpu", dtype=torch.float32)
+    assert again.config == model.config
+    _same_outputs(model, again, name)
+
+
+def test_dflash_speculators_round_trip(tmp_path):
+    exp, _ = fixture("dflash")
+    model = load("dflash")
+    target = StubTarget(exp["embed"], exp["lm_head"])
+    save_dflash(model, tmp_path / "spec", format="speculators", target=target)
+    cfg = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dflash" and cfg["aux_hidden_state_layer_ids"] == [1, 3, 5]
+    assert cfg["sample_from_anchor"] is False and cfg["draft_vocab_size"] == 96
+    spec = load_drafter("dflash", tmp_path / "spec", device="cpu", dtype=torch.float32)
+    assert spec.source_format == "speculators" and spec.target_layer_ids == model.target_layer_ids
+    assert spec.num_draft_slots == 3
+    spec.check_target(target_config())
+    _same_outputs(model, spec, "dflash")  # own embed_tokens copy == the target's rows
+    h = run_steps(spec, exp, fixture("dflash")[1])[0]
+    assert (spec.logits(spec.slot_hidden(h))[0] - exp["logits_0"]).abs().max() <= ATOL  # own lm_head copy
+    save_dflash(spec, tmp_path / "spec2", format="speculators")
+    a = load_file(str(tmp_path / "spec" / "model.safetensors"))
+    b = load_file(str(tmp_path / "spec2" / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="no embedding/LM head"):
+        save_dflash(spec, tmp_path / "zlab")
+
+
+@pytest.mark.parametrize("name", DSPARK_CASES)
+def test_dspark_deepspec_round_trip(name, tmp_path):
+    model = load(name)
+    save_dspark(model, tmp_path / "out")
+    ref = load_file(str(FIX / name / "model.safetensors"))
+    ours = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(ours) == set(ref) and all(torch.equal(ours[k], ref[k]) for k in ref)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    src = json.loads((FIX / name / "config.json").read_text())
+    for key in ("architectures", "block_size", "mask_token_id", "target_layer_ids", "markov_rank", "markov_head_type",
+                "enable_confidence_head", "confidence_head_with_markov", "num_anchors", "num_target_layers",
+                "tie_word_embeddings", "layer_types", "intermediate_size", "head_dim"):
+        assert cfg[key] == src[key], key
+    again = load_dspark(tmp_path / "out", device="cpu", dtype=torch.float32)
+    assert again.config == model.config and again.heads == model.heads
+    _same_outputs(model, again, name)
+
+
+def test_dspark_speculators_round_trip(tmp_path):
+    model = load("dspark_speculators")
+    save_dspark(model, tmp_path / "out", format="speculators")
+    ref = load_file(str(FIX / "dspark_speculators" / "model.safetensors"))
+    ours = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(ours) == set(ref) and all(torch.equal(ours[k], ref[k]) for k in ref)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["aux_hidden_state_layer_ids"] == [0, 2, 4] and cfg["draft_vocab_size"] == 64
+    assert cfg["markov_head_type"] == "gated" and cfg["sample_from_anchor"] is True
+    again = load_dspark(tmp_path / "out", device="cpu", dtype=torch.float32)
+    assert torch.equal(again.d2t, model.d2t)
+    _same_outputs(model, again, "dspark_speculators")
+    with pytest.raises(ValueError, match="reduced draft vocabulary"):
+        save_dspark(model, tmp_path / "deepspec")
+    # a full-vocab DeepSpec drafter converts to speculators and back
+    vanilla = load("dspark_vanilla")
+    save_dspark(vanilla, tmp_path / "v_spec", format="speculators")
+    conv = load_dspark(tmp_path / "v_spec", device="cpu", dtype=torch.float32)
+    assert conv.d2t is None and conv.heads.markov_head_type == "vanilla"
+    _same_outputs(vanilla, conv, "dspark_vanilla")
+
+
+def test_deepspec_without_embed_and_head_uses_target(tmp_path):
+    exp, meta = fixture("dspark_vanilla")
+    d = _copy(tmp_path, "dspark_vanilla")
+    state = load_file(str(d / "model.safetensors"))
+    embed, head = state.pop("embed_tokens.weight"), state.pop("lm_head.weight")
+    save_file(state, str(d / "model.safetensors"))
+    model = load_dspark(d, device="cpu", dtype=torch.float32)
+    assert model.embed_tokens is None and model.lm_head is None
+    target = StubTarget(embed, head)
+    model.bind_target(target)
+    model.check_target(target_config())
+    h = run_steps(model, exp, meta)[0]
+    assert (h[0] - exp["hidden_0"]).abs().max() <= ATOL
+    assert (model.logits(model.slot_hidden(h))[0] - exp["base_logits_0"]).abs().max() <= ATOL
+    with pytest.raises(ValueError, match="needs embed_tokens"):
+        save_dspark(model, tmp_path / "out")
+    save_dspark(model, tmp_path / "out", target=target)
+    assert set(load_file(str(tmp_path / "out" / "model.safetensors"))) == set(
+        load_file(str(FIX / "dspark_vanilla" / "model.safetensors")))
+
+
+def test_markov_rank_zero(tmp_path):
+    d = _copy(tmp_path, "dspark_vanilla")
+    _edit(d, markov_rank=0, markov_head_type=None, enable_confidence_head=False)
+    state = {k: v for k, v in load_file(str(d / "model.safetensors")).items() if "head." not in k or "lm_head" in k}
+    save_file(state, str(d / "model.safetensors"))
+    model = load_dspark(d, device="cpu", dtype=torch.float32)
+    assert model.markov_step(0, torch.zeros(1, 32), torch.zeros(1, dtype=torch.long), None) == (None, None)
+    base = torch.randn(2, 4, 96)
+    tokens, conf = model.draft_greedy(base, torch.zeros(2, 4, 32), torch.zeros(2, dtype=torch.long))
+    assert conf is None and torch.equal(tokens, base.argmax(-1))
+    with pytest.raises(ValueError, match="no confidence head"):
+        model.confidence(torch.zeros(1, 32), torch.zeros(1, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------ errors
+def _copy(tmp_path: Path, name: str) -> Path:
+    d = tmp_path / name
+    shutil.copytree(FIX / name, d)
+    return d
+
+
+def _edit(d: Path, **changes) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in changes.items():
+        if "." in k:
+            outer, inner = k.split(".")
+            if v is None:
+                cfg[outer].pop(inner, None)
+            else:
+                cfg[outer][inner] = v
+        elif v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"dflash_config.mask_token_id": None}, "mask_token_id"),
+    ({"block_size": None}, "block_size"),
+    ({"block_size": 8}, "dflash_config.block_size|block_size"),
+    ({"dflash_config.target_layer_ids": None, "num_target_layers": None}, "target_layer_ids"),
+    ({"hidden_size": None}, "hidden_size"),
+    ({"architectures": ["DFlash2DraftModel"]}, "DFlash2"),
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": None}, "sliding_window"),
+])
+def test_dflash_config_errors(tmp_path, changes, match):
+    d = _copy(tmp_path, "dflash")
+    if "block_size" in changes and changes["block_size"] == 8:
+        _edit(d, **{"dflash_config.block_size": 4})
+    _edit(d, **changes)
+    with pytest.raises(ModelLoadError, match=match):
+        load_dflash(d, device="cpu")
+
+
+def test_dflash_default_layer_ids(tmp_path):
+    d = _copy(tmp_path, "dflash")
+    _edit(d, **{"dflash_config.target_layer_ids": None, "num_target_layers": 36})
+    with pytest.raises(ModelLoadError, match="fc.weight input size"):  # 2 draft layers -> 2 taps, fc wants 3
+        load_dflash(d, device="cpu")
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33] and build_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert build_target_layer_ids(36, 1) == [18]
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"markov_head_type": "lstm"}, "unknown markov_head_type"),
+    ({"markov_head_type": None}, "markov_head_type"),
+    ({"markov_rank": None}, "markov_rank"),
+    ({"enable_confidence_head": None}, "enable_confidence_head"),
+    ({"confidence_head_with_markov": None}, "confidence_head_with_markov"),
+    ({"target_layer_ids": [3, 1]}, "strictly increasing"),
+    ({"mask_token_id": None}, "mask_token_id"),
+    ({"architectures": ["Gemma4DSparkModel"]}, "Gemma4"),
+    ({"markov_rank": 4}, "markov_head.markov_w1.weight"),
+])
+def test_dspark_config_errors(tmp_path, changes, match):
+    d = _copy(tmp_path, "dspark_vanilla")
+    _edit(d, **changes)
+    with pytest.raises(ModelLoadError, match=match):
+        load_dspark(d, device="cpu")
+
+
+def test_weight_errors(tmp_path):
+    d = _copy(tmp_path, "dflash")
+    state = load_file(str(d / "model.safetensors"))
+    bad = dict(state)
+    bad["layers.1.mlp.down_proj.weight"] = bad["layers.1.mlp.down_proj.weight"][:, :-1].contiguous()
+    save_file(bad, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"layers\.1\.mlp\.down_proj\.weight: checkpoint shape"):
+        load_dflash(d, device="cpu")
+    bad = dict(state)
+    del bad["norm.weight"]
+    save_file(bad, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="missing tensors.*norm.weight"):
+        load_dflash(d, device="cpu")
+    bad = dict(state)
+    del bad["layers.0.self_attn.k_proj.weight"]
+    save_file(bad, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="k_proj"):
+        load_dflash(d, device="cpu")
+    bad = dict(state)
+    bad["fc.weight"] = bad["fc.weight"][:, :64].contiguous()
+    save_file(bad, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="fc.weight input size 64"):
+        load_dflash(d, device="cpu")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_dflash(tmp_path / "nowhere", device="cpu")
+
+
+def test_speculators_errors(tmp_path):
+    d = _copy(tmp_path, "dspark_speculators")
+    state = load_file(str(d / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if k != "d2t"}, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="d2t"):
+        load_dspark(d, device="cpu")
+    bad = dict(state)
+    bad["d2t"] = torch.zeros(64, dtype=torch.int64) + 40  # maps past the target vocab
+    save_file(bad, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="d2t maps draft ids outside"):
+        load_dspark(d, device="cpu")
+    save_file(state, str(d / "model.safetensors"))
+    _edit(d, aux_hidden_state_layer_ids=None)
+    with pytest.raises(ModelLoadError, match="aux_hidden_state_layer_ids"):
+        load_dspark(d, device="cpu")
+    _edit(d, aux_hidden_state_layer_ids=[0, 2, 4], draft_vocab_size=None)
+    with pytest.raises(ModelLoadError, match="draft_vocab_size"):
+        load_dspark(d, device="cpu")
+    _edit(d, draft_vocab_size=64, markov_head_type="bogus")
+    with pytest.raises(ModelLoadError, match="unknown markov_head_type"):
+        load_dspark(d, device="cpu")
+    _edit(d, markov_head_type="gated")
+    with pytest.raises(ModelLoadError, match="use load_dspark"):
+        load_dflash(d, device="cpu")
+    with pytest.raises(ModelLoadError, match="use load_dflash"):
+        load_dspark(_spec_dflash(tmp_path), device="cpu")
+    with pytest.raises(ConfigError, match="method"):
+        load_drafter("eagle", d)
+
+
+def _spec_dflash(tmp_path: Path) -> Path:
+    exp, _ = fixture("dflash")
+    save_dflash(load("dflash"), tmp_path / "spec_dflash", format="speculators", target=StubTarget(exp["embed"],
+                                                                                                   exp["lm_head"]))
+    return tmp_path / "spec_dflash"
+
+
+def test_check_target_mismatches():
+    dflash, dspark = load("dflash"), load("dspark_vanilla")
+    with pytest.raises(ConfigError, match="hidden_size"):
+        dflash.check_target(target_config(hidden=64))
+    with pytest.raises(ConfigError, match="vocab_size"):
+        dflash.check_target(target_config(vocab=128))
+    with pytest.raises(ConfigError, match="target_layer_ids.*layer 4 is outside"):
+        dflash.check_target(target_config(layers=4))
+    with pytest.raises(ConfigError, match="last layer 3"):
+        dspark.check_target(target_config(layers=4))
+    with pytest.raises(ConfigError, match="rope_theta"):
+        dflash.check_target(target_config(rope_theta=10000.0))
+    with pytest.raises(ConfigError, match="markov_w1|embed_tokens|vocab"):
+        dspark.check_target(target_config(vocab=128))
+    dflash.check_target(target_config())  # the last layer is a valid DFlash tap (post-norm, as in HF)
+    load("dspark_speculators").check_target(target_config())
+
+
+def test_mask_id_outside_vocab(tmp_path):
+    d = _copy(tmp_path, "dflash")
+    _edit(d, **{"dflash_config.mask_token_id": 96})
+    model = load_dflash(d, device="cpu")
+    with pytest.raises(ConfigError, match="mask_token_id 96 is outside"):
+        model.check_target(target_config())
+
+
+def test_zlab_checkpoint_with_own_head(tmp_path):
+    exp, meta = fixture("dflash")
+    d = _copy(tmp_path, "dflash")
+    state = load_file(str(d / "model.safetensors"))
+    state["embed_tokens.weight"], state["lm_head.weight"] = exp["embed"], exp["lm_head"]
+    save_file(state, str(d / "model.safetensors"))
+    model = load_dflash(d, device="cpu", dtype=torch.float32)
+    assert model.use_own_head and model.use_own_embedding and model.d2t is None
+    h = run_steps(model, exp, meta)[1]  # no embed= needed: the checkpoint carries its own copy
+    assert (h[0] - exp["hidden_1"]).abs().max() <= ATOL
+    assert (model.logits(model.slot_hidden(h))[0] - exp["logits_1"]).abs().max() <= ATOL
+    state["lm_head.weight"] = exp["lm_head"][:50].contiguous()
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="d2t"):
+        load_dflash(d, device="cpu")
+
+
+def test_speculators_dflash_sample_from_anchor(tmp_path):
+    d = _spec_dflash(tmp_path)
+    _edit(d, sample_from_anchor=True)
+    model = load_dflash(d, device="cpu", dtype=torch.float32)
+    assert model.anchor_first and model.num_draft_slots == 4
+    assert model.slot_hidden(torch.zeros(2, 4, 32)).shape == (2, 4, 32)

@@ -1,0 +1,168 @@
+"""Speculative decoding through the engine is exact: DFlash and DSpark against plain decoding.
+
+The drafters are the reference-checked fixtures (random weights: mostly rejected). An "oracle"
+wrapper replaces most drafts with the plain-decoding continuation, so long accepted blocks, stops
+inside accepted blocks and bonus tokens are exercised too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockspec import LLM, SamplingParams
+from blockspec.config import ConfigError
+from factories import save_tiny
+
+FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
+TARGET_KW = dict(vocab=96, hidden=32, layers=5, heads=4, kv_heads=2, head_dim=8)  # the fixtures' target
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("target"), "qwen3", seed=0, **TARGET_KW)
+
+
+@pytest.fixture(scope="module")
+def plain(target) -> LLM:
+    return LLM(str(target), device="cpu", max_model_len=160)
+
+
+def prompts(n: int = 5, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(2, 95, (int(length),), generator=g).tolist()}
+            for length in torch.randint(1, 30, (n,), generator=g)]
+
+
+def spec_llm(target: Path, method: str, fixture: str, **spec) -> LLM:
+    return LLM(str(target), device="cpu", max_model_len=160,
+               speculative_config={"method": method, "model": str(FIXTURES / fixture), **spec})
+
+
+def add_oracle(llm: LLM, expected: dict[tuple, list[int]], corrupt: float = 0.15, seed: int = 0) -> None:
+    """Replace drafts with the plain continuation, corrupting a fraction so rejections happen too."""
+    proposer = llm.engine.proposer
+    real = proposer.propose
+    g = torch.Generator().manual_seed(seed)
+
+    def propose(reqs, budgets, engine):
+        block = real(reqs, budgets, engine)
+        tokens = block.tokens.clone()
+        for r, req in enumerate(reqs):
+            want = expected[tuple(req.prompt_token_ids)]
+            n = len(req.output_ids)
+            for i in range(block.lens[r]):
+                truth = want[n + i] if n + i < len(want) else 3
+                tokens[r, i] = int(torch.randint(2, 95, (1,), generator=g)) if torch.rand(1, generator=g) < corrupt \
+                    else truth
+        block.tokens = tokens
+        return block
+
+    proposer.propose = propose
+
+
+def run(llm: LLM, ps: list[dict], params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+CASES = [("dflash", "dflash", None), ("dflash", "dflash", 2), ("dflash", "dflash_swa", None),
+         ("dspark", "dspark_vanilla", None), ("dspark", "dspark_gated", 2), ("dspark", "dspark_rnn", None)]
+
+
+@pytest.mark.parametrize("method, fixture, k", CASES)
+@pytest.mark.parametrize("oracle", [False, True], ids=["random-drafter", "oracle-drafter"])
+def test_greedy_equals_plain(target, plain, method, fixture, k, oracle):
+    ps = prompts()
+    expected = run(plain, ps, GREEDY)
+    llm = spec_llm(target, method, fixture, **({"num_speculative_tokens": k} if k else {}))
+    if oracle:
+        add_oracle(llm, {tuple(p["prompt_token_ids"]): e for p, e in zip(ps, expected)})
+    assert run(llm, ps, GREEDY) == expected
+    m = llm.get_metrics()
+    k_eff = k or llm.engine.proposer.drafter.num_draft_slots
+    assert m["num_drafts"] > 0 and len(m["num_accepted_tokens_per_pos"]) <= k_eff
+    if oracle:
+        assert m["mean_acceptance_length"] > 2.0
+
+
+def test_stops_inside_accepted_blocks(target, plain):
+    ps = prompts(4, seed=1)
+    base = run(plain, ps, GREEDY)
+    llm = spec_llm(target, "dflash", "dflash")
+    add_oracle(llm, {tuple(p["prompt_token_ids"]): e for p, e in zip(ps, base)}, corrupt=0.0)
+    for stop_at in (4, 9, 13):
+        stops = sorted({e[stop_at] for e in base})
+        for max_tokens in (7, 11, 40):
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, stop_token_ids=stops, ignore_eos=True)
+            got = llm.generate(ps, params, use_tqdm=False)
+            want = plain.generate(ps, params, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+            assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in want]
+    assert llm.get_metrics()["mean_acceptance_length"] > 3.0  # blocks really were accepted whole
+    assert not llm.engine.running and llm.engine.runner.cache.num_free_slots == llm.engine.config.max_num_seqs
+
+
+@pytest.mark.parametrize("fixture, method", [("dflash", "dflash"), ("dspark_vanilla", "dspark")])
+def test_seeded_sampling_equals_plain_with_greedy_drafts(target, plain, fixture, method):
+    """Sample-and-match: same seed, same tokens as plain sampling, at several temperatures and filters."""
+    ps = prompts(4, seed=2)
+    llm = spec_llm(target, method, fixture)
+    expected = run(plain, ps, GREEDY)
+    add_oracle(llm, {tuple(p["prompt_token_ids"]): e for p, e in zip(ps, expected)}, corrupt=0.3)
+    for params in (SamplingParams(temperature=0.7, seed=11, max_tokens=30, ignore_eos=True),
+                   SamplingParams(temperature=1.0, top_k=8, top_p=0.9, seed=5, max_tokens=30, ignore_eos=True),
+                   SamplingParams(temperature=1.3, min_p=0.05, frequency_penalty=0.8, presence_penalty=0.3,
+                                  repetition_penalty=1.2, seed=3, max_tokens=30, ignore_eos=True)):
+        assert run(llm, ps, params) == run(plain, ps, params)
+
+
+def test_mixed_batch_with_opt_out_and_greedy(target, plain):
+    ps = prompts(3, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=25, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=1, max_tokens=25, ignore_eos=True, use_speculation=False),
+              SamplingParams(temperature=0.9, seed=2, max_tokens=25, ignore_eos=True)]
+    llm = spec_llm(target, "dflash", "dflash")
+    assert [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in plain.generate(ps, params, use_tqdm=False)]
+    out = llm.generate(ps, params, use_tqdm=False)
+    assert out[1].metrics["num_drafts"] == 0 and out[0].metrics["num_drafts"] > 0
+
+
+@pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla"),
+                                             ("dspark", "dspark_rnn")])
+@pytest.mark.parametrize("rejection", ["standard", "block"])
+def test_probabilistic_drafts_run_and_greedy_rows_stay_exact(target, plain, method, fixture, rejection):
+    llm = spec_llm(target, method, fixture, draft_sample_method="probabilistic", rejection_sample_method=rejection)
+    ps = prompts(3, seed=4)
+    sampled = SamplingParams(temperature=1.0, seed=9, max_tokens=20, ignore_eos=True)
+    outs = llm.generate(ps, [sampled, GREEDY, sampled], use_tqdm=False)
+    assert all(o.error is None for o in outs)
+    assert outs[1].outputs[0].token_ids == run(plain, [ps[1]], GREEDY)[0]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [20, 40, 20]
+    assert all(0 <= t < 96 for o in outs for t in o.outputs[0].token_ids)
+    assert llm.get_metrics()["num_drafts"] > 0
+
+
+def test_metrics_names_and_per_request(target):
+    llm = spec_llm(target, "dflash", "dflash")
+    out = llm.generate(prompts(2), GREEDY, use_tqdm=False)
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
+                "acceptance_rate", "mean_acceptance_length"):
+        assert key in out[0].metrics and key in llm.get_metrics()
+    m = llm.get_metrics()
+    assert m["num_draft_tokens"] == sum(o.metrics["num_draft_tokens"] for o in out)
+    assert m["acceptance_rate"] == pytest.approx(m["num_accepted_tokens"] / m["num_draft_tokens"])
+    assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
+    assert {"draft_s", "verify_s", "rest_s"} <= set(m)
+
+
+def test_drafter_that_does_not_fit_the_target(tmp_path):
+    other = save_tiny(tmp_path / "t", "qwen3", seed=0, vocab=96, hidden=64, layers=5, heads=4, kv_heads=2)
+    with pytest.raises(ConfigError, match="hidden_size"):
+        spec_llm(other, "dflash", "dflash")
+    with pytest.raises(ConfigError, match="num_speculative_tokens=9 exceeds"):
+        spec_llm(save_tiny(tmp_path / "t2", "qwen3", seed=0, **TARGET_KW), "dflash", "dflash",
+                 num_speculative_tokens=9)
