@@ -42,6 +42,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * x32.to(x.dtype)
 
 
+@fused
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(x + residual, rms_norm(x + residual)) in one pass: the pre-norm residual stream."""
+    total = x + residual
+    return total, rms_norm.__wrapped__(total, weight, eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -132,6 +139,25 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+@fused
+def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, eps: float, cos: Tensor,
+                 sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-head q/k RMSNorm (Qwen3; skipped when the weights are None) then RoPE, heads moved to dim 1.
+
+    q: [R, Q, Hq, hd], k: [R, Q, Hkv, hd] -> [R, Hq, Q, hd], [R, Hkv, Q, hd]."""
+    if q_weight is not None:
+        q = rms_norm.__wrapped__(q, q_weight, eps)
+        k = rms_norm.__wrapped__(k, k_weight, eps)
+    return (apply_rotary.__wrapped__(q.transpose(1, 2), cos, sin),
+            apply_rotary.__wrapped__(k.transpose(1, 2), cos, sin))
+
+
+def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """Boolean keep-mask -> additive float mask, converted once per forward instead of once per layer."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """Masked GQA attention. q: [R, Hq, Q, hd]; k, v: [R, Hkv, L, hd]; mask: [R, 1, Q, L] bool (True = attend)."""
+    """Masked GQA attention. q: [R, Hq, Q, hd]; k, v: [R, Hkv, L, hd]; mask: [R, 1, Q, L], bool (True =
+    attend) or additive float."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

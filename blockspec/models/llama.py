@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from blockspec.config import ModelConfig
 from blockspec.engine.kv_cache import AttnMeta, KVCache
-from blockspec.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attention
+from blockspec.models.layers import GatedMLP, RMSNorm, Rotary, add_rms_norm, additive_mask, attention, qk_norm_rope
 
 
 class Attention(nn.Module):
@@ -30,6 +30,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
+        self.eps = cfg.rms_norm_eps
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x: [R, Q, H] -> q [R, Hq, Q, hd], k/v [R, Hkv, Q, hd] with q/k-norm and RoPE applied."""
@@ -38,11 +39,9 @@ class Attention(nn.Module):
         q = q.view(r, n, self.heads, self.head_dim)
         k = k.view(r, n, self.kv_heads, self.head_dim)
         v = v.view(r, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        qw = self.q_norm.weight if self.q_norm is not None else None
+        kw = self.k_norm.weight if self.k_norm is not None else None
+        q, k = qk_norm_rope(q, k, qw, kw, self.eps, cos, sin)
         return q, k, v
 
     def forward(
@@ -69,11 +68,20 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, cache: KVCache | None, meta: AttnMeta
-    ) -> Tensor:
-        mask = meta.masks[self.layer_type]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, meta, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, layer: int, cache: KVCache | None,
+        meta: AttnMeta, masks: dict[str, Tensor],
+    ) -> tuple[Tensor, Tensor]:
+        """Pre-norm block on the residual stream; returns (block output, residual) un-summed so the
+        next layer fuses the add into its norm."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, h = x, norm(x)
+        else:
+            residual, h = add_rms_norm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(h, cos, sin, layer, cache, meta, masks[self.layer_type])
+        post = self.post_attention_layernorm
+        residual, h = add_rms_norm(h, residual, post.weight, post.eps)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -110,13 +118,15 @@ class CausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(meta.positions, x.dtype)
+        masks = {name: additive_mask(m, x.dtype) for name, m in meta.masks.items()}
         tapped: dict[int, Tensor] = {-1: x} if -1 in taps else {}
         last = len(self.layers) - 1
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, i, cache, meta)
+            x, residual = layer(x, residual, cos, sin, i, cache, meta, masks)
             if i in taps and i != last:
-                tapped[i] = x
-        x = self.norm(x)
+                tapped[i] = x + residual
+        x = self.norm(x + residual)
         if last in taps:
             tapped[last] = x
         features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
