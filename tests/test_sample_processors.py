@@ -147,11 +147,16 @@ def test_needs_full_processing_and_features() -> None:
 def _mixed_batch(n: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, RowParams]:
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, vocab, generator=g) * 3
-    pick = lambda options: [options[i % len(options)] for i in range(n)]  # noqa: E731
-    counts = torch.randint(0, 3, (n, vocab), generator=g, dtype=torch.int32) * (torch.rand(n, vocab, generator=g) < 0.1)
+
+    def pick(options: list) -> list:
+        return [options[i % len(options)] for i in range(n)]
+
+    counts = torch.randint(0, 3, (n, vocab), generator=g, dtype=torch.int32)
+    counts *= torch.rand(n, vocab, generator=g) < 0.1
     prompt = torch.rand(n, vocab, generator=g) < 0.05
     bias_rows = torch.arange(0, n, 3)
-    bias = (bias_rows, torch.randint(0, vocab, (len(bias_rows),), generator=g), torch.randn(len(bias_rows), generator=g))
+    bias = (bias_rows, torch.randint(0, vocab, (len(bias_rows),), generator=g),
+            torch.randn(len(bias_rows), generator=g))
     p = RowParams.from_host(temperature=pick([0.0, 0.7, 1.0, 1.3, 0.5]), seed=list(range(n)), position=list(range(n)),
                             top_k=pick([0, 5, 0, 40, 1, 0, 7]), top_p=pick([1.0, 0.9, 0.5, 1.0]),
                             min_p=pick([0.0, 0.05, 0.0]), presence_penalty=pick([0.0, 0.5, -0.3]),
@@ -163,7 +168,10 @@ def _mixed_batch(n: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, RowPa
 
 def _row(p: RowParams, i: int) -> RowParams:
     """Row i alone, with host features computed for that row only (so every unused processor is skipped)."""
-    pick = lambda t: t[i:i + 1].tolist()  # noqa: E731
+
+    def pick(t: torch.Tensor) -> list:
+        return t[i:i + 1].tolist()
+
     rows, toks, vals = p.logit_bias
     keep = rows == i
     return RowParams.from_host(

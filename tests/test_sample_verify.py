@@ -4,6 +4,7 @@ greedy semantics and bad rows."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections import defaultdict
@@ -14,7 +15,7 @@ import torch
 
 from blockspec.sample import verify as verify_mod
 from blockspec.sample.processors import RowParams, expand_history, process_logits
-from blockspec.sample.sampler import greedy_ids, sample_draft
+from blockspec.sample.sampler import greedy_ids, sample_draft, sample_processed
 from blockspec.sample.verify import (bad_rows, verify_block, verify_greedy, verify_sample_and_match,
                                      verify_standard)
 
@@ -153,7 +154,7 @@ def test_exact_enumeration_detects_a_wrong_residual() -> None:
 
 # ---------------------------------------------------------------- the real functions, several steps
 
-N_TRIALS = 40000
+N_TRIALS = 30000
 LENGTH = 4  # tokens compared per trial: needs up to LENGTH verify steps, so keys must differ per round
 
 
@@ -170,8 +171,10 @@ def simulate(method: str, drafting: str, seed_base: int = 0, q_override: str | N
     """Run verify steps for N_TRIALS independent requests until each has ``length`` tokens.
 
     Returns (the first ``length`` tokens [N_TRIALS, length], accepted count of step 1).
-    Step 1 drafts K tokens; later steps use random draft lengths 0..K (truncated blocks)."""
+    Step 1 drafts K tokens; later steps use random draft lengths 0..K (truncated blocks).
+    Tensors are made on the default device (``with torch.device(...)``)."""
     n = N_TRIALS
+    p_tab, q_tab = P_TAB.to(torch.get_default_device()), Q_TAB.to(torch.get_default_device())
     g = torch.Generator().manual_seed(1234 + seed_base)
     seeds = torch.arange(n, dtype=torch.int64) + 10**6 * seed_base
     seq = torch.full((n, length * (K + 1)), -1, dtype=torch.int64)
@@ -184,7 +187,7 @@ def simulate(method: str, drafting: str, seed_base: int = 0, q_override: str | N
         a1, a2 = c1, c2
         drafts, qs = [], []
         for i in range(K):  # drafts sampled left to right: q_i depends on the drafted prefix
-            logits = Q_TAB[a1, a2].float()
+            logits = q_tab[a1, a2].float()
             if drafting == "greedy":
                 tok = greedy_ids(logits)
             else:
@@ -194,7 +197,8 @@ def simulate(method: str, drafting: str, seed_base: int = 0, q_override: str | N
             drafts.append(tok)
             a1, a2 = a2, tok
         drafts_t = torch.stack(drafts, 1)
-        draft_lens = torch.full((n,), K) if step == 0 else torch.randint(0, K + 1, (n,), generator=g)
+        draft_lens = torch.full((n,), K) if step == 0 else \
+            torch.randint(0, K + 1, (n,), generator=g, device="cpu").to(lens.device)
         drafts_t = torch.where(torch.arange(K) < draft_lens.unsqueeze(1), drafts_t, -1)
         # target rows 0..K: row i sees the drafts before it
         t1, t2, ctx = c1, c2, []
@@ -202,7 +206,7 @@ def simulate(method: str, drafting: str, seed_base: int = 0, q_override: str | N
             ctx.append((t1, t2))
             if i < K:
                 t1, t2 = t2, drafts_t[:, i].clamp(min=0)
-        target_logits = torch.stack([P_TAB[a, b] for a, b in ctx], 1).float()
+        target_logits = torch.stack([p_tab[a, b] for a, b in ctx], 1).float()
         positions = (lens.unsqueeze(1) + torch.arange(K + 1)).flatten()
         params = _rows_params(seeds.repeat_interleave(K + 1), positions, T_TARGET)
         processed = process_logits(target_logits.view(n * (K + 1), V), params).view(n, K + 1, V)
@@ -223,7 +227,13 @@ def simulate(method: str, drafting: str, seed_base: int = 0, q_override: str | N
             seq[rows[write], lens[write] + j] = out[write, j]
         lens = lens + a + 1
     assert (lens >= length).all()
-    return seq[:, :length], first_accept
+    return seq[:, :length].cpu(), first_accept.cpu()
+
+
+@functools.cache
+def simulate_cached(method: str, drafting: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """simulate() with default arguments, shared by the tests that read the same runs."""
+    return simulate(method, drafting)
 
 
 def joint_counts(tokens: torch.Tensor) -> torch.Tensor:
@@ -269,16 +279,26 @@ CASES = [("standard", "probabilistic", "standard"), ("block", "probabilistic", "
 @pytest.mark.parametrize("method,drafting,expected_key", CASES)
 def test_verify_functions_match_target_law(method: str, drafting: str, expected_key: str | None,
                                            law: torch.Tensor, exact_mean_accepted: dict[str, float]) -> None:
-    tokens, first = simulate(method, drafting)
+    tokens, first = simulate_cached(method, drafting)
     assert chi2_pvalue(joint_counts(tokens), N_TRIALS * law) > 1e-4
     if expected_key is not None:  # step-1 accepted length agrees with the exact expectation
         se = first.double().std().item() / math.sqrt(N_TRIALS)
         assert abs(first.double().mean().item() - exact_mean_accepted[expected_key]) < 5 * se
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method,drafting", [("standard", "probabilistic"), ("block", "probabilistic"),
+                                             ("sample_and_match", "greedy")])
+def test_verify_functions_match_target_law_on_cuda(method: str, drafting: str, law: torch.Tensor) -> None:
+    with torch.device("cuda"):
+        tokens, _ = simulate(method, drafting, seed_base=5)
+    assert chi2_pvalue(joint_counts(tokens), N_TRIALS * law) > 1e-4
+
+
 def test_block_accepts_more_than_standard_on_sampled_drafts() -> None:
-    _, standard = simulate("standard", "probabilistic", seed_base=3)
-    _, block = simulate("block", "probabilistic", seed_base=3)
+    _, standard = simulate_cached("standard", "probabilistic")
+    _, block = simulate_cached("block", "probabilistic")
     diff = block.double().mean() - standard.double().mean()
     se = math.sqrt((block.double().var() + standard.double().var()).item() / N_TRIALS)
     assert diff > 5 * se
@@ -422,3 +442,18 @@ def test_chunked_equals_unchunked() -> None:
             full = fn(processed, qq, drafts, lens, p, rnd)
             small = fn(processed, qq, drafts, lens, p, rnd, chunk_elems=vocab * K * 2)
             assert torch.equal(full[0], small[0]) and torch.equal(full[1], small[1])
+
+
+def test_bonus_is_the_plain_target_sample_at_its_position() -> None:
+    # with no drafts every rule emits only the bonus row: drawn with STREAM_TARGET noise keyed by
+    # (seed, position), it is exactly the token plain sampling draws there
+    g = torch.Generator().manual_seed(2)
+    n = 64
+    processed = torch.log_softmax(torch.randn(n, 1, 30, generator=g), -1)
+    p = _params(n, [0.0, 0.8, 1.0, 1.4] * (n // 4), seed=list(range(n)), position=[17 + i for i in range(n)])
+    plain = sample_processed(processed.view(n, 30), p)
+    none = torch.zeros(n, 0, dtype=torch.int64)
+    zero = torch.zeros(n, dtype=torch.int64)
+    for rule in ALL_RULES:
+        a, out = _run(rule, processed, none, zero, p, torch.zeros(n, 0, 30))
+        assert (a == 0).all() and torch.equal(out[:, 0], plain if rule != "greedy" else processed[:, 0].argmax(-1))

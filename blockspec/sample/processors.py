@@ -41,8 +41,9 @@ from torch import Tensor
 
 CHUNK_ELEMS = 1 << 23
 """Rows are processed in chunks of at most this many row x vocab elements. Processing and noise
-temporaries take about 40 bytes per element (sort values + int64 indices, int64 hash words,
-float64 uniforms), so transient memory stays near 320 MiB whatever the batch size."""
+temporaries take about 50 bytes per element (sort values + int64 indices, int64 hash words,
+float64 uniforms), so transient memory stays near 400 MiB whatever the batch size (measured on an
+H200: 0.41 GiB above the outputs for 288 rows x 151936)."""
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,8 @@ def sample_draft(draft_logits: Tensor, p: RowParams, round_: Tensor, greedy: boo
     draw: exp of the processed log-probs, one-hot for greedy (temperature 0) rows, NaN for bad
     rows (whose token is -1; the verifier truncates the draft there).
     ``greedy=True``: argmax of the raw draft logits, no q (the DFlash/DSpark default; ids only).
-    Memory: q itself (the processed buffer, exponentiated in place) plus chunked temporaries.
+    Memory: q reuses the processed-logits buffer (exponentiated in place); other temporaries are
+    per row chunk (CHUNK_ELEMS).
     """
     r, k, vocab = draft_logits.shape
     flat = draft_logits.reshape(r * k, vocab)
@@ -68,9 +69,9 @@ def sample_draft(draft_logits: Tensor, p: RowParams, round_: Tensor, greedy: boo
     tokens = sample_processed(q, p, STREAM_DRAFT, round_.repeat_interleave(k), chunk_elems)
     is_greedy = (p.temperature <= 0).unsqueeze(1)
     for s in row_chunks(r * k, vocab, chunk_elems):
-        one_hot = torch.nn.functional.one_hot(tokens[s].clamp(min=0), vocab).to(torch.float32)
-        q[s] = torch.where(is_greedy[s], one_hot, q[s].exp())
-        q[s].masked_fill_((tokens[s] < 0).unsqueeze(1), float("nan"))
+        chunk = q[s].exp_()
+        one_hot = torch.zeros_like(chunk).scatter_(1, tokens[s].clamp(min=0).unsqueeze(1), 1.0)
+        chunk.copy_(torch.where(is_greedy[s], one_hot, chunk)).masked_fill_((tokens[s] < 0).unsqueeze(1), float("nan"))
     return tokens.view(r, k), q.view(r, k, vocab)
 
 

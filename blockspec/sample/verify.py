@@ -21,7 +21,7 @@ is never reused, and a fully accepted step draws its bonus exactly as plain samp
 
 Memory: the greedy path holds ids only. The probabilistic paths work on the given tensors plus
 chunked temporaries: residual/bonus draws and block residual masses run over request chunks of
-at most CHUNK_ELEMS vocab elements (about 40 bytes each, ~320 MiB at the default).
+at most CHUNK_ELEMS vocab elements (about 50 bytes each, ~400 MiB at the default).
 """
 
 from __future__ import annotations
