@@ -67,6 +67,7 @@ class LMTrainConfig:
     max_steps: int | None = 2000
     max_minutes: float | None = None
     eval_batch_size: int = 16
+    eval_every: int = 0  # validate every N steps and keep the best weights (0: keep the last)
     seed: int = 0
     device: str = "auto"
     progress: bool = True
@@ -74,13 +75,13 @@ class LMTrainConfig:
 
 def new_target(cfg: ModelConfig, seed: int = 0) -> CausalLM:
     """A freshly initialised CausalLM: N(0, 0.02) weights, residual outputs scaled by 1/sqrt(2 * layers)."""
-    torch.manual_seed(seed)
     model = CausalLM(cfg)
+    gen = torch.Generator().manual_seed(seed)
     residual_std = 0.02 / math.sqrt(2 * cfg.num_hidden_layers)
     for name, p in model.named_parameters():
         if p.dim() >= 2:
             std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
-            nn.init.normal_(p, 0.0, std)
+            nn.init.normal_(p, 0.0, std, generator=gen)
         elif "norm" in name:
             nn.init.ones_(p)
         else:
@@ -119,8 +120,12 @@ def perplexity(model: CausalLM, examples: list[Example], pad_id: int, batch_size
 
 
 def train_target(model: CausalLM, train: list[Example], heldout: list[Example], cfg: LMTrainConfig,
-                 pad_id: int) -> dict[str, Any]:
-    """Pretrain `model` in place (AdamW, warm-up + cosine, clipping, bf16 autocast on CUDA); return metrics."""
+                 pad_id: int, valid: list[Example] | None = None) -> dict[str, Any]:
+    """Pretrain `model` in place (AdamW, warm-up + cosine, clipping, bf16 autocast on CUDA); return metrics.
+
+    With `valid` and cfg.eval_every, the weights with the best validation perplexity are kept: a
+    small model on a small corpus overfits after enough epochs. `heldout` is only reported.
+    """
     device = resolve_device(cfg.device)
     model.to(device).train()
     opt = make_optimizer(model, cfg.lr, cfg.weight_decay)
@@ -129,6 +134,7 @@ def train_target(model: CausalLM, train: list[Example], heldout: list[Example], 
     bar = progress_bar(budget.total if budget.calibrated else None, "target LM", cfg.progress)
     step = 0
     loss_ema = None
+    best: tuple[float, int, dict[str, Tensor]] | None = None
     while not budget.done(step):
         ids, mask = (t.to(device, non_blocking=True) for t in next(batches))
         lr = cosine_lr(step, budget.total, cfg.lr, cfg.warmup_frac, cfg.min_lr_ratio)
@@ -152,16 +158,23 @@ def train_target(model: CausalLM, train: list[Example], heldout: list[Example], 
                 bar.set_postfix(loss=f"{loss_ema:.3f}", lr=f"{lr:.2e}")
         if bar is not None:
             bar.update(1)
+        if valid and cfg.eval_every and (step % cfg.eval_every == 0 or budget.done(step)):
+            ppl = perplexity(model, valid, pad_id, cfg.eval_batch_size, device)
+            if best is None or ppl < best[0]:
+                best = (ppl, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
     if bar is not None:
         bar.close()
     model.eval()
-    metrics = {
+    metrics: dict[str, Any] = {
         "steps": step,
         "seconds": round(budget.elapsed(), 1),
         "tokens_seen": step * batches.batch_size * cfg.seq_len,
         "final_train_loss": round(loss_ema, 4) if loss_ema is not None else None,
         "epochs": round(batches.epoch + batches.pos / max(1, len(train)), 2),
     }
+    if best is not None:
+        model.load_state_dict(best[2])
+        metrics.update(valid_perplexity=round(best[0], 3), best_step=best[1])
     if heldout:
         metrics["heldout_perplexity"] = round(perplexity(model, heldout, pad_id, cfg.eval_batch_size, device), 3)
     return metrics

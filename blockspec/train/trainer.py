@@ -35,6 +35,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -45,7 +46,14 @@ from blockspec.config import ConfigError, ModelConfig
 from blockspec.engine.kv_cache import dense_causal_meta
 from blockspec.models.llama import CausalLM
 from blockspec.models.loader import load_target, resolve_device
-from blockspec.spec.drafter import DFlashDraft, DrafterConfig, DraftModel, build_target_layer_ids, save_dflash
+from blockspec.spec.drafter import (
+    DFlashDraft,
+    DrafterConfig,
+    DraftModel,
+    build_target_layer_ids,
+    load_drafter,
+    save_dflash,
+)
 from blockspec.spec.dspark_model import DSparkDraft, DSparkHeads, save_dspark
 from blockspec.train.data import Batches, Example, collate, load_examples, split_examples
 
@@ -119,10 +127,13 @@ class StepBudget:
         return self.max_seconds is not None and self.elapsed() >= self.max_seconds
 
 
-def autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """bf16 autocast on CUDA (fp32 master weights); plain fp32 on CPU."""
+def autocast(device: torch.device, frozen_dtype: torch.dtype = torch.float32) -> contextlib.AbstractContextManager[Any]:
+    """bf16 autocast on CUDA (fp32 master weights). On CPU plain fp32, unless a frozen half-precision
+    target is involved: then autocast to its dtype so fp32 drafter rows can meet its LM head."""
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
+    if frozen_dtype != torch.float32:
+        return torch.autocast("cpu", dtype=frozen_dtype)
     return contextlib.nullcontext()
 
 
@@ -146,6 +157,7 @@ class DrafterTrainConfig:
     """
 
     method: str = "dflash"
+    init_from: str | None = None  # fine-tune this drafter checkpoint instead of building a new one
     num_layers: int = 2
     block_size: int | None = None  # dflash 16, dspark 7
     target_layer_ids: tuple[int, ...] | None = None
@@ -261,18 +273,18 @@ def build_drafter(cfg: DrafterTrainConfig, target_cfg: ModelConfig, mask_token_i
         max_position_embeddings=target_cfg.max_position_embeddings,
         anchor_first=cfg.method == "dspark", num_target_layers=target_cfg.num_hidden_layers, torch_dtype="bfloat16",
     )
-    torch.manual_seed(seed)
     if cfg.method == "dspark":
         heads_cfg = DSparkHeads(cfg.markov_rank, cfg.markov_head_type if cfg.markov_rank > 0 else None,
                                 cfg.confidence_head, cfg.confidence_head and cfg.markov_rank > 0, cfg.num_anchors)
         model: DraftModel = DSparkDraft(dcfg, heads_cfg)
     else:
         model = DFlashDraft(dcfg)
+    gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if "norm" in name and p.dim() == 1:
             nn.init.ones_(p)
         elif p.dim() >= 2:
-            nn.init.normal_(p, 0.0, 0.02)
+            nn.init.normal_(p, 0.0, 0.02, generator=gen)
         else:
             nn.init.zeros_(p)
     return model
@@ -407,8 +419,7 @@ def drafter_loss(drafter: DraftModel, target: CausalLM, input_ids: Tensor, loss_
     label_pos = anchors[:, :, None] + j + 1  # [b, N, K]
     inside = label_pos < seq
     label_pos_c = label_pos.clamp(max=seq - 1)
-    flat = lambda t: t.reshape(bsz, -1)  # noqa: E731 - gather helper over [b, N*K]
-    supervised = flat(loss_mask).gather(1, flat(label_pos_c)).view_as(label_pos) > 0
+    supervised = loss_mask.gather(1, label_pos_c.reshape(bsz, -1)).view_as(label_pos) > 0
     valid = (inside & supervised & anchor_valid[:, :, None]).long().cumprod(dim=-1).bool()
     decay = torch.exp(-j.float() / cfg.loss_decay_gamma)
     weight = valid.float() * decay
@@ -425,7 +436,7 @@ def drafter_loss(drafter: DraftModel, target: CausalLM, input_ids: Tensor, loss_
     if isinstance(drafter, DSparkDraft):
         prev_ids = input_ids[bi, prev_pos]
         if drafter.markov_head is not None:
-            prev_full = input_ids.gather(1, flat(label_pos_c - 1)).view_as(label_pos)
+            prev_full = input_ids.gather(1, (label_pos_c - 1).reshape(bsz, -1)).view_as(label_pos)
             latent = markov_latents(drafter, slot_h, prev_full)[bi, ni, ji]
             bias = drafter.markov_head.markov_w2(latent).float()
             logits = logits + (bias * drafter.config.logit_scale if drafter.config.logit_scale != 1.0 else bias)
@@ -498,12 +509,16 @@ class DrafterTrainer:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.target = target.to(self.device).eval().requires_grad_(False)
+        self.target_dtype = target.embed_tokens.weight.dtype
         self.pad_id = pad_id
         self.train_examples = [e for e in train if len(e.input_ids) >= 2]
         self.heldout = heldout or []
         self.drafter = drafter or build_drafter(cfg, target.config, mask_token_id, cfg.seed)
         self.drafter.cast(self.device, torch.float32)
         self.drafter.train().requires_grad_(True)
+        for frozen in (self.drafter.embed_tokens, self.drafter.lm_head):  # copies of the target's: frozen
+            if frozen is not None:
+                frozen.requires_grad_(False)
         self.drafter.check_target(target.config)
         self.opt = make_optimizer(self.drafter, cfg.lr, cfg.weight_decay)
         self.batches = Batches(self.train_examples, cfg.batch_size, pad_id, cfg.seed)
@@ -511,6 +526,7 @@ class DrafterTrainer:
         self.step_num = 0
         self.total: int | None = None
         self.meter = AcceptanceMeter(self.drafter.num_draft_slots)
+        self.history: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------ one update
     def step(self, total: int) -> StepOutput:
@@ -521,7 +537,7 @@ class DrafterTrainer:
         lr = cosine_lr(self.step_num, total, cfg.lr, cfg.warmup_frac, cfg.min_lr_ratio)
         for g in self.opt.param_groups:
             g["lr"] = lr
-        with autocast(self.device):
+        with autocast(self.device, self.target_dtype):
             out = drafter_loss(self.drafter, self.target, ids, mask, anchors, valid, cfg)
         self.opt.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -550,7 +566,7 @@ class DrafterTrainer:
             ids, mask = collate(examples[i : i + bs], self.pad_id)
             anchors, valid = sample_anchors(mask, self.cfg.num_anchors, gen)
             ids, mask, anchors, valid = (t.to(self.device) for t in (ids, mask, anchors, valid))
-            with autocast(self.device):
+            with autocast(self.device, self.target_dtype):
                 out = drafter_loss(self.drafter, self.target, ids, mask, anchors, valid, self.cfg)
             sums["loss"] = sums.get("loss", 0.0) + float(out.loss)
             for key, value in out.parts.items():
@@ -612,7 +628,7 @@ class DrafterTrainer:
         bar = progress_bar(budget.total if budget.calibrated else None, f"train {cfg.method}", cfg.progress)
         if bar is not None:
             bar.update(self.step_num)
-        history: list[dict[str, Any]] = []
+        history = self.history
         last: dict[str, float] = {}
         self.meter = AcceptanceMeter(self.drafter.num_draft_slots)
         while not budget.done(self.step_num):
@@ -644,16 +660,23 @@ class DrafterTrainer:
                                    "final_train": {k: round(v, 5) for k, v in last.items()}}
         if self.heldout:
             metrics["heldout"] = self.evaluate()
-        self.history = history
         return metrics
 
     def export(self, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-        """z-lab DFlash or DeepSpec DSpark directory (weights in `dtype`); DeepSpec files carry the target's
-        embedding and LM head, as the released checkpoints do."""
+        """The drafter in its source format (new drafters: z-lab DFlash / DeepSpec DSpark), weights in `dtype`.
+
+        DeepSpec and speculators files carry copies of the target's embedding and LM head, as the
+        released checkpoints do; they are separate copies because a tied target's embedding and head
+        share storage, which safetensors refuses.
+        """
         model = copy.deepcopy(self.drafter).cast("cpu", dtype).eval()
+        t = self.target
+        vocab = SimpleNamespace(embed_tokens=SimpleNamespace(weight=t.embed_tokens.weight.detach().clone()),
+                                lm_head=SimpleNamespace(weight=t.lm_head.weight.detach().clone()))
+        speculators = model.source_format == "speculators"
         if isinstance(model, DSparkDraft):
-            return save_dspark(model, out_dir, format="deepspec", target=self.target)
-        return save_dflash(model, out_dir, format="zlab")
+            return save_dspark(model, out_dir, format="speculators" if speculators else "deepspec", target=vocab)
+        return save_dflash(model, out_dir, format="speculators" if speculators else "zlab", target=vocab)
 
 
 # ================================================================ regeneration
@@ -823,8 +846,13 @@ def train_drafter(
             raise ConfigError("regenerate=True needs the target as a directory (the engine loads it)")
         examples = regenerate_examples(target_dir, examples, cfg, str(device))
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
-    mask_id = resolve_mask_token_id(cfg, tokenizer, target.config)
-    trainer = DrafterTrainer(target, examples, cfg, mask_id, pad_id, heldout)
+    drafter = None
+    if cfg.init_from:
+        drafter = load_drafter(cfg.method, cfg.init_from, device="cpu", dtype=torch.float32)
+        mask_id = drafter.mask_token_id
+    else:
+        mask_id = resolve_mask_token_id(cfg, tokenizer, target.config)
+    trainer = DrafterTrainer(target, examples, cfg, mask_id, pad_id, heldout, drafter)
     metrics = trainer.fit()
     metrics["train_examples"] = len(trainer.train_examples)
     metrics["heldout_examples"] = len(heldout)

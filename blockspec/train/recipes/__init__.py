@@ -1,0 +1,1 @@
+"""Reproducible end-to-end training recipes (`python -m blockspec.train.recipes.<name>`)."""

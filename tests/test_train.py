@@ -1,0 +1,283 @@
+"""Training side: data and masks, tokenizer, target-LM export, drafter training forward == inference, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from blockspec.engine.kv_cache import dense_causal_meta
+from blockspec.models.loader import load_target
+from blockspec.spec.drafter import load_dflash
+from blockspec.spec.dspark_model import DSparkDraft, load_dspark
+from blockspec.train.data import (
+    HELDOUT_PACKAGES,
+    SPECIAL_TOKENS,
+    Batches,
+    Example,
+    pack_documents,
+    read_texts,
+    record_example,
+    save_tokenizer,
+    stdlib_split,
+    text_examples,
+    train_tokenizer,
+)
+from blockspec.train.target_lm import LMTrainConfig, TargetShape, new_target, perplexity, save_hf_target, train_target
+from blockspec.train.trainer import (
+    DrafterTrainConfig,
+    DrafterTrainer,
+    block_attention_masks,
+    build_drafter,
+    drafter_loss,
+    greedy_acceptance,
+    markov_latents,
+    sample_anchors,
+    target_forward,
+    train_block_hidden,
+    train_drafter,
+)
+from factories import save_tiny
+
+SAMPLE = "def f(x):\n\treturn x  # héllo 中文 \r\n    \n" + "class A:\n    pass\n"
+
+
+@pytest.fixture(scope="module")
+def split():
+    return stdlib_split()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(split, tmp_path_factory):
+    texts = read_texts(split.train[:25])
+    tok = train_tokenizer(texts, vocab_size=600)
+    path = tmp_path_factory.mktemp("tok")
+    save_tokenizer(tok, path)
+    return transformers.AutoTokenizer.from_pretrained(str(path))
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    path = save_tiny(tmp_path_factory.mktemp("target"), "qwen3", seed=5, vocab=96, hidden=64, layers=4)
+    target, _ = load_target(path, dtype="float32", device="cpu")
+    return target, path
+
+
+# ---------------------------------------------------------------- data
+def test_stdlib_split_holds_out_packages_and_tests(split):
+    assert split.train == sorted(split.train) and split.heldout
+    for p in split.train:
+        rel = p.relative_to(split.root).parts
+        assert rel[0] not in HELDOUT_PACKAGES and rel[0] not in {f"{h}.py" for h in HELDOUT_PACKAGES}
+        assert not {"test", "tests", "site-packages"} & set(rel[:-1])
+    assert {p.relative_to(split.root).parts[0] for p in split.heldout} <= set(HELDOUT_PACKAGES)
+    assert stdlib_split().train == split.train
+
+
+def test_tokenizer_round_trip_and_specials(tokenizer, split):
+    assert [tokenizer.convert_ids_to_tokens(i) for i in range(len(SPECIAL_TOKENS))] == list(SPECIAL_TOKENS)
+    assert tokenizer.eos_token_id == 0 and tokenizer.pad_token_id == 1 and tokenizer.mask_token_id == 2
+    for text in [SAMPLE, *read_texts(split.heldout[:3])]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(ids) == text
+    assert tokenizer.chat_template
+
+
+def test_chat_and_response_masks(tokenizer):
+    record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo yo"},
+                           {"role": "user", "content": "again"}, {"role": "assistant", "content": "ok"}]}
+    ex = record_example(record, tokenizer, 512)
+    supervised = tokenizer.decode([t for t, m in zip(ex.input_ids, ex.loss_mask) if m])
+    assert supervised == "yo yo<|im_end|>\nok<|im_end|>\n"
+    assert tokenizer.decode(ex.input_ids) == tokenizer.apply_chat_template(record["messages"], tokenize=False)
+    ex2 = record_example({"prompt": "say", "response": "x = 1"}, tokenizer, 512)
+    assert tokenizer.decode([t for t, m in zip(ex2.input_ids, ex2.loss_mask) if m]) == "x = 1<|im_end|>\n"
+    assert record_example({"prompt": "say", "response": "x = 1"}, tokenizer, 3) is None  # truncated away
+    tokenizer.chat_template, saved = None, tokenizer.chat_template
+    try:
+        ex3 = record_example({"prompt": "say ", "response": "x = 1"}, tokenizer, 512)
+    finally:
+        tokenizer.chat_template = saved
+    assert tokenizer.decode([t for t, m in zip(ex3.input_ids, ex3.loss_mask) if m]) == "x = 1<|endoftext|>"
+
+
+def test_text_packing_and_batches():
+    chunks = pack_documents([[5, 6, 7], [8, 9]], max_len=4, eos_id=0)
+    assert [c.input_ids for c in chunks] == [[5, 6, 7, 0], [8, 9, 0]]
+    assert all(all(c.loss_mask) for c in chunks)
+    examples = [Example([i, i + 1, i + 2], [1, 1, 1]) for i in range(10)]
+    a = Batches(examples, 3, pad_id=1, seed=4)
+    seen = [next(a)[0] for _ in range(5)]
+    b = Batches(examples, 3, pad_id=1, seed=4)
+    for _ in range(2):
+        next(b)
+    c = Batches(examples, 3, pad_id=1, seed=4)
+    c.load_state_dict(b.state_dict())
+    assert all(torch.equal(next(c)[0], s) for s in seen[2:])
+
+
+def test_anchor_sampling_only_on_supervised_pairs():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1], [0, 1, 1, 0, 0, 0, 0, 0]])
+    anchors, valid = sample_anchors(mask, 8, torch.Generator().manual_seed(0))
+    assert anchors.shape == (2, 3)
+    for row, (a, v) in enumerate(zip(anchors.tolist(), valid.tolist())):
+        good = [p for p, ok in zip(a, v) if ok]
+        assert good == sorted({2, 3, 6} if row == 0 else {1})
+        assert a == sorted(a)
+
+
+# ---------------------------------------------------------------- target LM
+def test_target_lm_trains_and_exports_hf(tokenizer, split, tmp_path):
+    examples = text_examples(read_texts(split.train[:15]), tokenizer, 64)
+    held = text_examples(read_texts(split.heldout[:2]), tokenizer, 64)[:8]
+    shape = TargetShape(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                        num_kv_heads=1, head_dim=32, max_position_embeddings=256)
+    model = new_target(shape.model_config(tokenizer.eos_token_id), seed=0)
+    before = perplexity(model, held, tokenizer.pad_token_id)
+    metrics = train_target(model, examples, held, LMTrainConfig(seq_len=64, batch_size=8, max_steps=30, lr=8e-3,
+                                                                device="cpu", progress=False), tokenizer.pad_token_id)
+    assert metrics["heldout_perplexity"] < 0.6 * before
+    out = save_hf_target(model, tmp_path / "lm", tokenizer, dtype="float32")
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == tokenizer.eos_token_id
+    ours, _ = load_target(out, dtype="float32", device="cpu")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.tensor([held[0].input_ids[:40]])
+    hidden, _ = ours(ids, dense_causal_meta(1, 40, "cpu"), None)
+    with torch.no_grad():
+        assert (ours.compute_logits(hidden) - hf(ids).logits).abs().max() < 1e-4
+    assert transformers.AutoTokenizer.from_pretrained(str(out)).decode(ids[0].tolist()) == tokenizer.decode(ids[0])
+
+
+# ---------------------------------------------------------------- drafter forward == inference
+DRAFTERS = [("dflash", "vanilla"), ("dspark", "vanilla"), ("dspark", "gated"), ("dspark", "rnn")]
+
+
+@pytest.mark.parametrize("method,head", DRAFTERS, ids=[f"{m}-{h}" for m, h in DRAFTERS])
+def test_training_forward_equals_inference(tiny_target, method, head):
+    target, _ = tiny_target
+    cfg = DrafterTrainConfig(method=method, num_layers=2, block_size=5, markov_rank=8, markov_head_type=head,
+                             device="cpu")
+    drafter = build_drafter(cfg, target.config, mask_token_id=95, seed=1).cast("cpu", torch.float32).eval()
+    ids = torch.randint(0, 90, (2, 20), generator=torch.Generator().manual_seed(0))
+    anchors = torch.tensor([[0, 7, 12], [3, 5, 18]])
+    with torch.no_grad():
+        _, feats = target_forward(target, ids, drafter.target_layer_ids)
+        train_h = train_block_hidden(drafter, ids, feats, anchors, target.embed)
+        for b in range(2):
+            for n, p in enumerate(anchors[b].tolist()):
+                cache = drafter.new_cache(1, 64)
+                drafter.append_context(cache, [0], [0], [p], feats[b : b + 1, :p])
+                infer_h = drafter.block_hidden(cache, [0], [p], ids[b, p : p + 1], target.embed)
+                assert (infer_h[0] - train_h[b, n]).abs().max() < 1e-5
+                train_logits = drafter.logits(drafter.slot_hidden(train_h[b, n][None]), target)
+                infer_logits = drafter.logits(drafter.slot_hidden(infer_h), target)
+                assert (train_logits - infer_logits).abs().max() < 1e-4
+        if isinstance(drafter, DSparkDraft):  # teacher-forced Markov latents == the sequential head
+            slot_h = drafter.slot_hidden(train_h[0])[None]  # [1, N, K, H]
+            prev = ids[0, anchors[0][:, None] + torch.arange(5)][None]
+            latent = markov_latents(drafter, slot_h, prev)
+            state = None
+            for j in range(5):
+                bias, state = drafter.markov_step(j, slot_h[0, :, j], prev[0, :, j], state)
+                assert (drafter.markov_head.markov_w2(latent[0, :, j]).float() - bias).abs().max() < 1e-5
+
+
+def test_block_mask_semantics(tiny_target):
+    target, _ = tiny_target
+    cfg = DrafterTrainConfig(method="dflash", num_layers=1, block_size=3, device="cpu")
+    drafter = build_drafter(cfg, target.config, mask_token_id=95)
+    mask = block_attention_masks(drafter.config, torch.tensor([[2, 5]]), seq_len=8)[0][0, 0]
+    assert mask.shape == (6, 8 + 6)
+    assert mask[0, :8].tolist() == [True, True] + [False] * 6  # context strictly before anchor 2
+    assert mask[4, :8].tolist() == [True] * 5 + [False] * 3
+    assert mask[0, 8:].tolist() == [True] * 3 + [False] * 3  # own block both ways, no other block
+    assert mask[5, 8:].tolist() == [False] * 3 + [True] * 3
+
+
+# ---------------------------------------------------------------- training runs
+def _pattern_examples(n: int, length: int, seed: int) -> list[Example]:
+    """Learnable sequences: counting mod 90 from a random start (the block is a function of the anchor)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        start = int(torch.randint(0, 90, (1,), generator=g))
+        ids = [(start + i) % 90 for i in range(length)]
+        out.append(Example(ids, [0] * 4 + [1] * (length - 4)))
+    return out
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_drafter_training_lowers_loss_and_exports(tiny_target, method, tmp_path):
+    target, _ = tiny_target
+    cfg = DrafterTrainConfig(method=method, num_layers=1, block_size=4, markov_rank=16, max_len=32, batch_size=8,
+                             num_anchors=8, lr=1e-2, warmup_frac=0.0, max_steps=30, device="cpu", progress=False,
+                             eval_batches=2,
+                             mask_token_id=95)
+    data = _pattern_examples(48, 32, seed=1)
+    result = train_drafter(target, data, cfg, eval_data=_pattern_examples(8, 32, seed=2), out_dir=tmp_path / method)
+    hist = result.history
+    assert hist[-1]["loss"] < 0.85 * hist[0]["loss"], hist
+    assert result.metrics["heldout"]["tau_estimate"] >= 1.0
+    loaded = (load_dflash if method == "dflash" else load_dspark)(tmp_path / method, device="cpu", dtype="float32")
+    loaded.check_target(target.config)
+    assert type(loaded) is type(result.drafter) and loaded.block_size == 4
+    assert loaded.mask_token_id == result.drafter.mask_token_id
+    for name, p in result.drafter.named_parameters():  # exported in bf16
+        q = dict(loaded.named_parameters())[name]
+        assert torch.allclose(p.float(), q.float(), atol=1e-2, rtol=1e-2)
+    stats = greedy_acceptance(target, loaded, [data[0].input_ids[:6]], max_new_tokens=12, eos_ids=[1])
+    assert stats["matches_plain_greedy"] and stats["mean_acceptance_length"] >= 1.0
+    tuned = DrafterTrainConfig(method=method, init_from=str(tmp_path / method), max_len=32, batch_size=8,
+                               max_steps=2, device="cpu", progress=False)
+    again = train_drafter(target, data, tuned, eval_data=data[:4], out_dir=tmp_path / "tuned")
+    assert again.drafter.config == loaded.config and (tmp_path / "tuned" / "model.safetensors").is_file()
+
+
+def test_resume_gives_the_same_next_step(tiny_target, tmp_path):
+    target, _ = tiny_target
+    cfg = DrafterTrainConfig(method="dspark", num_layers=1, block_size=3, markov_rank=8, max_len=24, batch_size=4,
+                             num_anchors=4, max_steps=4, device="cpu", progress=False)
+    data = _pattern_examples(10, 24, seed=3)
+    a = DrafterTrainer(target, data, cfg, mask_token_id=95, pad_id=0)
+    for _ in range(2):
+        a.step(4)
+    a.save_checkpoint(tmp_path / "ckpt.pt")
+    torch.manual_seed(123)  # disturb global RNG: the restore must not depend on it
+    expected = a.step(4)
+    b = DrafterTrainer(target, data, cfg, mask_token_id=95, pad_id=0)
+    b.load_checkpoint(tmp_path / "ckpt.pt")
+    got = b.step(4)
+    assert b.step_num == a.step_num == 3
+    assert float(got.loss.detach()) == float(expected.loss.detach())
+    for (n, p), q in zip(a.drafter.named_parameters(), b.drafter.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_drafter_loss_ignores_invalid_blocks(tiny_target):
+    target, _ = tiny_target
+    cfg = DrafterTrainConfig(method="dflash", num_layers=1, block_size=4, device="cpu")
+    drafter = build_drafter(cfg, target.config, mask_token_id=95).cast("cpu", torch.float32)
+    ids = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(1, 12, dtype=torch.long)
+    anchors = torch.tensor([[2, 9]])
+    full = drafter_loss(drafter, target, ids, mask, anchors, torch.tensor([[True, True]]), cfg)
+    # anchor 9: labels 10, 11 inside, 12 outside -> a valid prefix of 2; anchor 2: all 3 slots
+    assert full.valid.sum(-1).tolist() == [[3, 2]]
+    one = drafter_loss(drafter, target, ids, mask, anchors, torch.tensor([[True, False]]), cfg)
+    assert one.valid.sum().item() == 3
+
+
+def test_regenerate_replaces_responses_with_target_greedy(tiny_target):
+    from blockspec.train.trainer import _plain_greedy, regenerate_examples
+
+    target, path = tiny_target
+    cfg = DrafterTrainConfig(method="dflash", max_len=20, regen_prompt_tokens=6, device="cpu", progress=False)
+    chat_like = Example(list(range(10, 18)), [0] * 5 + [1] * 3)  # prompt = the 5 unsupervised tokens
+    text = Example(list(range(30, 50)), [1] * 20)  # fully supervised: prompt = first 6 tokens
+    out = regenerate_examples(path, [chat_like, text], cfg, device="cpu")
+    for ex, cut in zip(out, (5, 6)):
+        assert ex.loss_mask == [0] * cut + [1] * (len(ex.input_ids) - cut)
+        prompt = ex.input_ids[:cut]
+        assert ex.input_ids[cut:] == _plain_greedy(target, prompt, 20 - cut, {1})
