@@ -15,17 +15,19 @@ from blockspec.config import RopeConfig
 
 
 def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run `fn` as one generated kernel on CUDA (torch.compile fuses its elementwise ops; shapes are
-    dynamic so prefill, decode and verify share one compilation); eager elsewhere, which is also the
-    reference the compiled path is tested against."""
+    """Run `fn` as one generated kernel in CUDA inference (torch.compile fuses its elementwise ops;
+    shapes are dynamic so prefill, decode and verify share one compilation). Eager on CPU, under
+    autograd and under autocast (training), which is also the reference the compiled path is tested
+    against. Compilation problems fall back to eager instead of failing the forward."""
     compiled: list[Callable[..., Any]] = []
 
     @functools.wraps(fn)
     def run(*args: Any) -> Any:
-        if not args[0].is_cuda or not FUSE_ON_CUDA:
+        if (not FUSE_ON_CUDA or not args[0].is_cuda or torch.is_autocast_enabled("cuda")
+                or any(isinstance(a, Tensor) and a.requires_grad for a in args)):
             return fn(*args)
         if not compiled:
-            compiled.append(torch.compile(fn, dynamic=True, fullgraph=True))
+            compiled.append(torch.compile(fn, dynamic=True))
         return compiled[0](*args)
 
     return run
