@@ -10,64 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
-from collections.abc import Callable
 
 import torch
 
-from blockspec.config import ModelConfig, RopeConfig
+from blockspec.bench.arch import QWEN3_8B, random_target, step_bytes
+from blockspec.bench.timing import copy_bandwidth, cuda_time
 from blockspec.engine.runner import ModelRunner
 from blockspec.models.llama import CausalLM
-
-QWEN3_8B = ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                       num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                       rope=RopeConfig(theta=1e6), max_position_embeddings=40960, qk_norm=True,
-                       layer_types=("full_attention",) * 36, torch_dtype="bfloat16", eos_token_ids=(151645,))
-
-
-def cuda_time(fn: Callable[[], object], iters: int, repeats: int) -> tuple[float, float, float]:
-    """Median, min and max seconds per call over `repeats` runs of `iters` calls (after warm-up)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) / 1000 / iters)
-    return statistics.median(samples), min(samples), max(samples)
-
-
-def copy_bandwidth(nbytes: int = 4 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting read + write."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    med, _, _ = cuda_time(lambda: dst.copy_(src), iters=10, repeats=10)
-    del src, dst
-    return 2 * nbytes / med
-
-
-def random_target(cfg: ModelConfig, max_positions: int) -> CausalLM:
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = CausalLM(cfg, max_positions)
-    model = model.to(torch.bfloat16)
-    for p in model.parameters():
-        if p.dim() == 2:
-            torch.nn.init.normal_(p, std=0.02)
-    return model.eval().requires_grad_(False)
-
-
-def step_bytes(model: torch.nn.Module) -> int:
-    """Weights read by one decode step: every parameter but the embedding table (one row is read)."""
-    emb = model.embed_tokens.weight
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb) + (
-        emb.numel() * emb.element_size() if model.config.tie_word_embeddings else 0)
 
 
 def main() -> None:

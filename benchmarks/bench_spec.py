@@ -15,25 +15,10 @@ import time
 
 import torch
 
-from bench_decode import QWEN3_8B, copy_bandwidth, cuda_time, random_target, step_bytes
+from blockspec.bench.arch import QWEN3_8B, QWEN3_8B_DFLASH, param_bytes, random_drafter, random_target, step_bytes
+from blockspec.bench.timing import copy_bandwidth, cuda_time
 from blockspec.engine.runner import ModelRunner
 from blockspec.sample import verify_greedy
-from blockspec.spec.drafter import DFlashDraft, DrafterConfig
-
-
-def random_dflash(block: int = 16) -> DFlashDraft:
-    cfg = DrafterConfig(hidden_size=4096, intermediate_size=12288, num_layers=5, num_heads=32, num_kv_heads=8,
-                        head_dim=128, vocab_size=151936, block_size=block, mask_token_id=151669,
-                        target_layer_ids=(1, 9, 17, 25, 33), target_hidden_size=4096,
-                        rope=QWEN3_8B.rope, max_position_embeddings=40960)
-    torch.manual_seed(1)
-    with torch.device("cuda"):
-        model = DFlashDraft(cfg)
-    model.cast("cuda", torch.bfloat16)
-    for p in model.parameters():
-        if p.dim() == 2:
-            torch.nn.init.normal_(p, std=0.02)
-    return model.eval().requires_grad_(False)
 
 
 def main() -> None:
@@ -46,9 +31,9 @@ def main() -> None:
     args = ap.parse_args()
     bw = copy_bandwidth()
     target = random_target(QWEN3_8B, args.context + 128)
-    drafter = random_dflash()
+    drafter = random_drafter(QWEN3_8B_DFLASH)
     drafter.bind_target(target)
-    t_bytes, d_bytes = step_bytes(target), sum(p.numel() * p.element_size() for p in drafter.parameters())
+    t_bytes, d_bytes = step_bytes(target), param_bytes(drafter)
     result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "copy_bandwidth_TBps": bw / 1e12,
               "target_GB": t_bytes / 1e9, "drafter_GB": d_bytes / 1e9,
               "floor_ratio_spec_over_plain": (t_bytes + d_bytes) / t_bytes, "runs": []}

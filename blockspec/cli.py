@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     from blockspec.demo import add_demo_parser
 
     add_demo_parser(sub)
+    from blockspec.bench import add_bench_parser
+
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
     from blockspec.errors import USER_ERRORS
 

@@ -31,7 +31,13 @@ DFLASH_CASES = ["dflash", "dflash_swa", "dflash_swa_noncausal"]
 DSPARK_CASES = ["dspark_vanilla", "dspark_gated", "dspark_rnn"]
 ATOL = 1e-5
 
-torch.set_grad_enabled(False)
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    """Inference-only tests; scoped per test so grad mode never leaks into other test files."""
+    with torch.no_grad():
+        yield
 
 
 class StubTarget(nn.Module):

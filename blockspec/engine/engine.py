@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -60,6 +60,7 @@ class Engine:
         spec_config: SpeculativeConfig | None = None,
         drafter: Any = None,
         eos_token_ids: Iterable[int] = (),
+        proposer_cls: Callable[..., Any] | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -72,7 +73,9 @@ class Engine:
         if spec_config is not None:
             from blockspec.spec.proposer import Proposer
 
-            self.proposer = Proposer(drafter, model, spec_config, config.max_num_seqs, config.max_model_len)
+            # proposer_cls: a Proposer subclass (e.g. the benchmark-only SyntheticProposer); None = Proposer
+            make = proposer_cls or Proposer
+            self.proposer = make(drafter, model, spec_config, config.max_num_seqs, config.max_model_len)
             taps = self.proposer.taps
         # Verify rows reach past the committed length by the draft length; leave room for them.
         margin = (self.proposer.num_speculative_tokens + 1) if self.proposer else 1
