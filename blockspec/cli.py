@@ -152,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--prompts-file", default=None, help="file with one prompt per line, or jsonl with 'prompt'")
         p.add_argument("--chat", action="store_true", help="apply the chat template")
     from blockspec.demo import add_demo_parser
+    from blockspec.server import add_serve_parser
 
     add_demo_parser(sub)
+    add_serve_parser(sub)
     from blockspec.bench import add_bench_parser
 
     add_bench_parser(sub)

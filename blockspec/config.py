@@ -199,6 +199,7 @@ class SpeculativeConfig:
     rejection_sample_method: str = "standard"
     confidence_threshold: float = 0.0
     adaptive_verification: bool = False
+    adaptive_draft_length: bool = True  # pick per step the draft length with the most tokens/s (0 = plain)
     max_batch_for_speculation: int | None = None
 
     @staticmethod

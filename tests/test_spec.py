@@ -37,6 +37,8 @@ def prompts(n: int = 5, seed: int = 0) -> list[dict]:
 
 
 def spec_llm(target: Path, method: str, fixture: str, **spec) -> LLM:
+    """Fixed draft length unless the test asks otherwise, so acceptance assertions see every position."""
+    spec.setdefault("adaptive_draft_length", False)
     return LLM(str(target), device="cpu", max_model_len=160,
                speculative_config={"method": method, "model": str(FIXTURES / fixture), **spec})
 
@@ -166,3 +168,16 @@ def test_drafter_that_does_not_fit_the_target(tmp_path):
     with pytest.raises(ConfigError, match="num_speculative_tokens=9 exceeds"):
         spec_llm(save_tiny(tmp_path / "t2", "qwen3", seed=0, **TARGET_KW), "dflash", "dflash",
                  num_speculative_tokens=9)
+
+
+def test_adaptive_draft_length_stays_exact_and_backs_off(target, plain):
+    """With a drafter that is never right, the policy learns that plain steps give more tokens/s."""
+    ps = prompts(3, seed=5)
+    llm = spec_llm(target, "dflash", "dflash", adaptive_draft_length=True)
+    params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    llm.engine.policy.retry_every = 10**6  # measure each candidate once, then exploit
+    assert run(llm, ps, params) == run(plain, ps, params)
+    policy = llm.engine.policy
+    assert policy.prefix_acceptance()[0] < 0.3
+    assert policy.choose(3) == max(policy.candidates, key=lambda k: policy.expected_tokens(k) /
+                                   policy.step_time[(4, k)])

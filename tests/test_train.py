@@ -267,6 +267,9 @@ def test_drafter_loss_ignores_invalid_blocks(tiny_target):
     assert full.valid.sum(-1).tolist() == [[3, 2]]
     one = drafter_loss(drafter, target, ids, mask, anchors, torch.tensor([[True, False]]), cfg)
     assert one.valid.sum().item() == 3
+    greedy_labels = DrafterTrainConfig(method="dflash", num_layers=1, block_size=4, device="cpu", labels="target")
+    other = drafter_loss(drafter, target, ids, mask, anchors, torch.tensor([[True, True]]), greedy_labels)
+    assert other.parts["ce"] != full.parts["ce"] and torch.equal(other.match, full.match)
 
 
 def test_regenerate_replaces_responses_with_target_greedy(tiny_target):

@@ -20,6 +20,7 @@ from blockspec.engine.request import IncrementalDetokenizer, Logprob, Request, R
 from blockspec.engine.runner import ModelRunner
 from blockspec.models.llama import CausalLM
 from blockspec.sample import RowParams, bad_rows, logprobs as top_logprobs, process_logits, sample
+from blockspec.spec.policy import DraftLengthPolicy
 from blockspec.sampling_params import SamplingError, SamplingParams
 
 
@@ -43,12 +44,16 @@ class StepTimer:
         else:
             self._marks.append((name, time.perf_counter()))
 
-    def close(self) -> None:
-        """Account the marks of one step: each interval is charged to the mark that opens it."""
+    def close(self) -> float:
+        """Account the marks of one step (each interval to the mark that opens it); return the step's time."""
+        self.mark("end")
+        total = 0.0
         for (name, a), (_, b) in itertools.pairwise(self._marks):
             dt = a.elapsed_time(b) / 1000 if self.cuda else b - a
             self.totals[f"{name}_s"] = self.totals.get(f"{name}_s", 0.0) + dt
+            total += dt
         self._marks.clear()
+        return total
 
 
 class Engine:
@@ -76,6 +81,7 @@ class Engine:
             # proposer_cls: a Proposer subclass (e.g. the benchmark-only SyntheticProposer); None = Proposer
             make = proposer_cls or Proposer
             self.proposer = make(drafter, model, spec_config, config.max_num_seqs, config.max_model_len)
+            self.policy = DraftLengthPolicy(self.proposer.num_speculative_tokens, spec_config.adaptive_draft_length)
             taps = self.proposer.taps
         # Verify rows reach past the committed length by the draft length; leave room for them.
         margin = (self.proposer.num_speculative_tokens + 1) if self.proposer else 1
@@ -141,12 +147,16 @@ class Engine:
             if not decoding:
                 return []
             spec = [r for r in decoding if self._speculates(r, len(decoding))]
-            plain = [r for r in decoding if r not in spec]
+            k = self.policy.choose(len(spec)) if spec else 0
+            plain = [r for r in decoding if k == 0 or r not in spec]
             touched = []
-            if spec:
-                touched += self._spec_step(spec)
+            if k:
+                touched += self._spec_step(spec, k)
             if plain:
-                touched += self._plain_step(plain)
+                seconds = self._plain_step(plain)
+                touched += plain
+                if self.proposer is not None and len(plain) == len(decoding):
+                    self.policy.observe_time(len(plain), 0, seconds)
         self.num_steps += 1
         return touched
 
@@ -197,23 +207,24 @@ class Engine:
             self._append(req, [tokens[j]], lps[j] if lps else None)
         return finished_reqs
 
-    def _plain_step(self, reqs: list[Request]) -> list[Request]:
+    def _plain_step(self, reqs: list[Request]) -> float:
+        """One plain decode step for `reqs`; returns its measured time (the policy's K = 0 cost)."""
         self.timer.mark("rest")
         runs = [[r.output_ids[-1]] for r in reqs]
         starts = [r.num_cached for r in reqs]
         hidden, feats = self.runner.forward(runs, starts, [r.slot for r in reqs], with_taps=self.proposer is not None)
         tokens, lps = self._sample(reqs, hidden[:, 0])
-        self.timer.close()
+        seconds = self.timer.close()
         for j, req in enumerate(reqs):
             req.num_cached += 1
             if feats is not None:
                 req.pending_features.append(feats[j, :1])
             self._append(req, [tokens[j]], lps[j] if lps else None)
-        return reqs
+        return seconds
 
-    def _spec_step(self, reqs: list[Request]) -> list[Request]:
+    def _spec_step(self, reqs: list[Request], k: int) -> list[Request]:
         assert self.proposer is not None
-        budgets = [self._draft_budget(r) for r in reqs]
+        budgets = [min(k, self._draft_budget(r)) for r in reqs]
         self.timer.mark("draft")
         block = self.proposer.propose(reqs, budgets, self)
         self.timer.mark("verify")
@@ -225,7 +236,8 @@ class Engine:
         hidden, feats = self.runner.forward_ids(ids, q_lens, starts, [r.slot for r in reqs], with_taps=True)
         self.timer.mark("rest")
         num_acc, out_tokens, lps = self.proposer.verify(self, reqs, block, hidden)
-        self.timer.close()
+        self.policy.observe_time(len(reqs), max(block.lens), self.timer.close())
+        self.policy.observe_acceptance(block.lens, [max(a, 0) for a in num_acc])
         touched = []
         for j, req in enumerate(reqs):
             a = num_acc[j]

@@ -98,8 +98,13 @@ class Proposer:
         else:
             tokens = self.drafter.draft_to_target(self.drafter.logits(slot_hidden).argmax(-1))
         lens = list(budgets)
-        cut = torch.arange(k, device=device)[None, :] >= torch.tensor(lens, device=device)[:, None]
-        tokens = tokens.masked_fill(cut, -1)
+        width = max(lens)  # verify only as many rows as the longest draft this step
+        cut = torch.arange(width, device=device)[None, :] >= torch.tensor(lens, device=device)[:, None]
+        tokens = tokens[:, :width].masked_fill(cut, -1)
+        if q_probs is not None:
+            q_probs = q_probs[:, :width]
+        if confidence is not None:
+            confidence = confidence[:, :width]
         return DraftBlock(tokens, lens, q_probs, confidence)
 
     def _plain_target_head(self) -> bool:

@@ -176,6 +176,9 @@ class DrafterTrainConfig:
     batch_size: int = 8
     num_anchors: int = 512
     eval_frac: float = 0.02
+    # "data": the dataset's tokens; "target": the target's greedy token at each position given the data
+    # prefix (what greedy verification accepts; a cheap stand-in for regenerating the data at T=0)
+    labels: str = "data"
     # loss
     loss_decay_gamma: float | None = None
     ce_alpha: float | None = None
@@ -222,6 +225,8 @@ class DrafterTrainConfig:
         self.conf_alpha = self.conf_alpha if self.conf_alpha is not None else (1.0 if has_conf else 0.0)
         if self.target_layer_ids is not None:
             self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        if self.labels not in ("data", "target"):
+            raise ConfigError(f"labels {self.labels!r} not supported; allowed: data, target")
         if self.num_anchors < 1 or self.batch_size < 1 or self.max_len < 2:
             raise ConfigError("num_anchors, batch_size must be >= 1 and max_len >= 2")
 
@@ -428,9 +433,9 @@ def drafter_loss(drafter: DraftModel, target: CausalLM, input_ids: Tensor, loss_
     w = weight[bi, ni, ji]
     h_sel = slot_h[bi, ni, ji]
     prev_pos = label_pos_c[bi, ni, ji] - 1  # = anchor + j: the teacher-forced previous token / target row
-    labels = input_ids[bi, label_pos_c[bi, ni, ji]]
     with torch.no_grad():
         tgt_logits = target.compute_logits(final[bi, prev_pos])
+    labels = input_ids[bi, label_pos_c[bi, ni, ji]] if cfg.labels == "data" else tgt_logits.argmax(-1)
     logits = drafter.logits(h_sel, target)
     conf_logit = None
     if isinstance(drafter, DSparkDraft):

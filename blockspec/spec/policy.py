@@ -1,0 +1,83 @@
+"""How many drafts to verify this step: the engine's guard against being slower than plain decoding.
+
+Expected tokens per step with K drafts is 1 + sum_{k<=K} P(first k drafts accepted); its cost is the
+measured time of a step with K drafts at this batch size (K = 0 is the plain step). The policy picks
+the K with the most tokens per second. Acceptance is counted per position from recent steps, step
+times are measured, and every candidate is re-tried now and then, so the choice follows the
+workload. The choice is made before drafting and never looks at the drafts, so it cannot affect
+what is emitted: exactness does not depend on it.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def batch_bucket(batch: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(batch)))
+
+
+class DraftLengthPolicy:
+    def __init__(self, k_max: int, adaptive: bool = True, retry_every: int = 64, decay: float = 0.99) -> None:
+        self.k_max = k_max
+        self.adaptive = adaptive
+        self.retry_every = retry_every
+        self.decay = decay
+        self.candidates = sorted({0, k_max} | {1 << i for i in range(k_max.bit_length()) if 1 << i < k_max})
+        self.offered = [0.0] * k_max  # decayed count of steps that drafted at least k+1 tokens
+        self.accepted = [0.0] * k_max  # ... and had the first k+1 accepted
+        self.step_time: dict[tuple[int, int], float] = {}  # (batch bucket, K) -> EMA seconds
+        self.last_tried: dict[tuple[int, int], int] = {}
+        self.steps = 0
+
+    # ---------------------------------------------------------------- observations
+    def observe_acceptance(self, lens: list[int], accepted: list[int]) -> None:
+        for i in range(self.k_max):
+            self.offered[i] *= self.decay
+            self.accepted[i] *= self.decay
+        for n, a in zip(lens, accepted):
+            for i in range(min(n, self.k_max)):
+                self.offered[i] += 1
+                self.accepted[i] += i < a
+
+    def observe_time(self, batch: int, k: int, seconds: float) -> None:
+        key = (batch_bucket(batch), self._candidate(k))
+        old = self.step_time.get(key)
+        self.step_time[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    # ---------------------------------------------------------------- decision
+    def prefix_acceptance(self) -> list[float]:
+        """P(first k drafts accepted), k = 1..k_max; unseen positions extrapolate the last rate."""
+        out, survive, rate = [], 1.0, 0.5
+        for i in range(self.k_max):
+            if self.offered[i] >= 1:
+                prev = self.accepted[i - 1] if i else self.offered[i]
+                rate = (self.accepted[i] + 0.5) / (min(prev, self.offered[i]) + 1.0)
+            survive *= min(rate, 1.0)
+            out.append(survive)
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        return 1.0 + sum(self.prefix_acceptance()[:k])
+
+    def choose(self, batch: int) -> int:
+        """Drafts to verify per request this step (0 = take the plain path)."""
+        self.steps += 1
+        if not self.adaptive:
+            return self.k_max
+        bucket = batch_bucket(batch)
+        for k in self.candidates:  # try every candidate once, then re-measure stale ones
+            last = self.last_tried.get((bucket, k))
+            if last is None or self.steps - last > self.retry_every:
+                self.last_tried[(bucket, k)] = self.steps
+                return k
+        measured = [k for k in self.candidates if (bucket, k) in self.step_time]
+        if not measured:
+            return self.k_max
+        best = max(measured, key=lambda k: self.expected_tokens(k) / self.step_time[(bucket, k)])
+        self.last_tried[(bucket, best)] = self.steps
+        return best
+
+    def _candidate(self, k: int) -> int:
+        """The candidate a step with k drafts is accounted to (the smallest candidate >= k)."""
+        return next(c for c in self.candidates if c >= k)

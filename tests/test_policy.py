@@ -1,0 +1,48 @@
+"""The draft-length policy: tokens per second from measured acceptance and measured step cost."""
+
+from __future__ import annotations
+
+from blockspec.spec.policy import DraftLengthPolicy
+
+
+def feed(policy: DraftLengthPolicy, rates: list[float], times: dict[int, float], batch: int = 1, steps: int = 400):
+    """Deterministic observations: a draft of K is accepted to depth floor(prefix * steps share)."""
+    for k, t in times.items():
+        policy.observe_time(batch, k, t)
+    prefix, p = [], 1.0
+    for r in rates:
+        p *= r
+        prefix.append(p)
+    for s in range(steps):
+        u = (s * 0.6180339887 + 0.31) % 1.0  # low-discrepancy order, so decay sees no trend
+        accepted = sum(1 for q in prefix if u < q)
+        policy.observe_acceptance([policy.k_max], [accepted])
+
+
+def test_good_drafter_cheap_verify_takes_the_whole_block():
+    policy = DraftLengthPolicy(15)
+    feed(policy, [0.95] * 15, {0: 1.0, 1: 1.1, 2: 1.1, 4: 1.15, 8: 1.2, 15: 1.25})
+    policy.last_tried = {(1, k): 10**9 for k in policy.candidates}
+    assert policy.choose(1) == 15
+
+
+def test_bad_drafter_falls_back_to_plain():
+    policy = DraftLengthPolicy(15)
+    feed(policy, [0.05] * 15, {0: 1.0, 1: 1.3, 2: 1.3, 4: 1.4, 8: 1.5, 15: 1.6})
+    policy.last_tried = {(1, k): 10**9 for k in policy.candidates}
+    assert policy.choose(1) == 0
+
+
+def test_short_drafts_when_only_the_first_positions_survive():
+    policy = DraftLengthPolicy(15)
+    feed(policy, [0.9, 0.8, 0.1] + [0.05] * 12, {0: 1.0, 1: 1.2, 2: 1.25, 4: 1.6, 8: 2.2, 15: 3.0})
+    policy.last_tried = {(1, k): 10**9 for k in policy.candidates}
+    assert policy.choose(1) == 2
+    assert abs(policy.expected_tokens(2) - (1 + 0.9 + 0.72)) < 0.05
+
+
+def test_every_candidate_is_measured_first_and_fixed_mode_ignores_costs():
+    policy = DraftLengthPolicy(7)
+    tried = [policy.choose(4) for _ in policy.candidates]
+    assert sorted(tried) == policy.candidates == [0, 1, 2, 4, 7]
+    assert DraftLengthPolicy(7, adaptive=False).choose(4) == 7
