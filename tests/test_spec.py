@@ -181,3 +181,32 @@ def test_adaptive_draft_length_stays_exact_and_backs_off(target, plain):
     assert policy.prefix_acceptance()[0] < 0.3
     assert policy.choose(3) == max(policy.candidates, key=lambda k: policy.expected_tokens(k) /
                                    policy.step_time[(4, k)])
+
+
+@pytest.mark.parametrize("spec", [{"confidence_threshold": 0.5}, {"adaptive_verification": True},
+                                  {"confidence_threshold": 0.3, "adaptive_verification": True}])
+def test_confidence_pruning_stays_exact(target, plain, spec):
+    ps = prompts(4, seed=6)
+    expected = run(plain, ps, GREEDY)
+    llm = spec_llm(target, "dspark", "dspark_vanilla", **spec)
+    add_oracle(llm, {tuple(p["prompt_token_ids"]): e for p, e in zip(ps, expected)}, corrupt=0.2)
+    assert run(llm, ps, GREEDY) == expected
+    sampled = SamplingParams(temperature=0.8, seed=4, max_tokens=30, ignore_eos=True)
+    assert run(llm, ps, sampled) == run(plain, ps, sampled)
+    m = llm.get_metrics()
+    assert len(m["confidence_predicted_per_pos"]) == 4 and len(m["confidence_realised_per_pos"]) == 4
+    if spec.get("adaptive_verification"):
+        assert m["verify_budget_mean"] >= 0
+
+
+def test_confidence_threshold_prunes_drafts(target):
+    full = spec_llm(target, "dspark", "dspark_vanilla")
+    pruned = spec_llm(target, "dspark", "dspark_vanilla", confidence_threshold=0.9)
+    run(full, prompts(3), GREEDY)
+    run(pruned, prompts(3), GREEDY)
+    assert pruned.get_metrics()["num_draft_tokens"] < full.get_metrics()["num_draft_tokens"]
+
+
+def test_confidence_options_need_a_confidence_head(target):
+    with pytest.raises(ConfigError, match="confidence head"):
+        spec_llm(target, "dflash", "dflash", confidence_threshold=0.5)

@@ -238,6 +238,7 @@ class Engine:
         num_acc, out_tokens, lps = self.proposer.verify(self, reqs, block, hidden)
         self.policy.observe_time(len(reqs), max(block.lens), self.timer.close())
         self.policy.observe_acceptance(block.lens, [max(a, 0) for a in num_acc])
+        self.proposer.record_outcome(block.lens, num_acc)
         touched = []
         for j, req in enumerate(reqs):
             a = num_acc[j]
@@ -418,6 +419,8 @@ class Engine:
     def metrics(self) -> dict[str, Any]:
         out = self.spec_totals.as_dict()
         out.update(self.timer.totals)
+        if self.proposer is not None:
+            out.update(self.proposer.calibration_metrics())
         out["num_steps"] = self.num_steps
         out["num_generated_tokens"] = self.num_generated
         return out

@@ -14,6 +14,7 @@ from torch import Tensor
 from blockspec.config import ConfigError, SpeculativeConfig
 from blockspec.engine.request import Request
 from blockspec.models.llama import CausalLM
+from blockspec.spec.confidence import VerifyCostTable, schedule_prefixes, threshold_lengths, timed
 from blockspec.sample import (
     RowParams,
     bad_rows,
@@ -53,7 +54,16 @@ class Proposer:
                               f"({slots} draft positions for block_size {drafter.block_size})")
         self.num_speculative_tokens = k
         self.taps = tuple(drafter.target_layer_ids)
+        self.cost_table: VerifyCostTable | None = None
+        self.budget_history: list[int] = []
         weight = target.embed_tokens.weight
+        has_conf = getattr(drafter, "has_confidence", False)
+        if (cfg.confidence_threshold > 0 or cfg.adaptive_verification) and not has_conf:
+            raise ConfigError("speculative_config.confidence_threshold / adaptive_verification need a DSpark drafter "
+                              f"with a confidence head; {type(drafter).__name__} has none")
+        # rows: predicted survival summed, positions verified (device); realised counts on the host
+        self.calibration = torch.zeros(2, k, dtype=torch.float64, device=weight.device) if has_conf else None
+        self.realised = [0] * k
         self.cache = drafter.new_cache(max_slots, max_len + drafter.block_size + 1, weight.device, weight.dtype)
 
     def enabled_for_batch(self, batch: int) -> bool:
@@ -98,6 +108,9 @@ class Proposer:
         else:
             tokens = self.drafter.draft_to_target(self.drafter.logits(slot_hidden).argmax(-1))
         lens = list(budgets)
+        if confidence is not None:
+            lens = self._confident_lengths(confidence, lens, engine)
+            self._record_calibration(confidence, lens)
         width = max(lens)  # verify only as many rows as the longest draft this step
         cut = torch.arange(width, device=device)[None, :] >= torch.tensor(lens, device=device)[:, None]
         tokens = tokens[:, :width].masked_fill(cut, -1)
@@ -106,6 +119,63 @@ class Proposer:
         if confidence is not None:
             confidence = confidence[:, :width]
         return DraftBlock(tokens, lens, q_probs, confidence)
+
+    def _confident_lengths(self, confidence: Tensor, lens: list[int], engine: "Engine") -> list[int]:
+        """Prune drafts by DSpark's confidence: static threshold, then the load-aware budget.
+
+        Reads the [R, K] confidences on the host: one extra sync in steps that use them.
+        """
+        if self.cfg.confidence_threshold > 0:
+            lens = threshold_lengths(confidence, lens, self.cfg.confidence_threshold)
+        if self.cfg.adaptive_verification:
+            if self.cost_table is None:
+                self.cost_table = VerifyCostTable(lambda b, q: self._profile_verify(engine, b, q),
+                                                  self.num_speculative_tokens + 1)
+            survival = torch.cumprod(confidence.float(), dim=1).tolist()
+            lens = schedule_prefixes(survival, lens, self.cost_table)
+            self.budget_history.append(sum(lens))
+        return lens
+
+    def _profile_verify(self, engine: "Engine", batch: int, rows: int) -> float:
+        """Seconds of one verify forward of `batch` requests x `rows` rows (scratch slot, no real KV touched)."""
+        cache = engine.runner.cache
+        start = min(256, cache.max_len - rows - 1)
+        ids = torch.zeros(batch, rows, dtype=torch.int64, device=cache.k[0].device)
+        return timed(lambda: engine.runner.forward_ids(ids, [rows] * batch, [start] * batch,
+                                                      [cache.scratch_slot] * batch, with_taps=True),
+                     ids.device)
+
+    def _record_calibration(self, confidence: Tensor, lens: list[int]) -> None:
+        """Predicted prefix survival of every verified draft position (device sums, read only for metrics)."""
+        width = max(lens) if lens else 0
+        if width == 0:
+            return
+        survival = torch.cumprod(confidence.float(), dim=1)[:, :width]
+        keep = torch.arange(width, device=survival.device)[None, :] < torch.tensor(lens, device=survival.device)[:, None]
+        self.calibration[0, :width] += (survival * keep).sum(0).double()
+        self.calibration[1, :width] += keep.sum(0)
+
+    def record_outcome(self, lens: list[int], accepted: list[int]) -> None:
+        """Realised acceptance of the verified positions (host counts known after the step's sync)."""
+        if self.calibration is None:
+            return
+        for n, a in zip(lens, accepted):
+            for k in range(min(n, max(a, 0))):
+                self.realised[k] += 1
+
+    def calibration_metrics(self) -> dict[str, Any]:
+        """Predicted vs realised prefix acceptance per position, and the verify budget per step."""
+        if self.calibration is None:
+            return {}
+        predicted, offered = self.calibration.tolist()
+        out: dict[str, Any] = {
+            "confidence_predicted_per_pos": [p / o if o else None for p, o in zip(predicted, offered)],
+            "confidence_realised_per_pos": [r / o if o else None for r, o in zip(self.realised, offered)],
+        }
+        if self.budget_history:
+            out["verify_budget_mean"] = sum(self.budget_history) / len(self.budget_history)
+            out["verify_budget_last"] = self.budget_history[-64:]
+        return out
 
     def _plain_target_head(self) -> bool:
         """The drafter's logits are exactly the target LM head's (no own head, scale or softcap)."""
