@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,7 @@ import transformers
 
 from blockspec.engine.kv_cache import dense_causal_meta
 from blockspec.models.loader import load_target
-from blockspec.spec.drafter import load_dflash
+from blockspec.spec.drafter import DFlashDraft, load_dflash
 from blockspec.spec.dspark_model import DSparkDraft, load_dspark
 from blockspec.train.data import (
     HELDOUT_PACKAGES,
@@ -42,6 +43,15 @@ from blockspec.train.trainer import (
 from factories import save_tiny
 
 SAMPLE = "def f(x):\n\treturn x  # héllo 中文 \r\n    \n" + "class A:\n    pass\n"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny shapes gain nothing from intra-op threads; on a shared CPU spinning threads cost 10x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -151,15 +161,23 @@ def test_target_lm_trains_and_exports_hf(tokenizer, split, tmp_path):
 
 
 # ---------------------------------------------------------------- drafter forward == inference
-DRAFTERS = [("dflash", "vanilla"), ("dspark", "vanilla"), ("dspark", "gated"), ("dspark", "rnn")]
+DRAFTERS = [("dflash", "vanilla"), ("dspark", "vanilla"), ("dspark", "gated"), ("dspark", "rnn"),
+            ("dflash", "swa-query"), ("dflash", "swa-anchor")]
 
 
 @pytest.mark.parametrize("method,head", DRAFTERS, ids=[f"{m}-{h}" for m, h in DRAFTERS])
 def test_training_forward_equals_inference(tiny_target, method, head):
     target, _ = tiny_target
-    cfg = DrafterTrainConfig(method=method, num_layers=2, block_size=5, markov_rank=8, markov_head_type=head,
-                             device="cpu")
-    drafter = build_drafter(cfg, target.config, mask_token_id=95, seed=1).cast("cpu", torch.float32).eval()
+    cfg = DrafterTrainConfig(method=method, num_layers=2, block_size=5, markov_rank=8,
+                             markov_head_type=head if method == "dspark" else "vanilla", device="cpu")
+    drafter = build_drafter(cfg, target.config, mask_token_id=95, seed=1)
+    if head.startswith("swa"):  # sliding-window layers, one causal in-block: z-lab and speculators rules
+        swa = dataclasses.replace(drafter.config, layer_types=("sliding_attention", "full_attention"),
+                                  sliding_window=4, causal=(True, False), window_mode=head.split("-")[1])
+        state = drafter.state_dict()
+        drafter = DFlashDraft(swa)
+        drafter.load_state_dict(state)
+    drafter = drafter.cast("cpu", torch.float32).eval()
     ids = torch.randint(0, 90, (2, 20), generator=torch.Generator().manual_seed(0))
     anchors = torch.tensor([[0, 7, 12], [3, 5, 18]])
     with torch.no_grad():

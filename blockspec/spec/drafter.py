@@ -451,17 +451,22 @@ class DraftModel(nn.Module):
         if end > cache.max_len:
             raise ValueError(f"append_context: context would reach position {end} beyond the cache ({cache.max_len})")
         dev = features.device
-        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
-        start_t = torch.tensor(starts, dtype=torch.int64, device=dev)
-        count_t = torch.tensor(counts, dtype=torch.int64, device=dev)
-        ar = torch.arange(c, device=dev)
-        positions = start_t[:, None] + ar[None, :]
-        valid = ar[None, :] < count_t[:, None]
+        as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
+        self.append_context_tensors(cache, as_t(slots), as_t(starts), as_t(counts), features,
+                                    max(s + c for s in starts))
+
+    def append_context_tensors(self, cache: KVCache, slots: Tensor, starts: Tensor, counts: Tensor,
+                               features: Tensor, max_pos: int) -> None:
+        """Device-only body of `append_context` (CUDA-graph capturable); max_pos bounds every position."""
+        c = features.shape[1]
+        ar = torch.arange(c, device=features.device)
+        positions = starts[:, None] + ar[None, :]
+        valid = ar[None, :] < counts[:, None]
         write_pos = torch.where(valid, positions, torch.full_like(positions, cache.trash))
         rope_pos = torch.where(valid, positions, torch.zeros_like(positions))
-        cos, sin = self._rope(rope_pos, max(s + c for s in starts))
+        cos, sin = self._rope(rope_pos, max_pos)
         ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
-        meta = AttnMeta(slot_t, positions, write_pos, 0, {})
+        meta = AttnMeta(slots, positions, write_pos, 0, {})
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.context_kv(ctx, cos, sin)
             cache.write(i, meta, k, v)
@@ -529,21 +534,25 @@ class DraftModel(nn.Module):
         kv_len = max(ctx_lens)
         if kv_len > cache.max_len:
             raise ValueError(f"block_hidden: context length {kv_len} beyond the cache ({cache.max_len})")
+        ctx_t = torch.tensor(ctx_lens, dtype=torch.int64, device=dev)
+        if r == 1:  # one request reads its slot as a view instead of a gather
+            return self.block_hidden_tensors(cache, slice(slots[0], slots[0] + 1), ctx_t, anchor_ids, kv_len, embed)
+        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+        return self.block_hidden_tensors(cache, slot_t, ctx_t, anchor_ids, kv_len, embed)
+
+    def block_hidden_tensors(self, cache: KVCache, slots: Tensor | slice, ctx_lens: Tensor, anchor_ids: Tensor,
+                             kv_len: int, embed: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+        """Device-only body of `block_hidden` (CUDA-graph capturable); kv_len >= every ctx_lens[r]."""
+        r, b, dev = anchor_ids.shape[0], self.block_size, anchor_ids.device
         ids = torch.full((r, b), self.mask_token_id, dtype=torch.int64, device=dev)
         ids[:, 0] = anchor_ids
         x = self.embed_block(ids, embed)
-        ctx_t = torch.tensor(ctx_lens, dtype=torch.int64, device=dev)
-        positions = ctx_t[:, None] + torch.arange(b, device=dev)[None, :]
+        positions = ctx_lens[:, None] + torch.arange(b, device=dev)[None, :]
         cos, sin = self._rope(positions, kv_len + b)
-        masks = self._block_masks(ctx_t, positions, kv_len)
-        if r == 1:
-            s = slots[0]
-            index: Any = slice(s, s + 1)
-        else:
-            index = torch.tensor(slots, dtype=torch.int64, device=dev)
+        masks = self._block_masks(ctx_lens, positions, kv_len)
         for i, layer in enumerate(self.layers):
-            ck = cache.k[i][index, :, :kv_len]
-            cv = cache.v[i][index, :, :kv_len]
+            ck = cache.k[i][slots, :, :kv_len]
+            cv = cache.v[i][slots, :, :kv_len]
             x = layer(x, cos, sin, ck, cv, masks[i])
         return self.norm(x)
 

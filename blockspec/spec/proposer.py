@@ -14,6 +14,7 @@ from torch import Tensor
 from blockspec.config import ConfigError, SpeculativeConfig
 from blockspec.engine.request import Request
 from blockspec.models.llama import CausalLM
+from blockspec.spec.draft_graph import DraftGraphs
 from blockspec.spec.confidence import VerifyCostTable, schedule_prefixes, threshold_lengths, timed
 from blockspec.sample import (
     RowParams,
@@ -65,6 +66,8 @@ class Proposer:
         self.calibration = torch.zeros(2, k, dtype=torch.float64, device=weight.device) if has_conf else None
         self.realised = [0] * k
         self.cache = drafter.new_cache(max_slots, max_len + drafter.block_size + 1, weight.device, weight.dtype)
+        self.graphs = DraftGraphs(drafter, target, self.cache, k, self._plain_target_head()) \
+            if weight.device.type == "cuda" else None
 
     def enabled_for_batch(self, batch: int) -> bool:
         limit = self.cfg.max_batch_for_speculation
@@ -88,25 +91,16 @@ class Proposer:
             r.pending_features.clear()
 
     def propose(self, reqs: list[Request], budgets: list[int], engine: "Engine") -> DraftBlock:
-        self._flush_context(reqs)
-        for r in reqs:
-            assert r.num_draft_ctx == r.num_cached, (r.request_id, r.num_draft_ctx, r.num_cached)
         device = self.target.embed_tokens.weight.device
         anchors = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=device)
-        slots = [r.slot for r in reqs]
-        hidden = self.drafter.block_hidden(self.cache, slots, [r.num_cached for r in reqs], anchors, self.target.embed)
-        k = self.num_speculative_tokens
-        slot_hidden = self.drafter.slot_hidden(hidden)[:, :k]
         q_probs = confidence = None
         probabilistic = self.cfg.draft_sample_method == "probabilistic" and not all(r.params.greedy for r in reqs)
-        if probabilistic:
-            tokens, q_probs, confidence = self._sample_drafts(reqs, slot_hidden, anchors, engine)
-        elif hasattr(self.drafter, "draft_greedy"):
-            tokens, confidence = self.drafter.draft_greedy(self.drafter.logits(slot_hidden), slot_hidden, anchors)
-        elif self._plain_target_head():
-            tokens = engine.runner.greedy_ids(slot_hidden)  # ids only, chunked over rows
+        pending = [sum(f.shape[0] for f in r.pending_features) for r in reqs]
+        if (self.graphs is not None and not probabilistic
+                and self.graphs.fits(len(reqs), pending, max(r.num_cached for r in reqs))):
+            tokens, confidence = self._graphed_draft(reqs, pending, anchors)
         else:
-            tokens = self.drafter.draft_to_target(self.drafter.logits(slot_hidden).argmax(-1))
+            tokens, q_probs, confidence = self._eager_draft(reqs, anchors, probabilistic, engine)
         lens = list(budgets)
         if confidence is not None:
             lens = self._confident_lengths(confidence, lens, engine)
@@ -119,6 +113,43 @@ class Proposer:
         if confidence is not None:
             confidence = confidence[:, :width]
         return DraftBlock(tokens, lens, q_probs, confidence)
+
+    def _graphed_draft(self, reqs: list[Request], pending: list[int], anchors: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Context append + block + greedy drafts replayed as one CUDA graph (decode-time steps)."""
+        feats = None
+        if any(pending):
+            rows = [torch.cat(r.pending_features) if len(r.pending_features) > 1 else r.pending_features[0]
+                    for r in reqs if r.pending_features]
+            feats = rows[0].new_zeros(len(reqs), max(pending), rows[0].shape[-1])
+            it = iter(rows)
+            for i, r in enumerate(reqs):
+                if r.pending_features:
+                    feats[i, : pending[i]] = next(it)
+        tokens, conf = self.graphs.run([r.slot for r in reqs], [r.num_draft_ctx for r in reqs], pending, feats,
+                                       anchors)
+        for r, c in zip(reqs, pending):
+            r.num_draft_ctx += c
+            r.pending_features.clear()
+            assert r.num_draft_ctx == r.num_cached, (r.request_id, r.num_draft_ctx, r.num_cached)
+        return tokens, conf
+
+    def _eager_draft(self, reqs: list[Request], anchors: Tensor, probabilistic: bool,
+                     engine: "Engine") -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The reference draft path: flush context, block forward, then greedy or sampled drafts."""
+        self._flush_context(reqs)
+        for r in reqs:
+            assert r.num_draft_ctx == r.num_cached, (r.request_id, r.num_draft_ctx, r.num_cached)
+        hidden = self.drafter.block_hidden(self.cache, [r.slot for r in reqs], [r.num_cached for r in reqs], anchors,
+                                           self.target.embed)
+        slot_hidden = self.drafter.slot_hidden(hidden)[:, : self.num_speculative_tokens]
+        if probabilistic:
+            return self._sample_drafts(reqs, slot_hidden, anchors, engine)
+        if hasattr(self.drafter, "draft_greedy"):
+            tokens, confidence = self.drafter.draft_greedy(self.drafter.logits(slot_hidden), slot_hidden, anchors)
+            return tokens, None, confidence
+        if self._plain_target_head():
+            return engine.runner.greedy_ids(slot_hidden), None, None  # ids only, chunked over rows
+        return self.drafter.draft_to_target(self.drafter.logits(slot_hidden).argmax(-1)), None, None
 
     def _confident_lengths(self, confidence: Tensor, lens: list[int], engine: "Engine") -> list[int]:
         """Prune drafts by DSpark's confidence: static threshold, then the load-aware budget.

@@ -214,6 +214,19 @@ def run(out: Path, device_name: str, target_minutes: float | None, drafter_minut
     t_start = time.monotonic()
     plan = tiny_plan() if tiny else default_plan()
     device = resolve_device(device_name)
+    threads = torch.get_num_threads()
+    if tiny and device.type == "cpu":
+        # tiny shapes gain nothing from intra-op threads, and on a busy machine spinning threads
+        # slow every op by 10x or more
+        torch.set_num_threads(1)
+    try:
+        return _run(out, plan, device, target_minutes, drafter_minutes, tiny, seed, progress, t_start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(out: Path, plan: RecipePlan, device: torch.device, target_minutes: float | None,
+         drafter_minutes: float | None, tiny: bool, seed: int, progress: bool, t_start: float) -> dict[str, Any]:
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}

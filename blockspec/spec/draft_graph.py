@@ -1,0 +1,97 @@
+"""The greedy draft step as one CUDA graph: append the new context rows, run the block, take drafts.
+
+A decode-time draft step appends at most K+1 context rows per request (the rows committed last
+step), so a graph with K+1 feature rows per request, bucketed by batch size and key length, covers
+every step after prefill. Padded requests read and write only the scratch slot. The eager path
+(`Proposer`) stays the reference and handles the rest (prefill-sized context, sampled drafts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from blockspec.engine.kv_cache import KVCache
+from blockspec.engine.runner import BATCH_BUCKETS, MIN_KV_BUCKET, bucket
+from blockspec.models.llama import CausalLM
+
+
+@dataclass
+class CapturedDraft:
+    graph: "torch.cuda.CUDAGraph"
+    control: Tensor  # [4, B]: slots, context start, context rows, anchor ids
+    features: Tensor  # [B, C, F]
+    tokens: Tensor  # [B, K] output
+    confidence: Tensor | None  # [B, K] output (DSpark)
+
+
+class DraftGraphs:
+    def __init__(self, drafter: Any, target: CausalLM, cache: KVCache, num_drafts: int, target_head: bool) -> None:
+        self.drafter = drafter
+        self.target_head = target_head  # drafter logits are exactly the target LM head's
+        self.target = target
+        self.cache = cache
+        self.k = num_drafts
+        self.rows = num_drafts + 1  # context rows appended per request per step
+        self.graphs: dict[tuple[int, int], CapturedDraft] = {}
+        self._pool = None
+
+    def fits(self, batch: int, pending_rows: list[int], max_ctx: int) -> bool:
+        b = bucket(batch, BATCH_BUCKETS)
+        return b is not None and max(pending_rows) <= self.rows and max_ctx + self.rows <= self.cache.max_len
+
+    def run(self, slots: list[int], starts: list[int], counts: list[int], features: Tensor | None,
+            anchors: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Append features[r, :counts[r]] at starts[r]..., then draft from the block at starts[r] + counts[r]."""
+        r = len(slots)
+        b = bucket(r, BATCH_BUCKETS)
+        ctx_end = max(s + c for s, c in zip(starts, counts))
+        kv = min(bucket(ctx_end, [MIN_KV_BUCKET << i for i in range(24)]), self.cache.max_len - self.rows)
+        cap = self.graphs.get((b, kv)) or self._capture(b, kv, anchors.dtype)
+        pad = b - r
+        control = torch.tensor([slots + [self.cache.scratch_slot] * pad, starts + [0] * pad, counts + [0] * pad],
+                               dtype=torch.int64)
+        cap.control[:3].copy_(control, non_blocking=True)
+        cap.control[3, :r].copy_(anchors)
+        if features is not None:
+            cap.features[:r, : features.shape[1]].copy_(features)
+        cap.graph.replay()
+        conf = cap.confidence[:r] if cap.confidence is not None else None
+        return cap.tokens[:r], conf
+
+    def _capture(self, b: int, kv: int, id_dtype: torch.dtype) -> CapturedDraft:
+        d = self.drafter
+        dev = self.cache.k[0].device
+        control = torch.zeros(4, b, dtype=torch.int64, device=dev)
+        control[0] = self.cache.scratch_slot
+        feat_dim = d.fc.in_features
+        features = torch.zeros(b, self.rows, feat_dim, dtype=d.dtype, device=dev)
+
+        def step() -> tuple[Tensor, Tensor | None]:
+            slots, starts, counts, anchors = control[0], control[1], control[2], control[3]
+            d.append_context_tensors(self.cache, slots, starts, counts, features, kv + self.rows)
+            hidden = d.block_hidden_tensors(self.cache, slots, starts + counts, anchors, kv, self.target.embed)
+            slot_hidden = d.slot_hidden(hidden)[:, : self.k]
+            if hasattr(d, "draft_greedy"):
+                return d.draft_greedy(d.logits(slot_hidden), slot_hidden, anchors)
+            if self.target_head:  # argmax of the head's own-dtype logits = argmax of their fp32 copy
+                return self.target.lm_head(slot_hidden).argmax(-1), None
+            return d.draft_to_target(d.logits(slot_hidden).argmax(-1)), None
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            tokens, conf = step()
+        cap = CapturedDraft(graph, control, features, tokens, conf)
+        self.graphs[(b, kv)] = cap
+        return cap
