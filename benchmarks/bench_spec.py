@@ -1,86 +1,175 @@
-"""Time of one DFlash speculative step (draft + verify + accept) against one plain decode step.
+"""Engine step times on the GPU: plain decode vs DFlash vs DSpark speculative steps, the DSpark Markov
+head's cost, and the sampling step's peak memory.
 
-Qwen3-8B-shaped target and a Qwen3-8B-DFlash-b16-shaped drafter (5 layers, hidden 4096, taps
-[1, 9, 17, 25, 33]), random bf16 weights. The step floor is (target + drafter weight bytes) over the
-copy bandwidth, i.e. about 1.14x a plain step, since verifying 16 rows reads the same weights.
+Qwen3-8B-shaped target (random bf16); a Qwen3-8B-DFlash-b16-shaped drafter (5 layers, hidden 4096,
+taps [1, 9, 17, 25, 33]) and a DSpark drafter of the same backbone with block 7, a vanilla Markov
+head of rank 256 and a confidence head. Steps go through `Engine.step()` (scheduling, drafting with
+its CUDA graph, verify graph, acceptance, the one host copy), timed with CUDA events, median of
+repeats. Random drafters are rejected almost always, so every step commits one token: this
+measures step cost, not speedup. Floor of the DFlash step ratio: (target + drafter bytes) / target
+bytes = 1.14x.
 
-    python benchmarks/bench_spec.py --out spec.json
+    PYTHONPATH=.:benchmarks python benchmarks/bench_spec.py --out spec.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
 
-from blockspec.bench.arch import QWEN3_8B, QWEN3_8B_DFLASH, param_bytes, random_drafter, random_target, step_bytes
-from blockspec.bench.timing import copy_bandwidth, cuda_time
-from blockspec.engine.runner import ModelRunner
-from blockspec.sample import verify_greedy
+from bench_decode import QWEN3_8B, copy_bandwidth, random_target, step_bytes
+from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.engine.engine import Engine
+from blockspec.sampling_params import SamplingParams
+from blockspec.spec.drafter import DFlashDraft, DrafterConfig
+from blockspec.spec.dspark_model import DSparkDraft, DSparkHeads
+
+
+def drafter_config(block: int, anchor_first: bool) -> DrafterConfig:
+    return DrafterConfig(hidden_size=4096, intermediate_size=12288, num_layers=5, num_heads=32, num_kv_heads=8,
+                         head_dim=128, vocab_size=151936, block_size=block, mask_token_id=151669,
+                         target_layer_ids=(1, 9, 17, 25, 33), target_hidden_size=4096, rope=QWEN3_8B.rope,
+                         max_position_embeddings=40960, anchor_first=anchor_first)
+
+
+def random_drafter(method: str) -> torch.nn.Module:
+    torch.manual_seed(1)
+    with torch.device("cuda"):
+        model = DFlashDraft(drafter_config(16, False)) if method == "dflash" else \
+            DSparkDraft(drafter_config(7, True), DSparkHeads(markov_rank=256))
+    model.cast("cuda", torch.bfloat16)
+    for p in model.parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+    return model.eval().requires_grad_(False)
+
+
+def step_times(engine: Engine, batch: int, context: int, steps: int, speculate: bool) -> list[float]:
+    """Seconds of each decode step (CUDA events) for `batch` requests after prefill and warm-up."""
+    params = SamplingParams(temperature=0, max_tokens=steps * 20, ignore_eos=True, use_speculation=speculate)
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        engine.add_request(f"{speculate}-{i}", None, torch.randint(0, 150000, (context,), generator=g).tolist(), params)
+    while any(r.num_cached < len(r.prompt_token_ids) for r in engine.running) or engine.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()  # warm-up: graph capture, policy, allocator
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        engine.step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    for r in list(engine.running):
+        engine.abort(r.request_id)
+    return times
+
+
+def markov_cost(drafter: DSparkDraft, batch: int, repeats: int = 50) -> dict[str, float]:
+    """Sequential Markov drafting (7 steps) vs a plain argmax of the same base logits, ms."""
+    k = drafter.num_draft_slots
+    h = torch.randn(batch, k, 4096, device="cuda", dtype=torch.bfloat16)
+    base = drafter.logits(h)
+    anchors = torch.randint(0, 150000, (batch,), device="cuda")
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(repeats):
+            fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / repeats
+
+    return {"markov_draft_ms": timed(lambda: drafter.draft_greedy(base, h, anchors)),
+            "argmax_only_ms": timed(lambda: base.argmax(-1))}
+
+
+def sampling_memory(batch: int = 64, k: int = 15, vocab: int = 151936) -> dict[str, float]:
+    """Peak extra GPU memory (GB) of one verify call per method, beyond its [R, K+1, V] fp32 logits."""
+    from blockspec.sample import (RowParams, process_logits, sample_draft, verify_block, verify_greedy,
+                                  verify_sample_and_match, verify_standard)
+
+    rows = batch * (k + 1)
+    logits = torch.randn(rows, vocab, device="cuda")
+    draft_logits = torch.randn(batch, k, vocab, device="cuda")
+    drafts = torch.randint(0, vocab, (batch, k), device="cuda")
+    lens = torch.full((batch,), k, device="cuda")
+    round_ = torch.arange(batch, device="cuda")
+    params = RowParams.from_host(temperature=[1.0] * rows, seed=list(range(rows)), position=list(range(rows)),
+                                 device="cuda")
+    dparams = RowParams.from_host(temperature=[1.0] * batch * k, seed=list(range(batch * k)),
+                                  position=list(range(batch * k)), device="cuda")
+
+    def peak(fn) -> float:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 1e9
+
+    out = {"greedy_ids": peak(lambda: verify_greedy(logits.view(batch, k + 1, vocab).argmax(-1), drafts, lens))}
+    processed = process_logits(logits, params).view(batch, k + 1, vocab)
+    out["process_logits"] = peak(lambda: process_logits(logits, params))
+    out["sample_and_match"] = peak(lambda: verify_sample_and_match(processed, drafts, lens, params))
+    out["standard_one_hot"] = peak(lambda: verify_standard(processed, None, drafts, lens, params, round_))
+    q_drafts, q = sample_draft(draft_logits, dparams, round_)
+    out["draft_sampling_probabilistic"] = peak(lambda: sample_draft(draft_logits, dparams, round_))
+    out["standard_with_q"] = peak(lambda: verify_standard(processed, q, q_drafts, lens, params, round_))
+    out["block_with_q"] = peak(lambda: verify_block(processed, q, q_drafts, lens, params, round_))
+    out["logits_buffer_GB"] = logits.numel() * 4 / 1e9
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     bw = copy_bandwidth()
-    target = random_target(QWEN3_8B, args.context + 128)
-    drafter = random_drafter(QWEN3_8B_DFLASH)
-    drafter.bind_target(target)
-    t_bytes, d_bytes = step_bytes(target), param_bytes(drafter)
+    target = random_target(QWEN3_8B, args.context + 2048)
+    drafters = {m: random_drafter(m) for m in ("dflash", "dspark")}
+    t_bytes = step_bytes(target)
     result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "copy_bandwidth_TBps": bw / 1e12,
-              "target_GB": t_bytes / 1e9, "drafter_GB": d_bytes / 1e9,
-              "floor_ratio_spec_over_plain": (t_bytes + d_bytes) / t_bytes, "runs": []}
+              "target_GB": t_bytes / 1e9,
+              "drafter_GB": {m: sum(p.numel() * p.element_size() for p in d.parameters()) / 1e9
+                             for m, d in drafters.items()}, "runs": []}
+    result["floor_ratio"] = {m: 1 + g / result["target_GB"] for m, g in result["drafter_GB"].items()}
     print(json.dumps(result), flush=True)
-    k = drafter.num_draft_slots
-    for b in (int(x) for x in args.batches.split(",")):
-        runner = ModelRunner(target, b, args.context + 64, taps=drafter.target_layer_ids)
-        dcache = drafter.new_cache(b, args.context + 64)
-        slots, ctx = list(range(b)), args.context
-        prompt = torch.randint(0, 150000, (b, ctx), device="cuda")
-        _, feats = runner.forward_ids(prompt, [ctx] * b, [0] * b, slots, with_taps=True)
-        drafter.append_context(dcache, slots, [0] * b, [ctx] * b, feats)
-        anchors = prompt[:, -1].contiguous()
-        new_feats = feats[:, -k - 1:].contiguous()
-
-        def plain() -> torch.Tensor:
-            hidden, _ = runner.forward_ids(anchors[:, None], [1] * b, [ctx] * b, slots)
-            return runner.greedy_ids(hidden)
-
-        def draft() -> torch.Tensor:
-            drafter.append_context(dcache, slots, [ctx - k - 1] * b, [k + 1] * b, new_feats)
-            hidden = drafter.block_hidden(dcache, slots, [ctx] * b, anchors, target.embed)
-            return runner.greedy_ids(drafter.slot_hidden(hidden))
-
-        drafts = draft()
-
-        def verify() -> torch.Tensor:
-            ids = torch.cat([anchors[:, None], drafts], 1)
-            hidden, _ = runner.forward_ids(ids, [k + 1] * b, [ctx] * b, slots, with_taps=True)
-            acc, out = verify_greedy(runner.greedy_ids(hidden), drafts, torch.full((b,), k, device="cuda"))
-            return torch.cat([acc[:, None], out], 1).cpu()  # the step's one host copy
-
-        def step() -> torch.Tensor:
-            draft()
-            return verify()
-
-        p = cuda_time(plain, args.iters, args.repeats)
-        d = cuda_time(draft, args.iters, args.repeats)
-        v = cuda_time(verify, args.iters, args.repeats)
-        s = cuda_time(step, args.iters, args.repeats)
-        run = {"batch": b, "plain_step_ms": p[0] * 1e3, "draft_ms": d[0] * 1e3, "verify_ms": v[0] * 1e3,
-               "spec_step_ms": s[0] * 1e3, "spec_step_ms_min": s[1] * 1e3, "spec_step_ms_max": s[2] * 1e3,
-               "spec_over_plain": s[0] / p[0], "peak_mem_GB": torch.cuda.max_memory_allocated() / 1e9}
-        result["runs"].append(run)
-        print(json.dumps(run), flush=True)
-        del runner, dcache
-        torch.cuda.empty_cache()
+    for method, drafter in drafters.items():
+        spec = SpeculativeConfig(method=method, model="(random)", adaptive_draft_length=False)
+        for b in (int(x) for x in args.batches.split(",")):
+            engine = Engine(target, None, EngineConfig(max_model_len=args.context + 1024, max_num_seqs=b), spec,
+                            drafter)
+            plain = step_times(engine, b, args.context, args.steps, speculate=False)
+            fast = step_times(engine, b, args.context, args.steps, speculate=True)
+            p, s = statistics.median(plain), statistics.median(fast)
+            run = {"method": method, "batch": b, "plain_step_ms": p * 1e3, "spec_step_ms": s * 1e3,
+                   "spec_step_ms_min": min(fast) * 1e3, "spec_step_ms_max": max(fast) * 1e3,
+                   "spec_over_plain": s / p, "draft_graphs": len(engine.proposer.graphs.graphs),
+                   "peak_mem_GB": torch.cuda.max_memory_allocated() / 1e9}
+            result["runs"].append(run)
+            print(json.dumps(run), flush=True)
+            del engine
+            torch.cuda.empty_cache()
+    result["markov"] = {str(b): markov_cost(drafters["dspark"], b) for b in (1, 64)}
+    print(json.dumps(result["markov"]), flush=True)
+    del drafters, target
+    torch.cuda.empty_cache()
+    result["sampling_memory_GB_batch64_K15"] = sampling_memory()
+    print(json.dumps(result["sampling_memory_GB_batch64_K15"]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
