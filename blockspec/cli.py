@@ -1,4 +1,4 @@
-"""`blockspec` command line: generate, chat, demo (and serve / bench / train where installed)."""
+"""`blockspec` command line: generate, chat, demo, serve, bench, train."""
 
 from __future__ import annotations
 
@@ -104,11 +104,16 @@ def format_spec_metrics(m: dict[str, Any]) -> str:
 
 def cmd_generate(args: argparse.Namespace, chat: bool = False) -> int:
     params = sampling_params(args)
-    prompts = list(args.prompt or [])
+    prompts: list[Any] = list(args.prompt or [])
     if args.prompts_file:
         with open(args.prompts_file) as f:
-            prompts += [json.loads(line)["prompt"] if line.lstrip().startswith("{") else line.rstrip("\n")
-                        for line in f if line.strip()]
+            for line in f:
+                if not line.strip():
+                    continue
+                record = json.loads(line) if line.lstrip().startswith("{") else line.rstrip("\n")
+                prompts.append({"prompt_token_ids": record["prompt_token_ids"]}
+                               if isinstance(record, dict) and "prompt_token_ids" in record
+                               else record["prompt"] if isinstance(record, dict) else record)
     if not prompts:
         raise SystemExit("error: give at least one --prompt or --prompts-file")
     llm = build_llm(args)
@@ -149,16 +154,21 @@ def main(argv: list[str] | None = None) -> int:
         add_model_args(p)
         add_sampling_args(p)
         p.add_argument("--prompt", action="append", help="prompt text (repeatable: one batch)")
-        p.add_argument("--prompts-file", default=None, help="file with one prompt per line, or jsonl with 'prompt'")
+        p.add_argument("--prompts-file", default=None,
+                       help="file with one prompt per line, or jsonl with 'prompt' or 'prompt_token_ids'")
         p.add_argument("--chat", action="store_true", help="apply the chat template")
+    from blockspec.bench import add_bench_parser
     from blockspec.demo import add_demo_parser
     from blockspec.server import add_serve_parser
+    from blockspec.train.trainer import build_arg_parser as build_train_parser, run_cli as run_train
 
     add_demo_parser(sub)
     add_serve_parser(sub)
-    from blockspec.bench import add_bench_parser
-
     add_bench_parser(sub)
+    train = sub.add_parser("train", help="train a DFlash or DSpark drafter for a target model",
+                           description="Train a DFlash or DSpark drafter against a frozen target and export it in the "
+                                       "z-lab (DFlash) or DeepSpec (DSpark) format that `--draft-model` loads.")
+    build_train_parser(train).set_defaults(func=run_train)
     args = parser.parse_args(argv)
     from blockspec.errors import USER_ERRORS
 

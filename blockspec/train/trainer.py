@@ -893,7 +893,11 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_arg_parser().parse_args(argv)
+    return run_cli(build_arg_parser().parse_args(argv))
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """`blockspec train`: train, export, and write the metrics next to the exported drafter."""
     fields = {f.name for f in dataclasses.fields(DrafterTrainConfig)}
     cfg = DrafterTrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     tokenizer = None
