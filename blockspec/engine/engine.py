@@ -15,13 +15,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
-from blockspec.engine.request import IncrementalDetokenizer, Logprob, Request, RequestOutput, SpecStats, Status
+from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.engine.request import IncrementalDetokenizer, Logprob, Request, SpecStats, Status
 from blockspec.engine.runner import ModelRunner
 from blockspec.models.llama import CausalLM
 from blockspec.sample import RowParams, bad_rows, logprobs as top_logprobs, process_logits, sample
 from blockspec.spec.policy import DraftLengthPolicy
-from blockspec.sampling_params import SamplingError, SamplingParams
+from blockspec.sampling_params import SamplingParams
 
 
 class RequestError(ValueError):
@@ -176,8 +176,7 @@ class Engine:
         budget = self.config.max_prefill_tokens
         runs, starts, chosen = [], [], []
         for req in reqs:
-            left = len(req.prompt_token_ids) - req.num_cached
-            take = min(left, budget) if chosen else min(left, max(budget, 1))
+            take = min(len(req.prompt_token_ids) - req.num_cached, budget)  # chunked prefill
             if take <= 0:
                 break
             runs.append(req.prompt_token_ids[req.num_cached : req.num_cached + take])

@@ -9,12 +9,15 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from blockspec.config import ConfigError, ModelConfig
+
+if TYPE_CHECKING:
+    from blockspec.models.llama import CausalLM
 
 
 class ModelLoadError(ValueError):
@@ -166,7 +169,7 @@ def load_target(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
     max_positions: int | None = None,
-) -> tuple["CausalLM", Path]:
+) -> tuple[CausalLM, Path]:
     """Load a Llama/Qwen2/Qwen3 causal LM from a HF directory or hub id."""
     from blockspec.models.layers import Rotary
     from blockspec.models.llama import CausalLM

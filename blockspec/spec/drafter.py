@@ -529,7 +529,6 @@ class DraftModel(nn.Module):
         if anchor_ids.shape[0] != r or len(ctx_lens) != r:
             raise ValueError(f"block_hidden: {len(slots)} slots, {len(ctx_lens)} ctx_lens, "
                              f"{anchor_ids.shape[0]} anchors")
-        b = self.block_size
         dev = anchor_ids.device
         kv_len = max(ctx_lens)
         if kv_len > cache.max_len:
