@@ -11,6 +11,8 @@ what is emitted: exactness does not depend on it.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 
 
 def batch_bucket(batch: int) -> int:
@@ -26,7 +28,7 @@ class DraftLengthPolicy:
         self.candidates = sorted({0, k_max} | {1 << i for i in range(k_max.bit_length()) if 1 << i < k_max})
         self.offered = [0.0] * k_max  # decayed count of steps that drafted at least k+1 tokens
         self.accepted = [0.0] * k_max  # ... and had the first k+1 accepted
-        self.step_time: dict[tuple[int, int], float] = {}  # (batch bucket, K) -> EMA seconds
+        self.samples: dict[tuple[int, int], deque[float]] = {}  # (batch bucket, K) -> recent step seconds
         self.last_tried: dict[tuple[int, int], int] = {}
         self.steps = 0
 
@@ -42,8 +44,12 @@ class DraftLengthPolicy:
 
     def observe_time(self, batch: int, k: int, seconds: float) -> None:
         key = (batch_bucket(batch), self._candidate(k))
-        old = self.step_time.get(key)
-        self.step_time[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self.samples.setdefault(key, deque(maxlen=5)).append(seconds)
+
+    def step_time(self, bucket: int, k: int) -> float | None:
+        """Median of the recent measured step times (robust to one slow first call or a noisy neighbour)."""
+        samples = self.samples.get((bucket, k))
+        return statistics.median(samples) if samples else None
 
     # ---------------------------------------------------------------- decision
     def prefix_acceptance(self) -> list[float]:
@@ -66,15 +72,15 @@ class DraftLengthPolicy:
         if not self.adaptive:
             return self.k_max
         bucket = batch_bucket(batch)
-        for k in self.candidates:  # try every candidate once, then re-measure stale ones
+        for k in self.candidates:  # measure every candidate twice, then re-measure stale ones
             last = self.last_tried.get((bucket, k))
-            if last is None or self.steps - last > self.retry_every:
+            if len(self.samples.get((bucket, k), ())) < 2 or last is None or self.steps - last > self.retry_every:
                 self.last_tried[(bucket, k)] = self.steps
                 return k
-        measured = [k for k in self.candidates if (bucket, k) in self.step_time]
+        measured = [k for k in self.candidates if self.step_time(bucket, k) is not None]
         if not measured:
             return self.k_max
-        best = max(measured, key=lambda k: self.expected_tokens(k) / self.step_time[(bucket, k)])
+        best = max(measured, key=lambda k: self.expected_tokens(k) / self.step_time(bucket, k))
         self.last_tried[(bucket, best)] = self.steps
         return best
 

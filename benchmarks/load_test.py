@@ -1,0 +1,237 @@
+"""Load test for `blockspec serve`, bounded and loopback only.
+
+For every concurrency level (default 1, 4, 16, 64), temperature (0 and 0.7) and speculation setting
+(on, and off through the per-request `use_speculation: false` opt-out, on the same server), N
+streaming requests with mixed prompt lengths go out through `level` concurrent clients. Reported per
+cell: completed, errors, output tok/s (all output tokens / the cell's wall time), TTFT and TPOT
+p50 / p90 / p99, and whether every output equals its twin from the other speculation setting
+(same seed, so this holds at T > 0 too). Outputs are forced to max_tokens (ignore_eos), so both
+settings do the same work.
+
+  python benchmarks/load_test.py --model DIR --draft-model DIR       # starts `blockspec serve` itself
+  python benchmarks/load_test.py --url http://127.0.0.1:8000 --model-name NAME   # a running server
+
+Prompts are slices of the Python standard library's source (text), or with --token-vocab V random
+token ids below V (for models without a tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    token_ids: list[int] = field(default_factory=list)
+    ttft: float | None = None
+    tpot: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class Cell:
+    level: int
+    temperature: float
+    speculation: bool
+    completed: int
+    errors: int
+    output_tokens: int
+    wall_s: float
+    tok_per_s: float
+    ttft_ms: dict[str, float]
+    tpot_ms: dict[str, float]
+    mean_acceptance_length: float | None
+    identical_to_twin: bool | None = None
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    qs = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else [values[0]] * 99
+    return {f"p{p}": round(qs[p - 1] * 1000, 2) for p in (50, 90, 99)}
+
+
+def make_prompts(n: int, lengths: list[int], vocab: int | None, seed: int) -> list[str | list[int]]:
+    """n prompts cycling through `lengths` (tokens for token-id prompts, characters for text)."""
+    rng = random.Random(seed)
+    if vocab is not None:
+        return [[rng.randrange(2, vocab) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]
+    source = "\n".join(p.read_text(errors="replace") for p in files)
+    out: list[str | list[int]] = []
+    for i in range(n):
+        start = rng.randrange(0, len(source) - max(lengths))
+        out.append(source[start : start + lengths[i % len(lengths)]])
+    return out
+
+
+async def one_request(client: httpx.AsyncClient, body: dict[str, Any], timeout: float) -> tuple[Outcome, dict]:
+    """One streamed completion; TTFT is the first chunk that carries tokens, TPOT the mean gap after it."""
+    t0 = time.perf_counter()
+    ids: list[int] = []
+    t_first = None
+    spec: dict = {}
+    try:
+        async with client.stream("POST", "/v1/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                return Outcome(False, error=f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"), spec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return Outcome(False, error=chunk["error"]["message"]), spec
+                for choice in chunk["choices"]:
+                    if choice.get("token_ids") and t_first is None:
+                        t_first = time.perf_counter()
+                    ids += choice.get("token_ids") or []
+                spec = chunk.get("spec_decode") or spec
+    except (httpx.HTTPError, TimeoutError) as exc:
+        return Outcome(False, error=f"{type(exc).__name__}: {exc}"), spec
+    t_end = time.perf_counter()
+    if t_first is None:
+        return Outcome(False, error="no tokens"), spec
+    tpot = (t_end - t_first) / (len(ids) - 1) if len(ids) > 1 else None
+    return Outcome(True, ids, t_first - t0, tpot), spec
+
+
+async def run_cell(url: str, model: str, prompts: list, level: int, temperature: float, speculation: bool,
+                   max_tokens: int, timeout: float) -> tuple[Cell, list[Outcome]]:
+    sem = asyncio.Semaphore(level)
+    limits = httpx.Limits(max_connections=level, max_keepalive_connections=level)
+    async with httpx.AsyncClient(base_url=url, limits=limits) as client:
+        async def job(i: int, prompt: str | list[int]) -> tuple[Outcome, dict]:
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+                    "seed": i, "ignore_eos": True, "use_speculation": speculation, "return_token_ids": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            async with sem:
+                return await one_request(client, body, timeout)
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(job(i, p) for i, p in enumerate(prompts)))
+        wall = time.perf_counter() - t0
+    outcomes = [o for o, _ in results]
+    good = [o for o in outcomes if o.ok]
+    drafts = sum(s.get("num_drafts", 0) for _, s in results)
+    accepted = sum(s.get("num_accepted_tokens", 0) for _, s in results)
+    tokens = sum(len(o.token_ids) for o in good)
+    cell = Cell(level, temperature, speculation, len(good), len(outcomes) - len(good), tokens, round(wall, 3),
+                round(tokens / wall, 1), percentiles([o.ttft for o in good if o.ttft is not None]),
+                percentiles([o.tpot for o in good if o.tpot is not None]),
+                round(1 + accepted / drafts, 3) if drafts else None)
+    return cell, outcomes
+
+
+def markdown(cells: list[Cell], title: str) -> str:
+    head = ("| clients | T | spec | completed | errors | out tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms "
+            "| accept len | = twin |\n|---|---|---|---|---|---|---|---|---|---|\n")
+
+    def trio(d: dict[str, float]) -> str:
+        return " / ".join(f"{d[k]:.1f}" for k in ("p50", "p90", "p99")) if d else "-"
+
+    rows = [f"| {c.level} | {c.temperature} | {'on' if c.speculation else 'off'} | {c.completed} | {c.errors} | "
+            f"{c.tok_per_s} | {trio(c.ttft_ms)} | {trio(c.tpot_ms)} | {c.mean_acceptance_length or '-'} | "
+            f"{'-' if c.identical_to_twin is None else 'yes' if c.identical_to_twin else 'NO'} |" for c in cells]
+    return f"### {title}\n\n{head}" + "\n".join(rows) + "\n"
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    """`blockspec serve` on a free loopback port; returns once /health answers 200."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "blockspec.cli", "serve", "--model", args.model, "--port", str(port),
+           "--served-model-name", args.model_name, "--max-num-seqs", str(args.max_num_seqs), "--device", args.device,
+           "--log-level", "warning"]
+    for flag, value in (("--draft-model", args.draft_model), ("--speculative-config", args.speculative_config),
+                        ("--max-model-len", args.max_model_len)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.startup_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.terminate()
+    raise SystemExit(f"the server was not healthy within {args.startup_timeout} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=None, help="a running server (default: start one with --model)")
+    p.add_argument("--model", default=None, help="target for the server this script starts")
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--speculative-config", default=None, help="JSON, as `blockspec serve` takes it")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--model-name", default="bench", help="served model name")
+    p.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16, 64], help="concurrent clients")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    p.add_argument("--requests", type=int, default=64, help="requests per cell")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-lengths", type=int, nargs="+", default=[16, 64, 256],
+                   help="mixed prompt lengths (tokens with --token-vocab, else characters)")
+    p.add_argument("--token-vocab", type=int, default=None, help="random token-id prompts below this id")
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--out", type=Path, default=Path("load_test"), help="writes OUT.json and OUT.md")
+    p.add_argument("--title", default=None)
+    args = p.parse_args(argv)
+    if (args.url is None) == (args.model is None):
+        p.error("give exactly one of --url and --model")
+    proc, url = start_server(args) if args.url is None else (None, args.url)
+    try:
+        prompts = make_prompts(args.requests, args.prompt_lengths, args.token_vocab, seed=0)
+        asyncio.run(run_cell(url, args.model_name, prompts[:2], 2, 0.0, True, 8, args.request_timeout))  # warm-up
+        cells: list[Cell] = []
+        for level in args.levels:
+            for temperature in args.temperatures:
+                pair = [asyncio.run(run_cell(url, args.model_name, prompts, level, temperature, spec, args.max_tokens,
+                                             args.request_timeout)) for spec in (True, False)]
+                same = all(a.ok and b.ok and a.token_ids == b.token_ids for a, b in zip(pair[0][1], pair[1][1]))
+                for cell, outcomes in pair:
+                    cell.identical_to_twin = same
+                    cells.append(cell)
+                    errors = sorted({o.error for o in outcomes if o.error})
+                    print(f"clients {level:3d}  T {temperature}  spec {'on ' if cell.speculation else 'off'}  "
+                          f"{cell.completed}/{len(prompts)} ok  {cell.tok_per_s:8.1f} tok/s  TTFT {cell.ttft_ms}  "
+                          f"TPOT {cell.tpot_ms}" + (f"  errors: {errors[:3]}" if errors else ""), flush=True)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    title = args.title or f"load test: {args.model or args.url}"
+    report = {"title": title, "date": time.strftime("%Y-%m-%d %H:%M"),
+              "args": {k: str(v) for k, v in vars(args).items()}, "cells": [asdict(c) for c in cells]}
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown(cells, title)
+    args.out.with_suffix(".md").write_text(table)
+    print(table)
+    return 0 if all(c.errors == 0 for c in cells) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

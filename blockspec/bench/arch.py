@@ -1,0 +1,122 @@
+"""Model shapes with random weights, built in memory: real sizes (and real timings) without downloads.
+
+`qwen3-8b` is Qwen3-8B (36 layers, hidden 4096, vocab 151936) with a Qwen3-8B-DFlash-b16-shaped drafter
+(5 layers, block 16, taps [1, 9, 17, 25, 33]) and a DeepSpec dspark_qwen3_8b_block7-shaped DSpark
+drafter (same backbone, anchor-first, vanilla Markov head rank 256, confidence head). `tiny` is the same
+layout at toy size, for CPU tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from blockspec.config import ConfigError, ModelConfig, RopeConfig
+from blockspec.models.layers import Rotary
+from blockspec.models.llama import CausalLM
+from blockspec.spec.drafter import DFlashDraft, DrafterConfig, DraftModel
+from blockspec.spec.dspark_model import DSparkDraft, DSparkHeads
+
+QWEN3_8B = ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                       num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       rope=RopeConfig(theta=1e6), max_position_embeddings=40960, qk_norm=True,
+                       layer_types=("full_attention",) * 36, torch_dtype="bfloat16", eos_token_ids=(151645,))
+
+QWEN3_8B_DFLASH = DrafterConfig(hidden_size=4096, intermediate_size=12288, num_layers=5, num_heads=32, num_kv_heads=8,
+                                head_dim=128, vocab_size=151936, block_size=16, mask_token_id=151669,
+                                target_layer_ids=(1, 9, 17, 25, 33), target_hidden_size=4096,
+                                rope=QWEN3_8B.rope, max_position_embeddings=40960)
+
+TINY = ModelConfig(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=136, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope=RopeConfig(theta=1e6),
+                   max_position_embeddings=4096, qk_norm=True, layer_types=("full_attention",) * 4,
+                   torch_dtype="float32", eos_token_ids=(1,))
+
+TINY_DFLASH = DrafterConfig(hidden_size=64, intermediate_size=136, num_layers=2, num_heads=4, num_kv_heads=2,
+                            head_dim=16, vocab_size=512, block_size=8, mask_token_id=511, target_layer_ids=(0, 2),
+                            target_hidden_size=64, rope=TINY.rope, max_position_embeddings=4096)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A target shape and its two drafter shapes; `init_std` is the std of the random matrices."""
+
+    name: str
+    target: ModelConfig
+    dflash: DrafterConfig
+    dspark_block_size: int
+    dspark_heads: DSparkHeads
+    init_std: float
+
+    def dspark(self, block_size: int | None = None) -> DrafterConfig:
+        """The DSpark drafter: the DFlash backbone, anchor-first (block_size drafts per step)."""
+        return dataclasses.replace(self.dflash, block_size=block_size or self.dspark_block_size, anchor_first=True)
+
+
+ARCHS = {
+    "qwen3-8b": Arch("qwen3-8b", QWEN3_8B, QWEN3_8B_DFLASH, 7, DSparkHeads(markov_rank=256), 0.02),
+    # wider weights at toy size, so greedy choices are not near-ties (the transformers cross-check is exact)
+    "tiny": Arch("tiny", TINY, TINY_DFLASH, 8, DSparkHeads(markov_rank=16), 0.08),
+}
+
+
+def get_arch(name: str) -> Arch:
+    if name not in ARCHS:
+        raise ConfigError(f"--arch {name!r} unknown; available: {', '.join(ARCHS)}")
+    return ARCHS[name]
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _randomize(model: nn.Module, std: float, seed: int) -> None:
+    """Normal(0, std) for every matrix (norm weights stay 1, biases 0), seeded."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, std, generator=gen)
+
+
+def random_target(cfg: ModelConfig, max_positions: int, device: str | torch.device = "cuda",
+                  dtype: torch.dtype = torch.bfloat16, std: float = 0.02, seed: int = 0) -> CausalLM:
+    """The target with random weights; RoPE tables stay fp32 as load_target keeps them."""
+    with torch.device(device), default_dtype(dtype):  # built in place: no fp32 copy of 8B parameters
+        model = CausalLM(cfg, max_positions)
+    model.rotary = Rotary(cfg.rope, cfg.head_dim, max_positions).to(device)
+    _randomize(model, std, seed)
+    return model.eval().requires_grad_(False)
+
+
+def random_drafter(cfg: DrafterConfig, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
+                   std: float = 0.02, seed: int = 1, heads: DSparkHeads | None = None) -> DraftModel:
+    """A DFlash drafter (heads=None) or a DSpark one with random weights, sharing the target's embedding and
+    LM head (bind it with Proposer / bind_target)."""
+    with torch.device(device), default_dtype(dtype):
+        model = DFlashDraft(cfg) if heads is None else DSparkDraft(cfg, heads)
+    model.cast(device, dtype)
+    _randomize(model, std, seed)
+    return model.eval().requires_grad_(False)
+
+
+def step_bytes(model: nn.Module) -> int:
+    """Weights read by one decode step: every parameter but the embedding table (one row is read)."""
+    emb = model.embed_tokens.weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb) + (
+        emb.numel() * emb.element_size() if model.config.tie_word_embeddings else 0)
+
+
+def param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())

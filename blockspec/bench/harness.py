@@ -1,0 +1,791 @@
+"""`blockspec bench`: plain vs DFlash vs DSpark (and transformers peers) on the same weights and device.
+
+One run sweeps methods x batch sizes (concurrency: requests decoded together) x temperatures. Every
+point is warmed up first (CUDA graphs captured, kernels compiled), then timed `repeats` times with the
+device synchronised around every engine step; the report gives the median with min / max. Token ids
+go in and come out (no detokenisation is timed). Peak GPU memory is reset per point, and each drafter
+is built only for its own runs, so the plain runs hold no drafter and the difference is the real
+memory cost of speculation.
+
+With `synthetic_acceptance` the speculative runs use SyntheticProposer (real draft and verify
+forwards, drawn acceptance): their tokens are not the target's, and the report says so everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import itertools
+import json
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from blockspec.bench.arch import get_arch, param_bytes, random_drafter, random_target, step_bytes
+from blockspec.bench.timing import (
+    copy_bandwidth,
+    free_memory,
+    peak_memory_gb,
+    percentile,
+    reset_peak_memory,
+    spread,
+    synchronize,
+)
+from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
+from blockspec.engine.engine import Engine
+from blockspec.engine.request import SpecStats
+from blockspec.models.llama import CausalLM
+from blockspec.sampling_params import SamplingParams
+from blockspec.spec.synthetic import AcceptanceProfile, SyntheticProposer
+
+METHODS = ("plain", "dflash", "dspark")
+SYNTHETIC_NOTE = ("SYNTHETIC ACCEPTANCE: speculative runs draw their accepted counts from a set profile; their "
+                  "timings are real, their output tokens are NOT the target's")
+# The GPU-speed issue's targets (H200, Qwen3-8B shape, bf16, random weights), shown beside the measured checks.
+ISSUE7_TARGETS = {"plain_batch1_floor_ratio": ">= 0.80", "dflash_step_over_plain_batch1": "<= 1.2",
+                  "synthetic_6.5_speedup_batch1": ">= 5.2", "speculative_over_plain_every_batch": ">= 1.0"}
+BUILTIN_PROMPTS = (
+    "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring and tests.",
+    "Explain step by step how to compute 17 * 23 - 144 / 12, then give the final answer.",
+    "Write a short story (about 200 words) about a lighthouse keeper who finds a message in a bottle.",
+    "Summarize the main causes of the French Revolution in five bullet points.",
+    "Translate into French: 'The meeting has been moved to Thursday afternoon because of the holiday.'",
+    "What is the difference between a process and a thread? Answer for a junior programmer.",
+    "A train leaves at 9:40 and arrives at 13:05. How long is the journey? Show your reasoning.",
+    "Write a SQL query that returns the ten customers with the highest total order value in 2024.",
+    "List the planets of the solar system with one interesting fact about each.",
+    "Implement binary search in C and explain its time complexity.",
+    "Give three arguments for and three against remote work, then a balanced conclusion.",
+    "Prove that the sum of the first n odd numbers is n squared.",
+)
+
+
+@dataclass
+class BenchConfig:
+    """Everything one benchmark run needs; validated before any model is built."""
+
+    random_weights: bool = False
+    arch: str = "qwen3-8b"  # --random-weights shape: qwen3-8b | tiny
+    model: str | None = None  # a real target (HF directory or hub id)
+    dflash_model: str | None = None
+    dspark_model: str | None = None
+    methods: tuple[str, ...] | None = None  # None: plain + every drafter available
+    batch_sizes: tuple[int, ...] = (1,)
+    temperatures: tuple[float, ...] = (0.0,)
+    prompts: str | None = None  # jsonl path ("prompt" or "prompt_token_ids") | "builtin" | None: random tokens
+    input_len: tuple[int, ...] = (512,)  # random-token prompt lengths (cycled over requests)
+    output_len: int = 256
+    waves: int = 1  # requests per point = batch x waves (finished slots are refilled: continuous batching)
+    repeats: int = 3
+    num_speculative_tokens: int | None = None
+    speculative_config: dict[str, Any] = field(default_factory=dict)  # extra SpeculativeConfig fields
+    synthetic_acceptance: str | None = None
+    synthetic_seed: int = 0
+    peers: tuple[str, ...] = ()
+    peer_assistant: str | None = None
+    peer_batch_sizes: tuple[int, ...] | None = None  # None: batch_sizes
+    peer_temperatures: tuple[float, ...] = (0.0,)
+    peer_output_len: int | None = None  # None: output_len (transformers eager is slow: keep this short)
+    chat_template: bool = True  # apply the tokenizer's chat template to text prompts
+    dspark_block_size: int | None = None  # random weights: None = the arch's (7 for qwen3-8b)
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    max_prefill_tokens: int = 4096
+    command: str | None = None
+
+    def validate(self) -> None:
+        from blockspec.bench.peers import PEERS
+
+        if self.random_weights == (self.model is not None):
+            raise ConfigError("give exactly one of --random-weights (with --arch) or --model")
+        if self.random_weights:
+            get_arch(self.arch)
+            if self.dflash_model or self.dspark_model:
+                raise ConfigError("--random-weights builds its drafters in memory; --dflash-model / --dspark-model "
+                                  "need a real --model")
+        for m in self.selected_methods():
+            if m not in METHODS:
+                raise ConfigError(f"method {m!r} unknown; allowed: {', '.join(METHODS)}")
+            if not self.random_weights and m != "plain" and getattr(self, f"{m}_model") is None:
+                raise ConfigError(f"method {m} needs --{m}-model DIR (or use --random-weights)")
+        for name in ("batch_sizes", "input_len"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+                raise ConfigError(f"{name} must be integers >= 1, got {values!r}")
+        if not self.temperatures or any(t < 0 for t in (*self.temperatures, *self.peer_temperatures)):
+            raise ConfigError(f"temperatures must be >= 0, got {self.temperatures!r}")
+        for name in ("output_len", "repeats", "waves"):
+            if getattr(self, name) < (2 if name == "output_len" else 1):
+                raise ConfigError(f"{name} must be >= {2 if name == 'output_len' else 1}, got {getattr(self, name)}")
+        if self.synthetic_acceptance is not None:
+            AcceptanceProfile(self.synthetic_acceptance)  # parses or raises
+            if self.selected_methods() == ("plain",):
+                raise ConfigError("--synthetic-acceptance applies to speculative methods (dflash, dspark); "
+                                  "none is selected")
+        bad = sorted(set(self.peers) - set(PEERS))
+        if bad:
+            raise ConfigError(f"peers {bad} unknown; allowed: {', '.join(PEERS)}")
+        if self.prompts == "builtin" and self.random_weights:
+            raise ConfigError("--prompts builtin is text and needs the model's tokenizer; with --random-weights "
+                              "use random-token prompts (--input-len) or a jsonl with prompt_token_ids")
+
+    def selected_methods(self) -> tuple[str, ...]:
+        if self.methods is not None:
+            return tuple(sorted(set(self.methods), key=lambda m: METHODS.index(m) if m in METHODS else 99))
+        have = [m for m in ("dflash", "dspark") if self.random_weights or getattr(self, f"{m}_model")]
+        return ("plain", *have)
+
+    @property
+    def synthetic(self) -> bool:
+        return self.synthetic_acceptance is not None
+
+
+@dataclass
+class Setup:
+    """The loaded target, the prompts, and how to build each drafter (only when its runs start)."""
+
+    target: CausalLM
+    device: torch.device
+    eos_ids: list[int]
+    prompts: list[list[int]]
+    max_len: int
+    hf_dir: Path | None
+    make_drafter: Callable[[str], Any]
+    drafter_source: dict[str, str]
+    description: dict[str, Any]
+
+
+# ---------------------------------------------------------------------------------------------- setup
+def _tokenize(text: str, tokenizer: Any, chat: bool) -> list[int]:
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        return list(ids if isinstance(ids, list) else ids["input_ids"])
+    return tokenizer.encode(text)
+
+
+def load_prompts(cfg: BenchConfig, tokenizer: Any, vocab_size: int, count: int) -> list[list[int]]:
+    """`count` prompts as token ids: from a jsonl file, the built-in set, or random tokens (seeded)."""
+    if cfg.prompts is None:
+        g = torch.Generator().manual_seed(cfg.seed)
+        return [torch.randint(0, vocab_size, (cfg.input_len[i % len(cfg.input_len)],), generator=g).tolist()
+                for i in range(count)]
+    if cfg.prompts == "builtin":
+        items: list[Any] = list(BUILTIN_PROMPTS)
+    else:
+        path = Path(cfg.prompts)
+        if not path.is_file():
+            raise FileNotFoundError(f"--prompts {cfg.prompts}: no such file (a jsonl, or 'builtin')")
+        items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, dict) and isinstance(item.get("prompt_token_ids"), list):
+            out.append([int(t) for t in item["prompt_token_ids"]])
+        elif isinstance(item, str) or (isinstance(item, dict) and isinstance(item.get("prompt"), str)):
+            if tokenizer is None:
+                raise ConfigError(f"prompt {i} is text but the model has no tokenizer; give prompt_token_ids")
+            out.append(_tokenize(item if isinstance(item, str) else item["prompt"], tokenizer, cfg.chat_template))
+        else:
+            raise ConfigError(f"{cfg.prompts} line {i + 1}: expected an object with 'prompt' or 'prompt_token_ids'")
+    if not out:
+        raise ConfigError(f"{cfg.prompts}: no prompts")
+    return [out[i % len(out)] for i in range(count)]
+
+
+def _describe(dcfg: Any, heads: Any) -> str:
+    text = f"block {dcfg.block_size}, {dcfg.num_layers} layers, taps {list(dcfg.target_layer_ids)}"
+    return text + (f", Markov rank {heads.markov_rank} + confidence head" if heads is not None else "")
+
+
+def prepare(cfg: BenchConfig, device: torch.device) -> Setup:
+    """Build (random weights) or load (checkpoints) the target, the prompts, and the drafter factories."""
+    return (_prepare_random if cfg.random_weights else _prepare_checkpoints)(cfg, device)
+
+
+def _prepare_random(cfg: BenchConfig, device: torch.device) -> Setup:
+    from blockspec.models.loader import resolve_dtype
+
+    arch = get_arch(cfg.arch)
+    dtype = resolve_dtype(cfg.dtype, "bfloat16", device)
+    prompts = load_prompts(cfg, None, arch.target.vocab_size, max(cfg.batch_sizes) * cfg.waves)
+    max_len = max(len(p) for p in prompts) + cfg.output_len + 8
+    target = random_target(arch.target, max_len + 64, device, dtype, arch.init_std, cfg.seed)
+    shapes = {"dflash": (arch.dflash, None, 1), "dspark": (arch.dspark(cfg.dspark_block_size), arch.dspark_heads, 2)}
+
+    def make_drafter(method: str) -> Any:
+        dcfg, heads, seed = shapes[method]
+        return random_drafter(dcfg, device, dtype, arch.init_std, cfg.seed + seed, heads)
+
+    source = f"random weights, {arch.name} shape"
+    drafters = {m: f"{source}: {_describe(*shapes[m][:2])}" for m in cfg.selected_methods() if m != "plain"}
+    return Setup(target, device, list(arch.target.eos_token_ids), prompts, max_len, None, make_drafter,
+                 {m: f"random-{arch.name}-{m}" for m in shapes},
+                 {"target": source, "dtype": str(dtype).replace("torch.", ""), "drafters": drafters})
+
+
+def _prepare_checkpoints(cfg: BenchConfig, device: torch.device) -> Setup:
+    from blockspec.llm import generation_eos_ids, load_tokenizer
+    from blockspec.models.loader import load_target, read_json, resolve_model_dir
+    from blockspec.spec.drafter import load_drafter
+
+    model_dir = resolve_model_dir(cfg.model)
+    tokenizer = load_tokenizer(model_dir)
+    vocab = int(read_json(model_dir / "config.json")["vocab_size"])
+    prompts = load_prompts(cfg, tokenizer, vocab, max(cfg.batch_sizes) * cfg.waves)
+    max_len = max(len(p) for p in prompts) + cfg.output_len + 8
+    target, model_dir = load_target(model_dir, cfg.dtype, device, max_positions=max_len + 64)
+    weight = target.embed_tokens.weight
+    sources = {m: getattr(cfg, f"{m}_model") for m in ("dflash", "dspark") if getattr(cfg, f"{m}_model")}
+
+    def load(method: str) -> Any:
+        return load_drafter(method, sources[method], weight.device, weight.dtype)
+
+    return Setup(target, device, generation_eos_ids(model_dir, target.config.eos_token_ids, tokenizer), prompts,
+                 max_len, model_dir, load, sources,
+                 {"target": str(cfg.model), "dtype": str(weight.dtype).replace("torch.", ""), "drafters": sources})
+
+
+def build_engine(cfg: BenchConfig, setup: Setup, method: str, drafter: Any, batch: int) -> Engine:
+    spec = proposer = None
+    if method != "plain":
+        values = {"method": method, "model": setup.drafter_source[method], **cfg.speculative_config}
+        if cfg.num_speculative_tokens is not None:
+            values["num_speculative_tokens"] = cfg.num_speculative_tokens
+        spec = SpeculativeConfig.from_user(values)
+        if cfg.synthetic:
+            proposer = partial(SyntheticProposer, profile=AcceptanceProfile(cfg.synthetic_acceptance),
+                               seed=cfg.synthetic_seed)
+    engine_cfg = EngineConfig(max_model_len=setup.max_len, max_num_seqs=batch,
+                              max_prefill_tokens=cfg.max_prefill_tokens, seed=cfg.seed)
+    engine = Engine(setup.target, None, engine_cfg, spec, drafter, setup.eos_ids, proposer_cls=proposer)
+    engine.spec_totals = StepLog()  # the same counters, plus what each step drafted
+    return engine
+
+
+# ---------------------------------------------------------------------------------------------- measure
+@dataclass
+class StepLog(SpecStats):
+    """The engine's speculation counters, also keeping (drafts, accepted) per request since the last drain.
+
+    The engine picks the draft length per step, so per-position rates need what each step offered,
+    not only what it accepted; and step times are grouped by the draft length they ran with.
+    """
+
+    pending: list[tuple[int, int]] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        super().record(num_draft, num_accepted)
+        if num_draft > 0:
+            self.pending.append((num_draft, num_accepted))
+
+    def drain(self) -> list[tuple[int, int]]:
+        out, self.pending = self.pending, []
+        return out
+
+
+@dataclass
+class Pass:
+    """One timed pass over a point's requests."""
+
+    wall_s: float
+    tokens: int
+    decode_s: float
+    decode_tokens: int
+    step_s: dict[int, list[float]]  # decode step times by the step's draft length (0: plain step)
+    drafts: list[tuple[int, int]]  # (drafts, accepted) per request per speculative step
+    ttft_s: list[float]
+    tpot_s: list[float]
+    outputs: list[list[int]]
+
+
+_ids = itertools.count()
+
+
+def drive(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> Pass:
+    """Submit all requests at once and step the engine to completion, timing each step.
+
+    Steps that admit or prefill are excluded from the decode figures (TPOT, decode tok/s, step time);
+    the wall time covers everything from submission to the last token.
+    """
+    dev = engine.device
+    log: StepLog = engine.spec_totals
+    synchronize(dev)
+    t0 = time.perf_counter()
+    reqs = [engine.add_request(f"bench-{next(_ids)}", None, p, sp)[0] for p, sp in zip(prompts, params)]
+    decode_s, decode_tokens = 0.0, 0
+    step_s: dict[int, list[float]] = {}
+    drafts: list[tuple[int, int]] = []
+    cache = engine.runner.cache
+    while engine.has_unfinished():
+        prefill = bool(engine.waiting and cache.num_free_slots) or any(
+            r.num_cached < len(r.prompt_token_ids) for r in engine.running)
+        n0, ts = engine.num_generated, time.perf_counter()
+        engine.step()
+        synchronize(dev)
+        dt = time.perf_counter() - ts
+        step = log.drain()
+        if not prefill:
+            decode_s += dt
+            decode_tokens += engine.num_generated - n0
+            step_s.setdefault(max((n for n, _ in step), default=0), []).append(dt)
+            drafts += step
+    wall = time.perf_counter() - t0
+    failed = [r.error for r in reqs if r.error]
+    if failed:
+        raise RuntimeError(f"bench: {len(failed)} request(s) failed: {failed[0]}")
+    return Pass(wall, sum(len(r.output_ids) for r in reqs), decode_s, decode_tokens, step_s, drafts,
+                [r.first_token_time - r.arrival_time for r in reqs],
+                [(r.finish_time - r.first_token_time) / (len(r.output_ids) - 1) for r in reqs if len(r.output_ids) > 1],
+                [list(r.output_ids) for r in reqs])
+
+
+def acceptance(drafts: list[tuple[int, int]], k: int) -> dict[str, Any]:
+    """Acceptance length (tokens per verify step, bonus included) and per-position rates, where position i's
+    rate is the share of steps drafting at least i tokens whose first i were all accepted (None: never drafted)."""
+    n = len(drafts)
+    offered = [sum(d > i for d, _ in drafts) for i in range(k)]
+    accepted = [sum(a > i for _, a in drafts) for i in range(k)]
+    return {
+        "num_speculative_tokens": k,
+        "num_drafts": n,
+        "mean_draft_length": sum(d for d, _ in drafts) / n if n else None,
+        "mean_acceptance_length": 1 + sum(a for _, a in drafts) / n if n else None,
+        "acceptance_rate": sum(accepted) / sum(offered) if n else None,
+        "per_position": [a / o if o else None for a, o in zip(accepted, offered)],
+    }
+
+
+def measure_engine(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
+                   repeats: int) -> tuple[dict[str, Any], list[list[int]]]:
+    """Warm-up pass, then `repeats` timed passes; the run record and the last pass's output tokens."""
+    drive(engine, prompts, params)  # warm-up: CUDA graphs captured, kernels compiled, the draft policy primed
+    reset_peak_memory(engine.device)
+    before = dict(engine.timer.totals)
+    passes = [drive(engine, prompts, params) for _ in range(repeats)]
+    peak = peak_memory_gb(engine.device)
+    ttft = [t for p in passes for t in p.ttft_s]
+    tpot = [t for p in passes for t in p.tpot_s]
+    step_s: dict[int, list[float]] = {}
+    for p in passes:
+        for k, times in p.step_s.items():
+            step_s.setdefault(k, []).extend(times)
+    run: dict[str, Any] = {
+        "status": "ok",
+        "num_requests": len(prompts),
+        "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
+        "output_tok_s": spread([p.tokens / p.wall_s for p in passes]),
+        "decode_tok_s": spread([p.decode_tokens / p.decode_s for p in passes if p.decode_s > 0] or [0.0]),
+        "step_ms": spread([1e3 * p.decode_s / sum(map(len, p.step_s.values())) for p in passes if p.step_s]
+                          or [0.0]),
+        "steps_by_draft_length": {str(k): {"steps": len(v), "ms_median": 1e3 * spread(v)["median"]}
+                                  for k, v in sorted(step_s.items())},
+        "tpot_ms": {"p50": 1e3 * percentile(tpot, 50), "p90": 1e3 * percentile(tpot, 90)} if tpot else None,
+        "ttft_ms": {"p50": 1e3 * percentile(ttft, 50), "p90": 1e3 * percentile(ttft, 90)},
+        "time_split_s_per_pass": {k[:-2]: (v - before.get(k, 0.0)) / repeats for k, v in engine.timer.totals.items()},
+        **peak,
+    }
+    if engine.proposer is not None:
+        drafts = [x for p in passes for x in p.drafts]
+        run["acceptance"] = acceptance(drafts, engine.proposer.num_speculative_tokens)
+        if isinstance(engine.proposer, SyntheticProposer):
+            prop = engine.proposer
+            run["acceptance"]["synthetic_rates"] = prop.rates
+            # the profile's expectation for the draft lengths the engine actually chose
+            run["acceptance"]["expected_length"] = sum(prop.expected_length(d) for d, _ in drafts) / len(drafts) \
+                if drafts else None
+    return run, passes[-1].outputs
+
+
+def prefix_match(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean fraction of each output that agrees token for token before the first difference."""
+    fracs = []
+    for x, y in zip(a, b):
+        n = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+        fracs.append(n / max(len(x), len(y), 1))
+    return sum(fracs) / len(fracs)
+
+
+def _memory(engine: Engine, drafter: Any) -> dict[str, float]:
+    out = {"target_weights": param_bytes(engine.model) / 1e9, "target_kv": engine.runner.cache.bytes / 1e9}
+    if engine.proposer is not None:
+        out["drafter_weights"] = param_bytes(drafter) / 1e9
+        out["draft_kv"] = engine.proposer.cache.bytes / 1e9
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- run
+def _environment(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], check=False, cwd=Path(__file__).parent,
+                                capture_output=True, text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    cpu = platform.processor() or platform.machine()
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({cpu})",
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "git_commit": commit,
+        "command": cfg.command or " ".join(sys.argv),
+    }
+
+
+def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Run the whole sweep and return the report (JSON-serialisable); `log` receives one line per point."""
+    from blockspec.models.loader import resolve_device
+
+    cfg.validate()
+    device = resolve_device(cfg.device)
+    result: dict[str, Any] = {"benchmark": "blockspec bench", "synthetic": cfg.synthetic,
+                              "synthetic_acceptance": None, **_environment(cfg, device),
+                              "config": dataclasses.asdict(cfg)}
+    if cfg.synthetic:
+        result["synthetic_acceptance"] = {"profile": cfg.synthetic_acceptance, "seed": cfg.synthetic_seed,
+                                          "note": SYNTHETIC_NOTE}
+    bandwidth = copy_bandwidth() if device.type == "cuda" else None  # before the models: needs 4 GB free
+    setup = prepare(cfg, device)
+    model = dict(setup.description, target_gb=param_bytes(setup.target) / 1e9,
+                 weight_bytes_per_step_gb=step_bytes(setup.target) / 1e9)
+    result["model"] = model
+    result["floor"] = "n/a (GPU only)"
+    if bandwidth:
+        floor_s = step_bytes(setup.target) / bandwidth
+        result["floor"] = {"copy_bandwidth_TBps": bandwidth / 1e12, "step_ms_batch1": 1e3 * floor_s,
+                           "tok_s_batch1": 1 / floor_s}
+    runs: list[dict[str, Any]] = []
+    plain_outputs: dict[tuple[int, float], list[list[int]]] = {}
+    for method in cfg.selected_methods():
+        drafter = setup.make_drafter(method) if method != "plain" else None
+        for batch in cfg.batch_sizes:
+            engine = build_engine(cfg, setup, method, drafter, batch)
+            n = batch * cfg.waves
+            prompts = setup.prompts[:n]
+            for temp in cfg.temperatures:
+                params = [SamplingParams(temperature=temp, top_p=1.0, top_k=0, max_tokens=cfg.output_len,
+                                         ignore_eos=True, seed=cfg.seed + i) for i in range(n)]
+                run, outputs = measure_engine(engine, prompts, params, cfg.repeats)
+                run = {"method": method, "batch": batch, "temperature": temp,
+                       "synthetic": cfg.synthetic and method != "plain", "output_len": cfg.output_len, **run,
+                       "memory_gb": _memory(engine, drafter)}
+                if method == "plain":
+                    plain_outputs[(batch, temp)] = outputs
+                elif (batch, temp) in plain_outputs and not run["synthetic"]:
+                    run["prefix_match_plain"] = prefix_match(outputs, plain_outputs[(batch, temp)])
+                runs.append(run)
+                log(summary_line(run))
+            del engine
+            free_memory(device)
+        del drafter
+        free_memory(device)
+    if cfg.peers:
+        runs += run_peers(cfg, setup, plain_outputs, log)
+    compare_to_plain(runs)
+    result["runs"] = runs
+    result["checks"] = checks(result)
+    return result
+
+
+def run_peers(cfg: BenchConfig, setup: Setup, plain_outputs: dict[tuple[int, float], list[list[int]]],
+              log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """transformers generate (and assisted generation where it applies) on the very same weights."""
+    from blockspec.bench.peers import (
+        ASSISTED_BATCH_ONE,
+        ASSISTED_NEEDS_DRAFT,
+        ASSISTED_NEEDS_REAL,
+        hf_twin,
+        load_assistant,
+        measure_generate,
+    )
+
+    hf = hf_twin(setup.target, setup.hf_dir)
+    weight = setup.target.embed_tokens.weight
+    assistant = load_assistant(cfg.peer_assistant, weight.device, weight.dtype, setup.target.config.vocab_size) \
+        if cfg.peer_assistant else None
+    max_new = cfg.peer_output_len or cfg.output_len
+    no_assistant = ASSISTED_NEEDS_REAL if cfg.random_weights else ASSISTED_NEEDS_DRAFT
+    runs = []
+    for batch in cfg.peer_batch_sizes or cfg.batch_sizes:
+        prompts = setup.prompts[:batch]
+        for temp in cfg.peer_temperatures:
+            for name, helper in (("hf-generate", None), ("hf-assisted", assistant)):
+                base = {"method": name, "batch": batch, "temperature": temp, "synthetic": False,
+                        "output_len": max_new}
+                reason = None
+                if name == "hf-assisted":
+                    reason = no_assistant if helper is None else ASSISTED_BATCH_ONE if batch > 1 else None
+                if reason:
+                    run = {**base, "status": "n/a", "reason": reason}
+                else:
+                    stats, outputs = measure_generate(hf, prompts, temp, max_new, cfg.repeats, cfg.seed, helper)
+                    run = {**base, **stats}
+                    plain = plain_outputs.get((batch, temp))
+                    if temp == 0 and plain is not None:
+                        run["prefix_match_plain"] = prefix_match(outputs, [o[:max_new] for o in plain])
+                runs.append(run)
+                log(summary_line(run))
+            free_memory(setup.device)
+    del hf
+    return runs
+
+
+def compare_to_plain(runs: list[dict[str, Any]]) -> None:
+    """Add each run's ratios to blockspec plain decoding at the same batch and temperature."""
+    plain = {(r["batch"], r["temperature"]): r for r in runs if r["method"] == "plain"}
+    for r in runs:
+        p = plain.get((r["batch"], r["temperature"]))
+        if r["method"] == "plain" or p is None or r["status"] != "ok":
+            continue
+        same_length = r["output_len"] == p["output_len"]  # else prefill weighs differently: decode rates only
+        vs = {"output_tok_s_ratio": r["output_tok_s"]["median"] / p["output_tok_s"]["median"]
+              if same_length else None,
+              "decode_tok_s_ratio": r["decode_tok_s"]["median"] / p["decode_tok_s"]["median"]
+              if p["decode_tok_s"]["median"] else None}
+        steps, plain_steps = r.get("steps_by_draft_length"), p["steps_by_draft_length"]
+        if steps and "0" in plain_steps:  # the longest drafted step against a plain step
+            k = max(steps, key=int)
+            vs["step_ratio"] = steps[k]["ms_median"] / plain_steps["0"]["ms_median"]
+            vs["step_ratio_draft_length"] = int(k)
+        if isinstance(r.get("peak_allocated_gb"), float) and isinstance(p.get("peak_allocated_gb"), float):
+            vs["memory_overhead_gb"] = r["peak_allocated_gb"] - p["peak_allocated_gb"]
+        r["vs_plain"] = vs
+
+
+def checks(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures the GPU-speed issue asks for, taken from the runs (T = 0 where a single point is meant)."""
+    runs = [r for r in result["runs"] if r["status"] == "ok"]
+    spec = [r for r in runs if r["method"] in ("dflash", "dspark")]
+    out: dict[str, Any] = {"targets": ISSUE7_TARGETS}
+    plain1 = next((r for r in runs if r["method"] == "plain" and r["batch"] == 1 and r["temperature"] == 0), None)
+    if plain1 and isinstance(result["floor"], dict):
+        out["plain_batch1_floor_ratio"] = plain1["decode_tok_s"]["median"] / result["floor"]["tok_s_batch1"]
+    out["batch1_T0"] = {r["method"]: {"step_over_plain": r["vs_plain"].get("step_ratio"),
+                                      "draft_length": r["vs_plain"].get("step_ratio_draft_length"),
+                                      "speedup": r["vs_plain"]["output_tok_s_ratio"],
+                                      "mean_acceptance_length": r["acceptance"]["mean_acceptance_length"]}
+                        for r in spec if r["batch"] == 1 and r["temperature"] == 0 and "vs_plain" in r}
+    never = {}
+    for method in sorted({r["method"] for r in spec}):
+        points = [{"batch": r["batch"], "temperature": r["temperature"],
+                   "ratio": r["vs_plain"]["output_tok_s_ratio"]} for r in spec
+                  if r["method"] == method and "vs_plain" in r]
+        never[method] = {"pass": all(p["ratio"] >= 1.0 for p in points), "points": points}
+    out["never_slower_than_plain"] = never
+    out["memory_overhead_gb"] = {f"{r['method']} b{r['batch']} T{r['temperature']}": r["vs_plain"].get(
+        "memory_overhead_gb", "n/a") for r in spec if "vs_plain" in r}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- report
+def _f(x: Any, fmt: str = ".1f") -> str:
+    return format(x, fmt) if isinstance(x, (int, float)) else "n/a"
+
+
+def summary_line(run: dict[str, Any]) -> str:
+    head = f"{run['method']:>11} b{run['batch']:<3} T{run['temperature']:<4}"
+    if run["status"] != "ok":
+        return f"{head} n/a: {run['reason']}"
+    acc = run.get("acceptance")
+    return (f"{head} {run['output_tok_s']['median']:9.1f} tok/s  decode {run['decode_tok_s']['median']:9.1f} tok/s"
+            + (f"  acc.len {_f(acc['mean_acceptance_length'], '.2f')}" if acc else "")
+            + ("  [synthetic]" if run["synthetic"] else ""))
+
+
+def title(result: dict[str, Any]) -> str:
+    base = f"blockspec bench: {result['model']['target']} on {result['device']}"
+    return f"{base} [SYNTHETIC ACCEPTANCE {result['synthetic_acceptance']['profile']}]" if result["synthetic"] else base
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The report as markdown: header, one row per run, per-position acceptance, the issue checks."""
+    lines = [f"# {title(result)}", ""]
+    if result["synthetic"]:
+        profile = result["synthetic_acceptance"]
+        lines += [f"**{SYNTHETIC_NOTE}.** Profile: `{profile['profile']}`, seed {profile['seed']}.", ""]
+    m = result["model"]
+    lines.append(f"- date {result['date']}, torch {result['torch']}, transformers {result['transformers']}, "
+                 f"commit {result['git_commit'] or 'n/a'}")
+    lines.append(f"- command: `{result['command']}`")
+    lines.append(f"- target: {m['target']} ({m['dtype']}, {m['target_gb']:.3g} GB; "
+                 f"{m['weight_bytes_per_step_gb']:.3g} GB read per decode step)")
+    for name, desc in m["drafters"].items():
+        lines.append(f"- {name}: {desc}")
+    floor = result["floor"]
+    if isinstance(floor, dict):
+        lines.append(f"- floor: {floor['tok_s_batch1']:.1f} tok/s at batch 1 ({floor['step_ms_batch1']:.2f} ms/step, "
+                     f"copy bandwidth {floor['copy_bandwidth_TBps']:.2f} TB/s)")
+    else:
+        lines.append(f"- floor: {floor}")
+    cfg = result["config"]
+    lines.append(f"- median of {cfg['repeats']} timed passes after a warm-up (min-max in brackets); output "
+                 f"{cfg['output_len']} tokens per request; TPOT and step exclude prefill steps; 'tokens = plain': "
+                 "share of each output equal to plain decoding's before the first difference")
+    columns = ("method", "batch", "T", "output tok/s", "decode tok/s", "vs plain", "step ms", "TPOT p50/p90 ms",
+               "TTFT p50/p90 ms", "acc. len", "peak GB", "spec +GB", "tokens = plain")
+    lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in result["runs"]:
+        name = r["method"] + (" (synthetic)" if r["synthetic"] else "")
+        if r["status"] != "ok":
+            lines.append(f"| {name} | {r['batch']} | {r['temperature']} | n/a: {r['reason']} ||||||||||")
+            continue
+        o, vs, acc = r["output_tok_s"], r.get("vs_plain", {}), r.get("acceptance")
+        ratio, what = vs.get("output_tok_s_ratio"), ""
+        if ratio is None and vs.get("decode_tok_s_ratio") is not None:
+            ratio, what = vs["decode_tok_s_ratio"], " decode"
+        ratio_s = "" if ratio is None else (f"**{ratio:.2f}x{what} (slower)**" if ratio < 1 else f"{ratio:.2f}x{what}")
+        tpot = r.get("tpot_ms") or {}
+        lines.append(
+            f"| {name} | {r['batch']} | {r['temperature']} | {o['median']:.1f} ({o['min']:.1f}-{o['max']:.1f}) "
+            f"| {r['decode_tok_s']['median']:.1f} | {ratio_s} | {_f(r.get('step_ms', {}).get('median'), '.2f')} "
+            f"| {_f(tpot.get('p50'), '.2f')} / {_f(tpot.get('p90'), '.2f')} "
+            f"| {_f(r['ttft_ms']['p50'], '.1f')} / {_f(r['ttft_ms']['p90'], '.1f')} "
+            f"| {_f(acc['mean_acceptance_length'], '.2f') if acc else ''} | {_f(r['peak_allocated_gb'], '.2f')} "
+            f"| {_f(vs.get('memory_overhead_gb'), '+.2f') if 'memory_overhead_gb' in vs else ''} "
+            f"| {_f(r.get('prefix_match_plain'), '.0%') if 'prefix_match_plain' in r else ''} |")
+    acc_runs = [r for r in result["runs"] if r.get("acceptance")]
+    if acc_runs:
+        k = max(len(r["acceptance"]["per_position"]) for r in acc_runs)
+        lines += ["", ("Per-position acceptance (of the steps that drafted position i, the share that accepted "
+                       "it; - = never drafted):"), "",
+                  "| method | batch | T | " + " | ".join(f"p{i + 1}" for i in range(k)) + " |",
+                  "|---|---|---|" + "---|" * k]
+        for r in acc_runs:
+            per = r["acceptance"]["per_position"]
+            cells = " | ".join([_f(x, ".2f").replace("n/a", "-") for x in per] + [""] * (k - len(per)))
+            name = r["method"] + (" (synthetic)" if r["synthetic"] else "")
+            lines.append(f"| {name} | {r['batch']} | {r['temperature']} | {cells} |")
+    spec_runs = [r for r in result["runs"] if r.get("acceptance")]
+    if spec_runs:
+        lines += ["", "Draft length the engine chose per decode step (0 = plain step): steps, median step time:", ""]
+        for r in spec_runs:
+            parts = [f"K={k}: {v['steps']} x {v['ms_median']:.2f} ms" for k, v in r["steps_by_draft_length"].items()]
+            lines.append(f"- {r['method']} b{r['batch']} T{r['temperature']}: " + "; ".join(parts))
+    lines += ["", "Checks (GPU-speed issue targets in brackets):", ""]
+    c = result["checks"]
+    t = c["targets"]
+    if "plain_batch1_floor_ratio" in c:
+        lines.append(f"- plain decode at batch 1: {c['plain_batch1_floor_ratio']:.1%} of the floor "
+                     f"[{t['plain_batch1_floor_ratio']}]")
+    for method, v in c["batch1_T0"].items():
+        lines.append(f"- {method} at batch 1, T=0: step with {v['draft_length']} drafts "
+                     f"{_f(v['step_over_plain'], '.2f')}x a plain step "
+                     f"[{t['dflash_step_over_plain_batch1']}], end-to-end {v['speedup']:.2f}x plain at acceptance "
+                     f"length {_f(v['mean_acceptance_length'], '.2f')}"
+                     + (f" [{t['synthetic_6.5_speedup_batch1']} at 6.5, synthetic]" if result["synthetic"] else ""))
+    for method, v in c["never_slower_than_plain"].items():
+        pts = ", ".join(f"b{p['batch']}/T{p['temperature']} {p['ratio']:.2f}x" for p in v["points"])
+        lines.append(f"- never slower than plain, {method}: {'PASS' if v['pass'] else 'FAIL'} ({pts})")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(result: dict[str, Any], out_dir: str | Path, plots: bool = True) -> dict[str, Path]:
+    """bench.json, bench.md and (with matplotlib) the PNG plots; returns their paths."""
+    from blockspec.bench.plots import write_plots
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "bench.json", "markdown": out / "bench.md"}
+    paths["json"].write_text(json.dumps(result, indent=1) + "\n")
+    paths["markdown"].write_text(markdown(result))
+    if plots:
+        paths.update(write_plots(result, out))
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+BENCH_EXAMPLES = """examples:
+  # real shapes without downloads: Qwen3-8B target + DFlash b16 + DSpark b7 drafters, random bf16 weights
+  blockspec bench --random-weights --arch qwen3-8b --batch-sizes 1,4,16,64 --temperatures 0,0.7 \\
+      --synthetic-acceptance 6.5 --peers transformers --peer-output-len 32
+  # a real target and drafters on a prompt file
+  blockspec bench --model Qwen/Qwen3-8B --dflash-model z-lab/Qwen3-8B-DFlash-b16 --prompts prompts.jsonl
+  # CPU smoke test
+  blockspec bench --random-weights --arch tiny --batch-sizes 1,2 --output-len 32 --input-len 16
+"""
+
+
+def _list(kind: type) -> Callable[[str], tuple[Any, ...]]:
+    def parse(text: str) -> tuple[Any, ...]:
+        try:
+            return tuple(kind(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s, got {text!r}") from None
+
+    return parse
+
+
+def add_bench_parser(sub: Any) -> None:
+    """`blockspec bench`: the subcommand and its options (dispatched through args.func)."""
+    p = sub.add_parser("bench", help="plain vs DFlash vs DSpark speed (and transformers peers): JSON, markdown, plots",
+                       description=__doc__, epilog=BENCH_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("models")
+    m.add_argument("--random-weights", action="store_true", help="build random weights of --arch in memory")
+    m.add_argument("--arch", default="qwen3-8b", help="random-weights shape: qwen3-8b | tiny (default qwen3-8b)")
+    m.add_argument("--model", default=None, help="a real target: HF directory or hub id")
+    m.add_argument("--dflash-model", default=None, help="DFlash drafter directory or hub id (real target)")
+    m.add_argument("--dspark-model", default=None, help="DSpark drafter directory or hub id (real target)")
+    m.add_argument("--dspark-block-size", type=int, default=None, help="random-weights DSpark block (default: arch's)")
+    m.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    m.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32")
+    w = p.add_argument_group("workload")
+    w.add_argument("--methods", type=_list(str), default=None, help="comma list of plain,dflash,dspark "
+                   "(default: plain and every drafter available)")
+    w.add_argument("--batch-sizes", "--concurrency", dest="batch_sizes", type=_list(int), default=(1,),
+                   help="comma list of concurrent requests per point, e.g. 1,4,16,64 (default 1)")
+    w.add_argument("--temperatures", type=_list(float), default=(0.0,), help="comma list, e.g. 0,0.7 (default 0)")
+    w.add_argument("--prompts", default=None, help="jsonl with 'prompt' or 'prompt_token_ids', or 'builtin' "
+                   "(default: random-token prompts of --input-len)")
+    w.add_argument("--input-len", type=_list(int), default=(512,), help="random prompt length(s), comma list")
+    w.add_argument("--output-len", type=int, default=256, help="tokens generated per request (EOS ignored)")
+    w.add_argument("--waves", type=int, default=1, help="requests per point = batch x waves (default 1)")
+    w.add_argument("--repeats", type=int, default=3, help="timed passes per point after the warm-up (median)")
+    w.add_argument("--no-chat-template", dest="chat_template", action="store_false",
+                   help="tokenize text prompts as they are")
+    w.add_argument("--max-prefill-tokens", type=int, default=4096)
+    w.add_argument("--seed", type=int, default=0)
+    s = p.add_argument_group("speculation")
+    s.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts verified per step")
+    s.add_argument("--speculative-config", type=json.loads, default={},
+                   help="extra speculative_config fields as JSON, e.g. '{\"max_batch_for_speculation\": 16}'")
+    s.add_argument("--synthetic-acceptance", default=None, metavar="PROFILE",
+                   help="benchmark-only: accepted counts drawn from per-position rates ('0.9,0.85,0.8') or a "
+                        "mean acceptance length ('6.5', geometric); output tokens are then NOT the target's and "
+                        "the report is labelled synthetic")
+    s.add_argument("--synthetic-seed", type=int, default=0)
+    q = p.add_argument_group("peers (same weights, same device)")
+    q.add_argument("--peers", type=_list(str), default=(), help="comma list: transformers")
+    q.add_argument("--peer-assistant", default=None, help="draft model directory for transformers assisted "
+                   "generation (same tokenizer as the target)")
+    q.add_argument("--peer-batch-sizes", type=_list(int), default=None, help="default: --batch-sizes")
+    q.add_argument("--peer-temperatures", type=_list(float), default=(0.0,), help="default: 0")
+    q.add_argument("--peer-output-len", type=int, default=None, help="default: --output-len")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default="bench-results", help="directory for bench.json, bench.md and the plots")
+    o.add_argument("--no-plots", dest="plots", action="store_false")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    names = {f.name for f in dataclasses.fields(BenchConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names and k != "command"}  # "command": the subparser
+    cfg = BenchConfig(**values, command=shlex.join(["blockspec", *sys.argv[1:]]))
+    result = run_bench(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
+    paths = write_outputs(result, args.out, plots=args.plots)
+    print(markdown(result))
+    print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
+    return 0

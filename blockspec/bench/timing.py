@@ -1,0 +1,77 @@
+"""Measurement primitives: CUDA-event timing, the copy bandwidth that sets decode floors, device syncs,
+peak memory, and the summary statistics every report uses."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+from collections.abc import Callable
+
+import torch
+
+
+def cuda_time(fn: Callable[[], object], iters: int, repeats: int) -> tuple[float, float, float]:
+    """Median, min and max seconds per call over `repeats` runs of `iters` calls (after warm-up)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) / 1000 / iters)
+    return statistics.median(samples), min(samples), max(samples)
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting read + write."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    med, _, _ = cuda_time(lambda: dst.copy_(src), iters=10, repeats=10)
+    del src, dst
+    return 2 * nbytes / med
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device, so a host clock read after it covers all queued work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_gb(device: torch.device) -> dict[str, float | str]:
+    """Peak allocated and reserved GPU memory since the last reset (GB); 'n/a' off the GPU."""
+    if device.type != "cuda":
+        return {"peak_allocated_gb": "n/a", "peak_reserved_gb": "n/a"}
+    return {"peak_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+            "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}
+
+
+def free_memory(device: torch.device) -> None:
+    """Return freed blocks to the device, so the next run's peak starts from what is really held."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, min and max of repeated measurements."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100), linear interpolation between order statistics."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

@@ -1,0 +1,161 @@
+"""Benchmark-only proposer with a set acceptance profile: real drafter and verify forwards, drawn acceptance.
+
+Random weights give real shapes and real timings but no real acceptance (a random drafter almost never
+agrees with a random target). To measure what the engine would do with a trained drafter, this proposer
+runs the real draft forward and the real verify forward (so every kernel of the step is timed) and then
+replaces each request's accepted count by a seeded draw from a per-position acceptance profile.
+
+The emitted tokens are then the drafts themselves up to the drawn count, plus one more token: they are
+NOT what the target would produce. The caches stay consistent (the committed rows are exactly the rows
+the verify forward ran), so the following steps cost what they would with real acceptance. Anything
+measured with this proposer must be labelled synthetic; it refuses to run without an explicit profile.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from blockspec.config import ConfigError, SpeculativeConfig
+from blockspec.engine.request import Request
+from blockspec.models.llama import CausalLM
+from blockspec.spec.proposer import DraftBlock, Proposer
+
+if TYPE_CHECKING:
+    from blockspec.engine.engine import Engine
+
+__all__ = ["AcceptanceProfile", "SyntheticProposer", "geometric_rate", "mean_length"]
+
+
+def geometric_rate(length: float, k: int) -> float:
+    """The constant conditional acceptance p whose expected acceptance length with k drafts is `length`.
+
+    Expected length (bonus token included) = 1 + p + p^2 + ... + p^k, increasing in p: solved by bisection.
+    """
+    if not 1.0 <= length < k + 1:
+        raise ConfigError(f"synthetic acceptance length {length} must be in [1, {k + 1}) for {k} drafts "
+                          f"per step (the bonus token counts, so {k} drafts give at most {k + 1})")
+    lo, hi = 0.0, 1.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if mean_length([mid] * k) < length:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def mean_length(rates: list[float]) -> float:
+    """Expected tokens per verify step, bonus included: 1 + r1 + r1 r2 + ... (rates are conditional)."""
+    total, survive = 1.0, 1.0
+    for p in rates:
+        survive *= p
+        total += survive
+    return total
+
+
+@dataclass(frozen=True)
+class AcceptanceProfile:
+    """Conditional acceptance per draft position: rates[i] = P(draft i+1 accepted | drafts 1..i accepted).
+
+    ``spec`` is what the user wrote: a list of rates ("0.9,0.85,0.8"; positions past the list are
+    rejected), or one number >= 1, a target mean acceptance length mapped to a constant (geometric)
+    rate for the drafter's number of drafts.
+    """
+
+    spec: str
+
+    def __post_init__(self) -> None:
+        values = self._values()
+        if len(values) == 1 and values[0] >= 1:
+            return
+        bad = [v for v in values if not 0.0 <= v <= 1.0]
+        if bad:
+            raise ConfigError(f"synthetic acceptance {self.spec!r}: per-position rates must be in [0, 1], got {bad} "
+                              "(or give one number >= 1: a mean acceptance length)")
+
+    def _values(self) -> list[float]:
+        try:
+            values = [float(x) for x in self.spec.split(",") if x.strip()]
+        except ValueError:
+            values = []
+        if not values or not all(math.isfinite(v) for v in values):
+            raise ConfigError(f"synthetic acceptance {self.spec!r}: expected comma-separated rates in [0, 1] "
+                              "(e.g. 0.9,0.85,0.8) or one mean acceptance length >= 1 (e.g. 6.5)")
+        return values
+
+    @property
+    def is_mean_length(self) -> bool:
+        values = self._values()
+        return len(values) == 1 and values[0] >= 1
+
+    def rates(self, k: int) -> list[float]:
+        """The k conditional rates this profile gives a drafter that proposes k tokens per step."""
+        values = self._values()
+        if self.is_mean_length:
+            return [geometric_rate(values[0], k)] * k
+        return (values + [0.0] * k)[:k]
+
+    def expected_length(self, k: int) -> float:
+        """Expected tokens per verify step (bonus included) with k drafts and no budget cut."""
+        return mean_length(self.rates(k))
+
+
+class SyntheticProposer(Proposer):
+    """Proposer whose accepted counts are seeded draws from an AcceptanceProfile (benchmarks only)."""
+
+    def __init__(self, drafter: Any, target: CausalLM, cfg: SpeculativeConfig, max_slots: int, max_len: int,
+                 profile: AcceptanceProfile | None = None, seed: int = 0) -> None:
+        if profile is None:
+            raise ConfigError("SyntheticProposer replaces the target's acceptance with drawn counts (its outputs are "
+                              "not the target's); it runs only with an explicit acceptance profile "
+                              "(blockspec bench --synthetic-acceptance PROFILE)")
+        super().__init__(drafter, target, cfg, max_slots, max_len)
+        self.profile = profile
+        self.rates = profile.rates(self.num_speculative_tokens)
+        self.rng = random.Random(seed)
+        self._drafts: Tensor | None = None  # this step's drafts, copied to the host with the verify result
+        self._host_drafts: list[list[int]] = []
+
+    def expected_length(self, drafts: int) -> float:
+        """Expected tokens per verify step (bonus included) for a request drafting `drafts` tokens."""
+        return mean_length(self.rates[:drafts])
+
+    def draw(self, budget: int) -> int:
+        """Accepted drafts for one request: consecutive successes, position i passing with rates[i]."""
+        a = 0
+        while a < budget and self.rng.random() < self.rates[a]:
+            a += 1
+        return a
+
+    def verify(self, engine: Engine, reqs: list[Request], block: DraftBlock,
+               hidden: Tensor) -> tuple[list[int], list[list[int]], list[list[dict]] | None]:
+        """The real verification (timed as usual), then drawn counts; emits drafts[:a] + one more token."""
+        if any(r.logprobs is not None for r in reqs):
+            raise ConfigError("SyntheticProposer: logprobs are not available (synthetic tokens have none)")
+        self._drafts = block.tokens
+        real_acc, real_out, _ = super().verify(engine, reqs, block, hidden)
+        drafts = self._host_drafts
+        acc, out = [], []
+        for r, (real_a, row) in enumerate(zip(real_acc, real_out)):
+            if real_a < 0:  # the target's logits were bad: fail the request as the real path would
+                acc.append(real_a)
+                out.append(row)
+                continue
+            a = self.draw(block.lens[r])
+            # out[i] == drafts[i] for i < real_a, so this is the target's own token whenever a <= real_a
+            acc.append(a)
+            out.append(drafts[r][:a] + [row[min(a, real_a)]])
+        return acc, out, None
+
+    def _to_host(self, num_acc: Tensor, out: Tensor) -> tuple[list[int], list[list[int]]]:
+        """The step's one host copy, carrying the drafts along (they are needed to emit synthetic tokens)."""
+        k = out.shape[1]
+        both = torch.cat([num_acc[:, None], out, self._drafts], dim=1).tolist()
+        self._host_drafts = [row[1 + k:] for row in both]
+        return [row[0] for row in both], [row[1 : 1 + k] for row in both]

@@ -1,0 +1,215 @@
+"""The benchmark harness on the tiny arch (CPU): every method, batch and temperature runs and reports; speculation
+and transformers agree with plain decoding token for token; synthetic acceptance is labelled and hits its profile."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from blockspec.bench import BenchConfig, markdown, run_bench, write_outputs
+from blockspec.bench.arch import TINY, TINY_DFLASH, random_drafter, random_target
+from blockspec.cli import main
+from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
+from blockspec.engine.engine import Engine
+from blockspec.spec.synthetic import AcceptanceProfile, SyntheticProposer, geometric_rate
+from factories import save_tiny, save_tiny_model_with_tokenizer
+
+# Random drafters are never accepted, so the engine's draft-length policy would rightly stop drafting; these
+# tests hold the draft length at the drafter's block to exercise the speculative path.
+FULL_DRAFTS = {"adaptive_draft_length": False} if "adaptive_draft_length" in {
+    f.name for f in dataclasses.fields(SpeculativeConfig)} else {}
+TINY_RUN = dict(random_weights=True, arch="tiny", input_len=(8,), repeats=1, device="cpu",
+                speculative_config=FULL_DRAFTS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: one thread is fastest, and immune to other processes competing for the cores."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def result():
+    cfg = BenchConfig(**TINY_RUN, batch_sizes=(1, 2), temperatures=(0.0, 0.7), output_len=16,
+                      peers=("transformers",))
+    return run_bench(cfg)
+
+
+def test_every_method_batch_and_temperature_reports(result):
+    runs = {(r["method"], r["batch"], r["temperature"]): r for r in result["runs"]}
+    for method in ("plain", "dflash", "dspark"):
+        for b in (1, 2):
+            for t in (0.0, 0.7):
+                r = runs[(method, b, t)]
+                assert r["status"] == "ok" and not r["synthetic"]
+                assert r["num_requests"] == b and r["output_tok_s"]["median"] > 0
+                assert r["tpot_ms"]["p50"] > 0 and r["ttft_ms"]["p90"] >= r["ttft_ms"]["p50"]
+                assert r["peak_allocated_gb"] == "n/a"  # CPU
+                if method != "plain":
+                    acc = r["acceptance"]
+                    assert acc["mean_acceptance_length"] >= 1 and len(acc["per_position"]) == acc[
+                        "num_speculative_tokens"]
+                    assert r["vs_plain"]["output_tok_s_ratio"] > 0
+                    # exact speculation: same tokens as plain (T > 0 too: sample-and-match, same seeds)
+                    assert r["prefix_match_plain"] == 1.0
+    assert not result["synthetic"] and result["synthetic_acceptance"] is None
+    assert result["device_type"] == "cpu" and result["torch"] == torch.__version__ and result["command"]
+    assert set(result["checks"]["never_slower_than_plain"]) == {"dflash", "dspark"}
+
+
+def test_transformers_generate_gives_blockspec_greedy_tokens(result):
+    peers = [r for r in result["runs"] if r["method"].startswith("hf-")]
+    generate = [r for r in peers if r["method"] == "hf-generate"]
+    assert {r["batch"] for r in generate} == {1, 2}
+    for r in generate:
+        assert r["status"] == "ok" and r["prefix_match_plain"] == 1.0  # the real cross-check
+    assisted = [r for r in peers if r["method"] == "hf-assisted"]
+    assert assisted and all(r["status"] == "n/a" and "real draft model" in r["reason"] for r in assisted)
+
+
+def test_outputs_written(result, tmp_path):
+    paths = write_outputs(result, tmp_path)
+    data = json.loads(paths["json"].read_text())
+    assert data["runs"] == json.loads(json.dumps(result["runs"]))
+    md = paths["markdown"].read_text()
+    assert "| method | batch | T | output tok/s" in md and "Per-position acceptance" in md
+    assert "SYNTHETIC" not in md
+    for key in ("plot_throughput", "plot_acceptance"):
+        with Image.open(paths[key]) as img:
+            assert img.format == "PNG" and "SYNTHETIC" not in img.info["Title"]
+
+
+def test_assisted_generation_with_a_draft_model(tmp_path):
+    assistant = save_tiny(tmp_path / "assistant", "qwen3", seed=3, vocab=TINY.vocab_size, hidden=32, layers=2,
+                          heads=2, kv_heads=1, head_dim=16)
+    cfg = BenchConfig(**TINY_RUN, methods=("plain",), batch_sizes=(1, 2), output_len=12, peers=("transformers",),
+                      peer_assistant=str(assistant))
+    runs = {(r["method"], r["batch"]): r for r in run_bench(cfg)["runs"]}
+    assert runs[("hf-assisted", 1)]["status"] == "ok"
+    assert runs[("hf-assisted", 1)]["prefix_match_plain"] == 1.0  # assisted greedy is exact too
+    assert runs[("hf-assisted", 2)]["status"] == "n/a" and "batch size 1" in runs[("hf-assisted", 2)]["reason"]
+
+
+# ------------------------------------------------------------------------------------------- synthetic
+def test_profile_parsing():
+    assert AcceptanceProfile("0.9,0.5").rates(4) == [0.9, 0.5, 0.0, 0.0]
+    assert AcceptanceProfile("0.9,0.8,0.7").rates(2) == [0.9, 0.8]
+    assert AcceptanceProfile("0.5").expected_length(3) == pytest.approx(1.5)
+    p = geometric_rate(6.5, 15)
+    assert 1 + sum(p**i for i in range(1, 16)) == pytest.approx(6.5)
+    assert AcceptanceProfile("6.5").expected_length(15) == pytest.approx(6.5)
+    for bad in ("1.5,0.3", "abc", "", "20"):
+        with pytest.raises(ConfigError):
+            AcceptanceProfile(bad).rates(15)
+
+
+def _proposer_parts():
+    target = random_target(TINY, 256, "cpu", torch.float32)
+    drafter = random_drafter(TINY_DFLASH, "cpu", torch.float32)
+    return target, drafter, SpeculativeConfig(method="dflash", model="random")
+
+
+def test_draws_follow_the_profile():
+    target, drafter, spec = _proposer_parts()
+    profile = AcceptanceProfile("0.9,0.8,0.7,0.6,0.5,0.4,0.3")
+    prop = SyntheticProposer(drafter, target, spec, 2, 128, profile=profile, seed=1)
+    draws = [prop.draw(7) for _ in range(20000)]
+    assert 1 + sum(draws) / len(draws) == pytest.approx(profile.expected_length(7), abs=0.05)
+    for i, rate in enumerate(profile.rates(7)):  # conditional acceptance per position
+        reached = sum(a >= i for a in draws)
+        assert sum(a > i for a in draws) / reached == pytest.approx(rate, abs=0.03)
+    assert max(prop.draw(2) for _ in range(1000)) == 2  # never past the request's draft budget
+
+
+def test_synthetic_proposer_refuses_without_a_profile():
+    target, drafter, spec = _proposer_parts()
+    with pytest.raises(ConfigError, match="explicit acceptance profile"):
+        Engine(target, None, EngineConfig(max_model_len=64, max_num_seqs=1), spec, drafter,
+               proposer_cls=SyntheticProposer)
+    with pytest.raises(ConfigError, match="speculative methods"):
+        run_bench(BenchConfig(**TINY_RUN, methods=("plain",), synthetic_acceptance="4"))
+
+
+def test_synthetic_run_is_labelled_and_hits_the_profile(tmp_path):
+    cfg = BenchConfig(**TINY_RUN, methods=("plain", "dflash", "dspark"), batch_sizes=(8,), output_len=120,
+                      synthetic_acceptance="4.5", synthetic_seed=3)
+    res = run_bench(cfg)
+    assert res["synthetic"] and res["synthetic_acceptance"]["profile"] == "4.5"
+    for r in res["runs"]:
+        assert r["synthetic"] == (r["method"] != "plain")
+        if r["synthetic"]:
+            acc = r["acceptance"]
+            assert acc["expected_length"] == pytest.approx(4.5, abs=0.1)  # a few budget-cut final steps
+            assert acc["num_drafts"] > 150
+            assert acc["mean_acceptance_length"] == pytest.approx(acc["expected_length"], abs=0.45)
+            assert "prefix_match_plain" not in r  # synthetic tokens are not compared with the target's
+    paths = write_outputs(res, tmp_path)
+    md = paths["markdown"].read_text()
+    assert md.startswith("# ") and "SYNTHETIC ACCEPTANCE" in md.splitlines()[0]
+    assert "dflash (synthetic)" in md
+    assert json.loads(paths["json"].read_text())["synthetic"] is True
+    for key in ("plot_throughput", "plot_acceptance"):
+        with Image.open(paths[key]) as img:
+            assert img.info["Title"].startswith("SYNTHETIC ACCEPTANCE")
+
+
+# ------------------------------------------------------------------------------------------- CLI
+def test_cli_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--synthetic-acceptance" in out and "--random-weights" in out and "--peers" in out
+
+
+def test_cli_runs_and_rejects_bad_input(tmp_path, capsys):
+    out = tmp_path / "out"
+    args = ["bench", "--random-weights", "--arch", "tiny", "--device", "cpu", "--methods", "plain,dflash",
+            "--input-len", "8", "--output-len", "8", "--repeats", "1", "--out", str(out)]
+    assert main(args) == 0
+    assert {p.name for p in out.iterdir()} >= {"bench.json", "bench.md", "tok_s_vs_batch.png"}
+    assert "| dflash | 1 | 0.0 |" in capsys.readouterr().out
+    assert main(args + ["--synthetic-acceptance", "0.9,1.7"]) == 2
+    assert "rates must be in [0, 1]" in capsys.readouterr().err
+    assert main(["bench", "--arch", "tiny"]) == 2  # neither --random-weights nor --model
+    assert main(["bench", "--random-weights", "--arch", "tiny", "--prompts", "builtin"]) == 2
+
+
+def test_markdown_marks_slower_points(result):
+    slow = json.loads(json.dumps(result))
+    for r in slow["runs"]:
+        if r["method"] == "dflash":
+            r["vs_plain"]["output_tok_s_ratio"] = 0.5
+    assert "**0.50x (slower)**" in markdown(slow)
+
+
+# ------------------------------------------------------------------------------------------- real checkpoints
+def test_real_checkpoints_and_prompt_files(tmp_path):
+    fixtures = Path(__file__).parent / "fixtures" / "drafters"
+    target = save_tiny(tmp_path / "target", "qwen3", seed=0, vocab=96, hidden=32, layers=5, heads=4, kv_heads=2,
+                       head_dim=8)  # the drafter fixtures' target
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_token_ids": list(range(2, 2 + n))}) for n in (5, 9)) + "\n")
+    cfg = BenchConfig(model=str(target), dflash_model=str(fixtures / "dflash"), prompts=str(prompts),
+                      batch_sizes=(2,), output_len=12, repeats=1, device="cpu", speculative_config=FULL_DRAFTS,
+                      peers=("transformers",))
+    runs = {r["method"]: r for r in run_bench(cfg)["runs"]}
+    assert runs["dflash"]["prefix_match_plain"] == 1.0 and runs["dflash"]["prompt_tokens_mean"] == 7
+    assert runs["hf-generate"]["prefix_match_plain"] == 1.0
+    assert "--peer-assistant" in runs["hf-assisted"]["reason"]
+
+
+def test_builtin_text_prompts_use_the_tokenizer(tmp_path):
+    model = save_tiny_model_with_tokenizer(tmp_path / "m", "qwen3", seed=1)
+    res = run_bench(BenchConfig(model=str(model), prompts="builtin", batch_sizes=(2,), output_len=4, repeats=1,
+                                device="cpu"))
+    (run,) = res["runs"]
+    assert run["method"] == "plain" and run["prompt_tokens_mean"] > 40  # chat-templated text, one id per char
