@@ -15,37 +15,26 @@ bytes = 1.14x.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
 
 import torch
 
-from bench_decode import QWEN3_8B, copy_bandwidth, random_target, step_bytes
+from blockspec.bench.arch import QWEN3_8B, QWEN3_8B_DFLASH, param_bytes, random_drafter, random_target, step_bytes
+from blockspec.bench.timing import copy_bandwidth, cuda_time
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
 from blockspec.sampling_params import SamplingParams
-from blockspec.spec.drafter import DFlashDraft, DrafterConfig
 from blockspec.spec.dspark_model import DSparkDraft, DSparkHeads
 
 
-def drafter_config(block: int, anchor_first: bool) -> DrafterConfig:
-    return DrafterConfig(hidden_size=4096, intermediate_size=12288, num_layers=5, num_heads=32, num_kv_heads=8,
-                         head_dim=128, vocab_size=151936, block_size=block, mask_token_id=151669,
-                         target_layer_ids=(1, 9, 17, 25, 33), target_hidden_size=4096, rope=QWEN3_8B.rope,
-                         max_position_embeddings=40960, anchor_first=anchor_first)
-
-
-def random_drafter(method: str) -> torch.nn.Module:
-    torch.manual_seed(1)
-    with torch.device("cuda"):
-        model = DFlashDraft(drafter_config(16, False)) if method == "dflash" else \
-            DSparkDraft(drafter_config(7, True), DSparkHeads(markov_rank=256))
-    model.cast("cuda", torch.bfloat16)
-    for p in model.parameters():
-        if p.dim() == 2:
-            torch.nn.init.normal_(p, std=0.02)
-    return model.eval().requires_grad_(False)
+def drafters() -> dict[str, torch.nn.Module]:
+    """DFlash in the Qwen3-8B-DFlash-b16 shape; DSpark on the same backbone, block 7, Markov rank 256."""
+    dspark = dataclasses.replace(QWEN3_8B_DFLASH, block_size=7, anchor_first=True)
+    return {"dflash": random_drafter(QWEN3_8B_DFLASH),
+            "dspark": random_drafter(dspark, heads=DSparkHeads(markov_rank=256))}
 
 
 def step_times(engine: Engine, batch: int, context: int, steps: int, speculate: bool) -> list[float]:
@@ -71,27 +60,15 @@ def step_times(engine: Engine, batch: int, context: int, steps: int, speculate: 
     return times
 
 
-def markov_cost(drafter: DSparkDraft, batch: int, repeats: int = 50) -> dict[str, float]:
+def markov_cost(drafter: DSparkDraft, batch: int, repeats: int = 20) -> dict[str, float]:
     """Sequential Markov drafting (7 steps) vs a plain argmax of the same base logits, ms."""
     k = drafter.num_draft_slots
     h = torch.randn(batch, k, 4096, device="cuda", dtype=torch.bfloat16)
     base = drafter.logits(h)
     anchors = torch.randint(0, 150000, (batch,), device="cuda")
 
-    def timed(fn) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(repeats):
-            fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / repeats
-
-    return {"markov_draft_ms": timed(lambda: drafter.draft_greedy(base, h, anchors)),
-            "argmax_only_ms": timed(lambda: base.argmax(-1))}
+    return {"markov_draft_ms": cuda_time(lambda: drafter.draft_greedy(base, h, anchors), repeats, 3)[0] * 1e3,
+            "argmax_only_ms": cuda_time(lambda: base.argmax(-1), repeats, 3)[0] * 1e3}
 
 
 def sampling_memory(batch: int = 64, k: int = 15, vocab: int = 151936) -> dict[str, float]:
@@ -140,15 +117,14 @@ def main() -> None:
     args = ap.parse_args()
     bw = copy_bandwidth()
     target = random_target(QWEN3_8B, args.context + 2048)
-    drafters = {m: random_drafter(m) for m in ("dflash", "dspark")}
+    models = drafters()
     t_bytes = step_bytes(target)
     result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "copy_bandwidth_TBps": bw / 1e12,
               "target_GB": t_bytes / 1e9,
-              "drafter_GB": {m: sum(p.numel() * p.element_size() for p in d.parameters()) / 1e9
-                             for m, d in drafters.items()}, "runs": []}
+              "drafter_GB": {m: param_bytes(d) / 1e9 for m, d in models.items()}, "runs": []}
     result["floor_ratio"] = {m: 1 + g / result["target_GB"] for m, g in result["drafter_GB"].items()}
     print(json.dumps(result), flush=True)
-    for method, drafter in drafters.items():
+    for method, drafter in models.items():
         spec = SpeculativeConfig(method=method, model="(random)", adaptive_draft_length=False)
         for b in (int(x) for x in args.batches.split(",")):
             engine = Engine(target, None, EngineConfig(max_model_len=args.context + 1024, max_num_seqs=b), spec,
@@ -164,9 +140,9 @@ def main() -> None:
             print(json.dumps(run), flush=True)
             del engine
             torch.cuda.empty_cache()
-    result["markov"] = {str(b): markov_cost(drafters["dspark"], b) for b in (1, 64)}
+    result["markov"] = {str(b): markov_cost(models["dspark"], b) for b in (1, 64)}
     print(json.dumps(result["markov"]), flush=True)
-    del drafters, target
+    del models, target
     torch.cuda.empty_cache()
     result["sampling_memory_GB_batch64_K15"] = sampling_memory()
     print(json.dumps(result["sampling_memory_GB_batch64_K15"]), flush=True)
