@@ -199,6 +199,7 @@ class SpeculativeConfig:
     rejection_sample_method: str = "standard"
     confidence_threshold: float = 0.0
     adaptive_verification: bool = False
+    markov_top_k: int = 0  # DSpark: restrict each Markov step to the top-k base logits (0 = whole vocabulary)
     adaptive_draft_length: bool = True  # pick per step the draft length with the most tokens/s (0 = plain)
     max_batch_for_speculation: int | None = None
 
@@ -237,6 +238,8 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"speculative_config.confidence_threshold must be in [0, 1), got {self.confidence_threshold!r}"
             )
+        if not isinstance(self.markov_top_k, int) or self.markov_top_k < 0:
+            raise ConfigError(f"speculative_config.markov_top_k must be an integer >= 0, got {self.markov_top_k!r}")
         if self.max_batch_for_speculation is not None and self.max_batch_for_speculation < 1:
             raise ConfigError("speculative_config.max_batch_for_speculation must be >= 1 or None")
 

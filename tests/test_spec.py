@@ -71,6 +71,7 @@ def run(llm: LLM, ps: list[dict], params: SamplingParams) -> list[list[int]]:
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 CASES = [("dflash", "dflash", None), ("dflash", "dflash", 2), ("dflash", "dflash_swa", None),
+         ("dspark", "dspark_speculators", None),
          ("dspark", "dspark_vanilla", None), ("dspark", "dspark_gated", 2), ("dspark", "dspark_rnn", None)]
 
 
@@ -210,3 +211,13 @@ def test_confidence_threshold_prunes_drafts(target):
 def test_confidence_options_need_a_confidence_head(target):
     with pytest.raises(ConfigError, match="confidence head"):
         spec_llm(target, "dflash", "dflash", confidence_threshold=0.5)
+
+
+@pytest.mark.parametrize("draft_method", ["greedy", "probabilistic"])
+def test_markov_top_k_restriction_stays_exact(target, plain, draft_method):
+    ps = prompts(3, seed=7)
+    llm = spec_llm(target, "dspark", "dspark_rnn", markov_top_k=5, draft_sample_method=draft_method)
+    assert run(llm, ps, GREEDY) == run(plain, ps, GREEDY)
+    sampled = SamplingParams(temperature=0.9, seed=2, max_tokens=20, ignore_eos=True)
+    outs = llm.generate(ps, sampled, use_tqdm=False)
+    assert all(o.error is None and len(o.outputs[0].token_ids) == 20 for o in outs)

@@ -29,7 +29,9 @@ class CapturedDraft:
 
 
 class DraftGraphs:
-    def __init__(self, drafter: Any, target: CausalLM, cache: KVCache, num_drafts: int, target_head: bool) -> None:
+    def __init__(self, drafter: Any, target: CausalLM, cache: KVCache, num_drafts: int, target_head: bool,
+                 markov_top_k: int = 0) -> None:
+        self.markov_top_k = markov_top_k
         self.drafter = drafter
         self.target_head = target_head  # drafter logits are exactly the target LM head's
         self.target = target
@@ -76,7 +78,7 @@ class DraftGraphs:
             hidden = d.block_hidden_tensors(self.cache, slots, starts + counts, anchors, kv, self.target.embed)
             slot_hidden = d.slot_hidden(hidden)[:, : self.k]
             if hasattr(d, "draft_greedy"):
-                return d.draft_greedy(d.logits(slot_hidden), slot_hidden, anchors)
+                return d.draft_greedy(d.logits(slot_hidden), slot_hidden, anchors, self.markov_top_k)
             if self.target_head:  # argmax of the head's own-dtype logits = argmax of their fp32 copy
                 return self.target.lm_head(slot_hidden).argmax(-1), None
             return d.draft_to_target(d.logits(slot_hidden).argmax(-1)), None

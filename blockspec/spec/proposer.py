@@ -66,7 +66,7 @@ class Proposer:
         self.calibration = torch.zeros(2, k, dtype=torch.float64, device=weight.device) if has_conf else None
         self.realised = [0] * k
         self.cache = drafter.new_cache(max_slots, max_len + drafter.block_size + 1, weight.device, weight.dtype)
-        self.graphs = DraftGraphs(drafter, target, self.cache, k, self._plain_target_head()) \
+        self.graphs = DraftGraphs(drafter, target, self.cache, k, self._plain_target_head(), cfg.markov_top_k) \
             if weight.device.type == "cuda" else None
 
     def enabled_for_batch(self, batch: int) -> bool:
@@ -145,11 +145,25 @@ class Proposer:
         if probabilistic:
             return self._sample_drafts(reqs, slot_hidden, anchors, engine)
         if hasattr(self.drafter, "draft_greedy"):
-            tokens, confidence = self.drafter.draft_greedy(self.drafter.logits(slot_hidden), slot_hidden, anchors)
+            tokens, confidence = self.drafter.draft_greedy(self.drafter.logits(slot_hidden), slot_hidden, anchors,
+                                                           self.cfg.markov_top_k)
             return tokens, None, confidence
         if self._plain_target_head():
             return engine.runner.greedy_ids(slot_hidden), None, None  # ids only, chunked over rows
         return self.drafter.draft_to_target(self.drafter.logits(slot_hidden).argmax(-1)), None, None
+
+    def _markov_logits(self, i: int, base: Tensor, h: Tensor, prev: Tensor,
+                       state: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """U_k + B_k(prev) over the draft vocabulary, and the Markov state; with markov_top_k only the top-k
+        columns of U_k stay candidates (others -inf), so the truncated distribution is the q verified."""
+        top_k = self.cfg.markov_top_k
+        if 0 < top_k < base.shape[-1]:
+            values, columns = base.float().topk(top_k, dim=-1)
+            latent, state = self.drafter.markov_head.latent(h, prev, state)
+            out = torch.full_like(base, float("-inf"), dtype=torch.float32)
+            return out.scatter_(-1, columns, values + self.drafter.markov_bias_at(latent, columns)), state
+        bias, state = self.drafter.markov_step(i, h, prev, state)
+        return base + bias, state
 
     def _confident_lengths(self, confidence: Tensor, lens: list[int], engine: "Engine") -> list[int]:
         """Prune drafts by DSpark's confidence: static threshold, then the load-aware budget.
@@ -226,8 +240,7 @@ class Proposer:
         params = engine.row_params(reqs, [k] * r)
         round_ = torch.tensor([req.length for req in reqs], dtype=torch.int64, device=slot_hidden.device)
         base = self.drafter.logits(slot_hidden)
-        markov = getattr(self.drafter, "markov_step", None)
-        if markov is None or self.drafter.markov_head_type is None:
+        if getattr(self.drafter, "markov_head_type", None) is None:
             tokens, q = sample_draft(self.drafter.scatter_to_target(base, vocab, float("-inf")), params, round_)
             return tokens, q, None
         prev, state = anchors, None
@@ -236,8 +249,8 @@ class Proposer:
             rows = torch.arange(r, device=slot_hidden.device) * k + i
             if self.drafter.has_confidence:
                 confs.append(self.drafter.confidence(slot_hidden[:, i], prev))
-            bias, state = markov(i, slot_hidden[:, i], prev, state)
-            logits_i = self.drafter.scatter_to_target(base[:, i] + bias, vocab, float("-inf"))
+            logits_i, state = self._markov_logits(i, base[:, i], slot_hidden[:, i], prev, state)
+            logits_i = self.drafter.scatter_to_target(logits_i, vocab, float("-inf"))
             tok, q = sample_draft(logits_i[:, None], take_rows(params, rows), round_)
             prev = tok[:, 0].clamp(min=0)
             tokens.append(tok[:, 0])
