@@ -1,0 +1,410 @@
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions, /v1/models,
+/health and /metrics, over an AsyncEngine.
+
+Requests are validated completely on the event loop (sampling values, prompt length against the
+context, token ids against the vocabulary) before anything reaches the engine, so a bad request
+costs a 400 and nothing else. A client that goes away aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+
+from blockspec.engine.engine import RequestError
+from blockspec.engine.request import Logprob, SpecStats
+from blockspec.errors import USER_ERRORS
+from blockspec.llm import LLM
+from blockspec.sampling_params import SamplingParams
+from blockspec.server.async_engine import AsyncEngine, Delta, Prompt
+from blockspec.server.metrics import ServerMetrics
+from blockspec.server.protocol import (
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
+    ErrorInfo, ErrorResponse, GenerationRequest, ModelCard, ModelList, ResponseBase, SpecDecodeStats, TokenLogprob,
+    TopLogprob, Usage,
+)
+
+log = logging.getLogger("blockspec.server")
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}} with a status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.info = status, ErrorInfo(message=message, type=type, param=param, code=code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status)
+
+
+def user_error(exc: Exception, param: str | None = None) -> APIError:
+    """A 400 for a user error; the field is read from SamplingParams' message when it names one."""
+    named = re.search(r"SamplingParams\.(\w+)", str(exc))
+    return APIError(400, str(exc).replace("SamplingParams.", ""), named.group(1) if named else param)
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """The first pydantic complaint as one readable line (malformed JSON, wrong type, unknown field);
+    `param` is the top-level field it is about."""
+    err = exc.errors()[0]
+    loc = [str(x) for x in err.get("loc", ())[1:]]
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
+    if err.get("type") == "extra_forbidden":
+        return APIError(400, f"unrecognized request argument: {'.'.join(loc)!r}", param=loc[0])
+    return APIError(400, f"{'.'.join(loc) or 'body'}: {err.get('msg')}", param=loc[0] if loc else None)
+
+
+# ---------------------------------------------------------------- inputs
+def completion_prompts(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+    """One (text, ids) per prompt: a string, a list of strings, token ids or a list of token-id lists."""
+    single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
+    items = [prompt] if single else list(prompt)
+    if not items:
+        raise APIError(400, "prompt is empty", param="prompt")
+    out = []
+    for i, p in enumerate(items):
+        where = "prompt" if single else f"prompt[{i}]"
+        try:
+            out.append(llm._prompt_ids(p if isinstance(p, str) else {"prompt_token_ids": p}, where))
+        except RequestError as exc:
+            raise user_error(exc, "prompt") from None
+    return out
+
+
+def chat_prompt(llm: LLM, body: ChatCompletionRequest) -> Prompt:
+    tok = llm.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    if not body.messages:
+        raise APIError(400, "messages must be a non-empty list", param="messages")
+    try:
+        ids = tok.apply_chat_template([m.for_template() for m in body.messages], tokenize=True,
+                                      add_generation_prompt=body.add_generation_prompt,
+                                      **(body.chat_template_kwargs or {}))
+    except Exception as exc:  # template errors (jinja raise_exception, bad kwargs) are the request's fault
+        raise APIError(400, f"the chat template failed on these messages: {exc}", param="messages") from None
+    return None, list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def check_prompts(llm: LLM, prompts: list[Prompt], params: SamplingParams) -> None:
+    """Everything the engine would refuse, refused here with a 400; plus prompt + max_tokens <= context."""
+    limit = llm.engine.config.max_model_len
+    for i, (_, ids) in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        try:
+            llm._check_prompt(ids, params, where)
+        except RequestError as exc:
+            raise user_error(exc, "prompt") from None
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; {where} has {len(ids)} "
+                                f"tokens and max_tokens is {params.max_tokens}: reduce one of them", param="max_tokens")
+
+
+# ---------------------------------------------------------------- outputs
+@dataclass
+class Choice:
+    """One choice's output, accumulated from its deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
+
+    def add(self, d: Delta) -> None:
+        self.text += d.text
+        self.token_ids += d.token_ids
+        self.logprobs += d.logprobs or []
+        self.finish_reason, self.stop_reason, self.error = d.finish_reason, d.stop_reason, d.error
+        if d.spec is not None:
+            self.spec = d.spec
+
+
+class TokenStrings:
+    """Token id -> the text of that token alone, as logprobs show it ('token_id:N' without a tokenizer)."""
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, tok: int) -> str:
+        if tok not in self.cache:
+            self.cache[tok] = self.tokenizer.decode([tok]) if self.tokenizer is not None else f"token_id:{tok}"
+        return self.cache[tok]
+
+
+class Renderer:
+    """Builds one endpoint's response, stream chunks and usage from choices and deltas."""
+
+    prefix = ""
+    chunk_type: type[ResponseBase]
+
+    def __init__(self, body: GenerationRequest, model: str, prompts: list[Prompt], params: SamplingParams,
+                 strings: TokenStrings, with_spec: bool) -> None:
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.body, self.model, self.prompts, self.params = body, model, prompts, params
+        self.strings, self.with_spec = strings, with_spec
+
+    def prompt_ids(self, index: int) -> list[int] | None:
+        return self.prompts[index // self.params.n][1] if self.body.return_token_ids else None
+
+    def token_ids(self, ids: list[int]) -> list[int] | None:
+        return ids if self.body.return_token_ids else None
+
+    def opening_chunks(self) -> list[BaseModel]:
+        return []
+
+    def chunk(self, d: Delta) -> BaseModel:
+        raise NotImplementedError
+
+    def response(self, choices: list[Choice]) -> BaseModel:
+        raise NotImplementedError
+
+    def usage(self, choices: list[Choice]) -> tuple[Usage, SpecDecodeStats | None]:
+        prompt = sum(len(ids) for _, ids in self.prompts)
+        completion = sum(len(c.token_ids) for c in choices)
+        spec = None
+        if self.with_spec:
+            total = SpecStats()
+            for c in choices:
+                total.merge(c.spec)
+            spec = SpecDecodeStats(**total.as_dict())
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion), spec
+
+    def usage_chunk(self, choices: list[Choice]) -> BaseModel:
+        usage, spec = self.usage(choices)
+        return self.chunk_type(id=self.id, model=self.model, choices=[], usage=usage, spec_decode=spec)
+
+
+class CompletionRenderer(Renderer):
+    prefix = "cmpl"
+    chunk_type = CompletionResponse
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.offsets: dict[int, int] = {}  # per choice: text offset of its next logprobs token
+
+    def logprobs(self, index: int, entries: list[dict[int, Logprob]] | None,
+                 ids: list[int]) -> CompletionLogprobs | None:
+        if entries is None or self.params.logprobs is None:
+            return None
+        out = CompletionLogprobs()
+        offset = self.offsets.get(index, 0)
+        for tok, entry in zip(ids, entries):
+            s = self.strings(tok)
+            out.tokens.append(s)
+            out.token_logprobs.append(entry[tok].logprob)
+            out.top_logprobs.append({self.strings(t): lp.logprob for t, lp in entry.items()})
+            out.text_offset.append(offset)
+            offset += len(s)
+        self.offsets[index] = offset
+        return out
+
+    def chunk(self, d: Delta) -> BaseModel:
+        choice = CompletionChoice(index=d.index, text=d.text, logprobs=self.logprobs(d.index, d.logprobs, d.token_ids),
+                                  finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+                                  token_ids=self.token_ids(d.token_ids))
+        return CompletionResponse(id=self.id, model=self.model, choices=[choice])
+
+    def response(self, choices: list[Choice]) -> BaseModel:
+        usage, spec = self.usage(choices)
+        return CompletionResponse(id=self.id, model=self.model, usage=usage, spec_decode=spec, choices=[
+            CompletionChoice(index=i, text=c.text, logprobs=self.logprobs(i, c.logprobs, c.token_ids),
+                             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                             token_ids=self.token_ids(c.token_ids), prompt_token_ids=self.prompt_ids(i))
+            for i, c in enumerate(choices)])
+
+
+class ChatRenderer(Renderer):
+    prefix = "chatcmpl"
+    chunk_type = ChatCompletionChunk
+
+    def logprobs(self, entries: list[dict[int, Logprob]] | None, ids: list[int]) -> ChatLogprobs | None:
+        if entries is None or self.params.logprobs is None:
+            return None
+
+        def top(tok: int, lp: Logprob) -> TopLogprob:
+            s = self.strings(tok)
+            return TopLogprob(token=s, logprob=lp.logprob, bytes=list(s.encode()))
+
+        content = []
+        for tok, entry in zip(ids, entries):
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[: self.params.logprobs]
+            content.append(TokenLogprob(**top(tok, entry[tok]).model_dump(),
+                                        top_logprobs=[top(t, lp) for t, lp in ranked]))
+        return ChatLogprobs(content=content)
+
+    def opening_chunks(self) -> list[BaseModel]:
+        return [ChatCompletionChunk(id=self.id, model=self.model, choices=[
+            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            for i in range(len(self.prompts) * self.params.n)]
+
+    def chunk(self, d: Delta) -> BaseModel:
+        choice = ChatChunkChoice(index=d.index, delta=DeltaMessage(content=d.text),
+                                 logprobs=self.logprobs(d.logprobs, d.token_ids), finish_reason=d.finish_reason,
+                                 stop_reason=d.stop_reason, token_ids=self.token_ids(d.token_ids))
+        return ChatCompletionChunk(id=self.id, model=self.model, choices=[choice])
+
+    def response(self, choices: list[Choice]) -> BaseModel:
+        usage, spec = self.usage(choices)
+        return ChatCompletionResponse(id=self.id, model=self.model, usage=usage, spec_decode=spec, choices=[
+            ChatChoice(index=i, message=AssistantMessage(content=c.text),
+                       logprobs=self.logprobs(c.logprobs, c.token_ids), finish_reason=c.finish_reason,
+                       stop_reason=c.stop_reason, token_ids=self.token_ids(c.token_ids),
+                       prompt_token_ids=self.prompt_ids(i))
+            for i, c in enumerate(choices)])
+
+
+def sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+@contextlib.asynccontextmanager
+async def abort_on_disconnect(request: Request, engine: AsyncEngine, request_id: str) -> AsyncIterator[None]:
+    """Abort the request when the client disconnects, also while it waits with nothing to send."""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        engine.abort(request_id)
+
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
+# ---------------------------------------------------------------- app
+def create_app(load: Callable[[], LLM], served_model_name: str,
+               on_load_error: Callable[[str], None] | None = None) -> FastAPI:
+    """An app that loads its model (`load()`, on the engine thread) when it starts serving;
+    /health answers 503 until the model is ready."""
+    metrics = ServerMetrics(served_model_name)
+    engine = AsyncEngine(load, metrics, on_load_error)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="blockspec", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    for error_type in USER_ERRORS:
+        @app.exception_handler(error_type)
+        async def bad_value(_: Request, exc: Exception) -> JSONResponse:
+            return user_error(exc).response()
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed", exc_info=exc)
+        return APIError(500, str(exc), type="internal_server_error").response()
+
+    def ready_llm(model: str | None = None) -> LLM:
+        if engine.llm is None:
+            message = f"the model failed to load: {engine.load_error}" if engine.load_error else "the model is loading"
+            raise APIError(503, message, type="service_unavailable")
+        if model is not None and model != served_model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {served_model_name!r}",
+                           param="model", code="model_not_found")
+        return engine.llm
+
+    async def generate(request: Request, body: GenerationRequest, llm: LLM, prompts: list[Prompt],
+                       params: SamplingParams, renderer_type: type[Renderer]) -> Response:
+        check_prompts(llm, prompts, params)
+        renderer = renderer_type(body, served_model_name, prompts, params, TokenStrings(llm.tokenizer),
+                                 llm.speculative_config is not None)
+        choices = [Choice() for _ in range(len(prompts) * params.n)]
+        deltas = engine.generate(renderer.id, prompts, params)
+        if body.stream:
+            return StreamingResponse(stream(request, renderer, deltas, choices), media_type="text/event-stream")
+        async with abort_on_disconnect(request, engine, renderer.id), contextlib.aclosing(deltas):
+            async for d in deltas:
+                choices[d.index].add(d)
+        errors = [c.error for c in choices if c.error]
+        if errors:
+            raise APIError(500, errors[0], type="internal_server_error")
+        return JSONResponse(renderer.response(choices).model_dump())
+
+    async def stream(request: Request, renderer: Renderer, deltas: AsyncIterator[Delta],
+                     choices: list[Choice]) -> AsyncIterator[str]:
+        async with abort_on_disconnect(request, engine, renderer.id), contextlib.aclosing(deltas):
+            for chunk in renderer.opening_chunks():
+                yield sse(chunk)
+            try:
+                async for d in deltas:
+                    choices[d.index].add(d)
+                    if d.error:
+                        raise APIError(500, d.error, type="internal_server_error")
+                    yield sse(renderer.chunk(d))
+            except Exception as exc:
+                err = exc if isinstance(exc, APIError) else user_error(exc) if isinstance(exc, USER_ERRORS) \
+                    else APIError(500, str(exc), type="internal_server_error")
+                yield sse(ErrorResponse(error=err.info))
+            else:
+                if renderer.body.include_usage:
+                    yield sse(renderer.usage_chunk(choices))
+            yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        llm = ready_llm(body.model)
+        params = body.to_sampling_params(body.max_tokens, body.logprobs)
+        return await generate(request, body, llm, completion_prompts(llm, body.prompt), params, CompletionRenderer)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        llm = ready_llm(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = body.to_sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        return await generate(request, body, llm, [chat_prompt(llm, body)], params, ChatRenderer)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        llm = ready_llm()
+        return ModelList(data=[ModelCard(id=served_model_name, root=str(llm.model_dir),
+                                         max_model_len=llm.engine.config.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.llm is None:
+            status = {"status": "failed", "error": engine.load_error} if engine.load_error else {"status": "loading"}
+            return JSONResponse(status, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+

@@ -1,0 +1,482 @@
+"""The OpenAI-compatible server over real HTTP on 127.0.0.1 (OpenAI client and httpx): API shape,
+streaming, bad input, metrics, cancellation, and exactness of concurrent (continuously batched)
+requests against LLM.generate, with and without speculation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from blockspec import LLM, SamplingParams
+from blockspec.cli import main
+from blockspec.config import ConfigError
+from blockspec.server.app import create_app
+from factories import save_tiny, save_tiny_tokenizer
+
+FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
+TARGET_KW = dict(vocab=96, hidden=32, layers=5, heads=4, kv_heads=2, head_dim=8)  # the dflash fixture's target
+MAX_LEN = 128
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+class LiveServer:
+    """uvicorn serving `app` on a free loopback port, in a thread."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started, 20, "uvicorn to start")
+
+    def wait_ready(self) -> "LiveServer":
+        wait_until(lambda: httpx.get(f"{self.url}/health").status_code == 200, 30, "/health to answer 200")
+        return self
+
+    @property
+    def engine(self):
+        return self.app.state.engine.llm.engine
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60, **kw)
+
+    def metrics(self) -> dict[tuple[str, frozenset], float]:
+        text = httpx.get(f"{self.url}/metrics").text
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(20)
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    """Sum of the samples called `name` whose labels include `labels`."""
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Engine thread, server loop and clients share two cores: intra-op threads would only contend."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory) -> Path:
+    path = save_tiny(tmp_path_factory.mktemp("text"), "qwen3", seed=7, vocab=98)  # vocab = the tokenizer's
+    save_tiny_tokenizer(path)
+    return path
+
+
+def text_llm(path: Path) -> LLM:
+    return LLM(str(path), device="cpu", max_model_len=MAX_LEN, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def text_ref(text_dir) -> LLM:
+    return text_llm(text_dir)
+
+
+@pytest.fixture(scope="module")
+def text_server(text_dir) -> Iterator[LiveServer]:
+    server = LiveServer(create_app(lambda: text_llm(text_dir), "tiny")).wait_ready()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("target"), "qwen3", seed=0, **TARGET_KW)
+
+
+@pytest.fixture(scope="module")
+def plain_ref(target_dir) -> LLM:
+    return LLM(str(target_dir), device="cpu", max_model_len=160)
+
+
+@pytest.fixture(scope="module")
+def spec_server(target_dir) -> Iterator[LiveServer]:
+    # a fixed draft length: the adaptive policy would (rightly) stop this random drafter from drafting
+    spec = {"method": "dflash", "model": str(FIXTURES / "dflash"), "adaptive_draft_length": False}
+
+    def load() -> LLM:
+        return LLM(str(target_dir), device="cpu", max_model_len=160, max_num_seqs=8, speculative_config=spec)
+
+    server = LiveServer(create_app(load, "spec")).wait_ready()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def slow_engine(monkeypatch) -> Callable[[LiveServer], None]:
+    """Make each engine step take >= 10 ms, so a request is surely still running when its client leaves."""
+
+    def apply(server: LiveServer) -> None:
+        engine = server.engine
+        step = engine.step
+
+        def slow_step():
+            time.sleep(0.01)
+            return step()
+
+        monkeypatch.setattr(engine, "step", slow_step)
+
+    return apply
+
+
+GREEDY = dict(temperature=0, max_tokens=24)
+NO_EOS = {"ignore_eos": True}
+
+
+# ---------------------------------------------------------------- life cycle
+def test_health_is_503_while_loading_then_200(text_dir):
+    release = threading.Event()
+
+    def load() -> LLM:
+        release.wait(30)
+        return text_llm(text_dir)
+
+    server = LiveServer(create_app(load, "late"))
+    try:
+        r = httpx.get(f"{server.url}/health")
+        assert r.status_code == 503 and r.json() == {"status": "loading"}
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a"})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        release.set()
+        server.wait_ready()
+        models = server.client().models.list().data
+        assert [m.id for m in models] == ["late"] and models[0].max_model_len == MAX_LEN
+    finally:
+        release.set()
+        server.close()
+
+
+def test_load_failure_is_reported():
+    failures = []
+
+    def load() -> LLM:
+        raise ConfigError("max_model_len=5 exceeds the model's max_position_embeddings (4)")
+
+    server = LiveServer(create_app(load, "broken", on_load_error=failures.append))
+    try:
+        wait_until(lambda: failures, 10, "the load error")
+        r = httpx.get(f"{server.url}/health")
+        assert r.status_code == 503 and "max_position_embeddings" in r.json()["error"]
+    finally:
+        server.close()
+
+
+def test_cli_serve_subprocess(text_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "blockspec.cli", "serve", "--model", str(text_dir), "--port", str(port),
+           "--max-model-len", "64", "--served-model-name", "cli", "--device", "cpu", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert proc.poll() is None, proc.stderr.read().decode()
+        try:
+            return httpx.get(f"{url}/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(healthy, 60, "`blockspec serve` to become healthy")
+        r = httpx.post(f"{url}/v1/completions", json={"model": "cli", "prompt": "hi", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def test_cli_serve_exits_when_the_model_cannot_load(tmp_path, capsys):
+    assert main(["serve", "--model", str(tmp_path / "missing"), "--port", "0", "--log-level", "critical"]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- API shape
+def test_completion_equals_llm_generate(text_server, text_ref):
+    want = text_ref.generate("def f(x):", SamplingParams(**GREEDY, ignore_eos=True), use_tqdm=False)[0]
+    resp = text_server.client().completions.create(model="tiny", prompt="def f(x):", **GREEDY,
+                                                   extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = resp.choices[0]
+    assert resp.id.startswith("cmpl-") and resp.object == "text_completion" and resp.model == "tiny"
+    assert choice.text == want.outputs[0].text and choice.token_ids == want.outputs[0].token_ids
+    assert choice.prompt_token_ids == want.prompt_token_ids and choice.finish_reason == "length"
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (len(want.prompt_token_ids), 24)
+    assert getattr(resp, "spec_decode", None) is None  # no drafter on this server
+
+
+def test_streaming_completion_with_usage(text_server):
+    client = text_server.client()
+    whole = client.completions.create(model="tiny", prompt="import os", **GREEDY, extra_body=NO_EOS)
+    chunks = list(client.completions.create(model="tiny", prompt="import os", **GREEDY, stream=True, extra_body=NO_EOS,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert len(chunks) > 3 and chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    with httpx.stream("POST", f"{text_server.url}/v1/completions",
+                      json={"prompt": "x", "max_tokens": 3, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+def test_chat_and_streaming_chat(text_server, text_ref):
+    messages = [{"role": "user", "content": "hello"}]
+    want = text_ref.chat(messages, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    client = text_server.client()
+    resp = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_completion_tokens=10,
+                                          extra_body={"ignore_eos": True})
+    assert resp.object == "chat.completion" and resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == want.outputs[0].text
+    assert resp.usage.prompt_tokens == len(want.prompt_token_ids)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=10,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_streamed_equals_non_streamed(text_server, text_ref):
+    full = text_ref.generate("class A:", SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].text
+    stop = full[20:23]
+    expect = full[: full.index(stop)]
+    client = text_server.client()
+    kw = dict(model="tiny", prompt="class A:", temperature=0, max_tokens=60, stop=[stop], extra_body=NO_EOS)
+    whole = client.completions.create(**kw)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
+    assert whole.choices[0].text == streamed == expect
+    assert whole.choices[0].finish_reason == "stop" and whole.choices[0].model_extra["stop_reason"] == stop
+
+
+def test_logprobs(text_server, text_ref):
+    want = text_ref.generate("abc", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2),
+                             use_tqdm=False)[0].outputs[0]
+    client = text_server.client()
+    lp = client.completions.create(model="tiny", prompt="abc", temperature=0, max_tokens=6, logprobs=2,
+                                   extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([e[t].logprob for e, t in zip(want.logprobs, want.token_ids)], abs=1e-5)
+    assert "".join(lp.tokens) == want.text and all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "abc"}], temperature=0,
+                                          max_tokens=4, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    assert len(chat) == 4 and all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob for e in chat)
+
+
+def test_prompt_lists_and_n(text_server, text_ref):
+    params = dict(temperature=0.9, seed=3, max_tokens=8)
+    want = text_ref.generate(["ab", "xyz"], SamplingParams(**params, n=2, ignore_eos=True), use_tqdm=False)
+    resp = text_server.client().completions.create(model="tiny", prompt=["ab", "xyz"], n=2, **params,
+                                                   extra_body={"ignore_eos": True})
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    assert [c.text for c in resp.choices] == [o.text for w in want for o in w.outputs]
+    assert resp.usage.completion_tokens == 32 and resp.usage.prompt_tokens == 5
+
+
+def test_sampling_fields_reach_the_engine(text_server, text_ref):
+    openai_fields = {"temperature": 0.9, "top_p": 0.9, "seed": 5, "max_tokens": 12, "presence_penalty": 0.5,
+                     "frequency_penalty": 0.3, "stop": ["zz"], "logit_bias": {"50": 2.0}}
+    extras = {"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 4, "stop_token_ids": [40]}
+    params = SamplingParams(**{**openai_fields, "logit_bias": {50: 2.0}}, **extras)
+    want = text_ref.generate("abc", params, use_tqdm=False)[0].outputs[0]
+    got = text_server.client().completions.create(model="tiny", prompt="abc", **openai_fields,
+                                                  extra_body={**extras, "return_token_ids": True}).choices[0]
+    assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+
+
+BAD_REQUESTS = [
+    ("completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("completions", {"prompt": "a", "top_p": 1.5}, 400, "top_p"),
+    ("completions", {"prompt": "a", "top_k": -5}, 400, "top_k"),
+    ("completions", {"prompt": "a", "n": 0}, 400, "n"),
+    ("completions", {"prompt": "a", "n": 1000}, 400, "n"),
+    ("completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "a", "max_tokens": MAX_LEN}, 400, "max_tokens"),
+    ("completions", {"prompt": "x" * (MAX_LEN + 5)}, 400, "prompt"),
+    ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", {"prompt": []}, 400, "prompt"),
+    ("completions", {"prompt": [5, 500]}, 400, "prompt"),
+    ("completions", {"prompt": 5}, 400, "prompt"),
+    ("completions", {}, 400, "prompt"),
+    ("completions", {"prompt": "a", "logprobs": 50}, 400, "logprobs"),
+    ("completions", {"prompt": "a", "stop_token_ids": [1000]}, 400, "stop_token_ids"),
+    ("completions", {"prompt": "a", "best_of": 2}, 400, "best_of"),
+    ("completions", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": MAX_LEN}, 400,
+     "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("route, body, status, param", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(text_server, route, body, status, param):
+    r = httpx.post(f"{text_server.url}/v1/{route}", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["param"] == param
+    if status == 404:
+        assert err["code"] == "model_not_found"
+
+
+def test_malformed_json_then_server_carries_on(text_server):
+    r = httpx.post(f"{text_server.url}/v1/completions", content=b'{"prompt": "a",',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        text_server.client().completions.create(model="tiny", prompt="a", temperature=-1)
+    assert text_server.client().completions.create(model="tiny", prompt="a", max_tokens=2).choices[0].text is not None
+
+
+# ---------------------------------------------------------------- cancellation
+def test_client_leaving_a_stream_aborts_it(text_server, slow_engine):
+    slow_engine(text_server)
+    aborted = metric(text_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
+    with httpx.stream("POST", f"{text_server.url}/v1/completions",
+                      json={"prompt": "a", "max_tokens": 120, "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    wait_until(lambda: metric(text_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
+               == aborted + 1, 10, "the request to be aborted")
+    after = text_server.metrics()
+    assert metric(after, "blockspec:num_requests_running") == 0 and metric(after, "blockspec:kv_cache_usage_perc") == 0
+    assert text_server.client().completions.create(model="tiny", prompt="a", max_tokens=3).usage.completion_tokens >= 1
+
+
+def test_client_leaving_a_non_streaming_request_aborts_it(text_server, slow_engine):
+    slow_engine(text_server)
+    aborted = metric(text_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{text_server.url}/v1/completions", json={"prompt": "a", "max_tokens": 120, "ignore_eos": True},
+                   timeout=0.3)
+    wait_until(lambda: metric(text_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
+               == aborted + 1, 10, "the request to be aborted")
+    assert metric(text_server.metrics(), "blockspec:num_requests_running") == 0
+    assert text_server.client().completions.create(model="tiny", prompt="b", max_tokens=3).usage.completion_tokens >= 1
+
+
+def test_engine_failure_fails_the_requests_in_flight_only(text_server, monkeypatch):
+    engine = text_server.engine
+    step, failures = engine.step, iter([RuntimeError("simulated device failure")])
+
+    def failing_step():
+        exc = next(failures, None)
+        if exc is not None:
+            raise exc
+        return step()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    r = httpx.post(f"{text_server.url}/v1/completions", json={"prompt": "a", "max_tokens": 5})
+    assert r.status_code == 500 and "simulated device failure" in r.json()["error"]["message"]
+    assert metric(text_server.metrics(), "blockspec:num_requests_running") == 0
+    assert text_server.client().completions.create(model="tiny", prompt="a", max_tokens=2).usage.completion_tokens >= 1
+
+
+# ---------------------------------------------------------------- concurrency and speculation
+def token_prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 95, (int(k),), generator=g).tolist() for k in torch.randint(1, 40, (n,), generator=g)]
+
+
+async def fire(url: str, jobs: list[tuple[list[int], dict]]) -> list[dict]:
+    """All jobs at once (staggered by a few ms, so they join a running batch); every second one streamed."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        async def one(i: int, prompt: list[int], body: dict) -> dict:
+            await asyncio.sleep(0.003 * i)
+            payload = {**body, "prompt": prompt, "return_token_ids": True, "ignore_eos": True}
+            if i % 2:
+                return (await client.post("/v1/completions", json=payload)).json()
+            ids, last = [], {}
+            async with client.stream("POST", "/v1/completions",
+                                     json={**payload, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        last = json.loads(line[6:])
+                        ids += last["choices"][0]["token_ids"] if last["choices"] else []
+            return {"choices": [{"token_ids": ids}], "spec_decode": last["spec_decode"]}
+
+        return await asyncio.gather(*(one(i, p, b) for i, (p, b) in enumerate(jobs)))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_concurrent_requests_are_batched_and_exact(spec_server, plain_ref, monkeypatch, temperature):
+    """12 concurrent requests on 8 slots, every other one opting out of speculation, half of them streamed:
+    every output equals LLM.generate's (greedy, and seeded sampling)."""
+    engine = spec_server.engine
+    batch_sizes: list[int] = []
+    step = engine.step
+
+    def recording_step():
+        batch_sizes.append(len(engine.running))
+        return step()
+
+    monkeypatch.setattr(engine, "step", recording_step)
+    prompts = token_prompts(6, seed=int(temperature * 10))
+    base = dict(temperature=temperature, max_tokens=24, seed=17)
+    jobs = [(p, {**base, "use_speculation": spec}) for p in prompts for spec in (True, False)]
+    results = asyncio.run(fire(spec_server.url, jobs))
+    want = plain_ref.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**base, ignore_eos=True),
+                              use_tqdm=False)
+    assert [r["choices"][0]["token_ids"] for r in results] == [o.outputs[0].token_ids for o in want for _ in "ab"]
+    assert [r["spec_decode"]["num_drafts"] > 0 for r in results] == [b["use_speculation"] for _, b in jobs]
+    assert max(batch_sizes) >= 4  # the requests really ran together
+
+
+def test_spec_metrics_match_responses(spec_server):
+    before = spec_server.metrics()
+    prompt = token_prompts(1, seed=9)[0]
+    resp = spec_server.client().completions.create(model="spec", prompt=prompt, temperature=0, max_tokens=20,
+                                                   extra_body={"ignore_eos": True})
+    spec = resp.model_extra["spec_decode"]
+    after = spec_server.metrics()
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert spec["num_drafts"] > 0 and spec["mean_acceptance_length"] == pytest.approx(
+        1 + spec["num_accepted_tokens"] / spec["num_drafts"])
+    assert delta("blockspec:spec_decode_num_drafts_total") == spec["num_drafts"]
+    assert delta("blockspec:spec_decode_num_draft_tokens_total") == spec["num_draft_tokens"]
+    assert delta("blockspec:spec_decode_num_accepted_tokens_total") == spec["num_accepted_tokens"]
+    assert delta("blockspec:spec_decode_num_accepted_tokens_per_pos_total") == spec["num_accepted_tokens"]
+    assert delta("blockspec:generation_tokens_total") == 20 == resp.usage.completion_tokens
+    assert delta("blockspec:prompt_tokens_total") == len(prompt)
+    assert delta("blockspec:request_success_total", finished_reason="length") == 1
+    assert delta("blockspec:time_to_first_token_seconds_count") == 1
+    assert delta("blockspec:time_per_output_token_seconds_count") == 1
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert metric(after, f"blockspec:{gauge}") == 0
+    assert any(name == "blockspec:spec_decode_num_accepted_tokens_per_pos_total" and ("position", "0") in labels
+               for name, labels in after)
