@@ -61,3 +61,14 @@ def test_one_slow_first_measurement_does_not_stick():
     feed(policy, [0.02] * 4, {k: (1.0 if k == 0 else 1.5) for k in policy.candidates})
     policy.last_tried = {(1, k): 10**9 for k in policy.candidates}
     assert policy.choose(1) == 0
+
+
+def test_new_batch_size_borrows_cost_ratios_and_only_measures_plain():
+    policy = DraftLengthPolicy(4)
+    feed(policy, [0.9] * 4, {0: 1.0, 1: 1.1, 2: 1.2, 4: 1.3}, batch=8)
+    policy.last_tried = {(8, k): 10**9 for k in policy.candidates}
+    assert [policy.choose(2) for _ in range(2)] == [0, 0]  # plain twice at the new batch size ...
+    policy.observe_time(2, 0, 0.5)
+    policy.observe_time(2, 0, 0.5)
+    assert policy.estimate(2, 4) == 0.5 * 1.3 / 1.0  # ... then the other costs come from batch 8's ratios
+    assert policy.choose(2) == 4

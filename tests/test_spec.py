@@ -181,7 +181,7 @@ def test_adaptive_draft_length_stays_exact_and_backs_off(target, plain):
     policy = llm.engine.policy
     assert policy.prefix_acceptance()[0] < 0.3
     assert policy.choose(3) == max(policy.candidates, key=lambda k: policy.expected_tokens(k) /
-                                   policy.step_time(4, k))
+                                   policy.estimate(4, k))
 
 
 @pytest.mark.parametrize("spec", [{"confidence_threshold": 0.5}, {"adaptive_verification": True},

@@ -3,15 +3,14 @@
 Expected tokens per step with K drafts is 1 + sum_{k<=K} P(first k drafts accepted); its cost is the
 measured time of a step with K drafts at this batch size (K = 0 is the plain step). The policy picks
 the K with the most tokens per second. Acceptance is counted per position from recent steps, step
-times are measured, and every candidate is re-tried now and then, so the choice follows the
-workload. The choice is made before drafting and never looks at the drafts, so it cannot affect
+times are measured, and every candidate is re-tried now and then (the worse it scored, the rarer),
+so the choice follows the workload. The choice is made before drafting and never looks at the drafts, so it cannot affect
 what is emitted: exactness does not depend on it.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 
 
@@ -28,7 +27,9 @@ class DraftLengthPolicy:
         self.candidates = sorted({0, k_max} | {1 << i for i in range(k_max.bit_length()) if 1 << i < k_max})
         self.offered = [0.0] * k_max  # decayed count of steps that drafted at least k+1 tokens
         self.accepted = [0.0] * k_max  # ... and had the first k+1 accepted
-        self.samples: dict[tuple[int, int], deque[float]] = {}  # (batch bucket, K) -> recent step seconds
+        # (batch bucket, K) -> recent step seconds; estimates use the minimum, since interference (a slow
+        # first call, a noisy neighbour, the garbage collector) only ever adds time
+        self.samples: dict[tuple[int, int], deque[float]] = {}
         self.last_tried: dict[tuple[int, int], int] = {}
         self.steps = 0
 
@@ -46,10 +47,6 @@ class DraftLengthPolicy:
         key = (batch_bucket(batch), self._candidate(k))
         self.samples.setdefault(key, deque(maxlen=5)).append(seconds)
 
-    def step_time(self, bucket: int, k: int) -> float | None:
-        """Median of the recent measured step times (robust to one slow first call or a noisy neighbour)."""
-        samples = self.samples.get((bucket, k))
-        return statistics.median(samples) if samples else None
 
     # ---------------------------------------------------------------- decision
     def prefix_acceptance(self) -> list[float]:
@@ -72,17 +69,36 @@ class DraftLengthPolicy:
         if not self.adaptive:
             return self.k_max
         bucket = batch_bucket(batch)
-        for k in self.candidates:  # measure every candidate twice, then re-measure stale ones
-            last = self.last_tried.get((bucket, k))
-            if len(self.samples.get((bucket, k), ())) < 2 or last is None or self.steps - last > self.retry_every:
+        for k in self.candidates:  # plain first, then any candidate no batch size has measured yet
+            if self.estimate(bucket, k) is None:
                 self.last_tried[(bucket, k)] = self.steps
                 return k
-        measured = [k for k in self.candidates if self.step_time(bucket, k) is not None]
-        if not measured:
-            return self.k_max
-        best = max(measured, key=lambda k: self.expected_tokens(k) / self.step_time(bucket, k))
+        score = {k: self.expected_tokens(k) / self.estimate(bucket, k) for k in self.candidates}
+        best = max(score, key=score.__getitem__)
+        for k in self.candidates:  # re-measure stale ones; the worse a candidate, the rarer
+            interval = self.retry_every * min(16.0, score[best] / max(score[k], 1e-9))
+            if k != best and self.steps - self.last_tried.get((bucket, k), 0) > interval:
+                self.last_tried[(bucket, k)] = self.steps
+                return k
         self.last_tried[(bucket, best)] = self.steps
         return best
+
+    def estimate(self, bucket: int, k: int) -> float | None:
+        """Step time with k drafts at this batch bucket: measured (two samples or more), or else the
+        plain time here scaled by the spec / plain ratio of the nearest bucket that measured both, so
+        a new batch size needs only its plain step measured before it can speculate."""
+        own = self.samples.get((bucket, k), ())
+        if len(own) >= 2:
+            return min(own)
+        plain = self.samples.get((bucket, 0), ())
+        if k == 0 or len(plain) < 2:
+            return None
+        others = [b for (b, c) in self.samples if c == k and b != bucket and len(self.samples[(b, k)]) >= 2
+                  and len(self.samples.get((b, 0), ())) >= 2]
+        if not others:
+            return None
+        near = min(others, key=lambda b: abs(math.log2(b) - math.log2(bucket)))
+        return min(plain) * min(self.samples[(near, k)]) / min(self.samples[(near, 0)])
 
     def _candidate(self, k: int) -> int:
         """The candidate a step with k drafts is accounted to (the smallest candidate >= k)."""
