@@ -8,8 +8,9 @@ reference the graph path is tested against.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -17,6 +18,7 @@ from torch import Tensor
 from blockspec.engine.kv_cache import KVCache, causal_meta, meta_from_tensors
 from blockspec.models.llama import CausalLM
 
+T = TypeVar("T")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_KV_BUCKET = 256
 MAX_GRAPH_QUERIES = 32
@@ -24,6 +26,21 @@ MAX_GRAPH_QUERIES = 32
 
 def bucket(value: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= value), None)
+
+
+def capture(fn: Callable[[], T], pool: object) -> tuple["torch.cuda.CUDAGraph", T]:
+    """Warm `fn` up on a side stream (compilation, allocator, cuBLAS workspaces), then capture one call
+    into a CUDA graph drawing on the shared memory pool; returns the graph and its static outputs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
 
 
 @dataclass
@@ -101,17 +118,9 @@ class ModelRunner:
                                      cfg.sliding_window, cfg.layer_types)
             return self.model(ids, meta, self.cache, self.taps if with_taps else ())
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            hidden, features = run()
+        graph, (hidden, features) = capture(run, self._pool)
         cap = CapturedForward(graph, ids, control, hidden, features)
         self.graphs[key] = cap
         return cap

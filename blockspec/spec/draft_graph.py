@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from blockspec.engine.kv_cache import KVCache
-from blockspec.engine.runner import BATCH_BUCKETS, MIN_KV_BUCKET, bucket
+from blockspec.engine.runner import BATCH_BUCKETS, MIN_KV_BUCKET, bucket, capture
 from blockspec.models.llama import CausalLM
 
 
@@ -83,17 +83,9 @@ class DraftGraphs:
                 return self.target.lm_head(slot_hidden).argmax(-1), None
             return d.draft_to_target(d.logits(slot_hidden).argmax(-1)), None
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            tokens, conf = step()
+        graph, (tokens, conf) = capture(step, self._pool)
         cap = CapturedDraft(graph, control, features, tokens, conf)
         self.graphs[(b, kv)] = cap
         return cap
