@@ -167,3 +167,19 @@ def test_llm_config_errors(tmp_path):
         LLM(str(path), device="cpu", speculative_config={"method": "medusa", "model": "x"})
     with pytest.raises(ConfigError, match="unknown field"):
         LLM(str(path), device="cpu", speculative_config={"method": "dflash", "model": "x", "bogus": 1})
+
+
+def test_nonfinite_logits_fail_one_request_on_the_greedy_ids_path(llm, monkeypatch):
+    model = llm.engine.runner.model
+    real = model.compute_logits
+
+    def poisoned(hidden):
+        out = real(hidden)
+        if out.shape[0] == 2:
+            out[0, 5] = float("nan")
+        return out
+
+    monkeypatch.setattr(model, "compute_logits", poisoned)
+    outs = llm.generate(["aa", "bb"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert outs[0].error and "non-finite" in outs[0].error
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 3

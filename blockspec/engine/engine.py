@@ -19,7 +19,7 @@ from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.request import IncrementalDetokenizer, Logprob, Request, SpecStats, Status
 from blockspec.engine.runner import ModelRunner
 from blockspec.models.llama import CausalLM
-from blockspec.sample import RowParams, bad_rows, logprobs as top_logprobs, process_logits, sample
+from blockspec.sample import RowParams, logprobs as top_logprobs, process_logits, sample
 from blockspec.spec.policy import DraftLengthPolicy
 from blockspec.sampling_params import SamplingParams
 
@@ -240,10 +240,7 @@ class Engine:
         self.proposer.record_outcome(block.lens, num_acc)
         touched = []
         for j, req in enumerate(reqs):
-            a = num_acc[j]
-            if a < 0:
-                self._fail(req, "the target produced non-finite logits (NaN or inf) for this request")
-                continue
+            a = num_acc[j]  # a non-finite row gives a = 0 and token -1: _append fails this request alone
             req.spec.record(block.lens[j], a)
             self.spec_totals.record(block.lens[j], a)
             req.num_cached += a + 1
@@ -322,9 +319,7 @@ class Engine:
             return ids.tolist(), None
         logits = self.runner.logits(hidden_rows)
         params = self.row_params(reqs, [1] * len(reqs))
-        bad = bad_rows(logits)
-        tokens = sample(logits, params)
-        tokens = torch.where(bad, torch.full_like(tokens, -1), tokens)
+        tokens = sample(logits, params)  # -1 for a non-finite row: _append fails that request alone
         lps = self.logprob_entries(reqs, process_logits(logits, params), tokens, [1] * len(reqs)) \
             if any(r.logprobs is not None for r in reqs) else None
         return tokens.tolist(), lps

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from blockspec.engine.kv_cache import KVCache, causal_meta, meta_from_tensors
 from blockspec.models.llama import CausalLM
+from blockspec.sample.sampler import greedy_ids
 
 T = TypeVar("T")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -130,9 +131,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def greedy_ids(self, hidden: Tensor, chunk_rows: int = 64) -> Tensor:
-        """Argmax token per row without holding more than `chunk_rows` vocabulary rows at once."""
+        """Argmax token per row (-1 for a non-finite row) without holding more than `chunk_rows`
+        vocabulary rows at once."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         out = torch.empty(flat.shape[0], dtype=torch.int64, device=flat.device)
         for i in range(0, flat.shape[0], chunk_rows):
-            out[i : i + chunk_rows] = self.model.compute_logits(flat[i : i + chunk_rows]).argmax(-1)
+            out[i : i + chunk_rows] = greedy_ids(self.model.compute_logits(flat[i : i + chunk_rows]))
         return out.view(hidden.shape[:-1])

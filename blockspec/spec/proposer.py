@@ -18,7 +18,6 @@ from blockspec.spec.draft_graph import DraftGraphs
 from blockspec.spec.confidence import VerifyCostTable, schedule_prefixes, threshold_lengths, timed
 from blockspec.sample import (
     RowParams,
-    bad_rows,
     process_logits,
     sample_draft,
     verify_block,
@@ -272,7 +271,6 @@ class Proposer:
         logits = engine.runner.logits(hidden).view(r * rows, -1)
         params = engine.row_params(reqs, [rows] * r, block.tokens)
         processed = process_logits(logits, params)
-        bad = bad_rows(logits.view(r, rows, -1).flatten(1)).view(r) if logits.numel() else None
         processed3 = processed.view(r, rows, -1)
         round_ = torch.tensor([q.length for q in reqs], dtype=torch.int64, device=hidden.device)
         method = self.cfg.rejection_sample_method
@@ -282,8 +280,6 @@ class Proposer:
             num_acc, out = verify_block(processed3, block.q_probs, block.tokens, lens, params, round_)
         else:
             num_acc, out = verify_standard(processed3, block.q_probs, block.tokens, lens, params, round_)
-        if bad is not None:
-            num_acc = torch.where(bad, torch.full_like(num_acc, -1), num_acc)
         lps = None
         if want_lp:
             flat_tokens = out.clamp(min=0).view(-1)
