@@ -183,3 +183,25 @@ def test_nonfinite_logits_fail_one_request_on_the_greedy_ids_path(llm, monkeypat
     outs = llm.generate(["aa", "bb"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert outs[0].error and "non-finite" in outs[0].error
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 3
+
+
+def test_prefill_runs_beside_decode(llm):
+    """A long prompt prefilled in chunks does not stall requests that are already decoding."""
+    engine = llm.engine
+    old_budget = engine.config.max_prefill_tokens
+    engine.config.max_prefill_tokens = 16
+    try:
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        (a,) = engine.add_request("a", None, [5, 6, 7], params)
+        engine.step()  # a: prefill and first token
+        (b,) = engine.add_request("b", None, list(range(2, 90)), params)  # 88 tokens: 6 chunks of 16
+        for _ in range(4):
+            before = len(a.output_ids)
+            engine.step()
+            assert b.num_cached < len(b.prompt_token_ids) and len(a.output_ids) == before + 1
+        while engine.has_unfinished():
+            engine.step()
+        alone = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert a.output_ids == alone
+    finally:
+        engine.config.max_prefill_tokens = old_budget

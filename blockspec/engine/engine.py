@@ -137,27 +137,31 @@ class Engine:
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[Request]:
-        """Run one engine step; return the requests whose output changed."""
+        """Run one engine step; return the requests whose output changed.
+
+        Prefill chunks of new requests run beside the decode of the running ones (two forwards in
+        one step), so a long prompt arriving never stalls the others."""
         self._admit()
         prefilling = [r for r in self.running if r.num_cached < len(r.prompt_token_ids)]
-        if prefilling:
-            touched = self._prefill(prefilling)
-        else:
-            decoding = list(self.running)
-            if not decoding:
-                return []
-            spec = [r for r in decoding if self._speculates(r, len(decoding))]
-            k = self.policy.choose(len(spec)) if spec else 0
-            plain = [r for r in decoding if k == 0 or r not in spec]
-            touched = []
-            if k:
-                touched += self._spec_step(spec, k)
-            if plain:
-                seconds = self._plain_step(plain)
-                touched += plain
-                if self.proposer is not None and len(plain) == len(decoding):
-                    self.policy.observe_time(len(plain), 0, seconds)
+        decoding = [r for r in self.running if r.num_cached >= len(r.prompt_token_ids)]
+        touched = self._prefill(prefilling) if prefilling else []
+        decoding = [r for r in decoding if r.status is Status.RUNNING]
+        if decoding:
+            touched += self._decode(decoding)
         self.num_steps += 1
+        return touched
+
+    def _decode(self, decoding: list[Request]) -> list[Request]:
+        """One decode step for every running request: speculative with the policy's K, or plain."""
+        spec = [r for r in decoding if self._speculates(r, len(decoding))]
+        k = self.policy.choose(len(spec)) if spec else 0
+        plain = [r for r in decoding if k == 0 or r not in spec]
+        touched = self._spec_step(spec, k) if k else []
+        if plain:
+            seconds = self._plain_step(plain)
+            touched += plain
+            if self.proposer is not None and len(plain) == len(decoding):
+                self.policy.observe_time(len(plain), 0, seconds)
         return touched
 
     def _admit(self) -> None:
