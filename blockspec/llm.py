@@ -73,7 +73,7 @@ class LLM:
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         margin = 64  # RoPE rows for draft/verify positions past the committed length
-        self.model, self.model_dir = load_target(model_dir, dtype, dev, max_positions=max_len + margin)
+        self.model, self.model_dir = self._load_target(model_dir, dtype, dev, max_len + margin)
         self.tokenizer = load_tokenizer(resolve_model_dir(tokenizer, "tokenizer") if tokenizer else self.model_dir)
         eos = generation_eos_ids(self.model_dir, self.model.config.eos_token_ids, self.tokenizer)
         drafter = None
@@ -87,6 +87,12 @@ class LLM:
         self.engine = Engine(self.model, self.tokenizer, engine_cfg, spec, drafter, eos)
         self.speculative_config = spec
         self._ids = itertools.count()
+
+    def _load_target(self, model_dir: Path, dtype: str | torch.dtype, device: torch.device,
+                     max_positions: int) -> tuple[Any, Path]:
+        """Hook: a tensor-parallel rank (blockspec.parallel.tp) shards the target here, before the
+        engine sizes its KV cache from it."""
+        return load_target(model_dir, dtype, device, max_positions=max_positions)
 
     # ---------------------------------------------------------------- inputs
     def _prompt_ids(self, prompt: PromptType, where: str) -> tuple[str | None, list[int]]:

@@ -101,8 +101,8 @@ class CausalLM(nn.Module):
     def new_cache(self, max_slots: int, max_len: int, device: torch.device | str | None = None) -> KVCache:
         w = self.embed_tokens.weight
         c = self.config
-        return KVCache(c.num_hidden_layers, max_slots, c.num_key_value_heads, c.head_dim, max_len, w.dtype,
-                       device or w.device)
+        kv_heads = self.layers[0].self_attn.kv_heads  # local count under tensor parallelism
+        return KVCache(c.num_hidden_layers, max_slots, kv_heads, c.head_dim, max_len, w.dtype, device or w.device)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         return self.embed_tokens(input_ids)
