@@ -49,6 +49,15 @@ def generation_eos_ids(model_dir: Path, config_eos: Sequence[int], tokenizer: An
 class LLM:
     """Load a target (and optionally a drafter) once; generate for many prompts in one batch."""
 
+    def __new__(cls, *args: Any, tensor_parallel_size: int = 1, **kwargs: Any) -> Any:
+        """tensor_parallel_size > 1 gives a blockspec.parallel.TPLLM: the same calls, served by that many
+        rank processes across which the target is sharded."""
+        if tensor_parallel_size == 1:
+            return super().__new__(cls)
+        from blockspec.parallel.tp import TPLLM
+
+        return TPLLM(*args, tensor_parallel_size=tensor_parallel_size, **kwargs)
+
     def __init__(
         self,
         model: str | os.PathLike[str],
@@ -60,6 +69,7 @@ class LLM:
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
         max_num_seqs: int = 64,
         max_prefill_tokens: int = 4096,
+        tensor_parallel_size: int = 1,  # > 1 is served by __new__
     ) -> None:
         spec = SpeculativeConfig.from_user(speculative_config)
         dev = resolve_device(device)
