@@ -1,0 +1,364 @@
+"""Megatron-style tensor parallelism for the target model, on torch.distributed (NCCL on GPUs, gloo on CPU).
+
+Each rank holds a slice of every projection: q/k/v heads and the MLP's intermediate units are split
+column-wise, o_proj and down_proj row-wise (one all_reduce each), and the vocabulary is split for
+both the embedding (all_reduce of masked lookups) and the LM head (all_gather to full logits). The
+hidden states between layers, the tapped features and the logits are therefore full-size and
+identical on every rank, so the drafter runs replicated on each rank, and because sampling noise is
+keyed by (seed, position), every rank draws the same tokens: the ranks never need to exchange tokens.
+
+`TPLLM` is the offline API at tensor_parallel_size N: it spawns N rank processes; rank 0 receives
+each call from the user's process over a pipe and broadcasts it to the other ranks, so all of them
+run the same engine steps in lockstep, and rank 0 sends the result back.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Self
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from blockspec.config import ConfigError, ModelConfig
+from blockspec.llm import LLM
+from blockspec.models.layers import GatedMLP
+from blockspec.models.llama import Attention, CausalLM
+from blockspec.models.loader import (
+    load_target,
+    read_json,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_dir,
+)
+
+ProcessGroup = Any  # torch.distributed.ProcessGroup (None = the default group)
+
+
+# ---------------------------------------------------------------- parallel layers
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local @ W_local^T) + b: the input features are split across ranks; the bias is
+    added once, after the sum, so it is not counted world_size times."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, group: ProcessGroup = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.group = group
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y, group=self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + rows) of the embedding; ids outside them look up zeros and the all_reduce
+    fills them in from the rank that owns them (exact: one non-zero term per entry)."""
+
+    def __init__(self, weight: Tensor, start: int, rows: int, group: ProcessGroup = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # [rows_per_rank, H], zero-padded
+        self.start = start
+        self.rows = rows
+        self.group = group
+
+    def forward(self, ids: Tensor) -> Tensor:
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.rows)
+        out = F.embedding(torch.where(inside, local, torch.zeros_like(local)), self.weight)
+        out = out.masked_fill(~inside.unsqueeze(-1), 0)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+class VocabParallelLMHead(nn.Module):
+    """Logits of this rank's vocabulary rows, all_gathered so every rank holds the full logits (and so
+    samples exactly what the others sample)."""
+
+    def __init__(self, weight: Tensor, vocab_size: int, world_size: int, group: ProcessGroup = None) -> None:
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.vocab_size = vocab_size
+        self.world_size = world_size
+        self.group = group
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        local = F.linear(hidden, self.weight).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(parts, local, group=self.group)
+        return torch.cat(parts, dim=-1)[..., : self.vocab_size]
+
+
+# ---------------------------------------------------------------- sharding
+def check_shardable(cfg: ModelConfig, world_size: int) -> None:
+    """Raise ConfigError when `cfg` cannot be split over `world_size` ranks (before any work starts)."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got {world_size!r}")
+    if cfg.num_key_value_heads % world_size:
+        raise ConfigError(f"tensor_parallel_size={world_size} does not divide num_key_value_heads "
+                          f"({cfg.num_key_value_heads}); KV heads are split across ranks, not replicated")
+    if cfg.intermediate_size % world_size:
+        raise ConfigError(f"tensor_parallel_size={world_size} does not divide intermediate_size "
+                          f"({cfg.intermediate_size})")
+
+
+def _part(t: Tensor, rank: int, world_size: int, dim: int = 0) -> Tensor:
+    """This rank's equal slice of `t` along `dim`, copied so the full tensor can be freed."""
+    return t.chunk(world_size, dim=dim)[rank].clone()
+
+
+def _shard_attention(attn: Attention, rank: int, world_size: int, group: ProcessGroup) -> None:
+    """Column-parallel fused qkv (this rank's heads of each of q, k, v), row-parallel o_proj; the head
+    counts become local. Q/K norms are per head (weight [head_dim]) and stay as they are."""
+    qkv = attn.qkv_proj
+    pieces = [qkv.weight.split([attn.q_size, attn.kv_size, attn.kv_size])]
+    if qkv.bias is not None:
+        pieces.append(qkv.bias.split([attn.q_size, attn.kv_size, attn.kv_size]))
+    local = [torch.cat([_part(p, rank, world_size) for p in parts]) for parts in pieces]
+    attn.heads //= world_size
+    attn.kv_heads //= world_size
+    attn.q_size = attn.heads * attn.head_dim
+    attn.kv_size = attn.kv_heads * attn.head_dim
+    qkv.weight = nn.Parameter(local[0], requires_grad=False)
+    qkv.bias = nn.Parameter(local[1], requires_grad=False) if len(local) > 1 else None
+    qkv.out_features = local[0].shape[0]
+    o = attn.o_proj
+    attn.o_proj = RowParallelLinear(_part(o.weight, rank, world_size, dim=1), o.bias, group)
+
+
+def _shard_mlp(mlp: GatedMLP, rank: int, world_size: int, group: ProcessGroup) -> None:
+    """Column-parallel gate_up (this rank's units of gate and of up), row-parallel down_proj."""
+    gu = mlp.gate_up_proj
+    split = lambda t: torch.cat([_part(h, rank, world_size) for h in t.chunk(2)])
+    gu.weight = nn.Parameter(split(gu.weight), requires_grad=False)
+    if gu.bias is not None:
+        gu.bias = nn.Parameter(split(gu.bias), requires_grad=False)
+    gu.out_features = gu.weight.shape[0]
+    mlp.inter //= world_size
+    down = mlp.down_proj
+    mlp.down_proj = RowParallelLinear(_part(down.weight, rank, world_size, dim=1), down.bias, group)
+
+
+def _vocab_rows(weight: Tensor, rank: int, world_size: int) -> tuple[Tensor, int, int]:
+    """(this rank's rows zero-padded to ceil(V / world_size), first row, real row count)."""
+    vocab = weight.shape[0]
+    per = -(-vocab // world_size)
+    start = min(rank * per, vocab)
+    rows = min(per, vocab - start)
+    local = weight.new_zeros(per, weight.shape[1])
+    local[:rows] = weight[start : start + rows]
+    return local, start, rows
+
+
+def shard_model(model: CausalLM, rank: int, world_size: int, group: ProcessGroup = None) -> CausalLM:
+    """Convert `model` in place to its tensor-parallel shard for `rank` (the config stays the full
+    model's: vocab_size and head counts there describe the whole model; modules hold local counts).
+
+    Call on every rank with the same full weights, after torch.distributed is initialised and before
+    the KV cache is allocated (CausalLM.new_cache sizes it with the local KV heads)."""
+    check_shardable(model.config, world_size)
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} outside [0, {world_size})")
+    if world_size == 1:
+        return model
+    for layer in model.layers:
+        _shard_attention(layer.self_attn, rank, world_size, group)
+        _shard_mlp(layer.mlp, rank, world_size, group)
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    vocab = model.config.vocab_size
+    emb, start, rows = _vocab_rows(model.embed_tokens.weight, rank, world_size)
+    model.embed_tokens = VocabParallelEmbedding(emb, start, rows, group)
+    head = model.embed_tokens.weight if tied else _vocab_rows(model.lm_head.weight, rank, world_size)[0]
+    model.lm_head = VocabParallelLMHead(head, vocab, world_size, group)
+    return model
+
+
+# ---------------------------------------------------------------- ranks
+class RankLLM(LLM):
+    """The LLM of one rank: loads the full target on the CPU, keeps this rank's shard, then moves it
+    to the rank's device, so no device ever holds the whole model."""
+
+    def __init__(self, rank: int, world_size: int, model: str | os.PathLike[str], **kwargs: Any) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        super().__init__(model, **kwargs)
+
+    def _load_target(self, model_dir: Path, dtype: str | torch.dtype, device: torch.device,
+                     max_positions: int) -> tuple[CausalLM, Path]:
+        cfg = ModelConfig.from_hf(read_json(model_dir / "config.json"), str(model_dir / "config.json"))
+        check_shardable(cfg, self.world_size)
+        torch_dtype = resolve_dtype(dtype, cfg.torch_dtype, device)
+        model, model_dir = load_target(model_dir, torch_dtype, "cpu", max_positions=max_positions)
+        shard_model(model, self.rank, self.world_size)
+        return model.to(device), model_dir
+
+
+def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | None, model: str,
+               llm_kwargs: dict[str, Any], num_threads: int) -> None:
+    """One rank: join the group, build the sharded LLM, then serve broadcast calls until "close"."""
+    torch.set_num_threads(num_threads)
+    cuda = resolve_device(llm_kwargs.get("device", "auto")).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+        llm_kwargs = {**llm_kwargs, "device": f"cuda:{rank}"}
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (device README)
+    elif Path("/sys/class/net/lo").exists():
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only: the ranks share one host
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size, timeout=timedelta(minutes=10))
+    try:
+        try:
+            llm: RankLLM | None = RankLLM(rank, world_size, model, **llm_kwargs)
+            reply: tuple[str, Any] = ("ok", None)
+        except Exception as exc:  # noqa: BLE001  every rank fails alike (same config, same weights); rank 0 reports it
+            llm, reply = None, ("err", _portable(exc))
+        if conn is not None:
+            conn.send(reply)
+        if llm is None:
+            return
+        while True:
+            msg: list[Any] = [_next_call(conn) if conn is not None else None]
+            dist.broadcast_object_list(msg, src=0)
+            name, args, kwargs = msg[0]
+            if name == "close":
+                return
+            if rank and "use_tqdm" in kwargs:
+                kwargs = {**kwargs, "use_tqdm": False}
+            try:
+                reply = ("ok", getattr(llm, name)(*args, **kwargs))
+            except Exception as exc:  # noqa: BLE001  checks run before any collective, so every rank raises alike
+                reply = ("err", _portable(exc))
+            if conn is not None:
+                conn.send(reply)
+    finally:
+        dist.destroy_process_group()
+
+
+def _next_call(conn: Connection) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+    """The user's next call; "close" when the user's process has gone, so no rank waits forever."""
+    try:
+        return conn.recv()
+    except EOFError:
+        return "close", (), {}
+
+
+def _portable(exc: Exception) -> Exception:
+    """The exception itself when it pickles, else a RuntimeError carrying its traceback."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001  any pickling failure
+        return RuntimeError("".join(traceback.format_exception(exc)))
+
+
+class TPLLM:
+    """`LLM` at tensor_parallel_size N: the same generate / chat / get_metrics calls, run on N rank
+    processes (one GPU each, or CPU with gloo). Use as a context manager or call close()."""
+
+    def __init__(self, *args: Any, tensor_parallel_size: int = 2, num_threads: int | None = None,
+                 startup_timeout_s: float = 600.0, **kwargs: Any) -> None:
+        """args / kwargs: LLM's, checked against its signature here rather than in the ranks.
+        num_threads: torch threads per rank; default: this process's, shared out so the ranks do not
+        oversubscribe the CPU."""
+        llm_kwargs = inspect.signature(LLM.__init__).bind(None, *args, **kwargs).arguments
+        for name in ("self", "tensor_parallel_size"):
+            llm_kwargs.pop(name, None)
+        model = llm_kwargs.pop("model")
+        model_dir = resolve_model_dir(model)
+        cfg = ModelConfig.from_hf(read_json(model_dir / "config.json"), str(model_dir / "config.json"))
+        check_shardable(cfg, tensor_parallel_size)  # fail here, before spawning anything
+        if resolve_device(llm_kwargs.get("device", "auto")).type == "cuda" and \
+                torch.cuda.device_count() < tensor_parallel_size:
+            raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} needs that many GPUs; "
+                              f"{torch.cuda.device_count()} visible")
+        self.world_size = tensor_parallel_size
+        num_threads = num_threads or max(1, torch.get_num_threads() // tensor_parallel_size)
+        self._dir = tempfile.mkdtemp(prefix="blockspec-tp-")
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._procs = []
+        for rank in range(tensor_parallel_size):
+            p = ctx.Process(target=_rank_main, daemon=True,
+                            args=(rank, tensor_parallel_size, os.path.join(self._dir, "store"),
+                                  child if rank == 0 else None, str(model_dir), llm_kwargs, num_threads))
+            p.start()
+            self._procs.append(p)
+        child.close()
+        try:
+            self._reply(startup_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _reply(self, timeout_s: float | None = None) -> Any:
+        """Wait for rank 0's answer, failing fast if any rank process dies instead."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._conn.poll(0.1):
+            dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
+            if dead:
+                raise RuntimeError(f"tensor-parallel rank(s) {dead} exited (codes "
+                                   f"{[self._procs[i].exitcode for i in dead]})")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel ranks gave no answer in {timeout_s:.0f} s")
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            raise RuntimeError("tensor-parallel rank 0 closed its pipe without answering (it exited)") from None
+        if status == "err":
+            raise value
+        return value
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if not self._procs:
+            raise RuntimeError("TPLLM is closed")
+        self._conn.send((name, args, kwargs))
+        return self._reply()
+
+    def generate(self, prompts: Any, sampling_params: Any = None, use_tqdm: bool = True) -> list[Any]:
+        """LLM.generate on every rank in lockstep; rank 0's outputs."""
+        return self._call("generate", prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat(self, messages: Any, sampling_params: Any = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[Any]:
+        return self._call("chat", messages, sampling_params, use_tqdm=use_tqdm,
+                          add_generation_prompt=add_generation_prompt)
+
+    def get_metrics(self) -> dict[str, Any]:
+        return self._call("get_metrics")
+
+    def close(self) -> None:
+        """Stop the ranks (politely, then by force) and remove the rendezvous file."""
+        if not self._procs:
+            return
+        if all(p.is_alive() for p in self._procs):
+            try:
+                self._conn.send(("close", (), {}))
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs = []
+        self._conn.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

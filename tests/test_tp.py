@@ -1,0 +1,104 @@
+"""Tensor parallelism on CPU: 2 gloo ranks (spawned processes; 1 thread each, from conftest's 1) must produce exactly the
+tokens of the single-process engine, greedy and seeded-sampled, with and without DFlash speculation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from factories import save_tiny
+
+from blockspec import LLM, SamplingParams
+from blockspec.config import ConfigError
+from blockspec.engine.engine import RequestError
+from blockspec.models.loader import load_target
+from blockspec.parallel import TPLLM, shard_model
+
+DFLASH = str(Path(__file__).parent / "fixtures" / "drafters" / "dflash")
+SPEC = {"method": "dflash", "model": DFLASH, "adaptive_draft_length": False}
+PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 3, 44, 2, 17, 30]},
+           {"prompt_token_ids": [70, 12]}]
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+SAMPLED = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+HOT = SamplingParams(max_tokens=40, temperature=1.5, seed=4, ignore_eos=True)  # the random drafter gets some accepted
+
+
+def tokens(outputs: list) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def reference(path: Path, spec: dict | None, params) -> list[list[int]]:
+    return tokens(LLM(path, seed=0, speculative_config=spec).generate(PROMPTS, params, use_tqdm=False))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> Path:
+    """Shaped to fit the DFlash drafter fixture; 2 KV heads split one per rank."""
+    return save_tiny(tmp_path_factory.mktemp("q3"), "qwen3", seed=0, vocab=96, hidden=32, layers=5, heads=4,
+                     kv_heads=2, head_dim=8)
+
+
+@pytest.mark.parametrize("spec", [None, SPEC], ids=["plain", "dflash"])
+def test_tp2_matches_tp1_greedy_and_seeded(qwen3, spec):
+    ref_greedy = reference(qwen3, spec, GREEDY)
+    ref_sampled = reference(qwen3, spec, SAMPLED)
+    with TPLLM(qwen3, tensor_parallel_size=2, seed=0, speculative_config=spec) as tp:
+        assert tokens(tp.generate(PROMPTS, GREEDY, use_tqdm=False)) == ref_greedy
+        assert tokens(tp.generate(PROMPTS, SAMPLED, use_tqdm=False)) == ref_sampled
+        if spec is not None:  # drafts, acceptances and tokens identical to the single-process run
+            ref = LLM(qwen3, seed=0, speculative_config=spec)
+            ref_hot = tokens(ref.generate(PROMPTS, HOT, use_tqdm=False))
+            before = tp.get_metrics()
+            assert tokens(tp.generate(PROMPTS, HOT, use_tqdm=False)) == ref_hot
+            after, want = tp.get_metrics(), ref.get_metrics()
+            assert want["num_accepted_tokens"] > 0
+            for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                assert after[key] - before[key] == want[key]
+        # A bad request fails on every rank alike, before any collective; the ranks stay usable.
+        with pytest.raises(RequestError, match="outside"):
+            tp.generate([{"prompt_token_ids": [500]}], GREEDY, use_tqdm=False)
+        assert tokens(tp.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == ref_greedy[:1]
+    if spec is not None:  # speculation is exact: the same tokens as plain decoding
+        assert ref_greedy == reference(qwen3, None, GREEDY)
+
+
+def boost_biases(path: Path, scale: float = 25.0) -> None:
+    """Make the checkpoint's biases large enough that counting one world_size times would change tokens."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    state = load_file(file)
+    save_file({k: v * scale if k.endswith(".bias") else v for k, v in state.items()}, file, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("family,kw", [
+    ("qwen2", {"vocab": 97, "tie": True}),  # q/k/v biases; tied embedding; vocab not divisible (padded rows)
+    ("llama", {"vocab": 96, "attention_bias": True, "mlp_bias": True}),  # o_proj / down_proj biases added once
+], ids=["qwen2-tied-odd-vocab", "llama-all-biases"])
+def test_tp2_biases_and_tied_embeddings(tmp_path, family, kw):
+    path = save_tiny(tmp_path, family, seed=3, hidden=32, layers=3, heads=4, kv_heads=2, **kw)
+    boost_biases(path)
+    ref = reference(path, None, GREEDY)
+    tp = LLM(path, seed=0, tensor_parallel_size=2)  # the vLLM-shaped entry point gives a TPLLM
+    assert isinstance(tp, TPLLM)
+    with tp:
+        assert tokens(tp.generate(PROMPTS, GREEDY, use_tqdm=False)) == ref
+
+
+def test_kv_heads_must_divide_world_size(qwen3):
+    with pytest.raises(ConfigError, match="num_key_value_heads"):
+        LLM(qwen3, tensor_parallel_size=3)
+    with pytest.raises(TypeError):  # LLM's signature is checked before any rank is spawned
+        TPLLM(qwen3, tensor_parallel_size=2, max_num_sequences=4)
+    model, _ = load_target(qwen3, "float32", "cpu")
+    with pytest.raises(ConfigError, match="num_key_value_heads"):
+        shard_model(model, 0, 4)
+    assert model.layers[0].self_attn.kv_heads == 2  # nothing was changed before the check
+
+
+def test_world_size_one_is_identity(qwen3):
+    model, _ = load_target(qwen3, "float32", "cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    shard_model(model, 0, 1)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
