@@ -54,3 +54,12 @@ def test_help(command, capsys):
     with pytest.raises(SystemExit) as exc:
         main([command, "--help"])
     assert exc.value.code == 0 and "usage: blockspec" in capsys.readouterr().out
+
+
+def test_generate_with_tensor_parallel_size_two(tmp_path, capsys):
+    path = save_tiny_model_with_tokenizer(tmp_path / "m")
+    args = ["generate", "--model", str(path), "--prompt", "def f(x):", "--max-tokens", "8", "--device", "cpu"]
+    assert main(args) == 0
+    single = capsys.readouterr().out
+    assert main(args + ["--tensor-parallel-size", "2"]) == 0
+    assert capsys.readouterr().out == single

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from blockspec.config import ConfigError, ModelConfig
+from blockspec.config import ConfigError, ModelConfig, SpeculativeConfig
 from blockspec.llm import LLM
 from blockspec.models.layers import GatedMLP
 from blockspec.models.llama import Attention, CausalLM
@@ -285,6 +285,7 @@ class TPLLM:
             raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} needs that many GPUs; "
                               f"{torch.cuda.device_count()} visible")
         self.world_size = tensor_parallel_size
+        self.speculative_config = SpeculativeConfig.from_user(llm_kwargs.get("speculative_config"))
         num_threads = num_threads or max(1, torch.get_num_threads() // tensor_parallel_size)
         self._dir = tempfile.mkdtemp(prefix="blockspec-tp-")
         ctx = mp.get_context("spawn")
