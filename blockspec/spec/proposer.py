@@ -73,21 +73,24 @@ class Proposer:
         return limit is None or batch <= limit
 
     # ---------------------------------------------------------------- draft
-    def _flush_context(self, reqs: list[Request]) -> None:
-        """Append every request's pending target features to the draft cache in one call."""
-        todo = [r for r in reqs if r.pending_features]
-        if not todo:
-            return
-        feats = [torch.cat(r.pending_features) if len(r.pending_features) > 1 else r.pending_features[0] for r in todo]
-        counts = [f.shape[0] for f in feats]
-        padded = feats[0].new_zeros(len(todo), max(counts), feats[0].shape[-1])
-        for i, f in enumerate(feats):
-            padded[i, : f.shape[0]] = f
-        self.drafter.append_context(self.cache, [r.slot for r in todo], [r.num_draft_ctx for r in todo], counts,
-                                    padded)
-        for r, c in zip(todo, counts):
+    @staticmethod
+    def _take_pending(reqs: list[Request]) -> tuple[Tensor | None, list[int], list[int]]:
+        """Every request's pending target features as one padded [R, C, F] tensor (None when there are
+        none), with the rows per request and where they start in the draft cache; marks them consumed."""
+        counts = [sum(f.shape[0] for f in r.pending_features) for r in reqs]
+        starts = [r.num_draft_ctx for r in reqs]
+        padded = None
+        if any(counts):
+            first = next(r.pending_features[0] for r in reqs if r.pending_features)
+            padded = first.new_zeros(len(reqs), max(counts), first.shape[-1])
+            for i, r in enumerate(reqs):
+                if r.pending_features:
+                    padded[i, : counts[i]] = torch.cat(r.pending_features) if len(r.pending_features) > 1 \
+                        else r.pending_features[0]
+                r.pending_features.clear()
+        for r, c in zip(reqs, counts):
             r.num_draft_ctx += c
-            r.pending_features.clear()
+        return padded, counts, starts
 
     def propose(self, reqs: list[Request], budgets: list[int], engine: "Engine") -> DraftBlock:
         device = self.target.embed_tokens.weight.device
@@ -97,7 +100,7 @@ class Proposer:
         pending = [sum(f.shape[0] for f in r.pending_features) for r in reqs]
         if (self.graphs is not None and not probabilistic
                 and self.graphs.fits(len(reqs), pending, max(r.num_cached for r in reqs))):
-            tokens, confidence = self._graphed_draft(reqs, pending, anchors)
+            tokens, confidence = self._graphed_draft(reqs, anchors)
         else:
             tokens, q_probs, confidence = self._eager_draft(reqs, anchors, probabilistic, engine)
         lens = list(budgets)
@@ -113,29 +116,19 @@ class Proposer:
             confidence = confidence[:, :width]
         return DraftBlock(tokens, lens, q_probs, confidence)
 
-    def _graphed_draft(self, reqs: list[Request], pending: list[int], anchors: Tensor) -> tuple[Tensor, Tensor | None]:
+    def _graphed_draft(self, reqs: list[Request], anchors: Tensor) -> tuple[Tensor, Tensor | None]:
         """Context append + block + greedy drafts replayed as one CUDA graph (decode-time steps)."""
-        feats = None
-        if any(pending):
-            rows = [torch.cat(r.pending_features) if len(r.pending_features) > 1 else r.pending_features[0]
-                    for r in reqs if r.pending_features]
-            feats = rows[0].new_zeros(len(reqs), max(pending), rows[0].shape[-1])
-            it = iter(rows)
-            for i, r in enumerate(reqs):
-                if r.pending_features:
-                    feats[i, : pending[i]] = next(it)
-        tokens, conf = self.graphs.run([r.slot for r in reqs], [r.num_draft_ctx for r in reqs], pending, feats,
-                                       anchors)
-        for r, c in zip(reqs, pending):
-            r.num_draft_ctx += c
-            r.pending_features.clear()
+        feats, counts, starts = self._take_pending(reqs)
+        for r in reqs:
             assert r.num_draft_ctx == r.num_cached, (r.request_id, r.num_draft_ctx, r.num_cached)
-        return tokens, conf
+        return self.graphs.run([r.slot for r in reqs], starts, counts, feats, anchors)
 
     def _eager_draft(self, reqs: list[Request], anchors: Tensor, probabilistic: bool,
                      engine: "Engine") -> tuple[Tensor, Tensor | None, Tensor | None]:
         """The reference draft path: flush context, block forward, then greedy or sampled drafts."""
-        self._flush_context(reqs)
+        feats, counts, starts = self._take_pending(reqs)
+        if feats is not None:  # one append for every request's new context rows
+            self.drafter.append_context(self.cache, [r.slot for r in reqs], starts, counts, feats)
         for r in reqs:
             assert r.num_draft_ctx == r.num_cached, (r.request_id, r.num_draft_ctx, r.num_cached)
         hidden = self.drafter.block_hidden(self.cache, [r.slot for r in reqs], [r.num_cached for r in reqs], anchors,
