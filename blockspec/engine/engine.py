@@ -232,8 +232,7 @@ class Engine:
         block = self.proposer.propose(reqs, budgets, self)
         self.timer.mark("verify")
         k = block.tokens.shape[1]
-        anchors = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)
-        ids = torch.cat([anchors[:, None], block.tokens.clamp(min=0)], dim=1)
+        ids = torch.cat([block.anchors[:, None], block.tokens.clamp(min=0)], dim=1)
         q_lens = [1 + n for n in block.lens]
         starts = [r.num_cached for r in reqs]
         hidden, feats = self.runner.forward_ids(ids, q_lens, starts, [r.slot for r in reqs], with_taps=True)
@@ -357,6 +356,15 @@ class Engine:
 
     # ---------------------------------------------------------------- commit / stop
     def _append(self, req: Request, tokens: list[int], lps: list[dict] | None) -> None:
+        """Commit the step's tokens, then update the penalty history once for all of them."""
+        start = len(req.output_ids)
+        self._commit(req, tokens, lps)
+        new = req.output_ids[start:]
+        if req.output_counts is not None and new and req.status is Status.RUNNING:
+            index = torch.tensor(new, dtype=torch.int64, device=self.device)
+            req.output_counts.index_add_(0, index, torch.ones_like(index, dtype=torch.int32))
+
+    def _commit(self, req: Request, tokens: list[int], lps: list[dict] | None) -> None:
         """Commit tokens one by one; a stop inside the block truncates the rest."""
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
@@ -367,8 +375,6 @@ class Engine:
                 return
             req.output_ids.append(tok)
             self.num_generated += 1
-            if req.output_counts is not None:
-                req.output_counts[tok] += 1
             if lps is not None and req.logprobs is not None:
                 req.logprobs.append(lps[j])
                 req.cumulative_logprob += lps[j][tok].logprob

@@ -64,7 +64,6 @@ class SpecStats:
 class Logprob:
     logprob: float
     rank: int | None = None
-    decoded_token: str | None = None
 
 
 @dataclass
@@ -142,12 +141,7 @@ class Request:
     spec: SpecStats = field(default_factory=SpecStats)
     first_token_time: float | None = None
     finish_time: float | None = None
-    hidden_text_len: int = 0  # text held back because it may be the start of a stop string
     truncated_text: str | None = None
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_ids
 
     @property
     def length(self) -> int:

@@ -52,7 +52,7 @@ class DraftGraphs:
         b = bucket(r, BATCH_BUCKETS)
         ctx_end = max(s + c for s, c in zip(starts, counts))
         kv = min(bucket(ctx_end, [MIN_KV_BUCKET << i for i in range(24)]), self.cache.max_len - self.rows)
-        cap = self.graphs.get((b, kv)) or self._capture(b, kv, anchors.dtype)
+        cap = self.graphs.get((b, kv)) or self._capture(b, kv)
         pad = b - r
         control = torch.tensor([slots + [self.cache.scratch_slot] * pad, starts + [0] * pad, counts + [0] * pad],
                                dtype=torch.int64)
@@ -64,7 +64,7 @@ class DraftGraphs:
         conf = cap.confidence[:r] if cap.confidence is not None else None
         return cap.tokens[:r], conf
 
-    def _capture(self, b: int, kv: int, id_dtype: torch.dtype) -> CapturedDraft:
+    def _capture(self, b: int, kv: int) -> CapturedDraft:
         d = self.drafter
         dev = self.cache.k[0].device
         control = torch.zeros(4, b, dtype=torch.int64, device=dev)

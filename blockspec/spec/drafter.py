@@ -923,8 +923,3 @@ def load_drafter(method: str, path_or_id: str | os.PathLike[str], device: str | 
 
         return load_dspark(path_or_id, device, dtype, **kw)
     raise ConfigError(f"speculative_config.method {method!r} not supported; allowed: ('dflash', 'dspark')")
-
-
-def with_config(cfg: DrafterConfig, **changes: Any) -> DrafterConfig:
-    """A copy of `cfg` with fields replaced (convenience for trainers building new drafters)."""
-    return replace(cfg, **changes)

@@ -60,8 +60,9 @@ class DraftLengthPolicy:
             out.append(survive)
         return out
 
-    def expected_tokens(self, k: int) -> float:
-        return 1.0 + sum(self.prefix_acceptance()[:k])
+    def expected_tokens(self, k: int, prefix: list[float] | None = None) -> float:
+        """1 + sum of the first k prefix-acceptance probabilities (pass `prefix` to reuse one estimate)."""
+        return 1.0 + sum((prefix if prefix is not None else self.prefix_acceptance())[:k])
 
     def choose(self, batch: int) -> int:
         """Drafts to verify per request this step (0 = take the plain path)."""
@@ -73,7 +74,8 @@ class DraftLengthPolicy:
             if self.estimate(bucket, k) is None:
                 self.last_tried[(bucket, k)] = self.steps
                 return k
-        score = {k: self.expected_tokens(k) / self.estimate(bucket, k) for k in self.candidates}
+        prefix = self.prefix_acceptance()
+        score = {k: self.expected_tokens(k, prefix) / self.estimate(bucket, k) for k in self.candidates}
         best = max(score, key=score.__getitem__)
         for k in self.candidates:  # re-measure stale ones; the worse a candidate, the rarer
             interval = self.retry_every * min(16.0, score[best] / max(score[k], 1e-9))

@@ -36,6 +36,7 @@ class DraftBlock:
 
     tokens: Tensor  # [R, K] int64
     lens: list[int]  # drafts per request (host)
+    anchors: Tensor  # [R] int64: the block's first token, the verify forward's first row
     q_probs: Tensor | None = None  # [R, K, V] distribution each draft was sampled from (probabilistic)
     confidence: Tensor | None = None  # [R, K] DSpark conditional survival c_k
 
@@ -114,7 +115,7 @@ class Proposer:
             q_probs = q_probs[:, :width]
         if confidence is not None:
             confidence = confidence[:, :width]
-        return DraftBlock(tokens, lens, q_probs, confidence)
+        return DraftBlock(tokens, lens, anchors, q_probs, confidence)
 
     def _graphed_draft(self, reqs: list[Request], anchors: Tensor) -> tuple[Tensor, Tensor | None]:
         """Context append + block + greedy drafts replayed as one CUDA graph (decode-time steps)."""
