@@ -86,3 +86,12 @@ def save_tiny_model_with_tokenizer(path: Path, family: str = "qwen3", seed: int 
     save_tiny(path, family, seed, vocab=128, **kw)
     save_tiny_tokenizer(path)
     return Path(path)
+
+
+# The tiny target the drafter fixtures in tests/fixtures/drafters were built for.
+DRAFTER_TARGET_KW = dict(vocab=96, hidden=32, layers=5, heads=4, kv_heads=2, head_dim=8)
+
+
+def save_drafter_target(path: Path) -> Path:
+    """The fixtures' target checkpoint (qwen3, seed 0): the drafter fixtures fit it."""
+    return save_tiny(path, "qwen3", seed=0, **DRAFTER_TARGET_KW)

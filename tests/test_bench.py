@@ -17,7 +17,7 @@ from blockspec.cli import main
 from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
 from blockspec.spec.synthetic import AcceptanceProfile, SyntheticProposer, geometric_rate
-from factories import save_tiny, save_tiny_model_with_tokenizer
+from factories import save_drafter_target, save_tiny, save_tiny_model_with_tokenizer
 
 # Random drafters are never accepted, so the engine's draft-length policy would rightly stop drafting; these
 # tests hold the draft length at the drafter's block to exercise the speculative path.
@@ -194,8 +194,7 @@ def test_markdown_marks_slower_points(result):
 # ------------------------------------------------------------------------------------------- real checkpoints
 def test_real_checkpoints_and_prompt_files(tmp_path):
     fixtures = Path(__file__).parent / "fixtures" / "drafters"
-    target = save_tiny(tmp_path / "target", "qwen3", seed=0, vocab=96, hidden=32, layers=5, heads=4, kv_heads=2,
-                       head_dim=8)  # the drafter fixtures' target
+    target = save_drafter_target(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt_token_ids": list(range(2, 2 + n))}) for n in (5, 9)) + "\n")
     cfg = BenchConfig(model=str(target), dflash_model=str(fixtures / "dflash"), prompts=str(prompts),

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from blockspec.cli import main
-from factories import save_tiny, save_tiny_model_with_tokenizer
+from factories import save_drafter_target, save_tiny, save_tiny_model_with_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
 
@@ -21,7 +21,7 @@ def test_generate_prints_text_and_speed(tmp_path, capsys):
 
 
 def test_generate_with_drafter_prints_speculation_metrics(tmp_path, capsys):
-    path = save_tiny(tmp_path / "t", "qwen3", seed=0, vocab=96, hidden=32, layers=5, heads=4, kv_heads=2, head_dim=8)
+    path = save_drafter_target(tmp_path / "t")
     prompts = tmp_path / "p.jsonl"  # this checkpoint has no tokenizer: prompts as token ids
     prompts.write_text('{"prompt_token_ids": [5, 6, 7, 8]}\n{"prompt_token_ids": [9, 10]}\n')
     assert main(["generate", "--model", str(path), "--prompts-file", str(prompts), "--draft-model",

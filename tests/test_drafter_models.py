@@ -24,7 +24,7 @@ from blockspec.spec.drafter import (
     save_dflash,
 )
 from blockspec.spec.dspark_model import DSparkDraft, load_dspark, save_dspark
-from factories import hf_config
+from factories import DRAFTER_TARGET_KW, hf_config
 
 FIX = Path(__file__).parent / "fixtures" / "drafters"
 DFLASH_CASES = ["dflash", "dflash_swa", "dflash_swa_noncausal"]
@@ -62,7 +62,7 @@ def fixture(name: str) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def target_config(**kw) -> ModelConfig:
-    args = dict(vocab=96, hidden=32, layers=5, heads=4, kv_heads=2, head_dim=8)
+    args = dict(DRAFTER_TARGET_KW)
     args.update(kw)
     return ModelConfig.from_hf(hf_config("qwen3", **args).to_dict())
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from blockspec import LLM, SamplingParams
-from factories import save_tiny
+from factories import save_drafter_target, save_tiny
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -31,8 +31,7 @@ def test_cuda_graph_draft_step_equals_eager(tmp_path, method, fixture):
     acceptance counts, and output equal to plain decoding."""
     from pathlib import Path
 
-    target = save_tiny(tmp_path / "t", "qwen3", seed=0, vocab=96, hidden=32, layers=5, heads=4, kv_heads=2,
-                       head_dim=8)
+    target = save_drafter_target(tmp_path / "t")
     spec = {"method": method, "model": str(Path(__file__).parent / "fixtures" / "drafters" / fixture),
             "adaptive_draft_length": False}
     prompts = [{"prompt_token_ids": list(range(2, 2 + n))} for n in (3, 30, 11)]

@@ -25,10 +25,9 @@ from blockspec import LLM, SamplingParams
 from blockspec.cli import main
 from blockspec.config import ConfigError
 from blockspec.server.app import create_app
-from factories import save_tiny, save_tiny_tokenizer
+from factories import save_drafter_target, save_tiny, save_tiny_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
-TARGET_KW = dict(vocab=96, hidden=32, layers=5, heads=4, kv_heads=2, head_dim=8)  # the dflash fixture's target
 MAX_LEN = 128
 
 
@@ -113,7 +112,7 @@ def text_server(text_dir) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory) -> Path:
-    return save_tiny(tmp_path_factory.mktemp("target"), "qwen3", seed=0, **TARGET_KW)
+    return save_drafter_target(tmp_path_factory.mktemp("target"))
 
 
 @pytest.fixture(scope="module")

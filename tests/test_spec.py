@@ -14,15 +14,14 @@ import torch
 
 from blockspec import LLM, SamplingParams
 from blockspec.config import ConfigError
-from factories import save_tiny
+from factories import save_drafter_target, save_tiny
 
 FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
-TARGET_KW = dict(vocab=96, hidden=32, layers=5, heads=4, kv_heads=2, head_dim=8)  # the fixtures' target
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
-    return save_tiny(tmp_path_factory.mktemp("target"), "qwen3", seed=0, **TARGET_KW)
+    return save_drafter_target(tmp_path_factory.mktemp("target"))
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +166,7 @@ def test_drafter_that_does_not_fit_the_target(tmp_path):
     with pytest.raises(ConfigError, match="hidden_size"):
         spec_llm(other, "dflash", "dflash")
     with pytest.raises(ConfigError, match="num_speculative_tokens=9 exceeds"):
-        spec_llm(save_tiny(tmp_path / "t2", "qwen3", seed=0, **TARGET_KW), "dflash", "dflash",
+        spec_llm(save_drafter_target(tmp_path / "t2"), "dflash", "dflash",
                  num_speculative_tokens=9)
 
 

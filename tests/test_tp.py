@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from factories import save_tiny
+from factories import save_drafter_target, save_tiny
 
 from blockspec import LLM, SamplingParams
 from blockspec.config import ConfigError
@@ -35,8 +35,7 @@ def reference(path: Path, spec: dict | None, params) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory) -> Path:
     """Shaped to fit the DFlash drafter fixture; 2 KV heads split one per rank."""
-    return save_tiny(tmp_path_factory.mktemp("q3"), "qwen3", seed=0, vocab=96, hidden=32, layers=5, heads=4,
-                     kv_heads=2, head_dim=8)
+    return save_drafter_target(tmp_path_factory.mktemp("q3"))
 
 
 @pytest.mark.parametrize("spec", [None, SPEC], ids=["plain", "dflash"])
