@@ -205,3 +205,28 @@ def test_prefill_runs_beside_decode(llm):
         assert a.output_ids == alone
     finally:
         engine.config.max_prefill_tokens = old_budget
+
+
+def test_padded_query_rows_leave_real_rows_unchanged(llm):
+    """Graphed verify forwards pad each request's rows up to a bucket width: the padding must not change
+    the real rows, must write only the trash column, and must sit at positions the RoPE table covers
+    even for a request at the very end of its cache."""
+    from blockspec.engine.kv_cache import meta_from_tensors
+
+    runner = llm.engine.runner
+    cache = runner.cache
+    end = cache.max_len - 3  # real rows end exactly at max_len; padding to width 8 would run past it
+    starts, q_lens, slots = [4, end], [5, 3], [0, 1]
+    ids = torch.randint(5, 50, (2, 8))
+    ids[0, 5:] = 0
+    ids[1, 3:] = 0
+    meta = meta_from_tensors(torch.tensor(slots), torch.tensor(starts), torch.tensor(q_lens), 8, cache.max_len,
+                             cache.trash)
+    assert meta.positions[1, 3:].tolist() == [end] * 5 and int(meta.positions.max()) < cache.max_len
+    assert meta.write_pos[1, 3:].tolist() == [cache.trash] * 5
+    wide, _ = runner.forward_ids(ids, q_lens, starts, slots)
+    k0 = cache.k[0][1, :, end - 1].clone()
+    narrow, _ = runner.forward_ids(ids[:, :5], q_lens, starts, slots)
+    torch.testing.assert_close(wide[0, :5], narrow[0, :5])
+    torch.testing.assert_close(wide[1, :3], narrow[1, :3])
+    torch.testing.assert_close(cache.k[0][1, :, end - 1], k0)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.request import IncrementalDetokenizer, Logprob, Request, SpecStats, Status
-from blockspec.engine.runner import ModelRunner
+from blockspec.engine.runner import CAPTURES, ModelRunner
 from blockspec.models.llama import CausalLM
 from blockspec.sample import RowParams, logprobs as top_logprobs, process_logits, sample
 from blockspec.spec.policy import DraftLengthPolicy
@@ -35,8 +35,12 @@ class StepTimer:
         self.cuda = device.type == "cuda"
         self.totals = {"draft_s": 0.0, "verify_s": 0.0, "rest_s": 0.0}
         self._marks: list[tuple[str, Any]] = []
+        self._captures_at_start = 0
+        self.step_captured = False
 
     def mark(self, name: str) -> None:
+        if not self._marks:
+            self._captures_at_start = CAPTURES[0]
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
@@ -47,12 +51,18 @@ class StepTimer:
     def close(self) -> float:
         """Account the marks of one step (each interval to the mark that opens it); return the step's time."""
         self.mark("end")
+        if self.cuda:
+            # the step already synced on its results, so this waits only for the end mark itself to
+            # be recorded (reading an event not yet recorded raises)
+            self._marks[-1][1].synchronize()
         total = 0.0
         for (name, a), (_, b) in itertools.pairwise(self._marks):
             dt = a.elapsed_time(b) / 1000 if self.cuda else b - a
             self.totals[f"{name}_s"] = self.totals.get(f"{name}_s", 0.0) + dt
             total += dt
         self._marks.clear()
+        # a step that captured a CUDA graph timed the capture too: not a sample of its steady cost
+        self.step_captured = CAPTURES[0] != self._captures_at_start
         return total
 
 
@@ -85,7 +95,8 @@ class Engine:
             taps = self.proposer.taps
         # Verify rows reach past the committed length by the draft length; leave room for them.
         margin = (self.proposer.num_speculative_tokens + 1) if self.proposer else 1
-        self.runner = ModelRunner(model, config.max_num_seqs, config.max_model_len + margin, taps)
+        widths = [1 + k for k in self.policy.candidates] if self.proposer else []
+        self.runner = ModelRunner(model, config.max_num_seqs, config.max_model_len + margin, taps, query_buckets=widths)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.seed_gen = torch.Generator().manual_seed(config.seed)
@@ -161,8 +172,12 @@ class Engine:
             seconds = self._plain_step(plain)
             touched += plain
             if self.proposer is not None and len(plain) == len(decoding):
-                self.policy.observe_time(len(plain), 0, seconds)
+                self._observe_time(len(plain), 0, seconds)
         return touched
+
+    def _observe_time(self, batch: int, k: int, seconds: float) -> None:
+        if not self.timer.step_captured:
+            self.policy.observe_time(batch, k, seconds)
 
     def _admit(self) -> None:
         while self.waiting and self.runner.cache.num_free_slots:
@@ -238,7 +253,7 @@ class Engine:
         hidden, feats = self.runner.forward_ids(ids, q_lens, starts, [r.slot for r in reqs], with_taps=True)
         self.timer.mark("rest")
         num_acc, out_tokens, lps = self.proposer.verify(self, reqs, block, hidden)
-        self.policy.observe_time(len(reqs), max(block.lens), self.timer.close())
+        self._observe_time(len(reqs), max(block.lens), self.timer.close())
         self.policy.observe_acceptance(block.lens, [max(a, 0) for a in num_acc])
         self.proposer.record_outcome(block.lens, num_acc)
         touched = []

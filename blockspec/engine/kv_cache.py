@@ -121,8 +121,9 @@ def meta_from_tensors(
     i >= q_lens[r] are padding whose K/V go to the trash column.
     """
     ar = torch.arange(num_queries, device=starts.device)
-    positions = starts[:, None] + ar[None, :]
     valid = ar[None, :] < q_lens[:, None]
+    # padding rows sit at their request's start: in range of the RoPE table however wide the batch is
+    positions = torch.where(valid, starts[:, None] + ar[None, :], starts[:, None])
     write_pos = torch.where(valid, positions, torch.full_like(positions, trash))
     keys = torch.arange(kv_len, device=starts.device)
     full = keys[None, None, :] <= positions[:, :, None]

@@ -29,9 +29,13 @@ def bucket(value: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= value), None)
 
 
+CAPTURES = [0]  # graphs captured so far in this process (a step that captured is not a timing sample)
+
+
 def capture(fn: Callable[[], T], pool: object) -> tuple["torch.cuda.CUDAGraph", T]:
     """Warm `fn` up on a side stream (compilation, allocator, cuBLAS workspaces), then capture one call
     into a CUDA graph drawing on the shared memory pool; returns the graph and its static outputs."""
+    CAPTURES[0] += 1
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -57,8 +61,12 @@ class ModelRunner:
     """Owns the target model and its KV cache; every forward is `tokens at positions -> hidden (+ taps)`."""
 
     def __init__(self, model: CausalLM, max_slots: int, max_len: int, taps: Sequence[int] = (),
-                 use_cuda_graphs: bool | None = None) -> None:
+                 use_cuda_graphs: bool | None = None, query_buckets: Sequence[int] = ()) -> None:
         self.model = model
+        # graphed forwards pad their query rows up to one of these lengths (the verify widths the
+        # draft policy can choose), so drafts cut short by a budget or by confidence reuse a graph
+        # instead of capturing one per width
+        self.query_buckets = tuple(sorted(set(query_buckets)))
         self.device = model.embed_tokens.weight.device
         self.cache: KVCache = model.new_cache(max_slots, max_len, self.device)
         self.taps = tuple(taps)
@@ -96,16 +104,17 @@ class ModelRunner:
     def _replay(self, ids: Tensor, q_lens: Sequence[int], starts: Sequence[int], slots: Sequence[int],
                 with_taps: bool, b: int, kv_len: int) -> tuple[Tensor, Tensor | None]:
         r, q = ids.shape
-        key = (b, q, kv_len, with_taps)
+        width = bucket(q, self.query_buckets) or q
+        key = (b, width, kv_len, with_taps)
         cap = self.graphs.get(key) or self._capture(key)
         control = torch.tensor([list(slots) + [self.cache.scratch_slot] * (b - r),
                                 list(starts) + [0] * (b - r), list(q_lens) + [0] * (b - r)], dtype=torch.int64)
         cap.control.copy_(control, non_blocking=True)
-        cap.ids[:r].copy_(ids)
+        cap.ids[:r, :q].copy_(ids)
         cap.graph.replay()
         # Features outlive this replay (they become draft context later): copy them out.
-        feats = cap.features[:r].clone() if cap.features is not None else None
-        return cap.hidden[:r], feats
+        feats = cap.features[:r, :q].clone() if cap.features is not None else None
+        return cap.hidden[:r, :q], feats
 
     def _capture(self, key: tuple[int, int, int, bool]) -> CapturedForward:
         b, q, kv_len, with_taps = key
