@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     # step; the drafters' held-out acceptance fell when trained longer (benchmarks/RESULTS.md: 0.7 min
     # with data labels gave 1.92 / 2.49, 2-2.5 min with target labels or regenerated text gave less),
     # so these defaults are the budgets of the shipped pair.
-    p.add_argument("--target-minutes", type=float, default=2.25, help="wall-clock budget of target pretraining")
+    p.add_argument("--target-minutes", type=float, default=2.4, help="wall-clock budget of target pretraining")
     p.add_argument("--drafter-minutes", type=float, default=0.7, help="wall-clock budget of each drafter")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run with tiny sizes (< 1 minute)")
     p.add_argument("--seed", type=int, default=0)
