@@ -133,6 +133,20 @@ def test_mixed_batch_with_opt_out_and_greedy(target, plain):
     assert out[1].metrics["num_drafts"] == 0 and out[0].metrics["num_drafts"] > 0
 
 
+def test_opted_out_request_keeps_no_draft_context(target):
+    """A request that opted out never drafts, so it must not hold target features for the drafter
+    (they would pile up for its whole life)."""
+    llm = spec_llm(target, "dflash", "dflash")
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, use_speculation=False)
+    (req,) = engine.add_request("out", None, prompts(1, seed=5)[0]["prompt_token_ids"], params)
+    for _ in range(6):
+        engine.step()
+    assert len(req.output_ids) >= 5 and req.pending_features == []
+    while engine.has_unfinished():
+        engine.step()
+
+
 @pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla"),
                                              ("dspark", "dspark_rnn")])
 @pytest.mark.parametrize("rejection", ["standard", "block"])

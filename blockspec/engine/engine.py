@@ -175,6 +175,11 @@ class Engine:
                 self._observe_time(len(plain), 0, seconds)
         return touched
 
+    def _drafts_any(self, reqs: list[Request]) -> bool:
+        """Whether a forward must return taps: only requests that may draft later need their features
+        (a request that opted out of speculation never feeds the drafter)."""
+        return self.proposer is not None and any(r.params.use_speculation for r in reqs)
+
     def _observe_time(self, batch: int, k: int, seconds: float) -> None:
         if not self.timer.step_captured:
             self.policy.observe_time(batch, k, seconds)
@@ -203,12 +208,12 @@ class Engine:
             chosen.append(req)
             budget -= take
         self.timer.mark("rest")
-        hidden, feats = self.runner.forward(runs, starts, [r.slot for r in chosen], with_taps=self.proposer is not None)
+        hidden, feats = self.runner.forward(runs, starts, [r.slot for r in chosen], with_taps=self._drafts_any(chosen))
         done = []
         for i, req in enumerate(chosen):
             n = len(runs[i])
             req.num_cached += n
-            if feats is not None:
+            if feats is not None and req.params.use_speculation:
                 req.pending_features.append(feats[i, :n])
             if req.num_cached == len(req.prompt_token_ids):
                 done.append((i, req, n - 1))
@@ -230,12 +235,12 @@ class Engine:
         self.timer.mark("rest")
         runs = [[r.output_ids[-1]] for r in reqs]
         starts = [r.num_cached for r in reqs]
-        hidden, feats = self.runner.forward(runs, starts, [r.slot for r in reqs], with_taps=self.proposer is not None)
+        hidden, feats = self.runner.forward(runs, starts, [r.slot for r in reqs], with_taps=self._drafts_any(reqs))
         tokens, lps = self._sample(reqs, hidden[:, 0])
         seconds = self.timer.close()
         for j, req in enumerate(reqs):
             req.num_cached += 1
-            if feats is not None:
+            if feats is not None and req.params.use_speculation:
                 req.pending_features.append(feats[j, :1])
             self._append(req, [tokens[j]], lps[j] if lps else None)
         return seconds
