@@ -251,15 +251,17 @@ class Engine:
         self.timer.mark("draft")
         block = self.proposer.propose(reqs, budgets, self)
         self.timer.mark("verify")
-        k = block.tokens.shape[1]
         ids = torch.cat([block.anchors[:, None], block.tokens.clamp(min=0)], dim=1)
         q_lens = [1 + n for n in block.lens]
         starts = [r.num_cached for r in reqs]
         hidden, feats = self.runner.forward_ids(ids, q_lens, starts, [r.slot for r in reqs], with_taps=True)
         self.timer.mark("rest")
         num_acc, out_tokens, lps = self.proposer.verify(self, reqs, block, hidden)
-        self._observe_time(len(reqs), max(block.lens), self.timer.close())
-        self.policy.observe_acceptance(block.lens, [max(a, 0) for a in num_acc])
+        # The policy learns what choosing k yields: the step is timed under k and every draft it asked
+        # for counts as offered, so drafts that DSpark's confidence pruned count as not accepted (a
+        # step whose drafts were all pruned is a costly plain step, not a sample of the plain path).
+        self._observe_time(len(reqs), k, self.timer.close())
+        self.policy.observe_acceptance(budgets, [max(a, 0) for a in num_acc])
         self.proposer.record_outcome(block.lens, num_acc)
         touched = []
         for j, req in enumerate(reqs):
