@@ -72,3 +72,13 @@ def test_new_batch_size_borrows_cost_ratios_and_only_measures_plain():
     policy.observe_time(2, 0, 0.5)
     assert policy.estimate(2, 4) == 0.5 * 1.3 / 1.0  # ... then the other costs come from batch 8's ratios
     assert policy.choose(2) == 4
+
+
+def test_a_stale_plain_estimate_is_re_measured_soon():
+    """Noisy plain samples can make a draft length that yields nothing look a little better than plain;
+    the plain path must then be re-measured within a few dozen steps, not after a whole retry interval."""
+    policy = DraftLengthPolicy(4)
+    feed(policy, [0.02] * 4, {0: 1.3, 1: 1.2, 2: 1.25, 4: 1.4})  # plain measured during a noisy burst
+    policy.last_tried = {(1, k): policy.steps for k in policy.candidates}
+    choices = [policy.choose(1) for _ in range(40)]
+    assert choices[0] != 0 and 0 in choices
