@@ -42,15 +42,30 @@ def test_short_drafts_when_only_the_first_positions_survive():
     assert abs(policy.expected_tokens(2) - (1 + 0.9 + 0.72)) < 0.05
 
 
-def test_every_candidate_is_measured_first_and_fixed_mode_ignores_costs():
+def test_plain_is_measured_first_and_fixed_mode_ignores_costs():
     policy = DraftLengthPolicy(7)
-    tried = []
-    for _ in range(2 * len(policy.candidates)):
-        k = policy.choose(4)
-        tried.append(k)
-        policy.observe_time(4, k, 1.0)
-    assert sorted(tried) == sorted(policy.candidates * 2) and policy.candidates == [0, 1, 2, 4, 7]
+    assert [policy.choose(4), policy.choose(4)] == [0, 0] and policy.candidates == [0, 1, 2, 4, 7]
     assert DraftLengthPolicy(7, adaptive=False).choose(4) == 7
+
+
+def test_only_candidates_that_could_win_are_measured():
+    """An unmeasured K is scored at the least it can cost (a shorter K's time). When short drafts already
+    cost far more than they yield, longer ones are never paid for; when drafting is cheap, they are."""
+    def explore(step_time: dict[int, float], accept: float) -> list[int]:
+        policy = DraftLengthPolicy(7)
+        tried = []
+        for _ in range(40):
+            k = policy.choose(1)
+            tried.append(k)
+            policy.observe_time(1, k, step_time[k])
+            if k:
+                policy.observe_acceptance([k], [sum(1 for i in range(k) if accept ** (i + 1) > 0.5)])
+        return tried
+
+    costly = explore({0: 1.0, 1: 3.0, 2: 3.1, 4: 3.3, 7: 3.6}, accept=0.3)  # a CPU-like step, a weak drafter
+    assert set(costly) == {0, 1} and costly.count(0) >= 35
+    cheap = explore({0: 1.0, 1: 1.02, 2: 1.04, 4: 1.08, 7: 1.15}, accept=0.95)  # a GPU-like step, a strong one
+    assert 7 in cheap and cheap[-5:] == [7] * 5
 
 
 def test_one_slow_first_measurement_does_not_stick():

@@ -2,10 +2,12 @@
 
 Expected tokens per step with K drafts is 1 + sum_{k<=K} P(first k drafts accepted); its cost is the
 measured time of a step with K drafts at this batch size (K = 0 is the plain step). The policy picks
-the K with the most tokens per second. Acceptance is counted per position from recent steps, step
-times are measured, and every candidate is re-tried now and then (the worse it scored, the rarer),
-so the choice follows the workload. The choice is made before drafting and never looks at the drafts, so it cannot affect
-what is emitted: exactness does not depend on it.
+the K with the most tokens per second. Acceptance is counted per position from recent steps and step
+times are measured. An unmeasured K is scored at the least it can cost (the time of a shorter measured
+K) and tried only if even then it would be best, so drafts that cannot pay are never timed. Measured
+candidates are re-tried now and then (the worse they scored, the rarer), so the choice follows the
+workload. The choice is made before drafting and never looks at the drafts, so it cannot affect what
+is emitted: exactness does not depend on it.
 """
 
 from __future__ import annotations
@@ -70,14 +72,24 @@ class DraftLengthPolicy:
         if not self.adaptive:
             return self.k_max
         bucket = batch_bucket(batch)
-        for k in self.candidates:  # plain first, then any candidate no batch size has measured yet
-            if self.estimate(bucket, k) is None:
+        if self.estimate(bucket, 0) is None:  # the plain path is measured first: it is the baseline
+            self.last_tried[(bucket, 0)] = self.steps
+            return 0
+        prefix = self.prefix_acceptance()
+        costs = self._optimistic_costs(bucket)
+        score = {k: self.expected_tokens(k, prefix) / costs[k] for k in self.candidates}
+        measured = [k for k in self.candidates if self.estimate(bucket, k) is not None]
+        best = max(measured, key=score.__getitem__)
+        for k in self.candidates:
+            # Optimism under uncertainty, shortest first: an unmeasured K is scored at the least it can
+            # cost and measured only if even so it would beat the best measured one (its time then
+            # bounds the longer ones); a K that cannot win is never paid for.
+            if self.estimate(bucket, k) is None and score[k] > score[best]:
                 self.last_tried[(bucket, k)] = self.steps
                 return k
-        prefix = self.prefix_acceptance()
-        score = {k: self.expected_tokens(k, prefix) / self.estimate(bucket, k) for k in self.candidates}
-        best = max(score, key=score.__getitem__)
-        for k in self.candidates:  # re-measure stale ones; the worse a candidate, the rarer
+        for k in self.candidates:
+            if self.estimate(bucket, k) is None:
+                continue  # re-measure stale ones; the worse a candidate, the rarer
             interval = self.retry_every * min(16.0, score[best] / max(score[k], 1e-9))
             if k == 0:  # the plain path is the baseline: a stale estimate of it is what makes a step slower
                 interval /= 4  # than plain decoding, so it is re-measured 4x as often
@@ -103,6 +115,17 @@ class DraftLengthPolicy:
             return None
         near = min(others, key=lambda b: abs(math.log2(b) - math.log2(bucket)))
         return min(plain) * min(self.samples[(near, k)]) / min(self.samples[(near, 0)])
+
+    def _optimistic_costs(self, bucket: int) -> dict[int, float]:
+        """Each candidate's step time: measured, or for an unmeasured one the highest measured time of a
+        shorter candidate (a step never costs less with more drafts), a lower bound."""
+        costs: dict[int, float] = {}
+        floor = 0.0
+        for k in self.candidates:  # ascending
+            est = self.estimate(bucket, k)
+            floor = max(floor, est) if est is not None else floor
+            costs[k] = est if est is not None else floor
+        return costs
 
     def _candidate(self, k: int) -> int:
         """The candidate a step with k drafts is accounted to (the smallest candidate >= k)."""
