@@ -97,3 +97,14 @@ def test_a_stale_plain_estimate_is_re_measured_soon():
     policy.last_tried = {(1, k): policy.steps for k in policy.candidates}
     choices = [policy.choose(1) for _ in range(40)]
     assert choices[0] != 0 and 0 in choices
+
+
+def test_a_new_batch_size_does_not_retry_every_borrowed_candidate_at_once():
+    """Batch sizes come and go under load; each new one must not pay one slow step per candidate."""
+    policy = DraftLengthPolicy(4)
+    feed(policy, [0.3] * 4, {0: 1.0, 1: 3.0, 2: 3.2, 4: 3.5}, batch=8)
+    policy.steps = 1000  # long after every clock at batch 8 started
+    policy.last_tried = {(8, k): policy.steps for k in policy.candidates}
+    for _ in range(2):
+        policy.observe_time(32, 0, 2.0)  # a new batch size: plain measured, the rest borrowed
+    assert [policy.choose(32) for _ in range(20)] == [0] * 20

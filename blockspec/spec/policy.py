@@ -93,7 +93,9 @@ class DraftLengthPolicy:
             interval = self.retry_every * min(16.0, score[best] / max(score[k], 1e-9))
             if k == 0:  # the plain path is the baseline: a stale estimate of it is what makes a step slower
                 interval /= 4  # than plain decoding, so it is re-measured 4x as often
-            if k != best and self.steps - self.last_tried.get((bucket, k), 0) > interval:
+            # a batch size seen for the first time starts every clock now: its borrowed estimates are
+            # not stale, and retrying each of them at once would cost a slow step per candidate
+            if k != best and self.steps - self.last_tried.setdefault((bucket, k), self.steps) > interval:
                 self.last_tried[(bucket, k)] = self.steps
                 return k
         self.last_tried[(bucket, best)] = self.steps
