@@ -195,7 +195,7 @@ def test_adaptive_draft_length_stays_exact_and_backs_off(target, plain):
     assert policy.prefix_acceptance()[0] < 0.3
     measured = [k for k in policy.candidates if policy.estimate(4, k) is not None]
     best = max(measured, key=lambda k: policy.expected_tokens(k) / policy.estimate(4, k))
-    assert policy.choose(3) == best == 0
+    assert policy.choose(3) == best
 
 
 @pytest.mark.parametrize("spec", [{"confidence_threshold": 0.5}, {"adaptive_verification": True},
