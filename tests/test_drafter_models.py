@@ -252,6 +252,12 @@ def test_cache_shape_and_limits():
 
 
 # ------------------------------------------------------------------------------ save / load
+def _same_weights(a: Path, b: Path) -> None:
+    """Two checkpoint directories hold the same tensor names with bitwise-equal values."""
+    x, y = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in x)
+
+
 def _same_outputs(a, b, name):
     exp, meta = fixture(name if name in DFLASH_CASES + DSPARK_CASES else "dspark_gated")
     embed = StubTarget(exp["embed"], exp["lm_head"]).embed if "embed" in exp else None
@@ -263,9 +269,7 @@ def _same_outputs(a, b, name):
 def test_dflash_zlab_round_trip(name, tmp_path):
     model = load(name)
     save_dflash(model, tmp_path / "out")
-    ref = load_file(str(FIX / name / "model.safetensors"))
-    ours = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert set(ours) == set(ref) and all(torch.equal(ours[k], ref[k]) for k in ref)
+    _same_weights(tmp_path / "out", FIX / name)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     src = json.loads((FIX / name / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["mask_token_id"] == 95
@@ -294,9 +298,7 @@ def test_dflash_speculators_round_trip(tmp_path):
     h = run_steps(spec, exp, fixture("dflash")[1])[0]
     assert (spec.logits(spec.slot_hidden(h))[0] - exp["logits_0"]).abs().max() <= ATOL  # own lm_head copy
     save_dflash(spec, tmp_path / "spec2", format="speculators")
-    a = load_file(str(tmp_path / "spec" / "model.safetensors"))
-    b = load_file(str(tmp_path / "spec2" / "model.safetensors"))
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    _same_weights(tmp_path / "spec", tmp_path / "spec2")
     with pytest.raises(ValueError, match="no embedding/LM head"):
         save_dflash(spec, tmp_path / "zlab")
 
@@ -305,9 +307,7 @@ def test_dflash_speculators_round_trip(tmp_path):
 def test_dspark_deepspec_round_trip(name, tmp_path):
     model = load(name)
     save_dspark(model, tmp_path / "out")
-    ref = load_file(str(FIX / name / "model.safetensors"))
-    ours = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert set(ours) == set(ref) and all(torch.equal(ours[k], ref[k]) for k in ref)
+    _same_weights(tmp_path / "out", FIX / name)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     src = json.loads((FIX / name / "config.json").read_text())
     for key in ("architectures", "block_size", "mask_token_id", "target_layer_ids", "markov_rank", "markov_head_type",
@@ -322,9 +322,7 @@ def test_dspark_deepspec_round_trip(name, tmp_path):
 def test_dspark_speculators_round_trip(tmp_path):
     model = load("dspark_speculators")
     save_dspark(model, tmp_path / "out", format="speculators")
-    ref = load_file(str(FIX / "dspark_speculators" / "model.safetensors"))
-    ours = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert set(ours) == set(ref) and all(torch.equal(ours[k], ref[k]) for k in ref)
+    _same_weights(tmp_path / "out", FIX / "dspark_speculators")
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["aux_hidden_state_layer_ids"] == [0, 2, 4] and cfg["draft_vocab_size"] == 64
     assert cfg["markov_head_type"] == "gated" and cfg["sample_from_anchor"] is True
