@@ -27,14 +27,6 @@ TINY_RUN = dict(random_weights=True, arch="tiny", input_len=(8,), repeats=1, dev
                 speculative_config=FULL_DRAFTS)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one thread is fastest, and immune to other processes competing for the cores."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
 
 @pytest.fixture(scope="module")
 def result():

@@ -45,14 +45,6 @@ from factories import save_tiny
 SAMPLE = "def f(x):\n\treturn x  # héllo 中文 \r\n    \n" + "class A:\n    pass\n"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from intra-op threads; on a shared CPU spinning threads cost 10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def split():
