@@ -72,24 +72,24 @@ class DraftLengthPolicy:
         if not self.adaptive:
             return self.k_max
         bucket = batch_bucket(batch)
-        if self.estimate(bucket, 0) is None:  # the plain path is measured first: it is the baseline
+        measured = {k: self.estimate(bucket, k) for k in self.candidates}
+        if measured[0] is None:  # the plain path is measured first: it is the baseline
             self.last_tried[(bucket, 0)] = self.steps
             return 0
         prefix = self.prefix_acceptance()
-        costs = self._optimistic_costs(bucket)
+        costs = self._optimistic_costs(measured)
         score = {k: self.expected_tokens(k, prefix) / costs[k] for k in self.candidates}
-        measured = [k for k in self.candidates if self.estimate(bucket, k) is not None]
-        best = max(measured, key=score.__getitem__)
+        best = max((k for k, t in measured.items() if t is not None), key=score.__getitem__)
         for k in self.candidates:
             # Optimism under uncertainty, shortest first: an unmeasured K is scored at the least it can
             # cost and measured only if even so it would beat the best measured one (its time then
             # bounds the longer ones); a K that cannot win is never paid for.
-            if self.estimate(bucket, k) is None and score[k] > score[best]:
+            if measured[k] is None and score[k] > score[best]:
                 self.last_tried[(bucket, k)] = self.steps
                 return k
-        for k in self.candidates:
-            if self.estimate(bucket, k) is None:
-                continue  # re-measure stale ones; the worse a candidate, the rarer
+        for k in self.candidates:  # re-measure stale ones; the worse a candidate, the rarer
+            if measured[k] is None:
+                continue  # unmeasured, and unable to win even at its least cost
             interval = self.retry_every * min(16.0, score[best] / max(score[k], 1e-9))
             if k == 0:  # the plain path is the baseline: a stale estimate of it is what makes a step slower
                 interval /= 4  # than plain decoding, so it is re-measured 4x as often
@@ -118,13 +118,13 @@ class DraftLengthPolicy:
         near = min(others, key=lambda b: abs(math.log2(b) - math.log2(bucket)))
         return min(plain) * min(self.samples[(near, k)]) / min(self.samples[(near, 0)])
 
-    def _optimistic_costs(self, bucket: int) -> dict[int, float]:
+    @staticmethod
+    def _optimistic_costs(measured: dict[int, float | None]) -> dict[int, float]:
         """Each candidate's step time: measured, or for an unmeasured one the highest measured time of a
         shorter candidate (a step never costs less with more drafts), a lower bound."""
         costs: dict[int, float] = {}
         floor = 0.0
-        for k in self.candidates:  # ascending
-            est = self.estimate(bucket, k)
+        for k, est in measured.items():  # ascending K
             floor = max(floor, est) if est is not None else floor
             costs[k] = est if est is not None else floor
         return costs
