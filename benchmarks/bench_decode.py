@@ -18,6 +18,7 @@ from blockspec.bench.arch import QWEN3_8B, random_target, step_bytes
 from blockspec.bench.timing import copy_bandwidth, cuda_time
 from blockspec.engine.runner import ModelRunner
 from blockspec.models.llama import CausalLM
+from blockspec.models.triton_attention import resolve_backend
 
 
 def main() -> None:
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--e2e-tokens", type=int, default=256)
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "sdpa"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -35,11 +37,12 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     max_len = args.context + args.e2e_tokens + 64
     model = random_target(QWEN3_8B, max_len + 64)
+    model.attention_backend = resolve_backend(args.attention_backend, torch.device("cuda"))
     weight_bytes = step_bytes(model)
     floor_s = weight_bytes / bw
     result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "copy_bandwidth_TBps": bw / 1e12, "weight_bytes_per_step_GB": weight_bytes / 1e9,
-              "floor_step_ms": floor_s * 1e3, "floor_tok_s_batch1": 1 / floor_s, "runs": []}
+              "attention_backend": model.attention_backend, "floor_step_ms": floor_s * 1e3, "floor_tok_s_batch1": 1 / floor_s, "runs": []}
     print(json.dumps(result, indent=1), flush=True)
     for b in batches:
         runner = ModelRunner(model, b, max_len)
@@ -67,7 +70,7 @@ def main() -> None:
                "graphs_captured": len(runner.graphs)}
         del runner
         torch.cuda.empty_cache()
-        run.update(end_to_end(model, b, args.context, args.e2e_tokens))
+        run.update(end_to_end(model, b, args.context, args.e2e_tokens, model.attention_backend))
         run["peak_mem_GB"] = torch.cuda.max_memory_allocated() / 1e9
         result["runs"].append(run)
         print(json.dumps(run), flush=True)
@@ -76,13 +79,14 @@ def main() -> None:
             json.dump(result, f, indent=1)
 
 
-def end_to_end(model: CausalLM, batch: int, context: int, new_tokens: int) -> dict[str, float]:
+def end_to_end(model: CausalLM, batch: int, context: int, new_tokens: int, backend: str) -> dict[str, float]:
     """Tokens/s through the engine (scheduling, sampling, host sync per step included)."""
     from blockspec.config import EngineConfig
     from blockspec.engine.engine import Engine
     from blockspec.sampling_params import SamplingParams
 
-    engine = Engine(model, None, EngineConfig(max_model_len=context + new_tokens + 8, max_num_seqs=batch))
+    engine = Engine(model, None, EngineConfig(max_model_len=context + new_tokens + 8, max_num_seqs=batch,
+                                              attention_backend=backend))
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
 

@@ -113,6 +113,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "sdpa"])
+    ap.add_argument("--skip-extras", action="store_true", help="step times only (no Markov / memory figures)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     bw = copy_bandwidth()
@@ -127,8 +129,8 @@ def main() -> None:
     for method, drafter in models.items():
         spec = SpeculativeConfig(method=method, model="(random)", adaptive_draft_length=False)
         for b in (int(x) for x in args.batches.split(",")):
-            engine = Engine(target, None, EngineConfig(max_model_len=args.context + 1024, max_num_seqs=b), spec,
-                            drafter)
+            engine = Engine(target, None, EngineConfig(max_model_len=args.context + 1024, max_num_seqs=b,
+                                                       attention_backend=args.attention_backend), spec, drafter)
             plain = step_times(engine, b, args.context, args.steps, speculate=False)
             fast = step_times(engine, b, args.context, args.steps, speculate=True)
             p, s = statistics.median(plain), statistics.median(fast)
@@ -140,14 +142,21 @@ def main() -> None:
             print(json.dumps(run), flush=True)
             del engine
             torch.cuda.empty_cache()
+    result["attention_backend"] = args.attention_backend
+    if args.skip_extras:
+        return write(result, args.out)
     result["markov"] = {str(b): markov_cost(models["dspark"], b) for b in (1, 64)}
     print(json.dumps(result["markov"]), flush=True)
     del models, target
     torch.cuda.empty_cache()
     result["sampling_memory_GB_batch64_K15"] = sampling_memory()
     print(json.dumps(result["sampling_memory_GB_batch64_K15"]), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
+    write(result, args.out)
+
+
+def write(result: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
 

@@ -244,6 +244,9 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config.max_batch_for_speculation must be >= 1 or None")
 
 
+ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
+
+
 @dataclass
 class EngineConfig:
     """Limits of one engine instance (memory is planned from these at start-up)."""
@@ -252,3 +255,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_prefill_tokens: int = 4096
     seed: int = 0
+    # auto: the Triton kernel on CUDA when triton is installed, else SDPA (blockspec.models.triton_attention)
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")

@@ -70,6 +70,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_prefill_tokens: int = 4096,
         tensor_parallel_size: int = 1,  # > 1 is served by __new__
+        attention_backend: str = "auto",
     ) -> None:
         spec = SpeculativeConfig.from_user(speculative_config)
         dev = resolve_device(device)
@@ -93,7 +94,8 @@ class LLM:
             weight = self.model.embed_tokens.weight
             drafter = load_drafter(spec.method, spec.model, weight.device, weight.dtype)
         engine_cfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_num_seqs,
-                                  max_prefill_tokens=max_prefill_tokens, seed=seed if seed is not None else 0)
+                                  max_prefill_tokens=max_prefill_tokens, seed=seed if seed is not None else 0,
+                                  attention_backend=attention_backend)
         self.engine = Engine(self.model, self.tokenizer, engine_cfg, spec, drafter, eos)
         self.speculative_config = spec
         self._ids = itertools.count()

@@ -7,6 +7,20 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+TRITON_SKIP_REASON = "needs triton >= 3.9 (its interpreter runs the kernels on the CPU)"
+
+
+def triton_interpretable() -> bool:
+    """Triton kernels can run here: on a GPU, or on the CPU through an interpreter that handles
+    scalar loop bounds (triton >= 3.9)."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    if torch.cuda.is_available():
+        return True
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    return (major, minor) >= (3, 9)
 
 
 def hf_config(family: str, vocab: int = 96, hidden: int = 64, layers: int = 4, heads: int = 4, kv_heads: int = 2,

@@ -102,6 +102,7 @@ class BenchConfig:
     dtype: str = "auto"
     seed: int = 0
     max_prefill_tokens: int = 4096
+    attention_backend: str = "auto"
     command: str | None = None
 
     def validate(self) -> None:
@@ -267,7 +268,8 @@ def build_engine(cfg: BenchConfig, setup: Setup, method: str, drafter: Any, batc
             proposer = partial(SyntheticProposer, profile=AcceptanceProfile(cfg.synthetic_acceptance),
                                seed=cfg.synthetic_seed)
     engine_cfg = EngineConfig(max_model_len=setup.max_len, max_num_seqs=batch,
-                              max_prefill_tokens=cfg.max_prefill_tokens, seed=cfg.seed)
+                              max_prefill_tokens=cfg.max_prefill_tokens, seed=cfg.seed,
+                              attention_backend=cfg.attention_backend)
     engine = Engine(setup.target, None, engine_cfg, spec, drafter, setup.eos_ids, proposer_cls=proposer)
     engine.spec_totals = StepLog()  # the same counters, plus what each step drafted
     return engine
@@ -742,6 +744,7 @@ def add_bench_parser(sub: Any) -> None:
     m.add_argument("--dspark-block-size", type=int, default=None, help="random-weights DSpark block (default: arch's)")
     m.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     m.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32")
+    m.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "sdpa"])
     w = p.add_argument_group("workload")
     w.add_argument("--methods", type=_list(str), default=None, help="comma list of plain,dflash,dspark "
                    "(default: plain and every drafter available)")

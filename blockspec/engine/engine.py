@@ -19,6 +19,7 @@ from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.request import IncrementalDetokenizer, Logprob, Request, SpecStats, Status
 from blockspec.engine.runner import CAPTURES, ModelRunner
 from blockspec.models.llama import CausalLM
+from blockspec.models.triton_attention import resolve_backend
 from blockspec.sample import RowParams, logprobs as top_logprobs, process_logits, sample
 from blockspec.spec.policy import DraftLengthPolicy
 from blockspec.sampling_params import SamplingParams
@@ -85,6 +86,10 @@ class Engine:
         self.eos_ids = sorted(set(eos_token_ids))
         self.proposer = None
         taps: tuple[int, ...] = ()
+        self.attention_backend = resolve_backend(config.attention_backend, self.device)
+        model.attention_backend = self.attention_backend
+        if drafter is not None:
+            drafter.attention_backend = self.attention_backend
         if spec_config is not None:
             from blockspec.spec.proposer import Proposer
 

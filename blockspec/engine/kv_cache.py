@@ -72,14 +72,39 @@ class KVCache:
 
 @dataclass
 class AttnMeta:
-    """Where each query row sits: its slot, RoPE position, cache column, and what it may attend to."""
+    """Where each query row sits: its slot, RoPE position, cache column, and which keys it sees.
+
+    `bounds[layer_type]` = (lo, hi) [R, Q]: query row i of request r attends to key positions
+    lo..hi (inclusive) of its slot. The attention kernel reads them directly; the reference path
+    turns them into a boolean mask (`mask`)."""
 
     slots: Tensor  # [R] int64
     positions: Tensor  # [R, Q] int64, absolute positions (RoPE)
     write_pos: Tensor  # [R, Q] int64, cache column (trash column for padding rows)
     kv_len: int  # keys read per request
-    masks: dict[str, Tensor]  # layer type -> [R, 1, Q, kv_len] bool
+    bounds: dict[str, tuple[Tensor, Tensor]]
     contiguous_slot: int | None = None  # single request: read its slot as a view, no gather
+
+    def mask(self, layer_type: str) -> Tensor:
+        """[R, 1, Q, kv_len] bool keep-mask of `bounds[layer_type]`."""
+        lo, hi = self.bounds[layer_type]
+        return range_mask(lo, hi, torch.arange(self.kv_len, device=lo.device)).unsqueeze(1)
+
+
+def range_mask(lo: Tensor, hi: Tensor, key_pos: Tensor) -> Tensor:
+    """[..., Q, L] bool: key_pos[..., L] lies within lo..hi [..., Q] (inclusive)."""
+    k = key_pos.unsqueeze(-2)
+    return (k >= lo.unsqueeze(-1)) & (k <= hi.unsqueeze(-1))
+
+
+def causal_bounds(positions: Tensor, sliding_window: int | None, layer_types: tuple[str, ...]
+                  ) -> dict[str, tuple[Tensor, Tensor]]:
+    """Each row sees keys up to its own position; sliding layers only the last `sliding_window`."""
+    bounds = {"full_attention": (torch.zeros_like(positions), positions)}
+    if "sliding_attention" in layer_types:
+        assert sliding_window is not None
+        bounds["sliding_attention"] = ((positions - sliding_window + 1).clamp_(min=0), positions)
+    return bounds
 
 
 def causal_meta(
@@ -125,25 +150,12 @@ def meta_from_tensors(
     # padding rows sit at their request's start: in range of the RoPE table however wide the batch is
     positions = torch.where(valid, starts[:, None] + ar[None, :], starts[:, None])
     write_pos = torch.where(valid, positions, torch.full_like(positions, trash))
-    keys = torch.arange(kv_len, device=starts.device)
-    full = keys[None, None, :] <= positions[:, :, None]
-    masks = {"full_attention": full.unsqueeze(1)}
-    if "sliding_attention" in layer_types:
-        assert sliding_window is not None
-        window = full & (positions[:, :, None] - keys[None, None, :] < sliding_window)
-        masks["sliding_attention"] = window.unsqueeze(1)
-    return AttnMeta(slots, positions, write_pos, kv_len, masks)
+    return AttnMeta(slots, positions, write_pos, kv_len, causal_bounds(positions, sliding_window, layer_types))
 
 
 def dense_causal_meta(batch: int, seq: int, device: torch.device | str, sliding_window: int | None = None,
                       layer_types: tuple[str, ...] = ("full_attention",)) -> AttnMeta:
     """Metadata for a cache-free causal forward over [batch, seq] tokens at positions 0..seq-1."""
     positions = torch.arange(seq, device=device).expand(batch, seq)
-    keys = torch.arange(seq, device=device)
-    full = keys[None, None, :] <= positions[:, :, None]
-    masks = {"full_attention": full.unsqueeze(1)}
-    if "sliding_attention" in layer_types:
-        assert sliding_window is not None
-        masks["sliding_attention"] = (full & (positions[:, :, None] - keys[None, None, :] < sliding_window)).unsqueeze(1)
     slots = torch.zeros(batch, dtype=torch.int64, device=device)
-    return AttnMeta(slots, positions, positions, seq, masks, None)
+    return AttnMeta(slots, positions, positions, seq, causal_bounds(positions, sliding_window, layer_types))

@@ -15,10 +15,11 @@ from torch import Tensor, nn
 from blockspec.config import ModelConfig
 from blockspec.engine.kv_cache import AttnMeta, KVCache
 from blockspec.models.layers import GatedMLP, RMSNorm, Rotary, add_rms_norm, additive_mask, attention, qk_norm_rope
+from blockspec.models.triton_attention import block_attention
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_type: str = "full_attention") -> None:
         super().__init__()
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
@@ -31,6 +32,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
         self.eps = cfg.rms_norm_eps
+        self.layer_type = layer_type
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x: [R, Q, H] -> q [R, Hq, Q, hd], k/v [R, Hkv, Q, hd] with q/k-norm and RoPE applied."""
@@ -45,16 +47,21 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, cache: KVCache | None, meta: AttnMeta, mask: Tensor
+        self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, cache: KVCache | None, meta: AttnMeta,
+        mask: Tensor | None,
     ) -> Tensor:
+        """mask: additive [R, 1, Q, kv_len] for the SDPA reference, or None for the Triton kernel."""
         q, k, v = self.project(x, cos, sin)
-        if cache is None:  # training / one-shot scoring: attend within this forward only
-            keys, values = k, v
-        else:
+        r, _, n, _ = q.shape
+        if cache is not None:
             cache.write(layer, meta, k, v)
-            keys, values = cache.read(layer, meta)
+        if mask is None:  # the kernel: rows read their keys in place from the cache
+            lo, hi = meta.bounds[self.layer_type]
+            out = block_attention(q.transpose(1, 2), cache.k[layer], cache.v[layer], meta.slots, lo, hi, self.scale,
+                                  meta.kv_len)
+            return self.o_proj(out.view(r, n, self.q_size))
+        keys, values = (k, v) if cache is None else cache.read(layer, meta)
         out = attention(q, keys, values, mask, self.scale)
-        r, _, n, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(r, n, self.q_size))
 
 
@@ -63,13 +70,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_type = layer_type
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_type)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(
         self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, layer: int, cache: KVCache | None,
-        meta: AttnMeta, masks: dict[str, Tensor],
+        meta: AttnMeta, masks: dict[str, Tensor] | None,
     ) -> tuple[Tensor, Tensor]:
         """Pre-norm block on the residual stream; returns (block output, residual) un-summed so the
         next layer fuses the add into its norm."""
@@ -78,7 +85,7 @@ class DecoderLayer(nn.Module):
             residual, h = x, norm(x)
         else:
             residual, h = add_rms_norm(x, residual, norm.weight, norm.eps)
-        h = self.self_attn(h, cos, sin, layer, cache, meta, masks[self.layer_type])
+        h = self.self_attn(h, cos, sin, layer, cache, meta, None if masks is None else masks[self.layer_type])
         post = self.post_attention_layernorm
         residual, h = add_rms_norm(h, residual, post.weight, post.eps)
         return self.mlp(h), residual
@@ -97,6 +104,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
+        self.attention_backend = "sdpa"  # the engine sets "triton" on GPUs (see triton_attention)
 
     def new_cache(self, max_slots: int, max_len: int, device: torch.device | str | None = None) -> KVCache:
         w = self.embed_tokens.weight
@@ -118,7 +126,9 @@ class CausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(meta.positions, x.dtype)
-        masks = {name: additive_mask(m, x.dtype) for name, m in meta.masks.items()}
+        masks = None
+        if self.attention_backend == "sdpa" or cache is None:
+            masks = {name: additive_mask(meta.mask(name), x.dtype) for name in meta.bounds}
         tapped: dict[int, Tensor] = {-1: x} if -1 in taps else {}
         last = len(self.layers) - 1
         residual = None

@@ -35,8 +35,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockspec.config import ConfigError, ModelConfig, RopeConfig, rope_from_hf
-from blockspec.engine.kv_cache import AttnMeta, KVCache
+from blockspec.engine.kv_cache import AttnMeta, KVCache, range_mask
 from blockspec.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attention
+from blockspec.models.triton_attention import block_attention
 from blockspec.models.loader import (
     ModelLoadError,
     assign_weights,
@@ -297,15 +298,41 @@ class DraftAttention(nn.Module):
         return apply_rotary(k, cos, sin), v
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor) -> Tensor:
+        """Reference: keys are the gathered context K/V [R, kv_heads, C, hd] followed by the block's own."""
         r, n, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(self.q_norm(q.view(r, n, self.heads, self.head_dim)).transpose(1, 2), cos, sin)
-        k = apply_rotary(self.k_norm(k.view(r, n, self.kv_heads, self.head_dim)).transpose(1, 2), cos, sin)
-        v = v.view(r, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self._block_qkv(x, cos, sin)
         keys = torch.cat([ctx_k, k], dim=2)
         values = torch.cat([ctx_v, v], dim=2)
         out = attention(q, keys, values, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(r, n, self.q_size))
+
+    def forward_cached(self, x: Tensor, cos: Tensor, sin: Tensor, block: "CachedBlock", layer: int) -> Tensor:
+        """Kernel path: the block's K/V are written into the cache right after the context (columns
+        the next context append overwrites) and the rows read keys in place, within `block.bounds`."""
+        r, n, _ = x.shape
+        q, k, v = self._block_qkv(x, cos, sin)
+        block.cache.write(layer, block.meta, k, v)
+        lo, hi = block.bounds[layer]
+        out = block_attention(q.transpose(1, 2), block.cache.k[layer], block.cache.v[layer], block.meta.slots, lo, hi,
+                              self.scale, block.meta.kv_len)
+        return self.o_proj(out.view(r, n, self.q_size))
+
+    def _block_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        r, n, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(self.q_norm(q.view(r, n, self.heads, self.head_dim)).transpose(1, 2), cos, sin)
+        k = apply_rotary(self.k_norm(k.view(r, n, self.kv_heads, self.head_dim)).transpose(1, 2), cos, sin)
+        return q, k, v.view(r, n, self.kv_heads, self.head_dim).transpose(1, 2)
+
+
+@dataclass
+class CachedBlock:
+    """What the kernel path of a block forward needs: the drafter cache, where the block's K/V go
+    (slots, write positions, key extent) and each layer's visible key range per block row."""
+
+    cache: KVCache
+    meta: AttnMeta
+    bounds: list[tuple[Tensor, Tensor]]
 
 
 class DraftLayer(nn.Module):
@@ -318,6 +345,10 @@ class DraftLayer(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_cached(self, x: Tensor, cos: Tensor, sin: Tensor, block: CachedBlock, layer: int) -> Tensor:
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, block, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -355,6 +386,7 @@ class DraftModel(nn.Module):
         self.use_own_head = self.lm_head is not None
         self._target = None
         self.rotary = self._make_rotary()
+        self.attention_backend = "sdpa"  # the engine sets "triton" on GPUs (see triton_attention)
 
     # ------------------------------------------------------------------ plumbing
     def _make_rotary(self, device: torch.device | str | None = None) -> Rotary:
@@ -487,36 +519,37 @@ class DraftModel(nn.Module):
             x = x * self.config.input_embedding_scale
         return x
 
-    def _block_masks(self, ctx_t: Tensor, positions: Tensor, kv_len: int) -> list[Tensor]:
-        """Per layer [R, 1, B, kv_len + B] bool masks (True = attend); layers with equal rules share one."""
+    def _block_bounds(self, ctx_t: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Per layer (lo, hi) [R, B]: the key positions each block row attends to. Context keys are
+        positions < ctx_t, block keys ctx_t .. ctx_t + B - 1; the rules are the checkpoint's (causal
+        or not, sliding window by query distance or by distance from the anchor)."""
         c = self.config
-        r, b = positions.shape
-        dev = positions.device
-        kpos_ctx = torch.arange(kv_len, device=dev)[None, None, :].expand(r, b, kv_len)
-        ctx_valid = kpos_ctx < ctx_t[:, None, None]
-        kpos = torch.cat([kpos_ctx, positions[:, None, :].expand(r, b, b)], dim=-1)
-        qpos = positions[:, :, None]
-        base = torch.cat([ctx_valid, torch.ones(r, b, b, dtype=torch.bool, device=dev)], dim=-1)
-        cache: dict[tuple[bool, bool], Tensor] = {}
+        b = positions.shape[1]
+        last = (ctx_t + b - 1)[:, None].expand_as(positions)
+        zero = torch.zeros_like(positions)
         out = []
         for lt, causal in zip(c.layer_types, c.causal):
-            window = c.sliding_window if lt == "sliding_attention" else None
-            key = (causal, window is not None)
-            if key not in cache:
-                m = base
-                if causal:
-                    m = m & (kpos <= qpos)
-                if window is not None:
-                    if c.window_mode == "query":
-                        m = m & (qpos - kpos < window)
-                        if not causal:
-                            m = m & (kpos - qpos < window)
-                    else:  # speculators: context keys within `window` before the anchor; block keys all
-                        in_win = kpos_ctx >= (ctx_t[:, None, None] - window)
-                        m = m & torch.cat([in_win, torch.ones(r, b, b, dtype=torch.bool, device=dev)], dim=-1)
-                cache[key] = m.unsqueeze(1)
-            out.append(cache[key])
+            hi = positions if causal else last
+            lo = zero
+            if lt == "sliding_attention":
+                w = c.sliding_window
+                if c.window_mode == "query":
+                    lo = (positions - w + 1).clamp(min=0)
+                    if not causal:
+                        hi = torch.minimum(hi, positions + w - 1)
+                else:  # speculators: context keys within `window` before the anchor; block keys all
+                    lo = (ctx_t[:, None] - w).clamp(min=0).expand_as(positions)
+            out.append((lo, hi))
         return out
+
+    def _block_masks(self, ctx_t: Tensor, positions: Tensor, kv_len: int) -> list[Tensor]:
+        """Reference layout: per layer [R, 1, B, kv_len + B] bool masks over [gathered context ; block]."""
+        r, b = positions.shape
+        key_pos = torch.cat([torch.arange(kv_len, device=positions.device).expand(r, kv_len), positions], dim=-1)
+        ctx_valid = torch.cat([key_pos[:, :kv_len] < ctx_t[:, None], torch.ones_like(positions, dtype=torch.bool)],
+                              dim=-1)
+        return [(range_mask(lo, hi, key_pos) & ctx_valid[:, None, :]).unsqueeze(1)
+                for lo, hi in self._block_bounds(ctx_t, positions)]
 
     def block_hidden(self, cache: KVCache, slots: list[int], ctx_lens: list[int], anchor_ids: Tensor,
                      embed: Callable[[Tensor], Tensor] | None = None) -> Tensor:
@@ -548,6 +581,13 @@ class DraftModel(nn.Module):
         x = self.embed_block(ids, embed)
         positions = ctx_lens[:, None] + torch.arange(b, device=dev)[None, :]
         cos, sin = self._rope(positions, kv_len + b)
+        if self.attention_backend == "triton":
+            slot_t = slots if isinstance(slots, Tensor) else torch.arange(slots.start, slots.stop, device=dev)
+            meta = AttnMeta(slot_t, positions, positions, kv_len + b, {})
+            block = CachedBlock(cache, meta, self._block_bounds(ctx_lens, positions))
+            for i, layer in enumerate(self.layers):
+                x = layer.forward_cached(x, cos, sin, block, i)
+            return self.norm(x)
         masks = self._block_masks(ctx_lens, positions, kv_len)
         for i, layer in enumerate(self.layers):
             ck = cache.k[i][slots, :, :kv_len]

@@ -1,0 +1,120 @@
+"""The Triton attention kernel held to the SDPA reference: the kernel alone, the target forward, and
+whole generations. Without a GPU the kernel runs in Triton's interpreter (set in conftest)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blockspec import LLM, SamplingParams
+from blockspec.engine.kv_cache import range_mask
+from blockspec.engine.runner import ModelRunner
+from blockspec.models import triton_attention
+from blockspec.models.loader import load_target
+from factories import TRITON_SKIP_REASON, save_drafter_target, save_tiny, triton_interpretable
+
+pytestmark = pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reference(q, k_cache, v_cache, slots, lo, hi, scale, max_keys):
+    """SDPA in fp32 over the gathered slots with the boolean mask of lo..hi."""
+    k = k_cache[slots, :, :max_keys].float()
+    v = v_cache[slots, :, :max_keys].float()
+    mask = range_mask(lo, hi, torch.arange(max_keys, device=q.device))[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2).float(), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def case(r, nq, hq, hkv, hd, length, dtype, window=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    slots_total = r + 2
+    k = torch.randn(slots_total, hkv, length + 1, hd, generator=g).to(DEVICE, dtype)
+    v = torch.randn(slots_total, hkv, length + 1, hd, generator=g).to(DEVICE, dtype)
+    # q as the model makes it: [R, Hq, Q, hd] seen through a transpose
+    q = torch.randn(r, hq, nq, hd, generator=g).to(DEVICE, dtype).transpose(1, 2)
+    slots = torch.randperm(slots_total, generator=g)[:r].to(DEVICE)
+    starts = torch.randint(0, length - nq + 1, (r,), generator=g).to(DEVICE)
+    hi = starts[:, None] + torch.arange(nq, device=DEVICE)[None]
+    lo = (hi - window + 1).clamp(min=0) if window else torch.zeros_like(hi)
+    return q, k, v, slots, lo, hi
+
+
+CASES = [  # r, q, hq, hkv, hd, keys, window
+    (1, 1, 8, 2, 64, 300, None),  # batch-1 decode: keys split over programs, then merged
+    (3, 5, 4, 2, 32, 200, 17),  # a sliding window, several slots
+    (2, 16, 4, 4, 16, 100, None),  # verify-sized blocks, MHA
+    (2, 40, 4, 1, 32, 130, None),  # 160 rows per KV head: several row blocks
+    (2, 3, 6, 3, 80, 90, None),  # head_dim not a power of two
+    (2, 2, 4, 2, 8, 70, None),  # head_dim below tl.dot's minimum of 16
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("shape", CASES)
+def test_kernel_matches_reference(shape, split, dtype, monkeypatch):
+    if not split:
+        monkeypatch.setattr(triton_attention, "TARGET_PROGRAMS", 1)  # one program per row block
+    r, nq, hq, hkv, hd, length, window = shape
+    q, k, v, slots, lo, hi = case(r, nq, hq, hkv, hd, length, dtype, window)
+    out = triton_attention.block_attention(q, k, v, slots, lo, hi, hd**-0.5, length)
+    ref = reference(q, k, v, slots, lo, hi, hd**-0.5, length)
+    tol = 2e-5 if dtype == torch.float32 else 1e-3
+    assert out.dtype == dtype and out.shape == (r, nq, hq, hd)
+    assert (out.float() - ref).abs().max() <= tol
+    # negative control: one key fewer per row breaks the tolerance, so the check can fail
+    short = triton_attention.block_attention(q, k, v, slots, lo, hi - 1, hd**-0.5, length)
+    assert (short.float() - ref).abs().max() > 2 * tol
+
+
+def test_bf16_on_gpu():
+    if DEVICE != "cuda":
+        pytest.skip("Triton's interpreter has no bf16 matmul; the GPU runs this")
+    q, k, v, slots, lo, hi = case(4, 16, 32, 8, 128, 1000, torch.bfloat16)
+    out = triton_attention.block_attention(q, k, v, slots, lo, hi, 128**-0.5, 1000)
+    ref = reference(q, k, v, slots, lo, hi, 128**-0.5, 1000)
+    assert (out.float() - ref).abs().max() <= 2e-2
+
+
+@pytest.mark.parametrize("family, extra", [("qwen3", {}), ("qwen2", {"use_sliding_window": True,
+                                                                     "sliding_window": 6, "max_window_layers": 2})])
+def test_target_forward_matches_reference(tmp_path, family, extra):
+    """Prefill of three prompts of different lengths, then a decode row and a verify block each:
+    the kernel path's hidden states equal the SDPA path's (fp32)."""
+    path = save_tiny(tmp_path / "m", family, seed=3, **extra)
+    runs = {}
+    for backend in ("sdpa", "triton"):
+        model, _ = load_target(path, "float32", torch.device(DEVICE), max_positions=128)
+        model.attention_backend = backend
+        runner = ModelRunner(model, 4, 64, taps=(0, 2), use_cuda_graphs=False)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(2, 90, (n,), generator=g).tolist() for n in (9, 3, 14)]
+        slots = [2, 0, 3]
+        out = [runner.forward(prompts, [0, 0, 0], slots, with_taps=True)]
+        lens = [len(p) for p in prompts]
+        out.append(runner.forward([[5], [6], [7]], lens, slots, with_taps=True))
+        out.append(runner.forward([[5, 8, 9, 10], [11], [12, 13]], [n + 1 for n in lens], slots, with_taps=True))
+        runs[backend] = out
+    for (h_ref, f_ref), (h, f) in zip(runs["sdpa"], runs["triton"]):
+        assert (h - h_ref).abs().max() <= 1e-4 and (f - f_ref).abs().max() <= 1e-4
+
+
+def test_generation_matches_reference(tmp_path):
+    """Greedy output with the kernel equals the SDPA path's, plain and with a DFlash drafter."""
+    from pathlib import Path
+
+    target = save_drafter_target(tmp_path / "t")
+    spec = {"method": "dflash", "model": str(Path(__file__).parent / "fixtures" / "drafters" / "dflash")}
+    prompts = [{"prompt_token_ids": list(range(2, 2 + n))} for n in (3, 20, 11)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for backend, speculative in (("sdpa", None), ("triton", None), ("triton", spec)):
+        llm = LLM(str(target), device=DEVICE, dtype="float32", max_model_len=128, speculative_config=speculative,
+                  attention_backend=backend)
+        assert llm.engine.attention_backend == backend
+        outs[backend, speculative is None] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                                              use_tqdm=False)]
+    assert outs["sdpa", True] == outs["triton", True] == outs["triton", False]
