@@ -71,6 +71,7 @@ class LLM:
         max_prefill_tokens: int = 4096,
         tensor_parallel_size: int = 1,  # > 1 is served by __new__
         attention_backend: str = "auto",
+        warmup: bool = True,
     ) -> None:
         spec = SpeculativeConfig.from_user(speculative_config)
         dev = resolve_device(device)
@@ -97,6 +98,10 @@ class LLM:
                                   max_prefill_tokens=max_prefill_tokens, seed=seed if seed is not None else 0,
                                   attention_backend=attention_backend)
         self.engine = Engine(self.model, self.tokenizer, engine_cfg, spec, drafter, eos)
+        if warmup:  # GPU: capture every CUDA graph now, not inside the first requests
+            done = self.engine.warmup()
+            if done["graphs"]:
+                log.info("warm-up: %d CUDA graphs captured in %.1f s", done["graphs"], done["seconds"])
         self.speculative_config = spec
         self._ids = itertools.count()
 

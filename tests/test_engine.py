@@ -230,3 +230,14 @@ def test_padded_query_rows_leave_real_rows_unchanged(llm):
     torch.testing.assert_close(wide[0, :5], narrow[0, :5])
     torch.testing.assert_close(wide[1, :3], narrow[1, :3])
     torch.testing.assert_close(cache.k[0][1, :, end - 1], k0)
+
+
+def test_graph_key_extents():
+    """SDPA graphs are bucketed by key length up to the cache; the kernel's one extent serves all."""
+    from blockspec.engine.runner import kv_extent, kv_extents
+
+    assert kv_extents(1000, whole=False) == [256, 512, 1000]
+    assert kv_extents(200, whole=False) == [200]
+    assert kv_extents(1000, whole=True) == [1000]
+    assert [kv_extent(n, 1000, False) for n in (1, 256, 257, 999)] == [256, 256, 512, 1000]
+    assert kv_extent(5, 1000, True) == 1000

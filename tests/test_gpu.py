@@ -46,3 +46,27 @@ def test_cuda_graph_draft_step_equals_eager(tmp_path, method, fixture):
     assert graphed.engine.proposer.graphs.graphs and a == b == c
     ga, ea = graphed.get_metrics(), eager.get_metrics()
     assert ga["num_accepted_tokens_per_pos"] == ea["num_accepted_tokens_per_pos"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "sdpa"])
+def test_warmup_captures_every_graph_serving_needs(tmp_path, backend):
+    """After LLM start-up no request captures a graph: every batch size up to max_num_seqs, prompt
+    length and context length replays one captured at warm-up."""
+    from pathlib import Path
+
+    from blockspec.engine.runner import CAPTURES
+
+    target = save_drafter_target(tmp_path / "t")
+    spec = {"method": "dflash", "model": str(Path(__file__).parent / "fixtures" / "drafters" / "dflash")}
+    llm = LLM(str(target), device="cuda", dtype="float32", max_model_len=300, max_num_seqs=8,
+              speculative_config=spec, attention_backend=backend)
+    assert llm.engine.num_steps == 0 and llm.engine.num_generated == 0  # warm-up left no trace
+    before = CAPTURES[0]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for batch in (1, 3, 8):
+        prompts = [{"prompt_token_ids": list(range(2, 2 + n))} for n in (3, 30, 11, 250, 5, 60, 17, 2)[:batch]]
+        llm.generate(prompts, params, use_tqdm=False)
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, use_speculation=False)
+    llm.generate([{"prompt_token_ids": [3, 4, 5]}], plain, use_tqdm=False)
+    assert CAPTURES[0] == before

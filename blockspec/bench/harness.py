@@ -271,6 +271,7 @@ def build_engine(cfg: BenchConfig, setup: Setup, method: str, drafter: Any, batc
                               max_prefill_tokens=cfg.max_prefill_tokens, seed=cfg.seed,
                               attention_backend=cfg.attention_backend)
     engine = Engine(setup.target, None, engine_cfg, spec, drafter, setup.eos_ids, proposer_cls=proposer)
+    engine.warmup()  # graph captures and compilation before anything is timed, as a server does at start-up
     engine.spec_totals = StepLog()  # the same counters, plus what each step drafted
     return engine
 

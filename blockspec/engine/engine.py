@@ -17,7 +17,7 @@ from torch import Tensor
 
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.request import IncrementalDetokenizer, Logprob, Request, SpecStats, Status
-from blockspec.engine.runner import CAPTURES, ModelRunner
+from blockspec.engine.runner import BATCH_BUCKETS, CAPTURES, ModelRunner, bucket
 from blockspec.models.llama import CausalLM
 from blockspec.models.triton_attention import resolve_backend
 from blockspec.sample import RowParams, logprobs as top_logprobs, process_logits, sample
@@ -109,6 +109,42 @@ class Engine:
         self.timer = StepTimer(self.device)
         self.num_steps = 0
         self.num_generated = 0
+
+    # ---------------------------------------------------------------- start-up
+    def warmup(self) -> dict[str, float]:
+        """Pay every one-time cost before the first request: capture the CUDA graph of each batch
+        bucket up to max_num_seqs x verify width (with and without taps) and of the draft step,
+        then run two short requests end to end (prefill compilation, the eager draft path,
+        sampling). Counters and the draft-length policy start afresh afterwards, so no request and
+        no policy estimate pays for a capture or a compilation. Returns what it did."""
+        if self.device.type != "cuda" or not self.runner.use_graphs:
+            return {"graphs": 0, "seconds": 0.0}
+        t0 = time.perf_counter()
+        captured = CAPTURES[0]
+        top = bucket(self.config.max_num_seqs, BATCH_BUCKETS) or self.config.max_num_seqs
+        sizes = [b for b in BATCH_BUCKETS if b <= top]
+        self.runner.capture_all(sizes, tapped=self.proposer is not None, untapped=True)
+        if self.proposer is not None and self.proposer.graphs is not None:
+            self.proposer.graphs.capture_all(sizes)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        prompt_len = min(40, self.config.max_model_len - 10)
+        for n in (1, min(2, self.config.max_num_seqs)):
+            for i in range(n):
+                self.add_request(f"warmup-{n}-{i}", None, [i % self.vocab_size] * prompt_len, params)
+            while self.has_unfinished():
+                self.step()
+        torch.cuda.synchronize(self.device)
+        self._reset_counters()
+        return {"graphs": CAPTURES[0] - captured, "seconds": time.perf_counter() - t0}
+
+    def _reset_counters(self) -> None:
+        self.spec_totals = type(self.spec_totals)()
+        self.timer = StepTimer(self.device)
+        self.num_steps = 0
+        self.num_generated = 0
+        if self.proposer is not None:
+            self.proposer.reset_stats()
+            self.policy = DraftLengthPolicy(self.proposer.num_speculative_tokens, self.policy.adaptive)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int],

@@ -1,9 +1,9 @@
 """Target forwards for the engine: packs requests' token runs into one padded batch on the device.
 
-On CUDA, fixed-shape forwards (decode and verify: every request feeds at most Q tokens) replay
-captured CUDA graphs, bucketed by batch size and by the key length read, so Python and kernel
-launch overhead do not bound batch-1 speed. Prefill and CPU runs take the eager path, which is the
-reference the graph path is tested against.
+On CUDA, fixed-shape forwards (decode and verify: every request feeds at most one verify width of
+tokens) replay captured CUDA graphs, bucketed by batch size, query width and (SDPA only) key
+length, so Python and kernel launch overhead do not bound batch-1 speed. Longer prefill chunks and
+CPU runs take the eager path, which is the reference the graph path is tested against.
 """
 
 from __future__ import annotations
@@ -22,11 +22,24 @@ from blockspec.sample.sampler import greedy_ids
 T = TypeVar("T")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_KV_BUCKET = 256
-MAX_GRAPH_QUERIES = 32
 
 
 def bucket(value: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= value), None)
+
+
+def kv_extents(cap: int, whole: bool) -> list[int]:
+    """Key lengths graphs are captured for, up to `cap`. The Triton kernel stops at each row's last
+    key whatever the extent, so one extent (the whole cache) serves every context; SDPA's mask is
+    as wide as the extent, so its graphs are bucketed by length (256, 512, 1024, ...)."""
+    if whole:
+        return [cap]
+    return sorted({min(MIN_KV_BUCKET << i, cap) for i in range(24) if (MIN_KV_BUCKET << i) // 2 < cap})
+
+
+def kv_extent(length: int, cap: int, whole: bool) -> int:
+    """The captured extent that serves `length` keys."""
+    return bucket(length, kv_extents(cap, whole))
 
 
 CAPTURES = [0]  # graphs captured so far in this process (a step that captured is not a timing sample)
@@ -66,7 +79,7 @@ class ModelRunner:
         # graphed forwards pad their query rows up to one of these lengths (the verify widths the
         # draft policy can choose), so drafts cut short by a budget or by confidence reuse a graph
         # instead of capturing one per width
-        self.query_buckets = tuple(sorted(set(query_buckets)))
+        self.query_buckets = tuple(sorted(set(query_buckets) | {1}))
         self.device = model.embed_tokens.weight.device
         self.cache: KVCache = model.new_cache(max_slots, max_len, self.device)
         self.taps = tuple(taps)
@@ -90,22 +103,38 @@ class ModelRunner:
     ) -> tuple[Tensor, Tensor | None]:
         """Same as `forward` with the ids already a padded device tensor [R, Q] (e.g. anchors + drafts)."""
         r, q = ids.shape
-        kv_len = max(s + n for s, n in zip(starts, q_lens))
         b = bucket(r, BATCH_BUCKETS)
-        kv_bucket = min(bucket(kv_len, [MIN_KV_BUCKET << i for i in range(24)]), self.cache.max_len + 1)
-        if self.use_graphs and b is not None and q <= MAX_GRAPH_QUERIES:
-            return self._replay(ids, q_lens, starts, slots, with_taps, b, kv_bucket)
+        width = bucket(q, self.query_buckets)
+        if self.use_graphs and b is not None and width is not None:
+            kv_len = max(s + n for s, n in zip(starts, q_lens))
+            return self._replay(ids, q_lens, starts, slots, with_taps, (b, width, self.kv_extent(kv_len), with_taps))
         cfg = self.model.config
         meta = causal_meta(list(slots), list(starts), list(q_lens), q, self.cache.trash, self.device,
                            cfg.sliding_window, cfg.layer_types)
         return self.model(ids, meta, self.cache, self.taps if with_taps else ())
 
     # ---------------------------------------------------------------- CUDA graphs
+    @property
+    def whole_cache_graphs(self) -> bool:
+        return self.model.attention_backend == "triton"
+
+    def kv_extent(self, kv_len: int) -> int:
+        return kv_extent(kv_len, self.cache.max_len + 1, self.whole_cache_graphs)
+
+    def capture_all(self, batch_sizes: Sequence[int], tapped: bool, untapped: bool) -> None:
+        """Capture every graph a step of these batch buckets can replay: each query width, each key
+        extent, with taps (steps where requests may draft) and / or without."""
+        for b in batch_sizes:
+            for kv in kv_extents(self.cache.max_len + 1, self.whole_cache_graphs):
+                for width in self.query_buckets:
+                    for taps in [t for t, wanted in ((True, tapped), (False, untapped)) if wanted]:
+                        if (b, width, kv, taps) not in self.graphs:
+                            self._capture((b, width, kv, taps))
+
     def _replay(self, ids: Tensor, q_lens: Sequence[int], starts: Sequence[int], slots: Sequence[int],
-                with_taps: bool, b: int, kv_len: int) -> tuple[Tensor, Tensor | None]:
+                with_taps: bool, key: tuple[int, int, int, bool]) -> tuple[Tensor, Tensor | None]:
         r, q = ids.shape
-        width = bucket(q, self.query_buckets) or q
-        key = (b, width, kv_len, with_taps)
+        b = key[0]
         cap = self.graphs.get(key) or self._capture(key)
         control = torch.tensor([list(slots) + [self.cache.scratch_slot] * (b - r),
                                 list(starts) + [0] * (b - r), list(q_lens) + [0] * (b - r)], dtype=torch.int64)

@@ -1,8 +1,8 @@
 """The greedy draft step as one CUDA graph: append the new context rows, run the block, take drafts.
 
 A decode-time draft step appends at most K+1 context rows per request (the rows committed last
-step), so a graph with K+1 feature rows per request, bucketed by batch size and key length, covers
-every step after prefill. Padded requests read and write only the scratch slot. The eager path
+step), so a graph with K+1 feature rows per request, bucketed by batch size (and, under SDPA, key
+length), covers every step after prefill. Padded requests read and write only the scratch slot. The eager path
 (`Proposer`) stays the reference and handles the rest (prefill-sized context, sampled drafts).
 """
 
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from blockspec.engine.kv_cache import KVCache
-from blockspec.engine.runner import BATCH_BUCKETS, MIN_KV_BUCKET, bucket, capture
+from blockspec.engine.runner import BATCH_BUCKETS, bucket, capture, kv_extent, kv_extents
 from blockspec.models.llama import CausalLM
 
 
@@ -41,6 +41,17 @@ class DraftGraphs:
         self.graphs: dict[tuple[int, int], CapturedDraft] = {}
         self._pool = None
 
+    @property
+    def whole_cache(self) -> bool:
+        return self.drafter.attention_backend == "triton"
+
+    def capture_all(self, batch_sizes: list[int]) -> None:
+        """Capture the draft step of these batch buckets at every key extent."""
+        for b in batch_sizes:
+            for kv in kv_extents(self.cache.max_len - self.rows, self.whole_cache):
+                if (b, kv) not in self.graphs:
+                    self._capture(b, kv)
+
     def fits(self, batch: int, pending_rows: list[int], max_ctx: int) -> bool:
         b = bucket(batch, BATCH_BUCKETS)
         return b is not None and max(pending_rows) <= self.rows and max_ctx + self.rows <= self.cache.max_len
@@ -51,7 +62,7 @@ class DraftGraphs:
         r = len(slots)
         b = bucket(r, BATCH_BUCKETS)
         ctx_end = max(s + c for s, c in zip(starts, counts))
-        kv = min(bucket(ctx_end, [MIN_KV_BUCKET << i for i in range(24)]), self.cache.max_len - self.rows)
+        kv = kv_extent(ctx_end, self.cache.max_len - self.rows, self.whole_cache)
         cap = self.graphs.get((b, kv)) or self._capture(b, kv)
         pad = b - r
         control = torch.tensor([slots + [self.cache.scratch_slot] * pad, starts + [0] * pad, counts + [0] * pad],

@@ -56,18 +56,25 @@ class Proposer:
         self.num_speculative_tokens = k
         self.taps = tuple(drafter.target_layer_ids)
         self.cost_table: VerifyCostTable | None = None
-        self.budget_history: list[int] = []
         weight = target.embed_tokens.weight
         has_conf = getattr(drafter, "has_confidence", False)
         if (cfg.confidence_threshold > 0 or cfg.adaptive_verification) and not has_conf:
             raise ConfigError("speculative_config.confidence_threshold / adaptive_verification need a DSpark drafter "
                               f"with a confidence head; {type(drafter).__name__} has none")
-        # rows: predicted survival summed, positions verified (device); realised counts on the host
-        self.calibration = torch.zeros(2, k, dtype=torch.float64, device=weight.device) if has_conf else None
-        self.realised = [0] * k
+        self.has_confidence = has_conf
+        self.reset_stats()
         self.cache = drafter.new_cache(max_slots, max_len + drafter.block_size + 1, weight.device, weight.dtype)
         self.graphs = DraftGraphs(drafter, target, self.cache, k, self._plain_target_head(), cfg.markov_top_k) \
             if weight.device.type == "cuda" else None
+
+    def reset_stats(self) -> None:
+        """Calibration and budget statistics start from zero (after the engine's warm-up)."""
+        k = self.num_speculative_tokens
+        # rows: predicted survival summed, positions verified (device); realised counts on the host
+        self.calibration = (torch.zeros(2, k, dtype=torch.float64, device=self.target.embed_tokens.weight.device)
+                            if self.has_confidence else None)
+        self.realised = [0] * k
+        self.budget_history: list[int] = []
 
     def enabled_for_batch(self, batch: int) -> bool:
         limit = self.cfg.max_batch_for_speculation
