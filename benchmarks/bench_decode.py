@@ -45,7 +45,7 @@ def main() -> None:
               "attention_backend": model.attention_backend, "floor_step_ms": floor_s * 1e3, "floor_tok_s_batch1": 1 / floor_s, "runs": []}
     print(json.dumps(result, indent=1), flush=True)
     for b in batches:
-        runner = ModelRunner(model, b, max_len)
+        runner = ModelRunner(model, b, max_len, query_buckets=(1, args.verify_rows))
         slots = list(range(b))
         prompt = torch.randint(0, 150000, (b, args.context), device="cuda")
         runner.forward_ids(prompt, [args.context] * b, [0] * b, slots)  # prefill (eager)

@@ -65,7 +65,7 @@ def test_warmup_captures_every_graph_serving_needs(tmp_path, backend):
     before = CAPTURES[0]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for batch in (1, 3, 8):
-        prompts = [{"prompt_token_ids": list(range(2, 2 + n))} for n in (3, 30, 11, 250, 5, 60, 17, 2)[:batch]]
+        prompts = [{"prompt_token_ids": [2 + i % 90 for i in range(n)]} for n in (3, 30, 11, 250, 5, 60, 17, 2)[:batch]]
         llm.generate(prompts, params, use_tqdm=False)
     plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, use_speculation=False)
     llm.generate([{"prompt_token_ids": [3, 4, 5]}], plain, use_tqdm=False)

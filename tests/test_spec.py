@@ -252,3 +252,22 @@ def test_policy_turns_speculation_off_when_confidence_prunes_every_draft(target)
     # before accounting pruned steps to the K chosen, about 2 % of steps were plain; now most are
     # (a noisy machine can make a spec candidate look cheap for a while, hence the margin)
     assert choices.count(0) >= 0.3 * len(choices), choices
+
+
+def test_context_catch_up_is_not_a_timing_sample(target):
+    """After plain steps the drafter appends the context it missed: that step's time is a one-off, not
+    what drafting K costs per step, so the policy must not learn it (it once priced K = 1 at 5x a
+    plain step at batch 64 and never tried speculation again)."""
+    llm = spec_llm(target, "dflash", "dflash", adaptive_draft_length=True)
+    policy = llm.engine.policy
+    plan = iter([0, 0, 0, 0, 2, 2, 2] + [0] * 100)
+    chosen: list[int] = []
+    policy.choose = lambda batch: chosen.append(next(plan)) or chosen[-1]
+    seen: list[int] = []
+    observe = policy.observe_time
+    policy.observe_time = lambda batch, k, seconds: seen.append(k) or observe(batch, k, seconds)
+    llm.generate([prompts(1, seed=3)[0]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                 use_tqdm=False)
+    # 4 plain steps (timed), K=2 after the backlog (not timed), then two K=2 steps (timed)
+    assert chosen[:7] == [0, 0, 0, 0, 2, 2, 2]
+    assert seen[:6] == [0, 0, 0, 0, 2, 2] and seen.count(2) == 2, seen

@@ -222,7 +222,10 @@ class Engine:
         return self.proposer is not None and any(r.params.use_speculation for r in reqs)
 
     def _observe_time(self, batch: int, k: int, seconds: float) -> None:
-        if not self.timer.step_captured:
+        """Feed the policy a step time, unless the step paid a one-off cost: a graph capture, or the
+        drafter catching up on context appended while the policy ran plain steps."""
+        caught_up = k > 0 and self.proposer is not None and self.proposer.caught_up
+        if not self.timer.step_captured and not caught_up:
             self.policy.observe_time(batch, k, seconds)
 
     def _admit(self) -> None:

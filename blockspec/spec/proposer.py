@@ -62,6 +62,7 @@ class Proposer:
             raise ConfigError("speculative_config.confidence_threshold / adaptive_verification need a DSpark drafter "
                               f"with a confidence head; {type(drafter).__name__} has none")
         self.has_confidence = has_conf
+        self.caught_up = False  # the last propose() appended a backlog of context (see propose)
         self.reset_stats()
         self.cache = drafter.new_cache(max_slots, max_len + drafter.block_size + 1, weight.device, weight.dtype)
         self.graphs = DraftGraphs(drafter, target, self.cache, k, self._plain_target_head(), cfg.markov_top_k) \
@@ -106,6 +107,9 @@ class Proposer:
         q_probs = confidence = None
         probabilistic = self.cfg.draft_sample_method == "probabilistic" and not all(r.params.greedy for r in reqs)
         pending = [sum(f.shape[0] for f in r.pending_features) for r in reqs]
+        # more context than one step commits: the drafter is catching up after plain steps (or a
+        # prefill), a one-off cost that is not what drafting K tokens costs per step
+        self.caught_up = max(pending) > self.num_speculative_tokens + 1
         if (self.graphs is not None and not probabilistic
                 and self.graphs.fits(len(reqs), pending, max(r.num_cached for r in reqs))):
             tokens, confidence = self._graphed_draft(reqs, anchors)
