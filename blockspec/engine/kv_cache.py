@@ -99,11 +99,13 @@ def range_mask(lo: Tensor, hi: Tensor, key_pos: Tensor) -> Tensor:
 
 def causal_bounds(positions: Tensor, sliding_window: int | None, layer_types: tuple[str, ...]
                   ) -> dict[str, tuple[Tensor, Tensor]]:
-    """Each row sees keys up to its own position; sliding layers only the last `sliding_window`."""
-    bounds = {"full_attention": (torch.zeros_like(positions), positions)}
+    """Each row sees keys up to its own position; sliding layers only the last `sliding_window`.
+    Made once per forward as contiguous int32, the kernel's format, so no layer converts them."""
+    hi = positions.to(torch.int32).contiguous()
+    bounds = {"full_attention": (torch.zeros_like(hi), hi)}
     if "sliding_attention" in layer_types:
         assert sliding_window is not None
-        bounds["sliding_attention"] = ((positions - sliding_window + 1).clamp_(min=0), positions)
+        bounds["sliding_attention"] = ((hi - sliding_window + 1).clamp_(min=0), hi)
     return bounds
 
 

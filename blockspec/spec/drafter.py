@@ -539,7 +539,8 @@ class DraftModel(nn.Module):
                         hi = torch.minimum(hi, positions + w - 1)
                 else:  # speculators: context keys within `window` before the anchor; block keys all
                     lo = (ctx_t[:, None] - w).clamp(min=0).expand_as(positions)
-            out.append((lo, hi))
+            # contiguous int32 once per block, the kernel's format, instead of a conversion per layer
+            out.append((lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()))
         return out
 
     def _block_masks(self, ctx_t: Tensor, positions: Tensor, kv_len: int) -> list[Tensor]:
