@@ -2,53 +2,33 @@
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockspec.config import RopeConfig
+from blockspec.models import triton_ops
+from blockspec.models.triton_ops import use_kernels
 
 
-def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run `fn` as one generated kernel in CUDA inference (torch.compile fuses its elementwise ops;
-    shapes are dynamic so prefill, decode and verify share one compilation). Eager on CPU, under
-    autograd and under autocast (training), which is also the reference the compiled path is tested
-    against. Compilation problems fall back to eager instead of failing the forward."""
-    compiled: list[Callable[..., Any]] = []
-
-    @functools.wraps(fn)
-    def run(*args: Any) -> Any:
-        if (not FUSE_ON_CUDA or not args[0].is_cuda or torch.is_autocast_enabled("cuda")
-                or any(isinstance(a, Tensor) and a.requires_grad for a in args)):
-            return fn(*args)
-        if not compiled:
-            compiled.append(torch.compile(fn, dynamic=True))
-        return compiled[0](*args)
-
-    return run
-
-
-FUSE_ON_CUDA = True
-
-
-@fused
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm computed in fp32 and cast back, as the HF Llama/Qwen implementations do."""
+    """RMSNorm computed in fp32 and cast back, as the HF Llama/Qwen implementations do (a Triton
+    kernel in CUDA inference; these ops are the reference)."""
+    if use_kernels(x, weight) and weight.dtype == x.dtype:
+        return triton_ops.rms_norm(x, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
 
 
-@fused
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(x + residual, rms_norm(x + residual)) in one pass: the pre-norm residual stream."""
+    if use_kernels(x, residual, weight) and weight.dtype == x.dtype == residual.dtype:
+        return triton_ops.rms_norm(x, weight, eps, residual)
     total = x + residual
-    return total, rms_norm.__wrapped__(total, weight, eps)
+    return total, rms_norm(total, weight, eps)
 
 
 class RMSNorm(nn.Module):
@@ -112,7 +92,6 @@ class Rotary(nn.Module):
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
-@fused
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [R, heads, Q, hd]; cos/sin: [R, Q, hd]."""
     cos = cos.unsqueeze(1)
@@ -135,23 +114,23 @@ class GatedMLP(nn.Module):
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
-@fused
 def silu_mul(gate_up: Tensor) -> Tensor:
+    if use_kernels(gate_up):
+        return triton_ops.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-@fused
 def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, eps: float, cos: Tensor,
                  sin: Tensor) -> tuple[Tensor, Tensor]:
     """Per-head q/k RMSNorm (Qwen3; skipped when the weights are None) then RoPE, heads moved to dim 1.
 
     q: [R, Q, Hq, hd], k: [R, Q, Hkv, hd] -> [R, Hq, Q, hd], [R, Hkv, Q, hd]."""
     if q_weight is not None:
-        q = rms_norm.__wrapped__(q, q_weight, eps)
-        k = rms_norm.__wrapped__(k, k_weight, eps)
-    return (apply_rotary.__wrapped__(q.transpose(1, 2), cos, sin),
-            apply_rotary.__wrapped__(k.transpose(1, 2), cos, sin))
+        q = rms_norm(q, q_weight, eps)
+        k = rms_norm(k, k_weight, eps)
+    return (apply_rotary(q.transpose(1, 2), cos, sin),
+            apply_rotary(k.transpose(1, 2), cos, sin))
 
 
 def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:

@@ -16,6 +16,7 @@ from blockspec.config import ModelConfig
 from blockspec.engine.kv_cache import AttnMeta, KVCache
 from blockspec.models.layers import GatedMLP, RMSNorm, Rotary, add_rms_norm, additive_mask, attention, qk_norm_rope
 from blockspec.models.triton_attention import block_attention
+from blockspec.models.triton_ops import qkv_rope_store
 
 
 class Attention(nn.Module):
@@ -50,16 +51,21 @@ class Attention(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, cache: KVCache | None, meta: AttnMeta,
         mask: Tensor | None,
     ) -> Tensor:
-        """mask: additive [R, 1, Q, kv_len] for the SDPA reference, or None for the Triton kernel."""
+        """mask: additive [R, 1, Q, kv_len] for the SDPA reference, or None for the Triton kernels (then
+        a cache is given): one kernel norms, rotates and stores this step's K/V, and the rows read
+        their keys in place from the cache."""
+        r, n, _ = x.shape
+        if mask is None:
+            qw = self.q_norm.weight if self.q_norm is not None else None
+            kw = self.k_norm.weight if self.k_norm is not None else None
+            q = qkv_rope_store(self.qkv_proj(x), self.heads, self.kv_heads, self.head_dim, qw, kw, self.eps, cos, sin,
+                               cache.k[layer], cache.v[layer], meta.slots, meta.write_pos)
+            lo, hi = meta.bounds[self.layer_type]
+            out = block_attention(q, cache.k[layer], cache.v[layer], meta.slots, lo, hi, self.scale, meta.kv_len)
+            return self.o_proj(out.view(r, n, self.q_size))
         q, k, v = self.project(x, cos, sin)
-        r, _, n, _ = q.shape
         if cache is not None:
             cache.write(layer, meta, k, v)
-        if mask is None:  # the kernel: rows read their keys in place from the cache
-            lo, hi = meta.bounds[self.layer_type]
-            out = block_attention(q.transpose(1, 2), cache.k[layer], cache.v[layer], meta.slots, lo, hi, self.scale,
-                                  meta.kv_len)
-            return self.o_proj(out.view(r, n, self.q_size))
         keys, values = (k, v) if cache is None else cache.read(layer, meta)
         out = attention(q, keys, values, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(r, n, self.q_size))

@@ -1,4 +1,4 @@
-"""Attention of a block of query rows over a slot of the KV cache, as one Triton kernel (+ a merge).
+"""Attention of a block of query rows over a slot of the KV cache, as one Triton kernel.
 
 Every engine attention is "query rows of request r attend to keys lo[r, i]..hi[r, i] of cache slot
 slots[r]": decode and verify (hi = the row's own position), the drafter's non-causal block (hi =
@@ -6,7 +6,8 @@ the block's last position) and sliding windows (lo > 0). The kernel reads keys i
 cache, so nothing is gathered, repeated per query head or masked with a materialised tensor; the
 query heads that share a KV head are processed together, so each key is loaded once per step.
 When a batch has too few (request, KV head) pairs to fill the GPU (batch-1 decode), the key range
-is split over programs and a second kernel merges the partial softmaxes (flash-decoding).
+is split over programs (flash-decoding): each stores its partial softmax, and the last split of a
+row block to finish merges them, in the same kernel (one launch per layer, not two).
 
 `scaled_dot_product_attention` over the gathered keys with a boolean mask stays the reference
 (CPU, training); tests hold this kernel to it, on the CPU through Triton's interpreter.
@@ -45,9 +46,11 @@ def resolve_backend(requested: str, device: torch.device) -> str:
 
 if triton is not None:
 
-    @triton.jit
+    # Arguments that follow a request's shape are not specialised on (Triton would compile a variant
+    # for 1, for multiples of 16 and for the rest): a new prompt length never compiles mid-request.
+    @triton.jit(do_not_specialize=["stride_br", "num_queries"])
     def _block_attention(
-        Q, K, V, Slots, Lo, Hi, Out, PartAcc, PartMax, PartSum,
+        Q, K, V, Slots, Lo, Hi, Out, PartAcc, PartMax, PartSum, Counters,
         stride_qr, stride_qq, stride_qh,
         stride_ks, stride_kh, stride_kl,
         stride_vs, stride_vh, stride_vl,
@@ -55,7 +58,7 @@ if triton is not None:
         stride_or, stride_oq, stride_oh,
         num_queries, keys_per_split, scale_log2,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     ):
         """One program: BLOCK_M (query row, head-in-group) pairs of one (request, KV head), over one
         split of the keys. Online softmax in fp32 (base 2)."""
@@ -103,42 +106,57 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        if SPLIT:
-            part = (pid_rh * tl.num_programs(2) + pid_s) * tl.num_programs(1) * BLOCK_M + rows
+        n_splits = tl.num_programs(2)
+        if n_splits > 1:
+            # Store this split's partial softmax; the last split of the row block to arrive merges
+            # them all (its acquiring ticket makes every other split's stores visible to it).
+            rows_per_head = tl.num_programs(1) * BLOCK_M
+            part = (pid_rh * n_splits + pid_s) * rows_per_head + rows
             tl.store(PartMax + part, m_i)
             tl.store(PartSum + part, l_i)
             tl.store(PartAcc + part[:, None] * BLOCK_D + d[None, :], acc)
+            counter = Counters + pid_rh * tl.num_programs(1) + pid_m
+            if tl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
+                # splits past the last visible key hold nothing: skip them
+                used = tl.minimum(n_splits, tl.cdiv(tl.max(hi, 0) + 1, keys_per_split))
+                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                l_i = tl.zeros([BLOCK_M], tl.float32)
+                acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+                for split in range(0, used):
+                    part = (pid_rh * n_splits + split) * rows_per_head + rows
+                    m_s = tl.load(PartMax + part, cache_modifier=".cg")
+                    m_new = tl.maximum(m_i, m_s)
+                    base = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp2(m_i - base)
+                    beta = tl.exp2(m_s - base)
+                    l_i = l_i * alpha + tl.load(PartSum + part, cache_modifier=".cg") * beta
+                    acc = acc * alpha[:, None] + tl.load(PartAcc + part[:, None] * BLOCK_D + d[None, :],
+                                                         cache_modifier=".cg") * beta[:, None]
+                    m_i = m_new
+                tl.atomic_xchg(counter, 0)  # ready for the next launch (and the next graph replay)
+                out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+                tl.store(Out + r * stride_or + qi[:, None] * stride_oq + head[:, None] * stride_oh + d[None, :],
+                         out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         else:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(Out + r * stride_or + qi[:, None] * stride_oq + head[:, None] * stride_oh + d[None, :],
                      out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
-    @triton.jit
-    def _merge_splits(
-        Out, PartAcc, PartMax, PartSum,
-        stride_or, stride_oq, stride_oh,
-        num_queries, num_splits, rows_per_head,
-        KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        SPLITS: tl.constexpr,
-    ):
-        """One program per output row: combine its per-split (max, sum, unnormalised output)."""
-        pid_rh = tl.program_id(0)
-        row = tl.program_id(1)
-        r = pid_rh // KV_HEADS
-        qi = row // GROUP
-        head = (pid_rh % KV_HEADS) * GROUP + row % GROUP
-        s = tl.arange(0, SPLITS)
-        s_ok = s < tl.where(qi < num_queries, num_splits, 0)  # padding rows of the last row block: nothing
-        d = tl.arange(0, BLOCK_D)
-        part = (pid_rh * num_splits + s) * rows_per_head + row
-        m = tl.load(PartMax + part, mask=s_ok, other=float("-inf"))
-        m_all = tl.max(m, 0)
-        w = tl.where(s_ok, tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all)), 0.0)
-        total = tl.sum(tl.load(PartSum + part, mask=s_ok, other=0.0) * w, 0)
-        acc = tl.load(PartAcc + part[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
-        out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-        tl.store(Out + r * stride_or + qi * stride_oq + head * stride_oh + d, out.to(Out.dtype.element_ty),
-                 mask=d < tl.where(qi < num_queries, HEAD_DIM, 0))
+
+_COUNTERS: dict[torch.device, Tensor] = {}
+_RETIRED: list[Tensor] = []
+
+
+def split_counters(n: int, device: torch.device) -> Tensor:
+    """Arrival counters of split row blocks, zero between launches (the merging program resets its
+    own). One buffer per device, grown outside any graph capture: `capture` runs a call before
+    capturing it, and the engine's launches share one stream, so no two launches use it at once."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if buf is not None:  # graphs captured earlier keep its address: it must never be freed
+            _RETIRED.append(buf)
+        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
 
 
 BLOCK_N = 64
@@ -161,7 +179,10 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, 
     hi = hi.to(torch.int32).contiguous()
     out = torch.empty(r, nq, hq, hd, dtype=q.dtype, device=q.device)
     rows = nq * group
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    # Two row-block sizes and splitting decided at run time: every shape after start-up reuses a
+    # variant the engine's warm-up compiled (decode takes 16 when a KV head serves <= 16 query heads,
+    # everything wider takes 64), so no request waits for a compilation.
+    block_m = 16 if rows <= 16 else 64
     m_blocks = triton.cdiv(rows, block_m)
     programs = r * hkv * m_blocks
     key_tiles = triton.cdiv(max_keys, BLOCK_N)
@@ -169,27 +190,20 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, 
     keys_per_split = triton.cdiv(key_tiles, splits) * BLOCK_N
     splits = triton.cdiv(max_keys, keys_per_split)
     block_d = max(16, triton.next_power_of_2(hd))  # tl.dot needs K >= 16
-    if splits > 1:
-        n_part = r * hkv * splits * m_blocks * block_m
-        part_acc = torch.empty(n_part, block_d, dtype=torch.float32, device=q.device)
-        part_max = torch.empty(n_part, dtype=torch.float32, device=q.device)
-        part_sum = torch.empty(n_part, dtype=torch.float32, device=q.device)
-    else:
-        part_acc = part_max = part_sum = out
+    n_part = r * hkv * splits * m_blocks * block_m if splits > 1 else 1  # unsplit: unused placeholders
+    part_acc = torch.empty(n_part, block_d, dtype=torch.float32, device=q.device)
+    part_max = torch.empty(n_part, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty(n_part, dtype=torch.float32, device=q.device)
+    counters = split_counters(r * hkv * m_blocks, q.device)
     consts = dict(KV_HEADS=hkv, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d)
     _block_attention[(r * hkv, m_blocks, splits)](
-        q, k_cache, v_cache, slots, lo, hi, out, part_acc, part_max, part_sum,
+        q, k_cache, v_cache, slots, lo, hi, out, part_acc, part_max, part_sum, counters,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         lo.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         nq, keys_per_split, scale * math.log2(math.e),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=4, **consts,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4, **consts,
     )
-    if splits > 1:
-        _merge_splits[(r * hkv, rows)](
-            out, part_acc, part_max, part_sum, out.stride(0), out.stride(1), out.stride(2), nq, splits,
-            m_blocks * block_m, SPLITS=triton.next_power_of_2(splits), num_warps=1, **consts,
-        )
     return out

@@ -1,0 +1,175 @@
+"""The small kernels around the matrix products, written once in Triton instead of compiled per shape.
+
+- `rms_norm` (optionally adding the residual first): one program per row;
+- `silu_mul`: SwiGLU's gate * up;
+- `qkv_rope_store`: per-head q/k RMSNorm, RoPE, and the store of this step's K/V into the cache,
+  from the fused qkv projection in one kernel (it replaces six per layer: two norms, two rotations
+  and two scattered stores).
+
+torch.compile produced the first two before, but it specialises on shapes (batch 1 vs 2, rank 3
+vs 4), so new request shapes recompiled inside served requests for up to seconds. These kernels
+have no shape guards and launch with far less host work, which is what bounds an eager prefill.
+
+Each follows the reference ops' roundings: the norm rounds to the model dtype before the weight
+multiply, as the HF implementations do; RoPE rounds once at the end (within one unit in the last
+place of the reference's per-op rounding). The reference ops in `layers` stay the CPU and training
+path; tests hold the kernels to them (on the CPU through Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from blockspec.models.triton_attention import triton, triton_available
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _rms_norm(X, Res, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
+                  HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
+        if HAS_RES:  # the residual stream: x + residual, rounded to the model dtype, is also returned
+            x = (x + tl.load(Res + row * stride_r + cols, mask=ok, other=0.0)).to(Out.dtype.element_ty)
+            tl.store(ResOut + row * stride_ro + cols, x, mask=ok)
+        x32 = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / n_cols + eps)
+        normed = (x32 * rstd).to(Out.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(Out + row * stride_o + cols, (w * normed).to(Out.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _silu_mul(GateUp, Out, stride_g, stride_o, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        gate = tl.load(GateUp + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(GateUp + row * stride_g + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(Out.dtype.element_ty).to(tl.float32)
+        tl.store(Out + row * stride_o + cols, (act * up).to(Out.dtype.element_ty), mask=ok)
+
+    @triton.jit(do_not_specialize=["rows_per_req"])  # a new prompt length must not compile a variant
+    def _qkv_rope_store(
+        QKV, QW, KW, Cos, Sin, Slots, WritePos, QOut, KCache, VCache,
+        stride_x, stride_cs, stride_qo, stride_qh,
+        stride_ks, stride_kh, stride_kl, stride_vs, stride_vh, stride_vl,
+        rows_per_req, eps,
+        Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr,
+        QK_NORM: tl.constexpr,
+    ):
+        """One program per (row, head) of the fused projection [q heads | k heads | v heads]."""
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        half = HEAD_DIM // 2
+        d = tl.arange(0, HALF_BLOCK)
+        ok = d < half
+        base = QKV + row * stride_x + head * HEAD_DIM
+        x1 = tl.load(base + d, mask=ok, other=0.0)
+        x2 = tl.load(base + half + d, mask=ok, other=0.0)
+        is_v = head >= Q_HEADS + KV_HEADS
+        if not is_v:
+            if QK_NORM:
+                a, b = x1.to(tl.float32), x2.to(tl.float32)
+                rstd = 1.0 / tl.sqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / HEAD_DIM + eps)
+                is_q = head < Q_HEADS
+                w1 = tl.where(is_q, tl.load(QW + d, mask=ok, other=0.0), tl.load(KW + d, mask=ok, other=0.0))
+                w2 = tl.where(is_q, tl.load(QW + half + d, mask=ok, other=0.0),
+                              tl.load(KW + half + d, mask=ok, other=0.0))
+                w1, w2 = w1.to(tl.float32), w2.to(tl.float32)
+                x1 = (w1 * (a * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+                x2 = (w2 * (b * rstd).to(x2.dtype).to(tl.float32)).to(x2.dtype)
+            c1 = tl.load(Cos + row * stride_cs + d, mask=ok, other=0.0).to(tl.float32)
+            c2 = tl.load(Cos + row * stride_cs + half + d, mask=ok, other=0.0).to(tl.float32)
+            s1 = tl.load(Sin + row * stride_cs + d, mask=ok, other=0.0).to(tl.float32)
+            s2 = tl.load(Sin + row * stride_cs + half + d, mask=ok, other=0.0).to(tl.float32)
+            a, b = x1.to(tl.float32), x2.to(tl.float32)
+            x1 = (a * c1 - b * s1).to(x1.dtype)
+            x2 = (b * c2 + a * s2).to(x2.dtype)
+        if head < Q_HEADS:
+            out = QOut + row * stride_qo + head * stride_qh
+            tl.store(out + d, x1, mask=ok)
+            tl.store(out + half + d, x2, mask=ok)
+        else:
+            slot = tl.load(Slots + row // rows_per_req).to(tl.int64)
+            pos = tl.load(WritePos + row).to(tl.int64)
+            if is_v:
+                out = VCache + slot * stride_vs + (head - Q_HEADS - KV_HEADS) * stride_vh + pos * stride_vl
+            else:
+                out = KCache + slot * stride_ks + (head - Q_HEADS) * stride_kh + pos * stride_kl
+            tl.store(out + d, x1, mask=ok)
+            tl.store(out + half + d, x2, mask=ok)
+
+
+def use_kernels(*tensors: Tensor) -> bool:
+    """The kernels serve CUDA inference; CPU runs, autograd (training) and autocast take the reference."""
+    return (tensors[0].is_cuda and triton_available() and not torch.is_autocast_enabled("cuda")
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+
+
+def _rows(x: Tensor) -> Tensor:
+    return x.reshape(-1, x.shape[-1]) if x.stride(-1) == 1 else x.contiguous().view(-1, x.shape[-1])
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+             ) -> Tensor | tuple[Tensor, Tensor]:
+    """RMSNorm over the last dim; with `residual`, returns (x + residual, its norm)."""
+    rows = _rows(x)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    res_in = _rows(residual) if residual is not None else rows
+    res_out = torch.empty_like(out) if residual is not None else out
+    n = rows.shape[-1]
+    block = triton.next_power_of_2(n)
+    _rms_norm[(rows.shape[0],)](rows, res_in, weight, out, res_out, rows.stride(0), res_in.stride(0), out.stride(0),
+                                res_out.stride(0), n, eps, HAS_RES=residual is not None, BLOCK=block,
+                                num_warps=max(1, min(16, block // 256)))
+    if residual is None:
+        return out.view(x.shape)
+    return res_out.view(x.shape), out.view(x.shape)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dim."""
+    rows = _rows(gate_up)
+    n = rows.shape[-1] // 2
+    out = torch.empty(rows.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_mul[(rows.shape[0], triton.cdiv(n, block))](rows, out, rows.stride(0), out.stride(0), n, BLOCK=block,
+                                                      num_warps=4)
+    return out.view(*gate_up.shape[:-1], n)
+
+
+def qkv_rope_store(qkv: Tensor, q_heads: int, kv_heads: int, head_dim: int, q_weight: Tensor | None,
+                   k_weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   slots: Tensor, write_pos: Tensor) -> Tensor:
+    """qkv [R, Q, (q_heads + 2 kv_heads) * head_dim] -> q [R, Q, q_heads, head_dim] normed and rotated;
+    k (normed, rotated) and v are stored at (slots[r], head, write_pos[r, i]) of the caches
+    [S, kv_heads, L, head_dim]. cos/sin [R, Q, head_dim]. q_heads may be 0 (context K/V only); the
+    q/k RMSNorm runs when k_weight is given (Qwen3), else only RoPE (Llama, Qwen2)."""
+    r, nq, width = qkv.shape
+    if width != (q_heads + 2 * kv_heads) * head_dim or qkv.stride(-1) != 1:
+        raise ValueError(f"qkv_rope_store: qkv {tuple(qkv.shape)} is not [R, Q, ({q_heads} + 2 x {kv_heads}) x "
+                         f"{head_dim}] with a contiguous last dim")
+    if head_dim % 2:
+        raise ValueError(f"qkv_rope_store: head_dim {head_dim} must be even for RoPE")
+    rows = qkv.view(r * nq, width) if qkv.is_contiguous() else qkv.reshape(r * nq, width)
+    cos = cos.reshape(r * nq, head_dim)
+    sin = sin.reshape(r * nq, head_dim)
+    q = torch.empty(r, nq, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    qk_norm = k_weight is not None
+    if qk_norm and q_heads and q_weight is None:
+        raise ValueError("qkv_rope_store: q/k-norm needs both weights (q_weight is None)")
+    write_pos = write_pos.reshape(r * nq)
+    _qkv_rope_store[(r * nq, q_heads + 2 * kv_heads)](
+        rows, q_weight if q_weight is not None else rows, k_weight if qk_norm else rows, cos, sin, slots, write_pos, q,
+        k_cache, v_cache,
+        rows.stride(0), cos.stride(0), q_heads * head_dim, head_dim,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), nq, eps,
+        Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF_BLOCK=triton.next_power_of_2(head_dim // 2),
+        QK_NORM=qk_norm, num_warps=1,
+    )
+    return q

@@ -1,0 +1,106 @@
+"""The norm, SwiGLU and fused q/k-norm + RoPE + KV-store kernels held to the reference ops in
+`layers` (which they replace in CUDA inference). Without a GPU they run in Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.config import RopeConfig
+from blockspec.engine.kv_cache import KVCache, causal_meta
+from blockspec.models import layers, triton_ops
+from factories import TRITON_SKIP_REASON, triton_interpretable
+
+pytestmark = pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # fp16: one unit in the last place of values near 1
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    return torch.allclose(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def rand(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(dtype, with_residual):
+    x = rand(3, 5, 96, dtype=dtype)
+    res = rand(3, 5, 96, dtype=dtype, seed=1)
+    w = rand(96, dtype=dtype, seed=2)
+    with torch.enable_grad():  # the reference ops (kernels serve inference only)
+        want = layers.add_rms_norm(x, res, w, 1e-6) if with_residual else (None, layers.rms_norm(x, w, 1e-6))
+    got = triton_ops.rms_norm(x, w, 1e-6, res) if with_residual else (None, triton_ops.rms_norm(x, w, 1e-6))
+    assert got[1].shape == x.shape and got[1].dtype == dtype
+    assert close(got[1], want[1], dtype)
+    if with_residual:
+        assert torch.equal(got[0], want[0])
+    # negative control: the norm without its weight is far from it
+    assert not close(triton_ops.rms_norm(x, torch.ones_like(w), 1e-6), want[1], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_mul_matches_reference(dtype):
+    gate_up = rand(4, 2, 2 * 80, dtype=dtype)
+    with torch.enable_grad():
+        want = layers.silu_mul(gate_up)
+    got = triton_ops.silu_mul(gate_up)
+    assert got.shape == (4, 2, 80) and close(got, want, dtype)
+    swapped = torch.cat(gate_up.chunk(2, dim=-1)[::-1], dim=-1)  # negative control: gate and up swapped
+    assert not close(triton_ops.silu_mul(swapped), want, dtype)
+
+
+def reference_store(qkv, hq, hkv, hd, qw, kw, cos, sin, cache, meta):
+    """The reference: split, q/k-norm + RoPE (layers.qk_norm_rope), then KVCache.write."""
+    r, n, _ = qkv.shape
+    q, k, v = qkv.split([hq * hd, hkv * hd, hkv * hd], dim=-1)
+    if hq == 0:
+        q = k  # context K/V: only k is normed and rotated; q is discarded
+    with torch.enable_grad():
+        q, k = layers.qk_norm_rope(q.view(r, n, -1, hd), k.view(r, n, hkv, hd), qw if hq else kw, kw, 1e-6, cos, sin)
+    cache.write(0, meta, k, v.view(r, n, hkv, hd).transpose(1, 2))
+    return q.transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq,hkv,hd,qk_norm", [(4, 2, 16, True), (2, 2, 8, False), (0, 2, 16, True),
+                                               (6, 3, 12, True)])
+def test_qkv_rope_store_matches_reference(dtype, hq, hkv, hd, qk_norm):
+    r, n, slots, length = 3, 4, 5, 40
+    qkv = rand(r, n, (hq + 2 * hkv) * hd, dtype=dtype)
+    qw = rand(hd, dtype=dtype, seed=3) if qk_norm else None
+    kw = rand(hd, dtype=dtype, seed=4) if qk_norm else None
+    # rows at different starts, one request with a padding row (its K/V go to the trash column)
+    meta = causal_meta([4, 0, 2], [7, 0, 30], [4, 4, 3], n, length, DEVICE)
+    rotary = layers.Rotary(RopeConfig(theta=10000.0), hd, 64).to(DEVICE)
+    cos, sin = rotary(meta.positions, dtype)
+    caches = [KVCache(1, slots, hkv, hd, length, dtype, DEVICE) for _ in range(2)]
+    for c in caches:  # existing context must survive the store untouched
+        c.k[0].copy_(rand(*c.k[0].shape, dtype=dtype, seed=5))
+        c.v[0].copy_(rand(*c.v[0].shape, dtype=dtype, seed=6))
+    want_q = reference_store(qkv, hq, hkv, hd, qw, kw, cos, sin, caches[0], meta)
+    # context K/V (hq = 0) pass no q weight, as the drafter does
+    got_q = triton_ops.qkv_rope_store(qkv, hq, hkv, hd, qw if hq else None, kw, 1e-6, cos, sin, caches[1].k[0],
+                                      caches[1].v[0], meta.slots, meta.write_pos)
+    assert got_q.shape == (r, n, hq, hd)
+    if hq:
+        assert close(got_q, want_q, dtype)
+    assert close(caches[1].k[0], caches[0].k[0], dtype)
+    assert torch.equal(caches[1].v[0], caches[0].v[0])
+    # negative control: RoPE at positions one further along stores different keys
+    caches[1].k[0].copy_(caches[0].k[0])
+    cos1, sin1 = rotary(meta.positions + 1, dtype)
+    triton_ops.qkv_rope_store(qkv, hq, hkv, hd, qw, kw, 1e-6, cos1, sin1, caches[1].k[0], caches[1].v[0],
+                              meta.slots, meta.write_pos)
+    assert not close(caches[1].k[0], caches[0].k[0], dtype)
+
+
+def test_qkv_rope_store_names_a_bad_shape():
+    qkv = torch.zeros(1, 2, 40, device=DEVICE)
+    cache = torch.zeros(2, 2, 8, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"qkv_rope_store: qkv \(1, 2, 40\)"):
+        triton_ops.qkv_rope_store(qkv, 4, 2, 8, None, None, 1e-6, qkv, qkv, cache, cache,
+                                  torch.zeros(1, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.int64))
