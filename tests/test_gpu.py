@@ -63,10 +63,61 @@ def test_warmup_captures_every_graph_serving_needs(tmp_path, backend):
               speculative_config=spec, attention_backend=backend)
     assert llm.engine.num_steps == 0 and llm.engine.num_generated == 0  # warm-up left no trace
     before = CAPTURES[0]
+    compiled = triton_compiled()
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for batch in (1, 3, 8):
-        prompts = [{"prompt_token_ids": [2 + i % 90 for i in range(n)]} for n in (3, 30, 11, 250, 5, 60, 17, 2)[:batch]]
+        prompts = [{"prompt_token_ids": [2 + i % 90 for i in range(n)]} for n in (3, 30, 11, 250, 5, 64, 17, 2)[:batch]]
         llm.generate(prompts, params, use_tqdm=False)
+    for n in (1, 16, 48, 97, 128):  # lengths of 1 and multiples of 16 are where Triton would specialise
+        llm.generate([{"prompt_token_ids": [2 + i % 90 for i in range(n)]}], params, use_tqdm=False)
     plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, use_speculation=False)
     llm.generate([{"prompt_token_ids": [3, 4, 5]}], plain, use_tqdm=False)
     assert CAPTURES[0] == before
+    new = triton_compiled() - compiled
+    assert not new, new  # and no Triton kernel compiled a variant for a new shape
+
+
+def triton_compiled() -> set[str]:
+    """Kernel variants Triton has compiled so far for blockspec's kernels (name: specialisation)."""
+    from blockspec.models import triton_attention, triton_ops
+
+    kernels = [triton_attention._block_attention, triton_ops._rms_norm, triton_ops._silu_mul,
+               triton_ops._qkv_rope_store]
+    if not hasattr(kernels[0], "device_caches"):
+        pytest.skip("this Triton version keeps its kernel cache elsewhere")
+    return {f"{k.fn.__name__}: {key}" for k in kernels for caches in k.device_caches.values() for key in caches[0]}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_step_waits_for_the_device_once(tmp_path, method, fixture, temperature):
+    """A decode step (plain or speculative) blocks the host only on its one copy of the results:
+    every host-to-device copy inside it is asynchronous, so the GPU never idles mid-step while the
+    host prepares the next launch."""
+    import warnings
+    from pathlib import Path
+
+    target = save_drafter_target(tmp_path / "t")
+    spec = {"method": method, "model": str(Path(__file__).parent / "fixtures" / "drafters" / fixture)}
+    llm = LLM(str(target), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=4, speculative_config=spec)
+    engine = llm.engine
+    for i, speculate in enumerate((True, True, False)):
+        params = SamplingParams(temperature=temperature, max_tokens=200, ignore_eos=True, seed=i,
+                                use_speculation=speculate)
+        engine.add_request(str(i), None, [2 + (i + j) % 50 for j in range(20 + 7 * i)], params)
+    for _ in range(12):  # prefill, catch-up, the policy's first choices
+        engine.step()
+    steps = 10
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    # each step has a speculative part and a plain part (the opted-out request): one copy each
+    assert len(syncs) <= 2 * steps, [str(w.message) for w in syncs[:5]]
+    assert syncs, "the sync debug mode reported nothing: the check cannot fail"

@@ -254,20 +254,31 @@ def test_policy_turns_speculation_off_when_confidence_prunes_every_draft(target)
     assert choices.count(0) >= 0.3 * len(choices), choices
 
 
-def test_context_catch_up_is_not_a_timing_sample(target):
-    """After plain steps the drafter appends the context it missed: that step's time is a one-off, not
-    what drafting K costs per step, so the policy must not learn it (it once priced K = 1 at 5x a
-    plain step at batch 64 and never tried speculation again)."""
+def test_plain_steps_keep_the_draft_context_current(target, plain):
+    """Prefill chunks and plain steps hand their features to the drafter in the same step, so when
+    the policy switches to speculation there is no backlog to append first (that step once cost 5x
+    a plain step at batch 64, and the policy priced speculation by it). Output stays plain's."""
     llm = spec_llm(target, "dflash", "dflash", adaptive_draft_length=True)
-    policy = llm.engine.policy
-    plan = iter([0, 0, 0, 0, 2, 2, 2] + [0] * 100)
-    chosen: list[int] = []
-    policy.choose = lambda batch: chosen.append(next(plan)) or chosen[-1]
-    seen: list[int] = []
-    observe = policy.observe_time
-    policy.observe_time = lambda batch, k, seconds: seen.append(k) or observe(batch, k, seconds)
-    llm.generate([prompts(1, seed=3)[0]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                 use_tqdm=False)
-    # 4 plain steps (timed), K=2 after the backlog (not timed), then two K=2 steps (timed)
-    assert chosen[:7] == [0, 0, 0, 0, 2, 2, 2]
-    assert seen[:6] == [0, 0, 0, 0, 2, 2] and seen.count(2) == 2, seen
+    engine = llm.engine
+    plan = iter([0, 0, 0, 0, 2, 2, 2] + [0, 3] * 100)
+    engine.policy.choose = lambda batch: next(plan)
+    pending_at_draft: list[int] = []
+    propose = engine.proposer.propose
+
+    def watch(reqs, budgets, eng):
+        pending_at_draft.extend(sum(f.shape[0] for f in r.pending_features) for r in reqs)
+        return propose(reqs, budgets, eng)
+
+    engine.proposer.propose = watch
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    (req,) = engine.add_request("r", None, prompts(1, seed=3)[0]["prompt_token_ids"], params)
+    engine.step()  # prefill: its features are in the draft cache at once
+    assert req.num_draft_ctx == req.num_cached == len(req.prompt_token_ids) and not req.pending_features
+    while engine.has_unfinished():
+        engine.step()
+        if req.status.name == "RUNNING" and not req.pending_features:
+            assert req.num_draft_ctx == req.num_cached
+    # a draft only ever appends the rows the previous verify accepted (at most K + 1 = 3 here)
+    assert pending_at_draft and max(pending_at_draft) <= 3 + 1, pending_at_draft
+    ps = [prompts(1, seed=3)[0]]
+    assert req.output_ids == plain.generate(ps, params, use_tqdm=False)[0].outputs[0].token_ids

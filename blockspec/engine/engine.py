@@ -23,6 +23,7 @@ from blockspec.models.triton_attention import resolve_backend
 from blockspec.sample import RowParams, logprobs as top_logprobs, process_logits, sample
 from blockspec.spec.policy import DraftLengthPolicy
 from blockspec.sampling_params import SamplingParams
+from blockspec.transfer import to_device
 
 
 class RequestError(ValueError):
@@ -111,11 +112,12 @@ class Engine:
         self.num_generated = 0
 
     # ---------------------------------------------------------------- start-up
+    @torch.no_grad()
     def warmup(self) -> dict[str, float]:
         """Pay every one-time cost before the first request: capture the CUDA graph of each batch
         bucket up to max_num_seqs x verify width (with and without taps) and of the draft step,
-        then run two short requests end to end (prefill compilation, the eager draft path,
-        sampling). Counters and the draft-length policy start afresh afterwards, so no request and
+        then run two short requests end to end (each Triton kernel variant prefill, decode and the
+        drafter use, the eager draft path, sampling). Counters and the draft-length policy start afresh afterwards, so no request and
         no policy estimate pays for a capture or a compilation. Returns what it did."""
         if self.device.type != "cuda" or not self.runner.use_graphs:
             return {"graphs": 0, "seconds": 0.0}
@@ -188,6 +190,7 @@ class Engine:
         return bool(self.waiting or self.running)
 
     # ---------------------------------------------------------------- step
+    @torch.no_grad()
     def step(self) -> list[Request]:
         """Run one engine step; return the requests whose output changed.
 
@@ -222,11 +225,20 @@ class Engine:
         return self.proposer is not None and any(r.params.use_speculation for r in reqs)
 
     def _observe_time(self, batch: int, k: int, seconds: float) -> None:
-        """Feed the policy a step time, unless the step paid a one-off cost: a graph capture, or the
-        drafter catching up on context appended while the policy ran plain steps."""
-        caught_up = k > 0 and self.proposer is not None and self.proposer.caught_up
-        if not self.timer.step_captured and not caught_up:
+        """Feed the policy a step time, unless the step paid a one-off cost (a graph capture)."""
+        if not self.timer.step_captured:
             self.policy.observe_time(batch, k, seconds)
+
+    def _extend_draft_context(self, reqs: list[Request], feats: Tensor | None, counts: list[int]) -> None:
+        """Hand the drafter the features of the tokens a prefill chunk or plain step fed, for the
+        requests that may draft later (launched before the step's host copy, so the host's launches
+        overlap the GPU's work)."""
+        if feats is None:
+            return
+        rows = [i for i, r in enumerate(reqs) if r.params.use_speculation]
+        if rows:
+            keep = feats if len(rows) == len(reqs) else feats[to_device(rows, torch.int64, feats.device)]
+            self.proposer.extend_context([reqs[i] for i in rows], keep, [counts[i] for i in rows])
 
     def _admit(self) -> None:
         while self.waiting and self.runner.cache.num_free_slots:
@@ -253,14 +265,12 @@ class Engine:
             budget -= take
         self.timer.mark("rest")
         hidden, feats = self.runner.forward(runs, starts, [r.slot for r in chosen], with_taps=self._drafts_any(chosen))
+        self._extend_draft_context(chosen, feats, [len(run) for run in runs])
         done = []
         for i, req in enumerate(chosen):
-            n = len(runs[i])
-            req.num_cached += n
-            if feats is not None and req.params.use_speculation:
-                req.pending_features.append(feats[i, :n])
+            req.num_cached += len(runs[i])
             if req.num_cached == len(req.prompt_token_ids):
-                done.append((i, req, n - 1))
+                done.append((i, req, len(runs[i]) - 1))
         if not done:
             self.timer.close()
             return []
@@ -280,12 +290,11 @@ class Engine:
         runs = [[r.output_ids[-1]] for r in reqs]
         starts = [r.num_cached for r in reqs]
         hidden, feats = self.runner.forward(runs, starts, [r.slot for r in reqs], with_taps=self._drafts_any(reqs))
+        self._extend_draft_context(reqs, feats, [1] * len(reqs))
         tokens, lps = self._sample(reqs, hidden[:, 0])
         seconds = self.timer.close()
         for j, req in enumerate(reqs):
             req.num_cached += 1
-            if feats is not None and req.params.use_speculation:
-                req.pending_features.append(feats[j, :1])
             self._append(req, [tokens[j]], lps[j] if lps else None)
         return seconds
 
@@ -335,7 +344,7 @@ class Engine:
         ps = [reqs[i].params for i in req_of_row]
 
         def col(values: list[Any], dtype: torch.dtype) -> Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev)
+            return to_device(values, dtype, dev)
 
         bias_rows, bias_ids, bias_vals = [], [], []
         for row, (ri, j) in enumerate(zip(req_of_row, offset)):
@@ -418,7 +427,7 @@ class Engine:
         if req.params.uses_penalties:
             req.output_counts = torch.zeros(self.vocab_size, dtype=torch.int32, device=self.device)
             req.prompt_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-            req.prompt_mask[torch.tensor(req.prompt_token_ids, device=self.device)] = True
+            req.prompt_mask[to_device(req.prompt_token_ids, torch.int64, self.device)] = True
 
     # ---------------------------------------------------------------- commit / stop
     def _append(self, req: Request, tokens: list[int], lps: list[dict] | None) -> None:
@@ -427,7 +436,7 @@ class Engine:
         self._commit(req, tokens, lps)
         new = req.output_ids[start:]
         if req.output_counts is not None and new and req.status is Status.RUNNING:
-            index = torch.tensor(new, dtype=torch.int64, device=self.device)
+            index = to_device(new, torch.int64, self.device)
             req.output_counts.index_add_(0, index, torch.ones_like(index, dtype=torch.int32))
 
     def _commit(self, req: Request, tokens: list[int], lps: list[dict] | None) -> None:

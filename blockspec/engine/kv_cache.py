@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from blockspec.transfer import to_device
+
 
 class OutOfSlots(RuntimeError):
     """No free slot: the scheduler must queue the request."""
@@ -126,7 +128,7 @@ def causal_meta(
     sync. A single request reads its slot as a view instead of a gather.
     """
     kv_len = kv_len or max(s + q for s, q in zip(starts, q_lens))
-    as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+    as_t = lambda v: to_device(v, torch.int64, device)  # noqa: E731
     meta = meta_from_tensors(as_t(slots), as_t(starts), as_t(q_lens), num_queries, kv_len, trash, sliding_window,
                              layer_types)
     meta.contiguous_slot = slots[0] if len(slots) == 1 else None

@@ -115,7 +115,7 @@ class IncrementalDetokenizer:
         return ""
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: `in` / `remove` must not compare every field
 class Request:
     request_id: str
     prompt: str | None

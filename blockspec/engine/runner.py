@@ -18,6 +18,7 @@ from torch import Tensor
 from blockspec.engine.kv_cache import KVCache, causal_meta, meta_from_tensors
 from blockspec.models.llama import CausalLM
 from blockspec.sample.sampler import greedy_ids
+from blockspec.transfer import to_device
 
 T = TypeVar("T")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -92,11 +93,8 @@ class ModelRunner:
     ) -> tuple[Tensor, Tensor | None]:
         """runs[r] are token ids fed at positions starts[r], ...; returns hidden [R, Q, H], taps [R, Q, F]."""
         q = max(len(r) for r in runs)
-        ids = torch.zeros(len(runs), q, dtype=torch.int64)
-        for i, run in enumerate(runs):
-            ids[i, : len(run)] = torch.as_tensor(run, dtype=torch.int64)
-        return self.forward_ids(ids.to(self.device, non_blocking=True), [len(r) for r in runs], starts, slots,
-                                with_taps)
+        ids = to_device([list(run) + [0] * (q - len(run)) for run in runs], torch.int64, self.device)
+        return self.forward_ids(ids, [len(r) for r in runs], starts, slots, with_taps)
 
     def forward_ids(
         self, ids: Tensor, q_lens: Sequence[int], starts: Sequence[int], slots: Sequence[int], with_taps: bool = False
@@ -136,9 +134,8 @@ class ModelRunner:
         r, q = ids.shape
         b = key[0]
         cap = self.graphs.get(key) or self._capture(key)
-        control = torch.tensor([list(slots) + [self.cache.scratch_slot] * (b - r),
-                                list(starts) + [0] * (b - r), list(q_lens) + [0] * (b - r)], dtype=torch.int64)
-        cap.control.copy_(control, non_blocking=True)
+        cap.control.copy_(to_device([list(slots) + [self.cache.scratch_slot] * (b - r), list(starts) + [0] * (b - r),
+                                     list(q_lens) + [0] * (b - r)], torch.int64, self.device))
         cap.ids[:r, :q].copy_(ids)
         cap.graph.replay()
         # Features outlive this replay (they become draft context later): copy them out.
@@ -168,11 +165,12 @@ class ModelRunner:
     def logits(self, hidden: Tensor) -> Tensor:
         return self.model.compute_logits(hidden)
 
-    def greedy_ids(self, hidden: Tensor, chunk_rows: int = 64) -> Tensor:
-        """Argmax token per row (-1 for a non-finite row) without holding more than `chunk_rows`
-        vocabulary rows at once."""
+    def greedy_ids(self, hidden: Tensor, max_logits: int = 1 << 26) -> Tensor:
+        """Argmax token per row (-1 for a non-finite row), holding at most `max_logits` fp32 logits at
+        once (256 MB). Chunks stay large: each one reads the whole LM head."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         out = torch.empty(flat.shape[0], dtype=torch.int64, device=flat.device)
+        chunk_rows = max(1, max_logits // self.model.config.vocab_size)
         for i in range(0, flat.shape[0], chunk_rows):
             out[i : i + chunk_rows] = greedy_ids(self.model.compute_logits(flat[i : i + chunk_rows]))
         return out.view(hidden.shape[:-1])

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from blockspec.transfer import to_device
+
 CHUNK_ELEMS = 1 << 23
 """Rows are processed in chunks of at most this many row x vocab elements. Processing and noise
 temporaries take about 50 bytes per element (sort values + int64 indices, int64 hash words,
@@ -90,21 +92,23 @@ class RowParams:
         from the host values so that no later call needs to read them back from the device."""
         n = len(temperature)
 
-        def col(values: Sequence[float] | Sequence[int] | Sequence[bool] | None, default: float | int | bool,
-                dtype: torch.dtype) -> Tensor:
-            return torch.tensor(list(values) if values is not None else [default] * n, dtype=dtype, device=device)
+        def host(values: Sequence[float] | Sequence[int] | Sequence[bool] | None, default: float | int | bool
+                 ) -> list:
+            return list(values) if values is not None else [default] * n
+
+        # two host-to-device copies for every column (one per dtype), none of which waits for the device
+        floats = to_device([host(temperature, 0.0), host(top_p, 1.0), host(min_p, 0.0), host(presence_penalty, 0.0),
+                            host(frequency_penalty, 0.0), host(repetition_penalty, 1.0)], torch.float32, device)
+        ints = to_device([host(top_k, 0), host(seed, 0), host(position, 0), host(suppress_eos, False)], torch.int64,
+                         device)
 
         feats = Features(sampled=any(t > 0 for t in temperature),
                          top_k=top_k is not None and any(k > 0 for k in top_k),
                          top_p=top_p is not None and any(v < 1 for v in top_p),
                          min_p=min_p is not None and any(v > 0 for v in min_p))
-        return cls(temperature=col(temperature, 0.0, torch.float32), top_k=col(top_k, 0, torch.int64),
-                   top_p=col(top_p, 1.0, torch.float32), min_p=col(min_p, 0.0, torch.float32),
-                   presence_penalty=col(presence_penalty, 0.0, torch.float32),
-                   frequency_penalty=col(frequency_penalty, 0.0, torch.float32),
-                   repetition_penalty=col(repetition_penalty, 1.0, torch.float32),
-                   seed=col(seed, 0, torch.int64), position=col(position, 0, torch.int64),
-                   suppress_eos=col(suppress_eos, False, torch.bool), output_counts=output_counts,
+        return cls(temperature=floats[0], top_p=floats[1], min_p=floats[2], presence_penalty=floats[3],
+                   frequency_penalty=floats[4], repetition_penalty=floats[5], top_k=ints[0], seed=ints[1],
+                   position=ints[2], suppress_eos=ints[3].bool(), output_counts=output_counts,
                    prompt_mask=prompt_mask, logit_bias=logit_bias, eos_ids=eos_ids, features=feats)
 
 

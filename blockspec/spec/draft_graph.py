@@ -17,6 +17,7 @@ from torch import Tensor
 from blockspec.engine.kv_cache import KVCache
 from blockspec.engine.runner import BATCH_BUCKETS, bucket, capture, kv_extent, kv_extents
 from blockspec.models.llama import CausalLM
+from blockspec.transfer import to_device
 
 
 @dataclass
@@ -65,9 +66,8 @@ class DraftGraphs:
         kv = kv_extent(ctx_end, self.cache.max_len - self.rows, self.whole_cache)
         cap = self.graphs.get((b, kv)) or self._capture(b, kv)
         pad = b - r
-        control = torch.tensor([slots + [self.cache.scratch_slot] * pad, starts + [0] * pad, counts + [0] * pad],
-                               dtype=torch.int64)
-        cap.control[:3].copy_(control, non_blocking=True)
+        cap.control[:3].copy_(to_device([slots + [self.cache.scratch_slot] * pad, starts + [0] * pad,
+                                         counts + [0] * pad], torch.int64, cap.control.device))
         cap.control[3, :r].copy_(anchors)
         if features is not None:
             cap.features[:r, : features.shape[1]].copy_(features)
@@ -87,7 +87,7 @@ class DraftGraphs:
             slots, starts, counts, anchors = control[0], control[1], control[2], control[3]
             d.append_context_tensors(self.cache, slots, starts, counts, features, kv + self.rows)
             hidden = d.block_hidden_tensors(self.cache, slots, starts + counts, anchors, kv, self.target.embed)
-            slot_hidden = d.slot_hidden(hidden)[:, : self.k]
+            slot_hidden = d.slot_hidden(hidden, self.k)
             if hasattr(d, "draft_greedy"):
                 return d.draft_greedy(d.logits(slot_hidden), slot_hidden, anchors, self.markov_top_k)
             if self.target_head:  # argmax of the head's own-dtype logits = argmax of their fp32 copy

@@ -38,6 +38,7 @@ from blockspec.config import ConfigError, ModelConfig, RopeConfig, rope_from_hf
 from blockspec.engine.kv_cache import AttnMeta, KVCache, range_mask
 from blockspec.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attention
 from blockspec.models.triton_attention import block_attention
+from blockspec.models.triton_ops import qkv_rope_store
 from blockspec.models.loader import (
     ModelLoadError,
     assign_weights,
@@ -48,6 +49,7 @@ from blockspec.models.loader import (
     resolve_dtype,
     resolve_model_dir,
 )
+from blockspec.transfer import to_device
 
 __all__ = [
     "DrafterConfig",
@@ -290,12 +292,22 @@ class DraftAttention(nn.Module):
     def context_kv(self, ctx: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """ctx [R, C, H] (fused target features) -> k, v [R, kv_heads, C, hd] (k normed and rotated)."""
         r, c, _ = ctx.shape
-        w = self.qkv_proj.weight[self.q_size:]
-        b = self.qkv_proj.bias[self.q_size:] if self.qkv_proj.bias is not None else None
-        k, v = F.linear(ctx, w, b).split([self.kv_size, self.kv_size], dim=-1)
+        k, v = self._context_kv_proj(ctx).split([self.kv_size, self.kv_size], dim=-1)
         k = self.k_norm(k.view(r, c, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = v.view(r, c, self.kv_heads, self.head_dim).transpose(1, 2)
         return apply_rotary(k, cos, sin), v
+
+    def store_context_kv(self, ctx: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int,
+                         meta: AttnMeta) -> None:
+        """Kernel path of `context_kv` + `cache.write`: project, norm, rotate and store in one kernel."""
+        qkv_rope_store(self._context_kv_proj(ctx), 0, self.kv_heads, self.head_dim, None, self.k_norm.weight,
+                       self.k_norm.eps, cos, sin, cache.k[layer], cache.v[layer], meta.slots, meta.write_pos)
+
+    def _context_kv_proj(self, ctx: Tensor) -> Tensor:
+        """[k | v] of the context rows: the k and v slices of the fused projection."""
+        w = self.qkv_proj.weight[self.q_size:]
+        b = self.qkv_proj.bias[self.q_size:] if self.qkv_proj.bias is not None else None
+        return F.linear(ctx, w, b)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor) -> Tensor:
         """Reference: keys are the gathered context K/V [R, kv_heads, C, hd] followed by the block's own."""
@@ -310,11 +322,12 @@ class DraftAttention(nn.Module):
         """Kernel path: the block's K/V are written into the cache right after the context (columns
         the next context append overwrites) and the rows read keys in place, within `block.bounds`."""
         r, n, _ = x.shape
-        q, k, v = self._block_qkv(x, cos, sin)
-        block.cache.write(layer, block.meta, k, v)
+        cache, meta = block.cache, block.meta
+        q = qkv_rope_store(self.qkv_proj(x), self.heads, self.kv_heads, self.head_dim, self.q_norm.weight,
+                           self.k_norm.weight, self.q_norm.eps, cos, sin, cache.k[layer], cache.v[layer], meta.slots,
+                           meta.write_pos)
         lo, hi = block.bounds[layer]
-        out = block_attention(q.transpose(1, 2), block.cache.k[layer], block.cache.v[layer], block.meta.slots, lo, hi,
-                              self.scale, block.meta.kv_len)
+        out = block_attention(q, cache.k[layer], cache.v[layer], meta.slots, lo, hi, self.scale, meta.kv_len)
         return self.o_proj(out.view(r, n, self.q_size))
 
     def _block_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -483,7 +496,7 @@ class DraftModel(nn.Module):
         if end > cache.max_len:
             raise ValueError(f"append_context: context would reach position {end} beyond the cache ({cache.max_len})")
         dev = features.device
-        as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
+        as_t = lambda v: to_device(v, torch.int64, dev)  # noqa: E731
         self.append_context_tensors(cache, as_t(slots), as_t(starts), as_t(counts), features,
                                     max(s + c for s in starts))
 
@@ -500,8 +513,10 @@ class DraftModel(nn.Module):
         ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
         meta = AttnMeta(slots, positions, write_pos, 0, {})
         for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.context_kv(ctx, cos, sin)
-            cache.write(i, meta, k, v)
+            if self.attention_backend == "triton":
+                layer.self_attn.store_context_kv(ctx, cos, sin, cache, i, meta)
+            else:
+                cache.write(i, meta, *layer.self_attn.context_kv(ctx, cos, sin))
 
     # ------------------------------------------------------------------ block
     def embed_block(self, ids: Tensor, embed: Callable[[Tensor], Tensor] | None) -> Tensor:
@@ -567,10 +582,10 @@ class DraftModel(nn.Module):
         kv_len = max(ctx_lens)
         if kv_len > cache.max_len:
             raise ValueError(f"block_hidden: context length {kv_len} beyond the cache ({cache.max_len})")
-        ctx_t = torch.tensor(ctx_lens, dtype=torch.int64, device=dev)
+        ctx_t = to_device(ctx_lens, torch.int64, dev)
         if r == 1:  # one request reads its slot as a view instead of a gather
             return self.block_hidden_tensors(cache, slice(slots[0], slots[0] + 1), ctx_t, anchor_ids, kv_len, embed)
-        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+        slot_t = to_device(slots, torch.int64, dev)
         return self.block_hidden_tensors(cache, slot_t, ctx_t, anchor_ids, kv_len, embed)
 
     def block_hidden_tensors(self, cache: KVCache, slots: Tensor | slice, ctx_lens: Tensor, anchor_ids: Tensor,
@@ -596,9 +611,11 @@ class DraftModel(nn.Module):
             x = layer(x, cos, sin, ck, cv, masks[i])
         return self.norm(x)
 
-    def slot_hidden(self, hidden: Tensor) -> Tensor:
-        """[R, num_draft_slots, H]: the block rows that propose drafts."""
-        return hidden if self.anchor_first else hidden[:, 1:]
+    def slot_hidden(self, hidden: Tensor, k: int | None = None) -> Tensor:
+        """[R, k, H] (k defaults to num_draft_slots): the block rows that propose the first k drafts,
+        contiguous, so a head applied to them is one matrix product over all rows (a strided 3-D
+        input makes torch run one product per request, reading the head's weights R times)."""
+        return (hidden if self.anchor_first else hidden[:, 1:])[:, :k].contiguous()
 
     # ------------------------------------------------------------------ logits / vocab
     @property

@@ -25,6 +25,7 @@ from blockspec.sample import (
     verify_sample_and_match,
     verify_standard,
 )
+from blockspec.transfer import to_device
 
 if TYPE_CHECKING:
     from blockspec.engine.engine import Engine
@@ -62,7 +63,6 @@ class Proposer:
             raise ConfigError("speculative_config.confidence_threshold / adaptive_verification need a DSpark drafter "
                               f"with a confidence head; {type(drafter).__name__} has none")
         self.has_confidence = has_conf
-        self.caught_up = False  # the last propose() appended a backlog of context (see propose)
         self.reset_stats()
         self.cache = drafter.new_cache(max_slots, max_len + drafter.block_size + 1, weight.device, weight.dtype)
         self.graphs = DraftGraphs(drafter, target, self.cache, k, self._plain_target_head(), cfg.markov_top_k) \
@@ -80,6 +80,18 @@ class Proposer:
     def enabled_for_batch(self, batch: int) -> bool:
         limit = self.cfg.max_batch_for_speculation
         return limit is None or batch <= limit
+
+    # ---------------------------------------------------------------- context
+    def extend_context(self, reqs: list[Request], features: Tensor, counts: list[int]) -> None:
+        """Append the target features of tokens a prefill chunk or a plain step just fed (features[i,
+        :counts[i]] for reqs[i]) to the drafter cache now. The drafter's context is then current
+        whatever the policy chose, so a speculative step after plain ones drafts from its graph
+        instead of first appending a backlog. (A speculative step's accepted rows are appended by
+        the next draft step, which fuses the append into its graph.)"""
+        self.drafter.append_context(self.cache, [r.slot for r in reqs], [r.num_draft_ctx for r in reqs], counts,
+                                    features)
+        for r, c in zip(reqs, counts):
+            r.num_draft_ctx += c
 
     # ---------------------------------------------------------------- draft
     @staticmethod
@@ -103,13 +115,10 @@ class Proposer:
 
     def propose(self, reqs: list[Request], budgets: list[int], engine: "Engine") -> DraftBlock:
         device = self.target.embed_tokens.weight.device
-        anchors = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=device)
+        anchors = to_device([r.output_ids[-1] for r in reqs], torch.int64, device)
         q_probs = confidence = None
         probabilistic = self.cfg.draft_sample_method == "probabilistic" and not all(r.params.greedy for r in reqs)
         pending = [sum(f.shape[0] for f in r.pending_features) for r in reqs]
-        # more context than one step commits: the drafter is catching up after plain steps (or a
-        # prefill), a one-off cost that is not what drafting K tokens costs per step
-        self.caught_up = max(pending) > self.num_speculative_tokens + 1
         if (self.graphs is not None and not probabilistic
                 and self.graphs.fits(len(reqs), pending, max(r.num_cached for r in reqs))):
             tokens, confidence = self._graphed_draft(reqs, anchors)
@@ -120,7 +129,7 @@ class Proposer:
             lens = self._confident_lengths(confidence, lens, engine)
             self._record_calibration(confidence, lens)
         width = max(lens)  # verify only as many rows as the longest draft this step
-        cut = torch.arange(width, device=device)[None, :] >= torch.tensor(lens, device=device)[:, None]
+        cut = torch.arange(width, device=device)[None, :] >= to_device(lens, torch.int64, device)[:, None]
         tokens = tokens[:, :width].masked_fill(cut, -1)
         if q_probs is not None:
             q_probs = q_probs[:, :width]
@@ -145,7 +154,7 @@ class Proposer:
             assert r.num_draft_ctx == r.num_cached, (r.request_id, r.num_draft_ctx, r.num_cached)
         hidden = self.drafter.block_hidden(self.cache, [r.slot for r in reqs], [r.num_cached for r in reqs], anchors,
                                            self.target.embed)
-        slot_hidden = self.drafter.slot_hidden(hidden)[:, : self.num_speculative_tokens]
+        slot_hidden = self.drafter.slot_hidden(hidden, self.num_speculative_tokens)
         if probabilistic:
             return self._sample_drafts(reqs, slot_hidden, anchors, engine)
         if hasattr(self.drafter, "draft_greedy"):
@@ -200,7 +209,7 @@ class Proposer:
         if width == 0:
             return
         survival = torch.cumprod(confidence.float(), dim=1)[:, :width]
-        keep = torch.arange(width, device=survival.device)[None, :] < torch.tensor(lens, device=survival.device)[:, None]
+        keep = torch.arange(width, device=survival.device)[None, :] < to_device(lens, torch.int64, survival.device)[:, None]
         self.calibration[0, :width] += (survival * keep).sum(0).double()
         self.calibration[1, :width] += keep.sum(0)
 
@@ -242,7 +251,7 @@ class Proposer:
         r, k = slot_hidden.shape[:2]
         vocab = self.target.config.vocab_size
         params = engine.row_params(reqs, [k] * r)
-        round_ = torch.tensor([req.length for req in reqs], dtype=torch.int64, device=slot_hidden.device)
+        round_ = to_device([req.length for req in reqs], torch.int64, slot_hidden.device)
         base = self.drafter.logits(slot_hidden)
         if getattr(self.drafter, "markov_head_type", None) is None:
             tokens, q = sample_draft(self.drafter.scatter_to_target(base, vocab, float("-inf")), params, round_)
@@ -267,7 +276,7 @@ class Proposer:
                hidden: Tensor) -> tuple[list[int], list[list[int]], list[list[dict]] | None]:
         """Accepted counts and emitted tokens per request (one host copy); -1 count = request failed."""
         r, rows, _ = hidden.shape
-        lens = torch.tensor(block.lens, dtype=torch.int64, device=hidden.device)
+        lens = to_device(block.lens, torch.int64, hidden.device)
         want_lp = any(q.logprobs is not None for q in reqs)
         if not engine.needs_processing(reqs):
             ids = engine.runner.greedy_ids(hidden)
@@ -277,7 +286,7 @@ class Proposer:
         params = engine.row_params(reqs, [rows] * r, block.tokens)
         processed = process_logits(logits, params)
         processed3 = processed.view(r, rows, -1)
-        round_ = torch.tensor([q.length for q in reqs], dtype=torch.int64, device=hidden.device)
+        round_ = to_device([q.length for q in reqs], torch.int64, hidden.device)
         method = self.cfg.rejection_sample_method
         if block.q_probs is None and method == "standard" and self.cfg.draft_sample_method == "greedy":
             num_acc, out = verify_sample_and_match(processed3, block.tokens, lens, params)

@@ -745,7 +745,7 @@ def greedy_acceptance(target: CausalLM, drafter: DraftModel, prompts: list[list[
             ctx = len(seq)
             anchor_t = torch.tensor([anchor], device=dev)
             block = drafter.block_hidden(cache, [0], [ctx], anchor_t, target.embed)
-            slot_h = drafter.slot_hidden(block)[:, :k]
+            slot_h = drafter.slot_hidden(block, k)
             base = drafter.logits(slot_h, target)
             if isinstance(drafter, DSparkDraft):
                 drafts = drafter.draft_greedy(base, slot_h, anchor_t)[0][0].tolist()
