@@ -1,5 +1,9 @@
-"""Where a decode step's time goes on the GPU: per-kernel CUDA time of one target forward (eager, so
-every kernel is visible) and of one engine step, plain and DFlash, for the Qwen3-8B shape.
+"""Where a step's time goes on the GPU, for the Qwen3-8B shape at batch 1:
+
+- per-kernel CUDA time of one eager target forward (decode and a 512-token prefill), every kernel visible;
+- per-kernel CUDA time of engine steps (CUDA graphs), plain, DFlash and DSpark (`--batch`, `--k`);
+- each step's wall time against its kernel time (the difference is the GPU waiting for the host),
+  and the host's hottest Python functions (cProfile) over the same steps.
 
     PYTHONPATH=.:benchmarks python benchmarks/profile_step.py --out profile.txt
 """
@@ -7,6 +11,12 @@ every kernel is visible) and of one engine step, plain and DFlash, for the Qwen3
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -19,60 +29,122 @@ from blockspec.engine.runner import ModelRunner
 from blockspec.sampling_params import SamplingParams
 
 
-def table(prof: profile, title: str, steps: int, rows: int = 25) -> str:
+def kernel_ms(prof: profile) -> tuple[float, list]:
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(e.self_device_time_total for e in events)
     events.sort(key=lambda e: -e.self_device_time_total)
-    lines = [f"== {title}: {total / steps / 1e3:.3f} ms of kernels per step, "
+    return sum(e.self_device_time_total for e in events) / 1e3, events
+
+
+def table(prof: profile, title: str, steps: int, rows: int = 25) -> str:
+    total, events = kernel_ms(prof)
+    lines = [f"== {title}: {total / steps:.3f} ms of kernels per step, "
              f"{sum(e.count for e in events) / steps:.0f} kernels per step"]
     for e in events[:rows]:
         lines.append(f"{e.self_device_time_total / steps / 1e3:8.3f} ms {e.count / steps:6.1f}x  {e.key[:110]}")
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    target = random_target(QWEN3_8B, args.context + 2048)
+def eager_forwards(target: torch.nn.Module, context: int, steps: int) -> list[str]:
     out = []
     for backend in ("sdpa", "triton"):
         target.attention_backend = backend
-        runner = ModelRunner(target, 1, args.context + 64, use_cuda_graphs=False)
-        prompt = torch.randint(0, 150000, (1, args.context), device="cuda")
-        runner.forward_ids(prompt, [args.context], [0], [0])
+        runner = ModelRunner(target, 1, context + 64, use_cuda_graphs=False)
+        prompt = torch.randint(0, 150000, (1, context), device="cuda")
+        for _ in range(2):
+            runner.forward_ids(prompt, [context], [0], [0])
+        torch.cuda.synchronize()
+        walls = []
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                runner.forward_ids(prompt, [context], [0], [0])
+                b.record()
+                b.synchronize()
+                walls.append(a.elapsed_time(b))
+        out.append(f"(prefill of {context} tokens: {statistics.median(walls):.2f} ms wall, median of {steps})\n"
+                   + table(prof, f"eager prefill forward, {context} tokens, {backend}", steps, rows=12)
+                   + "\n" + host_hot_spots(lambda: runner.forward_ids(prompt, [context], [0], [0]), steps,
+                                           f"eager prefill, {backend}"))
         last = prompt[:, -1:].contiguous()
         for _ in range(3):
-            runner.greedy_ids(runner.forward_ids(last, [1], [args.context], [0])[0])
+            runner.greedy_ids(runner.forward_ids(last, [1], [context], [0])[0])
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.steps):
-                runner.greedy_ids(runner.forward_ids(last, [1], [args.context], [0])[0])
+            for _ in range(steps):
+                runner.greedy_ids(runner.forward_ids(last, [1], [context], [0])[0])
             torch.cuda.synchronize()
-        out.append(table(prof, f"eager decode forward + head, batch 1, {backend}", args.steps))
-        print(out[-1], flush=True)
+        out.append(table(prof, f"eager decode forward + head, batch 1, {backend}", steps))
+        print("\n\n".join(out[-2:]), flush=True)
         del runner
-    dflash = drafters()["dflash"]
-    spec = SpeculativeConfig(method="dflash", model="(random)", adaptive_draft_length=False)
-    engine = Engine(target, None, EngineConfig(max_model_len=args.context + 1024, max_num_seqs=1,
-                                               attention_backend=args.attention_backend), spec, dflash)
-    for speculate in (False, True):
-        params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True, use_speculation=speculate)
-        engine.add_request(str(speculate), None, torch.randint(0, 150000, (args.context,)).tolist(), params)
-        for _ in range(5):
-            engine.step()  # prefill, graph capture, warm-up
+    return out
+
+
+def engine_steps(engine: Engine, name: str, context: int, steps: int, speculate: bool, batch: int) -> list[str]:
+    """Kernel table, wall vs kernel time, and host hot spots of `steps` steady decode steps."""
+    params = SamplingParams(temperature=0, max_tokens=100000, ignore_eos=True, use_speculation=speculate)
+    for i in range(batch):
+        engine.add_request(f"{name}-{i}", None, torch.randint(0, 150000, (context,)).tolist(), params)
+    for _ in range(8):
+        engine.step()  # prefill, catch-up, policy, allocator
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.steps):
-                engine.step()
-            torch.cuda.synchronize()
-        engine.abort(str(speculate))
-        name = "DFlash K=15" if speculate else "plain"
-        out.append(table(prof, f"engine steps (CUDA graphs), {name}, batch 1", args.steps))
-        print(out[-1], flush=True)
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()  # ends on its one host copy of the step's tokens
+        walls.append((time.perf_counter() - t0) * 1e3)
+    hot = host_hot_spots(engine.step, steps, name)
+    for i in range(batch):
+        engine.abort(f"{name}-{i}")
+    kernels, _ = kernel_ms(prof)
+    wall = statistics.median(walls)
+    return [table(prof, f"engine steps (CUDA graphs), {name}, batch {batch}", steps),
+            f"== {name}: wall {wall:.3f} ms per step (min {min(walls):.3f}, max {max(walls):.3f}), kernels "
+            f"{kernels / steps:.3f} ms: the GPU waits {wall - kernels / steps:.3f} ms per step", hot]
+
+
+def host_hot_spots(fn: Callable[[], object], calls: int, name: str, rows: int = 22) -> str:
+    """The host's hottest Python functions over `calls` calls of fn (cProfile, which slows Python)."""
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(rows)
+    hot = "\n".join(line for line in text.getvalue().splitlines() if line.strip())
+    return f"== host hot spots, {name} ({calls} calls under cProfile)\n{hot}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--skip-eager", action="store_true", help="engine steps only")
+    ap.add_argument("--batch", type=int, default=1, help="requests per engine step")
+    ap.add_argument("--k", type=int, default=None, help="drafts per speculative step (default: the block's)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    target = random_target(QWEN3_8B, args.context + 2048)
+    out = [] if args.skip_eager else eager_forwards(target, args.context, args.steps)
+    for method, drafter in drafters().items():
+        spec = SpeculativeConfig(method=method, model="(random)", adaptive_draft_length=False,
+                                 num_speculative_tokens=args.k and min(args.k, drafter.num_draft_slots))
+        engine = Engine(target, None, EngineConfig(max_model_len=args.context + 1024, max_num_seqs=args.batch,
+                                                   attention_backend=args.attention_backend), spec, drafter)
+        engine.warmup()
+        runs = [(False, "plain")] if method == "dflash" else []
+        for speculate, name in runs + [(True, f"{method} K={engine.proposer.num_speculative_tokens}")]:
+            out += engine_steps(engine, name, args.context, args.steps, speculate, args.batch)
+            print("\n\n".join(out[-3:]), flush=True)
+        del engine
+        torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n\n".join(out) + "\n")
