@@ -282,3 +282,40 @@ def test_plain_steps_keep_the_draft_context_current(target, plain):
     assert pending_at_draft and max(pending_at_draft) <= 3 + 1, pending_at_draft
     ps = [prompts(1, seed=3)[0]]
     assert req.output_ids == plain.generate(ps, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_policy_prices_steps_by_wall_time_with_host_work(target):
+    """What a step costs the policy includes the host's work after the device is done (committing,
+    detokenising, stop checks): with a tiny model that work dominates, and pricing only the device
+    time made speculation look cheaper than it was (0.4x of plain on the H200 with the shipped pair)."""
+    import time as clock
+
+    llm = spec_llm(target, "dflash", "dflash", adaptive_draft_length=True)
+    engine = llm.engine
+    plan = iter([0, 0, 2, 2, 2, 0] * 20)
+    engine.policy.choose = lambda batch: next(plan)
+    delay = 0.02  # several times a step of this model, so the check cannot pass without it
+    commit = engine._commit
+
+    def slow_commit(req, tokens, lps):
+        clock.sleep(delay * len(tokens))  # a slow detokeniser: host work per emitted token
+        return commit(req, tokens, lps)
+
+    engine._commit = slow_commit
+    seen: list[tuple[int, float, int]] = []
+    observe = engine.policy.observe_time
+    before = [0]
+
+    def watch(batch, k, seconds):
+        seen.append((k, seconds, engine.num_generated - before[0]))
+        observe(batch, k, seconds)
+
+    engine.policy.observe_time = watch
+    engine.add_request("r", None, prompts(1, seed=4)[0]["prompt_token_ids"],
+                       SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    while engine.has_unfinished():
+        before[0] = engine.num_generated
+        engine.step()
+    assert {k for k, _, _ in seen} == {0, 2}
+    for k, seconds, tokens in seen:  # every emitted token's host work is inside its step's price
+        assert seconds >= delay * tokens, (k, seconds, tokens)

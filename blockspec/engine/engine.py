@@ -211,12 +211,20 @@ class Engine:
         spec = [r for r in decoding if self._speculates(r, len(decoding))]
         k = self.policy.choose(len(spec)) if spec else 0
         plain = [r for r in decoding if k == 0 or r not in spec]
-        touched = self._spec_step(spec, k) if k else []
+        touched = []
+        # The policy prices a choice by the wall time it costs, host work included (preparing the
+        # launches, waiting for the device, committing and detokenising what it emitted): that,
+        # not the device time alone, is what decides tokens per second.
+        if k:
+            t0 = time.perf_counter()
+            touched = self._spec_step(spec, k)
+            self._observe_time(len(spec), k, time.perf_counter() - t0)
         if plain:
-            seconds = self._plain_step(plain)
+            t0 = time.perf_counter()
+            self._plain_step(plain)
             touched += plain
             if self.proposer is not None and len(plain) == len(decoding):
-                self._observe_time(len(plain), 0, seconds)
+                self._observe_time(len(plain), 0, time.perf_counter() - t0)
         return touched
 
     def _drafts_any(self, reqs: list[Request]) -> bool:
@@ -284,19 +292,18 @@ class Engine:
             self._append(req, [tokens[j]], lps[j] if lps else None)
         return finished_reqs
 
-    def _plain_step(self, reqs: list[Request]) -> float:
-        """One plain decode step for `reqs`; returns its measured time (the policy's K = 0 cost)."""
+    def _plain_step(self, reqs: list[Request]) -> None:
+        """One plain decode step for `reqs`."""
         self.timer.mark("rest")
         runs = [[r.output_ids[-1]] for r in reqs]
         starts = [r.num_cached for r in reqs]
         hidden, feats = self.runner.forward(runs, starts, [r.slot for r in reqs], with_taps=self._drafts_any(reqs))
         self._extend_draft_context(reqs, feats, [1] * len(reqs))
         tokens, lps = self._sample(reqs, hidden[:, 0])
-        seconds = self.timer.close()
+        self.timer.close()
         for j, req in enumerate(reqs):
             req.num_cached += 1
             self._append(req, [tokens[j]], lps[j] if lps else None)
-        return seconds
 
     def _spec_step(self, reqs: list[Request], k: int) -> list[Request]:
         assert self.proposer is not None
@@ -310,10 +317,10 @@ class Engine:
         hidden, feats = self.runner.forward_ids(ids, q_lens, starts, [r.slot for r in reqs], with_taps=True)
         self.timer.mark("rest")
         num_acc, out_tokens, lps = self.proposer.verify(self, reqs, block, hidden)
-        # The policy learns what choosing k yields: the step is timed under k and every draft it asked
-        # for counts as offered, so drafts that DSpark's confidence pruned count as not accepted (a
-        # step whose drafts were all pruned is a costly plain step, not a sample of the plain path).
-        self._observe_time(len(reqs), k, self.timer.close())
+        # The policy learns what choosing k yields: the step is timed under k (by the caller) and every
+        # draft it asked for counts as offered, so drafts that DSpark's confidence pruned count as not
+        # accepted (a step whose drafts were all pruned is a costly plain step, not a plain sample).
+        self.timer.close()
         self.policy.observe_acceptance(budgets, [max(a, 0) for a in num_acc])
         self.proposer.record_outcome(block.lens, num_acc)
         touched = []
