@@ -28,6 +28,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="split the target across N ranks")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "sdpa"],
                    help="auto: the Triton kernel on CUDA when triton is installed, else PyTorch SDPA")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory the engine may hold (weights, KV caches, activations)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default=None, choices=["dflash", "dspark"],
                    help="drafter family (default: dflash when --draft-model is given)")
@@ -93,7 +95,7 @@ def build_llm(args: argparse.Namespace) -> Any:
     return LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, seed=args.seed, speculative_config=speculative_config(args),
                max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
-               attention_backend=args.attention_backend)
+               attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def format_spec_metrics(m: dict[str, Any]) -> str:

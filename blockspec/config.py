@@ -257,7 +257,12 @@ class EngineConfig:
     seed: int = 0
     # auto: the Triton kernel on CUDA when triton is installed, else SDPA (blockspec.models.triton_attention)
     attention_backend: str = "auto"
+    # share of the GPU's memory the engine may hold (weights, KV caches, activations); the KV caches
+    # of max_num_seqs x max_model_len are checked against it at start-up
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")

@@ -71,6 +71,7 @@ class LLM:
         max_prefill_tokens: int = 4096,
         tensor_parallel_size: int = 1,  # > 1 is served by __new__
         attention_backend: str = "auto",
+        gpu_memory_utilization: float = 0.9,
         warmup: bool = True,
     ) -> None:
         spec = SpeculativeConfig.from_user(speculative_config)
@@ -96,7 +97,8 @@ class LLM:
             drafter = load_drafter(spec.method, spec.model, weight.device, weight.dtype)
         engine_cfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_num_seqs,
                                   max_prefill_tokens=max_prefill_tokens, seed=seed if seed is not None else 0,
-                                  attention_backend=attention_backend)
+                                  attention_backend=attention_backend,
+                                  gpu_memory_utilization=gpu_memory_utilization)
         self.engine = Engine(self.model, self.tokenizer, engine_cfg, spec, drafter, eos)
         if warmup:  # GPU: capture every CUDA graph now, not inside the first requests
             done = self.engine.warmup()

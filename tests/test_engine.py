@@ -241,3 +241,41 @@ def test_graph_key_extents():
     assert kv_extents(1000, whole=True) == [1000]
     assert [kv_extent(n, 1000, False) for n in (1, 256, 257, 999)] == [256, 256, 512, 1000]
     assert kv_extent(5, 1000, True) == 1000
+
+
+def test_cache_plan_is_what_the_caches_allocate(tmp_path):
+    """The start-up memory check prices the caches exactly as they are allocated (target and drafter)."""
+    from pathlib import Path
+
+    from blockspec.spec.drafter import load_drafter
+    from factories import save_drafter_target
+
+    llm = LLM(str(save_drafter_target(tmp_path / "t")), device="cpu", dtype="float32", max_model_len=100,
+              max_num_seqs=3)
+    model = llm.model
+    assert model.cache_bytes(3, 117) == model.new_cache(3, 117, "cpu").bytes
+    drafter = load_drafter("dflash", str(Path(__file__).parent / "fixtures" / "drafters" / "dflash"), "cpu",
+                           torch.float32)
+    assert drafter.cache_bytes(3, 50) == drafter.new_cache(3, 50, "cpu").bytes
+    assert drafter.cache_bytes(3, 50, torch.bfloat16) * 2 == drafter.cache_bytes(3, 50)
+
+
+def test_cache_plan_that_cannot_fit_is_refused_with_its_numbers():
+    from blockspec.engine.kv_cache import check_cache_plan
+
+    gib = 1 << 30
+    # 80 GiB card, 16 GiB of weights in use, 2 GiB reserved: 0.9 x 80 - 16 - 2 = 54 GiB for caches
+    check_cache_plan(54 * gib, gib, 64 * gib, 80 * gib, 0.9, 2 * gib, 53, 8192)  # fits exactly
+    with pytest.raises(ConfigError) as e:
+        check_cache_plan(101 * gib, gib, 64 * gib, 80 * gib, 0.9, 2 * gib, 100, 8192)
+    msg = str(e.value)
+    assert "max_num_seqs=100 x max_model_len=8192 need 101.0 GiB" in msg and "54.0 GiB are left" in msg
+    assert "53 sequences of that length fit" in msg and "gpu_memory_utilization=0.9" in msg
+
+
+def test_gpu_memory_utilization_out_of_range_is_refused():
+    from blockspec.config import EngineConfig
+
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(ConfigError, match="gpu_memory_utilization must be in"):
+            EngineConfig(gpu_memory_utilization=bad)

@@ -121,3 +121,14 @@ def test_a_step_waits_for_the_device_once(tmp_path, method, fixture, temperature
     # each step has a speculative part and a plain part (the opted-out request): one copy each
     assert len(syncs) <= 2 * steps, [str(w.message) for w in syncs[:5]]
     assert syncs, "the sync debug mode reported nothing: the check cannot fail"
+
+
+@pytest.mark.gpu
+def test_a_cache_plan_beyond_the_gpu_is_refused_before_allocating(tmp_path):
+    """max_num_seqs x max_model_len beyond the card's memory: a clear error at start-up naming the
+    numbers, not a CUDA out-of-memory error from inside an allocation."""
+    from blockspec.config import ConfigError
+
+    target = save_drafter_target(tmp_path / "t")
+    with pytest.raises(ConfigError, match="sequences of that length fit"):
+        LLM(str(target), device="cuda", dtype="float32", max_model_len=250, max_num_seqs=10**7)

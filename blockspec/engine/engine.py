@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.engine.kv_cache import check_cache_plan
 from blockspec.engine.request import IncrementalDetokenizer, Logprob, Request, SpecStats, Status
 from blockspec.engine.runner import BATCH_BUCKETS, CAPTURES, ModelRunner, bucket
 from blockspec.models.llama import CausalLM
@@ -91,6 +92,7 @@ class Engine:
         model.attention_backend = self.attention_backend
         if drafter is not None:
             drafter.attention_backend = self.attention_backend
+        self._check_memory(drafter if spec_config is not None else None)
         if spec_config is not None:
             from blockspec.spec.proposer import Proposer
 
@@ -112,6 +114,30 @@ class Engine:
         self.num_generated = 0
 
     # ---------------------------------------------------------------- start-up
+    def _check_memory(self, drafter: Any) -> None:
+        """On a GPU, refuse a cache plan that cannot fit, naming the numbers, instead of failing inside
+        an allocation. Caches are per slot and preallocated, so a plan that fits can never run out
+        of KV memory later: requests beyond max_num_seqs wait in the queue."""
+        if self.device.type != "cuda":
+            return
+        cfg, model = self.config, self.model
+        margin = drafter.num_draft_slots + 1 if drafter is not None else 1  # verify rows past the length
+
+        def caches(slots: int) -> int:
+            n = model.cache_bytes(slots, cfg.max_model_len + margin)
+            if drafter is not None:
+                n += drafter.cache_bytes(slots, cfg.max_model_len + drafter.block_size + 1,
+                                         model.embed_tokens.weight.dtype)
+            return n
+
+        mc = model.config
+        itemsize = model.embed_tokens.weight.dtype.itemsize
+        # a prefill chunk's activations (residual, norms, qkv, MLP), greedy logits, graph pools and cuBLAS
+        reserve = cfg.max_prefill_tokens * (8 * mc.hidden_size + 3 * mc.intermediate_size) * itemsize + (3 << 29)
+        free, total = torch.cuda.mem_get_info(self.device)
+        check_cache_plan(caches(cfg.max_num_seqs), caches(1) - caches(0), free, total, cfg.gpu_memory_utilization,
+                         reserve, cfg.max_num_seqs, cfg.max_model_len)
+
     @torch.no_grad()
     def warmup(self) -> dict[str, float]:
         """Pay every one-time cost before the first request: capture the CUDA graph of each batch

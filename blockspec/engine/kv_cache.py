@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from blockspec.config import ConfigError
 from blockspec.transfer import to_device
 
 
@@ -39,6 +40,12 @@ class KVCache:
         self.trash = max_len
         self.scratch_slot = max_slots
         self._free = list(range(max_slots - 1, -1, -1))
+
+    @staticmethod
+    def planned_bytes(num_layers: int, max_slots: int, num_kv_heads: int, head_dim: int, max_len: int,
+                      dtype: torch.dtype) -> int:
+        """Bytes a cache of these dimensions allocates (the scratch slot and trash column included)."""
+        return 2 * num_layers * (max_slots + 1) * num_kv_heads * (max_len + 1) * head_dim * dtype.itemsize
 
     @property
     def num_free_slots(self) -> int:
@@ -70,6 +77,25 @@ class KVCache:
             s = meta.contiguous_slot
             return self.k[layer][s : s + 1, :, : meta.kv_len], self.v[layer][s : s + 1, :, : meta.kv_len]
         return self.k[layer][meta.slots, :, : meta.kv_len], self.v[layer][meta.slots, :, : meta.kv_len]
+
+
+def check_cache_plan(need: int, per_seq: int, free: int, total: int, utilization: float, reserve: int,
+                     max_num_seqs: int, max_model_len: int) -> None:
+    """Refuse, with the numbers, KV caches that cannot fit in the GPU's memory, before allocating them.
+
+    The engine may hold `utilization` of `total`; what is in use already (weights) and `reserve`
+    (activations of a prefill chunk, logits, graph pools) come off it. `need` is the caches of
+    max_num_seqs slots, `per_seq` what each slot adds."""
+    gib = 1 << 30
+    budget = utilization * total - (total - free) - reserve
+    if need <= budget:
+        return
+    fits = max(0, int(budget // per_seq) - 1) if per_seq else 0  # one scratch slot beside the requests'
+    raise ConfigError(
+        f"the KV caches for max_num_seqs={max_num_seqs} x max_model_len={max_model_len} need {need / gib:.1f} GiB, "
+        f"but {max(budget, 0) / gib:.1f} GiB are left of gpu_memory_utilization={utilization} x {total / gib:.1f} GiB "
+        f"after the weights ({(total - free) / gib:.1f} GiB in use) and {reserve / gib:.1f} GiB for activations; "
+        f"{fits} sequences of that length fit: lower max_num_seqs or max_model_len, or raise gpu_memory_utilization")
 
 
 @dataclass

@@ -114,9 +114,15 @@ class CausalLM(nn.Module):
 
     def new_cache(self, max_slots: int, max_len: int, device: torch.device | str | None = None) -> KVCache:
         w = self.embed_tokens.weight
-        c = self.config
+        return KVCache(*self._cache_dims(max_slots, max_len), w.dtype, device or w.device)
+
+    def cache_bytes(self, max_slots: int, max_len: int) -> int:
+        """What `new_cache` would allocate, in bytes."""
+        return KVCache.planned_bytes(*self._cache_dims(max_slots, max_len), self.embed_tokens.weight.dtype)
+
+    def _cache_dims(self, max_slots: int, max_len: int) -> tuple[int, int, int, int, int]:
         kv_heads = self.layers[0].self_attn.kv_heads  # local count under tensor parallelism
-        return KVCache(c.num_hidden_layers, max_slots, kv_heads, c.head_dim, max_len, w.dtype, device or w.device)
+        return self.config.num_hidden_layers, max_slots, kv_heads, self.config.head_dim, max_len
 
     def embed(self, input_ids: Tensor) -> Tensor:
         return self.embed_tokens(input_ids)

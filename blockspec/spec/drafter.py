@@ -434,9 +434,15 @@ class DraftModel(nn.Module):
 
     def new_cache(self, max_slots: int, max_len: int, device: torch.device | str | None = None,
                   dtype: torch.dtype | None = None) -> KVCache:
+        return KVCache(*self._cache_dims(max_slots, max_len), dtype or self.dtype, device or self.device)
+
+    def cache_bytes(self, max_slots: int, max_len: int, dtype: torch.dtype | None = None) -> int:
+        """What `new_cache` would allocate, in bytes."""
+        return KVCache.planned_bytes(*self._cache_dims(max_slots, max_len), dtype or self.dtype)
+
+    def _cache_dims(self, max_slots: int, max_len: int) -> tuple[int, int, int, int, int]:
         c = self.config
-        return KVCache(c.num_layers, max_slots, c.num_kv_heads, c.head_dim, max_len, dtype or self.dtype,
-                       device or self.device)
+        return c.num_layers, max_slots, c.num_kv_heads, c.head_dim, max_len
 
     # ------------------------------------------------------------------ checks
     def check_target(self, target_cfg: ModelConfig) -> None:
