@@ -260,6 +260,9 @@ class EngineConfig:
     # share of the GPU's memory the engine may hold (weights, KV caches, activations); the KV caches
     # of max_num_seqs x max_model_len are checked against it at start-up
     gpu_memory_utilization: float = 0.9
+    # plain greedy steps launch the next step from the device's ids before the host commits this
+    # one, so the host's bookkeeping overlaps the GPU's forward (None: on for CUDA, off for CPU)
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

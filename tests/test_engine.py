@@ -279,3 +279,83 @@ def test_gpu_memory_utilization_out_of_range_is_refused():
     for bad in (0, 1.5, -0.1):
         with pytest.raises(ConfigError, match="gpu_memory_utilization must be in"):
             EngineConfig(gpu_memory_utilization=bad)
+
+
+@pytest.fixture
+def pipelined(llm):
+    """The module's engine with asynchronous plain steps (on by default only on CUDA), counting the
+    plain steps that were launched ahead of their predecessor's commit."""
+    engine = llm.engine
+    launches: list[int] = []
+    real = engine._plain_step_async
+
+    def counted(reqs):
+        launches.append(len(reqs))
+        return real(reqs)
+
+    engine.async_scheduling, engine._plain_step_async = True, counted
+    yield llm, launches
+    engine.async_scheduling = False
+    del engine._plain_step_async
+
+
+def test_pipelined_plain_steps_emit_exactly_what_synchronous_ones_do(llm, pipelined):
+    """Launching a plain step from the in-flight step's device ids, before committing them, changes
+    nothing emitted: the same tokens, and no token past a stop (EOS, stop id, stop string,
+    max_tokens) from the step that was already in flight when the request stopped."""
+    base = llm.generate("a", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
+    ids, text = base.outputs[0].token_ids, base.outputs[0].text
+    cases = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 2, 3, 17)]
+    cases += [SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[ids[7]]),
+              SamplingParams(temperature=0, max_tokens=40, stop=[text[12:15]]),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    prompts = ["a"] * len(cases)
+    pipelined_llm, launches = pipelined
+    got = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+           for o in pipelined_llm.generate(prompts, cases, use_tqdm=False)]
+    assert launches and max(launches) == len(cases) - 1  # every request left after prefill (max_tokens=1 is done)
+    llm.engine.async_scheduling = False
+    want = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+            for o in llm.generate(prompts, cases, use_tqdm=False)]
+    assert got == want
+    assert [len(t) for t, _, _ in got[:4]] == [1, 2, 3, 17] and got[-1][0] == ids
+
+
+def test_pipeline_survives_aborts_arrivals_and_nonfinite_rows(llm, pipelined, monkeypatch):
+    """A request aborted while its next step is in flight gets nothing more; a request arriving
+    mid-pipeline (a prefill step) and a request failing on non-finite logits leave the others' output
+    as it would be alone."""
+    pipelined_llm, launches = pipelined
+    engine = pipelined_llm.engine
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    alone = {p: llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in ("aa", "bb", "cc")}
+    reqs = {p: engine.add_request(p, None, llm.tokenizer.encode(p), params)[0] for p in ("aa", "bb")}
+    for _ in range(6):
+        engine.step()
+    assert engine._inflight is not None
+    engine.abort("bb")
+    n_bb = len(reqs["bb"].output_ids)
+    reqs["cc"] = engine.add_request("cc", None, llm.tokenizer.encode("cc"), params)[0]
+    while engine.has_unfinished():
+        engine.step()
+    assert len(reqs["bb"].output_ids) == n_bb and reqs["bb"].finish_reason == "abort"
+    assert reqs["aa"].output_ids == alone["aa"] and reqs["cc"].output_ids == alone["cc"]
+    assert len(launches) > 10
+    # a non-finite row fails its request alone (its -1 id must not be fed to the next launch)
+    model = engine.runner.model
+    real = model.compute_logits
+
+    def poisoned(hidden):
+        out = real(hidden)
+        if out.shape[0] == 2 and len(reqs["dd"].output_ids) == 4:
+            out[0, 5] = float("nan")
+        return out
+
+    monkeypatch.setattr(model, "compute_logits", poisoned)
+    reqs["dd"] = engine.add_request("dd", None, llm.tokenizer.encode("aa"), params)[0]
+    reqs["ee"] = engine.add_request("ee", None, llm.tokenizer.encode("cc"), params)[0]
+    while engine.has_unfinished():
+        engine.step()
+    dd = reqs["dd"].output_ids  # the poisoned row is the 5th or (computed ahead) the 6th token
+    assert reqs["dd"].error and "non-finite" in reqs["dd"].error and 4 <= len(dd) <= 5 and dd == alone["aa"][: len(dd)]
+    assert reqs["ee"].output_ids == alone["cc"]

@@ -254,13 +254,14 @@ def test_policy_turns_speculation_off_when_confidence_prunes_every_draft(target)
     assert choices.count(0) >= 0.3 * len(choices), choices
 
 
-def test_plain_steps_keep_the_draft_context_current(target, plain):
-    """Prefill chunks and plain steps hand their features to the drafter in the same step, so when
-    the policy switches to speculation there is no backlog to append first (that step once cost 5x
-    a plain step at batch 64, and the policy priced speculation by it). Output stays plain's."""
-    llm = spec_llm(target, "dflash", "dflash", adaptive_draft_length=True)
+def test_draft_context_is_never_more_than_a_draft_step_behind(target, plain):
+    """Prefill chunks hand their features to the drafter at once; plain steps hold theirs until they
+    fill one draft step's append (K + 1 rows). So when the policy switches to speculation the graphed
+    draft step absorbs the backlog: no eager catch-up (that step once cost 5x a plain step at batch
+    64), and no features piling up over a long stretch of plain steps. Output stays plain's."""
+    llm = spec_llm(target, "dflash", "dflash", adaptive_draft_length=True, num_speculative_tokens=3)
     engine = llm.engine
-    plan = iter([0, 0, 0, 0, 2, 2, 2] + [0, 3] * 100)
+    plan = iter([0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 3] + [0, 0, 0, 0, 0, 3] * 100)
     engine.policy.choose = lambda batch: next(plan)
     pending_at_draft: list[int] = []
     propose = engine.proposer.propose
@@ -270,16 +271,20 @@ def test_plain_steps_keep_the_draft_context_current(target, plain):
         return propose(reqs, budgets, eng)
 
     engine.proposer.propose = watch
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     (req,) = engine.add_request("r", None, prompts(1, seed=3)[0]["prompt_token_ids"], params)
     engine.step()  # prefill: its features are in the draft cache at once
     assert req.num_draft_ctx == req.num_cached == len(req.prompt_token_ids) and not req.pending_features
+    behind = []
     while engine.has_unfinished():
         engine.step()
-        if req.status.name == "RUNNING" and not req.pending_features:
-            assert req.num_draft_ctx == req.num_cached
-    # a draft only ever appends the rows the previous verify accepted (at most K + 1 = 3 here)
-    assert pending_at_draft and max(pending_at_draft) <= 3 + 1, pending_at_draft
+        behind.append(req.num_cached - req.num_draft_ctx)
+        assert behind[-1] == sum(f.shape[0] for f in req.pending_features)
+    # behind by at most K + 1 = 4 rows (a verify's accepted rows); plain steps hold at most K = 3 and
+    # then flush (without the flush the 9 plain steps would leave it 9 behind)
+    assert max(behind) <= 4 and max(behind[:9]) == 3 and min(behind[:9]) == 0, behind
+    assert pending_at_draft and max(pending_at_draft) <= 4, pending_at_draft
+    assert engine.proposer.graphs is None or engine.proposer.graphs.graphs  # (GPU) drafts took the graph
     ps = [prompts(1, seed=3)[0]]
     assert req.output_ids == plain.generate(ps, params, use_tqdm=False)[0].outputs[0].token_ids
 
@@ -319,3 +324,30 @@ def test_policy_prices_steps_by_wall_time_with_host_work(target):
     assert {k for k, _, _ in seen} == {0, 2}
     for k, seconds, tokens in seen:  # every emitted token's host work is inside its step's price
         assert seconds >= delay * tokens, (k, seconds, tokens)
+
+
+@pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
+def test_pipelined_plain_steps_between_speculative_ones_keep_output_exact(target, plain, method, fixture):
+    """Plain steps launched ahead of their predecessor's commit (asynchronous scheduling, on by
+    default on CUDA), switching with speculative steps as the policy alternates: output equals plain
+    decoding, and every draft step still finds at most K + 1 rows to append."""
+    llm = spec_llm(target, method, fixture, adaptive_draft_length=True, num_speculative_tokens=3)
+    engine = llm.engine
+    engine.async_scheduling = True
+    plan = iter([0, 0, 0, 0, 0, 2, 0, 0, 3, 3] * 100)
+    engine.policy.choose = lambda batch: next(plan)
+    pending_at_draft: list[int] = []
+    propose = engine.proposer.propose
+
+    def watch(reqs, budgets, eng):
+        assert engine._inflight is None  # a speculative step starts from committed state
+        pending_at_draft.extend(sum(f.shape[0] for f in r.pending_features) for r in reqs)
+        return propose(reqs, budgets, eng)
+
+    engine.proposer.propose = watch
+    ps = prompts(3, seed=11)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 9, 23)]
+    got = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in plain.generate(ps, params, use_tqdm=False)]
+    assert pending_at_draft and max(pending_at_draft) <= 4
+    assert llm.get_metrics()["num_drafts"] > 0

@@ -10,6 +10,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,6 +70,19 @@ class StepTimer:
         return total
 
 
+@dataclass
+class PlainLaunch:
+    """A plain greedy step launched but not committed yet. The next plain step is launched from its
+    device ids before the host reads them back, so the host's commit, detokenisation and stop
+    checks overlap the GPU's next forward instead of leaving the GPU idle."""
+
+    reqs: list[Request]
+    ids: Tensor  # [R] int64 next tokens on the device (-1: non-finite logits)
+    host: Tensor  # [R] pinned copy of ids, valid once `ready` has passed
+    ready: Any  # torch.cuda.Event (None on the CPU, where the copy is synchronous)
+    captures: int  # CUDA graph captures before the launch (a launch that captured is no timing sample)
+
+
 class Engine:
     def __init__(
         self,
@@ -112,6 +126,10 @@ class Engine:
         self.timer = StepTimer(self.device)
         self.num_steps = 0
         self.num_generated = 0
+        use_async = config.async_scheduling
+        self.async_scheduling = self.device.type == "cuda" if use_async is None else use_async
+        self._inflight: PlainLaunch | None = None
+        self._last_async_commit: float | None = None
 
     # ---------------------------------------------------------------- start-up
     def _check_memory(self, drafter: Any) -> None:
@@ -166,6 +184,8 @@ class Engine:
         return {"graphs": CAPTURES[0] - captured, "seconds": time.perf_counter() - t0}
 
     def _reset_counters(self) -> None:
+        self._inflight = None  # warm-up requests are all finished: whatever is in flight is discarded
+        self._last_async_commit = None
         self.spec_totals = type(self.spec_totals)()
         self.timer = StepTimer(self.device)
         self.num_steps = 0
@@ -225,7 +245,8 @@ class Engine:
         self._admit()
         prefilling = [r for r in self.running if r.num_cached < len(r.prompt_token_ids)]
         decoding = [r for r in self.running if r.num_cached >= len(r.prompt_token_ids)]
-        touched = self._prefill(prefilling) if prefilling else []
+        touched = self._commit_launch() if prefilling else []  # prefill steps start no pipeline
+        touched += self._prefill(prefilling) if prefilling else []
         decoding = [r for r in decoding if r.status is Status.RUNNING]
         if decoding:
             touched += self._decode(decoding)
@@ -238,6 +259,15 @@ class Engine:
         k = self.policy.choose(len(spec)) if spec else 0
         plain = [r for r in decoding if k == 0 or r not in spec]
         touched = []
+        launch = self._inflight
+        if launch is not None and (k or launch.reqs != plain or not self._pipelines(plain, ahead=1)):
+            touched += self._commit_launch()  # the pipeline cannot go on: commit what is in flight
+            spec = [r for r in spec if r.status is Status.RUNNING]
+            plain = [r for r in plain if r.status is Status.RUNNING]
+            if k and not spec:
+                k = 0
+        if not k and plain and self._pipelines(plain, ahead=1 if self._inflight is not None else 0):
+            return touched + self._plain_step_async(plain)
         # The policy prices a choice by the wall time it costs, host work included (preparing the
         # launches, waiting for the device, committing and detokenising what it emitted): that,
         # not the device time alone, is what decides tokens per second.
@@ -253,6 +283,64 @@ class Engine:
                 self._observe_time(len(plain), 0, time.perf_counter() - t0)
         return touched
 
+    # ---------------------------------------------------------------- asynchronous plain steps
+    def _pipelines(self, reqs: list[Request], ahead: int) -> bool:
+        """Whether the next plain step of `reqs` can be launched before `ahead` pending tokens of each
+        are committed: greedy ids only (processing would need the committed history), and room for
+        one more token after the pending ones (a request known to stop before it is not launched)."""
+        if not self.async_scheduling or self.needs_processing(reqs):
+            return False
+        limit = self.config.max_model_len
+        return all(r.length + ahead < limit and (r.params.max_tokens is None
+                                                 or len(r.output_ids) + ahead < r.params.max_tokens)
+                   for r in reqs)
+
+    def _plain_step_async(self, reqs: list[Request]) -> list[Request]:
+        """Launch the plain step of `reqs`, then commit the one in flight (if any): the GPU runs this
+        step while the host does the last one's bookkeeping. Its input tokens are the in-flight
+        step's ids, still on the device; its positions are one further along."""
+        prev = self._inflight
+        ahead = 1 if prev is not None else 0
+        ids = prev.ids if prev is not None else to_device([r.output_ids[-1] for r in reqs], torch.int64, self.device)
+        captures = CAPTURES[0]
+        hidden, feats = self.runner.forward_ids(ids.clamp(min=0).view(-1, 1), [1] * len(reqs),
+                                                [r.num_cached + ahead for r in reqs], [r.slot for r in reqs],
+                                                with_taps=self._drafts_any(reqs))
+        self._extend_draft_context(reqs, feats, [1] * len(reqs))
+        nxt = self.runner.greedy_ids(hidden[:, 0])
+        cuda = self.device.type == "cuda"
+        host = torch.empty(len(reqs), dtype=torch.int64, pin_memory=cuda)
+        host.copy_(nxt, non_blocking=cuda)
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        touched = self._commit_launch(pipelined=True) if prev is not None else []
+        self._inflight = PlainLaunch(reqs, nxt, host, ready, captures)
+        return touched
+
+    def _commit_launch(self, pipelined: bool = False) -> list[Request]:
+        """Commit the plain step in flight (waiting for its ids); requests that finished or were
+        aborted since its launch drop their row. `pipelined`: the next step is already launched."""
+        launch, self._inflight = self._inflight, None
+        if launch is None:
+            return []
+        if launch.ready is not None:
+            launch.ready.synchronize()
+        touched = []
+        for req, tok in zip(launch.reqs, launch.host.tolist()):
+            if req.status is Status.RUNNING:
+                req.num_cached += 1
+                self._append(req, [tok], None)
+                touched.append(req)
+        # in a pipeline a step costs the time between two commits (the host and the device overlap)
+        now = time.perf_counter() if pipelined else None
+        last, self._last_async_commit = self._last_async_commit, now
+        if (now is not None and last is not None and self.proposer is not None and launch.captures == CAPTURES[0]
+                and len(touched) == len(launch.reqs)):
+            self.policy.observe_time(len(launch.reqs), 0, now - last)
+        return touched
+
     def _drafts_any(self, reqs: list[Request]) -> bool:
         """Whether a forward must return taps: only requests that may draft later need their features
         (a request that opted out of speculation never feeds the drafter)."""
@@ -263,16 +351,17 @@ class Engine:
         if not self.timer.step_captured:
             self.policy.observe_time(batch, k, seconds)
 
-    def _extend_draft_context(self, reqs: list[Request], feats: Tensor | None, counts: list[int]) -> None:
-        """Hand the drafter the features of the tokens a prefill chunk or plain step fed, for the
-        requests that may draft later (launched before the step's host copy, so the host's launches
-        overlap the GPU's work)."""
+    def _extend_draft_context(self, reqs: list[Request], feats: Tensor | None, counts: list[int],
+                              now: bool = False) -> None:
+        """Hand the drafter the features of the tokens a prefill chunk (`now`) or plain step fed, for
+        the requests that may draft later (see Proposer.extend_context); launched before the step's
+        host copy, so the host's launches overlap the GPU's work."""
         if feats is None:
             return
         rows = [i for i, r in enumerate(reqs) if r.params.use_speculation]
         if rows:
             keep = feats if len(rows) == len(reqs) else feats[to_device(rows, torch.int64, feats.device)]
-            self.proposer.extend_context([reqs[i] for i in rows], keep, [counts[i] for i in rows])
+            self.proposer.extend_context([reqs[i] for i in rows], keep, [counts[i] for i in rows], now)
 
     def _admit(self) -> None:
         while self.waiting and self.runner.cache.num_free_slots:
@@ -299,7 +388,7 @@ class Engine:
             budget -= take
         self.timer.mark("rest")
         hidden, feats = self.runner.forward(runs, starts, [r.slot for r in chosen], with_taps=self._drafts_any(chosen))
-        self._extend_draft_context(chosen, feats, [len(run) for run in runs])
+        self._extend_draft_context(chosen, feats, [len(run) for run in runs], now=True)
         done = []
         for i, req in enumerate(chosen):
             req.num_cached += len(runs[i])

@@ -82,16 +82,28 @@ class Proposer:
         return limit is None or batch <= limit
 
     # ---------------------------------------------------------------- context
-    def extend_context(self, reqs: list[Request], features: Tensor, counts: list[int]) -> None:
-        """Append the target features of tokens a prefill chunk or a plain step just fed (features[i,
-        :counts[i]] for reqs[i]) to the drafter cache now. The drafter's context is then current
-        whatever the policy chose, so a speculative step after plain ones drafts from its graph
-        instead of first appending a backlog. (A speculative step's accepted rows are appended by
-        the next draft step, which fuses the append into its graph.)"""
-        self.drafter.append_context(self.cache, [r.slot for r in reqs], [r.num_draft_ctx for r in reqs], counts,
-                                    features)
-        for r, c in zip(reqs, counts):
-            r.num_draft_ctx += c
+    def extend_context(self, reqs: list[Request], features: Tensor, counts: list[int], now: bool) -> None:
+        """Hand the drafter the target features of tokens a prefill chunk (`now`) or a plain step fed
+        (features[i, :counts[i]] for reqs[i]).
+
+        A prefill chunk's rows go into the draft cache at once. A plain step's rows wait with the
+        request's pending rows until these fill one draft step's append (K + 1 rows), then go in
+        together. Appending every row costs a drafter pass per plain step (on a CPU, a third of a
+        small model's step); an unbounded backlog costs memory and, after a stretch of plain
+        steps, an eager catch-up before the next speculative step. Bounded by K + 1, the backlog is
+        what the graphed draft step appends anyway."""
+        if now:
+            self.drafter.append_context(self.cache, [r.slot for r in reqs], [r.num_draft_ctx for r in reqs], counts,
+                                        features)
+            for r, c in zip(reqs, counts):
+                r.num_draft_ctx += c
+            return
+        for i, r in enumerate(reqs):
+            r.pending_features.append(features[i, : counts[i]])
+        full = [r for r in reqs if sum(f.shape[0] for f in r.pending_features) > self.num_speculative_tokens]
+        if full:
+            feats, rows, starts = self._take_pending(full)
+            self.drafter.append_context(self.cache, [r.slot for r in full], starts, rows, feats)
 
     # ---------------------------------------------------------------- draft
     @staticmethod
