@@ -388,14 +388,15 @@ class Engine:
             budget -= take
         self.timer.mark("rest")
         hidden, feats = self.runner.forward(runs, starts, [r.slot for r in chosen], with_taps=self._drafts_any(chosen))
-        self._extend_draft_context(chosen, feats, [len(run) for run in runs], now=True)
+        counts = [len(run) for run in runs]
         done = []
         for i, req in enumerate(chosen):
-            req.num_cached += len(runs[i])
+            req.num_cached += counts[i]
             if req.num_cached == len(req.prompt_token_ids):
-                done.append((i, req, len(runs[i]) - 1))
+                done.append((i, req, counts[i] - 1))
         if not done:
             self.timer.close()
+            self._extend_draft_context(chosen, feats, counts, now=True)
             return []
         last_hidden = torch.stack([hidden[i, row] for i, _, row in done])
         finished_reqs = [req for _, req, _ in done]
@@ -403,6 +404,9 @@ class Engine:
             self._init_history(req)
         tokens, lps = self._sample(finished_reqs, last_hidden)
         self.timer.close()
+        # the drafter's copy of the prompt goes in after the first tokens are read back: it runs
+        # while the host commits them, not before the first token
+        self._extend_draft_context(chosen, feats, counts, now=True)
         for j, req in enumerate(finished_reqs):
             self._append(req, [tokens[j]], lps[j] if lps else None)
         return finished_reqs
