@@ -161,8 +161,9 @@ class Engine:
         """Pay every one-time cost before the first request: capture the CUDA graph of each batch
         bucket up to max_num_seqs x verify width (with and without taps) and of the draft step,
         then run two short requests end to end (each Triton kernel variant prefill, decode and the
-        drafter use, the eager draft path, sampling). Counters and the draft-length policy start afresh afterwards, so no request and
-        no policy estimate pays for a capture or a compilation. Returns what it did."""
+        drafter use, the eager draft path, sampling). Counters and the draft-length policy start
+        afresh afterwards, so no request and no policy estimate pays for a capture or a
+        compilation. Returns what it did."""
         if self.device.type != "cuda" or not self.runner.use_graphs:
             return {"graphs": 0, "seconds": 0.0}
         t0 = time.perf_counter()
@@ -354,8 +355,7 @@ class Engine:
     def _extend_draft_context(self, reqs: list[Request], feats: Tensor | None, counts: list[int],
                               now: bool = False) -> None:
         """Hand the drafter the features of the tokens a prefill chunk (`now`) or plain step fed, for
-        the requests that may draft later (see Proposer.extend_context); launched before the step's
-        host copy, so the host's launches overlap the GPU's work."""
+        the requests that may draft later (see Proposer.extend_context)."""
         if feats is None:
             return
         rows = [i for i, r in enumerate(reqs) if r.params.use_speculation]

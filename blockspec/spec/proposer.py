@@ -221,7 +221,8 @@ class Proposer:
         if width == 0:
             return
         survival = torch.cumprod(confidence.float(), dim=1)[:, :width]
-        keep = torch.arange(width, device=survival.device)[None, :] < to_device(lens, torch.int64, survival.device)[:, None]
+        lens_t = to_device(lens, torch.int64, survival.device)
+        keep = torch.arange(width, device=survival.device)[None, :] < lens_t[:, None]
         self.calibration[0, :width] += (survival * keep).sum(0).double()
         self.calibration[1, :width] += keep.sum(0)
 
