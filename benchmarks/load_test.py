@@ -56,6 +56,9 @@ class Cell:
     ttft_ms: dict[str, float]
     tpot_ms: dict[str, float]
     mean_acceptance_length: float | None
+    # share of the decode steps (after each request's first token) in which a request drafted:
+    # how often the draft-length policy chose to speculate
+    draft_step_share: float | None = None
     identical_to_twin: bool | None = None
 
 
@@ -134,18 +137,22 @@ async def run_cell(url: str, model: str, prompts: list, level: int, temperature:
                 round(tokens / wall, 1), percentiles([o.ttft for o in good if o.ttft is not None]),
                 percentiles([o.tpot for o in good if o.tpot is not None]),
                 round(1 + accepted / drafts, 3) if drafts else None)
+    if speculation and good:  # every decode step is a draft step (1 + accepted tokens) or a plain one (1 token)
+        plain_steps = tokens - len(good) - drafts - accepted
+        cell.draft_step_share = round(drafts / max(1, drafts + plain_steps), 3)
     return cell, outcomes
 
 
 def markdown(cells: list[Cell], title: str) -> str:
     head = ("| clients | T | spec | completed | errors | out tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms "
-            "| accept len | = twin |\n|---|---|---|---|---|---|---|---|---|---|\n")
+            "| accept len | draft steps | = twin |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
 
     def trio(d: dict[str, float]) -> str:
         return " / ".join(f"{d[k]:.1f}" for k in ("p50", "p90", "p99")) if d else "-"
 
     rows = [f"| {c.level} | {c.temperature} | {'on' if c.speculation else 'off'} | {c.completed} | {c.errors} | "
             f"{c.tok_per_s} | {trio(c.ttft_ms)} | {trio(c.tpot_ms)} | {c.mean_acceptance_length or '-'} | "
+            f"{'-' if c.draft_step_share is None else f'{100 * c.draft_step_share:.0f} %'} | "
             f"{'-' if c.identical_to_twin is None else 'yes' if c.identical_to_twin else 'NO'} |" for c in cells]
     return f"### {title}\n\n{head}" + "\n".join(rows) + "\n"
 
