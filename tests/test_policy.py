@@ -108,3 +108,35 @@ def test_a_new_batch_size_does_not_retry_every_borrowed_candidate_at_once():
     for _ in range(2):
         policy.observe_time(32, 0, 2.0)  # a new batch size: plain measured, the rest borrowed
     assert [policy.choose(32) for _ in range(20)] == [0] * 20
+
+
+def test_retries_of_a_losing_draft_length_back_off():
+    """When speculation keeps losing (a weak drafter, a slow draft step), every re-try of K > 0 is a
+    slow step; each re-try that confirms the loss doubles that K's interval (up to 16x), so over a
+    long run they stay a small share. A K that starts to win is still found, within the longest
+    interval."""
+    times = {0: 1.0, 1: 3.0, 2: 3.2, 4: 3.5}
+
+    def run(policy: DraftLengthPolicy, steps: int, rate: float) -> list[int]:
+        chosen = []
+        for _ in range(steps):
+            k = policy.choose(8)
+            chosen.append(k)
+            policy.observe_time(8, k, times[k])
+            if k:
+                policy.observe_acceptance([k], [sum(1 for i in range(k) if rate ** (i + 1) > 0.5)])
+        return chosen
+
+    policy = DraftLengthPolicy(4)
+    feed(policy, [0.2] * 4, times, batch=8)
+    chosen = run(policy, 20000, 0.2)
+    without = DraftLengthPolicy(4)
+    feed(without, [0.2] * 4, times, batch=8)
+    without.confirmed_losses = type("Never", (dict,), {"get": lambda self, key, default=0: 0})()
+    chosen_without = run(without, 20000, 0.2)
+    retries, retries_without = sum(k > 0 for k in chosen), sum(k > 0 for k in chosen_without)
+    assert retries_without > 100 and retries < retries_without / 4, (retries, retries_without)
+    # the drafter turns good and the draft step cheap: the policy switches within the longest interval
+    times.update({1: 1.05, 2: 1.1, 4: 1.2})
+    later = run(policy, 16 * 16 * 64, 0.99)
+    assert later[-100:].count(4) > 90, later[-100:]

@@ -5,9 +5,10 @@ measured time of a step with K drafts at this batch size (K = 0 is the plain ste
 the K with the most tokens per second. Acceptance is counted per position from recent steps and step
 times are measured. An unmeasured K is scored at the least it can cost (the time of a shorter measured
 K) and tried only if even then it would be best, so drafts that cannot pay are never timed. Measured
-candidates are re-tried now and then (the worse they scored, the rarer), so the choice follows the
-workload. The choice is made before drafting and never looks at the drafts, so it cannot affect what
-is emitted: exactness does not depend on it.
+candidates are re-tried now and then, so the choice follows the workload: the worse a candidate
+scored, and the more re-tries in a row found it still losing, the rarer. The choice is made before
+drafting and never looks at the drafts, so it cannot affect what is emitted: exactness does not
+depend on it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class DraftLengthPolicy:
         # first call, a noisy neighbour, the garbage collector) only ever adds time
         self.samples: dict[tuple[int, int], deque[float]] = {}
         self.last_tried: dict[tuple[int, int], int] = {}
+        # (batch bucket, K) -> re-tries in a row that found K still losing; each doubles K's interval
+        self.confirmed_losses: dict[tuple[int, int], int] = {}
+        self._retried: tuple[int, int] | None = None  # the re-try of the previous choose(), if any
         self.steps = 0
 
     # ---------------------------------------------------------------- observations
@@ -80,6 +84,10 @@ class DraftLengthPolicy:
         costs = self._optimistic_costs(measured)
         score = {k: self.expected_tokens(k, prefix) / costs[k] for k in self.candidates}
         best = max((k for k, t in measured.items() if t is not None), key=score.__getitem__)
+        if self._retried is not None and self._retried[0] == bucket:  # what the last re-try found
+            lost = self._retried[1] != best
+            self.confirmed_losses[self._retried] = self.confirmed_losses.get(self._retried, 0) + 1 if lost else 0
+        self._retried = None
         for k in self.candidates:
             # Optimism under uncertainty, shortest first: an unmeasured K is scored at the least it can
             # cost and measured only if even so it would beat the best measured one (its time then
@@ -93,10 +101,14 @@ class DraftLengthPolicy:
             interval = self.retry_every * min(16.0, score[best] / max(score[k], 1e-9))
             if k == 0:  # the plain path is the baseline: a stale estimate of it is what makes a step slower
                 interval /= 4  # than plain decoding, so it is re-measured 4x as often
+            else:  # a K that re-tries keep finding losing waits twice as long each time (up to 16x): on a
+                # workload where speculation does not pay, re-tries were most of its remaining cost
+                interval *= 2 ** min(4, self.confirmed_losses.get((bucket, k), 0))
             # a batch size seen for the first time starts every clock now: its borrowed estimates are
             # not stale, and retrying each of them at once would cost a slow step per candidate
             if k != best and self.steps - self.last_tried.setdefault((bucket, k), self.steps) > interval:
                 self.last_tried[(bucket, k)] = self.steps
+                self._retried = (bucket, k)
                 return k
         self.last_tried[(bucket, best)] = self.steps
         return best
