@@ -20,6 +20,20 @@ def feed(policy: DraftLengthPolicy, rates: list[float], times: dict[int, float],
         policy.observe_acceptance([policy.k_max], [accepted])
 
 
+def drive(policy: DraftLengthPolicy, steps: int, step_time: dict[int, float], accept: float,
+          batch: int = 1) -> list[int]:
+    """Let the policy choose for `steps` steps, each taking step_time[K] and accepting the drafts whose
+    prefix probability accept ** depth stays above one half; returns the choices."""
+    chosen = []
+    for _ in range(steps):
+        k = policy.choose(batch)
+        chosen.append(k)
+        policy.observe_time(batch, k, step_time[k])
+        if k:
+            policy.observe_acceptance([k], [sum(1 for i in range(k) if accept ** (i + 1) > 0.5)])
+    return chosen
+
+
 def test_good_drafter_cheap_verify_takes_the_whole_block():
     policy = DraftLengthPolicy(15)
     feed(policy, [0.95] * 15, {0: 1.0, 1: 1.1, 2: 1.1, 4: 1.15, 8: 1.2, 15: 1.25})
@@ -52,15 +66,7 @@ def test_only_candidates_that_could_win_are_measured():
     """An unmeasured K is scored at the least it can cost (a shorter K's time). When short drafts already
     cost far more than they yield, longer ones are never paid for; when drafting is cheap, they are."""
     def explore(step_time: dict[int, float], accept: float) -> list[int]:
-        policy = DraftLengthPolicy(7)
-        tried = []
-        for _ in range(40):
-            k = policy.choose(1)
-            tried.append(k)
-            policy.observe_time(1, k, step_time[k])
-            if k:
-                policy.observe_acceptance([k], [sum(1 for i in range(k) if accept ** (i + 1) > 0.5)])
-        return tried
+        return drive(DraftLengthPolicy(7), 40, step_time, accept)
 
     costly = explore({0: 1.0, 1: 3.0, 2: 3.1, 4: 3.3, 7: 3.6}, accept=0.3)  # a CPU-like step, a weak drafter
     assert set(costly) == {0, 1} and costly.count(0) >= 35
@@ -118,14 +124,7 @@ def test_retries_of_a_losing_draft_length_back_off():
     times = {0: 1.0, 1: 3.0, 2: 3.2, 4: 3.5}
 
     def run(policy: DraftLengthPolicy, steps: int, rate: float) -> list[int]:
-        chosen = []
-        for _ in range(steps):
-            k = policy.choose(8)
-            chosen.append(k)
-            policy.observe_time(8, k, times[k])
-            if k:
-                policy.observe_acceptance([k], [sum(1 for i in range(k) if rate ** (i + 1) > 0.5)])
-        return chosen
+        return drive(policy, steps, times, rate, batch=8)
 
     policy = DraftLengthPolicy(4)
     feed(policy, [0.2] * 4, times, batch=8)
