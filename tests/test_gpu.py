@@ -82,7 +82,7 @@ def triton_compiled() -> set[str]:
     from blockspec.models import triton_attention, triton_ops
 
     kernels = [triton_attention._block_attention, triton_ops._rms_norm, triton_ops._silu_mul,
-               triton_ops._qkv_rope_store]
+               triton_ops._qkv_rope_store, triton_ops._skinny_linear]
     if not hasattr(kernels[0], "device_caches"):
         pytest.skip("this Triton version keeps its kernel cache elsewhere")
     return {f"{k.fn.__name__}: {key}" for k in kernels for caches in k.device_caches.values() for key in caches[0]}

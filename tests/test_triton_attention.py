@@ -10,12 +10,22 @@ import torch.nn.functional as F
 from blockspec import LLM, SamplingParams
 from blockspec.engine.kv_cache import range_mask
 from blockspec.engine.runner import ModelRunner
-from blockspec.models import triton_attention
+from blockspec.models import layers, triton_attention, triton_ops
 from blockspec.models.loader import load_target
 from factories import TRITON_SKIP_REASON, save_drafter_target, save_tiny, triton_interpretable
 
 pytestmark = pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def gpu_kernels_on_cpu(monkeypatch) -> None:
+    """The CUDA inference path everywhere: norms, SwiGLU and the few-row products (with their fused
+    norms and residual adds) run as Triton kernels, in the interpreter on the CPU."""
+    def use_kernels(*tensors):
+        return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+    monkeypatch.setattr(triton_ops, "use_kernels", use_kernels)
+    monkeypatch.setattr(layers, "use_kernels", use_kernels)
 
 
 def reference(q, k_cache, v_cache, slots, lo, hi, scale, max_keys):
@@ -85,12 +95,15 @@ def test_bf16_on_gpu():
 
 @pytest.mark.parametrize("family, extra", [("qwen3", {}), ("qwen2", {"use_sliding_window": True,
                                                                      "sliding_window": 6, "max_window_layers": 2})])
-def test_target_forward_matches_reference(tmp_path, family, extra):
-    """Prefill of three prompts of different lengths, then a decode row and a verify block each:
-    the kernel path's hidden states equal the SDPA path's (fp32)."""
+def test_target_forward_matches_reference(tmp_path, family, extra, monkeypatch):
+    """Prefill of three prompts of different lengths, then a decode row and a verify block each, and
+    one request's decode row alone: the kernel path's hidden states equal the SDPA path's (fp32).
+    The last three steps take the few-row products (one row: norms and adds fused into them)."""
     path = save_tiny(tmp_path / "m", family, seed=3, **extra)
     runs = {}
     for backend in ("sdpa", "triton"):
+        if backend == "triton":
+            gpu_kernels_on_cpu(monkeypatch)
         model, _ = load_target(path, "float32", torch.device(DEVICE), max_positions=128)
         model.attention_backend = backend
         runner = ModelRunner(model, 4, 64, taps=(0, 2), use_cuda_graphs=False)
@@ -101,13 +114,14 @@ def test_target_forward_matches_reference(tmp_path, family, extra):
         lens = [len(p) for p in prompts]
         out.append(runner.forward([[5], [6], [7]], lens, slots, with_taps=True))
         out.append(runner.forward([[5, 8, 9, 10], [11], [12, 13]], [n + 1 for n in lens], slots, with_taps=True))
+        out.append(runner.forward([[14]], [lens[0] + 5], slots[:1], with_taps=True))
         runs[backend] = out
     for (h_ref, f_ref), (h, f) in zip(runs["sdpa"], runs["triton"]):
         assert (h - h_ref).abs().max() <= 1e-4 and (f - f_ref).abs().max() <= 1e-4
 
 
-def test_generation_matches_reference(tmp_path):
-    """Greedy output with the kernel equals the SDPA path's, plain and with a DFlash drafter."""
+def test_generation_matches_reference(tmp_path, monkeypatch):
+    """Greedy output with the kernels equals the SDPA path's, plain and with a DFlash drafter."""
     from pathlib import Path
 
     target = save_drafter_target(tmp_path / "t")
@@ -116,6 +130,8 @@ def test_generation_matches_reference(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = {}
     for backend, speculative in (("sdpa", None), ("triton", None), ("triton", spec)):
+        if backend == "triton":
+            gpu_kernels_on_cpu(monkeypatch)
         llm = LLM(str(target), device=DEVICE, dtype="float32", max_model_len=128, speculative_config=speculative,
                   attention_backend=backend)
         assert llm.engine.attention_backend == backend

@@ -101,6 +101,34 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+def few_rows(x: Tensor) -> bool:
+    """Whether `dense` streams this input's products through the skinny kernel (CUDA inference with at
+    most SKINNY_MAX_ROWS rows: decode, verify and draft steps of small batches)."""
+    return x.numel() <= triton_ops.SKINNY_MAX_ROWS * x.shape[-1] and use_kernels(x)
+
+
+def dense(x: Tensor, proj: nn.Linear, *, norm: RMSNorm | None = None, swiglu: bool = False,
+          residual: Tensor | None = None) -> Tensor:
+    """residual + proj(f(x)), f the pre-norm (`norm`) or SwiGLU's silu(gate) * up (`swiglu`).
+
+    With few rows the product is a weight stream (`triton_ops.skinny_linear`); at one row f and the
+    residual add run inside it, so a decoder layer is six kernels, not nine. Otherwise, and as the
+    reference, the ops run one after the other; the results agree up to the products' summation order.
+    """
+    if few_rows(x):
+        if x.numel() > x.shape[-1]:  # the prologue is fast only on the one-row path: f runs first
+            x = rms_norm(x, norm.weight, norm.eps) if norm is not None else silu_mul(x) if swiglu else x
+            norm, swiglu = None, False
+        return triton_ops.skinny_linear(x, proj.weight, proj.bias, norm_weight=None if norm is None else norm.weight,
+                                        eps=0.0 if norm is None else norm.eps, swiglu=swiglu, residual=residual)
+    if norm is not None:
+        x = norm(x)
+    if swiglu:
+        x = silu_mul(x)
+    y = proj(x)
+    return y if residual is None else residual + y
+
+
 class GatedMLP(nn.Module):
     """SwiGLU MLP with gate and up fused into one matmul."""
 
@@ -110,8 +138,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: Tensor, norm: RMSNorm | None = None, residual: Tensor | None = None) -> Tensor:
+        """residual + mlp(norm(x)); both optional."""
+        return dense(dense(x, self.gate_up_proj, norm=norm), self.down_proj, swiglu=True, residual=residual)
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:

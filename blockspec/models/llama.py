@@ -14,7 +14,8 @@ from torch import Tensor, nn
 
 from blockspec.config import ModelConfig
 from blockspec.engine.kv_cache import AttnMeta, KVCache
-from blockspec.models.layers import GatedMLP, RMSNorm, Rotary, add_rms_norm, additive_mask, attention, qk_norm_rope
+from blockspec.models.layers import (GatedMLP, RMSNorm, Rotary, add_rms_norm, additive_mask, attention, dense, few_rows,
+                                     qk_norm_rope)
 from blockspec.models.triton_attention import block_attention
 from blockspec.models.triton_ops import qkv_rope_store
 
@@ -49,20 +50,21 @@ class Attention(nn.Module):
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, cache: KVCache | None, meta: AttnMeta,
-        mask: Tensor | None,
+        mask: Tensor | None, norm: RMSNorm | None = None, residual: Tensor | None = None,
     ) -> Tensor:
         """mask: additive [R, 1, Q, kv_len] for the SDPA reference, or None for the Triton kernels (then
         a cache is given): one kernel norms, rotates and stores this step's K/V, and the rows read
-        their keys in place from the cache."""
+        their keys in place from the cache. There, `norm` (the layer's pre-norm of x) and `residual`
+        (added to the output) fold into the products."""
         r, n, _ = x.shape
         if mask is None:
             qw = self.q_norm.weight if self.q_norm is not None else None
             kw = self.k_norm.weight if self.k_norm is not None else None
-            q = qkv_rope_store(self.qkv_proj(x), self.heads, self.kv_heads, self.head_dim, qw, kw, self.eps, cos, sin,
-                               cache.k[layer], cache.v[layer], meta.slots, meta.write_pos)
+            q = qkv_rope_store(dense(x, self.qkv_proj, norm=norm), self.heads, self.kv_heads, self.head_dim, qw, kw,
+                               self.eps, cos, sin, cache.k[layer], cache.v[layer], meta.slots, meta.write_pos)
             lo, hi = meta.bounds[self.layer_type]
             out = block_attention(q, cache.k[layer], cache.v[layer], meta.slots, lo, hi, self.scale, meta.kv_len)
-            return self.o_proj(out.view(r, n, self.q_size))
+            return dense(out.view(r, n, self.q_size), self.o_proj, residual=residual)
         q, k, v = self.project(x, cos, sin)
         if cache is not None:
             cache.write(layer, meta, k, v)
@@ -85,7 +87,12 @@ class DecoderLayer(nn.Module):
         meta: AttnMeta, masks: dict[str, Tensor] | None,
     ) -> tuple[Tensor, Tensor]:
         """Pre-norm block on the residual stream; returns (block output, residual) un-summed so the
-        next layer fuses the add into its norm."""
+        next layer fuses the add into its norm. With few rows on the GPU the norms and adds fold into
+        the products instead, and the summed stream comes back with residual None."""
+        if masks is None and few_rows(x):
+            h = x if residual is None else x + residual
+            h = self.self_attn(h, cos, sin, layer, cache, meta, None, norm=self.input_layernorm, residual=h)
+            return self.mlp(h, norm=self.post_attention_layernorm, residual=h), None
         norm = self.input_layernorm
         if residual is None:
             residual, h = x, norm(x)
@@ -147,8 +154,8 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, i, cache, meta, masks)
             if i in taps and i != last:
-                tapped[i] = x + residual
-        x = self.norm(x + residual)
+                tapped[i] = x if residual is None else x + residual
+        x = self.norm(x if residual is None else x + residual)
         if last in taps:
             tapped[last] = x
         features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from blockspec.config import ConfigError, ModelConfig, RopeConfig, rope_from_hf
 from blockspec.engine.kv_cache import AttnMeta, KVCache, range_mask
-from blockspec.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attention
+from blockspec.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attention, dense
 from blockspec.models.triton_attention import block_attention
 from blockspec.models.triton_ops import qkv_rope_store
 from blockspec.models.loader import (
@@ -318,17 +318,19 @@ class DraftAttention(nn.Module):
         out = attention(q, keys, values, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(r, n, self.q_size))
 
-    def forward_cached(self, x: Tensor, cos: Tensor, sin: Tensor, block: "CachedBlock", layer: int) -> Tensor:
-        """Kernel path: the block's K/V are written into the cache right after the context (columns
-        the next context append overwrites) and the rows read keys in place, within `block.bounds`."""
+    def forward_cached(self, x: Tensor, cos: Tensor, sin: Tensor, block: "CachedBlock", layer: int,
+                       norm: RMSNorm, residual: Tensor) -> Tensor:
+        """Kernel path of residual + attention(norm(x)): the block's K/V are written into the cache
+        right after the context (columns the next context append overwrites) and the rows read keys
+        in place, within `block.bounds`; the norm and the residual add fold into the products."""
         r, n, _ = x.shape
         cache, meta = block.cache, block.meta
-        q = qkv_rope_store(self.qkv_proj(x), self.heads, self.kv_heads, self.head_dim, self.q_norm.weight,
+        q = qkv_rope_store(dense(x, self.qkv_proj, norm=norm), self.heads, self.kv_heads, self.head_dim, self.q_norm.weight,
                            self.k_norm.weight, self.q_norm.eps, cos, sin, cache.k[layer], cache.v[layer], meta.slots,
                            meta.write_pos)
         lo, hi = block.bounds[layer]
         out = block_attention(q, cache.k[layer], cache.v[layer], meta.slots, lo, hi, self.scale, meta.kv_len)
-        return self.o_proj(out.view(r, n, self.q_size))
+        return dense(out.view(r, n, self.q_size), self.o_proj, residual=residual)
 
     def _block_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         r, n, _ = x.shape
@@ -361,8 +363,8 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_cached(self, x: Tensor, cos: Tensor, sin: Tensor, block: CachedBlock, layer: int) -> Tensor:
-        x = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, block, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn.forward_cached(x, cos, sin, block, layer, self.input_layernorm, x)
+        return self.mlp(x, norm=self.post_attention_layernorm, residual=x)
 
 
 class DraftModel(nn.Module):

@@ -1,0 +1,147 @@
+"""The few-row linear layers of a Qwen3-8B-shaped model: `skinny_linear` (tile sweep, fused prologues)
+against cuBLAS, next to the copy bandwidth that bounds them.
+
+Each figure is one layer's product (and what is fused into it) timed as a CUDA graph of calls over
+enough weight copies to defeat the L2 cache, median of repeated replays. The floor of a call is its
+weight bytes over the measured copy bandwidth.
+
+    python benchmarks/bench_gemv.py --out gemv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from blockspec.bench.timing import copy_bandwidth
+from blockspec.models import layers, triton_ops
+from blockspec.models.triton_ops import SkinnyConfig
+
+HIDDEN, INTER, Q_KV, VOCAB = 4096, 12288, 6144, 151936
+# name: (n, k, fusion) of Qwen3-8B's products; the fusion is what the decoder layer folds into it
+SHAPES = {"qkv": (Q_KV, HIDDEN, "norm"), "o": (HIDDEN, HIDDEN, "residual"), "gate_up": (2 * INTER, HIDDEN, "norm"),
+          "down": (HIDDEN, INTER, "swiglu+residual")}
+L2_DEFEAT_BYTES = 512 << 20
+
+
+def graph_time(calls: list[Callable[[], object]], replays: int = 20) -> float:
+    """Median seconds per call of the list replayed as one CUDA graph."""
+    for fn in calls:  # compile / autotune outside the capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) / 1000 / len(calls))
+    return statistics.median(samples)
+
+
+class Case:
+    """One product at one row count, over enough weight copies to stream from HBM on every call."""
+
+    def __init__(self, n: int, k: int, fusion: str, m: int) -> None:
+        self.n, self.k, self.fusion, self.m = n, k, fusion, m
+        copies = max(1, -(-L2_DEFEAT_BYTES // (n * k * 2)))
+        self.weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
+        width = 2 * k if "swiglu" in fusion else k
+        self.x = torch.randn(m, width, device="cuda", dtype=torch.bfloat16)
+        self.norm_w = torch.randn(k, device="cuda", dtype=torch.bfloat16) if fusion == "norm" else None
+        self.res = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) if "residual" in fusion else None
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.n * self.k * 2
+
+    def skinny(self, cfg: SkinnyConfig | None, fused: bool = True) -> list[Callable[[], object]]:
+        kw = dict(norm_weight=self.norm_w, eps=1e-6, swiglu="swiglu" in self.fusion, residual=self.res) if fused else {}
+        x = self.x if fused or "swiglu" not in self.fusion else self.x[:, :self.k]
+        return [lambda w=w: triton_ops.skinny_linear(x, w, config=cfg, **kw) for w in self.weights]
+
+    def cublas(self, fused: bool = True) -> list[Callable[[], object]]:
+        """The unfused ops the engine ran before: the norm / SwiGLU kernel, cuBLAS, the residual add."""
+        def call(w: torch.Tensor) -> torch.Tensor:
+            x = self.x
+            if fused and self.norm_w is not None:
+                x = layers.rms_norm(x, self.norm_w, 1e-6)
+            if "swiglu" in self.fusion:
+                x = layers.silu_mul(x) if fused else x[:, :self.k]
+            y = F.linear(x, w)
+            return y + self.res if fused and self.res is not None else y
+        return [lambda w=w: call(w) for w in self.weights]
+
+
+def sweep_space(m: int) -> list[SkinnyConfig]:
+    if m == 1:
+        grid = itertools.product([1], [8, 16, 32], [256, 512, 1024], [4, 8], [1, 3])
+    else:
+        grid = itertools.product([16], [16, 32, 64], [128, 256, 512], [4, 8], [2, 3, 4])
+    return [SkinnyConfig(*c) for c in grid]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64")
+    ap.add_argument("--sweep", action="store_true",
+                    help="sweep tile sizes at 1 row (bare and fused) and 16 rows (bare) first")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    result: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "copy_bandwidth_TBps": bw / 1e12, "sweep": [], "runs": []}
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}), flush=True)
+    if args.sweep:
+        for m in (1, 16):
+            cases = {name: Case(n, k, fusion, m) for name, (n, k, fusion) in SHAPES.items()}
+            for cfg in sweep_space(m):
+                row = {"rows": m, "config": cfg.__dict__}
+                for (name, case), fused in itertools.product(cases.items(), (False, True) if m == 1 else (False,)):
+                    key = name + ("_fused" if fused else "")
+                    try:
+                        t = graph_time(case.skinny(cfg, fused=fused))
+                    except Exception as exc:  # a tile that does not fit (shared memory, registers)
+                        row[key] = repr(exc)[:80]
+                        continue
+                    row[key] = case.weight_bytes / t / bw
+                result["sweep"].append(row)
+                print(json.dumps(row), flush=True)
+            del cases
+            torch.cuda.empty_cache()
+    for m in (int(r) for r in args.rows.split(",")):
+        for name, (n, k, fusion) in SHAPES.items():
+            case = Case(n, k, fusion, m)
+            floor = case.weight_bytes / bw
+            run = {"rows": m, "layer": name, "n": n, "k": k, "fusion": fusion, "floor_us": floor * 1e6}
+            for label, calls in (("skinny_fused", case.skinny(None)), ("skinny_bare", case.skinny(None, fused=False)),
+                                 ("cublas_unfused", case.cublas()), ("cublas_bare", case.cublas(fused=False))):
+                t = graph_time(calls)
+                run[label + "_us"] = t * 1e6
+                run[label + "_floor_ratio"] = floor / t
+            result["runs"].append(run)
+            print(json.dumps(run), flush=True)
+            del case
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
