@@ -351,3 +351,29 @@ def test_pipelined_plain_steps_between_speculative_ones_keep_output_exact(target
     assert got == [o.outputs[0].token_ids for o in plain.generate(ps, params, use_tqdm=False)]
     assert pending_at_draft and max(pending_at_draft) <= 4
     assert llm.get_metrics()["num_drafts"] > 0
+
+
+@pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
+def test_drafts_launched_ahead_of_the_commit_are_the_synchronous_drafts(target, plain, method, fixture):
+    """With asynchronous scheduling each speculative step launches the next step's draft before it
+    commits its own tokens. Requests of different lengths finish at different steps, so the next
+    step takes the launch's rows for the requests still running. The drafts must be the ones a
+    synchronous step would draft: the same acceptance at every position, and output equal to plain
+    decoding; and the launches must really be taken."""
+    ps = prompts(4, seed=12)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (31, 7, 18, 26)]
+    metrics = {}
+    for ahead in (False, True):
+        llm = spec_llm(target, method, fixture, num_speculative_tokens=3)
+        llm.engine.async_scheduling = ahead
+        llm.engine.policy.choose = lambda batch: 3
+        assert [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)] == \
+            [o.outputs[0].token_ids for o in plain.generate(ps, params, use_tqdm=False)]
+        metrics[ahead] = llm.get_metrics()
+    sync, launched = metrics[False], metrics[True]
+    assert launched["num_accepted_tokens_per_pos"] == sync["num_accepted_tokens_per_pos"]
+    assert launched["num_drafts"] == sync["num_drafts"] and launched["num_steps"] == sync["num_steps"]
+    assert sync["num_drafts_launched_ahead"] == 0
+    taken = launched["num_drafts_launched_ahead_taken"]
+    # every speculative step after the first takes the previous step's launch (the last one is dropped)
+    assert taken == launched["num_drafts_launched_ahead"] - 1 > 5

@@ -52,6 +52,11 @@ class StepTimer:
         else:
             self._marks.append((name, time.perf_counter()))
 
+    def discard(self) -> None:
+        """Drop the open marks unaccounted (a step that started its timing but launched nothing, or
+        a draft launched ahead that the next step did not use)."""
+        self._marks.clear()
+
     def close(self) -> float:
         """Account the marks of one step (each interval to the mark that opens it); return the step's time."""
         self.mark("end")
@@ -300,6 +305,7 @@ class Engine:
         """Launch the plain step of `reqs`, then commit the one in flight (if any): the GPU runs this
         step while the host does the last one's bookkeeping. Its input tokens are the in-flight
         step's ids, still on the device; its positions are one further along."""
+        self.timer.discard()  # a draft launched ahead and not taken: these steps are not split by phase
         prev = self._inflight
         ahead = 1 if prev is not None else 0
         ids = prev.ids if prev is not None else to_device([r.output_ids[-1] for r in reqs], torch.int64, self.device)
@@ -442,16 +448,19 @@ class Engine:
         self.timer.close()
         self.policy.observe_acceptance(budgets, [max(a, 0) for a in num_acc])
         self.proposer.record_outcome(block.lens, num_acc)
-        touched = []
         for j, req in enumerate(reqs):
             a = num_acc[j]  # a non-finite row gives a = 0 and token -1: _append fails this request alone
             req.spec.record(block.lens[j], a)
             self.spec_totals.record(block.lens[j], a)
             req.num_cached += a + 1
             req.pending_features.append(feats[j, : a + 1])
-            self._append(req, out_tokens[j][: a + 1], lps[j] if lps else None)
-            touched.append(req)
-        return touched
+        if self.async_scheduling:  # the next draft runs while the host commits and detokenises this step
+            self.timer.mark("draft")
+            if not self.proposer.launch_next(reqs, [out[max(a, 0)] for out, a in zip(out_tokens, num_acc)], self):
+                self.timer.discard()
+        for j, req in enumerate(reqs):
+            self._append(req, out_tokens[j][: num_acc[j] + 1], lps[j] if lps else None)
+        return list(reqs)
 
     def _draft_budget(self, req: Request) -> int:
         """Drafts worth sending: never past max_tokens or the context (emitted tokens <= drafts + 1)."""
@@ -626,6 +635,7 @@ class Engine:
         out.update(self.timer.totals)
         if self.proposer is not None:
             out.update(self.proposer.calibration_metrics())
+            out["num_drafts_launched_ahead"], out["num_drafts_launched_ahead_taken"] = self.proposer.ahead_stats
         out["num_steps"] = self.num_steps
         out["num_generated_tokens"] = self.num_generated
         return out

@@ -42,6 +42,34 @@ class DraftBlock:
     confidence: Tensor | None = None  # [R, K] DSpark conditional survival c_k
 
 
+@dataclass
+class DraftLaunch:
+    """A graphed draft launched for the next step right after a verify, before the host commits that
+    verify's tokens: the GPU drafts while the host detokenises and checks stops. Its outputs are the
+    draft graph's buffers, valid until the graph's next replay, which only `propose` starts."""
+
+    reqs: list[Request]
+    anchors: list[int]  # host copy of each block's first token, checked against the committed history
+    cached: list[int]  # each request's num_cached at the launch: any step since then changes it
+    anchor_ids: Tensor  # [R] int64 on the device
+    tokens: Tensor  # [R, K]
+    confidence: Tensor | None
+
+    def rows_for(self, reqs: list[Request]) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """(anchors, tokens, confidence) for `reqs` if every one of them was launched from the history
+        it has now (requests that finished since the launch drop their rows), else None."""
+        where = {id(r): i for i, r in enumerate(self.reqs)}
+        index = [where.get(id(r), -1) for r in reqs]
+        if any(i < 0 or r.num_cached != self.cached[i] or r.num_draft_ctx != r.num_cached or not r.output_ids
+               or r.output_ids[-1] != self.anchors[i] for r, i in zip(reqs, index)):
+            return None
+        if index == list(range(len(self.reqs))):
+            return self.anchor_ids, self.tokens, self.confidence
+        rows = to_device(index, torch.int64, self.tokens.device)
+        conf = self.confidence[rows] if self.confidence is not None else None
+        return self.anchor_ids[rows], self.tokens[rows], conf
+
+
 class Proposer:
     def __init__(self, drafter: Any, target: CausalLM, cfg: SpeculativeConfig, max_slots: int, max_len: int) -> None:
         drafter.check_target(target.config)
@@ -67,6 +95,7 @@ class Proposer:
         self.cache = drafter.new_cache(max_slots, max_len + drafter.block_size + 1, weight.device, weight.dtype)
         self.graphs = DraftGraphs(drafter, target, self.cache, k, self._plain_target_head(), cfg.markov_top_k) \
             if weight.device.type == "cuda" else None
+        self.ahead: DraftLaunch | None = None
 
     def reset_stats(self) -> None:
         """Calibration and budget statistics start from zero (after the engine's warm-up)."""
@@ -76,6 +105,7 @@ class Proposer:
                             if self.has_confidence else None)
         self.realised = [0] * k
         self.budget_history: list[int] = []
+        self.ahead_stats = [0, 0]  # drafts launched ahead of their step's commit, and taken by the next step
 
     def enabled_for_batch(self, batch: int) -> bool:
         limit = self.cfg.max_batch_for_speculation
@@ -125,17 +155,48 @@ class Proposer:
             r.num_draft_ctx += c
         return padded, counts, starts
 
+    def _probabilistic(self, reqs: list[Request]) -> bool:
+        return self.cfg.draft_sample_method == "probabilistic" and not all(r.params.greedy for r in reqs)
+
+    def _graphable(self, reqs: list[Request]) -> bool:
+        """Whether the step's draft can replay a captured graph (greedy drafts, a captured batch size,
+        context rows and positions within the graph's extent)."""
+        pending = [sum(f.shape[0] for f in r.pending_features) for r in reqs]
+        return (self.graphs is not None and not self._probabilistic(reqs)
+                and self.graphs.fits(len(reqs), pending, max(r.num_cached for r in reqs)))
+
+    def launch_next(self, reqs: list[Request], anchors: list[int], engine: "Engine") -> bool:
+        """Launch the next step's greedy draft for `reqs` now, before the host commits the tokens just
+        verified: their cache counts and pending features are already advanced, and `anchors` are
+        their last emitted tokens. `propose` takes it if the next step drafts for these requests (or
+        for those of them still running); else it is dropped. Returns whether it launched."""
+        self.ahead = None
+        if self._probabilistic(reqs):  # sampled drafts draw from the committed history's RNG positions
+            return False
+        host = [max(a, 0) for a in anchors]  # a failed row's -1: its request is failed at the commit
+        ids = to_device(host, torch.int64, self.target.embed_tokens.weight.device)
+        if self._graphable(reqs):
+            tokens, confidence = self._graphed_draft(reqs, ids)
+        else:
+            tokens, _, confidence = self._eager_draft(reqs, ids, False, engine)
+        self.ahead = DraftLaunch(list(reqs), host, [r.num_cached for r in reqs], ids, tokens, confidence)
+        self.ahead_stats[0] += 1
+        return True
+
     def propose(self, reqs: list[Request], budgets: list[int], engine: "Engine") -> DraftBlock:
         device = self.target.embed_tokens.weight.device
-        anchors = to_device([r.output_ids[-1] for r in reqs], torch.int64, device)
         q_probs = confidence = None
-        probabilistic = self.cfg.draft_sample_method == "probabilistic" and not all(r.params.greedy for r in reqs)
-        pending = [sum(f.shape[0] for f in r.pending_features) for r in reqs]
-        if (self.graphs is not None and not probabilistic
-                and self.graphs.fits(len(reqs), pending, max(r.num_cached for r in reqs))):
-            tokens, confidence = self._graphed_draft(reqs, anchors)
+        ahead, self.ahead = self.ahead, None
+        launched = ahead.rows_for(reqs) if ahead is not None else None
+        if launched is not None:
+            anchors, tokens, confidence = launched
+            self.ahead_stats[1] += 1
         else:
-            tokens, q_probs, confidence = self._eager_draft(reqs, anchors, probabilistic, engine)
+            anchors = to_device([r.output_ids[-1] for r in reqs], torch.int64, device)
+            if self._graphable(reqs):
+                tokens, confidence = self._graphed_draft(reqs, anchors)
+            else:
+                tokens, q_probs, confidence = self._eager_draft(reqs, anchors, self._probabilistic(reqs), engine)
         lens = list(budgets)
         if confidence is not None:
             lens = self._confident_lengths(confidence, lens, engine)
