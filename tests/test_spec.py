@@ -48,8 +48,8 @@ def add_oracle(llm: LLM, expected: dict[tuple, list[int]], corrupt: float = 0.15
     real = proposer.propose
     g = torch.Generator().manual_seed(seed)
 
-    def propose(reqs, budgets, engine):
-        block = real(reqs, budgets, engine)
+    def propose(reqs, budgets, engine, last_tokens=None):
+        block = real(reqs, budgets, engine, last_tokens)
         tokens = block.tokens.clone()
         for r, req in enumerate(reqs):
             want = expected[tuple(req.prompt_token_ids)]
@@ -266,9 +266,9 @@ def test_draft_context_is_never_more_than_a_draft_step_behind(target, plain):
     pending_at_draft: list[int] = []
     propose = engine.proposer.propose
 
-    def watch(reqs, budgets, eng):
+    def watch(reqs, budgets, eng, last_tokens=None):
         pending_at_draft.extend(sum(f.shape[0] for f in r.pending_features) for r in reqs)
-        return propose(reqs, budgets, eng)
+        return propose(reqs, budgets, eng, last_tokens)
 
     engine.proposer.propose = watch
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -339,10 +339,10 @@ def test_pipelined_plain_steps_between_speculative_ones_keep_output_exact(target
     pending_at_draft: list[int] = []
     propose = engine.proposer.propose
 
-    def watch(reqs, budgets, eng):
+    def watch(reqs, budgets, eng, last_tokens=None):
         assert engine._inflight is None  # a speculative step starts from committed state
         pending_at_draft.extend(sum(f.shape[0] for f in r.pending_features) for r in reqs)
-        return propose(reqs, budgets, eng)
+        return propose(reqs, budgets, eng, last_tokens)
 
     engine.proposer.propose = watch
     ps = prompts(3, seed=11)
@@ -353,27 +353,75 @@ def test_pipelined_plain_steps_between_speculative_ones_keep_output_exact(target
     assert llm.get_metrics()["num_drafts"] > 0
 
 
+def run_launching_ahead(target, method, fixture, ps, params, ahead: bool) -> tuple[list[list[int]], dict]:
+    """Outputs and metrics of a fixed-K speculative run, launching ahead or not."""
+    llm = spec_llm(target, method, fixture, num_speculative_tokens=3)
+    llm.engine.async_scheduling = ahead
+    llm.engine.policy.choose = lambda batch: 3
+    return [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)], llm.get_metrics()
+
+
 @pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
-def test_drafts_launched_ahead_of_the_commit_are_the_synchronous_drafts(target, plain, method, fixture):
-    """With asynchronous scheduling each speculative step launches the next step's draft before it
-    commits its own tokens. Requests of different lengths finish at different steps, so the next
-    step takes the launch's rows for the requests still running. The drafts must be the ones a
-    synchronous step would draft: the same acceptance at every position, and output equal to plain
-    decoding; and the launches must really be taken."""
+def test_steps_launched_ahead_of_the_commit_are_the_synchronous_steps(target, plain, method, fixture):
+    """With asynchronous scheduling a greedy speculative step launches the next step whole (draft,
+    verify, acceptance) before it commits its own tokens. Requests of different lengths finish at
+    different steps, so launches carry rows of requests that stopped meanwhile. Each step must
+    draft and accept exactly what a synchronous step does: the same acceptance at every position,
+    output equal to plain decoding, and the launches must really run."""
     ps = prompts(4, seed=12)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (31, 7, 18, 26)]
-    metrics = {}
-    for ahead in (False, True):
-        llm = spec_llm(target, method, fixture, num_speculative_tokens=3)
-        llm.engine.async_scheduling = ahead
-        llm.engine.policy.choose = lambda batch: 3
-        assert [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)] == \
-            [o.outputs[0].token_ids for o in plain.generate(ps, params, use_tqdm=False)]
-        metrics[ahead] = llm.get_metrics()
-    sync, launched = metrics[False], metrics[True]
+    sync_out, sync = run_launching_ahead(target, method, fixture, ps, params, ahead=False)
+    out, launched = run_launching_ahead(target, method, fixture, ps, params, ahead=True)
+    assert out == sync_out == [o.outputs[0].token_ids for o in plain.generate(ps, params, use_tqdm=False)]
     assert launched["num_accepted_tokens_per_pos"] == sync["num_accepted_tokens_per_pos"]
     assert launched["num_drafts"] == sync["num_drafts"] and launched["num_steps"] == sync["num_steps"]
-    assert sync["num_drafts_launched_ahead"] == 0
+    assert sync["num_spec_steps_launched_ahead"] == 0
+    # every decode step but the first was launched ahead (one step prefilled all four prompts)
+    assert launched["num_spec_steps_launched_ahead"] == launched["num_steps"] - 2 > 5
+
+
+@pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
+def test_drafts_launched_ahead_of_sampled_verification_are_the_synchronous_drafts(target, method, fixture):
+    """Sampled verification reads the committed history, so at T > 0 only the next draft is launched
+    before the commit. Seeded outputs and the acceptance at every position equal the synchronous
+    run's, and the next step takes the launch (for the requests still running)."""
+    ps = prompts(4, seed=13)
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=n, ignore_eos=True)
+              for i, n in enumerate((31, 7, 18, 26))]
+    sync_out, sync = run_launching_ahead(target, method, fixture, ps, params, ahead=False)
+    out, launched = run_launching_ahead(target, method, fixture, ps, params, ahead=True)
+    assert out == sync_out
+    assert launched["num_accepted_tokens_per_pos"] == sync["num_accepted_tokens_per_pos"]
+    assert sync["num_drafts_launched_ahead"] == launched["num_spec_steps_launched_ahead"] == 0
     taken = launched["num_drafts_launched_ahead_taken"]
-    # every speculative step after the first takes the previous step's launch (the last one is dropped)
     assert taken == launched["num_drafts_launched_ahead"] - 1 > 5
+
+
+def test_steps_launched_ahead_survive_stops_aborts_and_arrivals(target, plain):
+    """Launched before the commit, a step carries rows of requests that the commit then stops (a stop
+    token inside the accepted block), that are aborted while it is in flight, and misses requests
+    that arrive meanwhile: stopped and aborted requests get nothing more, and every other output is
+    what plain decoding gives alone."""
+    ps = [p["prompt_token_ids"] for p in prompts(4, seed=14)]
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in ps], greedy,
+                                                            use_tqdm=False)]
+    stop = alone[1][9]
+    stopping = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop])
+    llm = spec_llm(target, "dflash", "dflash", num_speculative_tokens=3)
+    engine = llm.engine
+    engine.async_scheduling = True
+    engine.policy.choose = lambda batch: 3
+    reqs = [engine.add_request(str(i), None, p, stopping if i == 1 else greedy)[0] for i, p in enumerate(ps[:3])]
+    for _ in range(3):
+        engine.step()
+    assert engine._spec_inflight is not None
+    engine.abort("2")
+    aborted_at = len(reqs[2].output_ids)
+    reqs.append(engine.add_request("3", None, ps[3], greedy)[0])
+    while engine.has_unfinished():
+        engine.step()
+    assert reqs[0].output_ids == alone[0] and reqs[3].output_ids == alone[3]
+    assert reqs[1].output_ids == alone[1][: alone[1].index(stop) + 1] and reqs[1].finish_reason == "stop"
+    assert len(reqs[2].output_ids) == aborted_at and reqs[2].finish_reason == "abort"
+    assert engine.metrics()["num_spec_steps_launched_ahead"] > 5

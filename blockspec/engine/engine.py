@@ -88,6 +88,24 @@ class PlainLaunch:
     captures: int  # CUDA graph captures before the launch (a launch that captured is no timing sample)
 
 
+@dataclass
+class SpecLaunch:
+    """A speculative step launched (draft, verify forward and, for greedy rows, acceptance on the
+    device) whose results the host has not read yet. With asynchronous scheduling the next greedy
+    step is launched whole before this one's tokens are committed, so the GPU drafts and verifies
+    while the host detokenises, checks stops and schedules."""
+
+    reqs: list[Request]
+    k: int
+    budgets: list[int]
+    block: Any  # DraftBlock
+    hidden: Tensor  # verify rows' final hidden states (sampled verification reads them at the finish)
+    feats: Tensor  # verify rows' tap features, for the drafter's context
+    host: Tensor | None  # greedy rows: pinned [R, 1 + W] accepted count then emitted tokens, once `ready`
+    ready: Any  # torch.cuda.Event (None on the CPU, where the copy is synchronous)
+    captures: int  # CUDA graph captures before the launch (a launch that captured is no timing sample)
+
+
 class Engine:
     def __init__(
         self,
@@ -131,10 +149,13 @@ class Engine:
         self.timer = StepTimer(self.device)
         self.num_steps = 0
         self.num_generated = 0
+        self.num_steps_launched_ahead = 0
         use_async = config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if use_async is None else use_async
         self._inflight: PlainLaunch | None = None
         self._last_async_commit: float | None = None
+        self._spec_inflight: SpecLaunch | None = None
+        self._next_choice: tuple[int, int] | None = None  # (batch, K) chosen while launching ahead
 
     # ---------------------------------------------------------------- start-up
     def _check_memory(self, drafter: Any) -> None:
@@ -191,11 +212,13 @@ class Engine:
 
     def _reset_counters(self) -> None:
         self._inflight = None  # warm-up requests are all finished: whatever is in flight is discarded
+        self._spec_inflight = self._next_choice = None
         self._last_async_commit = None
         self.spec_totals = type(self.spec_totals)()
         self.timer = StepTimer(self.device)
         self.num_steps = 0
         self.num_generated = 0
+        self.num_steps_launched_ahead = 0
         if self.proposer is not None:
             self.proposer.reset_stats()
             self.policy = DraftLengthPolicy(self.proposer.num_speculative_tokens, self.policy.adaptive)
@@ -261,8 +284,16 @@ class Engine:
 
     def _decode(self, decoding: list[Request]) -> list[Request]:
         """One decode step for every running request: speculative with the policy's K, or plain."""
+        if self._spec_inflight is not None:  # launched by the last step: this step is its finish
+            launch, self._spec_inflight = self._spec_inflight, None
+            touched = self._finish_spec(launch)
+            now, last = time.perf_counter(), self._last_async_commit
+            self._last_async_commit = now
+            if last is not None and launch.captures == CAPTURES[0]:  # a pipelined step costs commit to commit
+                self.policy.observe_time(len(launch.reqs), launch.k, now - last)
+            return touched  # requests that joined since the launch wait for the next one
         spec = [r for r in decoding if self._speculates(r, len(decoding))]
-        k = self.policy.choose(len(spec)) if spec else 0
+        k = self._choose(len(spec)) if spec else 0
         plain = [r for r in decoding if k == 0 or r not in spec]
         touched = []
         launch = self._inflight
@@ -279,8 +310,9 @@ class Engine:
         # not the device time alone, is what decides tokens per second.
         if k:
             t0 = time.perf_counter()
-            touched = self._spec_step(spec, k)
+            touched = self._finish_spec(self._launch_spec(spec, k))
             self._observe_time(len(spec), k, time.perf_counter() - t0)
+            self._last_async_commit = time.perf_counter()
         if plain:
             t0 = time.perf_counter()
             self._plain_step(plain)
@@ -296,10 +328,7 @@ class Engine:
         one more token after the pending ones (a request known to stop before it is not launched)."""
         if not self.async_scheduling or self.needs_processing(reqs):
             return False
-        limit = self.config.max_model_len
-        return all(r.length + ahead < limit and (r.params.max_tokens is None
-                                                 or len(r.output_ids) + ahead < r.params.max_tokens)
-                   for r in reqs)
+        return all(self._has_room(r, ahead) for r in reqs)
 
     def _plain_step_async(self, reqs: list[Request]) -> list[Request]:
         """Launch the plain step of `reqs`, then commit the one in flight (if any): the GPU runs this
@@ -430,44 +459,112 @@ class Engine:
             req.num_cached += 1
             self._append(req, [tokens[j]], lps[j] if lps else None)
 
-    def _spec_step(self, reqs: list[Request], k: int) -> list[Request]:
+    def _choose(self, batch: int) -> int:
+        """The policy's K for this step, unless it was chosen already when this step was due to be
+        launched ahead (and was then not launched, because the choice was the plain path)."""
+        chosen, self._next_choice = self._next_choice, None
+        if chosen is not None and chosen[0] == batch:
+            return chosen[1]
+        return self.policy.choose(batch)
+
+    def _launch_spec(self, reqs: list[Request], k: int, ahead: list[int] | None = None,
+                     anchors: list[int] | None = None) -> SpecLaunch:
+        """Draft and verify `reqs` with up to k drafts each; greedy rows are also accepted on the
+        device and copied back without waiting. `ahead`/`anchors`: tokens each request has verified
+        but not committed yet, and its last one (the step is launched before that commit)."""
         assert self.proposer is not None
-        budgets = [min(k, self._draft_budget(r)) for r in reqs]
+        ahead = ahead or [0] * len(reqs)
+        captures = CAPTURES[0]
+        budgets = [min(k, self._draft_budget(r, a)) for r, a in zip(reqs, ahead)]
         self.timer.mark("draft")
-        block = self.proposer.propose(reqs, budgets, self)
+        block = self.proposer.propose(reqs, budgets, self, anchors)
         self.timer.mark("verify")
         ids = torch.cat([block.anchors[:, None], block.tokens.clamp(min=0)], dim=1)
         q_lens = [1 + n for n in block.lens]
-        starts = [r.num_cached for r in reqs]
-        hidden, feats = self.runner.forward_ids(ids, q_lens, starts, [r.slot for r in reqs], with_taps=True)
+        hidden, feats = self.runner.forward_ids(ids, q_lens, [r.num_cached for r in reqs], [r.slot for r in reqs],
+                                                with_taps=True)
         self.timer.mark("rest")
-        num_acc, out_tokens, lps = self.proposer.verify(self, reqs, block, hidden)
+        host = ready = None
+        if not self.needs_processing(reqs):
+            result = self.proposer.accept_greedy(self, block, hidden)
+            cuda = self.device.type == "cuda"
+            host = torch.empty(result.shape, dtype=result.dtype, pin_memory=cuda)
+            host.copy_(result, non_blocking=cuda)
+            if cuda:
+                ready = torch.cuda.Event()
+                ready.record()
+        return SpecLaunch(reqs, k, budgets, block, hidden, feats, host, ready, captures)
+
+    def _finish_spec(self, launch: SpecLaunch) -> list[Request]:
+        """Read a speculative step's results, launch what comes next, then commit the emitted tokens.
+
+        Rows of requests that finished or were aborted since the launch are dropped. Before the
+        commit, with asynchronous scheduling, the next greedy step is launched whole (or, for
+        sampled verification, its draft): the GPU works while the host detokenises."""
+        assert self.proposer is not None
+        reqs, block = launch.reqs, launch.block
+        if launch.host is not None:
+            if launch.ready is not None:
+                launch.ready.synchronize()
+            num_acc, out_tokens = self.proposer.unpack(launch.host.tolist(), block)
+            lps = None
+        else:
+            num_acc, out_tokens, lps = self.proposer.verify(self, reqs, block, launch.hidden)
         # The policy learns what choosing k yields: the step is timed under k (by the caller) and every
         # draft it asked for counts as offered, so drafts that DSpark's confidence pruned count as not
         # accepted (a step whose drafts were all pruned is a costly plain step, not a plain sample).
         self.timer.close()
-        self.policy.observe_acceptance(budgets, [max(a, 0) for a in num_acc])
-        self.proposer.record_outcome(block.lens, num_acc)
-        for j, req in enumerate(reqs):
-            a = num_acc[j]  # a non-finite row gives a = 0 and token -1: _append fails this request alone
+        live = [j for j, r in enumerate(reqs) if r.status is Status.RUNNING]
+        self.policy.observe_acceptance([launch.budgets[j] for j in live], [max(num_acc[j], 0) for j in live])
+        self.proposer.record_outcome([block.lens[j] for j in live], [num_acc[j] for j in live])
+        for j in live:
+            req, a = reqs[j], num_acc[j]  # a non-finite row gives a = 0 and token -1: _append fails it alone
             req.spec.record(block.lens[j], a)
             self.spec_totals.record(block.lens[j], a)
             req.num_cached += a + 1
-            req.pending_features.append(feats[j, : a + 1])
-        if self.async_scheduling:  # the next draft runs while the host commits and detokenises this step
-            self.timer.mark("draft")
-            if not self.proposer.launch_next(reqs, [out[max(a, 0)] for out, a in zip(out_tokens, num_acc)], self):
-                self.timer.discard()
-        for j, req in enumerate(reqs):
-            self._append(req, out_tokens[j][: num_acc[j] + 1], lps[j] if lps else None)
-        return list(reqs)
+            req.pending_features.append(launch.feats[j, : a + 1])
+        if self.async_scheduling:
+            self._launch_ahead([reqs[j] for j in live], [num_acc[j] + 1 for j in live],
+                               [out_tokens[j][max(num_acc[j], 0)] for j in live])
+        for j in live:
+            self._append(reqs[j], out_tokens[j][: num_acc[j] + 1], lps[j] if lps else None)
+        return [reqs[j] for j in live]
 
-    def _draft_budget(self, req: Request) -> int:
-        """Drafts worth sending: never past max_tokens or the context (emitted tokens <= drafts + 1)."""
+    def _launch_ahead(self, verified: list[Request], emitted: list[int], last: list[int]) -> None:
+        """Launch the next speculative step before committing this one: whole, if every request that
+        will decode next is greedy and speculates (the policy's K is chosen now, for that step);
+        else only the draft of the requests just verified."""
+        ahead = {id(r): (n, t) for r, n, t in zip(verified, emitted, last)}
+        nxt = [r for r in self.running if r.num_cached >= len(r.prompt_token_ids)
+               and self._has_room(r, ahead.get(id(r), (0, 0))[0])]  # the next step's decode set
+        if nxt and not self.needs_processing(nxt) and all(self._speculates(r, len(nxt)) for r in nxt):
+            k = self.policy.choose(len(nxt))
+            if k:
+                steps = [ahead.get(id(r), (0, None)) for r in nxt]
+                self._spec_inflight = self._launch_spec(nxt, k, [n for n, _ in steps],
+                                                        [r.output_ids[-1] if t is None else t
+                                                         for r, (_, t) in zip(nxt, steps)])
+                self.num_steps_launched_ahead += 1
+            else:
+                self._next_choice = (len(nxt), 0)
+            return
+        self.timer.mark("draft")
+        if not self.proposer.launch_next(verified, last, self):
+            self.timer.discard()
+
+    def _has_room(self, req: Request, ahead: int) -> bool:
+        """Whether a request can take one more token after `ahead` uncommitted ones (a request known
+        to stop before it is not launched)."""
+        return req.length + ahead < self.config.max_model_len and (
+            req.params.max_tokens is None or len(req.output_ids) + ahead < req.params.max_tokens)
+
+    def _draft_budget(self, req: Request, ahead: int = 0) -> int:
+        """Drafts worth sending: never past max_tokens or the context (emitted tokens <= drafts + 1),
+        counting `ahead` tokens verified but not committed yet."""
         assert self.proposer is not None
-        left = self.config.max_model_len - req.length
+        left = self.config.max_model_len - req.length - ahead
         if req.params.max_tokens is not None:
-            left = min(left, req.params.max_tokens - len(req.output_ids))
+            left = min(left, req.params.max_tokens - len(req.output_ids) - ahead)
         return max(0, min(self.proposer.num_speculative_tokens, left - 1))
 
     # ---------------------------------------------------------------- sampling
@@ -636,6 +733,7 @@ class Engine:
         if self.proposer is not None:
             out.update(self.proposer.calibration_metrics())
             out["num_drafts_launched_ahead"], out["num_drafts_launched_ahead_taken"] = self.proposer.ahead_stats
+            out["num_spec_steps_launched_ahead"] = self.num_steps_launched_ahead
         out["num_steps"] = self.num_steps
         out["num_generated_tokens"] = self.num_generated
         return out

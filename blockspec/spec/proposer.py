@@ -183,7 +183,10 @@ class Proposer:
         self.ahead_stats[0] += 1
         return True
 
-    def propose(self, reqs: list[Request], budgets: list[int], engine: "Engine") -> DraftBlock:
+    def propose(self, reqs: list[Request], budgets: list[int], engine: "Engine",
+                last_tokens: list[int] | None = None) -> DraftBlock:
+        """Draft up to budgets[i] tokens for each request (its draft launched ahead if there is one).
+        `last_tokens`: each request's last token when it is not committed yet (a step launched ahead)."""
         device = self.target.embed_tokens.weight.device
         q_probs = confidence = None
         ahead, self.ahead = self.ahead, None
@@ -192,7 +195,8 @@ class Proposer:
             anchors, tokens, confidence = launched
             self.ahead_stats[1] += 1
         else:
-            anchors = to_device([r.output_ids[-1] for r in reqs], torch.int64, device)
+            last = last_tokens if last_tokens is not None else [r.output_ids[-1] for r in reqs]
+            anchors = to_device([max(t, 0) for t in last], torch.int64, device)
             if self._graphable(reqs):
                 tokens, confidence = self._graphed_draft(reqs, anchors)
             else:
@@ -350,12 +354,10 @@ class Proposer:
                hidden: Tensor) -> tuple[list[int], list[list[int]], list[list[dict]] | None]:
         """Accepted counts and emitted tokens per request (one host copy); -1 count = request failed."""
         r, rows, _ = hidden.shape
+        if not engine.needs_processing(reqs):
+            return self.unpack(self.accept_greedy(engine, block, hidden).tolist(), block) + (None,)
         lens = to_device(block.lens, torch.int64, hidden.device)
         want_lp = any(q.logprobs is not None for q in reqs)
-        if not engine.needs_processing(reqs):
-            ids = engine.runner.greedy_ids(hidden)
-            num_acc, out = verify_greedy(ids, block.tokens, lens)
-            return self._to_host(num_acc, out) + (None,)
         logits = engine.runner.logits(hidden).view(r * rows, -1)
         params = engine.row_params(reqs, [rows] * r, block.tokens)
         processed = process_logits(logits, params)
@@ -372,13 +374,22 @@ class Proposer:
         if want_lp:
             flat_tokens = out.clamp(min=0).view(-1)
             lps = engine.logprob_entries(reqs, processed, flat_tokens, [rows] * r)
-        acc, toks = self._to_host(num_acc, out)
+        acc, toks = self.unpack(self.pack(num_acc, out, block).tolist(), block)
         return acc, toks, lps
 
-    @staticmethod
-    def _to_host(num_acc: Tensor, out: Tensor) -> tuple[list[int], list[list[int]]]:
-        both = torch.cat([num_acc[:, None], out], dim=1).tolist()
-        return [row[0] for row in both], [row[1:] for row in both]
+    def accept_greedy(self, engine: "Engine", block: DraftBlock, hidden: Tensor) -> Tensor:
+        """Greedy acceptance on the device, packed for one host copy (see `pack`)."""
+        ids = engine.runner.greedy_ids(hidden)
+        num_acc, out = verify_greedy(ids, block.tokens, to_device(block.lens, torch.int64, hidden.device))
+        return self.pack(num_acc, out, block)
+
+    def pack(self, num_acc: Tensor, out: Tensor, block: DraftBlock) -> Tensor:
+        """[R, 1 + W]: each request's accepted count, then its emitted tokens (what `unpack` reads)."""
+        return torch.cat([num_acc[:, None], out], dim=1)
+
+    def unpack(self, rows: list[list[int]], block: DraftBlock) -> tuple[list[int], list[list[int]]]:
+        """Accepted counts and emitted tokens from the host copy of `pack`."""
+        return [row[0] for row in rows], [row[1:] for row in rows]
 
 
 def take_rows(params: RowParams, rows: Tensor) -> RowParams:

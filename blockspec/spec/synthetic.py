@@ -119,8 +119,6 @@ class SyntheticProposer(Proposer):
         self.profile = profile
         self.rates = profile.rates(self.num_speculative_tokens)
         self.rng = random.Random(seed)
-        self._drafts: Tensor | None = None  # this step's drafts, copied to the host with the verify result
-        self._host_drafts: list[list[int]] = []
 
     def expected_length(self, drafts: int) -> float:
         """Expected tokens per verify step (bonus included) for a request drafting `drafts` tokens."""
@@ -135,27 +133,27 @@ class SyntheticProposer(Proposer):
 
     def verify(self, engine: Engine, reqs: list[Request], block: DraftBlock,
                hidden: Tensor) -> tuple[list[int], list[list[int]], list[list[dict]] | None]:
-        """The real verification (timed as usual), then drawn counts; emits drafts[:a] + one more token."""
         if any(r.logprobs is not None for r in reqs):
             raise ConfigError("SyntheticProposer: logprobs are not available (synthetic tokens have none)")
-        self._drafts = block.tokens
-        real_acc, real_out, _ = super().verify(engine, reqs, block, hidden)
-        drafts = self._host_drafts
+        return super().verify(engine, reqs, block, hidden)
+
+    def pack(self, num_acc: Tensor, out: Tensor, block: DraftBlock) -> Tensor:
+        """The real verification's counts and tokens (timed as usual), with the drafts carried along in
+        the same host copy: the synthetic tokens are drafts."""
+        return torch.cat([num_acc[:, None], out, block.tokens], dim=1)
+
+    def unpack(self, rows: list[list[int]], block: DraftBlock) -> tuple[list[int], list[list[int]]]:
+        """Drawn counts; each request emits drafts[:a] and one more token."""
+        width = block.tokens.shape[1]
         acc, out = [], []
-        for r, (real_a, row) in enumerate(zip(real_acc, real_out)):
+        for r, row in enumerate(rows):
+            real_a, real_out, drafts = row[0], row[1 : 2 + width], row[2 + width :]
             if real_a < 0:  # the target's logits were bad: fail the request as the real path would
                 acc.append(real_a)
-                out.append(row)
+                out.append(real_out)
                 continue
             a = self.draw(block.lens[r])
             # out[i] == drafts[i] for i < real_a, so this is the target's own token whenever a <= real_a
             acc.append(a)
-            out.append(drafts[r][:a] + [row[min(a, real_a)]])
-        return acc, out, None
-
-    def _to_host(self, num_acc: Tensor, out: Tensor) -> tuple[list[int], list[list[int]]]:
-        """The step's one host copy, carrying the drafts along (they are needed to emit synthetic tokens)."""
-        k = out.shape[1]
-        both = torch.cat([num_acc[:, None], out, self._drafts], dim=1).tolist()
-        self._host_drafts = [row[1 + k:] for row in both]
-        return [row[0] for row in both], [row[1 : 1 + k] for row in both]
+            out.append(drafts[:a] + [real_out[min(a, real_a)]])
+        return acc, out
