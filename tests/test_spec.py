@@ -7,6 +7,7 @@ inside accepted blocks and bonus tokens are exercised too.
 
 from __future__ import annotations
 
+import time as clock
 from pathlib import Path
 
 import pytest
@@ -293,8 +294,6 @@ def test_policy_prices_steps_by_wall_time_with_host_work(target):
     """What a step costs the policy includes the host's work after the device is done (committing,
     detokenising, stop checks): with a tiny model that work dominates, and pricing only the device
     time made speculation look cheaper than it was (0.4x of plain on the H200 with the shipped pair)."""
-    import time as clock
-
     llm = spec_llm(target, "dflash", "dflash", adaptive_draft_length=True)
     engine = llm.engine
     plan = iter([0, 0, 2, 2, 2, 0] * 20)
@@ -425,3 +424,29 @@ def test_steps_launched_ahead_survive_stops_aborts_and_arrivals(target, plain):
     assert reqs[1].output_ids == alone[1][: alone[1].index(stop) + 1] and reqs[1].finish_reason == "stop"
     assert len(reqs[2].output_ids) == aborted_at and reqs[2].finish_reason == "abort"
     assert engine.metrics()["num_spec_steps_launched_ahead"] > 5
+
+
+def test_pipelined_steps_are_priced_one_step_each_across_switches(target):
+    """A pipelined step costs the time from its predecessor's commit, but only when that predecessor
+    was a step of the same kind: after a speculative step, the first plain commit closes two steps
+    (the plain launch that committed nothing, and itself) and must not be priced as one."""
+    llm = spec_llm(target, "dflash", "dflash", adaptive_draft_length=True, num_speculative_tokens=3)
+    engine = llm.engine
+    engine.async_scheduling = True
+    plan = iter([0, 0, 0, 3, 3, 3] * 40)
+    engine.policy.choose = lambda batch: next(plan)
+    delay = 0.05  # far above a step of this model: each plain step's price holds it exactly once
+    launch = engine._plain_step_async
+
+    def slow_launch(reqs):
+        clock.sleep(delay)
+        return launch(reqs)
+
+    engine._plain_step_async = slow_launch
+    seen: list[tuple[int, float]] = []
+    observe = engine.policy.observe_time
+    engine.policy.observe_time = lambda batch, k, seconds: (seen.append((k, seconds)), observe(batch, k, seconds))
+    llm.generate(prompts(1, seed=5), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
+    plain = [s for k, s in seen if k == 0]
+    assert len(plain) >= 5 and {k for k, _ in seen} == {0, 3}
+    assert all(delay <= s < 1.5 * delay for s in plain), plain

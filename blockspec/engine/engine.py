@@ -153,7 +153,9 @@ class Engine:
         use_async = config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if use_async is None else use_async
         self._inflight: PlainLaunch | None = None
-        self._last_async_commit: float | None = None
+        # (kind, time) of the last commit of a pipelined step: a pipelined step costs the time from its
+        # predecessor's commit, if that predecessor was a step of the same kind ("plain" or "spec")
+        self._last_commit: tuple[str, float] | None = None
         self._spec_inflight: SpecLaunch | None = None
         self._next_choice: tuple[int, int] | None = None  # (batch, K) chosen while launching ahead
 
@@ -213,7 +215,7 @@ class Engine:
     def _reset_counters(self) -> None:
         self._inflight = None  # warm-up requests are all finished: whatever is in flight is discarded
         self._spec_inflight = self._next_choice = None
-        self._last_async_commit = None
+        self._last_commit = None
         self.spec_totals = type(self.spec_totals)()
         self.timer = StepTimer(self.device)
         self.num_steps = 0
@@ -274,7 +276,10 @@ class Engine:
         self._admit()
         prefilling = [r for r in self.running if r.num_cached < len(r.prompt_token_ids)]
         decoding = [r for r in self.running if r.num_cached >= len(r.prompt_token_ids)]
-        touched = self._commit_launch() if prefilling else []  # prefill steps start no pipeline
+        touched = []
+        if prefilling:  # prefill steps start no pipeline, and no step's price spans one
+            touched = self._commit_launch()
+            self._last_commit = None
         touched += self._prefill(prefilling) if prefilling else []
         decoding = [r for r in decoding if r.status is Status.RUNNING]
         if decoding:
@@ -287,10 +292,9 @@ class Engine:
         if self._spec_inflight is not None:  # launched by the last step: this step is its finish
             launch, self._spec_inflight = self._spec_inflight, None
             touched = self._finish_spec(launch)
-            now, last = time.perf_counter(), self._last_async_commit
-            self._last_async_commit = now
-            if last is not None and launch.captures == CAPTURES[0]:  # a pipelined step costs commit to commit
-                self.policy.observe_time(len(launch.reqs), launch.k, now - last)
+            seconds = self._since_last_commit("spec")
+            if seconds is not None and launch.captures == CAPTURES[0]:
+                self.policy.observe_time(len(launch.reqs), launch.k, seconds)
             return touched  # requests that joined since the launch wait for the next one
         spec = [r for r in decoding if self._speculates(r, len(decoding))]
         k = self._choose(len(spec)) if spec else 0
@@ -312,7 +316,7 @@ class Engine:
             t0 = time.perf_counter()
             touched = self._finish_spec(self._launch_spec(spec, k))
             self._observe_time(len(spec), k, time.perf_counter() - t0)
-            self._last_async_commit = time.perf_counter()
+            self._last_commit = ("spec", time.perf_counter())
         if plain:
             t0 = time.perf_counter()
             self._plain_step(plain)
@@ -369,13 +373,21 @@ class Engine:
                 req.num_cached += 1
                 self._append(req, [tok], None)
                 touched.append(req)
-        # in a pipeline a step costs the time between two commits (the host and the device overlap)
-        now = time.perf_counter() if pipelined else None
-        last, self._last_async_commit = self._last_async_commit, now
-        if (now is not None and last is not None and self.proposer is not None and launch.captures == CAPTURES[0]
+        seconds = self._since_last_commit("plain") if pipelined else None
+        if not pipelined:
+            self._last_commit = None
+        if (seconds is not None and self.proposer is not None and launch.captures == CAPTURES[0]
                 and len(touched) == len(launch.reqs)):
-            self.policy.observe_time(len(launch.reqs), 0, now - last)
+            self.policy.observe_time(len(launch.reqs), 0, seconds)
         return touched
+
+    def _since_last_commit(self, kind: str) -> float | None:
+        """Seconds since the last pipelined commit if it was of a step of the same kind (in a pipeline
+        a step costs the time between two commits: the host and the device overlap), and mark now.
+        After a switch of kind the interval spans two different steps, so it is no sample."""
+        now = time.perf_counter()
+        last, self._last_commit = self._last_commit, (kind, now)
+        return now - last[1] if last is not None and last[0] == kind else None
 
     def _drafts_any(self, reqs: list[Request]) -> bool:
         """Whether a forward must return taps: only requests that may draft later need their features
