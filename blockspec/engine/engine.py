@@ -543,26 +543,28 @@ class Engine:
         return [reqs[j] for j in live]
 
     def _launch_ahead(self, verified: list[Request], emitted: list[int], last: list[int]) -> None:
-        """Launch the next speculative step before committing this one: whole, if every request that
-        will decode next is greedy and speculates (the policy's K is chosen now, for that step);
-        else only the draft of the requests just verified."""
+        """Launch the next speculative step before committing this one: its draft first (a draft
+        does not depend on K, so the GPU starts at once), then, if every request that will decode
+        next is greedy and speculates, its verify and acceptance with the policy's K chosen now for
+        that step; for sampled verification only the draft."""
         ahead = {id(r): (n, t) for r, n, t in zip(verified, emitted, last)}
         nxt = [r for r in self.running if r.num_cached >= len(r.prompt_token_ids)
                and self._has_room(r, ahead.get(id(r), (0, 0))[0])]  # the next step's decode set
-        if nxt and not self.needs_processing(nxt) and all(self._speculates(r, len(nxt)) for r in nxt):
-            k = self.policy.choose(len(nxt))
-            if k:
-                steps = [ahead.get(id(r), (0, None)) for r in nxt]
-                self._spec_inflight = self._launch_spec(nxt, k, [n for n, _ in steps],
-                                                        [r.output_ids[-1] if t is None else t
-                                                         for r, (_, t) in zip(nxt, steps)])
-                self.num_steps_launched_ahead += 1
-            else:
-                self._next_choice = (len(nxt), 0)
-            return
+        whole = bool(nxt) and not self.needs_processing(nxt) and all(self._speculates(r, len(nxt)) for r in nxt)
+        reqs = nxt if whole else verified
+        steps = [ahead.get(id(r), (0, None)) for r in reqs]
+        tokens = [r.output_ids[-1] if t is None else t for r, (_, t) in zip(reqs, steps)]
         self.timer.mark("draft")
-        if not self.proposer.launch_next(verified, last, self):
+        if not self.proposer.launch_next(reqs, tokens, self):
             self.timer.discard()
+        if not whole:
+            return
+        k = self.policy.choose(len(nxt))
+        if k:
+            self._spec_inflight = self._launch_spec(nxt, k, [n for n, _ in steps], tokens)
+            self.num_steps_launched_ahead += 1
+        else:  # the plain path next: the draft launched above is dropped
+            self._next_choice = (len(nxt), 0)
 
     def _has_room(self, req: Request, ahead: int) -> bool:
         """Whether a request can take one more token after `ahead` uncommitted ones (a request known

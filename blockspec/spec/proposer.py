@@ -55,13 +55,14 @@ class DraftLaunch:
     tokens: Tensor  # [R, K]
     confidence: Tensor | None
 
-    def rows_for(self, reqs: list[Request]) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    def rows_for(self, reqs: list[Request], last_tokens: list[int]) -> tuple[Tensor, Tensor, Tensor | None] | None:
         """(anchors, tokens, confidence) for `reqs` if every one of them was launched from the history
-        it has now (requests that finished since the launch drop their rows), else None."""
+        it has now, ending in `last_tokens` (requests that finished since the launch drop their
+        rows), else None."""
         where = {id(r): i for i, r in enumerate(self.reqs)}
         index = [where.get(id(r), -1) for r in reqs]
-        if any(i < 0 or r.num_cached != self.cached[i] or r.num_draft_ctx != r.num_cached or not r.output_ids
-               or r.output_ids[-1] != self.anchors[i] for r, i in zip(reqs, index)):
+        if any(i < 0 or r.num_cached != self.cached[i] or r.num_draft_ctx != r.num_cached
+               or max(t, 0) != self.anchors[i] for r, i, t in zip(reqs, index, last_tokens)):
             return None
         if index == list(range(len(self.reqs))):
             return self.anchor_ids, self.tokens, self.confidence
@@ -189,13 +190,13 @@ class Proposer:
         `last_tokens`: each request's last token when it is not committed yet (a step launched ahead)."""
         device = self.target.embed_tokens.weight.device
         q_probs = confidence = None
+        last = last_tokens if last_tokens is not None else [r.output_ids[-1] for r in reqs]
         ahead, self.ahead = self.ahead, None
-        launched = ahead.rows_for(reqs) if ahead is not None else None
+        launched = ahead.rows_for(reqs, last) if ahead is not None else None
         if launched is not None:
             anchors, tokens, confidence = launched
             self.ahead_stats[1] += 1
         else:
-            last = last_tokens if last_tokens is not None else [r.output_ids[-1] for r in reqs]
             anchors = to_device([max(t, 0) for t in last], torch.int64, device)
             if self._graphable(reqs):
                 tokens, confidence = self._graphed_draft(reqs, anchors)
