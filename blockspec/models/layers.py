@@ -109,22 +109,23 @@ def few_rows(x: Tensor) -> bool:
 
 def dense(x: Tensor, proj: nn.Linear, *, norm: RMSNorm | None = None, swiglu: bool = False,
           residual: Tensor | None = None) -> Tensor:
-    """residual + g(proj(f(x))): f the pre-norm (`norm`), g SwiGLU's silu(gate) * up of the [gate | up]
-    product (`swiglu`).
+    """residual + proj(f(x)), f the pre-norm (`norm`) or SwiGLU's silu(gate) * up (`swiglu`).
 
-    With few rows it is one weight-streaming kernel (`triton_ops.skinny_linear`) with g and the
-    residual add fused, and at one row f too, so a decoder layer is six kernels, not nine.
-    Otherwise, and as the reference, the ops run one after the other; the results agree up to the
-    products' summation order.
+    With few rows the product is a weight stream (`triton_ops.skinny_linear`); at one row f and the
+    residual add run inside it, so a decoder layer is six kernels, not nine. Otherwise, and as the
+    reference, the ops run one after the other; the results agree up to the products' summation order.
     """
     if few_rows(x):
-        if norm is not None and x.numel() > x.shape[-1]:  # the fused norm is fast only on the one-row path
-            x, norm = rms_norm(x, norm.weight, norm.eps), None
+        if x.numel() > x.shape[-1]:  # the prologue is fast only on the one-row path: f runs first
+            x = rms_norm(x, norm.weight, norm.eps) if norm is not None else silu_mul(x) if swiglu else x
+            norm, swiglu = None, False
         return triton_ops.skinny_linear(x, proj.weight, proj.bias, norm_weight=None if norm is None else norm.weight,
                                         eps=0.0 if norm is None else norm.eps, swiglu=swiglu, residual=residual)
-    y = proj(x if norm is None else norm(x))
+    if norm is not None:
+        x = norm(x)
     if swiglu:
-        y = silu_mul(y)
+        x = silu_mul(x)
+    y = proj(x)
     return y if residual is None else residual + y
 
 
@@ -139,7 +140,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, residual: Tensor | None = None) -> Tensor:
         """residual + mlp(norm(x)); both optional."""
-        return dense(dense(x, self.gate_up_proj, norm=norm, swiglu=True), self.down_proj, residual=residual)
+        return dense(dense(x, self.gate_up_proj, norm=norm), self.down_proj, swiglu=True, residual=residual)
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:

@@ -105,36 +105,16 @@ if triton is not None:
             tl.store(out + d, x1, mask=ok)
             tl.store(out + half + d, x2, mask=ok)
 
-    @triton.jit
-    def _accumulate(acc, xv, wv, BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
-        """One K tile of rows x weights: a multiply-add into [BLOCK_N, BLOCK_K] for one row (summed
-        once at the end), a tensor-core dot into [BLOCK_M, BLOCK_N] for row blocks."""
-        if BLOCK_M == 1:
-            return acc + wv.to(tl.float32) * xv.to(tl.float32)
-        elif IEEE:  # fp32 models: no tf32 rounding of the inputs
-            return tl.dot(xv, tl.trans(wv), acc, input_precision="ieee")
-        else:
-            return tl.dot(xv, tl.trans(wv), acc)
-
-    @triton.jit
-    def _rounded(acc, Bias, cols, col_ok, dtype: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """The product (plus bias) rounded to the model dtype, as a [BLOCK_M, BLOCK_N] tile."""
-        if BLOCK_M == 1:
-            acc = tl.sum(acc, 1)[None, :]
-        if HAS_BIAS:
-            acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        return acc.to(dtype)
-
     @triton.jit(do_not_specialize=["m"])  # the row count follows the batch: never a new variant
     def _skinny_linear(
         X, W, Bias, NormW, Res, Out, m, n, k, stride_x, stride_w, stride_r, stride_o, eps,
-        NORM: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+        PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
         IEEE: tl.constexpr,
     ):
-        """Out[m, n] = g(f(X) @ W^T (+ bias)) (+ Res), for few rows: one program per BLOCK_N output
-        columns streams its weight rows once. f is the identity or the RMSNorm (NORM, weight NormW);
-        g is the identity or SwiGLU (GLU: W holds 2n rows [gate | up], Out = silu(gate) * up)."""
+        """Out[m, n] = f(X)[m, :] @ W[n, :]^T (+ bias) (+ Res), for few rows: one program per BLOCK_N
+        output columns streams its weight rows once. f is the identity, the RMSNorm (PROLOGUE 1, with
+        weight NormW) or SwiGLU's silu(gate) * up (PROLOGUE 2, X = [gate | up] of width 2k)."""
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < m
@@ -142,9 +122,8 @@ if triton is not None:
         offs = tl.arange(0, BLOCK_K)
         x_rows = X + rows.to(tl.int64)[:, None] * stride_x
         w_rows = W + cols.to(tl.int64)[:, None] * stride_w
-        u_rows = W + (cols + n).to(tl.int64)[:, None] * stride_w  # GLU: the up rows, n after the gate's
         dtype = Out.dtype.element_ty
-        if NORM:  # the row's RMS first: x is a few KB, read again from L2 in the main loop
+        if PROLOGUE == 1:  # the row's RMS first: x is a few KB, read again from L2 in the main loop
             sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
             for k0 in range(0, k, BLOCK_K):
                 kk = k0 + offs
@@ -153,11 +132,9 @@ if triton is not None:
                 sq += xv * xv
             rstd = 1.0 / tl.sqrt(tl.sum(sq, 1) / k + eps)
         if BLOCK_M == 1:
-            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-            acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, k, BLOCK_K):
             kk = k0 + offs
             if EVEN_K:
@@ -166,18 +143,28 @@ if triton is not None:
             else:
                 x_ok = row_ok[:, None] & (kk < k)[None, :]
                 w_ok = col_ok[:, None] & (kk < k)[None, :]
-            xv = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0)
-            if NORM:  # rounded as the rms_norm kernel rounds
-                nw = tl.load(NormW + kk, mask=kk < k, other=0.0).to(tl.float32)
-                xv = (nw[None, :] * (xv.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
-            acc = _accumulate(acc, xv, tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0), BLOCK_M, IEEE)
-            if GLU:
-                acc_up = _accumulate(acc_up, xv, tl.load(u_rows + kk[None, :], mask=w_ok, other=0.0), BLOCK_M, IEEE)
-        y = _rounded(acc, Bias, cols, col_ok, dtype, BLOCK_M, HAS_BIAS)
-        if GLU:  # rounded as the silu_mul kernel rounds
-            up = _rounded(acc_up, Bias + n, cols, col_ok, dtype, BLOCK_M, HAS_BIAS).to(tl.float32)
-            gate = y.to(tl.float32)
-            y = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
+            if PROLOGUE == 2:  # rounded as the silu_mul kernel rounds
+                gate = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0).to(tl.float32)
+                up = tl.load(x_rows + k + kk[None, :], mask=x_ok, other=0.0).to(tl.float32)
+                act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+                xv = (act * up).to(dtype)
+            else:
+                xv = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0)
+                if PROLOGUE == 1:  # rounded as the rms_norm kernel rounds
+                    nw = tl.load(NormW + kk, mask=kk < k, other=0.0).to(tl.float32)
+                    xv = (nw[None, :] * (xv.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
+            wv = tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0)
+            if BLOCK_M == 1:
+                acc2 += wv.to(tl.float32) * xv.to(tl.float32)
+            elif IEEE:  # fp32 models: no tf32 rounding of the inputs
+                acc = tl.dot(xv, tl.trans(wv), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xv, tl.trans(wv), acc)
+        if BLOCK_M == 1:
+            acc = tl.sum(acc2, 1)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        y = acc.to(dtype)
         ok = row_ok[:, None] & col_ok[None, :]
         if HAS_RES:  # the residual stream: (x @ W^T) rounded, plus the residual, rounded (as x + residual)
             res = tl.load(Res + rows.to(tl.int64)[:, None] * stride_r + cols[None, :], mask=ok, other=0.0)
@@ -270,14 +257,15 @@ class SkinnyConfig:
     num_stages: int
 
 
-def skinny_config(m: int, n: int, k: int, norm: bool = False, glu: bool = False, itemsize: int = 2) -> SkinnyConfig:
-    """Tile sizes for `skinny_linear` over a weight of n rows: the best of a sweep on an H200
-    (benchmarks/bench_gemv.py) for Qwen3-8B's products, by shape class: wide (gate_up, n = 6k), qkv
-    (n = 1.5k), square or tall (o, down). SwiGLU streams the gate and up tiles together, so its
-    column blocks are half as wide for the same bytes per step. Wider elements take shorter K tiles,
-    so the pipeline's buffers fit in shared memory."""
+def skinny_config(m: int, n: int, k: int, prologue: int = 0, itemsize: int = 2) -> SkinnyConfig:
+    """Tile sizes for `skinny_linear`: the best of a sweep on an H200 (benchmarks/bench_gemv.py) for
+    Qwen3-8B's products, by shape class: wide (gate_up, n = 6k), qkv (n = 1.5k), square or tall (o,
+    down), and by prologue (1: norm, 2: SwiGLU), which changes the best tile at one row. Wider
+    elements take shorter K tiles, so the pipeline's buffers fit in shared memory."""
     if m == 1:
-        if n >= 4 * k:
+        if prologue == 2:
+            cfg = SkinnyConfig(block_m=1, block_n=8, block_k=512, num_warps=4, num_stages=1)
+        elif n >= 4 * k:
             cfg = SkinnyConfig(block_m=1, block_n=32, block_k=256, num_warps=8, num_stages=1)
         elif n > k:
             cfg = SkinnyConfig(block_m=1, block_n=8, block_k=512, num_warps=4, num_stages=3)
@@ -289,36 +277,34 @@ def skinny_config(m: int, n: int, k: int, norm: bool = False, glu: bool = False,
         cfg = SkinnyConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4)
     else:
         cfg = SkinnyConfig(block_m=16, block_n=32, block_k=512, num_warps=4, num_stages=4)
-    return replace(cfg, block_n=cfg.block_n // 2 if glu else cfg.block_n,
-                   block_k=max(32, cfg.block_k * 2 // itemsize))
+    return replace(cfg, block_k=max(32, cfg.block_k * 2 // itemsize))
 
 
 def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_weight: Tensor | None = None,
                   eps: float = 0.0, swiglu: bool = False, residual: Tensor | None = None,
                   config: SkinnyConfig | None = None) -> Tensor:
-    """linear(f(x), weight, bias), its activation and the residual add for few rows, in one kernel:
+    """linear(f(x), weight, bias) (+ residual) for few rows, f fused into the product's prologue:
 
     - `norm_weight`: f = RMSNorm (the layer's pre-norm), so the normed rows are never stored;
-    - `swiglu`: weight holds [gate | up] (2N rows) and the output is silu(gate) * up (N wide);
-    - `residual`: the output is residual + the product;
-    each rounded as the unfused ops round.
+    - `swiglu`: x = [gate | up] (width 2K) and f = silu(gate) * up (the MLP's activation);
+    - `residual`: the output is residual + the product, each rounded as the unfused ops round.
     """
     rows = _rows(x)
     m = rows.shape[0]
     n, k = weight.shape
-    if rows.shape[1] != k or weight.stride(1) != 1 or (swiglu and n % 2):
+    if rows.shape[1] != (2 * k if swiglu else k) or weight.stride(1) != 1:
         raise ValueError(f"skinny_linear: input width {rows.shape[1]} does not match weight {tuple(weight.shape)}"
-                         f"{' (swiglu takes an even number of rows: [gate | up])' if swiglu else ''}")
-    cfg = config or skinny_config(m, n, k, norm_weight is not None, swiglu, x.element_size())
-    n_out = n // 2 if swiglu else n
-    out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+                         f"{' (swiglu takes 2K)' if swiglu else ''}")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res = _rows(residual) if residual is not None else out
-    grid = (triton.cdiv(n_out, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    prologue = 1 if norm_weight is not None else 2 if swiglu else 0
+    cfg = config or skinny_config(m, n, k, prologue, x.element_size())
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     _skinny_linear[grid](
         rows, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight, res,
-        out, m, n_out, k, rows.stride(0), weight.stride(0), res.stride(0), out.stride(0), eps,
-        NORM=norm_weight is not None, GLU=swiglu, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        out, m, n, k, rows.stride(0), weight.stride(0), res.stride(0), out.stride(0), eps,
+        PROLOGUE=prologue, HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out.view(*x.shape[:-1], n_out)
+    return out.view(*x.shape[:-1], n)
