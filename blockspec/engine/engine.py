@@ -293,7 +293,9 @@ class Engine:
             launch, self._spec_inflight = self._spec_inflight, None
             touched = self._finish_spec(launch)
             seconds = self._since_last_commit("spec")
-            if seconds is not None and launch.captures == CAPTURES[0]:
+            # a finish that launched no successor ends the pipeline: its interval holds no launch (the
+            # work a pipelined interval pays for is the next step's), so it is no sample
+            if seconds is not None and self._spec_inflight is not None and launch.captures == CAPTURES[0]:
                 self.policy.observe_time(len(launch.reqs), launch.k, seconds)
             return touched  # requests that joined since the launch wait for the next one
         spec = [r for r in decoding if self._speculates(r, len(decoding))]
