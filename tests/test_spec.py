@@ -437,7 +437,7 @@ def test_pipelined_steps_are_priced_one_step_each_across_switches(target):
     llm = spec_llm(target, "dflash", "dflash", adaptive_draft_length=True, num_speculative_tokens=3)
     engine = llm.engine
     engine.async_scheduling = True
-    plan = iter([0, 0, 0, 3, 3, 3] * 40)
+    plan = iter([0, 0, 0, 3, 3, 3, 0, 3, 3] * 40)  # runs of plain steps, and lone ones
     engine.policy.choose = lambda batch: next(plan)
     delay = 0.05  # far above a step of this model: each step's price holds one launch, so one delay
     for name in ("_plain_step_async", "_launch_spec"):
@@ -452,5 +452,10 @@ def test_pipelined_steps_are_priced_one_step_each_across_switches(target):
     plain = [s for k, s in seen if k == 0]
     spec = [s for k, s in seen if k == 3]
     assert len(plain) >= 5 and len(spec) >= 5
+    # a lone plain step between speculative ones is priced too (from the speculative commit before
+    # it): per cycle of the plan the samples run 3 3 | 0 (lone) | 3 | 0 (run), so a single
+    # speculative sample sits between two plain ones; without the lone sample it never does
+    ks = [k for k, _ in seen]
+    assert any(ks[i - 1:i + 2] == [0, 3, 0] for i in range(1, len(ks) - 1)), ks
     assert all(delay <= s < 1.5 * delay for s in plain), plain
     assert all(s >= delay for s in spec), spec

@@ -292,7 +292,7 @@ class Engine:
         if self._spec_inflight is not None:  # launched by the last step: this step is its finish
             launch, self._spec_inflight = self._spec_inflight, None
             touched = self._finish_spec(launch)
-            seconds = self._since_last_commit("spec")
+            seconds = self._since_last_commit("spec", "spec")
             # a finish that launched no successor ends the pipeline: its interval holds no launch (the
             # work a pipelined interval pays for is the next step's), so it is no sample
             if seconds is not None and self._spec_inflight is not None and launch.captures == CAPTURES[0]:
@@ -375,21 +375,21 @@ class Engine:
                 req.num_cached += 1
                 self._append(req, [tok], None)
                 touched.append(req)
-        seconds = self._since_last_commit("plain") if pipelined else None
-        if not pipelined:
-            self._last_commit = None
+        # in a run a step costs commit to commit; a lone plain step between speculative ones costs
+        # from the speculative commit before it; the last of a run launched no successor: no sample
+        seconds = self._since_last_commit("plain" if pipelined else "spec", "plain" if pipelined else None)
         if (seconds is not None and self.proposer is not None and launch.captures == CAPTURES[0]
                 and len(touched) == len(launch.reqs)):
             self.policy.observe_time(len(launch.reqs), 0, seconds)
         return touched
 
-    def _since_last_commit(self, kind: str) -> float | None:
-        """Seconds since the last pipelined commit if it was of a step of the same kind (in a pipeline
-        a step costs the time between two commits: the host and the device overlap), and mark now.
-        After a switch of kind the interval spans two different steps, so it is no sample."""
+    def _since_last_commit(self, after: str, kind: str | None) -> float | None:
+        """Seconds since the last pipelined commit if it was of a step of kind `after` ("plain" or
+        "spec"), else None (after a switch of kind the interval spans two different steps); then
+        mark now as a commit of `kind` (None: a commit no pipelined step follows)."""
         now = time.perf_counter()
-        last, self._last_commit = self._last_commit, (kind, now)
-        return now - last[1] if last is not None and last[0] == kind else None
+        last, self._last_commit = self._last_commit, (kind, now) if kind is not None else None
+        return now - last[1] if last is not None and last[0] == after else None
 
     def _drafts_any(self, reqs: list[Request]) -> bool:
         """Whether a forward must return taps: only requests that may draft later need their features
