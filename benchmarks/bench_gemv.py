@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from blockspec.bench.timing import copy_bandwidth
+from blockspec.bench.timing import copy_bandwidth, event_seconds
 from blockspec.models import layers, triton_ops
 from blockspec.models.triton_ops import SkinnyConfig
 
@@ -42,15 +42,7 @@ def graph_time(calls: list[Callable[[], object]], replays: int = 20) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) / 1000 / len(calls))
-    return statistics.median(samples)
+    return statistics.median(event_seconds(graph.replay) / len(calls) for _ in range(replays))
 
 
 class Case:

@@ -23,7 +23,7 @@ import time
 import torch
 
 from blockspec.bench.arch import QWEN3_8B, QWEN3_8B_DFLASH, param_bytes, random_drafter, random_target, step_bytes
-from blockspec.bench.timing import copy_bandwidth, cuda_time
+from blockspec.bench.timing import copy_bandwidth, cuda_time, event_seconds
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
 from blockspec.sampling_params import SamplingParams
@@ -47,14 +47,7 @@ def step_times(engine: Engine, batch: int, context: int, steps: int, speculate: 
         engine.step()
     for _ in range(3):
         engine.step()  # warm-up: graph capture, policy, allocator
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        engine.step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1000)
+    times = [event_seconds(engine.step) for _ in range(steps)]
     for r in list(engine.running):
         engine.abort(r.request_id)
     return times

@@ -10,20 +10,26 @@ from collections.abc import Callable
 import torch
 
 
+def event_seconds(fn: Callable[[], object]) -> float:
+    """Seconds of device time from before to after fn's work on the current stream (CUDA events)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1000
+
+
 def cuda_time(fn: Callable[[], object], iters: int, repeats: int) -> tuple[float, float, float]:
     """Median, min and max seconds per call over `repeats` runs of `iters` calls (after warm-up)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+
+    def run() -> None:
         for _ in range(iters):
             fn()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) / 1000 / iters)
+    samples = [event_seconds(run) / iters for _ in range(repeats)]
     return statistics.median(samples), min(samples), max(samples)
 
 

@@ -257,26 +257,26 @@ class SkinnyConfig:
     num_stages: int
 
 
+# (rows class, product class) -> (block_m, block_n, block_k, num_warps, num_stages): the best of a
+# sweep on an H200 (benchmarks/bench_gemv.py) for Qwen3-8B's products, classed as wide (gate_up,
+# n = 6k), qkv (n = 1.5k) and square or tall (o, down); at one row SwiGLU in the prologue (down)
+# has its own best tile.
+SKINNY_TILES = {
+    ("one", "swiglu"): (1, 8, 512, 4, 1),
+    ("one", "wide"): (1, 32, 256, 8, 1),
+    ("one", "qkv"): (1, 8, 512, 4, 3),
+    ("one", "tall"): (1, 16, 1024, 8, 3),
+    ("few", "wide"): (16, 64, 256, 4, 2),
+    ("few", "qkv"): (16, 64, 256, 4, 4),
+    ("few", "tall"): (16, 32, 512, 4, 4),
+}
+
+
 def skinny_config(m: int, n: int, k: int, prologue: int = 0, itemsize: int = 2) -> SkinnyConfig:
-    """Tile sizes for `skinny_linear`: the best of a sweep on an H200 (benchmarks/bench_gemv.py) for
-    Qwen3-8B's products, by shape class: wide (gate_up, n = 6k), qkv (n = 1.5k), square or tall (o,
-    down), and by prologue (1: norm, 2: SwiGLU), which changes the best tile at one row. Wider
-    elements take shorter K tiles, so the pipeline's buffers fit in shared memory."""
-    if m == 1:
-        if prologue == 2:
-            cfg = SkinnyConfig(block_m=1, block_n=8, block_k=512, num_warps=4, num_stages=1)
-        elif n >= 4 * k:
-            cfg = SkinnyConfig(block_m=1, block_n=32, block_k=256, num_warps=8, num_stages=1)
-        elif n > k:
-            cfg = SkinnyConfig(block_m=1, block_n=8, block_k=512, num_warps=4, num_stages=3)
-        else:
-            cfg = SkinnyConfig(block_m=1, block_n=16, block_k=1024, num_warps=8, num_stages=3)
-    elif n >= 4 * k:
-        cfg = SkinnyConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=2)
-    elif n > k:
-        cfg = SkinnyConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4)
-    else:
-        cfg = SkinnyConfig(block_m=16, block_n=32, block_k=512, num_warps=4, num_stages=4)
+    """Tile sizes for `skinny_linear` (prologue 1: norm, 2: SwiGLU), from SKINNY_TILES. Wider elements
+    take shorter K tiles, so the pipeline's buffers fit in shared memory."""
+    shape = "swiglu" if m == 1 and prologue == 2 else "wide" if n >= 4 * k else "qkv" if n > k else "tall"
+    cfg = SkinnyConfig(*SKINNY_TILES["one" if m == 1 else "few", shape])
     return replace(cfg, block_k=max(32, cfg.block_k * 2 // itemsize))
 
 
