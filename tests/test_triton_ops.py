@@ -144,3 +144,32 @@ def test_skinny_linear_rejects_mismatched_width():
     w = rand(8, 32, dtype=torch.float32)
     with pytest.raises(ValueError, match="swiglu takes 2K"):
         triton_ops.skinny_linear(rand(1, 32, dtype=torch.float32), w, swiglu=True)
+
+
+def test_dense_keeps_a_parallel_layer_forward(monkeypatch):
+    """The few-row path streams an `nn.Linear`'s weight itself; any other layer (tensor parallelism's
+    row-parallel products all-reduce inside their forward) keeps its forward, with the norm, SwiGLU
+    and residual add around it. The stand-in here adds a constant where the all-reduce would sum."""
+    def use_kernels(*tensors):
+        return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+    monkeypatch.setattr(triton_ops, "use_kernels", use_kernels)
+    monkeypatch.setattr(layers, "use_kernels", use_kernels)
+
+    class Reduced(torch.nn.Module):
+        def __init__(self, weight):
+            super().__init__()
+            self.weight = torch.nn.Parameter(weight, requires_grad=False)
+            self.bias = None
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight) + 100.0
+
+    w = rand(16, 32, dtype=torch.float32)
+    gate_up = rand(1, 64, dtype=torch.float32, seed=1)
+    res = rand(1, 16, dtype=torch.float32, seed=2)
+    with torch.no_grad():
+        got = layers.dense(gate_up, Reduced(w), swiglu=True, residual=res)
+    with torch.enable_grad():
+        want = res + torch.nn.functional.linear(layers.silu_mul(gate_up), w) + 100.0
+    assert torch.allclose(got, want, atol=1e-5)

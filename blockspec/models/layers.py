@@ -115,7 +115,7 @@ def dense(x: Tensor, proj: nn.Linear, *, norm: RMSNorm | None = None, swiglu: bo
     residual add run inside it, so a decoder layer is six kernels, not nine. Otherwise, and as the
     reference, the ops run one after the other; the results agree up to the products' summation order.
     """
-    if few_rows(x):
+    if few_rows(x) and type(proj) is nn.Linear:  # a parallel layer's own forward reduces across ranks
         if x.numel() > x.shape[-1]:  # the prologue is fast only on the one-row path: f runs first
             x = rms_norm(x, norm.weight, norm.eps) if norm is not None else silu_mul(x) if swiglu else x
             norm, swiglu = None, False
