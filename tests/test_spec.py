@@ -459,3 +459,28 @@ def test_pipelined_steps_are_priced_one_step_each_across_switches(target):
     assert any(ks[i - 1:i + 2] == [0, 3, 0] for i in range(1, len(ks) - 1)), ks
     assert all(delay <= s < 1.5 * delay for s in plain), plain
     assert all(s >= delay for s in spec), spec
+
+
+def test_a_step_returns_every_request_it_emitted_for(target, plain):
+    """`step()` returns the requests whose output changed (the progress bar counts the finished ones
+    from it): also one that stops in the in-flight plain step a speculative step commits first.
+    Stop tokens at successive positions land that stop on every kind of step."""
+    ps = prompts(2, seed=6)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in plain.generate(ps, greedy, use_tqdm=False)]
+    missed = []
+    for at in range(2, 12):
+        llm = spec_llm(target, "dflash", "dflash", adaptive_draft_length=True, num_speculative_tokens=3)
+        engine = llm.engine
+        engine.async_scheduling = True
+        plan = iter([0, 0, 3, 0, 0, 0, 3, 3] * 20)
+        engine.policy.choose = lambda batch: next(plan)
+        stop = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[alone[0][at]])
+        reqs = [engine.add_request(str(i), None, p["prompt_token_ids"], q)[0]
+                for i, (p, q) in enumerate(zip(ps, (stop, greedy)))]
+        while engine.has_unfinished():
+            before = [len(r.output_ids) for r in reqs]
+            returned = {id(r) for r in engine.step()}
+            missed += [(at, i) for i, (r, n) in enumerate(zip(reqs, before))
+                       if len(r.output_ids) != n and id(r) not in returned]
+    assert not missed, missed

@@ -316,7 +316,7 @@ class Engine:
         # not the device time alone, is what decides tokens per second.
         if k:
             t0 = time.perf_counter()
-            touched = self._finish_spec(self._launch_spec(spec, k))
+            touched += self._finish_spec(self._launch_spec(spec, k))
             self._observe_time(len(spec), k, time.perf_counter() - t0)
             self._last_commit = ("spec", time.perf_counter())
         if plain:
