@@ -426,6 +426,12 @@ def test_steps_launched_ahead_survive_stops_aborts_and_arrivals(target, plain):
     assert reqs[1].output_ids == alone[1][: alone[1].index(stop) + 1] and reqs[1].finish_reason == "stop"
     assert len(reqs[2].output_ids) == aborted_at and reqs[2].finish_reason == "abort"
     assert engine.metrics()["num_spec_steps_launched_ahead"] > 5
+    # a launch whose every request stops at the commit before it is dropped, not left in flight
+    last = engine.add_request("4", None, ps[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                               stop_token_ids=[alone[0][12]]))[0]
+    while engine.has_unfinished():
+        engine.step()
+    assert last.finish_reason == "stop" and engine._spec_inflight is None
 
 
 def test_pipelined_steps_are_priced_one_step_each_across_switches(target):

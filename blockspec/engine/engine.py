@@ -542,6 +542,10 @@ class Engine:
                                [out_tokens[j][max(num_acc[j], 0)] for j in live])
         for j in live:
             self._append(reqs[j], out_tokens[j][: num_acc[j] + 1], lps[j] if lps else None)
+        nxt = self._spec_inflight
+        if nxt is not None and all(r.status is not Status.RUNNING for r in nxt.reqs):
+            self._spec_inflight = None  # every request it carries stopped at this commit: nothing to read
+            self.timer.discard()
         return [reqs[j] for j in live]
 
     def _launch_ahead(self, verified: list[Request], emitted: list[int], last: list[int]) -> None:
