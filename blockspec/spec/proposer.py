@@ -44,9 +44,10 @@ class DraftBlock:
 
 @dataclass
 class DraftLaunch:
-    """A graphed draft launched for the next step right after a verify, before the host commits that
-    verify's tokens: the GPU drafts while the host detokenises and checks stops. Its outputs are the
-    draft graph's buffers, valid until the graph's next replay, which only `propose` starts."""
+    """A greedy draft launched for the next step right after a verify, before the host commits that
+    verify's tokens: the GPU drafts while the host detokenises and checks stops. Graphed, its outputs
+    are the draft graph's buffers, valid until the graph's next replay (the next launch or a fresh
+    draft in `propose`, both after the step that takes this one has copied what it keeps)."""
 
     reqs: list[Request]
     anchors: list[int]  # host copy of each block's first token, checked against the committed history
