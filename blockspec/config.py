@@ -260,8 +260,10 @@ class EngineConfig:
     # share of the GPU's memory the engine may hold (weights, KV caches, activations); the KV caches
     # of max_num_seqs x max_model_len are checked against it at start-up
     gpu_memory_utilization: float = 0.9
-    # plain greedy steps launch the next step from the device's ids before the host commits this
-    # one, so the host's bookkeeping overlaps the GPU's forward (None: on for CUDA, off for CPU)
+    # plain and speculative greedy steps launch the next step before the host commits this one (a
+    # plain step from the device's ids, a speculative one from the read-back counts), so the host's
+    # bookkeeping overlaps the GPU's work; sampled verification launches only the next draft ahead
+    # (None: on for CUDA, off for CPU, where a launch runs synchronously)
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
@@ -269,3 +271,5 @@ class EngineConfig:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.async_scheduling not in (None, True, False):
+            raise ConfigError(f"async_scheduling must be true, false or None (auto), got {self.async_scheduling!r}")

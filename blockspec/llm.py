@@ -72,6 +72,7 @@ class LLM:
         tensor_parallel_size: int = 1,  # > 1 is served by __new__
         attention_backend: str = "auto",
         gpu_memory_utilization: float = 0.9,
+        async_scheduling: bool | None = None,
         warmup: bool = True,
     ) -> None:
         spec = SpeculativeConfig.from_user(speculative_config)
@@ -98,7 +99,7 @@ class LLM:
         engine_cfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_num_seqs,
                                   max_prefill_tokens=max_prefill_tokens, seed=seed if seed is not None else 0,
                                   attention_backend=attention_backend,
-                                  gpu_memory_utilization=gpu_memory_utilization)
+                                  gpu_memory_utilization=gpu_memory_utilization, async_scheduling=async_scheduling)
         self.engine = Engine(self.model, self.tokenizer, engine_cfg, spec, drafter, eos)
         if warmup:  # GPU: capture every CUDA graph now, not inside the first requests
             done = self.engine.warmup()

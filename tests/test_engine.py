@@ -167,6 +167,10 @@ def test_llm_config_errors(tmp_path):
         LLM(str(path), device="cpu", speculative_config={"method": "medusa", "model": "x"})
     with pytest.raises(ConfigError, match="unknown field"):
         LLM(str(path), device="cpu", speculative_config={"method": "dflash", "model": "x", "bogus": 1})
+    with pytest.raises(ConfigError, match="async_scheduling must be true, false or None"):
+        LLM(str(path), device="cpu", async_scheduling="yes")
+    assert LLM(str(path), device="cpu", async_scheduling=True).engine.async_scheduling is True
+    assert LLM(str(path), device="cpu").engine.async_scheduling is False  # auto: off on the CPU
 
 
 def test_nonfinite_logits_fail_one_request_on_the_greedy_ids_path(llm, monkeypatch):
