@@ -30,6 +30,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the Triton kernel on CUDA when triton is installed, else PyTorch SDPA")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU's memory the engine may hold (weights, KV caches, activations)")
+    g.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                   help="launch each greedy step before the previous one is committed (auto: on for CUDA)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default=None, choices=["dflash", "dspark"],
                    help="drafter family (default: dflash when --draft-model is given)")
@@ -95,7 +97,8 @@ def build_llm(args: argparse.Namespace) -> Any:
     return LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, seed=args.seed, speculative_config=speculative_config(args),
                max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
-               attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization)
+               attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization,
+               async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
 
 
 def format_spec_metrics(m: dict[str, Any]) -> str:

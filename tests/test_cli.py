@@ -63,3 +63,18 @@ def test_generate_with_tensor_parallel_size_two(tmp_path, capsys):
     single = capsys.readouterr().out
     assert main(args + ["--tensor-parallel-size", "2"]) == 0
     assert capsys.readouterr().out == single
+
+
+@pytest.mark.parametrize("flag, expected", [("auto", False), ("on", True), ("off", False)])
+def test_async_scheduling_flag_reaches_the_engine(tmp_path, flag, expected):
+    """--async-scheduling auto | on | off sets the engine's pipelining (auto: off on the CPU)."""
+    import argparse
+
+    from blockspec.cli import add_model_args, add_sampling_args, build_llm
+
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    add_sampling_args(parser)
+    path = save_tiny(tmp_path / "t", "qwen3", seed=0)
+    args = parser.parse_args(["--model", str(path), "--device", "cpu", "--async-scheduling", flag])
+    assert build_llm(args).engine.async_scheduling is expected
