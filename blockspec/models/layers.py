@@ -111,9 +111,11 @@ def dense(x: Tensor, proj: nn.Linear, *, norm: RMSNorm | None = None, swiglu: bo
           residual: Tensor | None = None) -> Tensor:
     """residual + proj(f(x)), f the pre-norm (`norm`) or SwiGLU's silu(gate) * up (`swiglu`).
 
-    With few rows the product is a weight stream (`triton_ops.skinny_linear`); at one row f and the
-    residual add run inside it, so a decoder layer is six kernels, not nine. Otherwise, and as the
-    reference, the ops run one after the other; the results agree up to the products' summation order.
+    With few rows the product is a weight stream (`triton_ops.skinny_linear`) with the residual add
+    inside it, and at one row f too (a one-row decoder layer is six kernels, not nine; above one
+    row f is a kernel of its own, as a prologue is slow on the tensor-core path). Otherwise, and as
+    the reference, the ops run one after the other; the results agree up to the products' summation
+    order.
     """
     if few_rows(x) and type(proj) is nn.Linear:  # a parallel layer's own forward reduces across ranks
         if x.numel() > x.shape[-1]:  # the prologue is fast only on the one-row path: f runs first

@@ -325,9 +325,9 @@ class DraftAttention(nn.Module):
         in place, within `block.bounds`; the norm and the residual add fold into the products."""
         r, n, _ = x.shape
         cache, meta = block.cache, block.meta
-        q = qkv_rope_store(dense(x, self.qkv_proj, norm=norm), self.heads, self.kv_heads, self.head_dim, self.q_norm.weight,
-                           self.k_norm.weight, self.q_norm.eps, cos, sin, cache.k[layer], cache.v[layer], meta.slots,
-                           meta.write_pos)
+        q = qkv_rope_store(dense(x, self.qkv_proj, norm=norm), self.heads, self.kv_heads, self.head_dim,
+                           self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, cache.k[layer],
+                           cache.v[layer], meta.slots, meta.write_pos)
         lo, hi = block.bounds[layer]
         out = block_attention(q, cache.k[layer], cache.v[layer], meta.slots, lo, hi, self.scale, meta.kv_len)
         return dense(out.view(r, n, self.q_size), self.o_proj, residual=residual)
