@@ -553,13 +553,17 @@ class Engine:
         does not depend on K, so the GPU starts at once), then, if every request that will decode
         next is greedy and speculates, its verify and acceptance with the policy's K chosen now for
         that step; for sampled verification only the draft."""
-        ahead = {id(r): (n, t) for r, n, t in zip(verified, emitted, last)}
+        verified_now = {id(r): (n, t) for r, n, t in zip(verified, emitted, last)}
+
+        def pending(r: Request) -> tuple[int, int]:  # (tokens not yet committed, the last token)
+            return verified_now.get(id(r), (0, r.output_ids[-1]))
+
         nxt = [r for r in self.running if r.num_cached >= len(r.prompt_token_ids)
-               and self._has_room(r, ahead.get(id(r), (0, 0))[0])]  # the next step's decode set
+               and self._has_room(r, pending(r)[0])]  # the next step's decode set
         whole = bool(nxt) and not self.needs_processing(nxt) and all(self._speculates(r, len(nxt)) for r in nxt)
         reqs = nxt if whole else verified
-        steps = [ahead.get(id(r), (0, None)) for r in reqs]
-        tokens = [r.output_ids[-1] if t is None else t for r, (_, t) in zip(reqs, steps)]
+        steps = [pending(r) for r in reqs]
+        tokens = [t for _, t in steps]
         self.timer.mark("draft")
         if not self.proposer.launch_next(reqs, tokens, self):
             self.timer.discard()
