@@ -113,12 +113,14 @@ def test_draws_follow_the_profile():
     target, drafter, spec = _proposer_parts()
     profile = AcceptanceProfile("0.9,0.8,0.7,0.6,0.5,0.4,0.3")
     prop = SyntheticProposer(drafter, target, spec, 2, 128, profile=profile, seed=1)
-    draws = [prop.draw(7) for _ in range(20000)]
+    draws = prop.draw(torch.full((20000,), 7)).tolist()
     assert 1 + sum(draws) / len(draws) == pytest.approx(profile.expected_length(7), abs=0.05)
     for i, rate in enumerate(profile.rates(7)):  # conditional acceptance per position
         reached = sum(a >= i for a in draws)
         assert sum(a > i for a in draws) / reached == pytest.approx(rate, abs=0.03)
-    assert max(prop.draw(2) for _ in range(1000)) == 2  # never past the request's draft budget
+    capped = prop.draw(torch.tensor([2, 0, 5] * 1000)).view(-1, 3)
+    assert capped[:, 0].max() == 2 and capped[:, 1].max() == 0  # never past each request's draft budget
+    assert capped[:, 2].max() == 5
 
 
 def test_synthetic_proposer_refuses_without_a_profile():

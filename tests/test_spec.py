@@ -286,7 +286,7 @@ def test_draft_context_is_never_more_than_a_draft_step_behind(target, plain):
     # then flush (without the flush the 9 plain steps would leave it 9 behind)
     assert max(behind) <= 4 and max(behind[:9]) == 3 and min(behind[:9]) == 0, behind
     assert pending_at_draft and max(pending_at_draft) <= 4, pending_at_draft
-    assert engine.proposer.graphs is None or engine.proposer.graphs.graphs  # (GPU) drafts took the graph
+    assert not engine.proposer.graphs.use_graphs or engine.proposer.graphs.graphs  # (GPU) drafts took the graph
     ps = [prompts(1, seed=3)[0]]
     assert req.output_ids == plain.generate(ps, params, use_tqdm=False)[0].outputs[0].token_ids
 
@@ -397,6 +397,82 @@ def test_drafts_launched_ahead_of_sampled_verification_are_the_synchronous_draft
     assert sync["num_drafts_launched_ahead"] == launched["num_spec_steps_launched_ahead"] == 0
     taken = launched["num_drafts_launched_ahead_taken"]
     assert taken == launched["num_drafts_launched_ahead"] - 1 > 5
+
+
+def oracle_tokens(want: list[int], n: int, width: int) -> list[int]:
+    """The plain continuation from output index n, wrong at fixed output positions (the same drafts
+    whichever path asks, so two runs accept alike), and 3 past its end."""
+    truth = [want[i] if i < len(want) else 3 for i in range(n, n + width)]
+    return [(t % 90) + 3 if (n + i) % 5 == 4 or (n + i) % 7 == 2 else t for i, t in enumerate(truth)]
+
+
+def add_device_oracle(llm: LLM, expected: dict[tuple, list[int]]) -> dict[tuple, list[int]]:
+    """Oracle drafts on both draft paths: `propose` (host state) and the draft step's tensor code,
+    which a step launched from device results runs; there the request is found by its slot and its
+    output length by where its block starts (read on the host here: the test runs on the CPU).
+    Returns the drafter's own drafts by (prompt, output index), filled as the run goes: they
+    depend on the draft context, which the oracle's tokens would hide."""
+    engine, proposer = llm.engine, llm.engine.proposer
+    real_propose, real_step, real_eager = proposer.propose, proposer.graphs._step, proposer._eager_draft
+    drafted: dict[tuple, list[int]] = {}
+
+    def propose(reqs, budgets, eng, last_tokens=None):
+        block = real_propose(reqs, budgets, eng, last_tokens)
+        for r, req in enumerate(reqs):
+            n = req.num_cached + 1 - len(req.prompt_token_ids)  # the block starts at the cache count
+            block.tokens[r, : block.lens[r]] = torch.tensor(
+                oracle_tokens(expected[tuple(req.prompt_token_ids)], n, block.lens[r]), dtype=torch.int64)
+        return block
+
+    def eager(reqs, anchors, probabilistic, eng):
+        tokens, q, confidence = real_eager(reqs, anchors, probabilistic, eng)
+        for r, req in enumerate(reqs):
+            drafted[(tuple(req.prompt_token_ids), req.num_cached + 1 - len(req.prompt_token_ids))] = tokens[r].tolist()
+        return tokens, q, confidence
+
+    def step(control, features, kv):
+        tokens, confidence = real_step(control, features, kv)
+        by_slot = {r.slot: r for r in engine.running}
+        tokens = tokens.clone()
+        for r, (slot, start, count) in enumerate(control[:3].t().tolist()):
+            req = by_slot[slot]
+            n = start + count + 1 - len(req.prompt_token_ids)
+            drafted[(tuple(req.prompt_token_ids), n)] = tokens[r].tolist()
+            tokens[r] = torch.tensor(oracle_tokens(expected[tuple(req.prompt_token_ids)], n, tokens.shape[1]))
+        return tokens, confidence
+
+    proposer.propose, proposer.graphs._step, proposer._eager_draft = propose, step, eager
+    return drafted
+
+
+@pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
+def test_steps_launched_from_device_results_are_the_synchronous_steps(target, plain, method, fixture):
+    """A greedy step launched from the last step's accepted counts and tokens on the device, before
+    the host reads them: its draft context, anchor, positions and draft lengths are all derived on
+    the device. With oracle drafts (accepted lengths vary from 0 to K), the outputs equal plain
+    decoding, the drafter drafts and the target accepts at every position what they do in the
+    synchronous run, and most steps are launched that way (the rest near a request's token limit,
+    where the host decides)."""
+    ps = prompts(4, seed=15)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (37, 9, 22, 30)]
+    expected = [o.outputs[0].token_ids for o in plain.generate(ps, params, use_tqdm=False)]
+    table = {tuple(p["prompt_token_ids"]): e for p, e in zip(ps, expected)}
+    runs = {}
+    for chained in (False, True):
+        llm = spec_llm(target, method, fixture, num_speculative_tokens=3)
+        llm.engine.async_scheduling = chained
+        llm.engine.policy.choose = lambda batch: 3
+        drafted = add_device_oracle(llm, table)
+        runs[chained] = ([o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)],
+                         llm.get_metrics(), drafted)
+    (sync_out, sync, sync_drafts), (out, chain, chain_drafts) = runs[False], runs[True]
+    assert out == sync_out == expected
+    # the drafter saw the same context (a draft launched ahead for a request that then stopped is extra)
+    assert {key: chain_drafts.get(key) for key in sync_drafts} == sync_drafts and len(sync_drafts) > 10
+    assert chain["num_accepted_tokens_per_pos"] == sync["num_accepted_tokens_per_pos"]
+    assert chain["num_drafts"] == sync["num_drafts"] and chain["num_steps"] == sync["num_steps"]
+    assert sync["mean_acceptance_length"] > 1.8  # the oracle's drafts really are accepted, at varying lengths
+    assert chain["num_spec_steps_chained"] > chain["num_spec_steps_launched_ahead"] / 2 > 3
 
 
 def test_steps_launched_ahead_survive_stops_aborts_and_arrivals(target, plain):

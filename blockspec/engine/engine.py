@@ -33,12 +33,14 @@ class RequestError(ValueError):
 
 
 class StepTimer:
-    """Splits step time into draft / verify / rest with CUDA events (read after the step's one sync)."""
+    """Splits step time into draft / verify / rest with CUDA events, read once they have passed (a
+    step may close while the GPU still runs it: the next step is launched before its read-back)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.totals = {"draft_s": 0.0, "verify_s": 0.0, "rest_s": 0.0}
+        self._totals = {"draft_s": 0.0, "verify_s": 0.0, "rest_s": 0.0}
         self._marks: list[tuple[str, Any]] = []
+        self._closed: deque[list[tuple[str, Any]]] = deque()  # closed steps whose events are not read yet
         self._captures_at_start = 0
         self.step_captured = False
 
@@ -57,22 +59,33 @@ class StepTimer:
         a draft launched ahead that the next step did not use)."""
         self._marks.clear()
 
-    def close(self) -> float:
-        """Account the marks of one step (each interval to the mark that opens it); return the step's time."""
+    def close(self) -> None:
+        """End one step's marks; they are accounted (each interval to the mark that opens it) once
+        its end has passed on the device, without waiting for it."""
         self.mark("end")
-        if self.cuda:
-            # the step already synced on its results, so this waits only for the end mark itself to
-            # be recorded (reading an event not yet recorded raises)
-            self._marks[-1][1].synchronize()
-        total = 0.0
-        for (name, a), (_, b) in itertools.pairwise(self._marks):
-            dt = a.elapsed_time(b) / 1000 if self.cuda else b - a
-            self.totals[f"{name}_s"] = self.totals.get(f"{name}_s", 0.0) + dt
-            total += dt
-        self._marks.clear()
+        self._closed.append(self._marks)
+        self._marks = []
         # a step that captured a CUDA graph timed the capture too: not a sample of its steady cost
         self.step_captured = CAPTURES[0] != self._captures_at_start
-        return total
+        self._account(wait=False)
+
+    def _account(self, wait: bool) -> None:
+        while self._closed:
+            marks = self._closed[0]
+            if self.cuda:
+                if not wait and not marks[-1][1].query():
+                    return
+                marks[-1][1].synchronize()
+            for (name, a), (_, b) in itertools.pairwise(marks):
+                dt = a.elapsed_time(b) / 1000 if self.cuda else b - a
+                self._totals[f"{name}_s"] = self._totals.get(f"{name}_s", 0.0) + dt
+            self._closed.popleft()
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """Seconds per phase over every closed step (waits for the device to pass their ends)."""
+        self._account(wait=True)
+        return dict(self._totals)
 
 
 @dataclass
@@ -97,11 +110,12 @@ class SpecLaunch:
 
     reqs: list[Request]
     k: int
-    budgets: list[int]
+    budgets: list[int] | None  # drafts asked per request (None: known on the device only, = the block's lengths)
     block: Any  # DraftBlock
     hidden: Tensor  # verify rows' final hidden states (sampled verification reads them at the finish)
     feats: Tensor  # verify rows' tap features, for the drafter's context
-    host: Tensor | None  # greedy rows: pinned [R, 1 + W] accepted count then emitted tokens, once `ready`
+    result: Tensor | None  # greedy rows: [R, 2 + W] accepted count, draft length, emitted tokens (Proposer.pack)
+    host: Tensor | None  # pinned copy of `result`, valid once `ready`
     ready: Any  # torch.cuda.Event (None on the CPU, where the copy is synchronous)
     captures: int  # CUDA graph captures before the launch (a launch that captured is no timing sample)
 
@@ -150,6 +164,7 @@ class Engine:
         self.num_steps = 0
         self.num_generated = 0
         self.num_steps_launched_ahead = 0
+        self.num_spec_steps_chained = 0
         use_async = config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if use_async is None else use_async
         self._inflight: PlainLaunch | None = None
@@ -199,7 +214,7 @@ class Engine:
         top = bucket(self.config.max_num_seqs, BATCH_BUCKETS) or self.config.max_num_seqs
         sizes = [b for b in BATCH_BUCKETS if b <= top]
         self.runner.capture_all(sizes, tapped=self.proposer is not None, untapped=True)
-        if self.proposer is not None and self.proposer.graphs is not None:
+        if self.proposer is not None and self.proposer.graphs.use_graphs:
             self.proposer.graphs.capture_all(sizes)
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         prompt_len = min(40, self.config.max_model_len - 10)
@@ -221,6 +236,7 @@ class Engine:
         self.num_steps = 0
         self.num_generated = 0
         self.num_steps_launched_ahead = 0
+        self.num_spec_steps_chained = 0
         if self.proposer is not None:
             self.proposer.reset_stats()
             self.policy = DraftLengthPolicy(self.proposer.num_speculative_tokens, self.policy.adaptive)
@@ -482,23 +498,33 @@ class Engine:
         return self.policy.choose(batch)
 
     def _launch_spec(self, reqs: list[Request], k: int, ahead: list[int] | None = None,
-                     anchors: list[int] | None = None) -> SpecLaunch:
+                     anchors: list[int] | None = None, after: tuple[Tensor, Tensor] | None = None) -> SpecLaunch:
         """Draft and verify `reqs` with up to k drafts each; greedy rows are also accepted on the
         device and copied back without waiting. `ahead`/`anchors`: tokens each request has verified
-        but not committed yet, and its last one (the step is launched before that commit)."""
+        but not committed yet, and its last one (the step is launched before that commit).
+        `after`: the (packed results, taps) on the device of the greedy step before, which the host
+        has not read: this step is launched from them (see `_launch_chained`)."""
         assert self.proposer is not None
-        ahead = ahead or [0] * len(reqs)
         captures = CAPTURES[0]
-        budgets = [min(k, self._draft_budget(r, a)) for r, a in zip(reqs, ahead)]
         self.timer.mark("draft")
-        block = self.proposer.propose(reqs, budgets, self, anchors)
+        kv_len = None
+        if after is None:
+            ahead = ahead or [0] * len(reqs)
+            budgets = [min(k, self._draft_budget(r, a)) for r, a in zip(reqs, ahead)]
+            block = self.proposer.propose(reqs, budgets, self, anchors)
+            starts, q_lens = [r.num_cached for r in reqs], [1 + n for n in block.lens]
+        else:
+            budgets = None
+            block, starts = self.proposer.propose_after(reqs, *after, k, [self._tokens_left(r) for r in reqs])
+            q_lens = block.lens_t + 1
+            # the host's bound: every request emitted all its rows before, and verifies k + 1 rows now
+            kv_len = min(max(r.num_cached for r in reqs) + after[1].shape[1] + k + 1, self.runner.cache.max_len + 1)
         self.timer.mark("verify")
         ids = torch.cat([block.anchors[:, None], block.tokens.clamp(min=0)], dim=1)
-        q_lens = [1 + n for n in block.lens]
-        hidden, feats = self.runner.forward_ids(ids, q_lens, [r.num_cached for r in reqs], [r.slot for r in reqs],
-                                                with_taps=True)
+        hidden, feats = self.runner.forward_ids(ids, q_lens, starts, [r.slot for r in reqs], with_taps=True,
+                                                kv_len=kv_len)
         self.timer.mark("rest")
-        host = ready = None
+        result = host = ready = None
         if not self.needs_processing(reqs):
             result = self.proposer.accept_greedy(self, block, hidden)
             cuda = self.device.type == "cuda"
@@ -507,37 +533,46 @@ class Engine:
             if cuda:
                 ready = torch.cuda.Event()
                 ready.record()
-        return SpecLaunch(reqs, k, budgets, block, hidden, feats, host, ready, captures)
+        return SpecLaunch(reqs, k, budgets, block, hidden, feats, result, host, ready, captures)
 
     def _finish_spec(self, launch: SpecLaunch) -> list[Request]:
         """Read a speculative step's results, launch what comes next, then commit the emitted tokens.
 
-        Rows of requests that finished or were aborted since the launch are dropped. Before the
-        commit, with asynchronous scheduling, the next greedy step is launched whole (or, for
-        sampled verification, its draft): the GPU works while the host detokenises."""
+        Rows of requests that finished or were aborted since the launch are dropped. With
+        asynchronous scheduling the next step is launched before the commit: from this step's
+        device results before they are read if it can be (`_launch_chained`), else after the read,
+        whole for greedy rows (`_launch_ahead`) or, for sampled verification, its draft: the GPU
+        works while the host detokenises."""
         assert self.proposer is not None
         reqs, block = launch.reqs, launch.block
+        live = [j for j, r in enumerate(reqs) if r.status is Status.RUNNING]
+        chained = self._launch_chained(launch, live)
         if launch.host is not None:
             if launch.ready is not None:
                 launch.ready.synchronize()
-            num_acc, out_tokens = self.proposer.unpack(launch.host.tolist(), block)
+            num_acc, lens, out_tokens = self.proposer.unpack(launch.host.tolist())
             lps = None
         else:
             num_acc, out_tokens, lps = self.proposer.verify(self, reqs, block, launch.hidden)
+            lens = block.lens
+        if not chained:
+            self.timer.close()
         # The policy learns what choosing k yields: the step is timed under k (by the caller) and every
         # draft it asked for counts as offered, so drafts that DSpark's confidence pruned count as not
         # accepted (a step whose drafts were all pruned is a costly plain step, not a plain sample).
-        self.timer.close()
-        live = [j for j, r in enumerate(reqs) if r.status is Status.RUNNING]
-        self.policy.observe_acceptance([launch.budgets[j] for j in live], [max(num_acc[j], 0) for j in live])
-        self.proposer.record_outcome([block.lens[j] for j in live], [num_acc[j] for j in live])
+        budgets = launch.budgets if launch.budgets is not None else lens
+        self.policy.observe_acceptance([budgets[j] for j in live], [max(num_acc[j], 0) for j in live])
+        self.proposer.record_outcome([lens[j] for j in live], [num_acc[j] for j in live])
         for j in live:
             req, a = reqs[j], num_acc[j]  # a non-finite row gives a = 0 and token -1: _append fails it alone
-            req.spec.record(block.lens[j], a)
-            self.spec_totals.record(block.lens[j], a)
+            req.spec.record(lens[j], a)
+            self.spec_totals.record(lens[j], a)
             req.num_cached += a + 1
-            req.pending_features.append(launch.feats[j, : a + 1])
-        if self.async_scheduling:
+            if chained:  # the launched draft appended these rows on the device
+                req.num_draft_ctx = req.num_cached
+            else:
+                req.pending_features.append(launch.feats[j, : a + 1])
+        if self.async_scheduling and not chained:
             self._launch_ahead([reqs[j] for j in live], [num_acc[j] + 1 for j in live],
                                [out_tokens[j][max(num_acc[j], 0)] for j in live])
         for j in live:
@@ -547,6 +582,41 @@ class Engine:
             self._spec_inflight = None  # every request it carries stopped at this commit: nothing to read
             self.timer.discard()
         return [reqs[j] for j in live]
+
+    def _launch_chained(self, launch: SpecLaunch, live: list[int]) -> bool:
+        """Launch the next greedy step from `launch`'s accepted counts and tokens on the device, before
+        the host reads them, so the GPU goes from one step to the next without waiting for the host.
+
+        Only when the next step is this one again: the same requests decoding (a request that
+        arrives meanwhile joins through `_launch_ahead` at the step after), all greedy and
+        speculating, none near its token limit, no draft pruned on the host's reading of
+        confidences, K > 0. Rows of requests that this step stops (a stop token) are dropped at the
+        next finish. Returns whether it launched."""
+        reqs = [launch.reqs[j] for j in live]
+        proposer = self.proposer
+        if not (self.async_scheduling and launch.result is not None and reqs and proposer.chains):
+            return False
+        decoding = {id(r) for r in self.running if r.num_cached >= len(r.prompt_token_ids)}
+        emitted = launch.result.shape[1] - 2  # rows the step may emit per request (drafts + 1)
+        # a request that may reach its limit in this step is left to `_launch_ahead`, which knows
+        if (decoding != {id(r) for r in reqs} or not all(self._has_room(r, launch.k + 1) for r in reqs)
+                or not all(self._speculates(r, len(reqs)) for r in reqs)
+                or any(r.pending_features or r.num_draft_ctx != r.num_cached for r in reqs)
+                or not proposer.graphs.fits(len(reqs), [emitted], max(r.num_cached for r in reqs) + emitted)):
+            return False
+        k = self._choose(len(reqs))
+        if not k:
+            self._next_choice = (len(reqs), 0)  # taken by the plain path, not chosen again
+            return False
+        result, feats = launch.result, launch.feats
+        if len(live) != len(launch.reqs):
+            rows = to_device(live, torch.int64, result.device)
+            result, feats = result[rows], feats[rows]
+        self.timer.close()  # this step's marks end here; the next step's begin
+        self._spec_inflight = self._launch_spec(reqs, k, after=(result, feats))
+        self.num_steps_launched_ahead += 1
+        self.num_spec_steps_chained += 1
+        return True
 
     def _launch_ahead(self, verified: list[Request], emitted: list[int], last: list[int]) -> None:
         """Launch the next speculative step before committing this one: its draft first (a draft
@@ -569,27 +639,30 @@ class Engine:
             self.timer.discard()
         if not whole:
             return
-        k = self.policy.choose(len(nxt))
+        k = self._choose(len(nxt))
         if k:
             self._spec_inflight = self._launch_spec(nxt, k, [n for n, _ in steps], tokens)
             self.num_steps_launched_ahead += 1
         else:  # the plain path next: the draft launched above is dropped
             self._next_choice = (len(nxt), 0)
 
+    def _tokens_left(self, req: Request) -> int:
+        """Tokens a request may still emit: up to max_tokens and the context, from its committed state."""
+        left = self.config.max_model_len - req.length
+        if req.params.max_tokens is not None:
+            left = min(left, req.params.max_tokens - len(req.output_ids))
+        return left
+
     def _has_room(self, req: Request, ahead: int) -> bool:
         """Whether a request can take one more token after `ahead` uncommitted ones (a request known
         to stop before it is not launched)."""
-        return req.length + ahead < self.config.max_model_len and (
-            req.params.max_tokens is None or len(req.output_ids) + ahead < req.params.max_tokens)
+        return self._tokens_left(req) > ahead
 
     def _draft_budget(self, req: Request, ahead: int = 0) -> int:
         """Drafts worth sending: never past max_tokens or the context (emitted tokens <= drafts + 1),
         counting `ahead` tokens verified but not committed yet."""
         assert self.proposer is not None
-        left = self.config.max_model_len - req.length - ahead
-        if req.params.max_tokens is not None:
-            left = min(left, req.params.max_tokens - len(req.output_ids) - ahead)
-        return max(0, min(self.proposer.num_speculative_tokens, left - 1))
+        return max(0, min(self.proposer.num_speculative_tokens, self._tokens_left(req) - ahead - 1))
 
     # ---------------------------------------------------------------- sampling
     def row_params(self, reqs: list[Request], rows_per_req: list[int], block_tokens: Tensor | None = None) -> RowParams:
@@ -758,6 +831,7 @@ class Engine:
             out.update(self.proposer.calibration_metrics())
             out["num_drafts_launched_ahead"], out["num_drafts_launched_ahead_taken"] = self.proposer.ahead_stats
             out["num_spec_steps_launched_ahead"] = self.num_steps_launched_ahead
+            out["num_spec_steps_chained"] = self.num_spec_steps_chained
         out["num_steps"] = self.num_steps
         out["num_generated_tokens"] = self.num_generated
         return out

@@ -97,18 +97,30 @@ class ModelRunner:
         return self.forward_ids(ids, [len(r) for r in runs], starts, slots, with_taps)
 
     def forward_ids(
-        self, ids: Tensor, q_lens: Sequence[int], starts: Sequence[int], slots: Sequence[int], with_taps: bool = False
+        self, ids: Tensor, q_lens: Sequence[int] | Tensor, starts: Sequence[int] | Tensor, slots: Sequence[int],
+        with_taps: bool = False, kv_len: int | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Same as `forward` with the ids already a padded device tensor [R, Q] (e.g. anchors + drafts)."""
+        """Same as `forward` with the ids already a padded device tensor [R, Q] (e.g. anchors + drafts).
+
+        `starts` and `q_lens` may be device tensors, computed by the GPU from a step the host has not
+        read yet; `kv_len` then bounds every request's last key (the host's worst case)."""
         r, q = ids.shape
+        on_device = isinstance(starts, Tensor) or isinstance(q_lens, Tensor)
+        if kv_len is None:
+            assert not on_device, "starts / q_lens on the device need a host bound kv_len"
+            kv_len = max(s + n for s, n in zip(starts, q_lens))
         b = bucket(r, BATCH_BUCKETS)
         width = bucket(q, self.query_buckets)
         if self.use_graphs and b is not None and width is not None:
-            kv_len = max(s + n for s, n in zip(starts, q_lens))
             return self._replay(ids, q_lens, starts, slots, with_taps, (b, width, self.kv_extent(kv_len), with_taps))
         cfg = self.model.config
-        meta = causal_meta(list(slots), list(starts), list(q_lens), q, self.cache.trash, self.device,
-                           cfg.sliding_window, cfg.layer_types)
+        if on_device:
+            as_t = lambda v: v if isinstance(v, Tensor) else to_device(v, torch.int64, self.device)  # noqa: E731
+            meta = meta_from_tensors(as_t(list(slots)), as_t(starts), as_t(q_lens), q, kv_len, self.cache.trash,
+                                     cfg.sliding_window, cfg.layer_types)
+        else:
+            meta = causal_meta(list(slots), list(starts), list(q_lens), q, self.cache.trash, self.device,
+                               cfg.sliding_window, cfg.layer_types, kv_len)
         return self.model(ids, meta, self.cache, self.taps if with_taps else ())
 
     # ---------------------------------------------------------------- CUDA graphs
@@ -129,13 +141,17 @@ class ModelRunner:
                         if (b, width, kv, taps) not in self.graphs:
                             self._capture((b, width, kv, taps))
 
-    def _replay(self, ids: Tensor, q_lens: Sequence[int], starts: Sequence[int], slots: Sequence[int],
+    def _replay(self, ids: Tensor, q_lens: Sequence[int] | Tensor, starts: Sequence[int] | Tensor, slots: Sequence[int],
                 with_taps: bool, key: tuple[int, int, int, bool]) -> tuple[Tensor, Tensor | None]:
         r, q = ids.shape
         b = key[0]
         cap = self.graphs.get(key) or self._capture(key)
-        cap.control.copy_(to_device([list(slots) + [self.cache.scratch_slot] * (b - r), list(starts) + [0] * (b - r),
-                                     list(q_lens) + [0] * (b - r)], torch.int64, self.device))
+        host = lambda v: [0] * r if isinstance(v, Tensor) else list(v)  # noqa: E731
+        cap.control.copy_(to_device([list(slots) + [self.cache.scratch_slot] * (b - r), host(starts) + [0] * (b - r),
+                                     host(q_lens) + [0] * (b - r)], torch.int64, self.device))
+        for row, values in ((1, starts), (2, q_lens)):
+            if isinstance(values, Tensor):
+                cap.control[row, :r].copy_(values)
         cap.ids[:r, :q].copy_(ids)
         cap.graph.replay()
         # Features outlive this replay (they become draft context later): copy them out.

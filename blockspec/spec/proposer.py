@@ -36,7 +36,8 @@ class DraftBlock:
     """K draft tokens per request (-1 past each request's own length), and what verification needs."""
 
     tokens: Tensor  # [R, K] int64
-    lens: list[int]  # drafts per request (host)
+    lens: list[int] | None  # drafts per request on the host (None: known on the device only, see `propose_after`)
+    lens_t: Tensor  # [R] int64 the same on the device
     anchors: Tensor  # [R] int64: the block's first token, the verify forward's first row
     q_probs: Tensor | None = None  # [R, K, V] distribution each draft was sampled from (probabilistic)
     confidence: Tensor | None = None  # [R, K] DSpark conditional survival c_k
@@ -95,8 +96,8 @@ class Proposer:
         self.has_confidence = has_conf
         self.reset_stats()
         self.cache = drafter.new_cache(max_slots, max_len + drafter.block_size + 1, weight.device, weight.dtype)
-        self.graphs = DraftGraphs(drafter, target, self.cache, k, self._plain_target_head(), cfg.markov_top_k) \
-            if weight.device.type == "cuda" else None
+        self.graphs = DraftGraphs(drafter, target, self.cache, k, self._plain_target_head(), cfg.markov_top_k,
+                                  use_graphs=weight.device.type == "cuda")
         self.ahead: DraftLaunch | None = None
 
     def reset_stats(self) -> None:
@@ -108,6 +109,12 @@ class Proposer:
         self.realised = [0] * k
         self.budget_history: list[int] = []
         self.ahead_stats = [0, 0]  # drafts launched ahead of their step's commit, and taken by the next step
+
+    @property
+    def chains(self) -> bool:
+        """Whether a step can be launched from the last one's device results (`propose_after`): not when
+        drafts are pruned by confidences read on the host."""
+        return self.cfg.confidence_threshold == 0 and not self.cfg.adaptive_verification
 
     def enabled_for_batch(self, batch: int) -> bool:
         limit = self.cfg.max_batch_for_speculation
@@ -164,7 +171,7 @@ class Proposer:
         """Whether the step's draft can replay a captured graph (greedy drafts, a captured batch size,
         context rows and positions within the graph's extent)."""
         pending = [sum(f.shape[0] for f in r.pending_features) for r in reqs]
-        return (self.graphs is not None and not self._probabilistic(reqs)
+        return (self.graphs.use_graphs and not self._probabilistic(reqs)
                 and self.graphs.fits(len(reqs), pending, max(r.num_cached for r in reqs)))
 
     def launch_next(self, reqs: list[Request], anchors: list[int], engine: "Engine") -> bool:
@@ -206,15 +213,40 @@ class Proposer:
         lens = list(budgets)
         if confidence is not None:
             lens = self._confident_lengths(confidence, lens, engine)
-            self._record_calibration(confidence, lens)
-        width = max(lens)  # verify only as many rows as the longest draft this step
-        cut = torch.arange(width, device=device)[None, :] >= to_device(lens, torch.int64, device)[:, None]
-        tokens = tokens[:, :width].masked_fill(cut, -1)
-        if q_probs is not None:
-            q_probs = q_probs[:, :width]
+        block = self._cut(tokens, lens, to_device(lens, torch.int64, device), max(lens), anchors, confidence)
+        block.q_probs = q_probs[:, : max(lens)] if q_probs is not None else None
+        return block
+
+    def propose_after(self, reqs: list[Request], result: Tensor, feats: Tensor, k: int,
+                      left: list[int]) -> tuple[DraftBlock, Tensor]:
+        """The next greedy draft of `reqs`, launched from a verify's results on the device before the
+        host reads them: `result` [R, 2 + W] as `pack` made it, `feats` [R, W + 1, F] that verify's
+        taps, `left` the tokens each request may still emit (committed state, before that verify).
+
+        The verify's emitted tokens go into the draft context (a + 1 rows at each request's cache
+        count), its last token anchors the block, and each request drafts min(k, left - (a + 1) - 1)
+        tokens, never past its limits. Returns the block (lengths on the device only) and where each
+        request's verify starts (its cache count after the commit)."""
+        device = result.device
+        accepted = result[:, 0].clamp(min=0)  # a failed row (-1) fails its request at the commit
+        counts = accepted + 1
+        anchors = result[:, 2:].gather(1, accepted[:, None])[:, 0].clamp(min=0)
+        starts = [r.num_cached for r in reqs]
+        tokens, confidence = self.graphs.run([r.slot for r in reqs], starts, counts, feats, anchors,
+                                             max(starts) + feats.shape[1])
+        lens = (to_device(left, torch.int64, device) - counts - 1).clamp(0, k)
+        self.ahead_stats[0] += 1  # launched ahead of the commit, and taken by the step it was launched for
+        self.ahead_stats[1] += 1
+        return self._cut(tokens, None, lens, k, anchors, confidence), to_device(starts, torch.int64, device) + counts
+
+    def _cut(self, tokens: Tensor, lens: list[int] | None, lens_t: Tensor, width: int, anchors: Tensor,
+             confidence: Tensor | None) -> DraftBlock:
+        """The block verified: `width` columns (the longest draft), drafts past each request's length -1."""
+        cut = torch.arange(width, device=tokens.device)[None, :] >= lens_t[:, None]
         if confidence is not None:
             confidence = confidence[:, :width]
-        return DraftBlock(tokens, lens, anchors, q_probs, confidence)
+            self._record_calibration(confidence, lens_t)
+        return DraftBlock(tokens[:, :width].masked_fill(cut, -1), lens, lens_t, anchors, None, confidence)
 
     def _graphed_draft(self, reqs: list[Request], anchors: Tensor) -> tuple[Tensor, Tensor | None]:
         """Context append + block + greedy drafts replayed as one CUDA graph (decode-time steps)."""
@@ -282,14 +314,13 @@ class Proposer:
                                                       [cache.scratch_slot] * batch, with_taps=True),
                      ids.device)
 
-    def _record_calibration(self, confidence: Tensor, lens: list[int]) -> None:
+    def _record_calibration(self, confidence: Tensor, lens: Tensor) -> None:
         """Predicted prefix survival of every verified draft position (device sums, read only for metrics)."""
-        width = max(lens) if lens else 0
+        width = confidence.shape[1]
         if width == 0:
             return
-        survival = torch.cumprod(confidence.float(), dim=1)[:, :width]
-        lens_t = to_device(lens, torch.int64, survival.device)
-        keep = torch.arange(width, device=survival.device)[None, :] < lens_t[:, None]
+        survival = torch.cumprod(confidence.float(), dim=1)
+        keep = torch.arange(width, device=survival.device)[None, :] < lens[:, None]
         self.calibration[0, :width] += (survival * keep).sum(0).double()
         self.calibration[1, :width] += keep.sum(0)
 
@@ -357,8 +388,9 @@ class Proposer:
         """Accepted counts and emitted tokens per request (one host copy); -1 count = request failed."""
         r, rows, _ = hidden.shape
         if not engine.needs_processing(reqs):
-            return self.unpack(self.accept_greedy(engine, block, hidden).tolist(), block) + (None,)
-        lens = to_device(block.lens, torch.int64, hidden.device)
+            acc, _, toks = self.unpack(self.accept_greedy(engine, block, hidden).tolist())
+            return acc, toks, None
+        lens = block.lens_t
         want_lp = any(q.logprobs is not None for q in reqs)
         logits = engine.runner.logits(hidden).view(r * rows, -1)
         params = engine.row_params(reqs, [rows] * r, block.tokens)
@@ -376,22 +408,30 @@ class Proposer:
         if want_lp:
             flat_tokens = out.clamp(min=0).view(-1)
             lps = engine.logprob_entries(reqs, processed, flat_tokens, [rows] * r)
-        acc, toks = self.unpack(self.pack(num_acc, out, block).tolist(), block)
+        acc, _, toks = self.unpack(self.pack(num_acc, out, block).tolist())
         return acc, toks, lps
 
     def accept_greedy(self, engine: "Engine", block: DraftBlock, hidden: Tensor) -> Tensor:
         """Greedy acceptance on the device, packed for one host copy (see `pack`)."""
         ids = engine.runner.greedy_ids(hidden)
-        num_acc, out = verify_greedy(ids, block.tokens, to_device(block.lens, torch.int64, hidden.device))
+        num_acc, out = verify_greedy(ids, block.tokens, block.lens_t)
         return self.pack(num_acc, out, block)
 
-    def pack(self, num_acc: Tensor, out: Tensor, block: DraftBlock) -> Tensor:
-        """[R, 1 + W]: each request's accepted count, then its emitted tokens (what `unpack` reads)."""
-        return torch.cat([num_acc[:, None], out], dim=1)
+    def outcome(self, num_acc: Tensor, out: Tensor, block: DraftBlock) -> tuple[Tensor, Tensor]:
+        """What the step emits given the verification's counts and tokens: those (the synthetic
+        proposer of the benchmarks replaces them)."""
+        return num_acc, out
 
-    def unpack(self, rows: list[list[int]], block: DraftBlock) -> tuple[list[int], list[list[int]]]:
-        """Accepted counts and emitted tokens from the host copy of `pack`."""
-        return [row[0] for row in rows], [row[1:] for row in rows]
+    def pack(self, num_acc: Tensor, out: Tensor, block: DraftBlock) -> Tensor:
+        """[R, 2 + W]: each request's accepted count, its draft length, then its emitted tokens (what
+        `unpack` reads on the host and `propose_after` on the device)."""
+        num_acc, out = self.outcome(num_acc, out, block)
+        return torch.cat([num_acc[:, None], block.lens_t[:, None], out], dim=1)
+
+    @staticmethod
+    def unpack(rows: list[list[int]]) -> tuple[list[int], list[int], list[list[int]]]:
+        """Accepted counts, draft lengths and emitted tokens from the host copy of `pack`."""
+        return [row[0] for row in rows], [row[1] for row in rows], [row[2:] for row in rows]
 
 
 def take_rows(params: RowParams, rows: Tensor) -> RowParams:

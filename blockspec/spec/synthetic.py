@@ -14,7 +14,6 @@ measured with this proposer must be labelled synthetic; it refuses to run withou
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -118,18 +117,22 @@ class SyntheticProposer(Proposer):
         super().__init__(drafter, target, cfg, max_slots, max_len)
         self.profile = profile
         self.rates = profile.rates(self.num_speculative_tokens)
-        self.rng = random.Random(seed)
+        device = target.embed_tokens.weight.device
+        self.rates_t = torch.tensor(self.rates, dtype=torch.float64, device=device)
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
 
     def expected_length(self, drafts: int) -> float:
         """Expected tokens per verify step (bonus included) for a request drafting `drafts` tokens."""
         return mean_length(self.rates[:drafts])
 
-    def draw(self, budget: int) -> int:
-        """Accepted drafts for one request: consecutive successes, position i passing with rates[i]."""
-        a = 0
-        while a < budget and self.rng.random() < self.rates[a]:
-            a += 1
-        return a
+    def draw(self, lens: Tensor) -> Tensor:
+        """Accepted drafts per request, drawn on the device (so a step can be launched from them before
+        the host reads them): consecutive successes, position i passing with rates[i], at most lens[r]."""
+        width = int(self.rates_t.shape[0])
+        u = torch.rand(lens.shape[0], width, dtype=torch.float64, device=lens.device, generator=self.generator)
+        passed = (u < self.rates_t) & (torch.arange(width, device=lens.device)[None, :] < lens[:, None])
+        return passed.long().cumprod(1).sum(1)
 
     def verify(self, engine: Engine, reqs: list[Request], block: DraftBlock,
                hidden: Tensor) -> tuple[list[int], list[list[int]], list[list[dict]] | None]:
@@ -137,23 +140,16 @@ class SyntheticProposer(Proposer):
             raise ConfigError("SyntheticProposer: logprobs are not available (synthetic tokens have none)")
         return super().verify(engine, reqs, block, hidden)
 
-    def pack(self, num_acc: Tensor, out: Tensor, block: DraftBlock) -> Tensor:
-        """The real verification's counts and tokens (timed as usual), with the drafts carried along in
-        the same host copy: the synthetic tokens are drafts."""
-        return torch.cat([num_acc[:, None], out, block.tokens], dim=1)
-
-    def unpack(self, rows: list[list[int]], block: DraftBlock) -> tuple[list[int], list[list[int]]]:
-        """Drawn counts; each request emits drafts[:a] and one more token."""
+    def outcome(self, num_acc: Tensor, out: Tensor, block: DraftBlock) -> tuple[Tensor, Tensor]:
+        """Drawn counts (the real verification still ran, and is timed as usual): each request emits
+        its drafts up to the count and one more token, the target's own wherever the count is within
+        the real acceptance. A row whose target logits were bad (-1) keeps failing its request."""
         width = block.tokens.shape[1]
-        acc, out = [], []
-        for r, row in enumerate(rows):
-            real_a, real_out, drafts = row[0], row[1 : 2 + width], row[2 + width :]
-            if real_a < 0:  # the target's logits were bad: fail the request as the real path would
-                acc.append(real_a)
-                out.append(real_out)
-                continue
-            a = self.draw(block.lens[r])
-            # out[i] == drafts[i] for i < real_a, so this is the target's own token whenever a <= real_a
-            acc.append(a)
-            out.append(drafts[:a] + [real_out[min(a, real_a)]])
-        return acc, out
+        drawn = self.draw(block.lens_t)
+        # out[i] == drafts[i] for i < real count, so the last token is the target's whenever drawn <= real
+        last = out.gather(1, torch.minimum(drawn, num_acc.clamp(min=0))[:, None])
+        cols = torch.arange(width + 1, device=out.device)[None, :]
+        drafts = torch.cat([block.tokens, block.tokens.new_full((block.tokens.shape[0], 1), -1)], dim=1)
+        synthetic = torch.where(cols < drawn[:, None], drafts, torch.where(cols == drawn[:, None], last, -1))
+        failed = num_acc < 0
+        return torch.where(failed, num_acc, drawn), torch.where(failed[:, None], out, synthetic)
