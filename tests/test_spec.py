@@ -144,7 +144,7 @@ def test_opted_out_request_keeps_no_draft_context(target):
     (req,) = engine.add_request("out", None, prompts(1, seed=5)[0]["prompt_token_ids"], params)
     for _ in range(6):
         engine.step()
-    assert len(req.output_ids) >= 5 and req.pending_features == []
+    assert len(req.output_ids) >= 5 and req.num_pending == 0
     while engine.has_unfinished():
         engine.step()
 
@@ -197,7 +197,9 @@ def test_adaptive_draft_length_stays_exact_and_backs_off(target, plain):
     assert policy.prefix_acceptance()[0] < 0.3
     measured = [k for k in policy.candidates if policy.estimate(4, k) is not None]
     best = max(measured, key=lambda k: policy.expected_tokens(k) / policy.estimate(4, k))
-    assert policy.choose(3) == best
+    choice = policy.choose(3)
+    # the best measured K, unless a K not measured twice yet could still win at its least cost
+    assert choice == best or policy.estimate(4, choice) is None, (choice, best)
 
 
 @pytest.mark.parametrize("spec", [{"confidence_threshold": 0.5}, {"adaptive_verification": True},
@@ -256,6 +258,46 @@ def test_policy_turns_speculation_off_when_confidence_prunes_every_draft(target)
     assert choices.count(0) >= 0.3 * len(choices), choices
 
 
+@pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
+@pytest.mark.parametrize("ahead", [False, True], ids=["synchronous", "launched-ahead"])
+def test_draft_cache_holds_what_one_append_of_the_whole_context_gives(target, plain, method, fixture, ahead):
+    """However the context reached the draft cache (a prefill chunk, plain steps' rows held and
+    flushed K + 1 at a time, a verify's accepted rows appended by the next draft, rows derived on
+    the device for a step launched before the read-back), each request's cached context K/V equal
+    those of one append of the target's taps over its whole sequence into a fresh cache."""
+    from blockspec.engine.kv_cache import causal_meta
+
+    llm = spec_llm(target, method, fixture, adaptive_draft_length=True, num_speculative_tokens=3)
+    engine = llm.engine
+    engine.async_scheduling = ahead
+    plan = iter([0, 0, 0, 0, 0, 0, 3, 3, 0, 0, 2, 3, 3, 3, 0] * 20)  # plain runs longer than K + 1, spec runs
+    engine.policy.choose = lambda batch: next(plan)
+    ps = [p["prompt_token_ids"] for p in prompts(3, seed=21)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 27, 33)]
+    expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in ps], params,
+                                                              use_tqdm=False)]
+    add_device_oracle(llm, {tuple(p): e for p, e in zip(ps, expected)})  # accepted runs of every length
+    reqs = [engine.add_request(str(i), None, p, q)[0] for i, (p, q) in enumerate(zip(ps, params))]
+    while engine.has_unfinished():
+        engine.step()
+    drafter, model = engine.proposer.drafter, engine.model
+    for req in reqs:
+        n = req.num_draft_ctx
+        seq = req.prompt_token_ids + req.output_ids
+        assert n >= len(seq) - 5  # all but the last step's rows are in
+        cache = model.new_cache(1, len(seq) + 1)
+        meta = causal_meta([0], [0], [n], n, cache.trash, "cpu", model.config.sliding_window, model.config.layer_types)
+        _, feats = model(torch.tensor([seq[:n]]), meta, cache, tuple(drafter.target_layer_ids))
+        fresh = drafter.new_cache(1, n + drafter.block_size + 1, "cpu", torch.float32)
+        drafter.append_context(fresh, [0], [0], [n], feats)
+        for layer in range(len(fresh.k)):
+            for got, want in ((engine.proposer.cache.k[layer], fresh.k[layer]),
+                              (engine.proposer.cache.v[layer], fresh.v[layer])):
+                torch.testing.assert_close(got[req.slot, :, :n], want[0, :, :n], atol=1e-4, rtol=1e-4)
+    assert [r.output_ids for r in reqs] == expected
+    assert llm.get_metrics()["mean_acceptance_length"] > 1.8
+
+
 def test_draft_context_is_never_more_than_a_draft_step_behind(target, plain):
     """Prefill chunks hand their features to the drafter at once; plain steps hold theirs until they
     fill one draft step's append (K + 1 rows). So when the policy switches to speculation the graphed
@@ -269,19 +311,19 @@ def test_draft_context_is_never_more_than_a_draft_step_behind(target, plain):
     propose = engine.proposer.propose
 
     def watch(reqs, budgets, eng, last_tokens=None):
-        pending_at_draft.extend(sum(f.shape[0] for f in r.pending_features) for r in reqs)
+        pending_at_draft.extend(r.num_pending for r in reqs)
         return propose(reqs, budgets, eng, last_tokens)
 
     engine.proposer.propose = watch
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     (req,) = engine.add_request("r", None, prompts(1, seed=3)[0]["prompt_token_ids"], params)
     engine.step()  # prefill: its features are in the draft cache at once
-    assert req.num_draft_ctx == req.num_cached == len(req.prompt_token_ids) and not req.pending_features
+    assert req.num_draft_ctx == req.num_cached == len(req.prompt_token_ids) and req.num_pending == 0
     behind = []
     while engine.has_unfinished():
         engine.step()
         behind.append(req.num_cached - req.num_draft_ctx)
-        assert behind[-1] == sum(f.shape[0] for f in req.pending_features)
+        assert behind[-1] == req.num_pending
     # behind by at most K + 1 = 4 rows (a verify's accepted rows); plain steps hold at most K = 3 and
     # then flush (without the flush the 9 plain steps would leave it 9 behind)
     assert max(behind) <= 4 and max(behind[:9]) == 3 and min(behind[:9]) == 0, behind
@@ -341,7 +383,7 @@ def test_pipelined_plain_steps_between_speculative_ones_keep_output_exact(target
 
     def watch(reqs, budgets, eng, last_tokens=None):
         assert engine._inflight is None  # a speculative step starts from committed state
-        pending_at_draft.extend(sum(f.shape[0] for f in r.pending_features) for r in reqs)
+        pending_at_draft.extend(r.num_pending for r in reqs)
         return propose(reqs, budgets, eng, last_tokens)
 
     engine.proposer.propose = watch
@@ -430,8 +472,8 @@ def add_device_oracle(llm: LLM, expected: dict[tuple, list[int]]) -> dict[tuple,
             drafted[(tuple(req.prompt_token_ids), req.num_cached + 1 - len(req.prompt_token_ids))] = tokens[r].tolist()
         return tokens, q, confidence
 
-    def step(control, features, kv):
-        tokens, confidence = real_step(control, features, kv)
+    def step(control, kv):
+        tokens, confidence = real_step(control, kv)
         by_slot = {r.slot: r for r in engine.running}
         tokens = tokens.clone()
         for r, (slot, start, count) in enumerate(control[:3].t().tolist()):

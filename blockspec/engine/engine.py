@@ -184,15 +184,17 @@ class Engine:
         cfg, model = self.config, self.model
         margin = drafter.num_draft_slots + 1 if drafter is not None else 1  # verify rows past the length
 
+        itemsize = model.embed_tokens.weight.dtype.itemsize
+
         def caches(slots: int) -> int:
             n = model.cache_bytes(slots, cfg.max_model_len + margin)
             if drafter is not None:
                 n += drafter.cache_bytes(slots, cfg.max_model_len + drafter.block_size + 1,
                                          model.embed_tokens.weight.dtype)
+                n += slots * (drafter.block_size + 1) * drafter.fc.in_features * itemsize  # held taps (Proposer)
             return n
 
         mc = model.config
-        itemsize = model.embed_tokens.weight.dtype.itemsize
         # a prefill chunk's activations (residual, norms, qkv, MLP), greedy logits, graph pools and cuBLAS
         reserve = cfg.max_prefill_tokens * (8 * mc.hidden_size + 3 * mc.intermediate_size) * itemsize + (3 << 29)
         free, total = torch.cuda.mem_get_info(self.device)
@@ -570,8 +572,9 @@ class Engine:
             req.num_cached += a + 1
             if chained:  # the launched draft appended these rows on the device
                 req.num_draft_ctx = req.num_cached
-            else:
-                req.pending_features.append(launch.feats[j, : a + 1])
+        if not chained:  # the emitted tokens' taps wait for the next draft
+            feats = launch.feats if len(live) == len(reqs) else launch.feats[to_device(live, torch.int64, self.device)]
+            self.proposer.hold([reqs[j] for j in live], feats, [num_acc[j] + 1 for j in live])
         if self.async_scheduling and not chained:
             self._launch_ahead([reqs[j] for j in live], [num_acc[j] + 1 for j in live],
                                [out_tokens[j][max(num_acc[j], 0)] for j in live])
@@ -601,7 +604,7 @@ class Engine:
         # a request that may reach its limit in this step is left to `_launch_ahead`, which knows
         if (decoding != {id(r) for r in reqs} or not all(self._has_room(r, launch.k + 1) for r in reqs)
                 or not all(self._speculates(r, len(reqs)) for r in reqs)
-                or any(r.pending_features or r.num_draft_ctx != r.num_cached for r in reqs)
+                or any(r.num_pending or r.num_draft_ctx != r.num_cached for r in reqs)
                 or not proposer.graphs.fits(len(reqs), [emitted], max(r.num_cached for r in reqs) + emitted)):
             return False
         k = self._choose(len(reqs))
@@ -821,7 +824,7 @@ class Engine:
             self.running.remove(req)
             self.runner.cache.release(req.slot)
         req.status = Status.FINISHED
-        req.pending_features.clear()
+        req.num_pending = 0
 
     # ---------------------------------------------------------------- metrics
     def metrics(self) -> dict[str, Any]:

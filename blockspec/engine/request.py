@@ -129,7 +129,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # target KV length (tokens whose K/V are in the cache)
     num_draft_ctx: int = 0  # drafter context length (tokens whose features are in the draft cache)
-    pending_features: list[Tensor] = field(default_factory=list)  # target taps not yet in the draft cache
+    num_pending: int = 0  # target taps held in the proposer's device buffer, not in the draft cache yet
     output_counts: Tensor | None = None  # [V] int32 history for penalties (device)
     prompt_mask: Tensor | None = None  # [V] bool tokens of the prompt (device)
     logprobs: list[dict[int, Logprob]] | None = None

@@ -27,23 +27,33 @@ from blockspec.transfer import to_device
 class CapturedDraft:
     graph: "torch.cuda.CUDAGraph"
     control: Tensor  # [4, B]: slots, context start, context rows, anchor ids
-    features: Tensor  # [B, C, F]
     tokens: Tensor  # [B, K] output
     confidence: Tensor | None  # [B, K] output (DSpark)
 
 
+@dataclass
+class CapturedAppend:
+    graph: "torch.cuda.CUDAGraph"
+    control: Tensor  # [3, B]: slots, context start, context rows
+
+
 class DraftGraphs:
-    def __init__(self, drafter: Any, target: CausalLM, cache: KVCache, num_drafts: int, target_head: bool,
-                 markov_top_k: int = 0, use_graphs: bool = True) -> None:
+    """`pending` [slots + 1, K + 1, F] holds each slot's target taps not yet in the draft cache; both
+    steps read their context rows from it (one gather inside the graph)."""
+
+    def __init__(self, drafter: Any, target: CausalLM, cache: KVCache, pending: Tensor, num_drafts: int,
+                 target_head: bool, markov_top_k: int = 0, use_graphs: bool = True) -> None:
         self.use_graphs = use_graphs
         self.markov_top_k = markov_top_k
         self.drafter = drafter
         self.target_head = target_head  # drafter logits are exactly the target LM head's
         self.target = target
         self.cache = cache
+        self.pending = pending
         self.k = num_drafts
         self.rows = num_drafts + 1  # context rows appended per request per step
         self.graphs: dict[tuple[int, int], CapturedDraft] = {}
+        self.appends: dict[int, CapturedAppend] = {}
         self._pool = None
 
     @property
@@ -51,51 +61,77 @@ class DraftGraphs:
         return self.drafter.attention_backend == "triton"
 
     def capture_all(self, batch_sizes: list[int]) -> None:
-        """Capture the draft step of these batch buckets at every key extent."""
+        """Capture the draft step of these batch buckets at every key extent, and their context append."""
         for b in batch_sizes:
             for kv in kv_extents(self.cache.max_len - self.rows, self.whole_cache):
                 if (b, kv) not in self.graphs:
                     self._capture(b, kv)
+            if b not in self.appends:
+                self._capture_append(b)
 
     def fits(self, batch: int, pending_rows: list[int], max_ctx: int) -> bool:
         b = bucket(batch, BATCH_BUCKETS)
         return b is not None and max(pending_rows) <= self.rows and max_ctx + self.rows <= self.cache.max_len
 
-    def run(self, slots: list[int], starts: list[int], counts: list[int] | Tensor, features: Tensor | None,
-            anchors: Tensor, ctx_end: int | None = None) -> tuple[Tensor, Tensor | None]:
-        """Append features[r, :counts[r]] at starts[r]..., then draft from the block at starts[r] + counts[r].
-        `counts` may be a device tensor; `ctx_end` then bounds every block's start on the host."""
-        r = len(slots)
+    def run(self, slots: list[int], starts: list[int], counts: list[int] | Tensor, anchors: Tensor,
+            ctx_end: int | None = None) -> tuple[Tensor, Tensor | None]:
+        """Append each slot's first counts[r] held rows at starts[r]..., then draft from the block at
+        starts[r] + counts[r]. `counts` may be a device tensor; `ctx_end` then bounds every block's
+        start on the host."""
         if ctx_end is None:
             ctx_end = max(s + c for s, c in zip(starts, counts))
         if not self.use_graphs:
-            device = anchors.device
-            as_t = lambda v: v if isinstance(v, Tensor) else to_device(v, torch.int64, device)  # noqa: E731
-            control = torch.stack([as_t(slots), as_t(starts), as_t(counts), anchors])
-            return self._step(control, features, ctx_end)
-        b = bucket(r, BATCH_BUCKETS)
+            return self._step(self._control(slots, starts, counts, anchors), ctx_end)
+        b = bucket(len(slots), BATCH_BUCKETS)
         kv = kv_extent(ctx_end, self.cache.max_len - self.rows, self.whole_cache)
         cap = self.graphs.get((b, kv)) or self._capture(b, kv)
-        pad = b - r
-        host_counts = [0] * r if isinstance(counts, Tensor) else list(counts)
-        cap.control[:3].copy_(to_device([slots + [self.cache.scratch_slot] * pad, starts + [0] * pad,
-                                         host_counts + [0] * pad], torch.int64, cap.control.device))
-        if isinstance(counts, Tensor):
-            cap.control[2, :r].copy_(counts)
-        cap.control[3, :r].copy_(anchors)
-        if features is not None:
-            cap.features[:r, : features.shape[1]].copy_(features)
+        self._fill(cap.control, slots, starts, counts, anchors)
         cap.graph.replay()
-        conf = cap.confidence[:r] if cap.confidence is not None else None
-        return cap.tokens[:r], conf
+        r = len(slots)
+        return cap.tokens[:r], cap.confidence[:r] if cap.confidence is not None else None
 
-    def _step(self, control: Tensor, features: Tensor | None, kv: int) -> tuple[Tensor, Tensor | None]:
+    def append(self, slots: list[int], starts: list[int], counts: list[int]) -> None:
+        """Append each slot's first counts[r] held rows to the draft cache at starts[r]... (no block)."""
+        if not self.use_graphs:
+            self._append(self._control(slots, starts, counts))
+            return
+        b = bucket(len(slots), BATCH_BUCKETS)
+        if b is None:  # more requests than any graph: eager
+            self._append(self._control(slots, starts, counts))
+            return
+        cap = self.appends.get(b) or self._capture_append(b)
+        self._fill(cap.control, slots, starts, counts)
+        cap.graph.replay()
+
+    def _control(self, slots: list[int], starts: list[int], counts: list[int] | Tensor,
+                 anchors: Tensor | None = None) -> Tensor:
+        """The control rows of an eager step: slots, starts, counts (and anchors)."""
+        device = self.pending.device
+        as_t = lambda v: v if isinstance(v, Tensor) else to_device(v, torch.int64, device)  # noqa: E731
+        return torch.stack([as_t(v) for v in (slots, starts, counts, anchors) if v is not None])
+
+    def _fill(self, control: Tensor, slots: list[int], starts: list[int], counts: list[int] | Tensor,
+              anchors: Tensor | None = None) -> None:
+        """Write a captured step's control rows: padding rows read and write only the scratch slot."""
+        r, pad = len(slots), control.shape[1] - len(slots)
+        host_counts = [0] * r if isinstance(counts, Tensor) else list(counts)
+        control[:3].copy_(to_device([slots + [self.cache.scratch_slot] * pad, starts + [0] * pad,
+                                     host_counts + [0] * pad], torch.int64, control.device))
+        if isinstance(counts, Tensor):
+            control[2, :r].copy_(counts)
+        if anchors is not None:
+            control[3, :r].copy_(anchors)
+
+    def _append(self, control: Tensor) -> None:
+        slots, starts, counts = control[0], control[1], control[2]
+        self.drafter.append_context_tensors(self.cache, slots, starts, counts, self.pending[slots], self.cache.max_len)
+
+    def _step(self, control: Tensor, kv: int) -> tuple[Tensor, Tensor | None]:
         """The draft step's tensor code: control rows are slots, context starts, context rows, anchors;
         `kv` bounds every block's start."""
         d = self.drafter
         slots, starts, counts, anchors = control[0], control[1], control[2], control[3]
-        if features is not None:
-            d.append_context_tensors(self.cache, slots, starts, counts, features, kv + self.rows)
+        d.append_context_tensors(self.cache, slots, starts, counts, self.pending[slots], kv + self.rows)
         hidden = d.block_hidden_tensors(self.cache, slots, starts + counts, anchors, kv, self.target.embed)
         slot_hidden = d.slot_hidden(hidden, self.k)
         if hasattr(d, "draft_greedy"):
@@ -104,20 +140,23 @@ class DraftGraphs:
             return self.target.lm_head(slot_hidden).argmax(-1), None
         return d.draft_to_target(d.logits(slot_hidden).argmax(-1)), None
 
-    def _capture(self, b: int, kv: int) -> CapturedDraft:
-        d = self.drafter
-        dev = self.cache.k[0].device
-        control = torch.zeros(4, b, dtype=torch.int64, device=dev)
-        control[0] = self.cache.scratch_slot
-        feat_dim = d.fc.in_features
-        features = torch.zeros(b, self.rows, feat_dim, dtype=d.dtype, device=dev)
-
-        def step() -> tuple[Tensor, Tensor | None]:
-            return self._step(control, features, kv)
-
+    def _new_control(self, rows: int, b: int) -> Tensor:
+        control = torch.zeros(rows, b, dtype=torch.int64, device=self.pending.device)
+        control[0] = self.cache.scratch_slot  # warm-up and capture write only the scratch slot
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph, (tokens, conf) = capture(step, self._pool)
-        cap = CapturedDraft(graph, control, features, tokens, conf)
+        return control
+
+    def _capture(self, b: int, kv: int) -> CapturedDraft:
+        control = self._new_control(4, b)
+        graph, (tokens, conf) = capture(lambda: self._step(control, kv), self._pool)
+        cap = CapturedDraft(graph, control, tokens, conf)
         self.graphs[(b, kv)] = cap
+        return cap
+
+    def _capture_append(self, b: int) -> CapturedAppend:
+        control = self._new_control(3, b)
+        graph, _ = capture(lambda: self._append(control), self._pool)
+        cap = CapturedAppend(graph, control)
+        self.appends[b] = cap
         return cap

@@ -96,8 +96,12 @@ class Proposer:
         self.has_confidence = has_conf
         self.reset_stats()
         self.cache = drafter.new_cache(max_slots, max_len + drafter.block_size + 1, weight.device, weight.dtype)
-        self.graphs = DraftGraphs(drafter, target, self.cache, k, self._plain_target_head(), cfg.markov_top_k,
-                                  use_graphs=weight.device.type == "cuda")
+        # target taps of tokens not in the draft cache yet, by slot (the scratch slot last), so a draft
+        # or a flush reads them in one gather: at most a verify's K + 1 rows and one plain step's
+        self.pending = torch.zeros(max_slots + 1, k + 2, drafter.fc.in_features, dtype=weight.dtype,
+                                   device=weight.device)
+        self.graphs = DraftGraphs(drafter, target, self.cache, self.pending, k, self._plain_target_head(),
+                                  cfg.markov_top_k, use_graphs=weight.device.type == "cuda")
         self.ahead: DraftLaunch | None = None
 
     def reset_stats(self) -> None:
@@ -125,8 +129,8 @@ class Proposer:
         """Hand the drafter the target features of tokens a prefill chunk (`now`) or a plain step fed
         (features[i, :counts[i]] for reqs[i]).
 
-        A prefill chunk's rows go into the draft cache at once. A plain step's rows wait with the
-        request's pending rows until these fill one draft step's append (K + 1 rows), then go in
+        A prefill chunk's rows go into the draft cache at once. A plain step's rows are held with the
+        request's earlier ones until these fill one draft step's append (K + 1 rows), then go in
         together. Appending every row costs a drafter pass per plain step (on a CPU, a third of a
         small model's step); an unbounded backlog costs memory and, after a stretch of plain
         steps, an eager catch-up before the next speculative step. Bounded by K + 1, the backlog is
@@ -137,32 +141,39 @@ class Proposer:
             for r, c in zip(reqs, counts):
                 r.num_draft_ctx += c
             return
-        for i, r in enumerate(reqs):
-            r.pending_features.append(features[i, : counts[i]])
-        full = [r for r in reqs if sum(f.shape[0] for f in r.pending_features) > self.num_speculative_tokens]
+        self.hold(reqs, features, counts)
+        full = [r for r in reqs if r.num_pending > self.num_speculative_tokens]
         if full:
-            feats, rows, starts = self._take_pending(full)
-            self.drafter.append_context(self.cache, [r.slot for r in full], starts, rows, feats)
+            counts, starts = self._take_pending(full)
+            self.graphs.append([r.slot for r in full], starts, counts)
+
+    def hold(self, reqs: list[Request], features: Tensor, counts: list[int]) -> None:
+        """Keep features[i, :counts[i]] after the rows reqs[i] holds already (one scatter for all)."""
+        src_row, src_col, slot, col = [], [], [], []
+        for i, (r, c) in enumerate(zip(reqs, counts)):
+            if r.num_pending + c > self.pending.shape[1]:
+                raise RuntimeError(f"request {r.request_id}: {r.num_pending + c} held context rows exceed a draft "
+                                   f"step's {self.pending.shape[1]}")
+            src_row += [i] * c
+            src_col += range(c)
+            slot += [r.slot] * c
+            col += range(r.num_pending, r.num_pending + c)
+            r.num_pending += c
+        if src_row:
+            idx = to_device([src_row, src_col, slot, col], torch.int64, features.device)
+            self.pending[idx[2], idx[3]] = features[idx[0], idx[1]].to(self.pending.dtype)
 
     # ---------------------------------------------------------------- draft
     @staticmethod
-    def _take_pending(reqs: list[Request]) -> tuple[Tensor | None, list[int], list[int]]:
-        """Every request's pending target features as one padded [R, C, F] tensor (None when there are
-        none), with the rows per request and where they start in the draft cache; marks them consumed."""
-        counts = [sum(f.shape[0] for f in r.pending_features) for r in reqs]
+    def _take_pending(reqs: list[Request]) -> tuple[list[int], list[int]]:
+        """Each request's held rows and where they start in the draft cache; marks them consumed (the
+        caller appends them from the buffer)."""
+        counts = [r.num_pending for r in reqs]
         starts = [r.num_draft_ctx for r in reqs]
-        padded = None
-        if any(counts):
-            first = next(r.pending_features[0] for r in reqs if r.pending_features)
-            padded = first.new_zeros(len(reqs), max(counts), first.shape[-1])
-            for i, r in enumerate(reqs):
-                if r.pending_features:
-                    padded[i, : counts[i]] = torch.cat(r.pending_features) if len(r.pending_features) > 1 \
-                        else r.pending_features[0]
-                r.pending_features.clear()
         for r, c in zip(reqs, counts):
             r.num_draft_ctx += c
-        return padded, counts, starts
+            r.num_pending = 0
+        return counts, starts
 
     def _probabilistic(self, reqs: list[Request]) -> bool:
         return self.cfg.draft_sample_method == "probabilistic" and not all(r.params.greedy for r in reqs)
@@ -170,7 +181,7 @@ class Proposer:
     def _graphable(self, reqs: list[Request]) -> bool:
         """Whether the step's draft can replay a captured graph (greedy drafts, a captured batch size,
         context rows and positions within the graph's extent)."""
-        pending = [sum(f.shape[0] for f in r.pending_features) for r in reqs]
+        pending = [r.num_pending for r in reqs]
         return (self.graphs.use_graphs and not self._probabilistic(reqs)
                 and self.graphs.fits(len(reqs), pending, max(r.num_cached for r in reqs)))
 
@@ -232,8 +243,9 @@ class Proposer:
         counts = accepted + 1
         anchors = result[:, 2:].gather(1, accepted[:, None])[:, 0].clamp(min=0)
         starts = [r.num_cached for r in reqs]
-        tokens, confidence = self.graphs.run([r.slot for r in reqs], starts, counts, feats, anchors,
-                                             max(starts) + feats.shape[1])
+        slots = [r.slot for r in reqs]
+        self.pending[to_device(slots, torch.int64, device), : feats.shape[1]] = feats  # rows past counts unread
+        tokens, confidence = self.graphs.run(slots, starts, counts, anchors, max(starts) + feats.shape[1])
         lens = (to_device(left, torch.int64, device) - counts - 1).clamp(0, k)
         self.ahead_stats[0] += 1  # launched ahead of the commit, and taken by the step it was launched for
         self.ahead_stats[1] += 1
@@ -250,17 +262,17 @@ class Proposer:
 
     def _graphed_draft(self, reqs: list[Request], anchors: Tensor) -> tuple[Tensor, Tensor | None]:
         """Context append + block + greedy drafts replayed as one CUDA graph (decode-time steps)."""
-        feats, counts, starts = self._take_pending(reqs)
+        counts, starts = self._take_pending(reqs)
         for r in reqs:
             assert r.num_draft_ctx == r.num_cached, (r.request_id, r.num_draft_ctx, r.num_cached)
-        return self.graphs.run([r.slot for r in reqs], starts, counts, feats, anchors)
+        return self.graphs.run([r.slot for r in reqs], starts, counts, anchors)
 
     def _eager_draft(self, reqs: list[Request], anchors: Tensor, probabilistic: bool,
                      engine: "Engine") -> tuple[Tensor, Tensor | None, Tensor | None]:
         """The reference draft path: flush context, block forward, then greedy or sampled drafts."""
-        feats, counts, starts = self._take_pending(reqs)
-        if feats is not None:  # one append for every request's new context rows
-            self.drafter.append_context(self.cache, [r.slot for r in reqs], starts, counts, feats)
+        counts, starts = self._take_pending(reqs)
+        if any(counts):  # one append for every request's new context rows
+            self.graphs.append([r.slot for r in reqs], starts, counts)
         for r in reqs:
             assert r.num_draft_ctx == r.num_cached, (r.request_id, r.num_draft_ctx, r.num_cached)
         hidden = self.drafter.block_hidden(self.cache, [r.slot for r in reqs], [r.num_cached for r in reqs], anchors,
