@@ -155,7 +155,8 @@ class Engine:
         # Verify rows reach past the committed length by the draft length; leave room for them.
         margin = (self.proposer.num_speculative_tokens + 1) if self.proposer else 1
         widths = [1 + k for k in self.policy.candidates] if self.proposer else []
-        self.runner = ModelRunner(model, config.max_num_seqs, config.max_model_len + margin, taps, query_buckets=widths)
+        self.runner = ModelRunner(model, config.max_num_seqs, config.max_model_len + margin, taps, query_buckets=widths,
+                                  tap_sink=self.proposer.pending if self.proposer else None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.seed_gen = torch.Generator().manual_seed(config.seed)
@@ -363,10 +364,11 @@ class Engine:
         ahead = 1 if prev is not None else 0
         ids = prev.ids if prev is not None else to_device([r.output_ids[-1] for r in reqs], torch.int64, self.device)
         captures = CAPTURES[0]
-        hidden, feats = self.runner.forward_ids(ids.clamp(min=0).view(-1, 1), [1] * len(reqs),
-                                                [r.num_cached + ahead for r in reqs], [r.slot for r in reqs],
-                                                with_taps=self._drafts_any(reqs))
-        self._extend_draft_context(reqs, feats, [1] * len(reqs))
+        hold = self._tap_hold(reqs)
+        hidden, _ = self.runner.forward_ids(ids.clamp(min=0).view(-1, 1), [1] * len(reqs),
+                                            [r.num_cached + ahead for r in reqs], [r.slot for r in reqs],
+                                            with_taps=hold is not None, hold=hold)
+        self._held(reqs, hold)
         nxt = self.runner.greedy_ids(hidden[:, 0])
         cuda = self.device.type == "cuda"
         host = torch.empty(len(reqs), dtype=torch.int64, pin_memory=cuda)
@@ -419,16 +421,29 @@ class Engine:
         if not self.timer.step_captured:
             self.policy.observe_time(batch, k, seconds)
 
-    def _extend_draft_context(self, reqs: list[Request], feats: Tensor | None, counts: list[int],
-                              now: bool = False) -> None:
-        """Hand the drafter the features of the tokens a prefill chunk (`now`) or plain step fed, for
-        the requests that may draft later (see Proposer.extend_context)."""
+    def _extend_draft_context(self, reqs: list[Request], feats: Tensor | None, counts: list[int]) -> None:
+        """Hand the drafter the features of the tokens a prefill chunk fed, for the requests that may
+        draft later (see Proposer.extend_context)."""
         if feats is None:
             return
         rows = [i for i, r in enumerate(reqs) if r.params.use_speculation]
         if rows:
             keep = feats if len(rows) == len(reqs) else feats[to_device(rows, torch.int64, feats.device)]
-            self.proposer.extend_context([reqs[i] for i in rows], keep, [counts[i] for i in rows], now)
+            self.proposer.extend_context([reqs[i] for i in rows], keep, [counts[i] for i in rows])
+
+    def _tap_hold(self, reqs: list[Request]) -> tuple[list[int], list[int]] | None:
+        """Where a plain step's forward puts each request's taps in the proposer's buffer (slot, next
+        held row; the scratch slot for a request that never drafts), or None when none may draft."""
+        if not self._drafts_any(reqs):
+            return None
+        scratch = self.runner.cache.scratch_slot
+        return ([r.slot if r.params.use_speculation else scratch for r in reqs],
+                [r.num_pending if r.params.use_speculation else 0 for r in reqs])
+
+    def _held(self, reqs: list[Request], hold: tuple[list[int], list[int]] | None) -> None:
+        """Account the rows a plain step's forward put in the buffer (see `_tap_hold`)."""
+        if hold is not None:
+            self.proposer.held([r for r in reqs if r.params.use_speculation])
 
     def _admit(self) -> None:
         while self.waiting and self.runner.cache.num_free_slots:
@@ -463,7 +478,7 @@ class Engine:
                 done.append((i, req, counts[i] - 1))
         if not done:
             self.timer.close()
-            self._extend_draft_context(chosen, feats, counts, now=True)
+            self._extend_draft_context(chosen, feats, counts)
             return []
         last_hidden = torch.stack([hidden[i, row] for i, _, row in done])
         finished_reqs = [req for _, req, _ in done]
@@ -473,7 +488,7 @@ class Engine:
         self.timer.close()
         # the drafter's copy of the prompt goes in after the first tokens are read back: it runs
         # while the host commits them, not before the first token
-        self._extend_draft_context(chosen, feats, counts, now=True)
+        self._extend_draft_context(chosen, feats, counts)
         for j, req in enumerate(finished_reqs):
             self._append(req, [tokens[j]], lps[j] if lps else None)
         return finished_reqs
@@ -483,8 +498,9 @@ class Engine:
         self.timer.mark("rest")
         runs = [[r.output_ids[-1]] for r in reqs]
         starts = [r.num_cached for r in reqs]
-        hidden, feats = self.runner.forward(runs, starts, [r.slot for r in reqs], with_taps=self._drafts_any(reqs))
-        self._extend_draft_context(reqs, feats, [1] * len(reqs))
+        hold = self._tap_hold(reqs)
+        hidden, _ = self.runner.forward(runs, starts, [r.slot for r in reqs], with_taps=hold is not None, hold=hold)
+        self._held(reqs, hold)
         tokens, lps = self._sample(reqs, hidden[:, 0])
         self.timer.close()
         for j, req in enumerate(reqs):

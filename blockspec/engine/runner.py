@@ -66,17 +66,23 @@ def capture(fn: Callable[[], T], pool: object) -> tuple["torch.cuda.CUDAGraph", 
 class CapturedForward:
     graph: "torch.cuda.CUDAGraph"
     ids: Tensor  # [B, Q] static input
-    control: Tensor  # [3, B] static input: slots, starts, q_lens
+    control: Tensor  # [5, B] static input: slots, starts, q_lens, tap sink slot and column (see ModelRunner)
     hidden: Tensor  # [B, Q, H] static output
     features: Tensor | None  # [B, Q, F] static output
 
 
 class ModelRunner:
-    """Owns the target model and its KV cache; every forward is `tokens at positions -> hidden (+ taps)`."""
+    """Owns the target model and its KV cache; every forward is `tokens at positions -> hidden (+ taps)`.
+
+    `tap_sink` [slots + 1, C, F] (the proposer's buffer of context not yet drafted from): a forward
+    given `hold` writes each request's first-row taps straight into it, inside the captured graph,
+    instead of returning them, so a plain step of a speculating request costs no extra host work."""
 
     def __init__(self, model: CausalLM, max_slots: int, max_len: int, taps: Sequence[int] = (),
-                 use_cuda_graphs: bool | None = None, query_buckets: Sequence[int] = ()) -> None:
+                 use_cuda_graphs: bool | None = None, query_buckets: Sequence[int] = (),
+                 tap_sink: Tensor | None = None) -> None:
         self.model = model
+        self.tap_sink = tap_sink
         # graphed forwards pad their query rows up to one of these lengths (the verify widths the
         # draft policy can choose), so drafts cut short by a budget or by confidence reuse a graph
         # instead of capturing one per width
@@ -89,21 +95,26 @@ class ModelRunner:
         self._pool = None
 
     def forward(
-        self, runs: Sequence[Sequence[int]], starts: Sequence[int], slots: Sequence[int], with_taps: bool = False
+        self, runs: Sequence[Sequence[int]], starts: Sequence[int], slots: Sequence[int], with_taps: bool = False,
+        hold: tuple[list[int], list[int]] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """runs[r] are token ids fed at positions starts[r], ...; returns hidden [R, Q, H], taps [R, Q, F]."""
         q = max(len(r) for r in runs)
         ids = to_device([list(run) + [0] * (q - len(run)) for run in runs], torch.int64, self.device)
-        return self.forward_ids(ids, [len(r) for r in runs], starts, slots, with_taps)
+        return self.forward_ids(ids, [len(r) for r in runs], starts, slots, with_taps, hold=hold)
 
     def forward_ids(
         self, ids: Tensor, q_lens: Sequence[int] | Tensor, starts: Sequence[int] | Tensor, slots: Sequence[int],
-        with_taps: bool = False, kv_len: int | None = None,
+        with_taps: bool = False, kv_len: int | None = None, hold: tuple[list[int], list[int]] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Same as `forward` with the ids already a padded device tensor [R, Q] (e.g. anchors + drafts).
 
         `starts` and `q_lens` may be device tensors, computed by the GPU from a step the host has not
-        read yet; `kv_len` then bounds every request's last key (the host's worst case)."""
+        read yet; `kv_len` then bounds every request's last key (the host's worst case).
+        `hold` = (sink slots, sink columns) per request: first-row taps go to `tap_sink` there (the
+        scratch slot for a request that keeps none) and no taps are returned."""
+        if hold is not None:
+            assert with_taps and self.tap_sink is not None, "hold needs taps and a tap sink"
         r, q = ids.shape
         on_device = isinstance(starts, Tensor) or isinstance(q_lens, Tensor)
         if kv_len is None:
@@ -112,7 +123,8 @@ class ModelRunner:
         b = bucket(r, BATCH_BUCKETS)
         width = bucket(q, self.query_buckets)
         if self.use_graphs and b is not None and width is not None:
-            return self._replay(ids, q_lens, starts, slots, with_taps, (b, width, self.kv_extent(kv_len), with_taps))
+            return self._replay(ids, q_lens, starts, slots, with_taps, (b, width, self.kv_extent(kv_len), with_taps),
+                                hold)
         cfg = self.model.config
         if on_device:
             as_t = lambda v: v if isinstance(v, Tensor) else to_device(v, torch.int64, self.device)  # noqa: E731
@@ -121,7 +133,16 @@ class ModelRunner:
         else:
             meta = causal_meta(list(slots), list(starts), list(q_lens), q, self.cache.trash, self.device,
                                cfg.sliding_window, cfg.layer_types, kv_len)
-        return self.model(ids, meta, self.cache, self.taps if with_taps else ())
+        hidden, features = self.model(ids, meta, self.cache, self.taps if with_taps else ())
+        if hold is None:
+            return hidden, features
+        sink = to_device(list(hold), torch.int64, self.device)
+        self._sink(features, sink[0], sink[1])
+        return hidden, None
+
+    def _sink(self, features: Tensor, slots: Tensor, columns: Tensor) -> None:
+        """Each request's first-row taps into tap_sink[slots[r], columns[r]] (one scatter)."""
+        self.tap_sink[slots, columns] = features[:, 0]
 
     # ---------------------------------------------------------------- CUDA graphs
     @property
@@ -142,18 +163,24 @@ class ModelRunner:
                             self._capture((b, width, kv, taps))
 
     def _replay(self, ids: Tensor, q_lens: Sequence[int] | Tensor, starts: Sequence[int] | Tensor, slots: Sequence[int],
-                with_taps: bool, key: tuple[int, int, int, bool]) -> tuple[Tensor, Tensor | None]:
+                with_taps: bool, key: tuple[int, int, int, bool],
+                hold: tuple[list[int], list[int]] | None = None) -> tuple[Tensor, Tensor | None]:
         r, q = ids.shape
         b = key[0]
         cap = self.graphs.get(key) or self._capture(key)
         host = lambda v: [0] * r if isinstance(v, Tensor) else list(v)  # noqa: E731
-        cap.control.copy_(to_device([list(slots) + [self.cache.scratch_slot] * (b - r), host(starts) + [0] * (b - r),
-                                     host(q_lens) + [0] * (b - r)], torch.int64, self.device))
+        pad, scratch = b - r, self.cache.scratch_slot
+        sink_slots, sink_cols = hold if hold is not None else ([scratch] * r, [0] * r)
+        cap.control.copy_(to_device([list(slots) + [scratch] * pad, host(starts) + [0] * pad, host(q_lens) + [0] * pad,
+                                     list(sink_slots) + [scratch] * pad, list(sink_cols) + [0] * pad],
+                                    torch.int64, self.device))
         for row, values in ((1, starts), (2, q_lens)):
             if isinstance(values, Tensor):
                 cap.control[row, :r].copy_(values)
         cap.ids[:r, :q].copy_(ids)
         cap.graph.replay()
+        if hold is not None:
+            return cap.hidden[:r, :q], None
         # Features outlive this replay (they become draft context later): copy them out.
         feats = cap.features[:r, :q].clone() if cap.features is not None else None
         return cap.hidden[:r, :q], feats
@@ -162,13 +189,16 @@ class ModelRunner:
         b, q, kv_len, with_taps = key
         cfg = self.model.config
         ids = torch.zeros(b, q, dtype=torch.int64, device=self.device)
-        control = torch.zeros(3, b, dtype=torch.int64, device=self.device)
-        control[0] = self.cache.scratch_slot  # warm-up and capture write only the scratch slot
+        control = torch.zeros(5, b, dtype=torch.int64, device=self.device)
+        control[0] = control[3] = self.cache.scratch_slot  # warm-up and capture write only the scratch slot
 
         def run() -> tuple[Tensor, Tensor | None]:
             meta = meta_from_tensors(control[0], control[1], control[2], q, kv_len, self.cache.trash,
                                      cfg.sliding_window, cfg.layer_types)
-            return self.model(ids, meta, self.cache, self.taps if with_taps else ())
+            hidden, features = self.model(ids, meta, self.cache, self.taps if with_taps else ())
+            if features is not None and self.tap_sink is not None:
+                self._sink(features, control[3], control[4])
+            return hidden, features
 
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

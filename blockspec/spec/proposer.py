@@ -125,35 +125,41 @@ class Proposer:
         return limit is None or batch <= limit
 
     # ---------------------------------------------------------------- context
-    def extend_context(self, reqs: list[Request], features: Tensor, counts: list[int], now: bool) -> None:
-        """Hand the drafter the target features of tokens a prefill chunk (`now`) or a plain step fed
-        (features[i, :counts[i]] for reqs[i]).
+    def extend_context(self, reqs: list[Request], features: Tensor, counts: list[int]) -> None:
+        """Append the target features of a prefill chunk (features[i, :counts[i]] for reqs[i]) to the
+        draft cache at once."""
+        self.drafter.append_context(self.cache, [r.slot for r in reqs], [r.num_draft_ctx for r in reqs], counts,
+                                    features)
+        for r, c in zip(reqs, counts):
+            r.num_draft_ctx += c
 
-        A prefill chunk's rows go into the draft cache at once. A plain step's rows are held with the
-        request's earlier ones until these fill one draft step's append (K + 1 rows), then go in
-        together. Appending every row costs a drafter pass per plain step (on a CPU, a third of a
-        small model's step); an unbounded backlog costs memory and, after a stretch of plain
-        steps, an eager catch-up before the next speculative step. Bounded by K + 1, the backlog is
-        what the graphed draft step appends anyway."""
-        if now:
-            self.drafter.append_context(self.cache, [r.slot for r in reqs], [r.num_draft_ctx for r in reqs], counts,
-                                        features)
-            for r, c in zip(reqs, counts):
-                r.num_draft_ctx += c
-            return
-        self.hold(reqs, features, counts)
+    def held(self, reqs: list[Request]) -> None:
+        """Account one row each that a plain step's forward put in `pending` (ModelRunner.tap_sink).
+
+        Plain steps' rows wait with the request's earlier ones until these fill one draft step's
+        append (K + 1 rows), then go in together. Appending every row costs a drafter pass per plain
+        step (on a CPU, a third of a small model's step); an unbounded backlog costs memory and,
+        after a stretch of plain steps, an eager catch-up before the next speculative step. Bounded
+        by K + 1, the backlog is what the graphed draft step appends anyway."""
+        for r in reqs:
+            self._check_room(r, 1)
+            r.num_pending += 1
         full = [r for r in reqs if r.num_pending > self.num_speculative_tokens]
         if full:
             counts, starts = self._take_pending(full)
             self.graphs.append([r.slot for r in full], starts, counts)
 
+    def _check_room(self, req: Request, rows: int) -> None:
+        if req.num_pending + rows > self.pending.shape[1]:
+            raise RuntimeError(f"request {req.request_id}: {req.num_pending + rows} held context rows exceed the "
+                               f"buffer's {self.pending.shape[1]}")
+
     def hold(self, reqs: list[Request], features: Tensor, counts: list[int]) -> None:
-        """Keep features[i, :counts[i]] after the rows reqs[i] holds already (one scatter for all)."""
+        """Keep features[i, :counts[i]] (a verify's accepted rows) after the rows reqs[i] holds already,
+        for its next draft (one scatter for all)."""
         src_row, src_col, slot, col = [], [], [], []
         for i, (r, c) in enumerate(zip(reqs, counts)):
-            if r.num_pending + c > self.pending.shape[1]:
-                raise RuntimeError(f"request {r.request_id}: {r.num_pending + c} held context rows exceed a draft "
-                                   f"step's {self.pending.shape[1]}")
+            self._check_room(r, c)
             src_row += [i] * c
             src_col += range(c)
             slot += [r.slot] * c
