@@ -17,6 +17,10 @@ import math
 from collections import deque
 
 
+PRIOR_TRIALS = 2.0  # pseudo-trials a position's acceptance rate borrows from the position before it
+NEAR_TIE = 0.02  # scores within this fraction of the best count as a tie, which the longer K takes
+
+
 def batch_bucket(batch: int) -> int:
     return 1 << max(0, math.ceil(math.log2(batch)))
 
@@ -56,12 +60,18 @@ class DraftLengthPolicy:
 
     # ---------------------------------------------------------------- decision
     def prefix_acceptance(self) -> list[float]:
-        """P(first k drafts accepted), k = 1..k_max; unseen positions extrapolate the last rate."""
+        """P(first k drafts accepted), k = 1..k_max.
+
+        Each position's conditional rate borrows PRIOR_TRIALS pseudo-trials at the rate of the
+        position before it (the first: at one half), so an unseen position extrapolates the last
+        rate and a rarely offered one moves from it only as evidence comes. Shrunk towards one half
+        instead, the few trials deep positions get while short drafts are explored read as a
+        collapse (0 of 2 accepted gave 0.17), and longer drafts then never looked worth trying:
+        a K=15 drafter at 86 % per position sat at K=8 for a quarter of its steps."""
         out, survive, rate = [], 1.0, 0.5
         for i in range(self.k_max):
-            if self.offered[i] >= 1:
-                prev = self.accepted[i - 1] if i else self.offered[i]
-                rate = (self.accepted[i] + 0.5) / (min(prev, self.offered[i]) + 1.0)
+            reached = self.accepted[i - 1] if i else self.offered[0]
+            rate = (self.accepted[i] + PRIOR_TRIALS * rate) / (min(reached, self.offered[i]) + PRIOR_TRIALS)
             survive *= min(rate, 1.0)
             out.append(survive)
         return out
@@ -83,7 +93,11 @@ class DraftLengthPolicy:
         prefix = self.prefix_acceptance()
         costs = self._optimistic_costs(measured)
         score = {k: self.expected_tokens(k, prefix) / costs[k] for k in self.candidates}
-        best = max((k for k, t in measured.items() if t is not None), key=score.__getitem__)
+        timed = [k for k, t in measured.items() if t is not None]
+        top = max(score[k] for k in timed)
+        # the longest K within NEAR_TIE of the best: deep positions are observed only when offered, so
+        # on a near tie the longer draft costs next to nothing and keeps their estimate current
+        best = max(k for k in timed if score[k] >= (1 - NEAR_TIE) * top)
         if self._retried is not None and self._retried[0] == bucket:  # what the last re-try found
             lost = self._retried[1] != best
             self.confirmed_losses[self._retried] = self.confirmed_losses.get(self._retried, 0) + 1 if lost else 0
