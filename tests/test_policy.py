@@ -166,3 +166,17 @@ def test_a_strong_drafter_reaches_its_whole_block_while_short_drafts_are_explore
             seen = ([k], [accepted]) if k else None
         shares.append(chosen[40:].count(15) / len(chosen[40:]))
     assert sum(s < 0.9 for s in shares) <= 1 and sum(shares) / len(shares) > 0.95, [round(s, 2) for s in shares]
+
+
+def test_a_near_tie_with_the_plain_path_stays_plain():
+    """Near ties go to the longer draft only among speculative choices: when the plain path leads,
+    even by less than the tie margin, it is taken (its lead is the never-slower guarantee)."""
+    policy = DraftLengthPolicy(15)
+    # at 50 % per position K drafts yield 2 - 0.5^K tokens; each K costs 1-3 % more per token than plain
+    feed(policy, [0.5] * 15, {0: 1.0, 1: 1.5 / 0.99, 2: 1.75 / 0.985, 4: 1.9375 / 0.98, 8: 2.0 / 0.975,
+                              15: 2.0 / 0.97})
+    policy.last_tried = {(1, k): 10**9 for k in policy.candidates}
+    scores = {k: policy.expected_tokens(k) / policy.estimate(1, k) for k in policy.candidates}
+    assert max(scores, key=scores.get) == 0
+    assert any(k and scores[k] >= 0.98 * scores[0] for k in scores), scores  # a speculative K within the margin
+    assert policy.choose(1) == 0

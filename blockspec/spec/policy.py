@@ -94,10 +94,11 @@ class DraftLengthPolicy:
         costs = self._optimistic_costs(measured)
         score = {k: self.expected_tokens(k, prefix) / costs[k] for k in self.candidates}
         timed = [k for k, t in measured.items() if t is not None]
-        top = max(score[k] for k in timed)
-        # the longest K within NEAR_TIE of the best: deep positions are observed only when offered, so
-        # on a near tie the longer draft costs next to nothing and keeps their estimate current
-        best = max(k for k in timed if score[k] >= (1 - NEAR_TIE) * top)
+        best = max(timed, key=score.__getitem__)
+        if best:  # the longest K within NEAR_TIE of the best: deep positions are observed only when
+            # offered, so on a near tie the longer draft costs next to nothing and keeps their estimate
+            # current; never over the plain path, whose lead is what keeps a step from being slower
+            best = max(k for k in timed if k and score[k] >= (1 - NEAR_TIE) * score[best])
         if self._retried is not None and self._retried[0] == bucket:  # what the last re-try found
             lost = self._retried[1] != best
             self.confirmed_losses[self._retried] = self.confirmed_losses.get(self._retried, 0) + 1 if lost else 0
