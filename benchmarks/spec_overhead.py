@@ -1,0 +1,80 @@
+"""What enabling speculation costs the steps that do not draft: the same engine decodes batches of
+greedy requests that opted out of speculation (`use_speculation=False`), that may speculate but
+take the plain path every step (the policy forced to K = 0: their taps are still kept for the
+drafter), and that speculate as the policy chooses. Per setting: output tok/s and the median,
+p10 and p90 wall time of an engine step (host clock around `step()`, which ends on the step's
+read-back; the device is not synced between steps, as when serving).
+
+    python benchmarks/spec_overhead.py --model blockspec/assets/default/target \
+        --draft-model blockspec/assets/default/dspark --method dspark --out overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from blockspec import LLM, SamplingParams
+
+
+def measure(llm: LLM, batch: int, speculate: bool, force_plain: bool, steps: int, prompt_len: int) -> dict:
+    engine = llm.engine
+    choose = engine.policy.choose
+    if force_plain:
+        engine.policy.choose = lambda b: 0
+    params = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True, use_speculation=speculate)
+    for i in range(batch):
+        engine.add_request(f"r{i}", None, [5 + (i + j) % 50 for j in range(prompt_len)], params)
+    for _ in range(20):  # prefill, the policy's first measurements
+        engine.step()
+    walls, generated, drafts = [], engine.num_generated, engine.spec_totals.as_dict().get("num_drafts", 0)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        walls.append((time.perf_counter() - start) * 1e3)
+    seconds = time.perf_counter() - t0
+    out = {"batch": batch, "use_speculation": speculate, "policy": "plain forced" if force_plain else "adaptive",
+           "tok_s": (engine.num_generated - generated) / seconds, "step_ms_median": statistics.median(walls),
+           "step_ms_p10": sorted(walls)[steps // 10], "step_ms_p90": sorted(walls)[9 * steps // 10],
+           "drafts": engine.spec_totals.as_dict().get("num_drafts", 0) - drafts}
+    for i in range(batch):
+        engine.abort(f"r{i}")
+    while engine.has_unfinished():
+        engine.step()
+    engine.policy.choose = choose
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft-model", required=True)
+    ap.add_argument("--method", default="dspark", choices=("dflash", "dspark"))
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--prompt-len", type=int, default=55)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    llm = LLM(args.model, device=args.device, max_num_seqs=max(batches),
+              speculative_config={"method": args.method, "model": args.draft_model})
+    rows = []
+    for batch in batches:
+        for speculate, force_plain in ((False, False), (True, True), (True, False)):
+            row = measure(llm, batch, speculate, force_plain, args.steps, args.prompt_len)
+            rows.append(row)
+            print(f"batch {batch:3d}  use_speculation={speculate!s:5}  policy {row['policy']:12}  "
+                  f"{row['tok_s']:8.0f} tok/s  step {row['step_ms_median']:.3f} ms "
+                  f"(p10 {row['step_ms_p10']:.3f}, p90 {row['step_ms_p90']:.3f})  "
+                  f"drafts {row['drafts']}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model": args.model, "draft_model": args.draft_model, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
