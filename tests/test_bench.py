@@ -16,6 +16,7 @@ from blockspec.bench.arch import TINY, TINY_DFLASH, random_drafter, random_targe
 from blockspec.cli import main
 from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
+from blockspec.sampling_params import SamplingParams
 from blockspec.spec.synthetic import AcceptanceProfile, SyntheticProposer, geometric_rate
 from factories import save_drafter_target, save_tiny, save_tiny_model_with_tokenizer
 
@@ -206,3 +207,20 @@ def test_builtin_text_prompts_use_the_tokenizer(tmp_path):
                                 device="cpu"))
     (run,) = res["runs"]
     assert run["method"] == "plain" and run["prompt_tokens_mean"] > 40  # chat-templated text, one id per char
+
+
+def test_passes_do_not_sync_the_device_between_steps(monkeypatch):
+    """The engine launches each step before committing the last one; a device sync after every step
+    would idle the GPU for each step's host work and price it into every figure. A pass syncs when
+    it starts and when it ends, however many steps it runs."""
+    from blockspec.bench import harness
+
+    syncs = []
+    monkeypatch.setattr(harness, "synchronize", lambda device: syncs.append(device))
+    target = random_target(TINY, 256, "cpu", torch.float32)
+    engine = Engine(target, None, EngineConfig(max_model_len=96, max_num_seqs=2))
+    engine.spec_totals = harness.StepLog()  # as build_engine sets it
+    result = harness.drive(engine, [[5, 6, 7], [8, 9]], [SamplingParams(temperature=0, max_tokens=20,
+                                                                        ignore_eos=True)] * 2)
+    assert engine.num_steps >= 20 and result.tokens == 40
+    assert len(syncs) == 2
