@@ -38,8 +38,8 @@ class CapturedAppend:
 
 
 class DraftGraphs:
-    """`pending` [slots + 1, K + 1, F] holds each slot's target taps not yet in the draft cache; both
-    steps read their context rows from it (one gather inside the graph)."""
+    """`pending` [slots + 1, K + 2, F] (the proposer's) holds each slot's target taps not yet in the
+    draft cache; both steps read their context rows from it (one gather inside the graph)."""
 
     def __init__(self, drafter: Any, target: CausalLM, cache: KVCache, pending: Tensor, num_drafts: int,
                  target_head: bool, markov_top_k: int = 0, use_graphs: bool = True) -> None:
@@ -92,11 +92,8 @@ class DraftGraphs:
 
     def append(self, slots: list[int], starts: list[int], counts: list[int]) -> None:
         """Append each slot's first counts[r] held rows to the draft cache at starts[r]... (no block)."""
-        if not self.use_graphs:
-            self._append(self._control(slots, starts, counts))
-            return
         b = bucket(len(slots), BATCH_BUCKETS)
-        if b is None:  # more requests than any graph: eager
+        if not self.use_graphs or b is None:  # the CPU, or more requests than any graph: eager
             self._append(self._control(slots, starts, counts))
             return
         cap = self.appends.get(b) or self._capture_append(b)
