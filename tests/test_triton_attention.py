@@ -38,11 +38,12 @@ def reference(q, k_cache, v_cache, slots, lo, hi, scale, max_keys):
     return out.transpose(1, 2)
 
 
-def case(r, nq, hq, hkv, hd, length, dtype, window=None, seed=0):
+def case(r, nq, hq, hkv, hd, length, dtype, window=None, seed=0, extent=None):
+    """Rows reading at most `length` keys, from a cache of `extent` keys (default: as many)."""
     g = torch.Generator().manual_seed(seed)
     slots_total = r + 2
-    k = torch.randn(slots_total, hkv, length + 1, hd, generator=g).to(DEVICE, dtype)
-    v = torch.randn(slots_total, hkv, length + 1, hd, generator=g).to(DEVICE, dtype)
+    k = torch.randn(slots_total, hkv, (extent or length) + 1, hd, generator=g).to(DEVICE, dtype)
+    v = torch.randn(slots_total, hkv, (extent or length) + 1, hd, generator=g).to(DEVICE, dtype)
     # q as the model makes it: [R, Hq, Q, hd] seen through a transpose
     q = torch.randn(r, hq, nq, hd, generator=g).to(DEVICE, dtype).transpose(1, 2)
     slots = torch.randperm(slots_total, generator=g)[:r].to(DEVICE)
@@ -66,21 +67,44 @@ CASES = [  # r, q, hq, hkv, hd, keys, window
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("shape", CASES)
 def test_kernel_matches_reference(shape, split, dtype, monkeypatch):
-    if not split:
-        monkeypatch.setattr(triton_attention, "TARGET_PROGRAMS", 1)  # one program per row block
+    if not split:  # one program per row block
+        monkeypatch.setattr(triton_attention, "TILES", triton_attention.AttentionTiles(target_programs=1))
     r, nq, hq, hkv, hd, length, window = shape
     q, k, v, slots, lo, hi = case(r, nq, hq, hkv, hd, length, dtype, window)
-    out = triton_attention.block_attention(q, k, v, slots, lo, hi, hd**-0.5, length)
-    ref = reference(q, k, v, slots, lo, hi, hd**-0.5, length)
+    check_kernel(q, k, v, slots, lo, hi, hd**-0.5, length, dtype, split)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 8, 2, 64, 600), (1, 16, 8, 2, 32, 1200)])  # decode, verify
+def test_short_context_in_a_long_cache(shape):
+    """CUDA graphs launch over the whole cache; the rows' real keys (here a tenth of it) are divided
+    among the splits, and the merge gathers more splits than its loop unrolls at once."""
+    r, nq, hq, hkv, hd, length = shape
+    q, k, v, slots, lo, hi = case(r, nq, hq, hkv, hd, length, torch.float32, extent=10 * length)
+    hi = hi - hi[:, :1] + length - nq  # the last row reads all `length` keys
+    check_kernel(q, k, v, slots, lo, hi, hd**-0.5, 10 * length, torch.float32, True)
+    tiles = triton_attention.TILES
+    rows = nq * hq // hkv
+    programs = r * hkv * -(-rows // (16 if rows <= 16 else tiles.wide_block_m))
+    splits = min(-(-10 * length // tiles.block_n), tiles.target_programs // programs)
+    key_tiles = -(-(int(hi.max()) + 1) // tiles.block_n)
+    per = max(-(-key_tiles // splits), 1 if rows <= 16 else max(tiles.min_tiles_wide,
+                                                                 -(-key_tiles // tiles.max_used_wide)))
+    assert -(-key_tiles // per) > tiles.merge_unroll
+
+
+def check_kernel(q, k, v, slots, lo, hi, scale, max_keys, dtype, split):
+    out = triton_attention.block_attention(q, k, v, slots, lo, hi, scale, max_keys)
+    ref = reference(q, k, v, slots, lo, hi, scale, max_keys)
+    r, nq, hq, hd = q.shape
     tol = 2e-5 if dtype == torch.float32 else 1e-3
     assert out.dtype == dtype and out.shape == (r, nq, hq, hd)
     assert (out.float() - ref).abs().max() <= tol
     if split:  # the merging programs leave the arrival counters at zero, so a graph replay starts clean
         assert not triton_attention._COUNTERS[q.device].any()
-        again = triton_attention.block_attention(q, k, v, slots, lo, hi, hd**-0.5, length)
+        again = triton_attention.block_attention(q, k, v, slots, lo, hi, scale, max_keys)
         assert torch.equal(again, out)
     # negative control: one key fewer per row breaks the tolerance, so the check can fail
-    short = triton_attention.block_attention(q, k, v, slots, lo, hi - 1, hd**-0.5, length)
+    short = triton_attention.block_attention(q, k, v, slots, lo, hi - 1, scale, max_keys)
     assert (short.float() - ref).abs().max() > 2 * tol
 
 

@@ -7,7 +7,10 @@ cache, so nothing is gathered, repeated per query head or masked with a material
 query heads that share a KV head are processed together, so each key is loaded once per step.
 When a batch has too few (request, KV head) pairs to fill the GPU (batch-1 decode), the key range
 is split over programs (flash-decoding): each stores its partial softmax, and the last split of a
-row block to finish merges them, in the same kernel (one launch per layer, not two).
+row block to finish merges them, in the same kernel (one launch per layer, not two). The grid is
+fixed by the cache's extent (CUDA graphs capture the whole cache once), but each row block divides
+the keys it actually reads among its splits, so a 512-token context in a 32K cache still spreads
+over the splits rather than landing in the first.
 
 `scaled_dot_product_attention` over the gathered keys with a boolean mask stays the reference
 (CPU, training); tests hold this kernel to it, on the CPU through Triton's interpreter.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -56,12 +60,14 @@ if triton is not None:
         stride_vs, stride_vh, stride_vl,
         stride_br,
         stride_or, stride_oq, stride_oh,
-        num_queries, keys_per_split, scale_log2,
+        num_queries, scale_log2,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, MAX_USED: tl.constexpr,
+        MERGE_UNROLL: tl.constexpr,
+        IEEE: tl.constexpr,
     ):
         """One program: BLOCK_M (query row, head-in-group) pairs of one (request, KV head), over one
-        split of the keys. Online softmax in fp32 (base 2)."""
+        split of the key tiles those rows read. Online softmax in fp32 (base 2)."""
         pid_rh = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -78,8 +84,16 @@ if triton is not None:
         lo = tl.load(Lo + r * stride_br + qi, mask=row_ok, other=2147483647)
         hi = tl.load(Hi + r * stride_br + qi, mask=row_ok, other=-1)
         slot = tl.load(Slots + r)
-        first = tl.maximum(pid_s * keys_per_split, (tl.min(lo, 0) // BLOCK_N) * BLOCK_N)
-        end = tl.minimum((pid_s + 1) * keys_per_split, tl.max(hi, 0) + 1)
+        # The row block's key tiles, divided evenly among the splits (every split of the block
+        # computes the same division from the same rows).
+        n_splits = tl.num_programs(2)
+        last = tl.max(hi, 0) + 1
+        first_tile = tl.min(lo, 0) // BLOCK_N
+        tiles = tl.maximum(tl.cdiv(last, BLOCK_N) - first_tile, 0)
+        # fewer, longer splits when their partials are large: one program merges them in turn
+        per = tl.maximum(tl.maximum(tl.cdiv(tiles, n_splits), tl.cdiv(tiles, MAX_USED)), MIN_TILES)
+        first = (first_tile + pid_s * per) * BLOCK_N
+        end = tl.minimum(first + per * BLOCK_N, last)
         k_base = K + slot.to(tl.int64) * stride_ks + kvh * stride_kh
         v_base = V + slot.to(tl.int64) * stride_vs + kvh * stride_vh
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -106,31 +120,31 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        n_splits = tl.num_programs(2)
         if n_splits > 1:
             # Store this split's partial softmax; the last split of the row block to arrive merges
             # them all (its acquiring ticket makes every other split's stores visible to it).
             rows_per_head = tl.num_programs(1) * BLOCK_M
             part = (pid_rh * n_splits + pid_s) * rows_per_head + rows
-            tl.store(PartMax + part, m_i)
-            tl.store(PartSum + part, l_i)
-            tl.store(PartAcc + part[:, None] * BLOCK_D + d[None, :], acc)
+            tl.store(PartMax + part, m_i, mask=row_ok)  # only the block's real rows: less to merge
+            tl.store(PartSum + part, l_i, mask=row_ok)
+            tl.store(PartAcc + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
             counter = Counters + pid_rh * tl.num_programs(1) + pid_m
             if tl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
-                # splits past the last visible key hold nothing: skip them
-                used = tl.minimum(n_splits, tl.cdiv(tl.max(hi, 0) + 1, keys_per_split))
+                used = tl.cdiv(tiles, per)  # splits past the last tile hold nothing
                 m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
                 l_i = tl.zeros([BLOCK_M], tl.float32)
                 acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-                for split in range(0, used):
+                # iterations unrolled so the loads of several splits are in flight at once
+                for split in tl.range(0, used, loop_unroll_factor=MERGE_UNROLL):
                     part = (pid_rh * n_splits + split) * rows_per_head + rows
-                    m_s = tl.load(PartMax + part, cache_modifier=".cg")
+                    m_s = tl.load(PartMax + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
                     m_new = tl.maximum(m_i, m_s)
                     base = tl.where(m_new == float("-inf"), 0.0, m_new)
                     alpha = tl.exp2(m_i - base)
                     beta = tl.exp2(m_s - base)
-                    l_i = l_i * alpha + tl.load(PartSum + part, cache_modifier=".cg") * beta
+                    l_i = l_i * alpha + tl.load(PartSum + part, mask=row_ok, other=0.0, cache_modifier=".cg") * beta
                     acc = acc * alpha[:, None] + tl.load(PartAcc + part[:, None] * BLOCK_D + d[None, :],
+                                                         mask=row_ok[:, None], other=0.0,
                                                          cache_modifier=".cg") * beta[:, None]
                     m_i = m_new
                 tl.atomic_xchg(counter, 0)  # ready for the next launch (and the next graph replay)
@@ -159,17 +173,34 @@ def split_counters(n: int, device: torch.device) -> Tensor:
     return buf
 
 
-BLOCK_N = 64
-TARGET_PROGRAMS = 264  # about two waves of an H100/H200's 132 SMs
+@dataclass(frozen=True)
+class AttentionTiles:
+    """Launch shape of `block_attention`: key tile, the programs a launch aims for (about two waves of
+    an H100/H200's 132 SMs), the row block of wide blocks (verify, draft, prefill; decode takes 16
+    when a KV head serves <= 16 query heads), for wide blocks the fewest key tiles a split takes and
+    the most splits that hold keys (one program merges the splits in turn, and a wide block's
+    partials are four times a decode block's), and the merge loop's unrolling."""
+
+    block_n: int = 64
+    target_programs: int = 264
+    wide_block_m: int = 64
+    min_tiles_wide: int = 2
+    max_used_wide: int = 8
+    merge_unroll: int = 4
+    num_warps: int = 4
+
+
+TILES = AttentionTiles()
 
 
 def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lo: Tensor, hi: Tensor,
-                    scale: float, max_keys: int) -> Tensor:
+                    scale: float, max_keys: int, tiles: AttentionTiles | None = None) -> Tensor:
     """q [R, Q, Hq, hd] (any strides with unit last stride); k/v_cache [S, Hkv, L, hd]; slots [R];
     lo/hi [R, Q]: the first and last key position each query row attends to (inclusive; every key
     index < max_keys <= L). Returns [R, Q, Hq, hd] in q's dtype.
 
     Shapes and `max_keys` fix the launch grid, so the call is CUDA-graph capturable."""
+    t = tiles or TILES
     r, nq, hq, hd = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
@@ -179,16 +210,12 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, 
     hi = hi.to(torch.int32).contiguous()
     out = torch.empty(r, nq, hq, hd, dtype=q.dtype, device=q.device)
     rows = nq * group
-    # Two row-block sizes and splitting decided at run time: every shape after start-up reuses a
-    # variant the engine's warm-up compiled (decode takes 16 when a KV head serves <= 16 query heads,
-    # everything wider takes 64), so no request waits for a compilation.
-    block_m = 16 if rows <= 16 else 64
+    # Two row-block sizes and the split count decided here: every shape after start-up reuses a
+    # variant the engine's warm-up compiled, so no request waits for a compilation.
+    block_m = 16 if rows <= 16 else t.wide_block_m
     m_blocks = triton.cdiv(rows, block_m)
     programs = r * hkv * m_blocks
-    key_tiles = triton.cdiv(max_keys, BLOCK_N)
-    splits = max(1, min(key_tiles, TARGET_PROGRAMS // programs))
-    keys_per_split = triton.cdiv(key_tiles, splits) * BLOCK_N
-    splits = triton.cdiv(max_keys, keys_per_split)
+    splits = max(1, min(triton.cdiv(max_keys, t.block_n), t.target_programs // programs))
     block_d = max(16, triton.next_power_of_2(hd))  # tl.dot needs K >= 16
     n_part = r * hkv * splits * m_blocks * block_m if splits > 1 else 1  # unsplit: unused placeholders
     part_acc = torch.empty(n_part, block_d, dtype=torch.float32, device=q.device)
@@ -203,7 +230,10 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         lo.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        nq, keys_per_split, scale * math.log2(math.e),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4, **consts,
+        nq, scale * math.log2(math.e),
+        BLOCK_M=block_m, BLOCK_N=t.block_n, MIN_TILES=1 if block_m == 16 else t.min_tiles_wide,
+        MAX_USED=t.target_programs if block_m == 16 else t.max_used_wide,
+        MERGE_UNROLL=t.merge_unroll, IEEE=q.dtype == torch.float32,
+        num_warps=t.num_warps, **consts,
     )
     return out

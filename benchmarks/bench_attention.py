@@ -1,0 +1,149 @@
+"""The attention kernel at Qwen3-8B's heads (32 query, 8 KV, head_dim 128, bf16): decode (one row),
+verify (16 causal rows) and draft (16 rows over the context and the block) at several batches,
+contexts and cache extents, for a set of launch shapes (`AttentionTiles`), next to the bytes that
+bound them.
+
+The engine's CUDA graphs launch over the whole cache (the extent), whatever the context; `--extents`
+0 means a cache just long enough. Each figure is a CUDA graph of one call per layer (36 layers, each
+its own cache, so keys stream from HBM as in a step), median of repeated replays, per call. The
+floor of a call is the K/V bytes its rows read over the measured copy bandwidth; at these sizes
+latency, not bandwidth, bounds the kernel, so the floor says how far there is to go, not where.
+
+    python benchmarks/bench_attention.py --out attention.json [--baseline old_triton_attention.py]
+
+`--baseline` times another version of the kernel module (for instance `git show REV:...` of this
+file's kernel) on the same caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict
+
+import torch
+
+from blockspec.bench.timing import copy_bandwidth, event_seconds
+from blockspec.models.triton_attention import AttentionTiles, block_attention
+
+Q_HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 32, 8, 128, 36, 16
+VARIANTS = {
+    "default": AttentionTiles(),
+    "wide min 3": AttentionTiles(min_tiles_wide=3),
+    "wide used 4": AttentionTiles(max_used_wide=4),
+    "wide used 16": AttentionTiles(max_used_wide=16),
+    "wide used 33": AttentionTiles(max_used_wide=33, min_tiles_wide=1),
+    "programs 132": AttentionTiles(target_programs=132),
+}
+CACHE_BUDGET = 48 << 30  # bytes of K/V caches one case may allocate
+
+
+def graph_seconds(calls: list[Callable[[], object]], replays: int) -> tuple[float, float]:
+    """Median and spread (max / min) of seconds per call, the calls replayed as one CUDA graph."""
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = [event_seconds(graph.replay) / len(calls) for _ in range(replays)]
+    return statistics.median(times), max(times) / min(times)
+
+
+def bounds(kind: str, batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """lo / hi [batch, rows] of each kind's rows, and its row count: decode reads context + 1 keys,
+    verify rows end at their own positions, the draft block reads the context and the whole block."""
+    rows = 1 if kind == "decode" else BLOCK
+    pos = context + torch.arange(rows, device="cuda")
+    hi = (torch.full_like(pos, context + rows - 1) if kind == "draft" else pos).expand(batch, rows).contiguous()
+    return torch.zeros_like(hi), hi, rows
+
+
+def run(args: argparse.Namespace) -> dict:
+    bandwidth = copy_bandwidth()
+    kernels: dict[str, Callable[..., torch.Tensor]] = {
+        name: functools.partial(block_attention, tiles=tiles) for name, tiles in VARIANTS.items()}
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("baseline_attention", args.baseline)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        kernels["baseline"] = module.block_attention
+    results = []
+    for batch in args.batches:
+        for context in args.contexts:
+            for extent in args.extents:
+                keys = max(extent, context + BLOCK + 1)
+                per_layer = 2 * batch * KV_HEADS * (keys + 1) * HEAD_DIM * 2
+                read = 2 * batch * KV_HEADS * (context + BLOCK) * HEAD_DIM * 2
+                copies = max(2, min(LAYERS, -(-(256 << 20) // read)))
+                if copies * per_layer > CACHE_BUDGET:
+                    print(f"skip batch {batch} context {context} extent {keys}: {copies * per_layer / 2**30:.0f} GiB")
+                    continue
+                caches = [(torch.randn(batch, KV_HEADS, keys + 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
+                           torch.randn(batch, KV_HEADS, keys + 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16))
+                          for _ in range(copies)]
+                slots = torch.arange(batch, device="cuda")
+                for kind in args.kinds:
+                    lo, hi, rows = bounds(kind, batch, context)
+                    q = torch.randn(batch, rows, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                    nbytes = 2 * batch * KV_HEADS * (int(hi.max()) + 1) * HEAD_DIM * 2 + 2 * q.numel() * 2
+                    floor_us = nbytes / bandwidth * 1e6
+                    row = dict(kind=kind, batch=batch, context=context, extent=keys, floor_us=floor_us, times={})
+                    for name, kernel in kernels.items():
+                        calls = [functools.partial(kernel, q, k, v, slots, lo, hi, HEAD_DIM**-0.5, keys)
+                                 for k, v in caches]
+                        seconds, spread = graph_seconds(calls, args.replays)
+                        row["times"][name] = dict(us=seconds * 1e6, spread=spread)
+                    results.append(row)
+                    best = min(row["times"], key=lambda n: row["times"][n]["us"])
+                    print(f"{kind:6s} b{batch:<3d} ctx {context:6d} extent {keys:6d} floor {floor_us:6.2f} us | "
+                          + " | ".join(f"{n} {t['us']:.2f}" for n, t in row["times"].items()) + f" | best: {best}",
+                          flush=True)
+                del caches
+                torch.cuda.empty_cache()
+    return dict(bandwidth_gb_s=bandwidth / 1e9, device=torch.cuda.get_device_name(),
+                variants={n: asdict(t) for n, t in VARIANTS.items()}, results=results)
+
+
+def markdown(result: dict) -> str:
+    names = list(result["results"][0]["times"])
+    lines = [f"{result['device']}, copy bandwidth {result['bandwidth_gb_s']:.0f} GB/s; us per call (floor ratio)", "",
+             "| kind | batch | context | extent | floor us | " + " | ".join(names) + " |",
+             "|---" * (5 + len(names)) + "|"]
+    for row in result["results"]:
+        cells = [f"{row['times'][n]['us']:.2f} ({row['times'][n]['us'] / row['floor_us']:.1f}x)" for n in names]
+        lines.append(f"| {row['kind']} | {row['batch']} | {row['context']} | {row['extent']} | "
+                     f"{row['floor_us']:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    ap.add_argument("--extents", type=int, nargs="+", default=[0, 32768],
+                    help="cache length the graph launches over (0: context + block)")
+    ap.add_argument("--kinds", nargs="+", default=["decode", "verify", "draft"], choices=["decode", "verify", "draft"])
+    ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--baseline", help="a triton_attention.py to time beside this one")
+    ap.add_argument("--out", help="JSON file; a markdown table is written beside it")
+    args = ap.parse_args()
+    result = run(args)
+    table = markdown(result)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        with open(args.out.rsplit(".", 1)[0] + ".md", "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
