@@ -60,6 +60,7 @@ class Cell:
     # how often the draft-length policy chose to speculate
     draft_step_share: float | None = None
     identical_to_twin: bool | None = None
+    round: int = 0
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -143,18 +144,37 @@ async def run_cell(url: str, model: str, prompts: list, level: int, temperature:
     return cell, outcomes
 
 
+def ratios(cells: list[Cell]) -> list[dict[str, Any]]:
+    """Per (clients, T): each round's on / off output tok/s and their median, the settings' medians."""
+    out = []
+    for level, temp in dict.fromkeys((c.level, c.temperature) for c in cells):
+        rounds = sorted({c.round for c in cells if (c.level, c.temperature) == (level, temp)})
+        tok = {(c.round, c.speculation): c.tok_per_s for c in cells if (c.level, c.temperature) == (level, temp)}
+        each = [tok[r, True] / tok[r, False] for r in rounds]
+        out.append({"level": level, "temperature": temp, "on_tok_s": statistics.median(tok[r, True] for r in rounds),
+                    "off_tok_s": statistics.median(tok[r, False] for r in rounds),
+                    "on_over_off": [round(x, 3) for x in each], "median_on_over_off": round(statistics.median(each), 3)})
+    return out
+
+
 def markdown(cells: list[Cell], title: str) -> str:
+    rounds = len({c.round for c in cells})
     head = ("| clients | T | spec | completed | errors | out tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms "
             "| accept len | draft steps | = twin |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
 
     def trio(d: dict[str, float]) -> str:
         return " / ".join(f"{d[k]:.1f}" for k in ("p50", "p90", "p99")) if d else "-"
 
-    rows = [f"| {c.level} | {c.temperature} | {'on' if c.speculation else 'off'} | {c.completed} | {c.errors} | "
+    rows = [f"| {c.level} | {c.temperature} | {'on' if c.speculation else 'off'}{f' ({c.round + 1})' if rounds > 1 else ''}"
+            f" | {c.completed} | {c.errors} | "
             f"{c.tok_per_s} | {trio(c.ttft_ms)} | {trio(c.tpot_ms)} | {c.mean_acceptance_length or '-'} | "
             f"{'-' if c.draft_step_share is None else f'{100 * c.draft_step_share:.0f} %'} | "
             f"{'-' if c.identical_to_twin is None else 'yes' if c.identical_to_twin else 'NO'} |" for c in cells]
-    return f"### {title}\n\n{head}" + "\n".join(rows) + "\n"
+    summary = ["", "| clients | T | on tok/s (median) | off tok/s (median) | on / off by round | median on / off |",
+               "|---|---|---|---|---|---|"]
+    summary += [f"| {r['level']} | {r['temperature']} | {r['on_tok_s']:.1f} | {r['off_tok_s']:.1f} | "
+                f"{', '.join(f'{x:.2f}' for x in r['on_over_off'])} | {r['median_on_over_off']:.2f} |" for r in ratios(cells)]
+    return f"### {title}\n\n{head}" + "\n".join(rows) + "\n" + "\n".join(summary) + "\n"
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
@@ -198,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16, 64], help="concurrent clients")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     p.add_argument("--requests", type=int, default=64, help="requests per cell")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="on / off runs per cell, alternating which goes first; the summary takes medians")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[16, 64, 256],
                    help="mixed prompt lengths (tokens with --token-vocab, else characters)")
@@ -216,23 +238,27 @@ def main(argv: list[str] | None = None) -> int:
         cells: list[Cell] = []
         for level in args.levels:
             for temperature in args.temperatures:
-                pair = [asyncio.run(run_cell(url, args.model_name, prompts, level, temperature, spec, args.max_tokens,
-                                             args.request_timeout)) for spec in (True, False)]
-                same = all(a.ok and b.ok and a.token_ids == b.token_ids for a, b in zip(pair[0][1], pair[1][1]))
-                for cell, outcomes in pair:
-                    cell.identical_to_twin = same
-                    cells.append(cell)
-                    errors = sorted({o.error for o in outcomes if o.error})
-                    print(f"clients {level:3d}  T {temperature}  spec {'on ' if cell.speculation else 'off'}  "
-                          f"{cell.completed}/{len(prompts)} ok  {cell.tok_per_s:8.1f} tok/s  TTFT {cell.ttft_ms}  "
-                          f"TPOT {cell.tpot_ms}" + (f"  errors: {errors[:3]}" if errors else ""), flush=True)
+                for rnd in range(args.rounds):  # alternate the order, so drift does not favour one setting
+                    order = (True, False) if rnd % 2 == 0 else (False, True)
+                    pair = [asyncio.run(run_cell(url, args.model_name, prompts, level, temperature, spec,
+                                                 args.max_tokens, args.request_timeout)) for spec in order]
+                    same = all(a.ok and b.ok and a.token_ids == b.token_ids for a, b in zip(pair[0][1], pair[1][1], strict=True))
+                    for cell, outcomes in pair:
+                        cell.identical_to_twin, cell.round = same, rnd
+                        cells.append(cell)
+                        errors = sorted({o.error for o in outcomes if o.error})
+                        print(f"clients {level:3d}  T {temperature}  spec {'on ' if cell.speculation else 'off'}  "
+                              f"round {rnd + 1}  {cell.completed}/{len(prompts)} ok  {cell.tok_per_s:8.1f} tok/s  "
+                              f"TTFT {cell.ttft_ms}  TPOT {cell.tpot_ms}" + (f"  errors: {errors[:3]}" if errors else ""),
+                              flush=True)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
     title = args.title or f"load test: {args.model or args.url}"
     report = {"title": title, "date": time.strftime("%Y-%m-%d %H:%M"),
-              "args": {k: str(v) for k, v in vars(args).items()}, "cells": [asdict(c) for c in cells]}
+              "args": {k: str(v) for k, v in vars(args).items()}, "cells": [asdict(c) for c in cells],
+              "summary": ratios(cells)}
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     table = markdown(cells, title)
     args.out.with_suffix(".md").write_text(table)

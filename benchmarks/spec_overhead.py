@@ -12,34 +12,56 @@ read-back; the device is not synced between steps, as when serving).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import time
+from collections import Counter
 
 from blockspec import LLM, SamplingParams
 
 
-def measure(llm: LLM, batch: int, speculate: bool, force_plain: bool, steps: int, prompt_len: int) -> dict:
+def measure(llm: LLM, batch: int, speculate: bool, force_plain: bool, steps: int, prompt_len: int,
+            profile: bool = False) -> dict:
     engine = llm.engine
     choose = engine.policy.choose
-    if force_plain:
-        engine.policy.choose = lambda b: 0
+    choices: Counter[int] = Counter()
+
+    def counted(b: int) -> int:
+        k = 0 if force_plain else choose(b)
+        choices[k] += 1
+        return k
+
+    engine.policy.choose = counted
     params = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True, use_speculation=speculate)
     for i in range(batch):
         engine.add_request(f"r{i}", None, [5 + (i + j) % 50 for j in range(prompt_len)], params)
     for _ in range(20):  # prefill, the policy's first measurements
         engine.step()
     walls, generated, drafts = [], engine.num_generated, engine.spec_totals.as_dict().get("num_drafts", 0)
+    choices.clear()
+    profiler = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
     for _ in range(steps):
         start = time.perf_counter()
+        if profiler:
+            profiler.enable()
         engine.step()
+        if profiler:
+            profiler.disable()
         walls.append((time.perf_counter() - start) * 1e3)
     seconds = time.perf_counter() - t0
     out = {"batch": batch, "use_speculation": speculate, "policy": "plain forced" if force_plain else "adaptive",
            "tok_s": (engine.num_generated - generated) / seconds, "step_ms_median": statistics.median(walls),
            "step_ms_p10": sorted(walls)[steps // 10], "step_ms_p90": sorted(walls)[9 * steps // 10],
-           "drafts": engine.spec_totals.as_dict().get("num_drafts", 0) - drafts}
+           "drafts": engine.spec_totals.as_dict().get("num_drafts", 0) - drafts,
+           "choices": {str(k): n for k, n in sorted(choices.items())}}
+    if profiler:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
+        out["profile"] = text.getvalue()
     for i in range(batch):
         engine.abort(f"r{i}")
     while engine.has_unfinished():
@@ -57,6 +79,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--prompt-len", type=int, default=55)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", action="store_true", help="print each setting's hottest host functions (cProfile)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -65,12 +88,14 @@ def main() -> None:
     rows = []
     for batch in batches:
         for speculate, force_plain in ((False, False), (True, True), (True, False)):
-            row = measure(llm, batch, speculate, force_plain, args.steps, args.prompt_len)
+            row = measure(llm, batch, speculate, force_plain, args.steps, args.prompt_len, args.profile)
             rows.append(row)
             print(f"batch {batch:3d}  use_speculation={speculate!s:5}  policy {row['policy']:12}  "
                   f"{row['tok_s']:8.0f} tok/s  step {row['step_ms_median']:.3f} ms "
                   f"(p10 {row['step_ms_p10']:.3f}, p90 {row['step_ms_p90']:.3f})  "
-                  f"drafts {row['drafts']}", flush=True)
+                  f"drafts {row['drafts']}  choices {row['choices']}", flush=True)
+            if args.profile:
+                print(row["profile"], flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "draft_model": args.draft_model, "rows": rows}, f, indent=1)
