@@ -180,3 +180,55 @@ def test_a_near_tie_with_the_plain_path_stays_plain():
     assert max(scores, key=scores.get) == 0
     assert any(k and scores[k] >= 0.98 * scores[0] for k in scores), scores  # a speculative K within the margin
     assert policy.choose(1) == 0
+
+
+class _Sticky(DraftLengthPolicy):
+    """Negative control: a settled choice that new step times never unsettle."""
+
+    def observe_time(self, batch: int, k: int, seconds: float) -> None:
+        settled = self._settled
+        super().observe_time(batch, k, seconds)
+        self._settled = settled
+
+
+def _lockstep(fast: DraftLengthPolicy, seed: int, steps: int = 2500, plain: list[int] | None = None) -> bool:
+    """Drive `fast` and a policy that scores every step through the same random workload (batch sizes
+    that change, step costs that drift and jitter, acceptance that shifts, so that speculation pays in
+    some stretches and not in others); True while they agree. Counts the plain choices in `plain`."""
+    rng = random.Random(seed)
+    full = DraftLengthPolicy(fast.k_max)
+    full.settles = False
+    batch, per_draft, accept = 1, rng.uniform(0.02, 1.0), rng.uniform(0.1, 0.95)
+    for step in range(steps):
+        if rng.random() < 0.01:
+            batch = rng.choice([1, 2, 4, 16, 64])
+        if step % 500 == 499:  # the workload changes: drafts get cheaper or dearer, acceptance moves
+            per_draft, accept = rng.uniform(0.02, 1.0), rng.uniform(0.1, 0.95)
+        k = fast.choose(batch)
+        if k != full.choose(batch):
+            return False
+        if plain is not None:
+            plain.append(k == 0)
+        seconds = (1.0 + per_draft * k) * batch**0.3 * (1 + 0.2 * rng.random())
+        accepted = sum(1 for _ in iter(lambda: rng.random() < accept, False))
+        for policy in (fast, full):
+            policy.observe_time(batch, k, seconds)
+            if k:
+                policy.observe_acceptance([k], [min(k, accepted)])
+    return fast.last_tried == full.last_tried and fast.confirmed_losses == full.confirmed_losses
+
+
+def test_a_settled_choice_is_what_scoring_every_step_would_choose():
+    """choose() keeps its last choice without re-scoring until a re-try is due or an observation could
+    change it; step for step it chooses what scoring every step chooses. The plain path, where speculation
+    does not pay, is where it settles (a speculative step observes acceptance, which unsettles it): most
+    plain choices take the short path. A settled choice that ignores new step times diverges."""
+    scored, plain = 0, []
+    for seed in range(12):
+        policy = DraftLengthPolicy(7)
+        estimate, counted = policy.estimate, []
+        policy.estimate = lambda b, k, estimate=estimate, counted=counted: counted.append(1) or estimate(b, k)
+        assert _lockstep(policy, seed, plain=plain)
+        scored += len(counted) // len(policy.candidates)
+    assert sum(plain) > 2000 and scored < len(plain) - sum(plain) / 2
+    assert not all(_lockstep(_Sticky(7), seed) for seed in range(12))

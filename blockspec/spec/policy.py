@@ -41,6 +41,10 @@ class DraftLengthPolicy:
         # (batch bucket, K) -> re-tries in a row that found K still losing; each doubles K's interval
         self.confirmed_losses: dict[tuple[int, int], int] = {}
         self._retried: tuple[int, int] | None = None  # the re-try of the previous choose(), if any
+        # (bucket, K, last step) of a choice that stands until a re-try is due or an observation could
+        # change it: choose() then costs a few operations, not a re-scoring (it runs every step)
+        self._settled: tuple[int, int, float] | None = None
+        self.settles = True
         self.steps = 0
 
     # ---------------------------------------------------------------- observations
@@ -52,11 +56,18 @@ class DraftLengthPolicy:
             for i in range(min(n, self.k_max)):
                 self.offered[i] += 1
                 self.accepted[i] += i < a
+        self._settled = None
 
     def observe_time(self, batch: int, k: int, seconds: float) -> None:
+        """A step's time. A new sample of the settled choice that does not raise its estimate leaves it
+        standing: it only makes that K score better (other candidates' borrowed estimates scale with
+        it), and the re-try intervals only grow with the best score."""
         key = (batch_bucket(batch), self._candidate(k))
-        self.samples.setdefault(key, deque(maxlen=5)).append(seconds)
-
+        window = self.samples.setdefault(key, deque(maxlen=5))
+        before = min(window) if len(window) >= 2 else None
+        window.append(seconds)
+        if self._settled is not None and (key != self._settled[:2] or before is None or min(window) > before):
+            self._settled = None
 
     # ---------------------------------------------------------------- decision
     def prefix_acceptance(self) -> list[float]:
@@ -86,6 +97,10 @@ class DraftLengthPolicy:
         if not self.adaptive:
             return self.k_max
         bucket = batch_bucket(batch)
+        if self._settled is not None and self._settled[0] == bucket and self.steps <= self._settled[2]:
+            self.last_tried[(bucket, self._settled[1])] = self.steps
+            return self._settled[1]
+        self._settled = None
         measured = {k: self.estimate(bucket, k) for k in self.candidates}
         if measured[0] is None:  # the plain path is measured first: it is the baseline
             self.last_tried[(bucket, 0)] = self.steps
@@ -110,6 +125,7 @@ class DraftLengthPolicy:
             if measured[k] is None and score[k] > score[best]:
                 self.last_tried[(bucket, k)] = self.steps
                 return k
+        due = math.inf  # the first step at which a re-try is due
         for k in self.candidates:  # re-measure stale ones; the worse a candidate, the rarer
             if measured[k] is None:
                 continue  # unmeasured, and unable to win even at its least cost
@@ -125,7 +141,11 @@ class DraftLengthPolicy:
                 self.last_tried[(bucket, k)] = self.steps
                 self._retried = (bucket, k)
                 return k
+            if k != best:
+                due = min(due, self.last_tried[(bucket, k)] + interval)
         self.last_tried[(bucket, best)] = self.steps
+        if self.settles:
+            self._settled = (bucket, best, due)
         return best
 
     def estimate(self, bucket: int, k: int) -> float | None:
