@@ -27,7 +27,7 @@ from dataclasses import asdict
 
 import torch
 
-from blockspec.bench.timing import copy_bandwidth, event_seconds
+from blockspec.bench.timing import copy_bandwidth, graph_seconds
 from blockspec.models.triton_attention import AttentionTiles, block_attention
 
 Q_HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 32, 8, 128, 36, 16
@@ -40,21 +40,6 @@ VARIANTS = {
     "programs 132": AttentionTiles(target_programs=132),
 }
 CACHE_BUDGET = 48 << 30  # bytes of K/V caches one case may allocate
-
-
-def graph_seconds(calls: list[Callable[[], object]], replays: int) -> tuple[float, float]:
-    """Median and spread (max / min) of seconds per call, the calls replayed as one CUDA graph."""
-    for fn in calls:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = [event_seconds(graph.replay) / len(calls) for _ in range(replays)]
-    return statistics.median(times), max(times) / min(times)
 
 
 def bounds(kind: str, batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -99,8 +84,8 @@ def run(args: argparse.Namespace) -> dict:
                     for name, kernel in kernels.items():
                         calls = [functools.partial(kernel, q, k, v, slots, lo, hi, HEAD_DIM**-0.5, keys)
                                  for k, v in caches]
-                        seconds, spread = graph_seconds(calls, args.replays)
-                        row["times"][name] = dict(us=seconds * 1e6, spread=spread)
+                        times = graph_seconds(calls, args.replays)
+                        row["times"][name] = {"us": statistics.median(times) * 1e6, "spread": max(times) / min(times)}
                     results.append(row)
                     best = min(row["times"], key=lambda n: row["times"][n]["us"])
                     print(f"{kind:6s} b{batch:<3d} ctx {context:6d} extent {keys:6d} floor {floor_us:6.2f} us | "

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from blockspec.bench.timing import copy_bandwidth, event_seconds
+from blockspec.bench.timing import copy_bandwidth, graph_seconds
 from blockspec.models import layers, triton_ops
 from blockspec.models.triton_ops import SkinnyConfig
 
@@ -29,20 +29,6 @@ HIDDEN, INTER, Q_KV, VOCAB = 4096, 12288, 6144, 151936
 SHAPES = {"qkv": (Q_KV, HIDDEN, "norm"), "o": (HIDDEN, HIDDEN, "residual"), "gate_up": (2 * INTER, HIDDEN, "norm"),
           "down": (HIDDEN, INTER, "swiglu+residual")}
 L2_DEFEAT_BYTES = 512 << 20
-
-
-def graph_time(calls: list[Callable[[], object]], replays: int = 20) -> float:
-    """Median seconds per call of the list replayed as one CUDA graph."""
-    for fn in calls:  # compile / autotune outside the capture
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return statistics.median(event_seconds(graph.replay) / len(calls) for _ in range(replays))
 
 
 class Case:
@@ -121,7 +107,7 @@ def main() -> None:
                 for (name, case), fused in itertools.product(cases.items(), (False, True)):
                     key = name + ("_fused" if fused else "")
                     try:
-                        t = graph_time(case.skinny(cfg, fused=fused))
+                        t = statistics.median(graph_seconds(case.skinny(cfg, fused=fused)))
                     except Exception as exc:  # a tile that does not fit (shared memory, registers)
                         row[key] = repr(exc)[:80]
                         continue
@@ -137,7 +123,7 @@ def main() -> None:
             run = {"rows": m, "layer": name, "n": n, "k": k, "fusion": fusion, "floor_us": floor * 1e6}
             for label, calls in (("skinny_fused", case.skinny(None)), ("skinny_bare", case.skinny(None, fused=False)),
                                  ("cublas_unfused", case.cublas()), ("cublas_bare", case.cublas(fused=False))):
-                t = graph_time(calls)
+                t = statistics.median(graph_seconds(calls))
                 run[label + "_us"] = t * 1e6
                 run[label + "_floor_ratio"] = floor / t
             result["runs"].append(run)

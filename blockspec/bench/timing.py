@@ -33,6 +33,22 @@ def cuda_time(fn: Callable[[], object], iters: int, repeats: int) -> tuple[float
     return statistics.median(samples), min(samples), max(samples)
 
 
+def graph_seconds(calls: list[Callable[[], object]], replays: int = 20) -> list[float]:
+    """Seconds per call of each of `replays` replays of the calls captured as one CUDA graph (after a
+    warm-up call each outside the capture, for compilation and autotuning): no launch gaps, as in a
+    graphed engine step."""
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return [event_seconds(graph.replay) / len(calls) for _ in range(replays)]
+
+
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting read + write."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
