@@ -231,6 +231,8 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, 
         lo.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         nq, scale * math.log2(math.e),
+        # decode blocks: no floor and no cap (splits <= target_programs), and fixed constants, so a
+        # new split count never compiles a variant
         BLOCK_M=block_m, BLOCK_N=t.block_n, MIN_TILES=1 if block_m == 16 else t.min_tiles_wide,
         MAX_USED=t.target_programs if block_m == 16 else t.max_used_wide,
         MERGE_UNROLL=t.merge_unroll, IEEE=q.dtype == torch.float32,
