@@ -63,8 +63,7 @@ if triton is not None:
         num_queries, scale_log2,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, MAX_USED: tl.constexpr,
-        MERGE_UNROLL: tl.constexpr,
-        IEEE: tl.constexpr,
+        MERGE_UNROLL: tl.constexpr, IEEE: tl.constexpr,
     ):
         """One program: BLOCK_M (query row, head-in-group) pairs of one (request, KV head), over one
         split of the key tiles those rows read. Online softmax in fp32 (base 2)."""
