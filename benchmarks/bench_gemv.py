@@ -26,8 +26,9 @@ from blockspec.models.triton_ops import SkinnyConfig
 
 HIDDEN, INTER, Q_KV, VOCAB = 4096, 12288, 6144, 151936
 # name: (n, k, fusion) of Qwen3-8B's products; the fusion is what the decoder layer folds into it
-SHAPES = {"qkv": (Q_KV, HIDDEN, "norm"), "o": (HIDDEN, HIDDEN, "residual"), "gate_up": (2 * INTER, HIDDEN, "norm"),
-          "down": (HIDDEN, INTER, "swiglu+residual")}
+# (SwiGLU: down's prologue at one row, gate_up's epilogue above it, as `GatedMLP` places it)
+SHAPES = {"qkv": (Q_KV, HIDDEN, "norm"), "o": (HIDDEN, HIDDEN, "residual"),
+          "gate_up": (2 * INTER, HIDDEN, "norm+glu"), "down": (HIDDEN, INTER, "swiglu+residual")}
 L2_DEFEAT_BYTES = 512 << 20
 
 
@@ -40,7 +41,7 @@ class Case:
         self.weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
         width = 2 * k if "swiglu" in fusion else k
         self.x = torch.randn(m, width, device="cuda", dtype=torch.bfloat16)
-        self.norm_w = torch.randn(k, device="cuda", dtype=torch.bfloat16) if fusion == "norm" else None
+        self.norm_w = torch.randn(k, device="cuda", dtype=torch.bfloat16) if "norm" in fusion else None
         self.res = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) if "residual" in fusion else None
 
     @property
@@ -48,23 +49,14 @@ class Case:
         return self.n * self.k * 2
 
     def skinny(self, cfg: SkinnyConfig | None, fused: bool = True) -> list[Callable[[], object]]:
-        """What `layers.dense` runs: at one row the norm or SwiGLU inside the product, above it their
-        kernels first; the residual add inside at every row count."""
-        if not fused:
-            x = self.x if "swiglu" not in self.fusion else self.x[:, :self.k]
-            return [lambda w=w: triton_ops.skinny_linear(x, w, config=cfg) for w in self.weights]
-        inside = self.m == 1
-        kw = dict(norm_weight=self.norm_w if inside else None, eps=1e-6, swiglu=inside and "swiglu" in self.fusion,
-                  residual=self.res)
-
-        def call(w: torch.Tensor) -> torch.Tensor:
-            x = self.x
-            if not inside and self.norm_w is not None:
-                x = layers.rms_norm(x, self.norm_w, 1e-6)
-            if not inside and "swiglu" in self.fusion:
-                x = layers.silu_mul(x)
-            return triton_ops.skinny_linear(x, w, config=cfg, **kw)
-        return [lambda w=w: call(w) for w in self.weights]
+        """What `layers.dense` runs: the norm, SwiGLU and residual add inside the product (SwiGLU in
+        down's prologue at one row, in gate_up's epilogue above it)."""
+        one_row = self.m == 1
+        swiglu = fused and one_row and "swiglu" in self.fusion
+        x = self.x if swiglu or "swiglu" not in self.fusion else self.x[:, :self.k]
+        kw = dict(norm_weight=self.norm_w, eps=1e-6, glu=not one_row and "glu" in self.fusion,
+                  residual=self.res) if fused else {}
+        return [lambda w=w: triton_ops.skinny_linear(x, w, config=cfg, swiglu=swiglu, **kw) for w in self.weights]
 
     def cublas(self, fused: bool = True) -> list[Callable[[], object]]:
         """The unfused ops the engine ran before: the norm / SwiGLU kernel, cuBLAS, the residual add."""

@@ -106,44 +106,69 @@ def test_qkv_rope_store_names_a_bad_shape():
                                   torch.zeros(1, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.int64))
 
 
-def reference_linear(x, w, b, norm_weight, swiglu, residual):
-    """The unfused ops the skinny kernel replaces: pre-norm or SwiGLU, linear, residual add."""
+def reference_linear(x, w, b, norm_weight, swiglu, residual, glu=False):
+    """The unfused ops the skinny kernel replaces: pre-norm or SwiGLU, linear, SwiGLU of the output
+    halves, residual add."""
     with torch.enable_grad():
         if norm_weight is not None:
             x = layers.rms_norm(x, norm_weight, 1e-6)
         if swiglu:
             x = layers.silu_mul(x)
         y = torch.nn.functional.linear(x, w, b)
+        if glu:
+            y = layers.silu_mul(y)
         return y if residual is None else y + residual
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 3, 17])  # one row, a dot block, two row blocks
-@pytest.mark.parametrize("fusion", ["bias", "norm", "swiglu", "residual"])
+@pytest.mark.parametrize("fusion", ["bias", "norm", "swiglu", "residual", "norm+glu", "bias+glu"])
 @pytest.mark.parametrize("k", [80, 128])  # a ragged and an even last K block
 def test_skinny_linear_matches_reference(dtype, rows, fusion, k):
     n = 48  # not a multiple of the 32-column blocks below
+    glu = fusion.endswith("+glu")
     cfg = triton_ops.SkinnyConfig(block_m=1 if rows == 1 else 16, block_n=32, block_k=64, num_warps=4, num_stages=2)
     x = rand(rows, 2 * k if fusion == "swiglu" else k, dtype=dtype)
-    w = rand(n, k, dtype=dtype, seed=1) / k**0.5
-    b = rand(n, dtype=dtype, seed=2) if fusion == "bias" else None
-    nw = rand(k, dtype=dtype, seed=3) if fusion == "norm" else None
+    w = rand(2 * n if glu else n, k, dtype=dtype, seed=1) / k**0.5
+    b = rand(w.shape[0], dtype=dtype, seed=2) if "bias" in fusion else None
+    nw = rand(k, dtype=dtype, seed=3) if "norm" in fusion else None
     res = rand(rows, n, dtype=dtype, seed=4) if fusion == "residual" else None
-    want = reference_linear(x, w, b, nw, fusion == "swiglu", res)
-    got = triton_ops.skinny_linear(x, w, b, norm_weight=nw, eps=1e-6, swiglu=fusion == "swiglu", residual=res,
-                                   config=cfg)
+    want = reference_linear(x, w, b, nw, fusion == "swiglu", res, glu)
+    got = triton_ops.skinny_linear(x, w, b, norm_weight=nw, eps=1e-6, swiglu=fusion == "swiglu", glu=glu,
+                                   residual=res, config=cfg)
     assert got.shape == (rows, n) and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
-    # negative control: the product of the un-normed / un-activated / bias-less / residual-less input
-    broken = reference_linear(x[..., :k], w, None, None, False, None)
+    # negative controls: the product of the un-normed / un-activated / bias-less / residual-less input,
+    # and with glu the halves swapped (up activated instead of gate)
+    broken = reference_linear(x[..., :k], w, None, None, False, None, glu)
     assert not torch.allclose(broken.float(), want.float(), atol=tol, rtol=tol)
+    if glu:
+        swapped = reference_linear(x, torch.cat(w.chunk(2)[::-1]), None if b is None else torch.cat(b.chunk(2)[::-1]),
+                                   nw, False, None, True)
+        assert not torch.allclose(swapped.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_skinny_linear_norm_scale_follows_each_row():
+    """Above one row the norm's scale is applied after the product: rows of very different size
+    (1e-2 to 1e2) must each come out normed, as one row alone does."""
+    k, n = 128, 32
+    x = rand(5, k, dtype=torch.float32) * torch.tensor([1e-2, 1.0, 1e2, 3.0, 0.5], device=DEVICE)[:, None]
+    w = rand(n, k, dtype=torch.float32, seed=1) / k**0.5
+    nw = rand(k, dtype=torch.float32, seed=2)
+    cfg = triton_ops.SkinnyConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2)
+    got = triton_ops.skinny_linear(x, w, norm_weight=nw, eps=1e-6, config=cfg)
+    alone = torch.cat([triton_ops.skinny_linear(x[i:i + 1], w, norm_weight=nw, eps=1e-6) for i in range(5)])
+    assert torch.allclose(got, alone, atol=1e-5, rtol=1e-5)
+    assert got[0].abs().max() > 0.1  # the smallest row is scaled up, not left at its own size
 
 
 def test_skinny_linear_rejects_mismatched_width():
     w = rand(8, 32, dtype=torch.float32)
     with pytest.raises(ValueError, match="swiglu takes 2K"):
         triton_ops.skinny_linear(rand(1, 32, dtype=torch.float32), w, swiglu=True)
+    with pytest.raises(ValueError, match="glu takes a weight of 2N rows and no residual"):
+        triton_ops.skinny_linear(rand(1, 32, dtype=torch.float32), rand(7, 32, dtype=torch.float32), glu=True)
 
 
 def test_dense_keeps_a_parallel_layer_forward(monkeypatch):

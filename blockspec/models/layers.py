@@ -107,27 +107,29 @@ def few_rows(x: Tensor) -> bool:
     return x.numel() <= triton_ops.SKINNY_MAX_ROWS * x.shape[-1] and use_kernels(x)
 
 
-def dense(x: Tensor, proj: nn.Linear, *, norm: RMSNorm | None = None, swiglu: bool = False,
+def dense(x: Tensor, proj: nn.Linear, *, norm: RMSNorm | None = None, swiglu: bool = False, glu: bool = False,
           residual: Tensor | None = None) -> Tensor:
-    """residual + proj(f(x)), f the pre-norm (`norm`) or SwiGLU's silu(gate) * up (`swiglu`).
+    """residual + g(proj(f(x))): f the pre-norm (`norm`) or SwiGLU's silu(gate) * up (`swiglu`), g the
+    same SwiGLU over the product's halves (`glu`).
 
-    With few rows the product is a weight stream (`triton_ops.skinny_linear`) with the residual add
-    inside it, and at one row f too (a one-row decoder layer is six kernels, not nine; above one
-    row f is a kernel of its own, as a prologue is slow on the tensor-core path). Otherwise, and as
-    the reference, the ops run one after the other; the results agree up to the products' summation
-    order.
+    With few rows the product is a weight stream (`triton_ops.skinny_linear`) with f, g and the
+    residual add inside it, except a SwiGLU prologue above one row (slow on the tensor-core path:
+    `GatedMLP` puts SwiGLU in gate_up's epilogue there). Otherwise, and as the reference, the ops
+    run one after the other; the results agree up to the products' summation order and roundings.
     """
     if few_rows(x) and type(proj) is nn.Linear:  # a parallel layer's own forward reduces across ranks
-        if x.numel() > x.shape[-1]:  # the prologue is fast only on the one-row path: f runs first
-            x = rms_norm(x, norm.weight, norm.eps) if norm is not None else silu_mul(x) if swiglu else x
-            norm, swiglu = None, False
+        if swiglu and x.numel() > x.shape[-1]:
+            x, swiglu = silu_mul(x), False
         return triton_ops.skinny_linear(x, proj.weight, proj.bias, norm_weight=None if norm is None else norm.weight,
-                                        eps=0.0 if norm is None else norm.eps, swiglu=swiglu, residual=residual)
+                                        eps=0.0 if norm is None else norm.eps, swiglu=swiglu, glu=glu,
+                                        residual=residual)
     if norm is not None:
         x = norm(x)
     if swiglu:
         x = silu_mul(x)
     y = proj(x)
+    if glu:
+        y = silu_mul(y)
     return y if residual is None else residual + y
 
 
@@ -141,8 +143,11 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, residual: Tensor | None = None) -> Tensor:
-        """residual + mlp(norm(x)); both optional."""
-        return dense(dense(x, self.gate_up_proj, norm=norm), self.down_proj, swiglu=True, residual=residual)
+        """residual + mlp(norm(x)); both optional. SwiGLU runs where it streams fastest: at one row in
+        down's prologue, above it in gate_up's epilogue (benchmarks/bench_gemv.py)."""
+        one_row = x.numel() == x.shape[-1]
+        h = dense(x, self.gate_up_proj, norm=norm, glu=not one_row)
+        return dense(h, self.down_proj, swiglu=one_row, residual=residual)
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:

@@ -105,16 +105,47 @@ if triton is not None:
             tl.store(out + d, x1, mask=ok)
             tl.store(out + half + d, x2, mask=ok)
 
+    @triton.jit
+    def _dot_step(acc, xv, wv, BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
+        """One K tile of the product: at one row a multiply-add kept per (column, k) and summed at the
+        end; above it a tensor-core dot."""
+        if BLOCK_M == 1:
+            acc += wv.to(tl.float32) * xv.to(tl.float32)
+        elif IEEE:  # fp32 models: no tf32 rounding of the inputs
+            acc = tl.dot(xv, tl.trans(wv), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xv, tl.trans(wv), acc)
+        return acc
+
+    @triton.jit
+    def _dot_result(acc, rstd, Bias, cols, col_ok, BLOCK_M: tl.constexpr, NORM_AFTER: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):
+        """The fp32 product [BLOCK_M, BLOCK_N]: the one-row partials summed, the row's RMS scale applied
+        where the norm was folded in after the product, the bias added."""
+        if BLOCK_M == 1:
+            acc = tl.sum(acc, 1)[None, :]
+        if NORM_AFTER:
+            acc = acc * rstd[:, None]
+        if HAS_BIAS:
+            acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        return acc
+
     @triton.jit(do_not_specialize=["m"])  # the row count follows the batch: never a new variant
     def _skinny_linear(
         X, W, Bias, NormW, Res, Out, m, n, k, stride_x, stride_w, stride_r, stride_o, eps,
-        PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+        PROLOGUE: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
         IEEE: tl.constexpr,
     ):
-        """Out[m, n] = f(X)[m, :] @ W[n, :]^T (+ bias) (+ Res), for few rows: one program per BLOCK_N
+        """Out[m, n] = g(f(X)[m, :] @ W[n, :]^T (+ bias)) (+ Res), for few rows: one program per BLOCK_N
         output columns streams its weight rows once. f is the identity, the RMSNorm (PROLOGUE 1, with
-        weight NormW) or SwiGLU's silu(gate) * up (PROLOGUE 2, X = [gate | up] of width 2k)."""
+        weight NormW) or SwiGLU's silu(gate) * up (PROLOGUE 2, X = [gate | up] of width 2k). g is the
+        identity, or with GLU silu(gate) * up of the product's halves (W = [gate | up], 2n rows).
+
+        The norm at one row takes the row's RMS in a first pass (x is a few KB, read again from L2 in
+        the main loop). Above one row that pass would stall every program before its weight stream,
+        so the weight multiplies x inside the loop, the squares accumulate beside the product, and
+        the RMS scale multiplies the result: the same norm, rounded once instead of twice."""
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < m
@@ -122,8 +153,11 @@ if triton is not None:
         offs = tl.arange(0, BLOCK_K)
         x_rows = X + rows.to(tl.int64)[:, None] * stride_x
         w_rows = W + cols.to(tl.int64)[:, None] * stride_w
+        u_rows = W + (cols + n).to(tl.int64)[:, None] * stride_w  # GLU: the up rows, n below the gate rows
         dtype = Out.dtype.element_ty
-        if PROLOGUE == 1:  # the row's RMS first: x is a few KB, read again from L2 in the main loop
+        NORM_AFTER: tl.constexpr = PROLOGUE == 1 and BLOCK_M > 1
+        rstd = tl.zeros([BLOCK_M], tl.float32)
+        if PROLOGUE == 1 and BLOCK_M == 1:
             sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
             for k0 in range(0, k, BLOCK_K):
                 kk = k0 + offs
@@ -131,10 +165,12 @@ if triton is not None:
                 xv = xv.to(tl.float32)
                 sq += xv * xv
             rstd = 1.0 / tl.sqrt(tl.sum(sq, 1) / k + eps)
+        sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
         if BLOCK_M == 1:
-            acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros_like(acc)
         for k0 in range(0, k, BLOCK_K):
             kk = k0 + offs
             if EVEN_K:
@@ -150,21 +186,25 @@ if triton is not None:
                 xv = (act * up).to(dtype)
             else:
                 xv = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0)
-                if PROLOGUE == 1:  # rounded as the rms_norm kernel rounds
+                if PROLOGUE == 1:
                     nw = tl.load(NormW + kk, mask=kk < k, other=0.0).to(tl.float32)
-                    xv = (nw[None, :] * (xv.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
-            wv = tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0)
-            if BLOCK_M == 1:
-                acc2 += wv.to(tl.float32) * xv.to(tl.float32)
-            elif IEEE:  # fp32 models: no tf32 rounding of the inputs
-                acc = tl.dot(xv, tl.trans(wv), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xv, tl.trans(wv), acc)
-        if BLOCK_M == 1:
-            acc = tl.sum(acc2, 1)[None, :]
-        if HAS_BIAS:
-            acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        y = acc.to(dtype)
+                    x32 = xv.to(tl.float32)
+                    if NORM_AFTER:
+                        sq += x32 * x32
+                        xv = (nw[None, :] * x32).to(dtype)
+                    else:  # rounded as the rms_norm kernel rounds
+                        xv = (nw[None, :] * (x32 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
+            acc = _dot_step(acc, xv, tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0), BLOCK_M, IEEE)
+            if GLU:
+                acc_up = _dot_step(acc_up, xv, tl.load(u_rows + kk[None, :], mask=w_ok, other=0.0), BLOCK_M, IEEE)
+        if NORM_AFTER:
+            rstd = 1.0 / tl.sqrt(tl.sum(sq, 1) / k + eps)
+        y = _dot_result(acc, rstd, Bias, cols, col_ok, BLOCK_M, NORM_AFTER, HAS_BIAS).to(dtype)
+        if GLU:  # the product rounded as the unfused linear rounds, then as the silu_mul kernel rounds
+            up = _dot_result(acc_up, rstd, Bias + n, cols, col_ok, BLOCK_M, NORM_AFTER, HAS_BIAS).to(dtype)
+            gate = y.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            y = (act * up.to(tl.float32)).to(dtype)
         ok = row_ok[:, None] & col_ok[None, :]
         if HAS_RES:  # the residual stream: (x @ W^T) rounded, plus the residual, rounded (as x + residual)
             res = tl.load(Res + rows.to(tl.int64)[:, None] * stride_r + cols[None, :], mask=ok, other=0.0)
@@ -281,12 +321,14 @@ def skinny_config(m: int, n: int, k: int, prologue: int = 0, itemsize: int = 2) 
 
 
 def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_weight: Tensor | None = None,
-                  eps: float = 0.0, swiglu: bool = False, residual: Tensor | None = None,
+                  eps: float = 0.0, swiglu: bool = False, glu: bool = False, residual: Tensor | None = None,
                   config: SkinnyConfig | None = None) -> Tensor:
     """linear(f(x), weight, bias) (+ residual) for few rows, f fused into the product's prologue:
 
     - `norm_weight`: f = RMSNorm (the layer's pre-norm), so the normed rows are never stored;
     - `swiglu`: x = [gate | up] (width 2K) and f = silu(gate) * up (the MLP's activation);
+    - `glu`: the weight is [gate | up] (2N rows) and the output silu(gate) * up (width N): the MLP's
+      activation after its first product instead of before its second;
     - `residual`: the output is residual + the product, each rounded as the unfused ops round.
     """
     rows = _rows(x)
@@ -295,16 +337,22 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm
     if rows.shape[1] != (2 * k if swiglu else k) or weight.stride(1) != 1:
         raise ValueError(f"skinny_linear: input width {rows.shape[1]} does not match weight {tuple(weight.shape)}"
                          f"{' (swiglu takes 2K)' if swiglu else ''}")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    res = _rows(residual) if residual is not None else out
+    if glu and (n % 2 or residual is not None):
+        raise ValueError(f"skinny_linear: glu takes a weight of 2N rows and no residual (weight {tuple(weight.shape)}, "
+                         f"residual {'given' if residual is not None else 'none'})")
     prologue = 1 if norm_weight is not None else 2 if swiglu else 0
     cfg = config or skinny_config(m, n, k, prologue, x.element_size())
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    block_n = cfg.block_n
+    if glu:  # each program streams block_n weight rows: half gate, half up
+        n, block_n = n // 2, max(16, block_n // 2)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    res = _rows(residual) if residual is not None else out
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, cfg.block_m))
     _skinny_linear[grid](
         rows, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight, res,
         out, m, n, k, rows.stride(0), weight.stride(0), res.stride(0), out.stride(0), eps,
-        PROLOGUE=prologue, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PROLOGUE=prologue, GLU=glu, HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out.view(*x.shape[:-1], n)
