@@ -325,6 +325,32 @@ def test_pipelined_plain_steps_emit_exactly_what_synchronous_ones_do(llm, pipeli
     assert [len(t) for t, _, _ in got[:4]] == [1, 2, 3, 17] and got[-1][0] == ids
 
 
+def test_pipelined_sampled_steps_draw_what_synchronous_ones_do(llm, pipelined):
+    """At T > 0 a plain step is launched before the one in flight is committed too: the noise is keyed
+    by the position a row samples, so every token equals the synchronous run's (temperature, top-k,
+    top-p, min-p, a logit bias, and a greedy row in the same batch). A batch with a penalty (which
+    counts committed tokens) is not launched ahead, and still samples as the synchronous run does."""
+    sampled = dict(max_tokens=24, ignore_eos=True)
+    cases = [SamplingParams(temperature=0.9, seed=1, **sampled),
+             SamplingParams(temperature=1.3, top_k=7, seed=2, **sampled),
+             SamplingParams(temperature=0.8, top_p=0.85, min_p=0.02, seed=3, **sampled),
+             SamplingParams(temperature=1.0, seed=4, logit_bias={5: 3.0, 9: -100.0}, **sampled),
+             SamplingParams(temperature=0, **sampled)]
+    penalised = [SamplingParams(temperature=0.9, seed=5, presence_penalty=1.5, **sampled)] * 2
+    prompts = ["ab", "cd", "ef", "gh", "ab"]
+    pipelined_llm, launches = pipelined
+    got = [o.outputs[0].token_ids for o in pipelined_llm.generate(prompts, cases, use_tqdm=False)]
+    assert launches and max(launches) == len(cases)  # the sampled rows were launched ahead with the greedy one
+    n_launches = len(launches)
+    got_penalised = [o.outputs[0].token_ids for o in pipelined_llm.generate(["ab", "cd"], penalised, use_tqdm=False)]
+    assert len(launches) == n_launches
+    llm.engine.async_scheduling = False
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, cases, use_tqdm=False)]
+    assert got == want
+    assert got_penalised == [o.outputs[0].token_ids for o in llm.generate(["ab", "cd"], penalised, use_tqdm=False)]
+    assert got[0] != got[4]  # the sampled rows really sampled: same prompt, not the greedy tokens
+
+
 def test_pipeline_survives_aborts_arrivals_and_nonfinite_rows(llm, pipelined, monkeypatch):
     """A request aborted while its next step is in flight gets nothing more; a request arriving
     mid-pipeline (a prefill step) and a request failing on non-finite logits leave the others' output

@@ -349,9 +349,10 @@ class Engine:
     # ---------------------------------------------------------------- asynchronous plain steps
     def _pipelines(self, reqs: list[Request], ahead: int) -> bool:
         """Whether the next plain step of `reqs` can be launched before `ahead` pending tokens of each
-        are committed: greedy ids only (processing would need the committed history), and room for
-        one more token after the pending ones (a request known to stop before it is not launched)."""
-        if not self.async_scheduling or self.needs_processing(reqs):
+        are committed: sampling that needs no committed history (greedy, or seeded sampling keyed by
+        position; not penalties, min_tokens or logprobs), and room for one more token after the
+        pending ones (a request known to stop before it is not launched)."""
+        if not self.async_scheduling or self.needs_history(reqs):
             return False
         return all(self._has_room(r, ahead) for r in reqs)
 
@@ -369,7 +370,7 @@ class Engine:
                                             [r.num_cached + ahead for r in reqs], [r.slot for r in reqs],
                                             with_taps=hold is not None, hold=hold)
         self._held(reqs, hold)
-        nxt = self.runner.greedy_ids(hidden[:, 0])
+        nxt = self._next_ids(reqs, hidden[:, 0], ahead)
         cuda = self.device.type == "cuda"
         host = torch.empty(len(reqs), dtype=torch.int64, pin_memory=cuda)
         host.copy_(nxt, non_blocking=cuda)
@@ -684,8 +685,10 @@ class Engine:
         return max(0, min(self.proposer.num_speculative_tokens, self._tokens_left(req) - ahead - 1))
 
     # ---------------------------------------------------------------- sampling
-    def row_params(self, reqs: list[Request], rows_per_req: list[int], block_tokens: Tensor | None = None) -> RowParams:
-        """Per-row sampling parameters; row j of request r samples the token at position length + j."""
+    def row_params(self, reqs: list[Request], rows_per_req: list[int], block_tokens: Tensor | None = None,
+                   ahead: int = 0) -> RowParams:
+        """Per-row sampling parameters; row j of request r samples the token at position length + ahead + j
+        (`ahead`: tokens launched but not yet committed, see `needs_history`)."""
         dev = self.device
         req_of_row = [i for i, c in enumerate(rows_per_req) for _ in range(c)]
         offset = [j for c in rows_per_req for j in range(c)]
@@ -719,7 +722,7 @@ class Engine:
         return RowParams.from_host(
             temperature=[p.temperature for p in ps],
             seed=[reqs[i].seed for i in req_of_row],
-            position=[reqs[i].length + j for i, j in zip(req_of_row, offset)],
+            position=[reqs[i].length + ahead + j for i, j in zip(req_of_row, offset)],
             device=dev,
             top_k=[max(p.top_k, 0) for p in ps],
             top_p=[p.top_p for p in ps],
@@ -738,17 +741,29 @@ class Engine:
         return any(not r.params.greedy or r.params.uses_penalties or r.params.logit_bias
                    or r.params.min_tokens or r.logprobs is not None for r in reqs)
 
+    @staticmethod
+    def needs_history(reqs: list[Request]) -> bool:
+        """True when a row's sampling depends on committed tokens (penalties count them, min_tokens
+        counts them) or its step keeps more than ids (logprobs): such a step cannot be launched
+        before the one in flight is committed."""
+        return any(r.params.uses_penalties or r.params.min_tokens or r.logprobs is not None for r in reqs)
+
+    def _next_ids(self, reqs: list[Request], hidden_rows: Tensor, ahead: int = 0) -> Tensor:
+        """One token id per request on the device (-1 for a non-finite row), sampled `ahead` tokens
+        past each request's committed ones: the noise is keyed by position, so a step launched
+        before the commit draws what the step after the commit would."""
+        if not self.needs_processing(reqs):
+            return self.runner.greedy_ids(hidden_rows)
+        return sample(self.runner.logits(hidden_rows), self.row_params(reqs, [1] * len(reqs), ahead=ahead))
+
     def _sample(self, reqs: list[Request], hidden_rows: Tensor) -> tuple[list[int], list[list[dict]] | None]:
         """Sample one token per request from its last hidden row; one host copy of the ids."""
-        if not self.needs_processing(reqs):
-            ids = self.runner.greedy_ids(hidden_rows)
-            return ids.tolist(), None
+        if all(r.logprobs is None for r in reqs):
+            return self._next_ids(reqs, hidden_rows).tolist(), None
         logits = self.runner.logits(hidden_rows)
         params = self.row_params(reqs, [1] * len(reqs))
         tokens = sample(logits, params)  # -1 for a non-finite row: _append fails that request alone
-        lps = self.logprob_entries(reqs, process_logits(logits, params), tokens, [1] * len(reqs)) \
-            if any(r.logprobs is not None for r in reqs) else None
-        return tokens.tolist(), lps
+        return tokens.tolist(), self.logprob_entries(reqs, process_logits(logits, params), tokens, [1] * len(reqs))
 
     def logprob_entries(self, reqs: list[Request], processed: Tensor, tokens: Tensor,
                         rows_per_req: list[int]) -> list[list[dict]]:
