@@ -49,14 +49,18 @@ class Case:
         return self.n * self.k * 2
 
     def skinny(self, cfg: SkinnyConfig | None, fused: bool = True) -> list[Callable[[], object]]:
-        """What `layers.dense` runs: the norm, SwiGLU and residual add inside the product (SwiGLU in
-        down's prologue at one row, in gate_up's epilogue above it)."""
+        """What `layers.dense` runs: at one row the norm or SwiGLU inside the product, above it the norm
+        kernel first and SwiGLU in gate_up's epilogue; the residual add inside at every row count."""
         one_row = self.m == 1
         swiglu = fused and one_row and "swiglu" in self.fusion
         x = self.x if swiglu or "swiglu" not in self.fusion else self.x[:, :self.k]
-        kw = dict(norm_weight=self.norm_w, eps=1e-6, glu=not one_row and "glu" in self.fusion,
+        kw = dict(norm_weight=self.norm_w if one_row else None, eps=1e-6, glu=not one_row and "+glu" in self.fusion,
                   residual=self.res) if fused else {}
-        return [lambda w=w: triton_ops.skinny_linear(x, w, config=cfg, swiglu=swiglu, **kw) for w in self.weights]
+
+        def call(w: torch.Tensor) -> torch.Tensor:
+            normed = layers.rms_norm(x, self.norm_w, 1e-6) if fused and not one_row and self.norm_w is not None else x
+            return triton_ops.skinny_linear(normed, w, config=cfg, swiglu=swiglu, **kw)
+        return [lambda w=w: call(w) for w in self.weights]
 
     def cublas(self, fused: bool = True) -> list[Callable[[], object]]:
         """The unfused ops the engine ran before: the norm / SwiGLU kernel, cuBLAS, the residual add."""

@@ -112,14 +112,16 @@ def dense(x: Tensor, proj: nn.Linear, *, norm: RMSNorm | None = None, swiglu: bo
     """residual + g(proj(f(x))): f the pre-norm (`norm`) or SwiGLU's silu(gate) * up (`swiglu`), g the
     same SwiGLU over the product's halves (`glu`).
 
-    With few rows the product is a weight stream (`triton_ops.skinny_linear`) with f, g and the
-    residual add inside it, except a SwiGLU prologue above one row (slow on the tensor-core path:
-    `GatedMLP` puts SwiGLU in gate_up's epilogue there). Otherwise, and as the reference, the ops
-    run one after the other; the results agree up to the products' summation order and roundings.
+    With few rows the product is a weight stream (`triton_ops.skinny_linear`) with g and the residual
+    add inside it, and at one row f too (above one row f is a kernel of its own: a prologue is slow
+    on the tensor-core path, and `GatedMLP` puts SwiGLU in gate_up's epilogue there). Otherwise,
+    and as the reference, the ops run one after the other; the results agree up to the products'
+    summation order.
     """
     if few_rows(x) and type(proj) is nn.Linear:  # a parallel layer's own forward reduces across ranks
-        if swiglu and x.numel() > x.shape[-1]:
-            x, swiglu = silu_mul(x), False
+        if x.numel() > x.shape[-1]:  # the prologue is fast only on the one-row path: f runs first
+            x = rms_norm(x, norm.weight, norm.eps) if norm is not None else silu_mul(x) if swiglu else x
+            norm, swiglu = None, False
         return triton_ops.skinny_linear(x, proj.weight, proj.bias, norm_weight=None if norm is None else norm.weight,
                                         eps=0.0 if norm is None else norm.eps, swiglu=swiglu, glu=glu,
                                         residual=residual)

@@ -118,14 +118,10 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _dot_result(acc, rstd, Bias, cols, col_ok, BLOCK_M: tl.constexpr, NORM_AFTER: tl.constexpr,
-                    HAS_BIAS: tl.constexpr):
-        """The fp32 product [BLOCK_M, BLOCK_N]: the one-row partials summed, the row's RMS scale applied
-        where the norm was folded in after the product, the bias added."""
+    def _dot_result(acc, Bias, cols, col_ok, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """The fp32 product [BLOCK_M, BLOCK_N]: the one-row partials summed, the bias added."""
         if BLOCK_M == 1:
             acc = tl.sum(acc, 1)[None, :]
-        if NORM_AFTER:
-            acc = acc * rstd[:, None]
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         return acc
@@ -140,12 +136,7 @@ if triton is not None:
         """Out[m, n] = g(f(X)[m, :] @ W[n, :]^T (+ bias)) (+ Res), for few rows: one program per BLOCK_N
         output columns streams its weight rows once. f is the identity, the RMSNorm (PROLOGUE 1, with
         weight NormW) or SwiGLU's silu(gate) * up (PROLOGUE 2, X = [gate | up] of width 2k). g is the
-        identity, or with GLU silu(gate) * up of the product's halves (W = [gate | up], 2n rows).
-
-        The norm at one row takes the row's RMS in a first pass (x is a few KB, read again from L2 in
-        the main loop). Above one row that pass would stall every program before its weight stream,
-        so the weight multiplies x inside the loop, the squares accumulate beside the product, and
-        the RMS scale multiplies the result: the same norm, rounded once instead of twice."""
+        identity, or with GLU silu(gate) * up of the product's halves (W = [gate | up], 2n rows)."""
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < m
@@ -155,9 +146,7 @@ if triton is not None:
         w_rows = W + cols.to(tl.int64)[:, None] * stride_w
         u_rows = W + (cols + n).to(tl.int64)[:, None] * stride_w  # GLU: the up rows, n below the gate rows
         dtype = Out.dtype.element_ty
-        NORM_AFTER: tl.constexpr = PROLOGUE == 1 and BLOCK_M > 1
-        rstd = tl.zeros([BLOCK_M], tl.float32)
-        if PROLOGUE == 1 and BLOCK_M == 1:
+        if PROLOGUE == 1:  # the row's RMS first: x is a few KB, read again from L2 in the main loop
             sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
             for k0 in range(0, k, BLOCK_K):
                 kk = k0 + offs
@@ -165,7 +154,6 @@ if triton is not None:
                 xv = xv.to(tl.float32)
                 sq += xv * xv
             rstd = 1.0 / tl.sqrt(tl.sum(sq, 1) / k + eps)
-        sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
         if BLOCK_M == 1:
             acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         else:
@@ -186,22 +174,15 @@ if triton is not None:
                 xv = (act * up).to(dtype)
             else:
                 xv = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0)
-                if PROLOGUE == 1:
+                if PROLOGUE == 1:  # rounded as the rms_norm kernel rounds
                     nw = tl.load(NormW + kk, mask=kk < k, other=0.0).to(tl.float32)
-                    x32 = xv.to(tl.float32)
-                    if NORM_AFTER:
-                        sq += x32 * x32
-                        xv = (nw[None, :] * x32).to(dtype)
-                    else:  # rounded as the rms_norm kernel rounds
-                        xv = (nw[None, :] * (x32 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
+                    xv = (nw[None, :] * (xv.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
             acc = _dot_step(acc, xv, tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0), BLOCK_M, IEEE)
             if GLU:
                 acc_up = _dot_step(acc_up, xv, tl.load(u_rows + kk[None, :], mask=w_ok, other=0.0), BLOCK_M, IEEE)
-        if NORM_AFTER:
-            rstd = 1.0 / tl.sqrt(tl.sum(sq, 1) / k + eps)
-        y = _dot_result(acc, rstd, Bias, cols, col_ok, BLOCK_M, NORM_AFTER, HAS_BIAS).to(dtype)
+        y = _dot_result(acc, Bias, cols, col_ok, BLOCK_M, HAS_BIAS).to(dtype)
         if GLU:  # the product rounded as the unfused linear rounds, then as the silu_mul kernel rounds
-            up = _dot_result(acc_up, rstd, Bias + n, cols, col_ok, BLOCK_M, NORM_AFTER, HAS_BIAS).to(dtype)
+            up = _dot_result(acc_up, Bias + n, cols, col_ok, BLOCK_M, HAS_BIAS).to(dtype)
             gate = y.to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
             y = (act * up.to(tl.float32)).to(dtype)
