@@ -518,8 +518,8 @@ class Engine:
 
     def _launch_spec(self, reqs: list[Request], k: int, ahead: list[int] | None = None,
                      anchors: list[int] | None = None, after: tuple[Tensor, Tensor] | None = None) -> SpecLaunch:
-        """Draft and verify `reqs` with up to k drafts each; unless a row's sampling needs the
-        committed history, acceptance also runs on the device and is copied back without waiting. `ahead`/`anchors`: tokens each request has verified
+        """Draft and verify `reqs` with up to k drafts each; greedy rows are also accepted on the
+        device and copied back without waiting. `ahead`/`anchors`: tokens each request has verified
         but not committed yet, and its last one (the step is launched before that commit).
         `after`: the (packed results, taps) on the device of the greedy step before, which the host
         has not read: this step is launched from them (see `_launch_chained`)."""
@@ -544,8 +544,8 @@ class Engine:
                                                 kv_len=kv_len)
         self.timer.mark("rest")
         result = host = ready = None
-        if not self.needs_history(reqs):
-            result = self.proposer.accept(self, reqs, block, hidden, ahead)
+        if not self.needs_processing(reqs):
+            result = self.proposer.accept_greedy(self, block, hidden)
             cuda = self.device.type == "cuda"
             host = torch.empty(result.shape, dtype=result.dtype, pin_memory=cuda)
             host.copy_(result, non_blocking=cuda)
@@ -560,7 +560,7 @@ class Engine:
         Rows of requests that finished or were aborted since the launch are dropped. With
         asynchronous scheduling the next step is launched before the commit: from this step's
         device results before they are read if it can be (`_launch_chained`), else after the read,
-        whole where no row needs the committed history (`_launch_ahead`), else its draft: the GPU
+        whole for greedy rows (`_launch_ahead`) or, for sampled verification, its draft: the GPU
         works while the host detokenises."""
         assert self.proposer is not None
         reqs, block = launch.reqs, launch.block
@@ -614,8 +614,7 @@ class Engine:
         next finish. Returns whether it launched."""
         reqs = [launch.reqs[j] for j in live]
         proposer = self.proposer
-        if not (self.async_scheduling and launch.result is not None and reqs and proposer.chains) \
-                or self.needs_processing(reqs):  # sampled rows need their positions, known after the read
+        if not (self.async_scheduling and launch.result is not None and reqs and proposer.chains):
             return False
         decoding = {id(r) for r in self.running if r.num_cached >= len(r.prompt_token_ids)}
         emitted = launch.result.shape[1] - 2  # rows the step may emit per request (drafts + 1)
@@ -642,9 +641,8 @@ class Engine:
     def _launch_ahead(self, verified: list[Request], emitted: list[int], last: list[int]) -> None:
         """Launch the next speculative step before committing this one: its draft first (a draft
         does not depend on K, so the GPU starts at once), then, if every request that will decode
-        next speculates with greedy drafts and samples without the committed history (no penalties,
-        min_tokens or logprobs; the noise of sampled verification is keyed by position), its verify
-        and acceptance with the policy's K chosen now for that step; otherwise only the draft."""
+        next is greedy and speculates, its verify and acceptance with the policy's K chosen now for
+        that step; for sampled verification only the draft."""
         verified_now = {id(r): (n, t) for r, n, t in zip(verified, emitted, last)}
 
         def pending(r: Request) -> tuple[int, int]:  # (tokens not yet committed, the last token)
@@ -652,8 +650,7 @@ class Engine:
 
         nxt = [r for r in self.running if r.num_cached >= len(r.prompt_token_ids)
                and self._has_room(r, pending(r)[0])]  # the next step's decode set
-        whole = (bool(nxt) and not self.needs_history(nxt) and not self.proposer.samples_drafts(nxt)
-                 and all(self._speculates(r, len(nxt)) for r in nxt))
+        whole = bool(nxt) and not self.needs_processing(nxt) and all(self._speculates(r, len(nxt)) for r in nxt)
         reqs = nxt if whole else verified
         steps = [pending(r) for r in reqs]
         tokens = [t for _, t in steps]
@@ -689,10 +686,9 @@ class Engine:
 
     # ---------------------------------------------------------------- sampling
     def row_params(self, reqs: list[Request], rows_per_req: list[int], block_tokens: Tensor | None = None,
-                   ahead: list[int] | int = 0) -> RowParams:
+                   ahead: int = 0) -> RowParams:
         """Per-row sampling parameters; row j of request r samples the token at position length + ahead + j
-        (`ahead`, per request or for all: tokens launched but not yet committed, see `needs_history`)."""
-        ahead = ahead if isinstance(ahead, list) else [ahead] * len(reqs)
+        (`ahead`: tokens launched but not yet committed, see `needs_history`)."""
         dev = self.device
         req_of_row = [i for i, c in enumerate(rows_per_req) for _ in range(c)]
         offset = [j for c in rows_per_req for j in range(c)]
@@ -707,7 +703,7 @@ class Engine:
             p = req.params
             for tok, b in (p.logit_bias or {}).items():
                 bias_rows.append(row), bias_ids.append(tok), bias_vals.append(b)
-            if len(req.output_ids) + ahead[ri] + j < p.min_tokens:  # min_tokens: stop ids impossible at this row
+            if len(req.output_ids) + j < p.min_tokens:  # min_tokens: stop ids impossible at this row
                 for tok in set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(self.eos_ids)):
                     bias_rows.append(row), bias_ids.append(tok), bias_vals.append(float("-inf"))
         logit_bias = (col(bias_rows, torch.int64), col(bias_ids, torch.int64), col(bias_vals, torch.float32)) \
@@ -726,7 +722,7 @@ class Engine:
         return RowParams.from_host(
             temperature=[p.temperature for p in ps],
             seed=[reqs[i].seed for i in req_of_row],
-            position=[reqs[i].length + ahead[i] + j for i, j in zip(req_of_row, offset)],
+            position=[reqs[i].length + ahead + j for i, j in zip(req_of_row, offset)],
             device=dev,
             top_k=[max(p.top_k, 0) for p in ps],
             top_p=[p.top_p for p in ps],

@@ -181,15 +181,14 @@ class Proposer:
             r.num_pending = 0
         return counts, starts
 
-    def samples_drafts(self, reqs: list[Request]) -> bool:
-        """Whether the drafts are sampled (their noise is keyed by the committed history)."""
+    def _probabilistic(self, reqs: list[Request]) -> bool:
         return self.cfg.draft_sample_method == "probabilistic" and not all(r.params.greedy for r in reqs)
 
     def _graphable(self, reqs: list[Request]) -> bool:
         """Whether the step's draft can replay a captured graph (greedy drafts, a captured batch size,
         context rows and positions within the graph's extent)."""
         pending = [r.num_pending for r in reqs]
-        return (self.graphs.use_graphs and not self.samples_drafts(reqs)
+        return (self.graphs.use_graphs and not self._probabilistic(reqs)
                 and self.graphs.fits(len(reqs), pending, max(r.num_cached for r in reqs)))
 
     def launch_next(self, reqs: list[Request], anchors: list[int], engine: "Engine") -> bool:
@@ -198,7 +197,7 @@ class Proposer:
         their last emitted tokens. `propose` takes it if the next step drafts for these requests (or
         for those of them still running); else it is dropped. Returns whether it launched."""
         self.ahead = None
-        if self.samples_drafts(reqs):  # sampled drafts draw from the committed history's RNG positions
+        if self._probabilistic(reqs):  # sampled drafts draw from the committed history's RNG positions
             return False
         host = [max(a, 0) for a in anchors]  # a failed row's -1: its request is failed at the commit
         ids = to_device(host, torch.int64, self.target.embed_tokens.weight.device)
@@ -227,7 +226,7 @@ class Proposer:
             if self._graphable(reqs):
                 tokens, confidence = self._graphed_draft(reqs, anchors)
             else:
-                tokens, q_probs, confidence = self._eager_draft(reqs, anchors, self.samples_drafts(reqs), engine)
+                tokens, q_probs, confidence = self._eager_draft(reqs, anchors, self._probabilistic(reqs), engine)
         lens = list(budgets)
         if confidence is not None:
             lens = self._confident_lengths(confidence, lens, engine)
@@ -405,44 +404,36 @@ class Proposer:
     def verify(self, engine: "Engine", reqs: list[Request], block: DraftBlock,
                hidden: Tensor) -> tuple[list[int], list[list[int]], list[list[dict]] | None]:
         """Accepted counts and emitted tokens per request (one host copy); -1 count = request failed."""
-        if all(q.logprobs is None for q in reqs):
-            acc, _, toks = self.unpack(self.accept(engine, reqs, block, hidden).tolist())
-            return acc, toks, None
         r, rows, _ = hidden.shape
-        num_acc, out, processed = self._verify_sampled(engine, reqs, block, hidden)
-        lps = engine.logprob_entries(reqs, processed, out.clamp(min=0).view(-1), [rows] * r)
+        if not engine.needs_processing(reqs):
+            acc, _, toks = self.unpack(self.accept_greedy(engine, block, hidden).tolist())
+            return acc, toks, None
+        lens = block.lens_t
+        want_lp = any(q.logprobs is not None for q in reqs)
+        logits = engine.runner.logits(hidden).view(r * rows, -1)
+        params = engine.row_params(reqs, [rows] * r, block.tokens)
+        processed = process_logits(logits, params)
+        processed3 = processed.view(r, rows, -1)
+        round_ = to_device([q.length for q in reqs], torch.int64, hidden.device)
+        method = self.cfg.rejection_sample_method
+        if block.q_probs is None and method == "standard" and self.cfg.draft_sample_method == "greedy":
+            num_acc, out = verify_sample_and_match(processed3, block.tokens, lens, params)
+        elif method == "block":
+            num_acc, out = verify_block(processed3, block.q_probs, block.tokens, lens, params, round_)
+        else:
+            num_acc, out = verify_standard(processed3, block.q_probs, block.tokens, lens, params, round_)
+        lps = None
+        if want_lp:
+            flat_tokens = out.clamp(min=0).view(-1)
+            lps = engine.logprob_entries(reqs, processed, flat_tokens, [rows] * r)
         acc, _, toks = self.unpack(self.pack(num_acc, out, block).tolist())
         return acc, toks, lps
 
-    def accept(self, engine: "Engine", reqs: list[Request], block: DraftBlock, hidden: Tensor,
-               ahead: list[int] | None = None) -> Tensor:
-        """Acceptance on the device, packed for one host copy (see `pack`): greedy rows by argmax,
-        sampled rows by the configured verification. `ahead`: tokens each request verified but has
-        not committed (a step launched before that commit samples the positions past them)."""
-        if not engine.needs_processing(reqs):
-            num_acc, out = verify_greedy(engine.runner.greedy_ids(hidden), block.tokens, block.lens_t)
-        else:
-            num_acc, out, _ = self._verify_sampled(engine, reqs, block, hidden, ahead)
+    def accept_greedy(self, engine: "Engine", block: DraftBlock, hidden: Tensor) -> Tensor:
+        """Greedy acceptance on the device, packed for one host copy (see `pack`)."""
+        ids = engine.runner.greedy_ids(hidden)
+        num_acc, out = verify_greedy(ids, block.tokens, block.lens_t)
         return self.pack(num_acc, out, block)
-
-    def _verify_sampled(self, engine: "Engine", reqs: list[Request], block: DraftBlock, hidden: Tensor,
-                        ahead: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Counts, emitted tokens and the processed target log-probs of sampled verification."""
-        r, rows, _ = hidden.shape
-        ahead = ahead or [0] * r
-        logits = engine.runner.logits(hidden).view(r * rows, -1)
-        params = engine.row_params(reqs, [rows] * r, block.tokens, ahead=ahead)
-        processed = process_logits(logits, params)
-        processed3 = processed.view(r, rows, -1)
-        round_ = to_device([q.length + a for q, a in zip(reqs, ahead)], torch.int64, hidden.device)
-        method = self.cfg.rejection_sample_method
-        if block.q_probs is None and method == "standard" and self.cfg.draft_sample_method == "greedy":
-            num_acc, out = verify_sample_and_match(processed3, block.tokens, block.lens_t, params)
-        elif method == "block":
-            num_acc, out = verify_block(processed3, block.q_probs, block.tokens, block.lens_t, params, round_)
-        else:
-            num_acc, out = verify_standard(processed3, block.q_probs, block.tokens, block.lens_t, params, round_)
-        return num_acc, out, processed
 
     def outcome(self, num_acc: Tensor, out: Tensor, block: DraftBlock) -> tuple[Tensor, Tensor]:
         """What the step emits given the verification's counts and tokens: those (the synthetic
