@@ -26,7 +26,8 @@ from blockspec.models.triton_ops import SkinnyConfig
 
 HIDDEN, INTER, Q_KV, VOCAB = 4096, 12288, 6144, 151936
 # name: (n, k, fusion) of Qwen3-8B's products; the fusion is what the decoder layer folds into it
-# (SwiGLU: down's prologue at one row, gate_up's epilogue above it, as `GatedMLP` places it)
+# (SwiGLU: down's prologue at one row, gate_up's epilogue above it, as `GatedMLP` places it; above one
+# row the norm's statistics come from the product before, which writes them beside the residual stream)
 SHAPES = {"qkv": (Q_KV, HIDDEN, "norm"), "o": (HIDDEN, HIDDEN, "residual"),
           "gate_up": (2 * INTER, HIDDEN, "norm+glu"), "down": (HIDDEN, INTER, "swiglu+residual")}
 L2_DEFEAT_BYTES = 512 << 20
@@ -43,24 +44,27 @@ class Case:
         self.x = torch.randn(m, width, device="cuda", dtype=torch.bfloat16)
         self.norm_w = torch.randn(k, device="cuda", dtype=torch.bfloat16) if "norm" in fusion else None
         self.res = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) if "residual" in fusion else None
+        self.next_w = torch.randn(n, device="cuda", dtype=torch.bfloat16) if "residual" in fusion else None
+        self.prenormed = None
+        if self.norm_w is not None:  # as o / down would leave them: sums from 128 programs of 32 columns
+            sums = self.x.float().pow(2).view(m, 128, -1).sum(-1).T.contiguous()
+            self.prenormed = triton_ops.PreNormed(self.x, self.x * self.norm_w, sums, self.norm_w)
 
     @property
     def weight_bytes(self) -> int:
         return self.n * self.k * 2
 
     def skinny(self, cfg: SkinnyConfig | None, fused: bool = True) -> list[Callable[[], object]]:
-        """What `layers.dense` runs: at one row the norm or SwiGLU inside the product, above it the norm
-        kernel first and SwiGLU in gate_up's epilogue; the residual add inside at every row count."""
+        """What `layers.dense` runs: the residual add inside the product; at one row the norm or SwiGLU
+        too; above it SwiGLU in gate_up's epilogue, the norm from the statistics the product before
+        wrote, and (o, down) those statistics written for the next norm."""
         one_row = self.m == 1
         swiglu = fused and one_row and "swiglu" in self.fusion
         x = self.x if swiglu or "swiglu" not in self.fusion else self.x[:, :self.k]
         kw = dict(norm_weight=self.norm_w if one_row else None, eps=1e-6, glu=not one_row and "+glu" in self.fusion,
-                  residual=self.res) if fused else {}
-
-        def call(w: torch.Tensor) -> torch.Tensor:
-            normed = layers.rms_norm(x, self.norm_w, 1e-6) if fused and not one_row and self.norm_w is not None else x
-            return triton_ops.skinny_linear(normed, w, config=cfg, swiglu=swiglu, **kw)
-        return [lambda w=w: call(w) for w in self.weights]
+                  residual=self.res, prenormed=None if one_row else self.prenormed,
+                  emit_norm=None if one_row else self.next_w) if fused else {}
+        return [lambda w=w: triton_ops.skinny_linear(x, w, config=cfg, swiglu=swiglu, **kw) for w in self.weights]
 
     def cublas(self, fused: bool = True) -> list[Callable[[], object]]:
         """The unfused ops the engine ran before: the norm / SwiGLU kernel, cuBLAS, the residual add."""

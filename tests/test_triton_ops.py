@@ -149,10 +149,41 @@ def test_skinny_linear_matches_reference(dtype, rows, fusion, k):
         assert not torch.allclose(swapped.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [3, 17])
+@pytest.mark.parametrize("glu", [False, True])
+def test_prenormed_rows_norm_the_next_product(dtype, rows, glu):
+    """A product that writes the residual stream (o, down) also writes what the next RMSNorm needs,
+    and the product after it (qkv, gate_up) norms inside its weight stream: together they equal the
+    residual add, the norm and the linear run one after the other."""
+    k, n, n2 = 96, 80, 48  # 80 columns: three producer programs of 32, the last one ragged
+    cfg = triton_ops.SkinnyConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2)
+    x = rand(rows, k, dtype=dtype)
+    w1 = rand(n, k, dtype=dtype, seed=1) / k**0.5
+    res = rand(rows, n, dtype=dtype, seed=2)
+    nw = rand(n, dtype=dtype, seed=3)
+    w2 = rand(2 * n2 if glu else n2, n, dtype=dtype, seed=4) / n**0.5
+    b2 = rand(w2.shape[0], dtype=dtype, seed=5)
+    pre = triton_ops.skinny_linear(x, w1, residual=res, emit_norm=nw, config=cfg)
+    assert isinstance(pre, triton_ops.PreNormed) and pre.sums.shape == (3, rows) and pre.weight is nw
+    got = triton_ops.skinny_linear(pre.rows, w2, b2, prenormed=pre, eps=1e-6, glu=glu, config=cfg)
+    h = reference_linear(x, w1, None, None, False, res)
+    want = reference_linear(h, w2, b2, nw, False, None, glu)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert torch.allclose(pre.rows.float(), h.float(), atol=tol, rtol=tol)
+    assert got.shape == want.shape and torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+    # negative control: one producer program's sums lost (the ragged last one) changes every row's norm
+    lost = triton_ops.PreNormed(pre.rows, pre.scaled, pre.sums[:2].contiguous(), nw)
+    broken = triton_ops.skinny_linear(pre.rows, w2, b2, prenormed=lost, eps=1e-6, glu=glu, config=cfg)
+    assert not torch.allclose(broken.float(), want.float(), atol=tol, rtol=tol)
+
+
 def test_skinny_linear_rejects_mismatched_width():
     w = rand(8, 32, dtype=torch.float32)
     with pytest.raises(ValueError, match="swiglu takes 2K"):
         triton_ops.skinny_linear(rand(1, 32, dtype=torch.float32), w, swiglu=True)
+    with pytest.raises(ValueError, match="emit_norm describes the residual stream"):
+        triton_ops.skinny_linear(rand(2, 32, dtype=torch.float32), w, emit_norm=rand(8, dtype=torch.float32))
     with pytest.raises(ValueError, match="glu takes a weight of 2N rows and no residual"):
         triton_ops.skinny_linear(rand(1, 32, dtype=torch.float32), rand(7, 32, dtype=torch.float32), glu=True)
 

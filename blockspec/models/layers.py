@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from blockspec.config import RopeConfig
 from blockspec.models import triton_ops
-from blockspec.models.triton_ops import use_kernels
+from blockspec.models.triton_ops import PreNormed, use_kernels
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -107,24 +107,36 @@ def few_rows(x: Tensor) -> bool:
     return x.numel() <= triton_ops.SKINNY_MAX_ROWS * x.shape[-1] and use_kernels(x)
 
 
-def dense(x: Tensor, proj: nn.Linear, *, norm: RMSNorm | None = None, swiglu: bool = False, glu: bool = False,
-          residual: Tensor | None = None) -> Tensor:
+def stream(x: Tensor | PreNormed) -> Tensor:
+    """The residual-stream rows of a layer's output (see `dense`'s `next_norm`)."""
+    return x.rows if isinstance(x, PreNormed) else x
+
+
+def dense(x: Tensor | PreNormed, proj: nn.Linear, *, norm: RMSNorm | None = None, swiglu: bool = False,
+          glu: bool = False, residual: Tensor | None = None, next_norm: RMSNorm | None = None) -> Tensor | PreNormed:
     """residual + g(proj(f(x))): f the pre-norm (`norm`) or SwiGLU's silu(gate) * up (`swiglu`), g the
     same SwiGLU over the product's halves (`glu`).
 
     With few rows the product is a weight stream (`triton_ops.skinny_linear`) with g and the residual
-    add inside it, and at one row f too (above one row f is a kernel of its own: a prologue is slow
-    on the tensor-core path, and `GatedMLP` puts SwiGLU in gate_up's epilogue there). Otherwise,
-    and as the reference, the ops run one after the other; the results agree up to the products'
-    summation order.
+    add inside it, and at one row f too. Above one row a prologue is slow on the tensor-core path:
+    SwiGLU runs first (`GatedMLP` puts it in gate_up's epilogue instead), and the norm takes its
+    statistics from the product before, which returns PreNormed rows when given `next_norm` (the
+    norm that comes next on the residual stream); without them the norm is a kernel of its own.
+    Otherwise, and as the reference, the ops run one after the other; the results agree up to the
+    products' summation order and roundings.
     """
-    if few_rows(x) and type(proj) is nn.Linear:  # a parallel layer's own forward reduces across ranks
-        if x.numel() > x.shape[-1]:  # the prologue is fast only on the one-row path: f runs first
-            x = rms_norm(x, norm.weight, norm.eps) if norm is not None else silu_mul(x) if swiglu else x
+    rows = stream(x)
+    if few_rows(rows) and type(proj) is nn.Linear:  # a parallel layer's own forward reduces across ranks
+        many = rows.numel() > rows.shape[-1]
+        prenormed = x if isinstance(x, PreNormed) and norm is not None and x.weight is norm.weight else None
+        if many and prenormed is None:
+            rows = rms_norm(rows, norm.weight, norm.eps) if norm is not None else silu_mul(rows) if swiglu else rows
             norm, swiglu = None, False
-        return triton_ops.skinny_linear(x, proj.weight, proj.bias, norm_weight=None if norm is None else norm.weight,
+        emit = next_norm.weight if many and next_norm is not None and residual is not None else None
+        return triton_ops.skinny_linear(rows, proj.weight, proj.bias, norm_weight=None if norm is None else norm.weight,
                                         eps=0.0 if norm is None else norm.eps, swiglu=swiglu, glu=glu,
-                                        residual=residual)
+                                        residual=residual, prenormed=prenormed, emit_norm=emit)
+    x = rows
     if norm is not None:
         x = norm(x)
     if swiglu:
@@ -144,12 +156,14 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
-    def forward(self, x: Tensor, norm: RMSNorm | None = None, residual: Tensor | None = None) -> Tensor:
-        """residual + mlp(norm(x)); both optional. SwiGLU runs where it streams fastest: at one row in
-        down's prologue, above it in gate_up's epilogue (benchmarks/bench_gemv.py)."""
-        one_row = x.numel() == x.shape[-1]
+    def forward(self, x: Tensor | PreNormed, norm: RMSNorm | None = None, residual: Tensor | None = None,
+                next_norm: RMSNorm | None = None) -> Tensor | PreNormed:
+        """residual + mlp(norm(x)); both optional (`next_norm`: see `dense`). SwiGLU runs where it
+        streams fastest: at one row in down's prologue, above it in gate_up's epilogue
+        (benchmarks/bench_gemv.py)."""
+        one_row = stream(x).numel() == stream(x).shape[-1]
         h = dense(x, self.gate_up_proj, norm=norm, glu=not one_row)
-        return dense(h, self.down_proj, swiglu=one_row, residual=residual)
+        return dense(h, self.down_proj, swiglu=one_row, residual=residual, next_norm=next_norm)
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:

@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from blockspec.config import ModelConfig
 from blockspec.engine.kv_cache import AttnMeta, KVCache
 from blockspec.models.layers import (GatedMLP, RMSNorm, Rotary, add_rms_norm, additive_mask, attention, dense, few_rows,
-                                     qk_norm_rope)
+                                     qk_norm_rope, stream)
+from blockspec.models.triton_ops import PreNormed
 from blockspec.models.triton_attention import block_attention
 from blockspec.models.triton_ops import qkv_rope_store
 
@@ -49,14 +50,15 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, cache: KVCache | None, meta: AttnMeta,
+        self, x: Tensor | PreNormed, cos: Tensor, sin: Tensor, layer: int, cache: KVCache | None, meta: AttnMeta,
         mask: Tensor | None, norm: RMSNorm | None = None, residual: Tensor | None = None,
-    ) -> Tensor:
+        next_norm: RMSNorm | None = None,
+    ) -> Tensor | PreNormed:
         """mask: additive [R, 1, Q, kv_len] for the SDPA reference, or None for the Triton kernels (then
         a cache is given): one kernel norms, rotates and stores this step's K/V, and the rows read
-        their keys in place from the cache. There, `norm` (the layer's pre-norm of x) and `residual`
-        (added to the output) fold into the products."""
-        r, n, _ = x.shape
+        their keys in place from the cache. There, `norm` (the layer's pre-norm of x), `residual`
+        (added to the output) and `next_norm` (see `dense`) fold into the products."""
+        r, n, _ = stream(x).shape
         if mask is None:
             qw = self.q_norm.weight if self.q_norm is not None else None
             kw = self.k_norm.weight if self.k_norm is not None else None
@@ -64,7 +66,7 @@ class Attention(nn.Module):
                                self.eps, cos, sin, cache.k[layer], cache.v[layer], meta.slots, meta.write_pos)
             lo, hi = meta.bounds[self.layer_type]
             out = block_attention(q, cache.k[layer], cache.v[layer], meta.slots, lo, hi, self.scale, meta.kv_len)
-            return dense(out.view(r, n, self.q_size), self.o_proj, residual=residual)
+            return dense(out.view(r, n, self.q_size), self.o_proj, residual=residual, next_norm=next_norm)
         q, k, v = self.project(x, cos, sin)
         if cache is not None:
             cache.write(layer, meta, k, v)
@@ -83,16 +85,19 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(
-        self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, layer: int, cache: KVCache | None,
-        meta: AttnMeta, masks: dict[str, Tensor] | None,
-    ) -> tuple[Tensor, Tensor]:
+        self, x: Tensor | PreNormed, residual: Tensor | None, cos: Tensor, sin: Tensor, layer: int,
+        cache: KVCache | None, meta: AttnMeta, masks: dict[str, Tensor] | None, next_norm: RMSNorm | None = None,
+    ) -> tuple[Tensor | PreNormed, Tensor | None]:
         """Pre-norm block on the residual stream; returns (block output, residual) un-summed so the
         next layer fuses the add into its norm. With few rows on the GPU the norms and adds fold into
-        the products instead, and the summed stream comes back with residual None."""
-        if masks is None and few_rows(x):
+        the products instead, and the summed stream comes back with residual None (as PreNormed rows
+        for `next_norm`, the next layer's pre-norm, above one row: see `dense`)."""
+        if masks is None and few_rows(stream(x)):
             h = x if residual is None else x + residual
-            h = self.self_attn(h, cos, sin, layer, cache, meta, None, norm=self.input_layernorm, residual=h)
-            return self.mlp(h, norm=self.post_attention_layernorm, residual=h), None
+            post = self.post_attention_layernorm
+            h = self.self_attn(h, cos, sin, layer, cache, meta, None, norm=self.input_layernorm, residual=stream(h),
+                               next_norm=post)
+            return self.mlp(h, norm=post, residual=stream(h), next_norm=next_norm), None
         norm = self.input_layernorm
         if residual is None:
             residual, h = x, norm(x)
@@ -152,10 +157,11 @@ class CausalLM(nn.Module):
         last = len(self.layers) - 1
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, cos, sin, i, cache, meta, masks)
+            next_norm = self.layers[i + 1].input_layernorm if i < last else None
+            x, residual = layer(x, residual, cos, sin, i, cache, meta, masks, next_norm)
             if i in taps and i != last:
-                tapped[i] = x if residual is None else x + residual
-        x = self.norm(x if residual is None else x + residual)
+                tapped[i] = stream(x) if residual is None else x + residual
+        x = self.norm(stream(x) if residual is None else x + residual)
         if last in taps:
             tapped[last] = x
         features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None

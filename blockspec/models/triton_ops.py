@@ -118,25 +118,35 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _dot_result(acc, Bias, cols, col_ok, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """The fp32 product [BLOCK_M, BLOCK_N]: the one-row partials summed, the bias added."""
+    def _dot_result(acc, rstd, Bias, cols, col_ok, BLOCK_M: tl.constexpr, SCALE: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):
+        """The fp32 product [BLOCK_M, BLOCK_N]: the one-row partials summed, the rows' RMS scale applied
+        (SCALE: a norm whose weight the input already carries), the bias added."""
         if BLOCK_M == 1:
             acc = tl.sum(acc, 1)[None, :]
+        if SCALE:
+            acc = acc * rstd[:, None]
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         return acc
 
     @triton.jit(do_not_specialize=["m"])  # the row count follows the batch: never a new variant
     def _skinny_linear(
-        X, W, Bias, NormW, Res, Out, m, n, k, stride_x, stride_w, stride_r, stride_o, eps,
+        X, W, Bias, NormW, Res, Out, Sums, Scaled, m, n, k, n_sums, stride_x, stride_w, stride_r, stride_o, eps,
         PROLOGUE: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+        EMIT: tl.constexpr, SUMS_BLOCK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
         IEEE: tl.constexpr,
     ):
         """Out[m, n] = g(f(X)[m, :] @ W[n, :]^T (+ bias)) (+ Res), for few rows: one program per BLOCK_N
         output columns streams its weight rows once. f is the identity, the RMSNorm (PROLOGUE 1, with
-        weight NormW) or SwiGLU's silu(gate) * up (PROLOGUE 2, X = [gate | up] of width 2k). g is the
-        identity, or with GLU silu(gate) * up of the product's halves (W = [gate | up], 2n rows)."""
+        weight NormW), SwiGLU's silu(gate) * up (PROLOGUE 2, X = [gate | up] of width 2k), or the
+        RMSNorm of rows that already carry the norm's weight (PROLOGUE 3: X = rows * weight, Sums
+        [n_sums, m] the partial sums of the rows' squares; the RMS scale multiplies the product, so
+        the operand streams unmodified). g is the identity, or with GLU silu(gate) * up of the
+        product's halves (W = [gate | up], 2n rows). EMIT (with Res, the residual stream): also store
+        what PROLOGUE 3 of the next product takes, Out * NormW in Scaled and each program's sums of
+        squares in Sums[program]."""
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < m
@@ -146,6 +156,12 @@ if triton is not None:
         w_rows = W + cols.to(tl.int64)[:, None] * stride_w
         u_rows = W + (cols + n).to(tl.int64)[:, None] * stride_w  # GLU: the up rows, n below the gate rows
         dtype = Out.dtype.element_ty
+        rstd = tl.full([BLOCK_M], 1.0, tl.float32)
+        if PROLOGUE == 3:  # the producer's partial sums, read before the weight stream starts
+            part = tl.arange(0, SUMS_BLOCK)
+            sums = tl.load(Sums + part.to(tl.int64)[None, :] * m + rows[:, None],
+                           mask=row_ok[:, None] & (part < n_sums)[None, :], other=0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(sums, 1) / k + eps)
         if PROLOGUE == 1:  # the row's RMS first: x is a few KB, read again from L2 in the main loop
             sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
             for k0 in range(0, k, BLOCK_K):
@@ -180,9 +196,9 @@ if triton is not None:
             acc = _dot_step(acc, xv, tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0), BLOCK_M, IEEE)
             if GLU:
                 acc_up = _dot_step(acc_up, xv, tl.load(u_rows + kk[None, :], mask=w_ok, other=0.0), BLOCK_M, IEEE)
-        y = _dot_result(acc, Bias, cols, col_ok, BLOCK_M, HAS_BIAS).to(dtype)
+        y = _dot_result(acc, rstd, Bias, cols, col_ok, BLOCK_M, PROLOGUE == 3, HAS_BIAS).to(dtype)
         if GLU:  # the product rounded as the unfused linear rounds, then as the silu_mul kernel rounds
-            up = _dot_result(acc_up, Bias + n, cols, col_ok, BLOCK_M, HAS_BIAS).to(dtype)
+            up = _dot_result(acc_up, rstd, Bias + n, cols, col_ok, BLOCK_M, PROLOGUE == 3, HAS_BIAS).to(dtype)
             gate = y.to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
             y = (act * up.to(tl.float32)).to(dtype)
@@ -191,6 +207,12 @@ if triton is not None:
             res = tl.load(Res + rows.to(tl.int64)[:, None] * stride_r + cols[None, :], mask=ok, other=0.0)
             y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
         tl.store(Out + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], y, mask=ok)
+        if EMIT:
+            y32 = tl.where(ok, y.to(tl.float32), 0.0)
+            tl.store(Sums + tl.program_id(0).to(tl.int64) * m + rows, tl.sum(y32 * y32, 1), mask=row_ok)
+            nw = tl.load(NormW + cols, mask=col_ok, other=0.0).to(tl.float32)
+            tl.store(Scaled + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], (y32 * nw[None, :]).to(dtype),
+                     mask=ok)
 
 
 def use_kernels(*tensors: Tensor) -> bool:
@@ -301,16 +323,33 @@ def skinny_config(m: int, n: int, k: int, prologue: int = 0, itemsize: int = 2) 
     return replace(cfg, block_k=max(32, cfg.block_k * 2 // itemsize))
 
 
+@dataclass(frozen=True)
+class PreNormed:
+    """Rows of the residual stream with what the RMSNorm after them needs, written by the product that
+    made them (`skinny_linear(..., emit_norm=weight)`): the rows times the norm's weight and the
+    partial sums of their squares. The next product then norms inside its weight stream, with no
+    norm kernel between the two (the decoder layer's norms above one row)."""
+
+    rows: Tensor
+    scaled: Tensor
+    sums: Tensor  # [producer programs, rows] fp32
+    weight: Tensor
+
+
 def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_weight: Tensor | None = None,
                   eps: float = 0.0, swiglu: bool = False, glu: bool = False, residual: Tensor | None = None,
-                  config: SkinnyConfig | None = None) -> Tensor:
+                  prenormed: PreNormed | None = None, emit_norm: Tensor | None = None,
+                  config: SkinnyConfig | None = None) -> Tensor | PreNormed:
     """linear(f(x), weight, bias) (+ residual) for few rows, f fused into the product's prologue:
 
     - `norm_weight`: f = RMSNorm (the layer's pre-norm), so the normed rows are never stored;
+    - `prenormed`: f = the RMSNorm (weight `prenormed.weight`) of rows x whose statistics the
+      product before made (x is then `prenormed.rows`);
     - `swiglu`: x = [gate | up] (width 2K) and f = silu(gate) * up (the MLP's activation);
     - `glu`: the weight is [gate | up] (2N rows) and the output silu(gate) * up (width N): the MLP's
       activation after its first product instead of before its second;
-    - `residual`: the output is residual + the product, each rounded as the unfused ops round.
+    - `residual`: the output is residual + the product, each rounded as the unfused ops round;
+      with `emit_norm`, returned as PreNormed for the RMSNorm of that weight.
     """
     rows = _rows(x)
     m = rows.shape[0]
@@ -321,19 +360,32 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm
     if glu and (n % 2 or residual is not None):
         raise ValueError(f"skinny_linear: glu takes a weight of 2N rows and no residual (weight {tuple(weight.shape)}, "
                          f"residual {'given' if residual is not None else 'none'})")
-    prologue = 1 if norm_weight is not None else 2 if swiglu else 0
-    cfg = config or skinny_config(m, n, k, prologue, x.element_size())
+    if emit_norm is not None and residual is None:
+        raise ValueError("skinny_linear: emit_norm describes the residual stream: it needs `residual`")
+    prologue = 3 if prenormed is not None else 1 if norm_weight is not None else 2 if swiglu else 0
+    cfg = config or skinny_config(m, n, k, prologue if prologue < 3 else 0, x.element_size())
     block_n = cfg.block_n
     if glu:  # each program streams block_n weight rows: half gate, half up
         n, block_n = n // 2, max(16, block_n // 2)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res = _rows(residual) if residual is not None else out
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, cfg.block_m))
+    if prenormed is not None:
+        rows, sums = _rows(prenormed.scaled), prenormed.sums
+        norm_weight = prenormed.weight
+    elif emit_norm is not None:
+        sums, norm_weight = torch.empty(grid[0], m, dtype=torch.float32, device=x.device), emit_norm
+    else:
+        sums = out
+    scaled = torch.empty_like(out) if emit_norm is not None else out
     _skinny_linear[grid](
         rows, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight, res,
-        out, m, n, k, rows.stride(0), weight.stride(0), res.stride(0), out.stride(0), eps,
-        PROLOGUE=prologue, GLU=glu, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
+        out, sums, scaled, m, n, k, sums.shape[0], rows.stride(0), weight.stride(0), res.stride(0), out.stride(0), eps,
+        PROLOGUE=prologue, GLU=glu, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        EMIT=emit_norm is not None, SUMS_BLOCK=triton.next_power_of_2(sums.shape[0]) if prologue == 3 else 1,
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if emit_norm is not None:
+        return PreNormed(out.view(*x.shape[:-1], n), scaled.view(*x.shape[:-1], n), sums, emit_norm)
     return out.view(*x.shape[:-1], n)
