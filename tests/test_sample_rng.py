@@ -9,6 +9,7 @@ import torch
 
 from blockspec.sample.rng import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL, STREAM_TARGET, gumbel,
                                   keyed_uniform)
+from factories import TRITON_SKIP_REASON, triton_interpretable
 
 MASK = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15
@@ -116,3 +117,54 @@ def test_cuda_matches_cpu() -> None:
     cpu = keyed_uniform(seed, position, STREAM_RESIDUAL, round_, 4096)
     gpu = keyed_uniform(seed.cuda(), position.cuda(), STREAM_RESIDUAL, round_.cuda(), 4096)
     assert torch.equal(cpu, gpu.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_gumbel_argmax_draws_the_cpu_token() -> None:
+    """Sampling on the GPU (the one-pass kernel) draws the token the CPU's torch ops draw, over a
+    Qwen-sized vocabulary, for a decode batch and a verify-sized one."""
+    from blockspec.sample.rng import row_key
+    from blockspec.sample.sampler import gumbel_argmax
+
+    for rows in (1, 64 * 16):
+        g = torch.Generator().manual_seed(rows)
+        scores = (torch.randn(rows, 151936, generator=g) * 3).log_softmax(-1)
+        keys = row_key(torch.arange(rows) * 3 + 1, torch.arange(rows) + 512, STREAM_TARGET, None)
+        cpu = gumbel_argmax(scores, keys)
+        gpu = gumbel_argmax(scores.cuda(), keys.cuda()).cpu()
+        assert torch.equal(cpu, gpu), (rows, (cpu != gpu).sum().item())
+
+
+@pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
+@pytest.mark.parametrize("rows, vocab, programs", [(1, 5000, 528), (3, 2500, 528), (3, 2500, 1)],
+                         ids=["vocab-split-five-ways", "split-three-ways", "unsplit"])
+def test_gumbel_argmax_kernel_draws_the_reference_token(rows, vocab, programs):
+    """The one-pass kernel hashes and draws in registers what `gumbel_from_keys` builds as tensors:
+    the same token for every row, with masked (-inf) columns and a row with a single live column.
+    Ties go to the lowest id, as torch's argmax gives: a row with none live (id 0) and one with two
+    +inf scores, in the same lane of different blocks and in different lanes."""
+    from blockspec.sample.gumbel_kernel import gumbel_argmax_kernel
+    from blockspec.sample.rng import gumbel_from_keys, row_key
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(rows)
+    scores = torch.randn(rows, vocab, generator=g).log_softmax(-1)
+    scores[:, 1:-1:3] = float("-inf")  # top-k style masking
+    scores[0, : vocab - 1] = float("-inf")  # one live column: the last
+    if rows > 1:
+        scores[1] = float("-inf")
+        scores[2, [1030, 1031 + 1024, 1030 + 1024]] = float("inf")
+    scores = scores.to(device)
+    seed, position = torch.arange(rows) * 7 + 1, torch.arange(rows) + 100
+    keys = row_key(seed, position, STREAM_TARGET, None).to(device)
+    want = (scores + gumbel_from_keys(keys, vocab)).argmax(dim=1)
+    got = gumbel_argmax_kernel(scores, keys, programs)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert got[0] == vocab - 1 and (rows == 1 or got[1:3].tolist() == [0, 1030])
+    # negative control: another stream's noise draws other tokens
+    wide = torch.randn(8, vocab, generator=g).to(device)
+    k8 = row_key(torch.arange(8), torch.arange(8), STREAM_TARGET, None).to(device)
+    drawn = gumbel_argmax_kernel(wide, k8, programs)
+    assert torch.equal(drawn, (wide + gumbel_from_keys(k8, vocab)).argmax(dim=1))
+    assert not torch.equal(drawn, gumbel_argmax_kernel(wide, k8 + 1, programs))

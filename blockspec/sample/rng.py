@@ -57,8 +57,8 @@ def _mix64_(x: Tensor) -> Tensor:
     return x
 
 
-def _key(seed: Tensor, position: Tensor, stream: int, round_: Tensor | None) -> Tensor:
-    """One 64-bit state per row; each field is absorbed then mixed, so field order matters."""
+def row_key(seed: Tensor, position: Tensor, stream: int, round_: Tensor | None) -> Tensor:
+    """One 64-bit state per row, [N] int64; each field is absorbed then mixed, so field order matters."""
     h = _mix64_(seed.to(torch.int64) * _GAMMA + stream)
     h = _mix64_(h + (position.to(torch.int64) + 1) * _GAMMA)
     if round_ is not None:
@@ -66,24 +66,32 @@ def _key(seed: Tensor, position: Tensor, stream: int, round_: Tensor | None) -> 
     return h
 
 
-def keyed_uniform(seed: Tensor, position: Tensor, stream: int, round_: Tensor | None, width: int) -> Tensor:
-    """Uniforms in the open interval (0, 1), shape [N, width], float64.
+def uniform_from_keys(keys: Tensor, width: int) -> Tensor:
+    """Uniforms in the open interval (0, 1), shape [N, width], float64, from `row_key` states.
 
-    Column j of row n is splitmix64(state_n + (j + 1) * gamma): the splitmix64 sequence of the
+    Column j of row n is splitmix64(keys[n] + (j + 1) * gamma): the splitmix64 sequence of the
     row's key. The top 52 bits k give (2k + 1) / 2^53, exactly representable, never 0 or 1.
     """
-    h = _key(seed, position, stream, round_)
-    cols = (torch.arange(1, width + 1, device=h.device, dtype=torch.int64) * _GAMMA).unsqueeze(0)
-    x = _mix64_(h.unsqueeze(1) + cols)
+    cols = (torch.arange(1, width + 1, device=keys.device, dtype=torch.int64) * _GAMMA).unsqueeze(0)
+    x = _mix64_(keys.unsqueeze(1) + cols)
     return (_srl(x, 12) * 2 + 1).to(torch.float64) * _INV_2_53
 
 
-def gumbel(seed: Tensor, position: Tensor, stream: int, round_: Tensor | None, width: int,
-           dtype: torch.dtype = torch.float32) -> Tensor:
-    """Standard Gumbel noise -log(-log u) from ``keyed_uniform``, [N, width].
+def keyed_uniform(seed: Tensor, position: Tensor, stream: int, round_: Tensor | None, width: int) -> Tensor:
+    """`uniform_from_keys` of the rows' keys: [N, width] float64 uniforms in (0, 1)."""
+    return uniform_from_keys(row_key(seed, position, stream, round_), width)
+
+
+def gumbel_from_keys(keys: Tensor, width: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Standard Gumbel noise -log(-log u) from `uniform_from_keys`, [N, width].
 
     Computed in float64 (u has 52 random bits, so both tails stay resolved) and then cast; the
     argmax of logprobs + this noise is a sample from the row's distribution (Gumbel-max).
     """
-    u = keyed_uniform(seed, position, stream, round_, width)
-    return u.log_().neg_().log_().neg_().to(dtype)
+    return uniform_from_keys(keys, width).log_().neg_().log_().neg_().to(dtype)
+
+
+def gumbel(seed: Tensor, position: Tensor, stream: int, round_: Tensor | None, width: int,
+           dtype: torch.dtype = torch.float32) -> Tensor:
+    """`gumbel_from_keys` of the rows' keys."""
+    return gumbel_from_keys(row_key(seed, position, stream, round_), width, dtype)

@@ -13,7 +13,9 @@ from torch import Tensor
 
 from blockspec.sample.processors import (CHUNK_ELEMS, RowParams, features, needs_full_processing,
                                          process_logits, row_chunks)
-from blockspec.sample.rng import STREAM_DRAFT, STREAM_TARGET, gumbel
+from blockspec.models.triton_ops import use_kernels
+from blockspec.sample.gumbel_kernel import gumbel_argmax_kernel
+from blockspec.sample.rng import STREAM_DRAFT, STREAM_TARGET, gumbel_from_keys, row_key
 
 
 def greedy_ids(logits: Tensor) -> Tensor:
@@ -32,6 +34,15 @@ def sample(logits: Tensor, p: RowParams) -> Tensor:
     return sample_processed(process_logits(logits, p), p)
 
 
+def gumbel_argmax(scores: Tensor, keys: Tensor) -> Tensor:
+    """argmax(scores + Gumbel noise of the rows' keys) per row [N]: a Gumbel-max sample of each row's
+    distribution. One Triton pass on the GPU (gumbel_kernel), the torch ops of rng elsewhere: the
+    same token either way."""
+    if use_kernels(scores) and scores.dtype == torch.float32:
+        return gumbel_argmax_kernel(scores, keys)
+    return (scores + gumbel_from_keys(keys, scores.shape[1])).argmax(dim=1)
+
+
 def sample_processed(processed: Tensor, p: RowParams, stream: int = STREAM_TARGET,
                      round_: Tensor | None = None, chunk_elems: int = CHUNK_ELEMS) -> Tensor:
     """Tokens [N] from processed log-probs [N, V]: greedy rows argmax, other rows Gumbel-max with
@@ -42,8 +53,8 @@ def sample_processed(processed: Tensor, p: RowParams, stream: int = STREAM_TARGE
     greedy = p.temperature <= 0
     out = torch.empty_like(ids)
     for s in row_chunks(processed.shape[0], processed.shape[1], chunk_elems):
-        noise = gumbel(p.seed[s], p.position[s], stream, None if round_ is None else round_[s], processed.shape[1])
-        drawn = (processed[s] + noise).argmax(dim=1)
+        drawn = gumbel_argmax(processed[s], row_key(p.seed[s], p.position[s], stream,
+                                                     None if round_ is None else round_[s]))
         out[s] = torch.where(greedy[s] | (ids[s] < 0), ids[s], drawn)
     return out
 

@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 from blockspec.sample.processors import CHUNK_ELEMS, RowParams, bad_rows, row_chunks
-from blockspec.sample.rng import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TARGET, gumbel, keyed_uniform
-from blockspec.sample.sampler import greedy_ids, sample_processed
+from blockspec.sample.rng import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TARGET, keyed_uniform, row_key
+from blockspec.sample.sampler import greedy_ids, gumbel_argmax, sample_processed
 
 __all__ = ["bad_rows", "verify_block", "verify_greedy", "verify_sample_and_match", "verify_standard"]
 
@@ -215,9 +215,9 @@ def _next_token(target: Tensor, q_probs: Tensor | None, drafts: Tensor, a: Tenso
             residual = _residual_scores(log_p, q_probs, draft_at[s], a[s].clamp(max=k - 1), log_rho[s], s)
             empty = residual.amax(dim=1, keepdim=True) == float("-inf")
             scores = torch.where(bonus[s] | empty, log_p, residual)
-        noise = torch.where(bonus[s], gumbel(seed[s], position[s], STREAM_TARGET, None, vocab),
-                            gumbel(seed[s], position[s], STREAM_RESIDUAL, round_[s], vocab))
-        out[s] = (scores + noise).argmax(dim=1)
+        keys = torch.where(bonus[s].squeeze(1), row_key(seed[s], position[s], STREAM_TARGET, None),
+                           row_key(seed[s], position[s], STREAM_RESIDUAL, round_[s]))
+        out[s] = gumbel_argmax(scores, keys)
     return out
 
 

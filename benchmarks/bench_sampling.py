@@ -1,0 +1,55 @@
+"""Seeded Gumbel-max sampling over a Qwen-sized vocabulary: the one-pass Triton kernel against the
+torch ops of `rng.gumbel_from_keys`, at decode and verify row counts.
+
+Each figure is device time per call (CUDA events, median of repeated runs after warm-up), eager as
+the engine calls it, so the launches count. The floor of a call is its fp32 scores read once over
+the measured copy bandwidth.
+
+    python benchmarks/bench_sampling.py --out sampling.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from blockspec.bench.timing import copy_bandwidth, cuda_time
+from blockspec.sample.gumbel_kernel import gumbel_argmax_kernel
+from blockspec.sample.rng import STREAM_TARGET, gumbel_from_keys, row_key
+
+VOCAB = 151936
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,16,64,256,1024", help="rows per call: decode batches, verify blocks")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    result: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "copy_bandwidth_TBps": bw / 1e12, "vocab": VOCAB, "runs": []}
+    for rows in (int(r) for r in args.rows.split(",")):
+        scores = torch.randn(rows, VOCAB, device="cuda").log_softmax(-1)
+        keys = row_key(torch.arange(rows, device="cuda"), torch.arange(rows, device="cuda") + 512, STREAM_TARGET, None)
+        assert torch.equal(gumbel_argmax_kernel(scores, keys), (scores + gumbel_from_keys(keys, VOCAB)).argmax(1))
+        floor = scores.numel() * 4 / bw
+        run = {"rows": rows, "floor_us": floor * 1e6}
+        for name, fn in (("torch_ops", lambda: (scores + gumbel_from_keys(keys, VOCAB)).argmax(1)),
+                         ("kernel", lambda: gumbel_argmax_kernel(scores, keys))):
+            med, lo, hi = cuda_time(fn, iters=20, repeats=15)
+            run[name + "_us"] = [med * 1e6, lo * 1e6, hi * 1e6]
+            run[name + "_floor_ratio"] = floor / med
+        result["runs"].append(run)
+        print(json.dumps(run), flush=True)
+        del scores, keys
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

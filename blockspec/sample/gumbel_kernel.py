@@ -1,0 +1,82 @@
+"""Gumbel-max over a row's vocabulary in one Triton pass, the noise made in registers.
+
+`rng.gumbel_from_keys` builds the noise as [rows, vocab] tensors: about twenty int64 and float64
+passes over the vocabulary (hash, shifts, two logs), each a kernel launch and a full read and
+write of 8-byte words. At a verify of 64 requests x 16 rows over a 152K vocabulary that is tens
+of GB of traffic; at batch 1 it is some sixty launches. This kernel hashes, draws and takes the
+argmax of scores + noise in one read of the scores. It runs the same integer hash and the same
+float64 logs as the torch ops, so it picks the same token (the tests hold it to them).
+
+The vocabulary is split over programs when there are few rows (one program would walk 152K
+columns alone); each split keeps its first maximum, and the first split holding the row's
+maximum gives the token: ties go to the lowest id, as torch's argmax does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from blockspec.models.triton_attention import triton
+from blockspec.sample.rng import _GAMMA, _INV_2_53, _M1, _M2
+
+BLOCK = 1024
+TARGET_PROGRAMS = 528  # about four waves of an H100/H200's 132 SMs
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _srl(x, S: tl.constexpr):
+        """Logical right shift of int64 (>> is arithmetic)."""
+        return (x >> S) & ((1 << (64 - S)) - 1)
+
+    @triton.jit
+    def _gumbel_argmax(Scores, Keys, BestVal, BestIdx, stride_s, vocab, per_split,
+                       GAMMA: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, INV: tl.constexpr,
+                       BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        split = tl.program_id(1)
+        h = tl.load(Keys + row)
+        start = split * per_split
+        end = tl.minimum(start + per_split, vocab)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        idx = tl.zeros([BLOCK], tl.int32) + start
+        for c0 in range(start, end, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            ok = cols < end
+            s = tl.load(Scores + row.to(tl.int64) * stride_s + cols, mask=ok, other=float("-inf"))
+            x = h + (cols.to(tl.int64) + 1) * GAMMA  # splitmix64 of the row's key, column j + 1
+            x ^= _srl(x, 30)
+            x *= M1
+            x ^= _srl(x, 27)
+            x *= M2
+            x ^= _srl(x, 31)
+            u = (_srl(x, 12) * 2 + 1).to(tl.float64) * INV
+            noise = -tl.log(-tl.log(u))
+            v = tl.where(ok, s + noise.to(tl.float32), float("-inf"))
+            take = v > best  # strict: a lane keeps its first maximum
+            best = tl.where(take, v, best)
+            idx = tl.where(take, cols, idx)
+        top = tl.max(best, 0)
+        first = tl.min(tl.where(best == top, idx, 2147483647), 0)
+        out = row * tl.num_programs(1) + split
+        tl.store(BestVal + out, top)
+        tl.store(BestIdx + out, first)
+
+
+def gumbel_argmax_kernel(scores: Tensor, keys: Tensor, programs: int = TARGET_PROGRAMS) -> Tensor:
+    """argmax(scores + rng.gumbel_from_keys(keys, V), dim=1) for fp32 scores [N, V] and int64 keys [N];
+    the vocabulary is split until about `programs` programs run."""
+    n, vocab = scores.shape
+    if scores.dtype != torch.float32 or scores.stride(1) != 1:
+        raise ValueError(f"gumbel_argmax: scores must be float32 with unit column stride, got {scores.dtype} "
+                         f"with strides {tuple(scores.stride())}")
+    splits = max(1, min(triton.cdiv(vocab, BLOCK), programs // max(n, 1)))
+    per_split = triton.cdiv(triton.cdiv(vocab, splits), BLOCK) * BLOCK
+    splits = triton.cdiv(vocab, per_split)
+    vals = torch.empty(n, splits, dtype=torch.float32, device=scores.device)
+    idx = torch.empty(n, splits, dtype=torch.int32, device=scores.device)
+    _gumbel_argmax[(n, splits)](scores, keys.contiguous(), vals, idx, scores.stride(0), vocab, per_split,
+                                GAMMA=_GAMMA, M1=_M1, M2=_M2, INV=_INV_2_53, BLOCK=BLOCK, num_warps=4)
+    return idx.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1).long()
