@@ -16,7 +16,9 @@ from torch import Tensor
 
 def to_device(values: Sequence | Tensor, dtype: torch.dtype, device: torch.device | str) -> Tensor:
     """`values` (a host list or CPU tensor) as a tensor on `device`, copied without a host sync."""
-    host = values.to(dtype) if isinstance(values, Tensor) else torch.tensor(values, dtype=dtype)
+    # the host side is built on the CPU explicitly: under a `torch.device("cuda")` context a bare
+    # torch.tensor would land on the GPU, which cannot be pinned
+    host = values.to(dtype) if isinstance(values, Tensor) else torch.tensor(values, dtype=dtype, device="cpu")
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

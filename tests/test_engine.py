@@ -389,3 +389,14 @@ def test_pipeline_survives_aborts_arrivals_and_nonfinite_rows(llm, pipelined, mo
     dd = reqs["dd"].output_ids  # the poisoned row is the 5th or (computed ahead) the 6th token
     assert reqs["dd"].error and "non-finite" in reqs["dd"].error and 4 <= len(dd) <= 5 and dd == alone["aa"][: len(dd)]
     assert reqs["ee"].output_ids == alone["cc"]
+
+
+def test_host_lists_reach_the_device_under_a_default_device_context():
+    """`to_device` builds its host tensor on the CPU even when a `torch.device(...)` context makes
+    another device the default (under "cuda" a GPU tensor cannot be pinned; "meta" stands in for
+    it here, as nothing can be copied out of a meta tensor)."""
+    from blockspec.transfer import to_device
+
+    with torch.device("meta"):
+        got = to_device([3, 1, 2], torch.int64, "cpu")
+    assert got.device.type == "cpu" and got.tolist() == [3, 1, 2]
