@@ -14,13 +14,13 @@ import argparse
 import itertools
 import json
 import statistics
-import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from blockspec.bench.timing import copy_bandwidth, graph_seconds
+from blockspec.bench.timing import add_run, copy_bandwidth, graph_seconds, kernel_record
 from blockspec.models import layers, triton_ops
 from blockspec.models.triton_ops import SkinnyConfig
 
@@ -96,8 +96,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth()
-    result: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "copy_bandwidth_TBps": bw / 1e12, "sweep": [], "runs": []}
+    result = kernel_record(bw, sweep=[])
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}), flush=True)
     if args.sweep:
         for m in (1, 16):
@@ -126,13 +125,10 @@ def main() -> None:
                 t = statistics.median(graph_seconds(calls))
                 run[label + "_us"] = t * 1e6
                 run[label + "_floor_ratio"] = floor / t
-            result["runs"].append(run)
-            print(json.dumps(run), flush=True)
             del case
-            torch.cuda.empty_cache()
+            add_run(result, run)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        Path(args.out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -12,15 +12,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+from pathlib import Path
 
 import torch
 
-from blockspec.bench.timing import copy_bandwidth, cuda_time
+from blockspec.bench.timing import add_run, copy_bandwidth, cuda_time, kernel_record
 from blockspec.sample.gumbel_kernel import gumbel_argmax_kernel
 from blockspec.sample.rng import STREAM_TARGET, gumbel_from_keys, row_key
 
 VOCAB = 151936
+
+
+def measure(rows: int, bandwidth: float) -> dict:
+    """Both samplers at one row count (checked to draw the same tokens first), with their floor."""
+    scores = torch.randn(rows, VOCAB, device="cuda").log_softmax(-1)
+    keys = row_key(torch.arange(rows, device="cuda"), torch.arange(rows, device="cuda") + 512, STREAM_TARGET, None)
+    assert torch.equal(gumbel_argmax_kernel(scores, keys), (scores + gumbel_from_keys(keys, VOCAB)).argmax(1))
+    floor = scores.numel() * 4 / bandwidth
+    run = {"rows": rows, "floor_us": floor * 1e6}
+    for name, fn in (("torch_ops", lambda: (scores + gumbel_from_keys(keys, VOCAB)).argmax(1)),
+                     ("kernel", lambda: gumbel_argmax_kernel(scores, keys))):
+        med, lo, hi = cuda_time(fn, iters=20, repeats=15)
+        run[name + "_us"] = [med * 1e6, lo * 1e6, hi * 1e6]
+        run[name + "_floor_ratio"] = floor / med
+    return run
 
 
 def main() -> None:
@@ -29,26 +44,11 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     bw = copy_bandwidth()
-    result: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "copy_bandwidth_TBps": bw / 1e12, "vocab": VOCAB, "runs": []}
+    result = kernel_record(bw, vocab=VOCAB)
     for rows in (int(r) for r in args.rows.split(",")):
-        scores = torch.randn(rows, VOCAB, device="cuda").log_softmax(-1)
-        keys = row_key(torch.arange(rows, device="cuda"), torch.arange(rows, device="cuda") + 512, STREAM_TARGET, None)
-        assert torch.equal(gumbel_argmax_kernel(scores, keys), (scores + gumbel_from_keys(keys, VOCAB)).argmax(1))
-        floor = scores.numel() * 4 / bw
-        run = {"rows": rows, "floor_us": floor * 1e6}
-        for name, fn in (("torch_ops", lambda: (scores + gumbel_from_keys(keys, VOCAB)).argmax(1)),
-                         ("kernel", lambda: gumbel_argmax_kernel(scores, keys))):
-            med, lo, hi = cuda_time(fn, iters=20, repeats=15)
-            run[name + "_us"] = [med * 1e6, lo * 1e6, hi * 1e6]
-            run[name + "_floor_ratio"] = floor / med
-        result["runs"].append(run)
-        print(json.dumps(run), flush=True)
-        del scores, keys
-        torch.cuda.empty_cache()
+        add_run(result, measure(rows, bw))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        Path(args.out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

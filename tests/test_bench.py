@@ -224,3 +224,18 @@ def test_passes_do_not_sync_the_device_between_steps(monkeypatch):
                                                                         ignore_eos=True)] * 2)
     assert engine.num_steps >= 20 and result.tokens == 40
     assert len(syncs) == 2
+
+
+def test_kernel_benchmark_records_keep_every_run(monkeypatch, capsys):
+    """The kernel benchmarks' JSON: a header naming the GPU, torch and the measured bandwidth (in
+    TB/s), the benchmark's own fields, and each run appended and printed as one JSON line."""
+    from blockspec.bench.timing import add_run, kernel_record
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test GPU")
+    record = kernel_record(4.25e12, vocab=7)
+    assert record["gpu"] == "test GPU" and record["copy_bandwidth_TBps"] == 4.25 and record["vocab"] == 7
+    add_run(record, {"rows": 1, "us": 2.5})
+    add_run(record, {"rows": 2, "us": 3.5})
+    assert record["runs"] == [{"rows": 1, "us": 2.5}, {"rows": 2, "us": 3.5}]
+    lines = capsys.readouterr().out.splitlines()
+    assert [json.loads(line) for line in lines] == record["runs"]

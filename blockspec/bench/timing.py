@@ -4,7 +4,9 @@ peak memory, and the summary statistics every report uses."""
 from __future__ import annotations
 
 import gc
+import json
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -96,3 +98,18 @@ def percentile(values: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def kernel_record(bandwidth: float, **fields: object) -> dict:
+    """The JSON record a kernel benchmark fills: date, GPU, torch, the measured copy bandwidth (bytes/s
+    in, TB/s recorded), `fields`, then its runs (see `add_run`)."""
+    return {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "copy_bandwidth_TBps": bandwidth / 1e12, **fields, "runs": []}
+
+
+def add_run(record: dict, run: dict) -> None:
+    """Append one measured case to `record`, print it as a JSON line (progress on long sweeps), and
+    hand freed device memory back before the next case allocates its own."""
+    record["runs"].append(run)
+    print(json.dumps(run), flush=True)
+    free_memory(torch.device("cuda"))
