@@ -161,7 +161,8 @@ class GatedMLP(nn.Module):
         """residual + mlp(norm(x)); both optional (`next_norm`: see `dense`). SwiGLU runs where it
         streams fastest: at one row in down's prologue, above it in gate_up's epilogue
         (benchmarks/bench_gemv.py)."""
-        one_row = stream(x).numel() == stream(x).shape[-1]
+        rows = stream(x)
+        one_row = rows.numel() == rows.shape[-1]
         h = dense(x, self.gate_up_proj, norm=norm, glu=not one_row)
         return dense(h, self.down_proj, swiglu=one_row, residual=residual, next_norm=next_norm)
 

@@ -16,9 +16,8 @@ from blockspec.config import ModelConfig
 from blockspec.engine.kv_cache import AttnMeta, KVCache
 from blockspec.models.layers import (GatedMLP, RMSNorm, Rotary, add_rms_norm, additive_mask, attention, dense, few_rows,
                                      qk_norm_rope, stream)
-from blockspec.models.triton_ops import PreNormed
 from blockspec.models.triton_attention import block_attention
-from blockspec.models.triton_ops import qkv_rope_store
+from blockspec.models.triton_ops import PreNormed, qkv_rope_store
 
 
 class Attention(nn.Module):
