@@ -363,7 +363,7 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm
     if emit_norm is not None and residual is None:
         raise ValueError("skinny_linear: emit_norm describes the residual stream: it needs `residual`")
     prologue = 3 if prenormed is not None else 1 if norm_weight is not None else 2 if swiglu else 0
-    cfg = config or skinny_config(m, n, k, prologue if prologue < 3 else 0, x.element_size())
+    cfg = config or skinny_config(m, n, k, 2 if swiglu else 0, x.element_size())
     block_n = cfg.block_n
     if glu:  # each program streams block_n weight rows: half gate, half up
         n, block_n = n // 2, max(16, block_n // 2)

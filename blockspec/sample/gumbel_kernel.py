@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from blockspec.models.triton_attention import triton
-from blockspec.sample.rng import _GAMMA, _INV_2_53, _M1, _M2
+from blockspec.sample.rng import GAMMA, INV_2_53, MIX1, MIX2
 
 BLOCK = 1024
 TARGET_PROGRAMS = 528  # about four waves of an H100/H200's 132 SMs
@@ -78,5 +78,5 @@ def gumbel_argmax_kernel(scores: Tensor, keys: Tensor, programs: int = TARGET_PR
     vals = torch.empty(n, splits, dtype=torch.float32, device=scores.device)
     idx = torch.empty(n, splits, dtype=torch.int32, device=scores.device)
     _gumbel_argmax[(n, splits)](scores, keys.contiguous(), vals, idx, scores.stride(0), vocab, per_split,
-                                GAMMA=_GAMMA, M1=_M1, M2=_M2, INV=_INV_2_53, BLOCK=BLOCK, num_warps=4)
+                                GAMMA=GAMMA, M1=MIX1, M2=MIX2, INV=INV_2_53, BLOCK=BLOCK, num_warps=4)
     return idx.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1).long()

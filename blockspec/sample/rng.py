@@ -36,10 +36,11 @@ def _signed(c: int) -> int:
     return c - (1 << 64) if c >= 1 << 63 else c
 
 
-_GAMMA = _signed(0x9E3779B97F4A7C15)  # splitmix64 increment (odd, so k -> k * _GAMMA is a bijection)
-_M1 = _signed(0xBF58476D1CE4E5B9)
-_M2 = _signed(0x94D049BB133111EB)
-_INV_2_53 = 2.0**-53
+# splitmix64 constants, shared with the fused sampling kernel (gumbel_kernel.py)
+GAMMA = _signed(0x9E3779B97F4A7C15)  # the increment (odd, so k -> k * GAMMA is a bijection)
+MIX1 = _signed(0xBF58476D1CE4E5B9)
+MIX2 = _signed(0x94D049BB133111EB)
+INV_2_53 = 2.0**-53
 
 
 def _srl(x: Tensor, s: int) -> Tensor:
@@ -50,19 +51,19 @@ def _srl(x: Tensor, s: int) -> Tensor:
 def _mix64_(x: Tensor) -> Tensor:
     """splitmix64 finaliser, in place on a tensor the caller owns; a bijection of 64-bit words."""
     x ^= _srl(x, 30)
-    x *= _M1
+    x *= MIX1
     x ^= _srl(x, 27)
-    x *= _M2
+    x *= MIX2
     x ^= _srl(x, 31)
     return x
 
 
 def row_key(seed: Tensor, position: Tensor, stream: int, round_: Tensor | None) -> Tensor:
     """One 64-bit state per row, [N] int64; each field is absorbed then mixed, so field order matters."""
-    h = _mix64_(seed.to(torch.int64) * _GAMMA + stream)
-    h = _mix64_(h + (position.to(torch.int64) + 1) * _GAMMA)
+    h = _mix64_(seed.to(torch.int64) * GAMMA + stream)
+    h = _mix64_(h + (position.to(torch.int64) + 1) * GAMMA)
     if round_ is not None:
-        h = _mix64_(h + (round_.to(torch.int64) + 1) * _GAMMA)
+        h = _mix64_(h + (round_.to(torch.int64) + 1) * GAMMA)
     return h
 
 
@@ -72,9 +73,9 @@ def uniform_from_keys(keys: Tensor, width: int) -> Tensor:
     Column j of row n is splitmix64(keys[n] + (j + 1) * gamma): the splitmix64 sequence of the
     row's key. The top 52 bits k give (2k + 1) / 2^53, exactly representable, never 0 or 1.
     """
-    cols = (torch.arange(1, width + 1, device=keys.device, dtype=torch.int64) * _GAMMA).unsqueeze(0)
+    cols = (torch.arange(1, width + 1, device=keys.device, dtype=torch.int64) * GAMMA).unsqueeze(0)
     x = _mix64_(keys.unsqueeze(1) + cols)
-    return (_srl(x, 12) * 2 + 1).to(torch.float64) * _INV_2_53
+    return (_srl(x, 12) * 2 + 1).to(torch.float64) * INV_2_53
 
 
 def keyed_uniform(seed: Tensor, position: Tensor, stream: int, round_: Tensor | None, width: int) -> Tensor:
