@@ -266,6 +266,27 @@ def test_policy_turns_speculation_off_when_confidence_prunes_every_draft(target)
     assert choices.count(0) >= 0.3 * len(choices), choices
 
 
+def assert_draft_cache_is_one_append(engine, reqs, device, behind: int) -> None:
+    """Each request's cached draft context K/V equal one append of the target's taps over its whole
+    sequence into a fresh cache; at most `behind` of its tokens are not in yet."""
+    from blockspec.engine.kv_cache import causal_meta
+
+    drafter, model = engine.proposer.drafter, engine.model
+    for req in reqs:
+        n = req.num_draft_ctx
+        seq = req.prompt_token_ids + req.output_ids
+        assert n >= len(seq) - behind
+        cache = model.new_cache(1, len(seq) + 1)
+        meta = causal_meta([0], [0], [n], n, cache.trash, device, model.config.sliding_window, model.config.layer_types)
+        _, feats = model(torch.tensor([seq[:n]], device=device), meta, cache, tuple(drafter.target_layer_ids))
+        fresh = drafter.new_cache(1, n + drafter.block_size + 1, device, torch.float32)
+        drafter.append_context(fresh, [0], [0], [n], feats)
+        for layer in range(len(fresh.k)):
+            for got, want in ((engine.proposer.cache.k[layer], fresh.k[layer]),
+                              (engine.proposer.cache.v[layer], fresh.v[layer])):
+                torch.testing.assert_close(got[req.slot, :, :n], want[0, :, :n], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
 @pytest.mark.parametrize("ahead", [False, True], ids=["synchronous", "launched-ahead"])
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -274,8 +295,6 @@ def test_draft_cache_holds_what_one_append_of_the_whole_context_gives(target, pl
     flushed K + 1 at a time, a verify's accepted rows appended by the next draft, rows derived on
     the device for a step launched before the read-back), each request's cached context K/V equal
     those of one append of the target's taps over its whole sequence into a fresh cache."""
-    from blockspec.engine.kv_cache import causal_meta
-
     llm = spec_llm(target, method, fixture, device, adaptive_draft_length=True, num_speculative_tokens=3)
     if device != "cpu":  # on the GPU: CUDA graphs, the tap sink inside them, the captured flush
         plain = LLM(str(target), device=device, dtype="float32", max_model_len=160)
@@ -291,23 +310,43 @@ def test_draft_cache_holds_what_one_append_of_the_whole_context_gives(target, pl
     reqs = [engine.add_request(str(i), None, p, q)[0] for i, (p, q) in enumerate(zip(ps, params))]
     while engine.has_unfinished():
         engine.step()
-    drafter, model = engine.proposer.drafter, engine.model
-    for req in reqs:
-        n = req.num_draft_ctx
-        seq = req.prompt_token_ids + req.output_ids
-        assert n >= len(seq) - 5  # all but the last step's rows are in
-        cache = model.new_cache(1, len(seq) + 1)
-        meta = causal_meta([0], [0], [n], n, cache.trash, device, model.config.sliding_window, model.config.layer_types)
-        _, feats = model(torch.tensor([seq[:n]], device=device), meta, cache, tuple(drafter.target_layer_ids))
-        fresh = drafter.new_cache(1, n + drafter.block_size + 1, device, torch.float32)
-        drafter.append_context(fresh, [0], [0], [n], feats)
-        for layer in range(len(fresh.k)):
-            for got, want in ((engine.proposer.cache.k[layer], fresh.k[layer]),
-                              (engine.proposer.cache.v[layer], fresh.v[layer])):
-                torch.testing.assert_close(got[req.slot, :, :n], want[0, :, :n], atol=1e-4, rtol=1e-4)
+    assert_draft_cache_is_one_append(engine, reqs, device, behind=5)
     assert [r.output_ids for r in reqs] == expected
     # (on the GPU the graphed draft steps launched from device results draft for real: mostly rejected)
     assert llm.get_metrics()["mean_acceptance_length"] > (1.8 if device == "cpu" or not ahead else 1.0)
+
+
+def test_plain_steps_of_requests_that_joined_apart_append_their_held_rows_together(target, plain):
+    """Requests that joined at different steps fill their held rows in turn; when one fills, all
+    append together, so a run of plain steps launches one append every K + 1 steps, not one a step
+    (a drafter launch per plain step is host work a small model's step shows in full), and the
+    draft cache still holds exactly the context."""
+    llm = spec_llm(target, "dflash", "dflash", adaptive_draft_length=True, num_speculative_tokens=3)
+    engine = llm.engine
+    engine.policy.choose = lambda batch: 0
+    launches: list[list[int]] = []
+    append = engine.proposer.graphs.append
+
+    def watch(slots, starts, counts):
+        launches.append(list(counts))
+        return append(slots, starts, counts)
+
+    engine.proposer.graphs.append = watch
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    reqs = []
+    for i, p in enumerate(prompts(4, seed=17)):  # joins one step apart: held rows out of phase
+        reqs += engine.add_request(str(i), None, p["prompt_token_ids"], params)
+        engine.step()
+    launches.clear()
+    for _ in range(24):
+        engine.step()
+    assert len(launches) <= 24 // 4 + 1, launches  # K + 1 = 4 rows a launch; out of phase it was 24
+    assert all(len(c) == 4 and max(c) == 4 for c in launches), launches  # all four, one of them full
+    assert_draft_cache_is_one_append(engine, reqs, "cpu", behind=4)
+    while engine.has_unfinished():
+        engine.step()
+    want = plain.generate(prompts(4, seed=17), params, use_tqdm=False)
+    assert [r.output_ids for r in reqs] == [o.outputs[0].token_ids for o in want]
 
 
 def test_draft_context_is_never_more_than_a_draft_step_behind(target, plain):

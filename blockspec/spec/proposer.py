@@ -140,14 +140,17 @@ class Proposer:
         append (K + 1 rows), then go in together. Appending every row costs a drafter pass per plain
         step (on a CPU, a third of a small model's step); an unbounded backlog costs memory and,
         after a stretch of plain steps, an eager catch-up before the next speculative step. Bounded
-        by K + 1, the backlog is what the graphed draft step appends anyway."""
+        by K + 1, the backlog is what the graphed draft step appends anyway.
+
+        When one request's rows fill, every request of the step appends what it holds: requests
+        that joined at different steps would otherwise fill in turn, one append launch per plain
+        step; appended together they stay in phase, one launch every K + 1 steps."""
         for r in reqs:
             self._check_room(r, 1)
             r.num_pending += 1
-        full = [r for r in reqs if r.num_pending > self.num_speculative_tokens]
-        if full:
-            counts, starts = self._take_pending(full)
-            self.graphs.append([r.slot for r in full], starts, counts)
+        if any(r.num_pending > self.num_speculative_tokens for r in reqs):
+            counts, starts = self._take_pending(reqs)
+            self.graphs.append([r.slot for r in reqs], starts, counts)
 
     def _check_room(self, req: Request, rows: int) -> None:
         if req.num_pending + rows > self.pending.shape[1]:
