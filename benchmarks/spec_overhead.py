@@ -1,7 +1,7 @@
 """What enabling speculation costs the steps that do not draft: the same engine decodes batches of
-greedy requests that opted out of speculation (`use_speculation=False`), that may speculate but
-take the plain path every step (the policy forced to K = 0: their taps are still kept for the
-drafter), and that speculate as the policy chooses. Per setting: output tok/s and the median,
+greedy requests (joining one step apart, as at a server) that opted out of speculation
+(`use_speculation=False`), that may speculate but take the plain path every step (the policy forced
+to K = 0: their taps are still kept for the drafter), and that speculate as the policy chooses. Per setting: output tok/s and the median,
 p10 and p90 wall time of an engine step (host clock around `step()`, which ends on the step's
 read-back; the device is not synced between steps, as when serving).
 
@@ -36,9 +36,10 @@ def measure(llm: LLM, batch: int, speculate: bool, force_plain: bool, steps: int
 
     engine.policy.choose = counted
     params = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True, use_speculation=speculate)
-    for i in range(batch):
+    for i in range(batch):  # one request joins per step, as requests arrive at a server
         engine.add_request(f"r{i}", None, [5 + (i + j) % 50 for j in range(prompt_len)], params)
-    for _ in range(20):  # prefill, the policy's first measurements
+        engine.step()
+    for _ in range(20):  # the policy's first measurements at the full batch
         engine.step()
     walls, generated, drafts = [], engine.num_generated, engine.spec_totals.as_dict().get("num_drafts", 0)
     choices.clear()
@@ -77,6 +78,7 @@ def main() -> None:
     ap.add_argument("--method", default="dspark", choices=("dflash", "dspark"))
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=1, help="measure each setting this often, alternating the order")
     ap.add_argument("--prompt-len", type=int, default=55)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", action="store_true", help="print each setting's hottest host functions (cProfile)")
@@ -86,9 +88,11 @@ def main() -> None:
     llm = LLM(args.model, device=args.device, max_num_seqs=max(batches),
               speculative_config={"method": args.method, "model": args.draft_model})
     rows = []
-    for batch in batches:
-        for speculate, force_plain in ((False, False), (True, True), (True, False)):
+    settings = ((False, False), (True, True), (True, False))
+    for batch, rnd in ((b, r) for b in batches for r in range(args.rounds)):
+        for speculate, force_plain in settings if rnd % 2 == 0 else settings[::-1]:  # alternate the order
             row = measure(llm, batch, speculate, force_plain, args.steps, args.prompt_len, args.profile)
+            row["round"] = rnd
             rows.append(row)
             print(f"batch {batch:3d}  use_speculation={speculate!s:5}  policy {row['policy']:12}  "
                   f"{row['tok_s']:8.0f} tok/s  step {row['step_ms_median']:.3f} ms "
