@@ -52,8 +52,8 @@ def test_cuda_graph_draft_step_equals_eager(tmp_path, method, fixture):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "sdpa"])
 def test_warmup_captures_every_graph_serving_needs(tmp_path, backend):
-    """After LLM start-up no request captures a graph: every batch size up to max_num_seqs, prompt
-    length and context length replays one captured at warm-up."""
+    """After LLM start-up no request captures a graph or compiles a kernel: every batch size up to
+    max_num_seqs, prompt length and context length, greedy or sampled, replays what warm-up made."""
     from pathlib import Path
 
     from blockspec.engine.runner import CAPTURES
@@ -66,9 +66,11 @@ def test_warmup_captures_every_graph_serving_needs(tmp_path, backend):
     before = CAPTURES[0]
     compiled = triton_compiled()
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.7, seed=1, max_tokens=40, ignore_eos=True)
     for batch in (1, 3, 8):
         prompts = [{"prompt_token_ids": [2 + i % 90 for i in range(n)]} for n in (3, 30, 11, 250, 5, 64, 17, 2)[:batch]]
         llm.generate(prompts, params, use_tqdm=False)
+        llm.generate(prompts, sampled, use_tqdm=False)
     for n in (1, 16, 48, 97, 128):  # lengths of 1 and multiples of 16 are where Triton would specialise
         llm.generate([{"prompt_token_ids": [2 + i % 90 for i in range(n)]}], params, use_tqdm=False)
     plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, use_speculation=False)
@@ -81,9 +83,10 @@ def test_warmup_captures_every_graph_serving_needs(tmp_path, backend):
 def triton_compiled() -> set[str]:
     """Kernel variants Triton has compiled so far for blockspec's kernels (name: specialisation)."""
     from blockspec.models import triton_attention, triton_ops
+    from blockspec.sample import gumbel_kernel
 
     kernels = [triton_attention._block_attention, triton_ops._rms_norm, triton_ops._silu_mul,
-               triton_ops._qkv_rope_store, triton_ops._skinny_linear]
+               triton_ops._qkv_rope_store, triton_ops._skinny_linear, gumbel_kernel._gumbel_argmax]
     if not hasattr(kernels[0], "device_caches"):
         pytest.skip("this Triton version keeps its kernel cache elsewhere")
     return {f"{k.fn.__name__}: {key}" for k in kernels for caches in k.device_caches.values() for key in caches[0]}

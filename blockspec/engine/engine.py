@@ -206,8 +206,8 @@ class Engine:
     def warmup(self) -> dict[str, float]:
         """Pay every one-time cost before the first request: capture the CUDA graph of each batch
         bucket up to max_num_seqs x verify width (with and without taps) and of the draft step,
-        then run two short requests end to end (each Triton kernel variant prefill, decode and the
-        drafter use, the eager draft path, sampling). Counters and the draft-length policy start
+        then run short requests end to end, greedy and sampled (each Triton kernel variant prefill,
+        decode, the drafter and sampling use, the eager draft path). Counters and the draft-length policy start
         afresh afterwards, so no request and no policy estimate pays for a capture or a
         compilation. Returns what it did."""
         if self.device.type != "cuda" or not self.runner.use_graphs:
@@ -219,13 +219,14 @@ class Engine:
         self.runner.capture_all(sizes, tapped=self.proposer is not None, untapped=True)
         if self.proposer is not None and self.proposer.graphs.use_graphs:
             self.proposer.graphs.capture_all(sizes)
-        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         prompt_len = min(40, self.config.max_model_len - 10)
-        for n in (1, min(2, self.config.max_num_seqs)):
-            for i in range(n):
-                self.add_request(f"warmup-{n}-{i}", None, [i % self.vocab_size] * prompt_len, params)
-            while self.has_unfinished():
-                self.step()
+        for params in (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                       SamplingParams(temperature=1.0, seed=0, max_tokens=8, ignore_eos=True)):  # sampling kernels
+            for n in (1, min(2, self.config.max_num_seqs)):
+                for i in range(n):
+                    self.add_request(f"warmup-{n}-{i}", None, [i % self.vocab_size] * prompt_len, params)
+                while self.has_unfinished():
+                    self.step()
         torch.cuda.synchronize(self.device)
         self._reset_counters()
         return {"graphs": CAPTURES[0] - captured, "seconds": time.perf_counter() - t0}
