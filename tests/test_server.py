@@ -5,6 +5,7 @@ requests against LLM.generate, with and without speculation."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
 import subprocess
@@ -479,3 +480,18 @@ def test_spec_metrics_match_responses(spec_server):
         assert metric(after, f"blockspec:{gauge}") == 0
     assert any(name == "blockspec:spec_decode_num_accepted_tokens_per_pos_total" and ("position", "0") in labels
                for name, labels in after)
+
+
+def test_serving_moves_what_loading_left_alive_out_of_the_collectors_reach():
+    """`blockspec serve` freezes what the load left alive, so a full collection no longer walks the
+    weights' Python objects, the tokenizer and the modules while requests wait."""
+    from blockspec.server import freezing_after
+
+    loaded = [[i] for i in range(1000)]  # container objects: ones the collector tracks
+    assert any(o is loaded for o in gc.get_objects())
+    try:
+        assert freezing_after(lambda: loaded)() is loaded
+        assert gc.get_freeze_count() >= len(loaded)
+        assert not any(o is loaded for o in gc.get_objects())  # in no generation: never walked again
+    finally:
+        gc.unfreeze()
