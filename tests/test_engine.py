@@ -328,26 +328,30 @@ def test_pipelined_plain_steps_emit_exactly_what_synchronous_ones_do(llm, pipeli
 def test_pipelined_sampled_steps_draw_what_synchronous_ones_do(llm, pipelined):
     """At T > 0 a plain step is launched before the one in flight is committed too: the noise is keyed
     by the position a row samples, so every token equals the synchronous run's (temperature, top-k,
-    top-p, min-p, a logit bias, and a greedy row in the same batch). A batch with a penalty (which
-    counts committed tokens) is not launched ahead, and still samples as the synchronous run does."""
+    top-p, min-p, a logit bias, and a greedy row in the same batch). A batch with a penalty or
+    min_tokens (which count committed tokens) or logprobs (kept per committed token) is not launched
+    ahead, and still samples as the synchronous run does."""
     sampled = dict(max_tokens=24, ignore_eos=True)
     cases = [SamplingParams(temperature=0.9, seed=1, **sampled),
              SamplingParams(temperature=1.3, top_k=7, seed=2, **sampled),
              SamplingParams(temperature=0.8, top_p=0.85, min_p=0.02, seed=3, **sampled),
              SamplingParams(temperature=1.0, seed=4, logit_bias={5: 3.0, 9: -100.0}, **sampled),
              SamplingParams(temperature=0, **sampled)]
-    penalised = [SamplingParams(temperature=0.9, seed=5, presence_penalty=1.5, **sampled)] * 2
+    waiting = [[SamplingParams(temperature=0.9, seed=5, **extra, **sampled)] * 2
+               for extra in (dict(presence_penalty=1.5), dict(min_tokens=20), dict(logprobs=2))]
     prompts = ["ab", "cd", "ef", "gh", "ab"]
     pipelined_llm, launches = pipelined
     got = [o.outputs[0].token_ids for o in pipelined_llm.generate(prompts, cases, use_tqdm=False)]
     assert launches and max(launches) == len(cases)  # the sampled rows were launched ahead with the greedy one
     n_launches = len(launches)
-    got_penalised = [o.outputs[0].token_ids for o in pipelined_llm.generate(["ab", "cd"], penalised, use_tqdm=False)]
+    got_waiting = [[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in
+                    pipelined_llm.generate(["ab", "cd"], params, use_tqdm=False)] for params in waiting]
     assert len(launches) == n_launches
     llm.engine.async_scheduling = False
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, cases, use_tqdm=False)]
     assert got == want
-    assert got_penalised == [o.outputs[0].token_ids for o in llm.generate(["ab", "cd"], penalised, use_tqdm=False)]
+    assert got_waiting == [[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in
+                            llm.generate(["ab", "cd"], params, use_tqdm=False)] for params in waiting]
     assert got[0] != got[4]  # the sampled rows really sampled: same prompt, not the greedy tokens
 
 

@@ -318,7 +318,7 @@ class Engine:
             if seconds is not None and self._spec_inflight is not None and launch.captures == CAPTURES[0]:
                 self.policy.observe_time(len(launch.reqs), launch.k, seconds)
             return touched  # requests that joined since the launch wait for the next one
-        spec = [r for r in decoding if self._speculates(r, len(decoding))]
+        spec = self._speculating(decoding)
         k = self._choose(len(spec)) if spec else 0
         plain = [r for r in decoding if k == 0 or r not in spec]
         touched = []
@@ -454,10 +454,12 @@ class Engine:
             req.status = Status.RUNNING
             self.running.append(req)
 
-    def _speculates(self, req: Request, batch: int) -> bool:
-        if self.proposer is None or not req.params.use_speculation:
-            return False
-        return self.proposer.enabled_for_batch(batch)
+    def _speculating(self, reqs: list[Request]) -> list[Request]:
+        """The requests of a batch that may speculate this step: a drafter, a batch within
+        max_batch_for_speculation, and no opt-out."""
+        if self.proposer is None or not self.proposer.enabled_for_batch(len(reqs)):
+            return []
+        return [r for r in reqs if r.params.use_speculation]
 
     def _prefill(self, reqs: list[Request]) -> list[Request]:
         budget = self.config.max_prefill_tokens
@@ -621,7 +623,7 @@ class Engine:
         emitted = launch.result.shape[1] - 2  # rows the step may emit per request (drafts + 1)
         # a request that may reach its limit in this step is left to `_launch_ahead`, which knows
         if (decoding != {id(r) for r in reqs} or not all(self._has_room(r, launch.k + 1) for r in reqs)
-                or not all(self._speculates(r, len(reqs)) for r in reqs)
+                or len(self._speculating(reqs)) < len(reqs)
                 or any(r.num_pending or r.num_draft_ctx != r.num_cached for r in reqs)
                 or not proposer.graphs.fits(len(reqs), [emitted], max(r.num_cached for r in reqs) + emitted)):
             return False
@@ -651,7 +653,7 @@ class Engine:
 
         nxt = [r for r in self.running if r.num_cached >= len(r.prompt_token_ids)
                and self._has_room(r, pending(r)[0])]  # the next step's decode set
-        whole = bool(nxt) and not self.needs_processing(nxt) and all(self._speculates(r, len(nxt)) for r in nxt)
+        whole = bool(nxt) and not self.needs_processing(nxt) and len(self._speculating(nxt)) == len(nxt)
         reqs = nxt if whole else verified
         steps = [pending(r) for r in reqs]
         tokens = [t for _, t in steps]
@@ -739,15 +741,14 @@ class Engine:
     @staticmethod
     def needs_processing(reqs: list[Request]) -> bool:
         """False when every row is plain greedy: then ids are all the step keeps."""
-        return any(not r.params.greedy or r.params.uses_penalties or r.params.logit_bias
-                   or r.params.min_tokens or r.logprobs is not None for r in reqs)
+        return any(r.needs_processing for r in reqs)
 
     @staticmethod
     def needs_history(reqs: list[Request]) -> bool:
         """True when a row's sampling depends on committed tokens (penalties count them, min_tokens
         counts them) or its step keeps more than ids (logprobs): such a step cannot be launched
         before the one in flight is committed."""
-        return any(r.params.uses_penalties or r.params.min_tokens or r.logprobs is not None for r in reqs)
+        return any(r.needs_history for r in reqs)
 
     def _next_ids(self, reqs: list[Request], hidden_rows: Tensor, ahead: int = 0) -> Tensor:
         """One token id per request on the device (-1 for a non-finite row), sampled `ahead` tokens

@@ -142,6 +142,14 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     truncated_text: str | None = None
+    # what its parameters ask of every step, fixed at creation: a step tests them for each of its rows
+    needs_history: bool = field(init=False)  # sampling reads committed tokens (penalties, min_tokens) or keeps logprobs
+    needs_processing: bool = field(init=False)  # more than the raw logits' argmax (see Engine.needs_processing)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.needs_history = p.uses_penalties or bool(p.min_tokens) or p.logprobs is not None
+        self.needs_processing = self.needs_history or not p.greedy or bool(p.logit_bias)
 
     @property
     def length(self) -> int:

@@ -145,10 +145,13 @@ class Proposer:
         When one request's rows fill, every request of the step appends what it holds: requests
         that joined at different steps would otherwise fill in turn, one append launch per plain
         step; appended together they stay in phase, one launch every K + 1 steps."""
-        for r in reqs:
-            self._check_room(r, 1)
+        room, k, full = self.pending.shape[1], self.num_speculative_tokens, False
+        for r in reqs:  # one pass: a plain step runs this for every request
+            if r.num_pending >= room:
+                self._check_room(r, 1)
             r.num_pending += 1
-        if any(r.num_pending > self.num_speculative_tokens for r in reqs):
+            full = full or r.num_pending > k
+        if full:
             counts, starts = self._take_pending(reqs)
             self.graphs.append([r.slot for r in reqs], starts, counts)
 
