@@ -419,6 +419,29 @@ def test_policy_prices_steps_by_wall_time_with_host_work(target):
         assert seconds >= delay * tokens, (k, seconds, tokens)
 
 
+def test_policy_prices_a_step_from_the_end_of_the_one_before(target):
+    """A server works between steps (it streams what each step emitted); a pipelined plain step's
+    commit-to-commit price holds that work, so a step the host runs start to finish is priced from
+    the previous step's end too. Priced from its own launch, a speculative step at T > 0 looked
+    cheaper than it was beside pipelined plain steps, and a busy server drafted where it lost."""
+    llm = spec_llm(target, "dflash", "dflash", adaptive_draft_length=True)
+    engine = llm.engine
+    plan = iter([0, 0, 2, 2, 2, 0] * 20)
+    engine.policy.choose = lambda batch: next(plan)
+    seen: list[tuple[int, float]] = []
+    observe = engine.policy.observe_time
+    engine.policy.observe_time = lambda batch, k, seconds: (seen.append((k, seconds)), observe(batch, k, seconds))
+    gap = 0.1  # the caller's work between steps: several times a step of this model
+    engine.add_request("r", None, prompts(1, seed=4)[0]["prompt_token_ids"],
+                       SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True))
+    engine.step()  # prefill: no step before it to price from
+    while engine.has_unfinished():
+        clock.sleep(gap)
+        engine.step()
+    assert {k for k, _ in seen} == {0, 2}
+    # the first decode step follows the prefill, whose end prices nothing; every later one holds the gap
+    assert seen[0][1] < gap and all(seconds >= gap for _, seconds in seen[1:]), seen
+
 @pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
 def test_pipelined_plain_steps_between_speculative_ones_keep_output_exact(target, plain, method, fixture):
     """Plain steps launched ahead of their predecessor's commit (asynchronous scheduling, on by

@@ -172,6 +172,7 @@ class Engine:
         # (kind, time) of the last commit of a pipelined step: a pipelined step costs the time from its
         # predecessor's commit, if that predecessor was a step of the same kind ("plain" or "spec")
         self._last_commit: tuple[str, float] | None = None
+        self._step_end: float | None = None  # when the last step's decode ended (None: it had none, or a prefill)
         self._spec_inflight: SpecLaunch | None = None
         self._next_choice: tuple[int, int] | None = None  # (batch, K) chosen while launching ahead
 
@@ -234,7 +235,7 @@ class Engine:
     def _reset_counters(self) -> None:
         self._inflight = None  # warm-up requests are all finished: whatever is in flight is discarded
         self._spec_inflight = self._next_choice = None
-        self._last_commit = None
+        self._last_commit = self._step_end = None
         self.spec_totals = type(self.spec_totals)()
         self.timer = StepTimer(self.device)
         self.num_steps = 0
@@ -299,11 +300,12 @@ class Engine:
         touched = []
         if prefilling:  # prefill steps start no pipeline, and no step's price spans one
             touched = self._commit_launch()
-            self._last_commit = None
+            self._last_commit = self._step_end = None
         touched += self._prefill(prefilling) if prefilling else []
         decoding = [r for r in decoding if r.status is Status.RUNNING]
         if decoding:
             touched += self._decode(decoding)
+        self._step_end = time.perf_counter() if decoding else None
         self.num_steps += 1
         return touched
 
@@ -333,14 +335,20 @@ class Engine:
             return touched + self._plain_step_async(plain)
         # The policy prices a choice by the wall time it costs, host work included (preparing the
         # launches, waiting for the device, committing and detokenising what it emitted): that,
-        # not the device time alone, is what decides tokens per second.
+        # not the device time alone, is what decides tokens per second. A step that follows a decode
+        # step costs from that step's end, as a pipelined step costs commit to commit: so the work a
+        # caller does between steps (a server streaming what each step emitted) and the drain of a
+        # plain pipeline this step breaks are in its price too. Priced from its own launch, a
+        # speculative step at T > 0 looked cheap beside pipelined plain steps at a busy server, and
+        # was chosen where it lost.
+        start = self._step_end
         if k:
-            t0 = time.perf_counter()
+            t0 = time.perf_counter() if start is None else start
             touched += self._finish_spec(self._launch_spec(spec, k))
             self._observe_time(len(spec), k, time.perf_counter() - t0)
             self._last_commit = ("spec", time.perf_counter())
         if plain:
-            t0 = time.perf_counter()
+            t0 = time.perf_counter() if start is None else start
             self._plain_step(plain)
             touched += plain
             if self.proposer is not None and len(plain) == len(decoding):
