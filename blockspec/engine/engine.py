@@ -208,9 +208,9 @@ class Engine:
         """Pay every one-time cost before the first request: capture the CUDA graph of each batch
         bucket up to max_num_seqs x verify width (with and without taps) and of the draft step,
         then run short requests end to end, greedy and sampled (each Triton kernel variant prefill,
-        decode, the drafter and sampling use, the eager draft path). Counters and the draft-length policy start
-        afresh afterwards, so no request and no policy estimate pays for a capture or a
-        compilation. Returns what it did."""
+        decode, the drafter and sampling use, the eager draft path). Counters and the draft-length
+        policy start afresh afterwards, so no request and no policy estimate pays for a capture or
+        a compilation. Returns what it did."""
         if self.device.type != "cuda" or not self.runner.use_graphs:
             return {"graphs": 0, "seconds": 0.0}
         t0 = time.perf_counter()
