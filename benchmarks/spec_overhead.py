@@ -1,9 +1,10 @@
 """What enabling speculation costs the steps that do not draft: the same engine decodes batches of
 greedy requests (joining one step apart, as at a server) that opted out of speculation
 (`use_speculation=False`), that may speculate but take the plain path every step (the policy forced
-to K = 0: their taps are still kept for the drafter), and that speculate as the policy chooses. Per setting: output tok/s and the median,
-p10 and p90 wall time of an engine step (host clock around `step()`, which ends on the step's
-read-back; the device is not synced between steps, as when serving).
+to K = 0: their taps are still kept for the drafter), and that speculate as the policy chooses.
+Per setting: output tok/s and the median, p10 and p90 wall time of an engine step (host clock
+around `step()`, which ends on the step's read-back; the device is not synced between steps, as
+when serving).
 
     python benchmarks/spec_overhead.py --model blockspec/assets/default/target \
         --draft-model blockspec/assets/default/dspark --method dspark --out overhead.json
