@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,51 @@ def generation_eos_ids(model_dir: Path, config_eos: Sequence[int], tokenizer: An
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
+
+
+@dataclass
+class ModelInputs:
+    """What turning user input into checked token ids needs of a loaded model, without its weights:
+    the tokenizer, the context length and the vocabulary. The offline API checks with it before any
+    work starts, and the server's front process, which holds no weights, gets a copy of it."""
+
+    model_dir: Path
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+    speculative: bool
+
+    def prompt_ids(self, prompt: PromptType, where: str) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"{where}: text prompt given but {self.model_dir} has no tokenizer; "
+                                   "pass {'prompt_token_ids': [...]} instead")
+            if not prompt:
+                raise RequestError(f"{where}: the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise RequestError(f"{where}: prompt_token_ids must be a list of ints")
+            return prompt.get("prompt"), ids
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self.prompt_ids(prompt["prompt"], where)
+        raise RequestError(f"{where}: a prompt is a string or a dict with 'prompt_token_ids'; "
+                           f"got {type(prompt).__name__}")
+
+    def check_prompt(self, ids: list[int], params: SamplingParams, where: str) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"{where}: sampling_params must be SamplingParams, got {type(params).__name__}")
+        limit = self.max_model_len
+        if not ids:
+            raise RequestError(f"{where}: the prompt is empty (no tokens)")
+        if len(ids) >= limit:
+            raise RequestError(f"{where}: prompt has {len(ids)} tokens; max_model_len is {limit}")
+        vocab = self.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        params.check_vocab(vocab)
 
 
 class LLM:
@@ -106,6 +152,7 @@ class LLM:
             if done["graphs"]:
                 log.info("warm-up: %d CUDA graphs captured in %.1f s", done["graphs"], done["seconds"])
         self.speculative_config = spec
+        self.inputs = ModelInputs(self.model_dir, self.tokenizer, max_len, self.model.config.vocab_size, spec is not None)
         self._ids = itertools.count()
 
     def _load_target(self, model_dir: Path, dtype: str | torch.dtype, device: torch.device,
@@ -115,24 +162,6 @@ class LLM:
         return load_target(model_dir, dtype, device, max_positions=max_positions)
 
     # ---------------------------------------------------------------- inputs
-    def _prompt_ids(self, prompt: PromptType, where: str) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError(f"{where}: text prompt given but {self.model_dir} has no tokenizer; "
-                                   "pass {'prompt_token_ids': [...]} instead")
-            if not prompt:
-                raise RequestError(f"{where}: the prompt is empty")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-                raise RequestError(f"{where}: prompt_token_ids must be a list of ints")
-            return prompt.get("prompt"), ids
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return self._prompt_ids(prompt["prompt"], where)
-        raise RequestError(f"{where}: a prompt is a string or a dict with 'prompt_token_ids'; "
-                           f"got {type(prompt).__name__}")
-
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -152,9 +181,9 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ConfigError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each")
-        prepared = [self._prompt_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        prepared = [self.inputs.prompt_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
         for i, (_, ids) in enumerate(prepared):
-            self._check_prompt(ids, params[i], f"prompt {i}")
+            self.inputs.check_prompt(ids, params[i], f"prompt {i}")
         groups = []
         for (text, ids), sp in zip(prepared, params):
             groups.append(self.engine.add_request(str(next(self._ids)), text, ids, sp))
@@ -168,20 +197,6 @@ class LLM:
             first.error = errors[0] if errors else None
             outputs.append(first)
         return outputs
-
-    def _check_prompt(self, ids: list[int], params: SamplingParams, where: str) -> None:
-        if not isinstance(params, SamplingParams):
-            raise ConfigError(f"{where}: sampling_params must be SamplingParams, got {type(params).__name__}")
-        limit = self.engine.config.max_model_len
-        if not ids:
-            raise RequestError(f"{where}: the prompt is empty (no tokens)")
-        if len(ids) >= limit:
-            raise RequestError(f"{where}: prompt has {len(ids)} tokens; max_model_len is {limit}")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        params.check_vocab(vocab)
 
     def _run(self, total: int, use_tqdm: bool) -> None:
         bar = None

@@ -1,7 +1,9 @@
-"""Tiny randomly initialised Hugging Face checkpoints of each supported family, written by transformers."""
+"""Tiny randomly initialised Hugging Face checkpoints of each supported family, written by transformers,
+and an LLM with injected faults for the server's tests."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -109,3 +111,25 @@ DRAFTER_TARGET_KW = dict(vocab=96, hidden=32, layers=5, heads=4, kv_heads=2, hea
 def save_drafter_target(path: Path) -> Path:
     """The fixtures' target checkpoint (qwen3, seed 0): the drafter fixtures fit it."""
     return save_tiny(path, "qwen3", seed=0, **DRAFTER_TARGET_KW)
+
+
+FAIL_PROMPT = "simulate a device failure"
+
+
+def llm_with_faults(step_delay: float = 0.0, **llm_kwargs):
+    """An LLM whose engine steps take `step_delay` s longer (so a request is surely still running when its
+    client leaves) and fail while a request with the prompt FAIL_PROMPT runs, as a device error would.
+    Module-level, so a server can load it in its engine process (functools.partial pickles it)."""
+    from blockspec import LLM
+
+    llm = LLM(**llm_kwargs)
+    engine, step = llm.engine, llm.engine.step
+
+    def faulty_step():
+        time.sleep(step_delay)
+        if any(r.prompt == FAIL_PROMPT for r in engine.running):
+            raise RuntimeError("simulated device failure")
+        return step()
+
+    engine.step = faulty_step
+    return llm

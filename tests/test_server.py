@@ -5,8 +5,11 @@ requests against LLM.generate, with and without speculation."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,9 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from blockspec import LLM, SamplingParams
 from blockspec.cli import main
-from blockspec.config import ConfigError
 from blockspec.server.app import create_app
-from factories import save_drafter_target, save_tiny, save_tiny_tokenizer
+from factories import FAIL_PROMPT, llm_with_faults, save_drafter_target, save_tiny, save_tiny_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
 MAX_LEN = 128
@@ -53,13 +55,9 @@ class LiveServer:
         self.thread.start()
         wait_until(lambda: self.server.started, 20, "uvicorn to start")
 
-    def wait_ready(self) -> "LiveServer":
+    def wait_ready(self) -> LiveServer:
         wait_until(lambda: httpx.get(f"{self.url}/health").status_code == 200, 30, "/health to answer 200")
         return self
-
-    @property
-    def engine(self):
-        return self.app.state.engine.llm.engine
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60, **kw)
@@ -95,8 +93,12 @@ def text_dir(tmp_path_factory) -> Path:
     return path
 
 
+def text_llm_kwargs(path: Path) -> dict:
+    return dict(model=str(path), device="cpu", max_model_len=MAX_LEN, max_num_seqs=4)
+
+
 def text_llm(path: Path) -> LLM:
-    return LLM(str(path), device="cpu", max_model_len=MAX_LEN, max_num_seqs=4)
+    return LLM(**text_llm_kwargs(path))
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +106,27 @@ def text_ref(text_dir) -> LLM:
     return text_llm(text_dir)
 
 
-@pytest.fixture(scope="module")
-def text_server(text_dir) -> Iterator[LiveServer]:
-    server = LiveServer(create_app(lambda: text_llm(text_dir), "tiny")).wait_ready()
+ENGINE_PLACES = ["thread", "process"]
+
+
+def served(load: Callable[[], LLM], name: str, place: str, **kw) -> LiveServer:
+    """A live server whose engine runs on a thread of this process or in an engine process."""
+    return LiveServer(create_app(load, name, engine_process=place == "process", **kw))
+
+
+@pytest.fixture(scope="module", params=ENGINE_PLACES)
+def text_server(text_dir, request) -> Iterator[LiveServer]:
+    server = served(functools.partial(text_llm, text_dir), "tiny", request.param).wait_ready()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module", params=ENGINE_PLACES)
+def faulty_server(text_dir, request) -> Iterator[LiveServer]:
+    """Steps take >= 10 ms (a request is surely still running when its client leaves) and fail while a
+    request with FAIL_PROMPT runs."""
+    load = functools.partial(llm_with_faults, 0.01, **text_llm_kwargs(text_dir))
+    server = served(load, "tiny", request.param).wait_ready()
     yield server
     server.close()
 
@@ -121,34 +141,15 @@ def plain_ref(target_dir) -> LLM:
     return LLM(str(target_dir), device="cpu", max_model_len=160)
 
 
-@pytest.fixture(scope="module")
-def spec_server(target_dir) -> Iterator[LiveServer]:
+@pytest.fixture(scope="module", params=ENGINE_PLACES)
+def spec_server(target_dir, request) -> Iterator[LiveServer]:
     # a fixed draft length: the adaptive policy would (rightly) stop this random drafter from drafting
     spec = {"method": "dflash", "model": str(FIXTURES / "dflash"), "adaptive_draft_length": False}
-
-    def load() -> LLM:
-        return LLM(str(target_dir), device="cpu", max_model_len=160, max_num_seqs=8, speculative_config=spec)
-
-    server = LiveServer(create_app(load, "spec")).wait_ready()
+    load = functools.partial(LLM, str(target_dir), device="cpu", max_model_len=160, max_num_seqs=8,
+                             speculative_config=spec)
+    server = served(load, "spec", request.param).wait_ready()
     yield server
     server.close()
-
-
-@pytest.fixture
-def slow_engine(monkeypatch) -> Callable[[LiveServer], None]:
-    """Make each engine step take >= 10 ms, so a request is surely still running when its client leaves."""
-
-    def apply(server: LiveServer) -> None:
-        engine = server.engine
-        step = engine.step
-
-        def slow_step():
-            time.sleep(0.01)
-            return step()
-
-        monkeypatch.setattr(engine, "step", slow_step)
-
-    return apply
 
 
 GREEDY = dict(temperature=0, max_tokens=24)
@@ -178,13 +179,11 @@ def test_health_is_503_while_loading_then_200(text_dir):
         server.close()
 
 
-def test_load_failure_is_reported():
+@pytest.mark.parametrize("place", ENGINE_PLACES)
+def test_load_failure_is_reported(text_dir, place):
     failures = []
-
-    def load() -> LLM:
-        raise ConfigError("max_model_len=5 exceeds the model's max_position_embeddings (4)")
-
-    server = LiveServer(create_app(load, "broken", on_load_error=failures.append))
+    load = functools.partial(LLM, str(text_dir), device="cpu", max_model_len=10**6)  # past max_position_embeddings
+    server = served(load, "broken", place, on_engine_error=failures.append)
     try:
         wait_until(lambda: failures, 10, "the load error")
         r = httpx.get(f"{server.url}/health")
@@ -360,48 +359,59 @@ def test_malformed_json_then_server_carries_on(text_server):
 
 
 # ---------------------------------------------------------------- cancellation
-def test_client_leaving_a_stream_aborts_it(text_server, slow_engine):
-    slow_engine(text_server)
-    aborted = metric(text_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
-    with httpx.stream("POST", f"{text_server.url}/v1/completions",
+def test_client_leaving_a_stream_aborts_it(faulty_server):
+    aborted = metric(faulty_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
+    with httpx.stream("POST", f"{faulty_server.url}/v1/completions",
                       json={"prompt": "a", "max_tokens": 120, "ignore_eos": True, "stream": True}) as r:
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
-    wait_until(lambda: metric(text_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
+    wait_until(lambda: metric(faulty_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
                == aborted + 1, 10, "the request to be aborted")
-    after = text_server.metrics()
+    after = faulty_server.metrics()
     assert metric(after, "blockspec:num_requests_running") == 0 and metric(after, "blockspec:kv_cache_usage_perc") == 0
-    assert text_server.client().completions.create(model="tiny", prompt="a", max_tokens=3).usage.completion_tokens >= 1
+    assert faulty_server.client().completions.create(model="tiny", prompt="a", max_tokens=3).usage.completion_tokens >= 1
 
 
-def test_client_leaving_a_non_streaming_request_aborts_it(text_server, slow_engine):
-    slow_engine(text_server)
-    aborted = metric(text_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
+def test_client_leaving_a_non_streaming_request_aborts_it(faulty_server):
+    aborted = metric(faulty_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{text_server.url}/v1/completions", json={"prompt": "a", "max_tokens": 120, "ignore_eos": True},
+        httpx.post(f"{faulty_server.url}/v1/completions", json={"prompt": "a", "max_tokens": 120, "ignore_eos": True},
                    timeout=0.3)
-    wait_until(lambda: metric(text_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
+    wait_until(lambda: metric(faulty_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
                == aborted + 1, 10, "the request to be aborted")
-    assert metric(text_server.metrics(), "blockspec:num_requests_running") == 0
-    assert text_server.client().completions.create(model="tiny", prompt="b", max_tokens=3).usage.completion_tokens >= 1
+    assert metric(faulty_server.metrics(), "blockspec:num_requests_running") == 0
+    assert faulty_server.client().completions.create(model="tiny", prompt="b", max_tokens=3).usage.completion_tokens >= 1
 
 
-def test_engine_failure_fails_the_requests_in_flight_only(text_server, monkeypatch):
-    engine = text_server.engine
-    step, failures = engine.step, iter([RuntimeError("simulated device failure")])
-
-    def failing_step():
-        exc = next(failures, None)
-        if exc is not None:
-            raise exc
-        return step()
-
-    monkeypatch.setattr(engine, "step", failing_step)
-    r = httpx.post(f"{text_server.url}/v1/completions", json={"prompt": "a", "max_tokens": 5})
+def test_engine_failure_fails_the_requests_in_flight_only(faulty_server):
+    r = httpx.post(f"{faulty_server.url}/v1/completions", json={"prompt": FAIL_PROMPT, "max_tokens": 5})
     assert r.status_code == 500 and "simulated device failure" in r.json()["error"]["message"]
-    assert metric(text_server.metrics(), "blockspec:num_requests_running") == 0
-    assert text_server.client().completions.create(model="tiny", prompt="a", max_tokens=2).usage.completion_tokens >= 1
+    assert metric(faulty_server.metrics(), "blockspec:num_requests_running") == 0
+    assert faulty_server.client().completions.create(model="tiny", prompt="a", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_engine_process_death_fails_requests_and_health(text_dir):
+    """The engine process killed mid-request: the request ends in a 500 that says so, /health turns 503
+    with the reason, and the owner hears of it (`blockspec serve` exits on it)."""
+    failures = []
+    load = functools.partial(llm_with_faults, 0.01, **text_llm_kwargs(text_dir))
+    server = served(load, "tiny", "process", on_engine_error=failures.append).wait_ready()
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/completions",
+                          json={"prompt": "a", "max_tokens": 120, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            os.kill(server.app.state.engine.process_id, signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and "engine process exited" in rest[-2]
+        wait_until(lambda: failures, 10, "the engine error to be reported")
+        assert "engine process exited with code -9" in failures[0]
+        r = httpx.get(f"{server.url}/health")
+        assert r.status_code == 503 and "code -9" in r.json()["error"]
+        assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "a"}).status_code == 503
+    finally:
+        server.close()
 
 
 # ---------------------------------------------------------------- concurrency and speculation
@@ -431,22 +441,26 @@ async def fire(url: str, jobs: list[tuple[list[int], dict]]) -> list[dict]:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_concurrent_requests_are_batched_and_exact(spec_server, plain_ref, monkeypatch, temperature):
+def test_concurrent_requests_are_batched_and_exact(spec_server, plain_ref, temperature):
     """12 concurrent requests on 8 slots, every other one opting out of speculation, half of them streamed:
     every output equals LLM.generate's (greedy, and seeded sampling)."""
-    engine = spec_server.engine
-    batch_sizes: list[int] = []
-    step = engine.step
+    batch_sizes: list[float] = []  # the running-requests gauge, polled while the requests run
+    done = threading.Event()
 
-    def recording_step():
-        batch_sizes.append(len(engine.running))
-        return step()
+    def poll() -> None:
+        while not done.is_set():
+            batch_sizes.append(metric(spec_server.metrics(), "blockspec:num_requests_running"))
 
-    monkeypatch.setattr(engine, "step", recording_step)
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
     prompts = token_prompts(6, seed=int(temperature * 10))
     base = dict(temperature=temperature, max_tokens=24, seed=17)
     jobs = [(p, {**base, "use_speculation": spec}) for p in prompts for spec in (True, False)]
-    results = asyncio.run(fire(spec_server.url, jobs))
+    try:
+        results = asyncio.run(fire(spec_server.url, jobs))
+    finally:
+        done.set()
+        poller.join(10)
     want = plain_ref.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**base, ignore_eos=True),
                               use_tqdm=False)
     assert [r["choices"][0]["token_ids"] for r in results] == [o.outputs[0].token_ids for o in want for _ in "ab"]
@@ -480,6 +494,50 @@ def test_spec_metrics_match_responses(spec_server):
         assert metric(after, f"blockspec:{gauge}") == 0
     assert any(name == "blockspec:spec_decode_num_accepted_tokens_per_pos_total" and ("position", "0") in labels
                for name, labels in after)
+
+
+def test_deltas_that_waited_together_are_merged_per_choice():
+    """A front that falls behind the engine sends one chunk per choice for all the steps it missed, with
+    nothing lost or reordered; an error among them ends the request."""
+    from blockspec.engine.request import Logprob, SpecStats
+    from blockspec.server.async_engine import AsyncEngine, Delta, StepReport
+    from blockspec.server.metrics import EngineGauges, ServerMetrics, StepMetrics
+
+    def lp(tok: int) -> dict:
+        return {tok: Logprob(-float(tok), 1)}
+
+    def report(*outputs) -> StepReport:
+        return StepReport(list(outputs), StepMetrics(EngineGauges(0, 0, 0.0, 0, SpecStats())))
+
+    async def run() -> tuple[list[Delta], list[str]]:
+        engine = AsyncEngine(lambda: None, ServerMetrics("m"))
+        got = []
+        stream = engine.generate("r", [(None, [1])], SamplingParams(n=2))
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)  # the request is registered; three steps' reports arrive before it wakes
+        engine._receive(report(("r", Delta(0, "a", [1], [lp(1)])), ("r", Delta(1, "x", [7], [lp(7)]))))
+        engine._receive(report(("other", Delta(0, "?", [9], None)), ("r", Delta(0, "b", [2], [lp(2)]))))
+        spec = SpecStats(1, 2, 1, [1, 0])
+        engine._receive(report(("r", Delta(0, "c", [3], [lp(3)], "stop", "c", None, spec)),
+                               ("r", Delta(1, "y", [8], [lp(8)], "length"))))
+        got.append(await first)
+        got += [d async for d in stream]
+        errors = []
+        failing = engine.generate("s", [(None, [1])], SamplingParams())
+        pending = asyncio.ensure_future(failing.__anext__())
+        await asyncio.sleep(0)
+        engine._receive(report(("s", Delta(0, "a", [1], None)), ("s", RuntimeError("device lost"))))
+        try:
+            await pending
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        return got, errors
+
+    got, errors = asyncio.run(run())
+    assert [(d.index, d.text, d.token_ids, d.finish_reason) for d in got] == [(0, "abc", [1, 2, 3], "stop"),
+                                                                              (1, "xy", [7, 8], "length")]
+    assert got[0].logprobs == [lp(1), lp(2), lp(3)] and got[0].stop_reason == "c" and got[0].spec.num_drafts == 1
+    assert got[1].spec is None and errors == ["device lost"]
 
 
 def test_serving_moves_what_loading_left_alive_out_of_the_collectors_reach():

@@ -6,6 +6,7 @@ Only the command-line wiring lives here, so `blockspec --help` does not import t
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import sys
 from collections.abc import Callable
@@ -27,6 +28,9 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     g.add_argument("--seed", type=int, default=None, help="engine seed for requests that give none")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a process of its own, so the HTTP side never takes its interpreter "
+                        "lock (default); --no-engine-process runs it on a thread of the server's process")
     p.set_defaults(func=run_serve)
 
 
@@ -46,18 +50,19 @@ def freezing_after(load: Callable[[], T]) -> Callable[[], T]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serve until interrupted; exit 2 if the model cannot be loaded."""
+    """Serve until interrupted; exit 2 if the model cannot be loaded or the engine process dies."""
     import uvicorn
 
     from blockspec.cli import build_llm
     from blockspec.server.app import create_app
 
-    def load_failed(message: str) -> None:
+    def engine_failed(message: str) -> None:
         print(f"error: {message}", file=sys.stderr)
         server.should_exit = True
 
-    app = create_app(freezing_after(lambda: build_llm(args)), args.served_model_name or args.model,
-                     on_load_error=load_failed)
+    load = functools.partial(build_llm, args)  # pickles, for the engine process (which freezes after it)
+    app = create_app(load if args.engine_process else freezing_after(load), args.served_model_name or args.model,
+                     on_engine_error=engine_failed, engine_process=args.engine_process)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     server.run()
     return 2 if app.state.engine.load_error else 0

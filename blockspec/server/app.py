@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from blockspec.engine.engine import RequestError
 from blockspec.engine.request import Logprob, SpecStats
 from blockspec.errors import USER_ERRORS
-from blockspec.llm import LLM
+from blockspec.llm import LLM, ModelInputs
 from blockspec.sampling_params import SamplingParams
 from blockspec.server.async_engine import AsyncEngine, Delta, Prompt
 from blockspec.server.metrics import ServerMetrics
@@ -71,7 +71,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 
 # ---------------------------------------------------------------- inputs
-def completion_prompts(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+def completion_prompts(inputs: ModelInputs, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
     """One (text, ids) per prompt: a string, a list of strings, token ids or a list of token-id lists."""
     single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
     items = [prompt] if single else list(prompt)
@@ -81,14 +81,14 @@ def completion_prompts(llm: LLM, prompt: str | list[str] | list[int] | list[list
     for i, p in enumerate(items):
         where = "prompt" if single else f"prompt[{i}]"
         try:
-            out.append(llm._prompt_ids(p if isinstance(p, str) else {"prompt_token_ids": p}, where))
+            out.append(inputs.prompt_ids(p if isinstance(p, str) else {"prompt_token_ids": p}, where))
         except RequestError as exc:
             raise user_error(exc, "prompt") from None
     return out
 
 
-def chat_prompt(llm: LLM, body: ChatCompletionRequest) -> Prompt:
-    tok = llm.tokenizer
+def chat_prompt(inputs: ModelInputs, body: ChatCompletionRequest) -> Prompt:
+    tok = inputs.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
     if not body.messages:
@@ -102,13 +102,13 @@ def chat_prompt(llm: LLM, body: ChatCompletionRequest) -> Prompt:
     return None, list(ids if isinstance(ids, list) else ids["input_ids"])
 
 
-def check_prompts(llm: LLM, prompts: list[Prompt], params: SamplingParams) -> None:
+def check_prompts(inputs: ModelInputs, prompts: list[Prompt], params: SamplingParams) -> None:
     """Everything the engine would refuse, refused here with a 400; plus prompt + max_tokens <= context."""
-    limit = llm.engine.config.max_model_len
+    limit = inputs.max_model_len
     for i, (_, ids) in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         try:
-            llm._check_prompt(ids, params, where)
+            inputs.check_prompt(ids, params, where)
         except RequestError as exc:
             raise user_error(exc, "prompt") from None
         if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
@@ -295,11 +295,12 @@ async def abort_on_disconnect(request: Request, engine: AsyncEngine, request_id:
 
 # ---------------------------------------------------------------- app
 def create_app(load: Callable[[], LLM], served_model_name: str,
-               on_load_error: Callable[[str], None] | None = None) -> FastAPI:
-    """An app that loads its model (`load()`, on the engine thread) when it starts serving;
-    /health answers 503 until the model is ready."""
+               on_engine_error: Callable[[str], None] | None = None, engine_process: bool = False) -> FastAPI:
+    """An app that loads its model (`load()`, on the engine's thread, or in the engine process with
+    `engine_process`) when it starts serving; /health answers 503 until the model is ready.
+    `on_engine_error` hears why the engine cannot serve: it failed to load, or its process died."""
     metrics = ServerMetrics(served_model_name)
-    engine = AsyncEngine(load, metrics, on_load_error)
+    engine = AsyncEngine(load, metrics, on_engine_error, process=engine_process)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -328,20 +329,20 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
         log.exception("request failed", exc_info=exc)
         return APIError(500, str(exc), type="internal_server_error").response()
 
-    def ready_llm(model: str | None = None) -> LLM:
-        if engine.llm is None:
+    def ready_inputs(model: str | None = None) -> ModelInputs:
+        if engine.inputs is None:
             message = f"the model failed to load: {engine.load_error}" if engine.load_error else "the model is loading"
             raise APIError(503, message, type="service_unavailable")
         if model is not None and model != served_model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {served_model_name!r}",
                            param="model", code="model_not_found")
-        return engine.llm
+        return engine.inputs
 
-    async def generate(request: Request, body: GenerationRequest, llm: LLM, prompts: list[Prompt],
+    async def generate(request: Request, body: GenerationRequest, inputs: ModelInputs, prompts: list[Prompt],
                        params: SamplingParams, renderer_type: type[Renderer]) -> Response:
-        check_prompts(llm, prompts, params)
-        renderer = renderer_type(body, served_model_name, prompts, params, TokenStrings(llm.tokenizer),
-                                 llm.speculative_config is not None)
+        check_prompts(inputs, prompts, params)
+        renderer = renderer_type(body, served_model_name, prompts, params, TokenStrings(inputs.tokenizer),
+                                 inputs.speculative)
         choices = [Choice() for _ in range(len(prompts) * params.n)]
         deltas = engine.generate(renderer.id, prompts, params)
         if body.stream:
@@ -376,28 +377,29 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        llm = ready_llm(body.model)
+        inputs = ready_inputs(body.model)
         params = body.to_sampling_params(body.max_tokens, body.logprobs)
-        return await generate(request, body, llm, completion_prompts(llm, body.prompt), params, CompletionRenderer)
+        return await generate(request, body, inputs, completion_prompts(inputs, body.prompt), params,
+                              CompletionRenderer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        llm = ready_llm(body.model)
+        inputs = ready_inputs(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.to_sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-        return await generate(request, body, llm, [chat_prompt(llm, body)], params, ChatRenderer)
+        return await generate(request, body, inputs, [chat_prompt(inputs, body)], params, ChatRenderer)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        llm = ready_llm()
-        return ModelList(data=[ModelCard(id=served_model_name, root=str(llm.model_dir),
-                                         max_model_len=llm.engine.config.max_model_len)])
+        inputs = ready_inputs()
+        return ModelList(data=[ModelCard(id=served_model_name, root=str(inputs.model_dir),
+                                         max_model_len=inputs.max_model_len)])
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.llm is None:
+        if engine.inputs is None:
             status = {"status": "failed", "error": engine.load_error} if engine.load_error else {"status": "loading"}
             return JSONResponse(status, status_code=503)
         return JSONResponse({"status": "ok"})

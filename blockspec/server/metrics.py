@@ -2,15 +2,18 @@
 usual "difference the spec-decode counters over a run" recipes work unchanged.
 
 Each app gets its own CollectorRegistry (several servers can live in one process, as in tests).
-Everything is updated from the engine thread; prometheus-client's metrics are thread-safe.
+The engine side describes each step in plain values (`StepMetrics`), which the server's event loop
+applies, so the engine may run in another process.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from blockspec.engine.engine import Engine
-from blockspec.engine.request import Request
+from blockspec.engine.request import Request, SpecStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -20,8 +23,48 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                960.0, 1920.0, 7680.0)
 
 
+@dataclass
+class EngineGauges:
+    """The engine's queue, KV and cumulative counters after a step: plain values, so a step's report
+    can cross to the server's front process."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    num_generated: int
+    spec: SpecStats
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineGauges:
+        cache = engine.runner.cache
+        spec = SpecStats()
+        spec.merge(engine.spec_totals)
+        return cls(len(engine.running), len(engine.waiting), 1 - cache.num_free_slots / cache.max_slots,
+                   engine.num_generated, spec)
+
+
+@dataclass
+class StepMetrics:
+    """What the metrics learn from one engine step."""
+
+    engine: EngineGauges
+    first_tokens: list[tuple[int, float]] = field(default_factory=list)  # (prompt tokens, seconds to first token)
+    # (finish reason, seconds from arrival to finish, mean seconds per output token after the first, if any)
+    finishes: list[tuple[str, float, float | None]] = field(default_factory=list)
+
+    def first_token(self, req: Request, arrival: float) -> None:
+        assert req.first_token_time is not None
+        self.first_tokens.append((len(req.prompt_token_ids), max(req.first_token_time - arrival, 0.0)))
+
+    def finish(self, req: Request, arrival: float, finish_time: float) -> None:
+        tpot = None
+        if req.first_token_time is not None and len(req.output_ids) > 1:
+            tpot = (finish_time - req.first_token_time) / (len(req.output_ids) - 1)
+        self.finishes.append((req.finish_reason or "abort", max(finish_time - arrival, 0.0), tpot))
+
+
 class ServerMetrics:
-    """The server's metrics; `observe_*` are called by the engine thread at the matching events."""
+    """The server's metrics, updated from each engine step's `StepMetrics`."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -58,36 +101,32 @@ class ServerMetrics:
         self._seen_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
         self._seen_generated = 0
 
-    def observe_step(self, engine: Engine) -> None:
-        """Queue gauges, KV usage and the engine's cumulative counters, differenced since the last step."""
-        name = self.model_name
-        self.running.labels(name).set(len(engine.running))
-        self.waiting.labels(name).set(len(engine.waiting))
-        cache = engine.runner.cache
-        self.kv_usage.labels(name).set(1 - cache.num_free_slots / cache.max_slots)
-        self.generation_tokens.labels(name).inc(engine.num_generated - self._seen_generated)
-        self._seen_generated = engine.num_generated
-        s = engine.spec_totals
+    def observe(self, report: StepMetrics) -> None:
+        """One engine step's observations: queue gauges, KV usage, the engine's cumulative counters
+        (differenced since the last report), and the requests that got their first token or finished."""
+        name, s = self.model_name, report.engine
+        self.running.labels(name).set(s.running)
+        self.waiting.labels(name).set(s.waiting)
+        self.kv_usage.labels(name).set(s.kv_usage)
+        self.generation_tokens.labels(name).inc(s.num_generated - self._seen_generated)
+        self._seen_generated = s.num_generated
         drafts, draft_tokens, accepted, per_pos = self._seen_spec
-        self.drafts.labels(name).inc(s.num_drafts - drafts)
-        self.draft_tokens.labels(name).inc(s.num_draft_tokens - draft_tokens)
-        self.accepted.labels(name).inc(s.num_accepted_tokens - accepted)
-        for pos, n in enumerate(s.num_accepted_tokens_per_pos):
+        spec = s.spec
+        self.drafts.labels(name).inc(spec.num_drafts - drafts)
+        self.draft_tokens.labels(name).inc(spec.num_draft_tokens - draft_tokens)
+        self.accepted.labels(name).inc(spec.num_accepted_tokens - accepted)
+        for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
             self.accepted_per_pos.labels(name, str(pos)).inc(n - (per_pos[pos] if pos < len(per_pos) else 0))
-        self._seen_spec = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
-                           list(s.num_accepted_tokens_per_pos))
-
-    def observe_first_token(self, req: Request, arrival: float) -> None:
-        assert req.first_token_time is not None
-        self.prompt_tokens.labels(self.model_name).inc(len(req.prompt_token_ids))
-        self.ttft.labels(self.model_name).observe(max(req.first_token_time - arrival, 0.0))
-
-    def observe_finish(self, req: Request, arrival: float, finish_time: float) -> None:
-        name = self.model_name
-        self.request_success.labels(name, req.finish_reason or "abort").inc()
-        self.e2e.labels(name).observe(max(finish_time - arrival, 0.0))
-        if req.first_token_time is not None and len(req.output_ids) > 1:
-            self.tpot.labels(name).observe((finish_time - req.first_token_time) / (len(req.output_ids) - 1))
+        self._seen_spec = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                           list(spec.num_accepted_tokens_per_pos))
+        for prompt_tokens, ttft in report.first_tokens:
+            self.prompt_tokens.labels(name).inc(prompt_tokens)
+            self.ttft.labels(name).observe(ttft)
+        for reason, e2e, tpot in report.finishes:
+            self.request_success.labels(name, reason).inc()
+            self.e2e.labels(name).observe(e2e)
+            if tpot is not None:
+                self.tpot.labels(name).observe(tpot)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
