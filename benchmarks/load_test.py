@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import socket
 import statistics
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,25 +116,48 @@ async def one_request(client: httpx.AsyncClient, body: dict[str, Any], timeout: 
     return Outcome(True, ids, t_first - t0, tpot), spec
 
 
-async def run_cell(url: str, model: str, prompts: list, level: int, temperature: float, speculation: bool,
-                   max_tokens: int, timeout: float) -> tuple[Cell, list[Outcome]]:
-    sem = asyncio.Semaphore(level)
-    limits = httpx.Limits(max_connections=level, max_keepalive_connections=level)
+async def drive(url: str, model: str, jobs: list[tuple[int, str | list[int]]], clients: int, temperature: float,
+                speculation: bool, max_tokens: int, timeout: float) -> list[tuple[int, Outcome, dict]]:
+    """`jobs` (request index, prompt) through `clients` concurrent streams of one event loop."""
+    sem = asyncio.Semaphore(clients)
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, limits=limits) as client:
-        async def job(i: int, prompt: str | list[int]) -> tuple[Outcome, dict]:
+        async def job(i: int, prompt: str | list[int]) -> tuple[int, Outcome, dict]:
             body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
                     "seed": i, "ignore_eos": True, "use_speculation": speculation, "return_token_ids": True,
                     "stream": True, "stream_options": {"include_usage": True}}
             async with sem:
-                return await one_request(client, body, timeout)
+                return (i, *await one_request(client, body, timeout))
 
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(job(i, p) for i, p in enumerate(prompts)))
-        wall = time.perf_counter() - t0
-    outcomes = [o for o, _ in results]
+        return await asyncio.gather(*(job(i, p) for i, p in jobs))
+
+
+def drive_in_process(*args: Any) -> tuple[float, float, list[tuple[int, Outcome, dict]]]:
+    """`drive` in a worker process: (start, end, results); perf_counter is one clock for all processes."""
+    t0 = time.perf_counter()
+    results = asyncio.run(drive(*args))
+    return t0, time.perf_counter(), results
+
+
+def run_cell(pool: ProcessPoolExecutor | None, processes: int, url: str, model: str, prompts: list, level: int, temperature: float,
+             speculation: bool, max_tokens: int, timeout: float) -> tuple[Cell, list[Outcome]]:
+    """One cell: the clients are spread over the pool's processes (one Python client saturates a core
+    near 64 streams, and then measures itself, not the server), each process taking every P-th request."""
+    shares = min(level, processes) if pool is not None else 1
+    jobs = [[(i, p) for i, p in enumerate(prompts) if i % shares == j] for j in range(shares)]
+    clients = [level // shares + (j < level % shares) for j in range(shares)]
+    common = (url, model)
+    tail = (temperature, speculation, max_tokens, timeout)
+    if pool is None:
+        parts = [drive_in_process(*common, jobs[0], clients[0], *tail)]
+    else:
+        parts = list(pool.map(drive_in_process, *zip(*[(*common, jobs[j], clients[j], *tail) for j in range(shares)])))
+    wall = max(end for _, end, _ in parts) - min(start for start, _, _ in parts)
+    results = sorted((r for _, _, rs in parts for r in rs), key=lambda r: r[0])
+    outcomes = [o for _, o, _ in results]
     good = [o for o in outcomes if o.ok]
-    drafts = sum(s.get("num_drafts", 0) for _, s in results)
-    accepted = sum(s.get("num_accepted_tokens", 0) for _, s in results)
+    drafts = sum(s.get("num_drafts", 0) for _, _, s in results)
+    accepted = sum(s.get("num_accepted_tokens", 0) for _, _, s in results)
     tokens = sum(len(o.token_ids) for o in good)
     cell = Cell(level, temperature, speculation, len(good), len(outcomes) - len(good), tokens, round(wall, 3),
                 round(tokens / wall, 1), percentiles([o.ttft for o in good if o.ttft is not None]),
@@ -184,7 +209,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "blockspec.cli", "serve", "--model", args.model, "--port", str(port),
            "--served-model-name", args.model_name, "--max-num-seqs", str(args.max_num_seqs), "--device", args.device,
-           "--log-level", "warning"]
+           "--log-level", "warning", "--engine-process" if args.engine_process else "--no-engine-process"]
     for flag, value in (("--draft-model", args.draft_model), ("--speculative-config", args.speculative_config),
                         ("--max-model-len", args.max_model_len)):
         if value is not None:
@@ -215,9 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--device", default="auto")
     p.add_argument("--model-name", default="bench", help="served model name")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="as `blockspec serve` takes it: the engine in a process of its own (default) or on a thread")
     p.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16, 64], help="concurrent clients")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
-    p.add_argument("--requests", type=int, default=64, help="requests per cell")
+    p.add_argument("--requests", type=int, default=64, help="requests per cell (at least)")
+    p.add_argument("--requests-per-client", type=int, default=0,
+                   help="at least this many requests per client in a cell: at 64 clients, 64 requests are one "
+                        "batch that starts and ends together, a cell a fraction of a second long")
     p.add_argument("--rounds", type=int, default=1,
                    help="on / off runs per cell, alternating which goes first; the summary takes medians")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -225,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="mixed prompt lengths (tokens with --token-vocab, else characters)")
     p.add_argument("--token-vocab", type=int, default=None, help="random token-id prompts below this id")
     p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 1) // 4)),
+                   help="processes the clients are spread over (default: a quarter of the cores, at most 8)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--out", type=Path, default=Path("load_test"), help="writes OUT.json and OUT.md")
     p.add_argument("--title", default=None)
@@ -232,16 +264,19 @@ def main(argv: list[str] | None = None) -> int:
     if (args.url is None) == (args.model is None):
         p.error("give exactly one of --url and --model")
     proc, url = start_server(args) if args.url is None else (None, args.url)
+    pool = ProcessPoolExecutor(args.client_processes) if args.client_processes > 1 else None
     try:
-        prompts = make_prompts(args.requests, args.prompt_lengths, args.token_vocab, seed=0)
-        asyncio.run(run_cell(url, args.model_name, prompts[:2], 2, 0.0, True, 8, args.request_timeout))  # warm-up
+        count = {level: max(args.requests, args.requests_per_client * level) for level in args.levels}
+        all_prompts = make_prompts(max(count.values()), args.prompt_lengths, args.token_vocab, seed=0)
+        run_cell(pool, args.client_processes, url, args.model_name, all_prompts[:2], 2, 0.0, True, 8, args.request_timeout)  # warm-up
         cells: list[Cell] = []
         for level in args.levels:
+            prompts = all_prompts[:count[level]]
             for temperature in args.temperatures:
                 for rnd in range(args.rounds):  # alternate the order, so drift does not favour one setting
                     order = (True, False) if rnd % 2 == 0 else (False, True)
-                    pair = [asyncio.run(run_cell(url, args.model_name, prompts, level, temperature, spec,
-                                                 args.max_tokens, args.request_timeout)) for spec in order]
+                    pair = [run_cell(pool, args.client_processes, url, args.model_name, prompts, level, temperature, spec,
+                                     args.max_tokens, args.request_timeout) for spec in order]
                     same = all(a.ok and b.ok and a.token_ids == b.token_ids for a, b in zip(pair[0][1], pair[1][1], strict=True))
                     for cell, outcomes in pair:
                         cell.identical_to_twin, cell.round = same, rnd
@@ -252,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                               f"TTFT {cell.ttft_ms}  TPOT {cell.tpot_ms}" + (f"  errors: {errors[:3]}" if errors else ""),
                               flush=True)
     finally:
+        if pool is not None:
+            pool.shutdown()
         if proc is not None:
             proc.terminate()
             proc.wait(30)
