@@ -1,10 +1,10 @@
 """What enabling speculation costs the steps that do not draft: the same engine decodes batches of
-greedy requests (joining one step apart, as at a server) that opted out of speculation
-(`use_speculation=False`), that may speculate but take the plain path every step (the policy forced
-to K = 0: their taps are still kept for the drafter), and that speculate as the policy chooses.
-Per setting: output tok/s and the median, p10 and p90 wall time of an engine step (host clock
-around `step()`, which ends on the step's read-back; the device is not synced between steps, as
-when serving).
+requests (greedy, or seeded sampling at `--temperature`; joining one step apart, as at a server)
+that opted out of speculation (`use_speculation=False`), that may speculate but take the plain
+path every step (the policy forced to K = 0: their taps are still kept for the drafter), and that
+speculate as the policy chooses. Per setting: output tok/s and the median, p10 and p90 wall time
+of an engine step (host clock around `step()`, which ends on the step's read-back; the device is
+not synced between steps, as when serving).
 
     python benchmarks/spec_overhead.py --model blockspec/assets/default/target \
         --draft-model blockspec/assets/default/dspark --method dspark --out overhead.json
@@ -25,7 +25,7 @@ from blockspec import LLM, SamplingParams
 
 
 def measure(llm: LLM, batch: int, speculate: bool, force_plain: bool, steps: int, prompt_len: int,
-            profile: bool = False) -> dict:
+            temperature: float = 0.0, profile: bool = False) -> dict:
     engine = llm.engine
     choose = engine.policy.choose
     choices: Counter[int] = Counter()
@@ -36,8 +36,9 @@ def measure(llm: LLM, batch: int, speculate: bool, force_plain: bool, steps: int
         return k
 
     engine.policy.choose = counted
-    params = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True, use_speculation=speculate)
     for i in range(batch):  # one request joins per step, as requests arrive at a server
+        params = SamplingParams(temperature=temperature, seed=i, max_tokens=10**6, ignore_eos=True,
+                                use_speculation=speculate)
         engine.add_request(f"r{i}", None, [5 + (i + j) % 50 for j in range(prompt_len)], params)
         engine.step()
     for _ in range(20):  # the policy's first measurements at the full batch
@@ -55,7 +56,7 @@ def measure(llm: LLM, batch: int, speculate: bool, force_plain: bool, steps: int
             profiler.disable()
         walls.append((time.perf_counter() - start) * 1e3)
     seconds = time.perf_counter() - t0
-    out = {"batch": batch, "use_speculation": speculate, "policy": "plain forced" if force_plain else "adaptive",
+    out = {"batch": batch, "temperature": temperature, "use_speculation": speculate, "policy": "plain forced" if force_plain else "adaptive",
            "tok_s": (engine.num_generated - generated) / seconds, "step_ms_median": statistics.median(walls),
            "step_ms_p10": sorted(walls)[steps // 10], "step_ms_p90": sorted(walls)[9 * steps // 10],
            "drafts": engine.spec_totals.as_dict().get("num_drafts", 0) - drafts,
@@ -81,6 +82,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=1, help="measure each setting this often, alternating the order")
     ap.add_argument("--prompt-len", type=int, default=55)
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's (seeded per request)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", action="store_true", help="print each setting's hottest host functions (cProfile)")
     ap.add_argument("--out", default=None)
@@ -92,7 +94,8 @@ def main() -> None:
     settings = ((False, False), (True, True), (True, False))
     for batch, rnd in ((b, r) for b in batches for r in range(args.rounds)):
         for speculate, force_plain in settings if rnd % 2 == 0 else settings[::-1]:  # alternate the order
-            row = measure(llm, batch, speculate, force_plain, args.steps, args.prompt_len, args.profile)
+            row = measure(llm, batch, speculate, force_plain, args.steps, args.prompt_len, args.temperature,
+                          args.profile)
             row["round"] = rnd
             rows.append(row)
             print(f"batch {batch:3d}  use_speculation={speculate!s:5}  policy {row['policy']:12}  "
