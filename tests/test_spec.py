@@ -665,7 +665,7 @@ def test_pipelined_steps_are_priced_one_step_each_across_switches(target):
     # speculative sample sits between two plain ones; without the lone sample it never does
     ks = [k for k, _ in seen]
     assert any(ks[i - 1:i + 2] == [0, 3, 0] for i in range(1, len(ks) - 1)), ks
-    assert all(delay <= s < 1.5 * delay for s in plain), plain
+    assert all(delay <= s < 1.9 * delay for s in plain), plain  # two launches: 2 delays
     assert all(s >= delay for s in spec), spec
 
 
