@@ -506,8 +506,9 @@ def test_deltas_that_waited_together_are_merged_per_choice():
     def lp(tok: int) -> dict:
         return {tok: Logprob(-float(tok), 1)}
 
-    def report(*outputs) -> StepReport:
-        return StepReport(list(outputs), StepMetrics(EngineGauges(0, 0, 0.0, 0, SpecStats())))
+    def report(*outputs) -> StepReport:  # deltas travel as their fields
+        wire = [(rid, d if isinstance(d, BaseException) else tuple(vars(d).values())) for rid, d in outputs]
+        return StepReport(wire, StepMetrics(EngineGauges(0, 0, 0.0, 0, SpecStats())))
 
     async def run() -> tuple[list[Delta], list[str]]:
         engine = AsyncEngine(lambda: None, ServerMetrics("m"))

@@ -96,11 +96,17 @@ class LoadFailed:
     message: str
 
 
+DeltaFields = tuple  # a Delta's fields in order: how a delta crosses to the front
+Outputs = list[tuple[str, DeltaFields | BaseException]]  # (the front's request id, its new output)
+
+
 @dataclass
 class StepReport:
-    """One step's output: each request's new output (or the error that ended it), and the metrics."""
+    """One step's output: each request's new output (or the error that ended it), and the metrics.
+    Deltas travel as plain tuples: a report crosses a pipe every step, and 64 dataclasses took 190 us
+    to pickle and 150 us to unpickle on this project's CPU, 64 tuples 22 and 29 us."""
 
-    outputs: list[tuple[str, Delta | BaseException]]
+    outputs: Outputs
     metrics: StepMetrics
 
 
@@ -120,9 +126,9 @@ class _Tracker:
     sent_chars: int = 0
     started: bool = False
 
-    def poll(self) -> Delta | None:
-        """The new output since the last poll, or None. While a stop string could still match, its
-        possible beginning is held back, so streamed text never has to be taken back."""
+    def poll(self) -> DeltaFields | None:
+        """The new output since the last poll (a Delta's fields), or None. While a stop string could
+        still match, its possible beginning is held back, so streamed text never has to be taken back."""
         req = self.req
         done = req.finish_reason is not None
         n = len(req.output_ids)
@@ -136,9 +142,9 @@ class _Tracker:
         if done:
             spec = SpecStats()
             spec.merge(req.spec)
-        delta = Delta(self.index, text[self.sent_chars:visible], req.output_ids[self.sent_tokens:n],
-                      req.logprobs[self.sent_tokens:n] if req.logprobs is not None else None,
-                      req.finish_reason, req.stop_reason, req.error, spec)
+        delta = (self.index, text[self.sent_chars:visible], req.output_ids[self.sent_tokens:n],
+                 req.logprobs[self.sent_tokens:n] if req.logprobs is not None else None,
+                 req.finish_reason, req.stop_reason, req.error, spec)
         self.sent_tokens, self.sent_chars = n, visible
         return delta
 
@@ -158,7 +164,7 @@ class EngineLoop:
         engine = self.engine
         self._report([])
         while True:
-            outputs: list[tuple[str, Delta | BaseException]] = []
+            outputs: Outputs = []
             for cmd in commands(not engine.has_unfinished()):
                 if isinstance(cmd, Stop):
                     for tracker in self._trackers.values():
@@ -177,7 +183,7 @@ class EngineLoop:
                     self._fail_all(exc, outputs)
             self._report(outputs)
 
-    def _add(self, cmd: Add, outputs: list[tuple[str, Delta | BaseException]]) -> None:
+    def _add(self, cmd: Add, outputs: Outputs) -> None:
         added = []
         try:
             for i, (text, ids) in enumerate(cmd.prompts):
@@ -189,7 +195,7 @@ class EngineLoop:
             return
         self._trackers.update((t.req.request_id, t) for t in added)
 
-    def _report(self, outputs: list[tuple[str, Delta | BaseException]]) -> None:
+    def _report(self, outputs: Outputs) -> None:
         """Send every request's new output with the metrics (gauges first taken: a client that got its
         answer sees the counts)."""
         metrics = StepMetrics(EngineGauges.of(self.engine))
@@ -202,12 +208,12 @@ class EngineLoop:
             if delta is None:
                 continue
             outputs.append((t.request_id, delta))
-            if delta.finish_reason is not None:
+            if req.finish_reason is not None:  # its last delta
                 metrics.finish(req, t.arrival, req.finish_time or time.perf_counter())
                 del self._trackers[rid]
         self.send(StepReport(outputs, metrics))
 
-    def _fail_all(self, exc: Exception, outputs: list[tuple[str, Delta | BaseException]]) -> None:
+    def _fail_all(self, exc: Exception, outputs: Outputs) -> None:
         error = RuntimeError(f"the engine failed while serving this request: {type(exc).__name__}: {exc}")
         for t in self._trackers.values():
             self.engine.abort(t.req.request_id)
@@ -343,7 +349,7 @@ class AsyncEngine:
             for request_id, item in report.outputs:
                 out = self._queues.get(request_id)
                 if out is not None:  # else: the client left; its abort is on its way
-                    out.put_nowait(item)
+                    out.put_nowait(item if isinstance(item, BaseException) else Delta(*item))
         elif isinstance(report, Loaded):
             self.inputs = report.inputs
         else:
