@@ -222,6 +222,11 @@ def test_cli_serve_exits_when_the_model_cannot_load(tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def test_cli_serve_refuses_tensor_parallelism_by_name(text_dir, capsys):
+    assert main(["serve", "--model", str(text_dir), "--tensor-parallel-size", "2", "--port", "0"]) == 2
+    assert "--tensor-parallel-size 2" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- API shape
 def test_completion_equals_llm_generate(text_server, text_ref):
     want = text_ref.generate("def f(x):", SamplingParams(**GREEDY, ignore_eos=True), use_tqdm=False)[0]
