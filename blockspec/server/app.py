@@ -399,7 +399,7 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.inputs is None:
+        if not engine.ready:
             status = {"status": "failed", "error": engine.load_error} if engine.load_error else {"status": "loading"}
             return JSONResponse(status, status_code=503)
         return JSONResponse({"status": "ok"})

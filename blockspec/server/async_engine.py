@@ -270,7 +270,6 @@ class AsyncEngine:
         self.metrics = metrics
         self.process = process
         self.inputs: ModelInputs | None = None  # set once the engine is loaded
-        self.llm: LLM | None = None  # the loaded LLM, when the engine runs on a thread of this process
         self.load_error: str | None = None
         self._queues: dict[str, asyncio.Queue[Delta | BaseException]] = {}
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -380,11 +379,7 @@ class AsyncEngine:
             except queue.Empty:
                 return None
 
-        def load() -> LLM:
-            self.llm = self._load()
-            return self.llm
-
-        serve_engine(load, lambda block: _drain(self._commands.get, more, block), self._post)
+        serve_engine(self._load, lambda block: _drain(self._commands.get, more, block), self._post)
 
     def _start_process(self) -> None:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that has threads (uvicorn, torch)
