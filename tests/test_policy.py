@@ -232,3 +232,16 @@ def test_a_settled_choice_is_what_scoring_every_step_would_choose():
         scored += len(counted) // len(policy.candidates)
     assert sum(plain) > 2000 and scored < len(plain) - sum(plain) / 2
     assert not all(_lockstep(_Sticky(7), seed) for seed in range(12))
+
+
+def test_view_reports_what_was_chosen_measured_and_expected():
+    """The metrics' view: steps per chosen K, each measured (bucket, K)'s minimum, expected tokens."""
+    policy = DraftLengthPolicy(8)
+    chosen = drive(policy, 300, {0: 1.0, 1: 1.1, 2: 1.2, 4: 1.4, 8: 1.8}, accept=0.9, batch=16)
+    view = policy.view()
+    assert view.chosen == {k: chosen.count(k) for k in set(chosen)} and sum(view.chosen.values()) == 300
+    assert view.step_seconds == {(16, k): t for k, t in {0: 1.0, 1: 1.1, 2: 1.2, 4: 1.4, 8: 1.8}.items()
+                                 if k in chosen}
+    prefix = policy.prefix_acceptance()
+    assert view.expected_tokens == {k: 1 + sum(prefix[:k]) for k in (0, 1, 2, 4, 8)}
+    assert view.expected_tokens[0] == 1 and view.expected_tokens[8] > view.expected_tokens[1] > 1

@@ -499,6 +499,13 @@ def test_spec_metrics_match_responses(spec_server):
         assert metric(after, f"blockspec:{gauge}") == 0
     assert any(name == "blockspec:spec_decode_num_accepted_tokens_per_pos_total" and ("position", "0") in labels
                for name, labels in after)
+    # the draft-length policy's view (this server's policy is fixed: every decode step takes K = k_max)
+    steps = {k: delta("blockspec:spec_decode_policy_steps_total", draft_length=k)
+             for k in {dict(ls)["draft_length"] for n, ls in after if n == "blockspec:spec_decode_policy_steps_total"}}
+    (k, n), = [(k, n) for k, n in steps.items() if n]
+    assert k != "0" and spec["num_drafts"] <= n <= 20
+    assert metric(after, "blockspec:spec_decode_policy_expected_tokens", draft_length=k) > 1
+    assert metric(after, "blockspec:spec_decode_policy_step_seconds", draft_length=k) > 0
 
 
 def test_deltas_that_waited_together_are_merged_per_choice():

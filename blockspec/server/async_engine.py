@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import multiprocessing
 import queue
 import signal
@@ -153,10 +154,13 @@ class EngineLoop:
     """Owns an Engine: applies commands between steps, steps while there is work, and sends what each
     step produced as one StepReport."""
 
+    POLICY_EVERY_S = 0.5  # how often a report carries the draft-length policy's view (it costs ~20 us)
+
     def __init__(self, engine: Engine, send: Callable[[Report], None]) -> None:
         self.engine = engine
         self.send = send
         self._trackers: dict[str, _Tracker] = {}  # engine request id -> tracker
+        self._policy_sent = -math.inf
 
     def run(self, commands: Callable[[bool], list[Command]]) -> None:
         """Serve until a Stop; `commands(block)` returns the commands waiting (blocking for one when
@@ -196,9 +200,10 @@ class EngineLoop:
         self._trackers.update((t.req.request_id, t) for t in added)
 
     def _report(self, outputs: Outputs) -> None:
-        """Send every request's new output with the metrics (gauges first taken: a client that got its
-        answer sees the counts)."""
+        """Send every request's new output with the metrics (which the front applies first: a client
+        that got its answer sees the counts)."""
         metrics = StepMetrics(EngineGauges.of(self.engine))
+        finished = False
         for rid, t in list(self._trackers.items()):
             req = t.req
             if not t.started and req.first_token_time is not None:
@@ -211,6 +216,11 @@ class EngineLoop:
             if req.finish_reason is not None:  # its last delta
                 metrics.finish(req, t.arrival, req.finish_time or time.perf_counter())
                 del self._trackers[rid]
+                finished = True
+        now = time.perf_counter()
+        if self.engine.proposer is not None and (finished or now - self._policy_sent >= self.POLICY_EVERY_S):
+            metrics.engine.policy = self.engine.policy.view()  # with every answer, so its client sees it
+            self._policy_sent = now
         self.send(StepReport(outputs, metrics))
 
     def _fail_all(self, exc: Exception, outputs: Outputs) -> None:

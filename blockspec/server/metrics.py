@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from blockspec.engine.engine import Engine
 from blockspec.engine.request import Request, SpecStats
+from blockspec.spec.policy import PolicyView
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -33,6 +34,7 @@ class EngineGauges:
     kv_usage: float
     num_generated: int
     spec: SpecStats
+    policy: PolicyView | None = None  # the draft-length policy's view, when this report carries it
 
     @classmethod
     def of(cls, engine: Engine) -> EngineGauges:
@@ -91,6 +93,15 @@ class ServerMetrics:
         self.accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted, by position in the block.", ("position",))
+        self.policy_steps = counter("spec_decode_policy_steps",
+                                    "Decode steps by the number of drafts the policy chose (0 = plain).",
+                                    ("draft_length",))
+        self.policy_step_seconds = Gauge("blockspec:spec_decode_policy_step_seconds",
+                                         "The policy's measured step time (minimum of recent samples).",
+                                         ["model_name", "batch_bucket", "draft_length"], registry=r)
+        self.policy_expected_tokens = Gauge("blockspec:spec_decode_policy_expected_tokens",
+                                            "Tokens per request and step the policy expects of each draft length.",
+                                            ["model_name", "draft_length"], registry=r)
         self.ttft = histogram("time_to_first_token_seconds", "From arrival to the first token.", TTFT_BUCKETS)
         self.tpot = histogram("time_per_output_token_seconds",
                               "Mean time per output token after the first, per request.", TPOT_BUCKETS)
@@ -100,6 +111,7 @@ class ServerMetrics:
             metric.labels(model_name)  # export every series from the start, at zero
         self._seen_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
         self._seen_generated = 0
+        self._seen_chosen: dict[int, int] = {}
 
     def observe(self, report: StepMetrics) -> None:
         """One engine step's observations: queue gauges, KV usage, the engine's cumulative counters
@@ -119,6 +131,8 @@ class ServerMetrics:
             self.accepted_per_pos.labels(name, str(pos)).inc(n - (per_pos[pos] if pos < len(per_pos) else 0))
         self._seen_spec = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
                            list(spec.num_accepted_tokens_per_pos))
+        if s.policy is not None:
+            self._observe_policy(s.policy)
         for prompt_tokens, ttft in report.first_tokens:
             self.prompt_tokens.labels(name).inc(prompt_tokens)
             self.ttft.labels(name).observe(ttft)
@@ -127,6 +141,16 @@ class ServerMetrics:
             self.e2e.labels(name).observe(e2e)
             if tpot is not None:
                 self.tpot.labels(name).observe(tpot)
+
+    def _observe_policy(self, view: PolicyView) -> None:
+        name = self.model_name
+        for k, n in view.chosen.items():
+            self.policy_steps.labels(name, str(k)).inc(n - self._seen_chosen.get(k, 0))
+        self._seen_chosen = dict(view.chosen)
+        for (bucket, k), seconds in view.step_seconds.items():
+            self.policy_step_seconds.labels(name, str(bucket), str(k)).set(seconds)
+        for k, tokens in view.expected_tokens.items():
+            self.policy_expected_tokens.labels(name, str(k)).set(tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,11 +14,23 @@ depend on it.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
+from dataclasses import dataclass
 
 
 PRIOR_TRIALS = 2.0  # pseudo-trials a position's acceptance rate borrows from the position before it
 NEAR_TIE = 0.02  # scores within this fraction of the best count as a tie, which the longer K takes
+
+
+@dataclass
+class PolicyView:
+    """What the policy has chosen and believes, for metrics: how many steps took each K, the measured
+    step seconds per (batch bucket, K) (the minimum of recent samples), and the expected tokens per
+    request and step of each K from the acceptance seen."""
+
+    chosen: dict[int, int]
+    step_seconds: dict[tuple[int, int], float]
+    expected_tokens: dict[int, float]
 
 
 def batch_bucket(batch: int) -> int:
@@ -46,6 +58,7 @@ class DraftLengthPolicy:
         self._settled: tuple[int, int, float] | None = None
         self.settles = True
         self.steps = 0
+        self.chosen: Counter[int] = Counter()  # steps by the K chosen for them
 
     # ---------------------------------------------------------------- observations
     def observe_acceptance(self, lens: list[int], accepted: list[int]) -> None:
@@ -93,6 +106,16 @@ class DraftLengthPolicy:
 
     def choose(self, batch: int) -> int:
         """Drafts to verify per request this step (0 = take the plain path)."""
+        k = self._choose(batch)
+        self.chosen[k] += 1
+        return k
+
+    def view(self) -> PolicyView:
+        prefix = self.prefix_acceptance()
+        return PolicyView(dict(self.chosen), {key: min(w) for key, w in self.samples.items() if w},
+                          {k: self.expected_tokens(k, prefix) for k in self.candidates})
+
+    def _choose(self, batch: int) -> int:
         self.steps += 1
         if not self.adaptive:
             return self.k_max
