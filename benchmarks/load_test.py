@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 
 @dataclass
@@ -63,6 +64,9 @@ class Cell:
     draft_step_share: float | None = None
     identical_to_twin: bool | None = None
     round: int = 0
+    # server steps by the draft length the policy chose (/metrics, differenced over the cell; every
+    # step the server ran meanwhile, the twin setting's opted-out requests included)
+    policy_steps: dict[str, int] = field(default_factory=dict)
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -169,6 +173,13 @@ def run_cell(pool: ProcessPoolExecutor | None, processes: int, url: str, model: 
     return cell, outcomes
 
 
+def policy_steps(url: str) -> dict[str, int]:
+    """The server's decode steps so far by the draft length its policy chose (empty without a drafter)."""
+    text = httpx.get(f"{url}/metrics").text
+    return {s.labels["draft_length"]: int(s.value) for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == "blockspec:spec_decode_policy_steps_total"}
+
+
 def ratios(cells: list[Cell]) -> list[dict[str, Any]]:
     """Per (clients, T): each round's on / off output tok/s and their median, the settings' medians."""
     out = []
@@ -185,7 +196,7 @@ def ratios(cells: list[Cell]) -> list[dict[str, Any]]:
 def markdown(cells: list[Cell], title: str) -> str:
     rounds = len({c.round for c in cells})
     head = ("| clients | T | spec | completed | errors | out tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms "
-            "| accept len | draft steps | = twin |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| accept len | draft steps | steps by K | = twin |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 
     def trio(d: dict[str, float]) -> str:
         return " / ".join(f"{d[k]:.1f}" for k in ("p50", "p90", "p99")) if d else "-"
@@ -194,6 +205,7 @@ def markdown(cells: list[Cell], title: str) -> str:
             f" | {c.completed} | {c.errors} | "
             f"{c.tok_per_s} | {trio(c.ttft_ms)} | {trio(c.tpot_ms)} | {c.mean_acceptance_length or '-'} | "
             f"{'-' if c.draft_step_share is None else f'{100 * c.draft_step_share:.0f} %'} | "
+            f"{' '.join(f'{k}:{n}' for k, n in c.policy_steps.items() if n) or '-'} | "
             f"{'-' if c.identical_to_twin is None else 'yes' if c.identical_to_twin else 'NO'} |" for c in cells]
     summary = ["", "| clients | T | on tok/s (median) | off tok/s (median) | on / off by round | median on / off |",
                "|---|---|---|---|---|---|"]
@@ -275,8 +287,13 @@ def main(argv: list[str] | None = None) -> int:
             for temperature in args.temperatures:
                 for rnd in range(args.rounds):  # alternate the order, so drift does not favour one setting
                     order = (True, False) if rnd % 2 == 0 else (False, True)
-                    pair = [run_cell(pool, args.client_processes, url, args.model_name, prompts, level, temperature, spec,
-                                     args.max_tokens, args.request_timeout) for spec in order]
+                    pair = []
+                    for spec in order:
+                        before = policy_steps(url)
+                        pair.append(run_cell(pool, args.client_processes, url, args.model_name, prompts, level,
+                                             temperature, spec, args.max_tokens, args.request_timeout))
+                        after = policy_steps(url)
+                        pair[-1][0].policy_steps = {k: n - before.get(k, 0) for k, n in sorted(after.items())}
                     same = all(a.ok and b.ok and a.token_ids == b.token_ids for a, b in zip(pair[0][1], pair[1][1], strict=True))
                     for cell, outcomes in pair:
                         cell.identical_to_twin, cell.round = same, rnd
