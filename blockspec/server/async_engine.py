@@ -154,7 +154,9 @@ class EngineLoop:
     """Owns an Engine: applies commands between steps, steps while there is work, and sends what each
     step produced as one StepReport."""
 
-    POLICY_EVERY_S = 0.5  # how often a report carries the draft-length policy's view (it costs ~20 us)
+    # how often a report carries the draft-length policy's view (about 20 us to build), and when the
+    # last request in flight finishes
+    POLICY_EVERY_S = 0.5
 
     def __init__(self, engine: Engine, send: Callable[[Report], None]) -> None:
         self.engine = engine
@@ -218,8 +220,9 @@ class EngineLoop:
                 del self._trackers[rid]
                 finished = True
         now = time.perf_counter()
-        if self.engine.proposer is not None and (finished or now - self._policy_sent >= self.POLICY_EVERY_S):
-            metrics.engine.policy = self.engine.policy.view()  # with every answer, so its client sees it
+        drained = finished and not self.engine.has_unfinished()  # the last answer: exact counts at rest
+        if self.engine.proposer is not None and (drained or now - self._policy_sent >= self.POLICY_EVERY_S):
+            metrics.engine.policy = self.engine.policy.view()
             self._policy_sent = now
         self.send(StepReport(outputs, metrics))
 
