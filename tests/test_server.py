@@ -141,13 +141,16 @@ def plain_ref(target_dir) -> LLM:
     return LLM(str(target_dir), device="cpu", max_model_len=160)
 
 
-@pytest.fixture(scope="module", params=ENGINE_PLACES)
+@pytest.fixture(scope="module", params=[*ENGINE_PLACES, "process, tensor parallel 2"])
 def spec_server(target_dir, request) -> Iterator[LiveServer]:
+    """Also with the target split over two rank processes (gloo), which step in lockstep with the
+    commands rank 0 broadcasts: the same outputs and counts as one process."""
     # a fixed draft length: the adaptive policy would (rightly) stop this random drafter from drafting
     spec = {"method": "dflash", "model": str(FIXTURES / "dflash"), "adaptive_draft_length": False}
+    tp = 2 if "tensor parallel" in request.param else 1
     load = functools.partial(LLM, str(target_dir), device="cpu", max_model_len=160, max_num_seqs=8,
-                             speculative_config=spec)
-    server = served(load, "spec", request.param).wait_ready()
+                             speculative_config=spec, tensor_parallel_size=tp)
+    server = served(load, "spec", request.param.split(",")[0]).wait_ready()
     yield server
     server.close()
 
@@ -222,9 +225,10 @@ def test_cli_serve_exits_when_the_model_cannot_load(tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
-def test_cli_serve_refuses_tensor_parallelism_by_name(text_dir, capsys):
-    assert main(["serve", "--model", str(text_dir), "--tensor-parallel-size", "2", "--port", "0"]) == 2
-    assert "--tensor-parallel-size 2" in capsys.readouterr().err
+def test_cli_serve_refuses_tensor_parallelism_on_a_thread_by_name(text_dir, capsys):
+    assert main(["serve", "--model", str(text_dir), "--tensor-parallel-size", "2", "--no-engine-process",
+                 "--port", "0"]) == 2
+    assert "--tensor-parallel-size 2 needs the engine process" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- API shape
@@ -471,6 +475,36 @@ def test_concurrent_requests_are_batched_and_exact(spec_server, plain_ref, tempe
     assert [r["choices"][0]["token_ids"] for r in results] == [o.outputs[0].token_ids for o in want for _ in "ab"]
     assert [r["spec_decode"]["num_drafts"] > 0 for r in results] == [b["use_speculation"] for _, b in jobs]
     assert max(batch_sizes) >= 4  # the requests really ran together
+
+
+def test_clients_leaving_mid_batch_leave_the_others_exact(spec_server, plain_ref):
+    """Streams closed after their first chunk are aborted while the others run on: on the tensor-parallel
+    server every rank must drop the same requests, or the ranks' batches (and collectives) part."""
+    prompts = token_prompts(8, seed=4)
+    base = dict(temperature=0, max_tokens=60, seed=17, ignore_eos=True)
+    aborted = metric(spec_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
+
+    async def run() -> list[list[int] | None]:
+        async with httpx.AsyncClient(base_url=spec_server.url, timeout=60) as client:
+            async def one(i: int, prompt: list[int]) -> list[int] | None:
+                payload = {**base, "prompt": prompt, "return_token_ids": True, "stream": True}
+                ids = []
+                async with client.stream("POST", "/v1/completions", json=payload) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            ids += json.loads(line[6:])["choices"][0]["token_ids"]
+                            if i % 3 == 0:
+                                return None  # leaves mid-stream
+                return ids
+
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    got = asyncio.run(run())
+    want = plain_ref.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**base), use_tqdm=False)
+    assert [g for g in got if g is not None] == [o.outputs[0].token_ids for i, o in enumerate(want) if i % 3]
+    wait_until(lambda: metric(spec_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
+               >= aborted + 1, 10, "the aborts to be counted")
+    assert metric(spec_server.metrics(), "blockspec:num_requests_running") == 0
 
 
 def test_spec_metrics_match_responses(spec_server):

@@ -19,6 +19,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -238,13 +239,42 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | No
             if rank and "use_tqdm" in kwargs:
                 kwargs = {**kwargs, "use_tqdm": False}
             try:
-                reply = ("ok", getattr(llm, name)(*args, **kwargs))
+                # "serve": every rank runs the server's engine loop until it stops
+                reply = ("ok", _serve(llm, conn) if name == "serve" else getattr(llm, name)(*args, **kwargs))
             except Exception as exc:  # noqa: BLE001  checks run before any collective, so every rank raises alike
                 reply = ("err", _portable(exc))
             if conn is not None:
                 conn.send(reply)
     finally:
         dist.destroy_process_group()
+
+
+SERVE_HEARTBEAT_S = 30.0  # an idle server's ranks still meet in a collective, far inside the group's timeout
+
+
+def _serve(llm: RankLLM, conn: Connection | None) -> None:
+    """The server's engine loop on every rank in lockstep: rank 0 takes the commands waiting in its
+    pipe (the engine process relays them from the front) and broadcasts them before every step, so
+    each rank applies the same submissions and aborts and steps alike; only rank 0 reports."""
+    from blockspec.server.async_engine import EngineLoop, Loaded, Stop
+
+    def commands(block: bool) -> list[Any]:
+        cmds: list[Any] = []
+        if conn is not None:
+            wait = SERVE_HEARTBEAT_S if block else 0.0
+            try:
+                while conn.poll(wait):
+                    cmds.append(conn.recv())
+                    wait = 0.0
+            except EOFError:  # the engine process is gone: stop every rank
+                cmds.append(Stop())
+        msg: list[Any] = [cmds]
+        dist.broadcast_object_list(msg, src=0)
+        return msg[0]
+
+    if conn is not None:
+        conn.send(Loaded(llm.inputs))
+    EngineLoop(llm.engine, conn.send if conn is not None else lambda report: None).run(commands)
 
 
 def _next_call(conn: Connection) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
@@ -306,6 +336,13 @@ class TPLLM:
 
     def _reply(self, timeout_s: float | None = None) -> Any:
         """Wait for rank 0's answer, failing fast if any rank process dies instead."""
+        status, value = self._receive(timeout_s)
+        if status == "err":
+            raise value
+        return value
+
+    def _receive(self, timeout_s: float | None = None) -> Any:
+        """Rank 0's next message, failing fast if any rank process dies instead."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._conn.poll(0.1):
             dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
@@ -315,12 +352,9 @@ class TPLLM:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"tensor-parallel ranks gave no answer in {timeout_s:.0f} s")
         try:
-            status, value = self._conn.recv()
+            return self._conn.recv()
         except EOFError:
             raise RuntimeError("tensor-parallel rank 0 closed its pipe without answering (it exited)") from None
-        if status == "err":
-            raise value
-        return value
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         if not self._procs:
@@ -339,6 +373,30 @@ class TPLLM:
 
     def get_metrics(self) -> dict[str, Any]:
         return self._call("get_metrics")
+
+    def serve(self, commands: Connection, reports: Connection) -> None:
+        """Serve a server front's pipes (`blockspec serve`'s engine process): the ranks run the
+        engine loop, rank 0 broadcasting the commands this process forwards to it, and its reports
+        come back through here. Returns when the front sends Stop or goes away."""
+        from blockspec.server.async_engine import Stop
+
+        self._conn.send(("serve", (), {}))
+
+        def forward() -> None:
+            while True:
+                try:
+                    cmd = commands.recv()
+                except (EOFError, OSError):
+                    cmd = Stop()
+                self._conn.send(cmd)
+                if isinstance(cmd, Stop):
+                    return
+
+        threading.Thread(target=forward, name="blockspec-tp-commands", daemon=True).start()
+        while not isinstance(report := self._receive(), tuple):  # the call's reply ends the serving
+            reports.send(report)
+        if report[0] == "err":
+            raise report[1]
 
     def close(self) -> None:
         """Stop the ranks (politely, then by force) and remove the rendezvous file."""

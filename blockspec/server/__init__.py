@@ -51,10 +51,9 @@ def freezing_after(load: Callable[[], T]) -> Callable[[], T]:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until interrupted; exit 2 if the model cannot be loaded or the engine process dies."""
-    if args.tensor_parallel_size != 1:  # the server steps one Engine; TPLLM's ranks run whole calls
-        print(f"error: --tensor-parallel-size {args.tensor_parallel_size}: blockspec serve runs one engine "
-              "(tensor_parallel_size 1); tensor parallelism is offline only (LLM(..., tensor_parallel_size=N))",
-              file=sys.stderr)
+    if args.tensor_parallel_size != 1 and not args.engine_process:  # the ranks take their steps from pipes
+        print(f"error: --tensor-parallel-size {args.tensor_parallel_size} needs the engine process: drop "
+              "--no-engine-process", file=sys.stderr)
         return 2
     import uvicorn
 

@@ -234,16 +234,19 @@ class EngineLoop:
         self._trackers.clear()
 
 
-def serve_engine(load: Callable[[], LLM], commands: Callable[[bool], list[Command]],
-                 send: Callable[[Report], None]) -> None:
-    """Load, say so (Loaded / LoadFailed), then run the engine loop until a Stop."""
+def _loaded(load: Callable[[], LLM], send: Callable[[Report], None]) -> LLM | None:
+    """`load()`, or None once the reason it failed is sent."""
     try:
-        llm = load()
+        return load()
     except Exception as exc:
         message = str(exc) if isinstance(exc, USER_ERRORS) else f"{type(exc).__name__}: {exc}"
         log.error("loading the model failed: %s", message, exc_info=not isinstance(exc, USER_ERRORS))
         send(LoadFailed(message))
-        return
+        return None
+
+
+def serve_engine(llm: LLM, commands: Callable[[bool], list[Command]], send: Callable[[Report], None]) -> None:
+    """Say the engine is ready, then run its loop until a Stop."""
     send(Loaded(llm.inputs))
     EngineLoop(llm.engine, send).run(commands)
 
@@ -257,7 +260,9 @@ def _drain(first: Callable[[], Command], more: Callable[[], Command | None], blo
 
 def _engine_process(load: Callable[[], LLM], commands: Connection, reports: Connection) -> None:
     """The engine process: what loading left alive is frozen out of the collector's reach (the process
-    lives for it), then the engine serves the pipe until a Stop or until the front goes away."""
+    lives for it), then the engine serves the pipe until a Stop or until the front goes away. A
+    tensor-parallel model's ranks run the engine loop themselves; this process relays to rank 0."""
+    from blockspec.parallel.tp import TPLLM
     from blockspec.server import freezing_after
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front stops the engine
@@ -266,7 +271,14 @@ def _engine_process(load: Callable[[], LLM], commands: Connection, reports: Conn
         return commands.recv() if commands.poll() else None
 
     try:
-        serve_engine(freezing_after(load), lambda block: _drain(commands.recv, more, block), reports.send)
+        llm = _loaded(freezing_after(load), reports.send)
+        if isinstance(llm, TPLLM):
+            try:
+                llm.serve(commands, reports)
+            finally:
+                llm.close()
+        elif llm is not None:
+            serve_engine(llm, lambda block: _drain(commands.recv, more, block), reports.send)
     except (EOFError, BrokenPipeError):  # the front is gone: nothing is left to serve
         pass
 
@@ -392,7 +404,12 @@ class AsyncEngine:
             except queue.Empty:
                 return None
 
-        serve_engine(self._load, lambda block: _drain(self._commands.get, more, block), self._post)
+        llm = _loaded(self._load, self._post)
+        if llm is not None and not isinstance(llm, LLM):  # a TPLLM: its ranks need the pipes of an engine process
+            llm.close()
+            self._post(LoadFailed("tensor parallelism is served from an engine process (drop --no-engine-process)"))
+        elif llm is not None:
+            serve_engine(llm, lambda block: _drain(self._commands.get, more, block), self._post)
 
     def _start_process(self) -> None:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that has threads (uvicorn, torch)
