@@ -6,6 +6,10 @@ speculate as the policy chooses. Per setting: output tok/s and the median, p10 a
 of an engine step (host clock around `step()`, which ends on the step's read-back; the device is
 not synced between steps, as when serving).
 
+With `--max-tokens M` the batch churns as at a busy server: each request stops after M tokens and
+a new one (prompt length varying around `--prompt-len`) takes its place in the same step, so
+prefills, the drafter's prompt context and changing batch sizes are in the price.
+
     python benchmarks/spec_overhead.py --model blockspec/assets/default/target \
         --draft-model blockspec/assets/default/dspark --method dspark --out overhead.json
 """
@@ -25,7 +29,7 @@ from blockspec import LLM, SamplingParams
 
 
 def measure(llm: LLM, batch: int, speculate: bool, force_plain: bool, steps: int, prompt_len: int,
-            temperature: float = 0.0, profile: bool = False) -> dict:
+            temperature: float = 0.0, profile: bool = False, max_tokens: int | None = None) -> dict:
     engine = llm.engine
     choose = engine.policy.choose
     choices: Counter[int] = Counter()
@@ -36,13 +40,26 @@ def measure(llm: LLM, batch: int, speculate: bool, force_plain: bool, steps: int
         return k
 
     engine.policy.choose = counted
-    for i in range(batch):  # one request joins per step, as requests arrive at a server
-        params = SamplingParams(temperature=temperature, seed=i, max_tokens=10**6, ignore_eos=True,
+    added = 0
+
+    def add() -> None:
+        nonlocal added
+        i, added = added, added + 1
+        length = prompt_len if max_tokens is None else prompt_len // 2 + (i * 37) % prompt_len  # mixed
+        params = SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens or 10**6, ignore_eos=True,
                                 use_speculation=speculate)
-        engine.add_request(f"r{i}", None, [5 + (i + j) % 50 for j in range(prompt_len)], params)
-        engine.step()
+        engine.add_request(f"r{i}", None, [5 + (i + j) % 50 for j in range(length)], params)
+
+    def step() -> None:
+        for req in engine.step():
+            if req.finish_reason is not None:  # a finished request's place goes to a new one at once
+                add()
+
+    for _ in range(batch):  # one request joins per step, as requests arrive at a server
+        add()
+        step()
     for _ in range(20):  # the policy's first measurements at the full batch
-        engine.step()
+        step()
     walls, generated, drafts = [], engine.num_generated, engine.spec_totals.as_dict().get("num_drafts", 0)
     choices.clear()
     profiler = cProfile.Profile() if profile else None
@@ -51,7 +68,7 @@ def measure(llm: LLM, batch: int, speculate: bool, force_plain: bool, steps: int
         start = time.perf_counter()
         if profiler:
             profiler.enable()
-        engine.step()
+        step()
         if profiler:
             profiler.disable()
         walls.append((time.perf_counter() - start) * 1e3)
@@ -65,7 +82,7 @@ def measure(llm: LLM, batch: int, speculate: bool, force_plain: bool, steps: int
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
         out["profile"] = text.getvalue()
-    for i in range(batch):
+    for i in range(added):
         engine.abort(f"r{i}")
     while engine.has_unfinished():
         engine.step()
@@ -83,6 +100,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="measure each setting this often, alternating the order")
     ap.add_argument("--prompt-len", type=int, default=55)
     ap.add_argument("--temperature", type=float, default=0.0, help="every request's (seeded per request)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="churn: each request stops after this many tokens and a new one takes its place")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", action="store_true", help="print each setting's hottest host functions (cProfile)")
     ap.add_argument("--out", default=None)
@@ -95,7 +114,7 @@ def main() -> None:
     for batch, rnd in ((b, r) for b in batches for r in range(args.rounds)):
         for speculate, force_plain in settings if rnd % 2 == 0 else settings[::-1]:  # alternate the order
             row = measure(llm, batch, speculate, force_plain, args.steps, args.prompt_len, args.temperature,
-                          args.profile)
+                          args.profile, args.max_tokens)
             row["round"] = rnd
             rows.append(row)
             print(f"batch {batch:3d}  use_speculation={speculate!s:5}  policy {row['policy']:12}  "
@@ -106,7 +125,7 @@ def main() -> None:
                 print(row["profile"], flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": args.model, "draft_model": args.draft_model, "rows": rows}, f, indent=1)
+            json.dump({"model": args.model, "draft_model": args.draft_model, "max_tokens": args.max_tokens, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
