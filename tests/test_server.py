@@ -542,6 +542,31 @@ def test_spec_metrics_match_responses(spec_server):
     assert metric(after, "blockspec:spec_decode_policy_step_seconds", draft_length=k) > 0
 
 
+def test_parked_batch_buckets_and_their_requests_in_metrics():
+    """The policy's parks: a gauge per batch bucket (1 while parked, back to 0 after), and a counter of
+    the requests that joined a parked batch, differenced between views."""
+    from blockspec.engine.request import SpecStats
+    from blockspec.server.metrics import EngineGauges, ServerMetrics, StepMetrics
+    from blockspec.spec.policy import PolicyView
+
+    metrics = ServerMetrics("m")
+
+    def observe(parked: list[int], joins: int) -> dict:
+        view = PolicyView({0: 3}, {(8, 0): 0.001}, {0: 1.0}, parked, joins)
+        metrics.observe(StepMetrics(EngineGauges(0, 0, 0.0, 0, SpecStats(), view)))
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+
+    first = observe([8, 16], 3)
+    assert metric(first, "blockspec:spec_decode_policy_parked", batch_bucket="8") == 1
+    assert metric(first, "blockspec:spec_decode_policy_parked", batch_bucket="16") == 1
+    assert metric(first, "blockspec:spec_decode_policy_parked_requests_total") == 3
+    later = observe([16], 5)
+    assert metric(later, "blockspec:spec_decode_policy_parked", batch_bucket="8") == 0
+    assert metric(later, "blockspec:spec_decode_policy_parked", batch_bucket="16") == 1
+    assert metric(later, "blockspec:spec_decode_policy_parked_requests_total") == 5
+
+
 def test_deltas_that_waited_together_are_merged_per_choice():
     """A front that falls behind the engine sends one chunk per choice for all the steps it missed, with
     nothing lost or reordered; an error among them ends the request."""

@@ -8,6 +8,7 @@ inside accepted blocks and bonus tokens are exercised too.
 from __future__ import annotations
 
 import gc
+import math
 import time as clock
 from pathlib import Path
 
@@ -152,6 +153,50 @@ def test_opted_out_request_keeps_no_draft_context(target):
     assert len(req.output_ids) >= 5 and req.num_pending == 0
     while engine.has_unfinished():
         engine.step()
+
+
+def test_requests_that_join_a_parked_batch_run_plain_and_feed_no_drafter(target, plain):
+    """Arrivals that join a parked batch bucket (counting every arrival of the step) get no draft
+    context, neither their prompt's nor their steps' taps; while one runs, the batch takes plain steps
+    (no request drafts); when they have left, speculation resumes. Outputs equal plain decoding."""
+    llm = spec_llm(target, "dflash", "dflash")
+    engine = llm.engine
+    engine.policy.parked_until[4] = math.inf  # batches of 3 or 4 requests that may speculate
+    ps = [p["prompt_token_ids"] for p in prompts(7, seed=11)]
+    short, long = (SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 40))
+
+    def add(i: int, params: SamplingParams):
+        (req,) = engine.add_request(f"r{i}", None, ps[i], params)
+        return req
+
+    def run_out(reqs: list) -> None:
+        while any(r.status.value != "finished" for r in reqs):
+            engine.step()
+
+    taps = []  # with_taps of every target forward
+    for name in ("forward", "forward_ids"):
+        real = getattr(engine.runner, name)
+        setattr(engine.runner, name, lambda *a, real=real, **kw: taps.append(kw.get("with_taps")) or real(*a, **kw))
+    burst = [add(i, short) for i in range(3)]  # three at once make a batch of 3, though each alone would not
+    run_out(burst)
+    assert not any(r.feeds_drafter or r.spec.num_drafts for r in burst) and not any(taps)
+    assert all(r.num_draft_ctx == 0 and r.num_pending == 0 for r in burst)
+    first = [add(3, long), add(4, long)]  # a batch of 2: not parked
+    for _ in range(4):
+        engine.step()
+    assert all(r.feeds_drafter and r.spec.num_drafts > 0 for r in first)
+    joined = [add(5, short), add(6, short)]  # with them, a batch of 4
+    engine.step()
+    drafts = [r.spec.num_drafts for r in first]
+    run_out(joined)
+    assert not any(r.feeds_drafter for r in joined)
+    assert all(r.num_draft_ctx == 0 and r.num_pending == 0 for r in joined)
+    assert [r.spec.num_drafts for r in first] == drafts  # no speculative step while they ran
+    run_out(first)
+    assert any(r.spec.num_drafts > d for r, d in zip(first, drafts))  # speculation resumed after them
+    expected = [o.outputs[0].token_ids for o in plain.generate(
+        [{"prompt_token_ids": p} for p in ps], [short] * 3 + [long] * 2 + [short] * 2, use_tqdm=False)]
+    assert [r.output_ids for r in burst + first + joined] == expected
 
 
 @pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla"),

@@ -424,7 +424,7 @@ class Engine:
     def _drafts_any(self, reqs: list[Request]) -> bool:
         """Whether a forward must return taps: only requests that may draft later need their features
         (a request that opted out of speculation never feeds the drafter)."""
-        return self.proposer is not None and any(r.params.use_speculation for r in reqs)
+        return self.proposer is not None and any(r.feeds_drafter for r in reqs)
 
     def _observe_time(self, batch: int, k: int, seconds: float) -> None:
         """Feed the policy a step time, unless the step paid a one-off cost (a graph capture)."""
@@ -436,7 +436,7 @@ class Engine:
         draft later (see Proposer.extend_context)."""
         if feats is None:
             return
-        rows = [i for i, r in enumerate(reqs) if r.params.use_speculation]
+        rows = [i for i, r in enumerate(reqs) if r.feeds_drafter]
         if rows:
             keep = feats if len(rows) == len(reqs) else feats[to_device(rows, torch.int64, feats.device)]
             self.proposer.extend_context([reqs[i] for i in rows], keep, [counts[i] for i in rows])
@@ -447,27 +447,38 @@ class Engine:
         if not self._drafts_any(reqs):
             return None
         scratch = self.runner.cache.scratch_slot
-        return ([r.slot if r.params.use_speculation else scratch for r in reqs],
-                [r.num_pending if r.params.use_speculation else 0 for r in reqs])
+        return ([r.slot if r.feeds_drafter else scratch for r in reqs],
+                [r.num_pending if r.feeds_drafter else 0 for r in reqs])
 
     def _held(self, reqs: list[Request], hold: tuple[list[int], list[int]] | None) -> None:
         """Account the rows a plain step's forward put in the buffer (see `_tap_hold`)."""
         if hold is not None:
-            self.proposer.held([r for r in reqs if r.params.use_speculation])
+            self.proposer.held([r for r in reqs if r.feeds_drafter])
 
     def _admit(self) -> None:
+        joined = []
         while self.waiting and self.runner.cache.num_free_slots:
             req = self.waiting.popleft()
             req.slot = self.runner.cache.allocate()
             req.status = Status.RUNNING
             self.running.append(req)
+            joined.append(req)
+        if self.proposer is not None and joined:
+            # whether each feeds the drafter (its prompt's context, its steps' taps): it may speculate
+            # and the batch it joins, all of this step's arrivals counted, is not parked
+            batch = sum(r.params.use_speculation for r in self.running)
+            for req in joined:
+                req.feeds_drafter = req.params.use_speculation and self.policy.feeds_drafter(batch)
 
     def _speculating(self, reqs: list[Request]) -> list[Request]:
         """The requests of a batch that may speculate this step: a drafter, a batch within
-        max_batch_for_speculation, and no opt-out."""
+        max_batch_for_speculation, and no opt-out. None while a request that joined a parked batch
+        (and so has no draft context) is still running: drafting for the others would add a draft and a
+        verify forward beside its plain one, a step that costs more than either."""
         if self.proposer is None or not self.proposer.enabled_for_batch(len(reqs)):
             return []
-        return [r for r in reqs if r.params.use_speculation]
+        spec = [r for r in reqs if r.params.use_speculation]
+        return spec if all(r.feeds_drafter for r in spec) else []
 
     def _prefill(self, reqs: list[Request]) -> list[Request]:
         budget = self.config.max_prefill_tokens

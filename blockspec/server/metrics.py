@@ -102,6 +102,11 @@ class ServerMetrics:
         self.policy_expected_tokens = Gauge("blockspec:spec_decode_policy_expected_tokens",
                                             "Tokens per request and step the policy expects of each draft length.",
                                             ["model_name", "draft_length"], registry=r)
+        self.policy_parked = Gauge("blockspec:spec_decode_policy_parked",
+                                   "1 while the policy parks this batch bucket: plain won there, and requests "
+                                   "that join it do not feed the drafter.", ["model_name", "batch_bucket"], registry=r)
+        self.parked_joins = counter("spec_decode_policy_parked_requests",
+                                    "Requests that joined a parked batch: they ran as plain decoding.")
         self.ttft = histogram("time_to_first_token_seconds", "From arrival to the first token.", TTFT_BUCKETS)
         self.tpot = histogram("time_per_output_token_seconds",
                               "Mean time per output token after the first, per request.", TPOT_BUCKETS)
@@ -112,6 +117,7 @@ class ServerMetrics:
         self._seen_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
         self._seen_generated = 0
         self._seen_chosen: dict[int, int] = {}
+        self._seen_parked: tuple[set[int], int] = (set(), 0)  # buckets parked, requests that joined them
 
     def observe(self, report: StepMetrics) -> None:
         """One engine step's observations: queue gauges, KV usage, the engine's cumulative counters
@@ -151,6 +157,11 @@ class ServerMetrics:
             self.policy_step_seconds.labels(name, str(bucket), str(k)).set(seconds)
         for k, tokens in view.expected_tokens.items():
             self.policy_expected_tokens.labels(name, str(k)).set(tokens)
+        buckets, joins = self._seen_parked
+        for bucket in buckets | set(view.parked):
+            self.policy_parked.labels(name, str(bucket)).set(bucket in view.parked)
+        self.parked_joins.labels(name).inc(view.parked_joins - joins)
+        self._seen_parked = (buckets | set(view.parked), view.parked_joins)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

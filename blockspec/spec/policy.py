@@ -9,28 +9,43 @@ candidates are re-tried now and then, so the choice follows the workload: the wo
 scored, and the more re-tries in a row found it still losing, the rarer. The choice is made before
 drafting and never looks at the drafts, so it cannot affect what is emitted: exactness does not
 depend on it.
+
+Choosing K = 0 is not all of the plain path: a request that may draft still feeds the drafter (its
+prompt's context at prefill, the taps of every step), which costs a busy server a tenth of its
+throughput when the steps are bound by host launches. So where plain wins, the batch size is parked:
+requests that join it do not feed the drafter and the engine runs them as plain decoding. A park
+lasts PARK_SECONDS, doubling each time the re-tries after it find plain still best; then joining
+requests feed the drafter again and, once every request of the batch can draft, each K is re-tried.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
 PRIOR_TRIALS = 2.0  # pseudo-trials a position's acceptance rate borrows from the position before it
 NEAR_TIE = 0.02  # scores within this fraction of the best count as a tie, which the longer K takes
+PARK_SECONDS = 0.5  # the first park of a batch bucket where plain wins
+MAX_PARK_DOUBLINGS = 6  # each park whose re-tries find plain still best doubles the next, up to 32 s
+UNTIMED_PLAIN_PARKS = 32  # choices at a bucket whose plain step has no time yet, after which it is parked
 
 
 @dataclass
 class PolicyView:
     """What the policy has chosen and believes, for metrics: how many steps took each K, the measured
-    step seconds per (batch bucket, K) (the minimum of recent samples), and the expected tokens per
-    request and step of each K from the acceptance seen."""
+    step seconds per (batch bucket, K) (the minimum of recent samples), the expected tokens per
+    request and step of each K from the acceptance seen, the batch buckets parked now, and how many
+    requests joined a parked batch (and so never fed the drafter)."""
 
     chosen: dict[int, int]
     step_seconds: dict[tuple[int, int], float]
     expected_tokens: dict[int, float]
+    parked: list[int]
+    parked_joins: int
 
 
 def batch_bucket(batch: int) -> int:
@@ -38,7 +53,8 @@ def batch_bucket(batch: int) -> int:
 
 
 class DraftLengthPolicy:
-    def __init__(self, k_max: int, adaptive: bool = True, retry_every: int = 64, decay: float = 0.99) -> None:
+    def __init__(self, k_max: int, adaptive: bool = True, retry_every: int = 64, decay: float = 0.99,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.k_max = k_max
         self.adaptive = adaptive
         self.retry_every = retry_every
@@ -59,6 +75,11 @@ class DraftLengthPolicy:
         self.settles = True
         self.steps = 0
         self.chosen: Counter[int] = Counter()  # steps by the K chosen for them
+        self.clock = clock
+        self.parked_until: dict[int, float] = {}  # batch bucket -> clock time its park ends
+        self.park_rounds: dict[int, int] = {}  # batch bucket -> parks in a row (each doubles the next)
+        self.parked_joins = 0  # requests told not to feed the drafter
+        self.untimed_plain: Counter[int] = Counter()  # bucket -> choices made there before plain had a time
 
     # ---------------------------------------------------------------- observations
     def observe_acceptance(self, lens: list[int], accepted: list[int]) -> None:
@@ -110,10 +131,29 @@ class DraftLengthPolicy:
         self.chosen[k] += 1
         return k
 
+    def feeds_drafter(self, batch: int) -> bool:
+        """Whether a request that joins a batch of this size should feed the drafter: not while its
+        bucket is parked. The first call after a park ends makes every K's re-try due there (and
+        unsettles the choice), so the first step in which the whole batch can draft re-tries them."""
+        bucket = batch_bucket(batch)
+        until = self.parked_until.get(bucket)
+        if until is None:
+            return True
+        if self.clock() < until:
+            self.parked_joins += 1
+            return False
+        del self.parked_until[bucket]
+        for k in self.candidates[1:]:
+            self.last_tried[(bucket, k)] = -math.inf
+        self._settled = None
+        return True
+
     def view(self) -> PolicyView:
         prefix = self.prefix_acceptance()
+        now = self.clock()
         return PolicyView(dict(self.chosen), {key: min(w) for key, w in self.samples.items() if w},
-                          {k: self.expected_tokens(k, prefix) for k in self.candidates})
+                          {k: self.expected_tokens(k, prefix) for k in self.candidates},
+                          sorted(b for b, until in self.parked_until.items() if now < until), self.parked_joins)
 
     def _choose(self, batch: int) -> int:
         self.steps += 1
@@ -127,6 +167,11 @@ class DraftLengthPolicy:
         measured = {k: self.estimate(bucket, k) for k in self.candidates}
         if measured[0] is None:  # the plain path is measured first: it is the baseline
             self.last_tried[(bucket, 0)] = self.steps
+            # A plain step is timed only in a run of decode steps; where a prefill joins nearly every
+            # step (short requests at a busy server) it never is, and the choice stays plain anyway
+            self.untimed_plain[bucket] += 1
+            if self.untimed_plain[bucket] >= UNTIMED_PLAIN_PARKS:
+                self._park(bucket)
             return 0
         prefix = self.prefix_acceptance()
         costs = self._optimistic_costs(measured)
@@ -167,9 +212,22 @@ class DraftLengthPolicy:
             if k != best:
                 due = min(due, self.last_tried[(bucket, k)] + interval)
         self.last_tried[(bucket, best)] = self.steps
+        if best == 0:
+            self._park(bucket)
+        else:
+            self.park_rounds.pop(bucket, None)
         if self.settles:
             self._settled = (bucket, best, due)
         return best
+
+    def _park(self, bucket: int) -> None:
+        """Plain wins here with no re-try due (or its time cannot be taken): requests that join this
+        bucket stop feeding the drafter."""
+        if bucket in self.parked_until:
+            return
+        rounds = self.park_rounds.get(bucket, 0)
+        self.parked_until[bucket] = self.clock() + PARK_SECONDS * 2**rounds
+        self.park_rounds[bucket] = min(rounds + 1, MAX_PARK_DOUBLINGS)
 
     def estimate(self, bucket: int, k: int) -> float | None:
         """Step time with k drafts at this batch bucket: measured (two samples or more), or else the
