@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,7 +146,7 @@ class LLM:
                                   max_prefill_tokens=max_prefill_tokens, seed=seed if seed is not None else 0,
                                   attention_backend=attention_backend,
                                   gpu_memory_utilization=gpu_memory_utilization, async_scheduling=async_scheduling)
-        self.engine = Engine(self.model, self.tokenizer, engine_cfg, spec, drafter, eos)
+        self.engine = self._make_engine(engine_cfg, spec, drafter, eos)
         if warmup:  # GPU: capture every CUDA graph now, not inside the first requests
             done = self.engine.warmup()
             if done["graphs"]:
@@ -154,6 +154,10 @@ class LLM:
         self.speculative_config = spec
         self.inputs = ModelInputs(self.model_dir, self.tokenizer, max_len, self.model.config.vocab_size, spec is not None)
         self._ids = itertools.count()
+
+    def _make_engine(self, config: EngineConfig, spec: SpeculativeConfig | None, drafter: Any,
+                     eos: Iterable[int]) -> Engine:
+        return Engine(self.model, self.tokenizer, config, spec, drafter, eos)
 
     def _load_target(self, model_dir: Path, dtype: str | torch.dtype, device: torch.device,
                      max_positions: int) -> tuple[Any, Path]:

@@ -199,6 +199,25 @@ def test_requests_that_join_a_parked_batch_run_plain_and_feed_no_drafter(target,
     assert [r.output_ids for r in burst + first + joined] == expected
 
 
+@pytest.mark.parametrize("overrule", ["draft length", "feeding"])
+def test_the_engine_acts_on_the_agreed_decision_not_its_own(target, plain, overrule):
+    """Tensor-parallel ranks take rank 0's policy decisions through Engine.agree. Overruled to the plain
+    path (K = 0) the engine drafts nothing; overruled to not feeding, its requests feed no drafter."""
+    llm = spec_llm(target, "dflash", "dflash")  # its own decisions: always K = K_max, always feed
+    engine = llm.engine
+    k_max = engine.proposer.num_speculative_tokens
+    assert k_max > 1
+    engine.agree = (lambda d: 0 if d == k_max else d) if overrule == "draft length" else (lambda d: 0 if d is True else d)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ps = [p["prompt_token_ids"] for p in prompts(3, seed=13)]
+    reqs = [engine.add_request(f"a{i}", None, p, params)[0] for i, p in enumerate(ps)]
+    while engine.has_unfinished():
+        engine.step()
+    assert not any(r.spec.num_drafts for r in reqs)
+    assert all(r.feeds_drafter for r in reqs) == (overrule == "draft length")
+    assert [r.output_ids for r in reqs] == run(plain, [{"prompt_token_ids": p} for p in ps], params)
+
+
 @pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla"),
                                              ("dspark", "dspark_rnn")])
 @pytest.mark.parametrize("rejection", ["standard", "block"])

@@ -17,6 +17,7 @@ from blockspec.parallel import TPLLM, shard_model
 
 DFLASH = str(Path(__file__).parent / "fixtures" / "drafters" / "dflash")
 SPEC = {"method": "dflash", "model": DFLASH, "adaptive_draft_length": False}
+ADAPTIVE = {"method": "dflash", "model": DFLASH}  # the policy decides from each rank's clock: rank 0's counts
 PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 3, 44, 2, 17, 30]},
            {"prompt_token_ids": [70, 12]}]
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -38,14 +39,15 @@ def qwen3(tmp_path_factory) -> Path:
     return save_drafter_target(tmp_path_factory.mktemp("q3"))
 
 
-@pytest.mark.parametrize("spec", [None, SPEC], ids=["plain", "dflash"])
+@pytest.mark.parametrize("spec", [None, SPEC, ADAPTIVE], ids=["plain", "dflash", "dflash adaptive"])
 def test_tp2_matches_tp1_greedy_and_seeded(qwen3, spec):
     ref_greedy = reference(qwen3, spec, GREEDY)
     ref_sampled = reference(qwen3, spec, SAMPLED)
     with TPLLM(qwen3, tensor_parallel_size=2, seed=0, speculative_config=spec) as tp:
         assert tokens(tp.generate(PROMPTS, GREEDY, use_tqdm=False)) == ref_greedy
         assert tokens(tp.generate(PROMPTS, SAMPLED, use_tqdm=False)) == ref_sampled
-        if spec is not None:  # drafts, acceptances and tokens identical to the single-process run
+        if spec is SPEC:  # drafts, acceptances and tokens identical to the single-process run (with a
+            # fixed K: an adaptive policy's choices follow the clock of the process that decides)
             ref = LLM(qwen3, seed=0, speculative_config=spec)
             ref_hot = tokens(ref.generate(PROMPTS, HOT, use_tqdm=False))
             before = tp.get_metrics()

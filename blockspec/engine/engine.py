@@ -175,6 +175,9 @@ class Engine:
         self._step_end: float | None = None  # when the last step's decode ended (None: it had none, or a prefill)
         self._spec_inflight: SpecLaunch | None = None
         self._next_choice: tuple[int, int] | None = None  # (batch, K) chosen while launching ahead
+        # The draft-length policy decides from measured wall times, which differ between processes: the
+        # ranks of a tensor-parallel engine take rank 0's decision through this (identity here)
+        self.agree: Callable[[int], int] = lambda decision: decision
 
     # ---------------------------------------------------------------- start-up
     def _check_memory(self, drafter: Any) -> None:
@@ -466,9 +469,12 @@ class Engine:
         if self.proposer is not None and joined:
             # whether each feeds the drafter (its prompt's context, its steps' taps): it may speculate
             # and the batch it joins, all of this step's arrivals counted, is not parked
-            batch = sum(r.params.use_speculation for r in self.running)
-            for req in joined:
-                req.feeds_drafter = req.params.use_speculation and self.policy.feeds_drafter(batch)
+            speculating = [r for r in joined if r.params.use_speculation]
+            if speculating:
+                batch = sum(r.params.use_speculation for r in self.running)
+                feeds = bool(self.agree(self.policy.feeds_drafter(batch, len(speculating))))
+                for req in speculating:
+                    req.feeds_drafter = feeds
 
     def _speculating(self, reqs: list[Request]) -> list[Request]:
         """The requests of a batch that may speculate this step: a drafter, a batch within
@@ -536,7 +542,7 @@ class Engine:
         chosen, self._next_choice = self._next_choice, None
         if chosen is not None and chosen[0] == batch:
             return chosen[1]
-        return self.policy.choose(batch)
+        return self.agree(self.policy.choose(batch))
 
     def _launch_spec(self, reqs: list[Request], k: int, ahead: list[int] | None = None,
                      anchors: list[int] | None = None, after: tuple[Tensor, Tensor] | None = None) -> SpecLaunch:

@@ -6,6 +6,8 @@ both the embedding (all_reduce of masked lookups) and the LM head (all_gather to
 hidden states between layers, the tapped features and the logits are therefore full-size and
 identical on every rank, so the drafter runs replicated on each rank, and because sampling noise is
 keyed by (seed, position), every rank draws the same tokens: the ranks never need to exchange tokens.
+The one thing they must exchange is the adaptive draft-length policy's decisions, which come from each
+process's own clock: every rank takes rank 0's (`Engine.agree`, one small broadcast on a CPU group).
 
 `TPLLM` is the offline API at tensor_parallel_size N: it spawns N rank processes; rank 0 receives
 each call from the user's process over a pipe and broadcasts it to the other ranks, so all of them
@@ -24,6 +26,7 @@ import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockspec.config import ConfigError, ModelConfig, SpeculativeConfig
+from blockspec.engine.engine import Engine
 from blockspec.llm import LLM
 from blockspec.models.layers import GatedMLP
 from blockspec.models.llama import Attention, CausalLM
@@ -192,10 +196,18 @@ class RankLLM(LLM):
     """The LLM of one rank: loads the full target on the CPU, keeps this rank's shard, then moves it
     to the rank's device, so no device ever holds the whole model."""
 
-    def __init__(self, rank: int, world_size: int, model: str | os.PathLike[str], **kwargs: Any) -> None:
+    def __init__(self, rank: int, world_size: int, model: str | os.PathLike[str],
+                 control: ProcessGroup = None, **kwargs: Any) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.control = control  # a CPU (gloo) group for the policy's decisions
         super().__init__(model, **kwargs)
+
+    def _make_engine(self, *args: Any) -> Engine:
+        engine = super()._make_engine(*args)
+        if engine.proposer is not None and engine.policy.adaptive:  # a fixed K needs no agreement
+            engine.agree = rank0_decides(self.control)
+        return engine
 
     def _load_target(self, model_dir: Path, dtype: str | torch.dtype, device: torch.device,
                      max_positions: int) -> tuple[CausalLM, Path]:
@@ -205,6 +217,18 @@ class RankLLM(LLM):
         model, model_dir = load_target(model_dir, torch_dtype, "cpu", max_positions=max_positions)
         shard_model(model, self.rank, self.world_size)
         return model.to(device), model_dir
+
+
+def rank0_decides(group: ProcessGroup) -> Callable[[int], int]:
+    """An `Engine.agree` for ranks in lockstep: every rank passes its own decision and gets rank 0's."""
+    box = torch.zeros(1, dtype=torch.int64)
+
+    def agree(decision: int) -> int:
+        box[0] = int(decision)
+        dist.broadcast(box, src=0, group=group)
+        return int(box[0])
+
+    return agree
 
 
 def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | None, model: str,
@@ -220,9 +244,10 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | No
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only: the ranks share one host
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size, timeout=timedelta(minutes=10))
+    control = dist.new_group(backend="gloo") if cuda else None  # host decisions without a device sync
     try:
         try:
-            llm: RankLLM | None = RankLLM(rank, world_size, model, **llm_kwargs)
+            llm: RankLLM | None = RankLLM(rank, world_size, model, control, **llm_kwargs)
             reply: tuple[str, Any] = ("ok", None)
         except Exception as exc:  # noqa: BLE001  every rank fails alike (same config, same weights); rank 0 reports it
             llm, reply = None, ("err", _portable(exc))

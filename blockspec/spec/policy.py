@@ -131,16 +131,16 @@ class DraftLengthPolicy:
         self.chosen[k] += 1
         return k
 
-    def feeds_drafter(self, batch: int) -> bool:
-        """Whether a request that joins a batch of this size should feed the drafter: not while its
-        bucket is parked. The first call after a park ends makes every K's re-try due there (and
-        unsettles the choice), so the first step in which the whole batch can draft re-tries them."""
+    def feeds_drafter(self, batch: int, joining: int = 1) -> bool:
+        """Whether the `joining` requests that make a batch of this size should feed the drafter: not
+        while its bucket is parked. The first call after a park ends makes every K's re-try due there
+        (and unsettles the choice), so the first step in which the whole batch can draft re-tries them."""
         bucket = batch_bucket(batch)
         until = self.parked_until.get(bucket)
         if until is None:
             return True
         if self.clock() < until:
-            self.parked_joins += 1
+            self.parked_joins += joining
             return False
         del self.parked_until[bucket]
         for k in self.candidates[1:]:
