@@ -264,14 +264,14 @@ def settle(policy: DraftLengthPolicy, times: dict[int, float], accept: float, ba
 def test_a_batch_size_where_plain_wins_is_parked_and_re_tried_when_the_park_ends():
     """Where plain wins, requests joining that batch bucket stop feeding the drafter for PARK_SECONDS;
     then they feed it again, the first choice with the whole batch able to draft re-tries a K > 0,
-    and when plain still wins the next park is twice as long. Other buckets are not parked."""
+    and when plain still wins the next park is twice as long. Smaller buckets are not parked."""
     clock = FakeClock()
     policy = DraftLengthPolicy(4, clock=clock)
     times = {0: 1.0, 1: 3.0, 2: 3.2, 4: 3.5}
     assert policy.feeds_drafter(8)  # nothing parked yet
     assert settle(policy, times, 0.2, batch=8) == [0] * 6
     assert not policy.feeds_drafter(8) and not policy.feeds_drafter(5)  # 5 and 8 share bucket 8
-    assert policy.feeds_drafter(16) and policy.feeds_drafter(4)
+    assert policy.feeds_drafter(4) and policy.feeds_drafter(1)
     view = policy.view()
     assert view.parked == [8] and view.parked_joins == 2
     clock.now += PARK_SECONDS
@@ -296,4 +296,22 @@ def test_a_batch_size_whose_plain_step_is_never_timed_is_parked():
     plain there, so after UNTIMED_PLAIN_PARKS such choices the bucket stops feeding the drafter."""
     policy = DraftLengthPolicy(4, clock=FakeClock())
     assert [policy.choose(32) for _ in range(UNTIMED_PLAIN_PARKS)] == [0] * UNTIMED_PLAIN_PARKS
-    assert not policy.feeds_drafter(32) and policy.feeds_drafter(64)
+    assert not policy.feeds_drafter(32) and policy.feeds_drafter(16)
+
+
+def test_a_larger_batch_size_not_decided_yet_starts_parked_while_a_smaller_one_is():
+    """A wave of arrivals into a new, larger batch would feed a drafter that the smaller batch already
+    found not worth it; it starts parked, and its park ends and is re-tried like any other. A smaller
+    batch size, or one whose own steps decide it, inherits nothing."""
+    clock = FakeClock()
+    policy = DraftLengthPolicy(4, clock=clock)
+    settle(policy, {0: 1.0, 1: 3.0, 2: 3.2, 4: 3.5}, 0.2, batch=8)
+    assert policy.view().parked == [8]
+    assert not policy.feeds_drafter(64) and policy.view().parked == [8, 64]
+    assert policy.feeds_drafter(4)
+    for _ in range(2):
+        policy.observe_time(32, 0, 2.0)  # batch 32 has its own plain time: its own steps decide it
+    assert policy.feeds_drafter(32)
+    clock.now += PARK_SECONDS
+    assert policy.feeds_drafter(64) and policy.feeds_drafter(8)
+    assert policy.feeds_drafter(128)  # nothing smaller is parked now

@@ -16,6 +16,7 @@ throughput when the steps are bound by host launches. So where plain wins, the b
 requests that join it do not feed the drafter and the engine runs them as plain decoding. A park
 lasts PARK_SECONDS, doubling each time the re-tries after it find plain still best; then joining
 requests feed the drafter again and, once every request of the batch can draft, each K is re-tried.
+A larger batch size not decided yet starts parked while a smaller one is.
 """
 
 from __future__ import annotations
@@ -138,7 +139,9 @@ class DraftLengthPolicy:
         bucket = batch_bucket(batch)
         until = self.parked_until.get(bucket)
         if until is None:
-            return True
+            until = self._inherited_park(bucket)
+            if until is None:
+                return True
         if self.clock() < until:
             self.parked_joins += joining
             return False
@@ -219,6 +222,19 @@ class DraftLengthPolicy:
         if self.settles:
             self._settled = (bucket, best, due)
         return best
+
+    def _inherited_park(self, bucket: int) -> float | None:
+        """A first park for a bucket the policy has not decided at, when a smaller bucket is parked now:
+        a draft costs relatively more, not less, as the batch grows (its verify rows grow with it), so
+        a wave of arrivals into a new, larger batch would otherwise feed a drafter that is never used
+        for the whole of its requests' lives. The park ends, and is re-tried, like any other."""
+        if (bucket, 0) in self.samples or bucket in self.untimed_plain:
+            return None  # decided, or being decided, by its own steps
+        now = self.clock()
+        if not any(b < bucket and now < t for b, t in self.parked_until.items()):
+            return None
+        self.parked_until[bucket] = now + PARK_SECONDS
+        return self.parked_until[bucket]
 
     def _park(self, bucket: int) -> None:
         """Plain wins here with no re-try due (or its time cannot be taken): requests that join this
