@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from blockspec.spec.policy import PARK_SECONDS, UNTIMED_PLAIN_PARKS, DraftLengthPolicy
+from blockspec.spec.policy import PARK_TURNOVERS, UNTIMED_PLAIN_PARKS, DraftLengthPolicy
 
 
 def feed(policy: DraftLengthPolicy, rates: list[float], times: dict[int, float], batch: int = 1, steps: int = 400):
@@ -247,46 +247,40 @@ def test_view_reports_what_was_chosen_measured_and_expected():
     assert view.expected_tokens[0] == 1 and view.expected_tokens[8] > view.expected_tokens[1] > 1
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def settle(policy: DraftLengthPolicy, times: dict[int, float], accept: float, batch: int, steps: int = 6) -> list[int]:
     """Choices once every candidate has been measured at this batch size (each K costs times[K])."""
     feed(policy, [accept] * policy.k_max, times, batch=batch)
     return drive(policy, steps, times, accept, batch=batch)
 
 
+def arrivals(policy: DraftLengthPolicy, batch: int, n: int) -> list[bool]:
+    """feeds_drafter for n requests joining one by one."""
+    return [policy.feeds_drafter(batch) for _ in range(n)]
+
+
 def test_a_batch_size_where_plain_wins_is_parked_and_re_tried_when_the_park_ends():
-    """Where plain wins, requests joining that batch bucket stop feeding the drafter for PARK_SECONDS;
-    then they feed it again, the first choice with the whole batch able to draft re-tries a K > 0,
-    and when plain still wins the next park is twice as long. Smaller buckets are not parked."""
-    clock = FakeClock()
-    policy = DraftLengthPolicy(4, clock=clock)
+    """Where plain wins, requests joining that batch bucket stop feeding the drafter for PARK_TURNOVERS
+    times the bucket in arrivals; then they feed it again, the first choice with the whole batch able to
+    draft re-tries a K > 0, and when plain still wins the next park is twice as long. Smaller buckets
+    are not parked."""
+    policy = DraftLengthPolicy(4)
     times = {0: 1.0, 1: 3.0, 2: 3.2, 4: 3.5}
     assert policy.feeds_drafter(8)  # nothing parked yet
     assert settle(policy, times, 0.2, batch=8) == [0] * 6
-    assert not policy.feeds_drafter(8) and not policy.feeds_drafter(5)  # 5 and 8 share bucket 8
+    first = PARK_TURNOVERS * 8
+    assert arrivals(policy, 5, 2) == [False, False]  # 5 and 8 share bucket 8
     assert policy.feeds_drafter(4) and policy.feeds_drafter(1)
     view = policy.view()
     assert view.parked == [8] and view.parked_joins == 2
-    clock.now += PARK_SECONDS
-    assert policy.feeds_drafter(8) and policy.view().parked == []
+    assert arrivals(policy, 8, first - 2 + 1) == [False] * (first - 2) + [True]
+    assert policy.view().parked == []
     retried = drive(policy, 8, times, 0.2, batch=8)
     assert retried[0] > 0 and retried[-1] == 0, retried  # re-tried at once, then plain again
-    clock.now += 1.5 * PARK_SECONDS
-    assert not policy.feeds_drafter(8)  # parked again, now for 2 x PARK_SECONDS
-    clock.now += 0.5 * PARK_SECONDS
-    assert policy.feeds_drafter(8)
+    assert arrivals(policy, 8, 2 * first + 1) == [False] * 2 * first + [True]  # parked twice as long
 
 
 def test_a_batch_size_where_speculation_wins_is_never_parked():
-    clock = FakeClock()
-    policy = DraftLengthPolicy(4, clock=clock)
+    policy = DraftLengthPolicy(4)
     chosen = settle(policy, {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2}, 0.9, batch=8, steps=200)
     assert chosen[-1] == 4 and policy.feeds_drafter(8) and policy.view().parked == []
 
@@ -294,7 +288,7 @@ def test_a_batch_size_where_speculation_wins_is_never_parked():
 def test_a_batch_size_whose_plain_step_is_never_timed_is_parked():
     """A prefill in nearly every step leaves no run of plain decode steps to time: the choice stays
     plain there, so after UNTIMED_PLAIN_PARKS such choices the bucket stops feeding the drafter."""
-    policy = DraftLengthPolicy(4, clock=FakeClock())
+    policy = DraftLengthPolicy(4)
     assert [policy.choose(32) for _ in range(UNTIMED_PLAIN_PARKS)] == [0] * UNTIMED_PLAIN_PARKS
     assert not policy.feeds_drafter(32) and policy.feeds_drafter(16)
 
@@ -303,8 +297,7 @@ def test_a_larger_batch_size_not_decided_yet_starts_parked_while_a_smaller_one_i
     """A wave of arrivals into a new, larger batch would feed a drafter that the smaller batch already
     found not worth it; it starts parked, and its park ends and is re-tried like any other. A smaller
     batch size, or one whose own steps decide it, inherits nothing."""
-    clock = FakeClock()
-    policy = DraftLengthPolicy(4, clock=clock)
+    policy = DraftLengthPolicy(4)
     settle(policy, {0: 1.0, 1: 3.0, 2: 3.2, 4: 3.5}, 0.2, batch=8)
     assert policy.view().parked == [8]
     assert not policy.feeds_drafter(64) and policy.view().parked == [8, 64]
@@ -312,6 +305,7 @@ def test_a_larger_batch_size_not_decided_yet_starts_parked_while_a_smaller_one_i
     for _ in range(2):
         policy.observe_time(32, 0, 2.0)  # batch 32 has its own plain time: its own steps decide it
     assert policy.feeds_drafter(32)
-    clock.now += PARK_SECONDS
-    assert policy.feeds_drafter(64) and policy.feeds_drafter(8)
+    assert arrivals(policy, 64, PARK_TURNOVERS * 64) == [False] * (PARK_TURNOVERS * 64 - 1) + [True]
+    arrivals(policy, 8, PARK_TURNOVERS * 8)
+    assert policy.feeds_drafter(8) and policy.view().parked == []
     assert policy.feeds_drafter(128)  # nothing smaller is parked now

@@ -14,24 +14,24 @@ Choosing K = 0 is not all of the plain path: a request that may draft still feed
 prompt's context at prefill, the taps of every step), which costs a busy server a tenth of its
 throughput when the steps are bound by host launches. So where plain wins, the batch size is parked:
 requests that join it do not feed the drafter and the engine runs them as plain decoding. A park
-lasts PARK_SECONDS, doubling each time the re-tries after it find plain still best; then joining
-requests feed the drafter again and, once every request of the batch can draft, each K is re-tried.
+lasts PARK_TURNOVERS times the bucket's size in arrivals (the batch turning over twice), doubling
+each time the re-tries after it find plain still best; then joining requests feed the drafter again
+and, once every request of the batch can draft, each K is re-tried. A park is counted in arrivals,
+not seconds: only an arrival can use what it decides, and an idle gap brings no new evidence.
 A larger batch size not decided yet starts parked while a smaller one is.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections import Counter, deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 
 PRIOR_TRIALS = 2.0  # pseudo-trials a position's acceptance rate borrows from the position before it
 NEAR_TIE = 0.02  # scores within this fraction of the best count as a tie, which the longer K takes
-PARK_SECONDS = 0.5  # the first park of a batch bucket where plain wins
-MAX_PARK_DOUBLINGS = 6  # each park whose re-tries find plain still best doubles the next, up to 32 s
+PARK_TURNOVERS = 2  # the first park of a batch bucket where plain wins, in arrivals per request it holds
+MAX_PARK_DOUBLINGS = 6  # each park whose re-tries find plain still best doubles the next, up to 64x
 UNTIMED_PLAIN_PARKS = 32  # choices at a bucket whose plain step has no time yet, after which it is parked
 
 
@@ -54,8 +54,7 @@ def batch_bucket(batch: int) -> int:
 
 
 class DraftLengthPolicy:
-    def __init__(self, k_max: int, adaptive: bool = True, retry_every: int = 64, decay: float = 0.99,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, k_max: int, adaptive: bool = True, retry_every: int = 64, decay: float = 0.99) -> None:
         self.k_max = k_max
         self.adaptive = adaptive
         self.retry_every = retry_every
@@ -76,8 +75,7 @@ class DraftLengthPolicy:
         self.settles = True
         self.steps = 0
         self.chosen: Counter[int] = Counter()  # steps by the K chosen for them
-        self.clock = clock
-        self.parked_until: dict[int, float] = {}  # batch bucket -> clock time its park ends
+        self.park_left: dict[int, int] = {}  # batch bucket -> arrivals its park still covers
         self.park_rounds: dict[int, int] = {}  # batch bucket -> parks in a row (each doubles the next)
         self.parked_joins = 0  # requests told not to feed the drafter
         self.untimed_plain: Counter[int] = Counter()  # bucket -> choices made there before plain had a time
@@ -137,15 +135,13 @@ class DraftLengthPolicy:
         while its bucket is parked. The first call after a park ends makes every K's re-try due there
         (and unsettles the choice), so the first step in which the whole batch can draft re-tries them."""
         bucket = batch_bucket(batch)
-        until = self.parked_until.get(bucket)
-        if until is None:
-            until = self._inherited_park(bucket)
-            if until is None:
-                return True
-        if self.clock() < until:
+        if bucket not in self.park_left and not self._inherit_park(bucket):
+            return True
+        if self.park_left[bucket] > 0:
+            self.park_left[bucket] -= joining
             self.parked_joins += joining
             return False
-        del self.parked_until[bucket]
+        del self.park_left[bucket]
         for k in self.candidates[1:]:
             self.last_tried[(bucket, k)] = -math.inf
         self._settled = None
@@ -153,10 +149,9 @@ class DraftLengthPolicy:
 
     def view(self) -> PolicyView:
         prefix = self.prefix_acceptance()
-        now = self.clock()
         return PolicyView(dict(self.chosen), {key: min(w) for key, w in self.samples.items() if w},
                           {k: self.expected_tokens(k, prefix) for k in self.candidates},
-                          sorted(b for b, until in self.parked_until.items() if now < until), self.parked_joins)
+                          sorted(b for b, left in self.park_left.items() if left > 0), self.parked_joins)
 
     def _choose(self, batch: int) -> int:
         self.steps += 1
@@ -223,26 +218,25 @@ class DraftLengthPolicy:
             self._settled = (bucket, best, due)
         return best
 
-    def _inherited_park(self, bucket: int) -> float | None:
-        """A first park for a bucket the policy has not decided at, when a smaller bucket is parked now:
-        a draft costs relatively more, not less, as the batch grows (its verify rows grow with it), so
-        a wave of arrivals into a new, larger batch would otherwise feed a drafter that is never used
-        for the whole of its requests' lives. The park ends, and is re-tried, like any other."""
+    def _inherit_park(self, bucket: int) -> bool:
+        """Park a bucket the policy has not decided at when a smaller bucket is parked: a draft costs
+        relatively more, not less, as the batch grows (its verify rows grow with it), so a wave of
+        arrivals into a new, larger batch would otherwise feed a drafter that is never used for the
+        whole of its requests' lives. The park ends, and is re-tried, like any other."""
         if (bucket, 0) in self.samples or bucket in self.untimed_plain:
-            return None  # decided, or being decided, by its own steps
-        now = self.clock()
-        if not any(b < bucket and now < t for b, t in self.parked_until.items()):
-            return None
-        self.parked_until[bucket] = now + PARK_SECONDS
-        return self.parked_until[bucket]
+            return False  # decided, or being decided, by its own steps
+        if not any(b < bucket and left > 0 for b, left in self.park_left.items()):
+            return False
+        self.park_left[bucket] = PARK_TURNOVERS * bucket
+        return True
 
     def _park(self, bucket: int) -> None:
         """Plain wins here with no re-try due (or its time cannot be taken): requests that join this
         bucket stop feeding the drafter."""
-        if bucket in self.parked_until:
+        if bucket in self.park_left:
             return
         rounds = self.park_rounds.get(bucket, 0)
-        self.parked_until[bucket] = self.clock() + PARK_SECONDS * 2**rounds
+        self.park_left[bucket] = PARK_TURNOVERS * bucket * 2**rounds
         self.park_rounds[bucket] = min(rounds + 1, MAX_PARK_DOUBLINGS)
 
     def estimate(self, bucket: int, k: int) -> float | None:
