@@ -295,17 +295,21 @@ def test_a_batch_size_whose_plain_step_is_never_timed_is_parked():
 
 def test_a_larger_batch_size_not_decided_yet_starts_parked_while_a_smaller_one_is():
     """A wave of arrivals into a new, larger batch would feed a drafter that the smaller batch already
-    found not worth it; it starts parked, and its park ends and is re-tried like any other. A smaller
-    batch size, or one whose own steps decide it, inherits nothing."""
+    found not worth it twice in a row; it starts parked, and its park ends and is re-tried like any
+    other. A first park, a smaller batch size, or one whose own steps decide it, passes on nothing."""
     policy = DraftLengthPolicy(4)
-    settle(policy, {0: 1.0, 1: 3.0, 2: 3.2, 4: 3.5}, 0.2, batch=8)
+    times = {0: 1.0, 1: 3.0, 2: 3.2, 4: 3.5}
+    settle(policy, times, 0.2, batch=8)
+    assert policy.view().parked == [8] and policy.feeds_drafter(64)  # a first park is not passed on
+    arrivals(policy, 8, PARK_TURNOVERS * 8 + 1)  # the park ends; the re-tries find plain best again
+    drive(policy, 8, times, 0.2, batch=8)
     assert policy.view().parked == [8]
-    assert not policy.feeds_drafter(64) and policy.view().parked == [8, 64]
+    assert not policy.feeds_drafter(256) and policy.view().parked == [8, 256]
     assert policy.feeds_drafter(4)
     for _ in range(2):
         policy.observe_time(32, 0, 2.0)  # batch 32 has its own plain time: its own steps decide it
     assert policy.feeds_drafter(32)
-    assert arrivals(policy, 64, PARK_TURNOVERS * 64) == [False] * (PARK_TURNOVERS * 64 - 1) + [True]
-    arrivals(policy, 8, PARK_TURNOVERS * 8)
+    assert arrivals(policy, 256, PARK_TURNOVERS * 256) == [False] * (PARK_TURNOVERS * 256 - 1) + [True]
+    arrivals(policy, 8, 2 * PARK_TURNOVERS * 8)
     assert policy.feeds_drafter(8) and policy.view().parked == []
-    assert policy.feeds_drafter(128)  # nothing smaller is parked now
+    assert policy.feeds_drafter(512)  # nothing smaller is parked now

@@ -18,7 +18,7 @@ lasts PARK_TURNOVERS times the bucket's size in arrivals (the batch turning over
 each time the re-tries after it find plain still best; then joining requests feed the drafter again
 and, once every request of the batch can draft, each K is re-tried. A park is counted in arrivals,
 not seconds: only an arrival can use what it decides, and an idle gap brings no new evidence.
-A larger batch size not decided yet starts parked while a smaller one is.
+A larger batch size not decided yet starts parked while a smaller one is, parked a second time in a row.
 """
 
 from __future__ import annotations
@@ -219,13 +219,14 @@ class DraftLengthPolicy:
         return best
 
     def _inherit_park(self, bucket: int) -> bool:
-        """Park a bucket the policy has not decided at when a smaller bucket is parked: a draft costs
-        relatively more, not less, as the batch grows (its verify rows grow with it), so a wave of
-        arrivals into a new, larger batch would otherwise feed a drafter that is never used for the
-        whole of its requests' lives. The park ends, and is re-tried, like any other."""
+        """Park a bucket the policy has not decided at when a smaller bucket is parked and its re-tries
+        confirmed it (a second park in a row): a draft costs relatively more, not less, as the batch
+        grows (its verify rows grow with it), so a wave of arrivals into a new, larger batch would
+        otherwise feed a drafter that is never used for the whole of its requests' lives. A first
+        park, decided from a few steps, is not enough. The park ends, and is re-tried, like any other."""
         if (bucket, 0) in self.samples or bucket in self.untimed_plain:
             return False  # decided, or being decided, by its own steps
-        if not any(b < bucket and left > 0 for b, left in self.park_left.items()):
+        if not any(b < bucket and left > 0 and self.park_rounds.get(b, 0) >= 2 for b, left in self.park_left.items()):
             return False
         self.park_left[bucket] = PARK_TURNOVERS * bucket
         return True
