@@ -503,10 +503,10 @@ class DraftModel(nn.Module):
         end = max(s + n for s, n in zip(starts, counts))
         if end > cache.max_len:
             raise ValueError(f"append_context: context would reach position {end} beyond the cache ({cache.max_len})")
-        dev = features.device
-        as_t = lambda v: to_device(v, torch.int64, dev)  # noqa: E731
-        self.append_context_tensors(cache, as_t(slots), as_t(starts), as_t(counts), features,
-                                    max(s + c for s in starts))
+        # one host-to-device copy for the three (a prefill that feeds the drafter is host-bound at a busy
+        # server: every copy and launch of it is a share of the step)
+        slots_t, starts_t, counts_t = to_device([list(slots), list(starts), list(counts)], torch.int64, features.device)
+        self.append_context_tensors(cache, slots_t, starts_t, counts_t, features, max(s + c for s in starts))
 
     def append_context_tensors(self, cache: KVCache, slots: Tensor, starts: Tensor, counts: Tensor,
                                features: Tensor, max_pos: int) -> None:
