@@ -24,9 +24,9 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 

@@ -18,7 +18,8 @@ lasts PARK_TURNOVERS times the bucket's size in arrivals (the batch turning over
 each time the re-tries after it find plain still best; then joining requests feed the drafter again
 and, once every request of the batch can draft, each K is re-tried. A park is counted in arrivals,
 not seconds: only an arrival can use what it decides, and an idle gap brings no new evidence.
-A larger batch size not decided yet starts parked while a smaller one is, parked a second time in a row.
+A larger batch size that its own steps have not decided yet starts parked while a smaller one is on
+its second park in a row.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 PRIOR_TRIALS = 2.0  # pseudo-trials a position's acceptance rate borrows from the position before it
 NEAR_TIE = 0.02  # scores within this fraction of the best count as a tie, which the longer K takes
-PARK_TURNOVERS = 2  # the first park of a batch bucket where plain wins, in arrivals per request it holds
+PARK_TURNOVERS = 2  # the first park of a batch bucket where plain wins covers this many times its size in arrivals
 MAX_PARK_DOUBLINGS = 6  # each park whose re-tries find plain still best doubles the next, up to 64x
 UNTIMED_PLAIN_PARKS = 32  # choices at a bucket whose plain step has no time yet, after which it is parked
 
