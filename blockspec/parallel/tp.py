@@ -200,7 +200,7 @@ class RankLLM(LLM):
                  control: ProcessGroup = None, **kwargs: Any) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.control = control  # a CPU (gloo) group for the policy's decisions
+        self.control = control  # a CPU (gloo) group for host messages: commands, policy decisions
         super().__init__(model, **kwargs)
 
     def _make_engine(self, *args: Any) -> Engine:
@@ -244,7 +244,9 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | No
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only: the ranks share one host
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size, timeout=timedelta(minutes=10))
-    control = dist.new_group(backend="gloo") if cuda else None  # host decisions without a device sync
+    # calls, server commands and policy decisions are host objects: under NCCL a broadcast of them
+    # would go through a device tensor and sync the host every step, so they use a gloo group
+    control = dist.new_group(backend="gloo") if cuda else None
     try:
         try:
             llm: RankLLM | None = RankLLM(rank, world_size, model, control, **llm_kwargs)
@@ -257,7 +259,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | No
             return
         while True:
             msg: list[Any] = [_next_call(conn) if conn is not None else None]
-            dist.broadcast_object_list(msg, src=0)
+            dist.broadcast_object_list(msg, src=0, group=control)
             name, args, kwargs = msg[0]
             if name == "close":
                 return
@@ -294,7 +296,7 @@ def _serve(llm: RankLLM, conn: Connection | None) -> None:
             except EOFError:  # the engine process is gone: stop every rank
                 cmds.append(Stop())
         msg: list[Any] = [cmds]
-        dist.broadcast_object_list(msg, src=0)
+        dist.broadcast_object_list(msg, src=0, group=llm.control)  # on the host: no device sync a step
         return msg[0]
 
     if conn is not None:
