@@ -254,6 +254,10 @@ class EngineConfig:
     max_model_len: int = 2048
     max_num_seqs: int = 64
     max_prefill_tokens: int = 4096
+    # on CUDA with the Triton attention kernel, prefill batches of at most this many padded tokens
+    # (batch bucket x width, widths powers of two from 16) replay CUDA graphs captured at start-up
+    # instead of launching each layer's kernels from Python (capped at max_prefill_tokens; 0: eager)
+    graph_prefill_tokens: int = 2048
     seed: int = 0
     # auto: the Triton kernel on CUDA when triton is installed, else SDPA (blockspec.models.triton_attention)
     attention_backend: str = "auto"
@@ -269,6 +273,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if not isinstance(self.graph_prefill_tokens, int) or self.graph_prefill_tokens < 0:
+            raise ConfigError(f"graph_prefill_tokens must be an integer >= 0, got {self.graph_prefill_tokens!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.async_scheduling not in (None, True, False):

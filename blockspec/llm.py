@@ -115,6 +115,7 @@ class LLM:
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
         max_num_seqs: int = 64,
         max_prefill_tokens: int = 4096,
+        graph_prefill_tokens: int = 2048,
         tensor_parallel_size: int = 1,  # > 1 is served by __new__
         attention_backend: str = "auto",
         gpu_memory_utilization: float = 0.9,
@@ -143,7 +144,8 @@ class LLM:
             weight = self.model.embed_tokens.weight
             drafter = load_drafter(spec.method, spec.model, weight.device, weight.dtype)
         engine_cfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_num_seqs,
-                                  max_prefill_tokens=max_prefill_tokens, seed=seed if seed is not None else 0,
+                                  max_prefill_tokens=max_prefill_tokens, graph_prefill_tokens=graph_prefill_tokens,
+                                  seed=seed if seed is not None else 0,
                                   attention_backend=attention_backend,
                                   gpu_memory_utilization=gpu_memory_utilization, async_scheduling=async_scheduling)
         self.engine = self._make_engine(engine_cfg, spec, drafter, eos)

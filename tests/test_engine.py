@@ -247,6 +247,40 @@ def test_graph_key_extents():
     assert kv_extent(5, 1000, True) == 1000
 
 
+def test_prefill_batches_within_the_token_cap_take_a_graph(tmp_path):
+    """A prefill batch replays a captured graph when its padded size (batch bucket x width, widths
+    powers of two from 16) is within graph_prefill_tokens, with the Triton kernel only; decode and
+    verify widths keep their own graphs; capture_all makes exactly the keys requests can ask for."""
+    from blockspec.engine.runner import ModelRunner, prefill_graph_widths
+
+    assert prefill_graph_widths(256) == [16, 32, 64, 128, 256] and prefill_graph_widths(15) == []
+    model = LLM(str(save_tiny(tmp_path / "m", "qwen3", seed=2)), device="cpu", dtype="float32", warmup=False).model
+    model.attention_backend = "triton"
+    runner = ModelRunner(model, 8, 1000, use_cuda_graphs=True, query_buckets=(2, 5), graph_prefill_tokens=256)
+    kv = runner.kv_extent(0)
+    keys = {(rows, width): runner.graph_key(rows, width, 100, False) for rows, width in
+            ((1, 1), (3, 5), (1, 6), (1, 40), (3, 64), (4, 64), (5, 64), (8, 32), (1, 256), (1, 257), (2, 200))}
+    assert keys == {(1, 1): (1, 1, kv, False), (3, 5): (4, 5, kv, False), (1, 6): (1, 16, kv, False),
+                    (1, 40): (1, 64, kv, False), (3, 64): (4, 64, kv, False), (4, 64): (4, 64, kv, False),
+                    (5, 64): None, (8, 32): (8, 32, kv, False), (1, 256): (1, 256, kv, False), (1, 257): None,
+                    (2, 200): None}
+    captured = []
+    runner._capture = captured.append
+    runner.capture_all([1, 2, 4, 8], tapped=False, untapped=True)
+    prefill = sorted((b, w) for b, w, _, _ in captured if w >= 16)
+    assert prefill == [(b, w) for b in (1, 2, 4, 8) for w in (16, 32, 64, 128, 256) if b * w <= 256]
+    assert sum(w < 16 for _, w, _, _ in captured) == 4 * 3  # widths 1, 2, 5 at each batch bucket
+    assert not runner.sinks_context((1, 64, kv, True))  # no drafter: the taps come back
+    runner.context_sink = lambda *args: None
+    assert runner.sinks_context((1, 64, kv, True))  # a tapped prefill graph appends them itself
+    assert not runner.sinks_context((1, 64, kv, False)) and not runner.sinks_context((1, 5, kv, True))
+    runner.graph_prefill_tokens = 0
+    assert runner.graph_key(1, 40, 100, False) is None and runner.graph_key(1, 5, 100, False) is not None
+    runner.graph_prefill_tokens = 256
+    model.attention_backend = "sdpa"  # SDPA graphs are bucketed by key length too: prefill stays eager
+    assert runner.graph_key(1, 40, 100, False) is None and runner.graph_key(2, 5, 100, False) is not None
+
+
 def test_cache_plan_is_what_the_caches_allocate(tmp_path):
     """The start-up memory check prices the caches exactly as they are allocated (target and drafter)."""
     from pathlib import Path

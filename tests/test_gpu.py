@@ -19,9 +19,86 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
     graphed = LLM(str(path), device="cuda", dtype="float32", max_model_len=256)
     eager = LLM(str(path), device="cuda", dtype="float32", max_model_len=256)
     eager.engine.runner.use_graphs = False
+    replayed = []
+    runner = graphed.engine.runner
+    replay = runner._replay
+    runner._replay = lambda *a, **k: replayed.append(a[5]) or replay(*a, **k)
     a = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
-    assert graphed.engine.runner.graphs and a == b
+    assert a == b
+    assert replayed[0][:2] == (4, 64) and replayed[1][:2] == (4, 1)  # the prefill of all three, then decode
+
+
+@pytest.mark.gpu
+def test_prefill_graphs_equal_the_eager_prefill(tmp_path):
+    """A prefill batch replays a graph padded to a power-of-two width and gives the eager forward's
+    hidden rows, taps and cache K/V; the taps it returns outlive the next prefill graph (its hidden
+    rows are read in the step that made them, from a buffer every prefill graph shares)."""
+    target = save_drafter_target(tmp_path / "t")
+    llm = LLM(str(target), device="cuda", dtype="float32", max_model_len=256, warmup=False)
+    model = llm.model
+    model.attention_backend = "triton"
+    from blockspec.engine.runner import ModelRunner
+
+    runner = ModelRunner(model, 4, 300, taps=(0, 2), graph_prefill_tokens=256)
+    replayed = []
+    replay = runner._replay
+    runner._replay = lambda *a, **k: replayed.append(a[5]) or replay(*a, **k)
+    runs = [[2 + (i * 7 + j) % 90 for j in range(n)] for i, n in enumerate((3, 40, 11))]
+    slots, starts = [0, 1, 2], [0, 0, 0]
+    runner.graph_prefill_tokens = 0
+    hidden_e, feats_e = runner.forward(runs, starts, slots, with_taps=True)
+    k_e = [k[:3, :, :40].clone() for k in runner.cache.k]
+    for k in runner.cache.k:
+        k.zero_()
+    runner.graph_prefill_tokens = 256
+    hidden_g, feats_g = runner.forward(runs, starts, slots, with_taps=True)
+    assert [key[:2] for key in replayed] == [(4, 64)]
+    for i, run in enumerate(runs):
+        n = len(run)
+        torch.testing.assert_close(hidden_g[i, :n], hidden_e[i, :n])
+        torch.testing.assert_close(feats_g[i, :n], feats_e[i, :n])
+        for layer, k in enumerate(runner.cache.k):
+            torch.testing.assert_close(k[i, :, :n], k_e[layer][i, :, :n])
+    kept = feats_g.clone()
+    runner.forward([[5] * 20], [0], [3], with_taps=True)  # another prefill graph: (1, 32)
+    assert [key[:2] for key in replayed] == [(4, 64), (1, 32)]
+    assert torch.equal(feats_g, kept)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
+def test_a_prefill_graph_appends_the_draft_context_the_eager_path_does(tmp_path, method, fixture):
+    """A tapped prefill graph writes the prompt's context K/V into the drafter's cache itself: the
+    same K/V as the eager prefill and `Proposer.extend_context`, only for requests that feed the
+    drafter, and the same drafts and output after it."""
+    from pathlib import Path
+
+    target = save_drafter_target(tmp_path / "t")
+    spec = {"method": method, "model": str(Path(__file__).parent / "fixtures" / "drafters" / fixture),
+            "adaptive_draft_length": False}
+    graphed = LLM(str(target), device="cuda", dtype="float32", max_model_len=256, speculative_config=spec)
+    eager = LLM(str(target), device="cuda", dtype="float32", max_model_len=256, speculative_config=spec,
+                graph_prefill_tokens=0)
+    lengths = (3, 40, 11)
+    for llm in (graphed, eager):
+        for i, n in enumerate(lengths):
+            params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, use_speculation=i != 2)
+            llm.engine.add_request(str(i), None, [2 + (i * 7 + j) % 90 for j in range(n)], params)
+        llm.engine.step()  # the prefill of all three
+    cache_g, cache_e = graphed.engine.proposer.cache, eager.engine.proposer.cache
+    reqs_g, reqs_e = list(graphed.engine.running), list(eager.engine.running)
+    assert [r.num_draft_ctx for r in reqs_g] == [r.num_draft_ctx for r in reqs_e] == [3, 40, 0]
+    for r, n in zip(reqs_g, (3, 40)):
+        for kg, ke in zip(cache_g.k + cache_g.v, cache_e.k + cache_e.v):
+            torch.testing.assert_close(kg[r.slot, :, :n], ke[r.slot, :, :n])
+    assert not cache_g.k[0][reqs_g[2].slot].any()  # the opted-out request fed nothing
+    outputs = []
+    for llm, reqs in ((graphed, reqs_g), (eager, reqs_e)):
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        outputs.append(([r.output_ids for r in reqs], llm.get_metrics()["num_accepted_tokens_per_pos"]))
+    assert outputs[0] == outputs[1] and sum(outputs[0][1]) > 0
 
 
 @pytest.mark.gpu

@@ -156,7 +156,9 @@ class Engine:
         margin = (self.proposer.num_speculative_tokens + 1) if self.proposer else 1
         widths = [1 + k for k in self.policy.candidates] if self.proposer else []
         self.runner = ModelRunner(model, config.max_num_seqs, config.max_model_len + margin, taps, query_buckets=widths,
-                                  tap_sink=self.proposer.pending if self.proposer else None)
+                                  tap_sink=self.proposer.pending if self.proposer else None,
+                                  graph_prefill_tokens=min(config.graph_prefill_tokens, config.max_prefill_tokens),
+                                  context_sink=self.proposer.append_taps if self.proposer else None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.seed_gen = torch.Generator().manual_seed(config.seed)
@@ -200,8 +202,11 @@ class Engine:
             return n
 
         mc = model.config
-        # a prefill chunk's activations (residual, norms, qkv, MLP), greedy logits, graph pools and cuBLAS
+        # a prefill chunk's activations (residual, norms, qkv, MLP), greedy logits, graph pools and cuBLAS,
+        # and the outputs the prefill graphs share (hidden rows and taps)
         reserve = cfg.max_prefill_tokens * (8 * mc.hidden_size + 3 * mc.intermediate_size) * itemsize + (3 << 29)
+        tap_width = drafter.fc.in_features if drafter is not None else 0
+        reserve += min(cfg.graph_prefill_tokens, cfg.max_prefill_tokens) * (mc.hidden_size + tap_width) * itemsize
         free, total = torch.cuda.mem_get_info(self.device)
         check_cache_plan(caches(cfg.max_num_seqs), caches(1) - caches(0), free, total, cfg.gpu_memory_utilization,
                          reserve, cfg.max_num_seqs, cfg.max_model_len)
@@ -209,7 +214,8 @@ class Engine:
     @torch.no_grad()
     def warmup(self) -> dict[str, float]:
         """Pay every one-time cost before the first request: capture the CUDA graph of each batch
-        bucket up to max_num_seqs x verify width (with and without taps) and of the draft step,
+        bucket up to max_num_seqs x verify width (with and without taps), of each prefill batch
+        within graph_prefill_tokens, and of the draft step,
         then run short requests end to end, greedy and sampled (each Triton kernel variant prefill,
         decode, the drafter and sampling use, the eager draft path). Counters and the draft-length
         policy start afresh afterwards, so no request and no policy estimate pays for a capture or
@@ -444,6 +450,14 @@ class Engine:
             keep = feats if len(rows) == len(reqs) else feats[to_device(rows, torch.int64, feats.device)]
             self.proposer.extend_context([reqs[i] for i in rows], keep, [counts[i] for i in rows])
 
+    def _draft_context(self, reqs: list[Request], counts: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """Where a prefill graph puts each request's chunk of taps in the draft cache: (slot, start, rows);
+        the scratch slot and no rows for a request that feeds no drafter."""
+        scratch = self.runner.cache.scratch_slot  # the draft cache's too: both have max_num_seqs slots
+        fed = [r.feeds_drafter for r in reqs]
+        return ([r.slot if f else scratch for r, f in zip(reqs, fed)], [r.num_draft_ctx if f else 0 for r, f in zip(reqs, fed)],
+                [c if f else 0 for c, f in zip(counts, fed)])
+
     def _tap_hold(self, reqs: list[Request]) -> tuple[list[int], list[int]] | None:
         """Where a plain step's forward puts each request's taps in the proposer's buffer (slot, next
         held row; the scratch slot for a request that never drafts), or None when none may draft."""
@@ -498,8 +512,13 @@ class Engine:
             chosen.append(req)
             budget -= take
         self.timer.mark("rest")
-        hidden, feats = self.runner.forward(runs, starts, [r.slot for r in chosen], with_taps=self._drafts_any(chosen))
         counts = [len(run) for run in runs]
+        taps = self._drafts_any(chosen)
+        hidden, feats = self.runner.forward(runs, starts, [r.slot for r in chosen], with_taps=taps,
+                                            context=self._draft_context(chosen, counts) if taps else None)
+        if taps and feats is None:  # a prefill graph appended the chunk to the draft cache itself
+            fed = [i for i, r in enumerate(chosen) if r.feeds_drafter]
+            self.proposer.context_appended([chosen[i] for i in fed], [counts[i] for i in fed])
         done = []
         for i, req in enumerate(chosen):
             req.num_cached += counts[i]

@@ -1,9 +1,13 @@
 """Target forwards for the engine: packs requests' token runs into one padded batch on the device.
 
-On CUDA, fixed-shape forwards (decode and verify: every request feeds at most one verify width of
-tokens) replay captured CUDA graphs, bucketed by batch size, query width and (SDPA only) key
-length, so Python and kernel launch overhead do not bound batch-1 speed. Longer prefill chunks and
-CPU runs take the eager path, which is the reference the graph path is tested against.
+On CUDA, forwards replay captured CUDA graphs, bucketed by batch size, query width and (SDPA only)
+key length, so Python and kernel launch overhead bound neither batch-1 decoding nor a busy server:
+decode and verify (every request feeds at most one verify width of tokens), and with the Triton
+attention kernel prefill batches of up to `graph_prefill_tokens` padded tokens (widths in powers of
+two from 16). An eager forward costs about ten launches a layer from Python whatever its size
+(3 ms for six layers on the H200 host, a graph replay 0.1 ms), and at a busy server nearly every
+step holds a prefill. Longer prefill chunks and CPU runs take the eager path, which is the
+reference the graph path is tested against.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from blockspec.transfer import to_device
 T = TypeVar("T")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_KV_BUCKET = 256
+MIN_PREFILL_WIDTH = 16
 
 
 def bucket(value: int, buckets: Sequence[int]) -> int | None:
@@ -41,6 +46,12 @@ def kv_extents(cap: int, whole: bool) -> list[int]:
 def kv_extent(length: int, cap: int, whole: bool) -> int:
     """The captured extent that serves `length` keys."""
     return bucket(length, kv_extents(cap, whole))
+
+
+def prefill_graph_widths(tokens: int) -> list[int]:
+    """Query widths prefill graphs are captured for: powers of two from 16 up to `tokens` (a run
+    pads to at most twice its length, and a batch of b runs of width w is graphed if b x w <= tokens)."""
+    return [MIN_PREFILL_WIDTH << i for i in range(32) if MIN_PREFILL_WIDTH << i <= tokens]
 
 
 CAPTURES = [0]  # graphs captured so far in this process (a step that captured is not a timing sample)
@@ -66,7 +77,9 @@ def capture(fn: Callable[[], T], pool: object) -> tuple["torch.cuda.CUDAGraph", 
 class CapturedForward:
     graph: "torch.cuda.CUDAGraph"
     ids: Tensor  # [B, Q] static input
-    control: Tensor  # [5, B] static input: slots, starts, q_lens, tap sink slot and column (see ModelRunner)
+    # [8, B] static input: slots, starts, q_lens, tap sink slot and column, draft context slot, start and
+    # rows (see ModelRunner)
+    control: Tensor
     hidden: Tensor  # [B, Q, H] static output
     features: Tensor | None  # [B, Q, F] static output
 
@@ -76,11 +89,19 @@ class ModelRunner:
 
     `tap_sink` [slots + 1, C, F] (the proposer's buffer of context not yet drafted from): a forward
     given `hold` writes each request's first-row taps straight into it, inside the captured graph,
-    instead of returning them, so a plain step of a speculating request costs no extra host work."""
+    instead of returning them, so a plain step of a speculating request costs no extra host work.
+
+    Prefill graphs (`graph_prefill_tokens` > 0, Triton attention) write their outputs into buffers
+    all of them share: each graph keeping its own [b, w, H] hidden and taps would hold gigabytes for
+    a large model, and a prefill's outputs are read in the step that made them. With `context_sink`
+    (slots, starts, rows, taps: the drafter's context append, device-only) a tapped prefill graph
+    hands the chunk's taps to the drafter's cache itself, so the prompt's draft context costs no
+    launches from the host (the eager path returns the taps, and the engine appends them)."""
 
     def __init__(self, model: CausalLM, max_slots: int, max_len: int, taps: Sequence[int] = (),
                  use_cuda_graphs: bool | None = None, query_buckets: Sequence[int] = (),
-                 tap_sink: Tensor | None = None) -> None:
+                 tap_sink: Tensor | None = None, graph_prefill_tokens: int = 0,
+                 context_sink: Callable[[Tensor, Tensor, Tensor, Tensor], None] | None = None) -> None:
         self.model = model
         self.tap_sink = tap_sink
         # graphed forwards pad their query rows up to one of these lengths (the verify widths the
@@ -92,20 +113,28 @@ class ModelRunner:
         self.taps = tuple(taps)
         self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self.graphs: dict[tuple[int, int, int, bool], CapturedForward] = {}
+        self.graph_prefill_tokens = graph_prefill_tokens
+        self.context_sink = context_sink
+        self._prefill_out: tuple[Tensor, Tensor] | None = None  # (hidden [N, H], taps [N, F]) every prefill graph writes
         self._pool = None
 
     def forward(
         self, runs: Sequence[Sequence[int]], starts: Sequence[int], slots: Sequence[int], with_taps: bool = False,
-        hold: tuple[list[int], list[int]] | None = None,
+        hold: tuple[list[int], list[int]] | None = None, context: tuple[list[int], list[int], list[int]] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """runs[r] are token ids fed at positions starts[r], ...; returns hidden [R, Q, H], taps [R, Q, F]."""
+        """runs[r] are token ids fed at positions starts[r], ...; returns hidden [R, Q, H], taps [R, Q, F].
+
+        `context` = (draft cache slots, starts, rows) per request: where a prefill graph that serves
+        this forward appends the taps to the drafter's cache (`context_sink`); it then returns no taps.
+        A forward no such graph serves returns them."""
         q = max(len(r) for r in runs)
         ids = to_device([list(run) + [0] * (q - len(run)) for run in runs], torch.int64, self.device)
-        return self.forward_ids(ids, [len(r) for r in runs], starts, slots, with_taps, hold=hold)
+        return self.forward_ids(ids, [len(r) for r in runs], starts, slots, with_taps, hold=hold, context=context)
 
     def forward_ids(
         self, ids: Tensor, q_lens: Sequence[int] | Tensor, starts: Sequence[int] | Tensor, slots: Sequence[int],
         with_taps: bool = False, kv_len: int | None = None, hold: tuple[list[int], list[int]] | None = None,
+        context: tuple[list[int], list[int], list[int]] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Same as `forward` with the ids already a padded device tensor [R, Q] (e.g. anchors + drafts).
 
@@ -120,11 +149,11 @@ class ModelRunner:
         if kv_len is None:
             assert not on_device, "starts / q_lens on the device need a host bound kv_len"
             kv_len = max(s + n for s, n in zip(starts, q_lens))
-        b = bucket(r, BATCH_BUCKETS)
-        width = bucket(q, self.query_buckets)
-        if self.use_graphs and b is not None and width is not None:
-            return self._replay(ids, q_lens, starts, slots, with_taps, (b, width, self.kv_extent(kv_len), with_taps),
-                                hold)
+        key = self.graph_key(r, q, kv_len, with_taps)
+        if key is not None and context is None and self.sinks_context(key):
+            key = None  # that graph would hand the taps to the drafter, and this caller wants them back
+        if key is not None:
+            return self._replay(ids, q_lens, starts, slots, with_taps, key, hold, context)
         cfg = self.model.config
         if on_device:
             as_t = lambda v: v if isinstance(v, Tensor) else to_device(v, torch.int64, self.device)  # noqa: E731
@@ -152,34 +181,64 @@ class ModelRunner:
     def kv_extent(self, kv_len: int) -> int:
         return kv_extent(kv_len, self.cache.max_len + 1, self.whole_cache_graphs)
 
+    @property
+    def prefill_widths(self) -> list[int]:
+        """Prefill graph widths: with the Triton kernel only (SDPA graphs are also bucketed by key
+        length, which would multiply them), and only where the cache allows such a width."""
+        if not (self.use_graphs and self.whole_cache_graphs):
+            return []
+        return [w for w in prefill_graph_widths(self.graph_prefill_tokens) if w <= self.cache.max_len]
+
+    def sinks_context(self, key: tuple[int, int, int, bool]) -> bool:
+        """Whether the graph of `key` appends its taps to the drafter's cache: a tapped prefill graph."""
+        return key[3] and key[1] not in self.query_buckets and self.context_sink is not None
+
+    def graph_key(self, rows: int, width: int, kv_len: int, with_taps: bool) -> tuple[int, int, int, bool] | None:
+        """The captured graph that serves `rows` requests of up to `width` tokens, or None (eager)."""
+        b = bucket(rows, BATCH_BUCKETS)
+        if not self.use_graphs or b is None:
+            return None
+        w = bucket(width, self.query_buckets)
+        if w is None:
+            w = bucket(width, self.prefill_widths)
+            if w is not None and b * w > self.graph_prefill_tokens:
+                return None
+        return None if w is None else (b, w, self.kv_extent(kv_len), with_taps)
+
     def capture_all(self, batch_sizes: Sequence[int], tapped: bool, untapped: bool) -> None:
         """Capture every graph a step of these batch buckets can replay: each query width, each key
-        extent, with taps (steps where requests may draft) and / or without."""
-        for b in batch_sizes:
-            for kv in kv_extents(self.cache.max_len + 1, self.whole_cache_graphs):
-                for width in self.query_buckets:
-                    for taps in [t for t, wanted in ((True, tapped), (False, untapped)) if wanted]:
-                        if (b, width, kv, taps) not in self.graphs:
-                            self._capture((b, width, kv, taps))
+        extent, with taps (steps where requests may draft) and / or without, and the prefill graphs
+        of each width that holds the batch within `graph_prefill_tokens`."""
+        kinds = [t for t, wanted in ((True, tapped), (False, untapped)) if wanted]
+        keys = [(b, width, kv, taps) for b in batch_sizes for kv in kv_extents(self.cache.max_len + 1, self.whole_cache_graphs)
+                for width in self.query_buckets for taps in kinds]
+        keys += [(b, width, self.kv_extent(0), taps) for width in self.prefill_widths for b in batch_sizes
+                 if b * width <= self.graph_prefill_tokens for taps in kinds]
+        for key in keys:
+            if key not in self.graphs:
+                self._capture(key)
 
     def _replay(self, ids: Tensor, q_lens: Sequence[int] | Tensor, starts: Sequence[int] | Tensor, slots: Sequence[int],
-                with_taps: bool, key: tuple[int, int, int, bool],
-                hold: tuple[list[int], list[int]] | None = None) -> tuple[Tensor, Tensor | None]:
+                with_taps: bool, key: tuple[int, int, int, bool], hold: tuple[list[int], list[int]] | None = None,
+                context: tuple[list[int], list[int], list[int]] | None = None) -> tuple[Tensor, Tensor | None]:
         r, q = ids.shape
         b = key[0]
         cap = self.graphs.get(key) or self._capture(key)
         host = lambda v: [0] * r if isinstance(v, Tensor) else list(v)  # noqa: E731
         pad, scratch = b - r, self.cache.scratch_slot
         sink_slots, sink_cols = hold if hold is not None else ([scratch] * r, [0] * r)
+        sunk = self.sinks_context(key)
+        ctx_slots, ctx_starts, ctx_rows = context if sunk else ([scratch] * r, [0] * r, [0] * r)
         cap.control.copy_(to_device([list(slots) + [scratch] * pad, host(starts) + [0] * pad, host(q_lens) + [0] * pad,
-                                     list(sink_slots) + [scratch] * pad, list(sink_cols) + [0] * pad],
-                                    torch.int64, self.device))
+                                     list(sink_slots) + [scratch] * pad, list(sink_cols) + [0] * pad,
+                                     list(ctx_slots) + [scratch] * pad, list(ctx_starts) + [0] * pad,
+                                     list(ctx_rows) + [0] * pad], torch.int64, self.device))
         for row, values in ((1, starts), (2, q_lens)):
             if isinstance(values, Tensor):
                 cap.control[row, :r].copy_(values)
         cap.ids[:r, :q].copy_(ids)
         cap.graph.replay()
-        if hold is not None:
+        if hold is not None or sunk:
             return cap.hidden[:r, :q], None
         # Features outlive this replay (they become draft context later): copy them out.
         feats = cap.features[:r, :q].clone() if cap.features is not None else None
@@ -189,15 +248,24 @@ class ModelRunner:
         b, q, kv_len, with_taps = key
         cfg = self.model.config
         ids = torch.zeros(b, q, dtype=torch.int64, device=self.device)
-        control = torch.zeros(5, b, dtype=torch.int64, device=self.device)
-        control[0] = control[3] = self.cache.scratch_slot  # warm-up and capture write only the scratch slot
+        control = torch.zeros(8, b, dtype=torch.int64, device=self.device)
+        control[0] = control[3] = control[5] = self.cache.scratch_slot  # warm-up and capture write only the scratch slot
+        shared = self._shared_prefill_out() if q not in self.query_buckets else None
+        sunk = self.sinks_context(key)
 
         def run() -> tuple[Tensor, Tensor | None]:
             meta = meta_from_tensors(control[0], control[1], control[2], q, kv_len, self.cache.trash,
                                      cfg.sliding_window, cfg.layer_types)
             hidden, features = self.model(ids, meta, self.cache, self.taps if with_taps else ())
-            if features is not None and self.tap_sink is not None:
+            if sunk:
+                self.context_sink(control[5], control[6], control[7], features)
+                features = None
+            elif features is not None and self.tap_sink is not None and shared is None:
                 self._sink(features, control[3], control[4])
+            if shared is not None:  # a prefill graph: its outputs go where every prefill graph's go
+                hidden = shared[0][: b * q].view(b, q, -1).copy_(hidden)
+                if features is not None:
+                    features = shared[1][: b * q].view(b, q, -1).copy_(features)
             return hidden, features
 
         if self._pool is None:
@@ -206,6 +274,16 @@ class ModelRunner:
         cap = CapturedForward(graph, ids, control, hidden, features)
         self.graphs[key] = cap
         return cap
+
+    def _shared_prefill_out(self) -> tuple[Tensor, Tensor]:
+        """The buffers every prefill graph writes its hidden rows and taps into (made once, outside any
+        capture, so no graph's pool holds them)."""
+        if self._prefill_out is None:
+            n, h = self.graph_prefill_tokens, self.model.config.hidden_size
+            dtype = self.model.embed_tokens.weight.dtype
+            self._prefill_out = (torch.empty(n, h, dtype=dtype, device=self.device),
+                                 torch.empty(n, len(self.taps) * h, dtype=dtype, device=self.device))
+        return self._prefill_out
 
     # ---------------------------------------------------------------- heads
     def logits(self, hidden: Tensor) -> Tensor:

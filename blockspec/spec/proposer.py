@@ -130,8 +130,17 @@ class Proposer:
         draft cache at once."""
         self.drafter.append_context(self.cache, [r.slot for r in reqs], [r.num_draft_ctx for r in reqs], counts,
                                     features)
+        self.context_appended(reqs, counts)
+
+    def context_appended(self, reqs: list[Request], counts: list[int]) -> None:
+        """Count rows now in the draft cache (appended here, or by a prefill graph through `append_taps`)."""
         for r, c in zip(reqs, counts):
             r.num_draft_ctx += c
+
+    def append_taps(self, slots: Tensor, starts: Tensor, counts: Tensor, features: Tensor) -> None:
+        """Device-only context append (the target's prefill graphs run it as their `context_sink`):
+        features[r, :counts[r]] into draft cache slot slots[r] from starts[r]."""
+        self.drafter.append_context_tensors(self.cache, slots, starts, counts, features, self.cache.max_len)
 
     def held(self, reqs: list[Request]) -> None:
         """Account one row each that a plain step's forward put in `pending` (ModelRunner.tap_sink).
