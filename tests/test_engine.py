@@ -281,6 +281,68 @@ def test_prefill_batches_within_the_token_cap_take_a_graph(tmp_path):
     assert runner.graph_key(1, 40, 100, False) is None and runner.graph_key(2, 5, 100, False) is not None
 
 
+def detokenizer_cases(tokenizer, n: int, seed: int = 0):
+    """Random prompts and outputs over the whole vocabulary (byte pieces, special tokens)."""
+    import random
+
+    rng = random.Random(seed)
+    vocab, special = len(tokenizer), tokenizer.all_special_ids
+    for _ in range(n):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 10))]
+        yield prompt, [rng.choice(special) if rng.random() < 0.05 else rng.randrange(vocab)
+                       for _ in range(rng.randrange(1, 40))]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_streamed_text_equals_the_offsets_chunk_for_chunk(skip):
+    """The tokenizers library's DecodeStream gives, token by token, the text the two-decode offsets
+    give, on the embedded tokenizer; prompt tails that end mid-character keep the offsets."""
+    from pathlib import Path
+
+    from blockspec.engine.request import IncrementalDetokenizer
+    from blockspec.llm import load_tokenizer
+
+    tok = load_tokenizer(Path(__file__).parent.parent / "blockspec" / "assets" / "default" / "target")
+    streamed = 0
+    for prompt, out in detokenizer_cases(tok, 300):
+        fast, ref = IncrementalDetokenizer(tok, prompt, skip), IncrementalDetokenizer(tok, prompt, skip, fast=False)
+        assert ref.stream is None
+        on_stream = fast.stream is not None
+        streamed += on_stream
+        assert [fast.add(t) for t in out] == [ref.add(t) for t in out]
+        assert fast.text == ref.text and (fast.stream is not None) == on_stream  # no step was refused
+    assert 250 < streamed < 300  # both kinds of prompt tail were drawn
+
+
+def test_a_refused_stream_step_hands_over_to_the_offsets():
+    """When the stream refuses a step (its check that the emitted text is still a prefix), the
+    offsets decode that token and the rest from the same state: no text lost or repeated."""
+    from pathlib import Path
+
+    from blockspec.engine.request import IncrementalDetokenizer
+    from blockspec.llm import load_tokenizer
+
+    tok = load_tokenizer(Path(__file__).parent.parent / "blockspec" / "assets" / "default" / "target")
+    ids = tok.encode("déjà vu: naïve café, 東京 and ünïcödé all the way down " * 3)
+    cut = next(k for k in range(5, len(ids)) if not tok.decode(ids[:k]).endswith("\ufffd"))
+    prompt, out = ids[:cut], ids[cut:]
+    fast = IncrementalDetokenizer(tok, prompt, True)
+    stream, calls = fast.stream, []
+    assert stream is not None
+
+    class Refusing:
+        def step(self, backend, token):
+            calls.append(token)
+            if len(calls) == 9:
+                raise Exception("Invalid prefix encountered")
+            return stream.step(backend, token)
+
+    fast.stream = Refusing()
+    ref = IncrementalDetokenizer(tok, prompt, True, fast=False)
+    assert [fast.add(t) for t in out] == [ref.add(t) for t in out]
+    assert len(calls) == 9 and fast.stream is None and fast.text == tok.decode(out)
+
+
 def test_cache_plan_is_what_the_caches_allocate(tmp_path):
     """The start-up memory check prices the caches exactly as they are allocated (target and drafter)."""
     from pathlib import Path

@@ -89,29 +89,59 @@ class RequestOutput:
 
 
 class IncrementalDetokenizer:
-    """Text of a growing token list without re-decoding it all each step (prefix/read offsets, as vLLM)."""
+    """Text of a growing token list without re-decoding it all each step. Seeded with the prompt's
+    last tokens (so the first token's leading space comes out right), it returns only new text and
+    holds back a token that ends mid-character: prefix / read offsets, as vLLM.
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool) -> None:
+    With a fast tokenizer the two decodes a token costs run as one step of the `tokenizers`
+    library's DecodeStream, in Rust (1.8 us a token against 13 us on this project's CPU; in a plain
+    churn at batch 64 on the H200 host the decodes were 14 % of the steps' host time). The stream gives the offsets' text
+    chunk for chunk; it is not used where it would not: a tokenizer that cleans up spaces after
+    decoding, or a prompt tail that ends mid-character. A step the stream refuses (it checks that
+    the text it emitted is still a prefix) hands the request to the offsets, which continue from
+    the same state. `fast=False` keeps the offsets throughout (the reference the stream is tested
+    against)."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool, fast: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.ids: list[int] = list(prompt_ids[-6:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        self.stream: Any = None
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        if fast and self.backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            if not tokenizer.decode(self.ids, skip_special_tokens=self.skip).endswith("\ufffd"):
+                from tokenizers.decoders import DecodeStream
+
+                self.stream = DecodeStream(ids=self.ids, skip_special_tokens=self.skip)
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly completed text (may be empty mid-character)."""
         if self.tokenizer is None:
             return ""
         self.ids.append(token_id)
+        new = self._step(token_id) if self.stream is not None else self._decode()
+        if not new:
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += new
+        return new
+
+    def _step(self, token_id: int) -> str:
+        try:
+            return self.stream.step(self.backend, token_id) or ""
+        except Exception:  # the stream refused this step: the offsets carry on from the same state
+            self.stream = None
+            return self._decode()
+
+    def _decode(self) -> str:
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip)
         full = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            new = full[len(prefix) :]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            self.text += new
-            return new
+            return full[len(prefix) :]
         return ""
 
 
