@@ -218,3 +218,29 @@ def test_a_cache_plan_beyond_the_gpu_is_refused_before_allocating(tmp_path):
     target = save_drafter_target(tmp_path / "t")
     with pytest.raises(ConfigError, match="sequences of that length fit"):
         LLM(str(target), device="cuda", dtype="float32", max_model_len=250, max_num_seqs=10**7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed K", "adaptive"])
+def test_tp2_on_gpus_matches_one_gpu(tmp_path, adaptive):
+    """Two ranks on two GPUs (NCCL for the model, a gloo group for commands and the policy's
+    decisions) give one GPU's tokens, greedy and seeded-sampled, with DFlash speculation."""
+    from pathlib import Path
+
+    from blockspec.parallel import TPLLM
+
+    target = save_drafter_target(tmp_path / "t")
+    spec = {"method": "dflash", "model": str(Path(__file__).parent / "fixtures" / "drafters" / "dflash"),
+            "adaptive_draft_length": adaptive}
+    prompts = [{"prompt_token_ids": [2 + (i * 7 + j) % 90 for j in range(n)]} for i, n in enumerate((4, 37, 2))]
+    runs = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=0.9, seed=3, max_tokens=24, ignore_eos=True)]
+    one = LLM(str(target), device="cuda", dtype="float32", max_model_len=256, speculative_config=spec, seed=0)
+    want = [[o.outputs[0].token_ids for o in one.generate(prompts, p, use_tqdm=False)] for p in runs]
+    del one
+    with TPLLM(str(target), tensor_parallel_size=2, device="cuda", dtype="float32", max_model_len=256,
+               speculative_config=spec, seed=0) as tp:
+        got = [[list(o.outputs[0].token_ids) for o in tp.generate(prompts, p, use_tqdm=False)] for p in runs]
+        assert tp.get_metrics()["num_drafts"] > 0
+    assert got == [[list(t) for t in w] for w in want]
