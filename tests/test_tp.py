@@ -103,3 +103,32 @@ def test_world_size_one_is_identity(qwen3):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     shard_model(model, 0, 1)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_an_idle_tp_server_meets_its_ranks_every_heartbeat(qwen3, monkeypatch):
+    """Rank 0 of an idle tensor-parallel server broadcasts an empty command list every heartbeat, so
+    the other ranks, waiting in that collective, never wait past the group's timeout; no busy loop
+    between heartbeats; a Stop reaches every rank and ends the loop."""
+    import threading
+    import time
+    from multiprocessing import Pipe
+
+    from blockspec.parallel import tp
+    from blockspec.server.async_engine import Loaded, Stop
+
+    llm = LLM(qwen3, seed=0)
+    llm.control = None
+    meets: list[tuple[float, list]] = []
+    monkeypatch.setattr(tp.dist, "broadcast_object_list",
+                        lambda msg, src, group: meets.append((time.monotonic(), list(msg[0]))))
+    monkeypatch.setattr(tp, "SERVE_HEARTBEAT_S", 0.05)
+    ours, theirs = Pipe()
+    loop = threading.Thread(target=tp._serve, args=(llm, theirs), daemon=True)
+    loop.start()
+    assert isinstance(ours.recv(), Loaded)
+    time.sleep(0.6)
+    idle = [cmds for _, cmds in meets if not cmds]
+    assert 4 <= len(idle) <= 0.6 / 0.05 + 2, len(idle)
+    ours.send(Stop())
+    loop.join(10)
+    assert not loop.is_alive() and isinstance(meets[-1][1][-1], Stop)
