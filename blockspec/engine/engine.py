@@ -455,7 +455,8 @@ class Engine:
         the scratch slot and no rows for a request that feeds no drafter."""
         scratch = self.runner.cache.scratch_slot  # the draft cache's too: both have max_num_seqs slots
         fed = [r.feeds_drafter for r in reqs]
-        return ([r.slot if f else scratch for r, f in zip(reqs, fed)], [r.num_draft_ctx if f else 0 for r, f in zip(reqs, fed)],
+        return ([r.slot if f else scratch for r, f in zip(reqs, fed)],
+                [r.num_draft_ctx if f else 0 for r, f in zip(reqs, fed)],
                 [c if f else 0 for c, f in zip(counts, fed)])
 
     def _tap_hold(self, reqs: list[Request]) -> tuple[list[int], list[int]] | None:

@@ -115,7 +115,8 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int, int, bool], CapturedForward] = {}
         self.graph_prefill_tokens = graph_prefill_tokens
         self.context_sink = context_sink
-        self._prefill_out: tuple[Tensor, Tensor] | None = None  # (hidden [N, H], taps [N, F]) every prefill graph writes
+        # (hidden [N, H], taps [N, F]) that every prefill graph writes
+        self._prefill_out: tuple[Tensor, Tensor] | None = None
         self._pool = None
 
     def forward(
@@ -210,8 +211,9 @@ class ModelRunner:
         extent, with taps (steps where requests may draft) and / or without, and the prefill graphs
         of each width that holds the batch within `graph_prefill_tokens`."""
         kinds = [t for t, wanted in ((True, tapped), (False, untapped)) if wanted]
-        keys = [(b, width, kv, taps) for b in batch_sizes for kv in kv_extents(self.cache.max_len + 1, self.whole_cache_graphs)
-                for width in self.query_buckets for taps in kinds]
+        extents = kv_extents(self.cache.max_len + 1, self.whole_cache_graphs)
+        keys = [(b, width, kv, taps) for b in batch_sizes for kv in extents for width in self.query_buckets
+                for taps in kinds]
         keys += [(b, width, self.kv_extent(0), taps) for width in self.prefill_widths for b in batch_sizes
                  if b * width <= self.graph_prefill_tokens for taps in kinds]
         for key in keys:
@@ -249,7 +251,7 @@ class ModelRunner:
         cfg = self.model.config
         ids = torch.zeros(b, q, dtype=torch.int64, device=self.device)
         control = torch.zeros(8, b, dtype=torch.int64, device=self.device)
-        control[0] = control[3] = control[5] = self.cache.scratch_slot  # warm-up and capture write only the scratch slot
+        control[0] = control[3] = control[5] = self.cache.scratch_slot  # warm-up and capture write the scratch slot
         shared = self._shared_prefill_out() if q not in self.query_buckets else None
         sunk = self.sinks_context(key)
 
