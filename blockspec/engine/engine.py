@@ -514,12 +514,11 @@ class Engine:
             budget -= take
         self.timer.mark("rest")
         counts = [len(run) for run in runs]
-        taps = self._drafts_any(chosen)
-        hidden, feats = self.runner.forward(runs, starts, [r.slot for r in chosen], with_taps=taps,
-                                            context=self._draft_context(chosen, counts) if taps else None)
-        if taps and feats is None:  # a prefill graph appended the chunk to the draft cache itself
-            fed = [i for i, r in enumerate(chosen) if r.feeds_drafter]
-            self.proposer.context_appended([chosen[i] for i in fed], [counts[i] for i in fed])
+        context = self._draft_context(chosen, counts) if self._drafts_any(chosen) else None
+        hidden, feats = self.runner.forward(runs, starts, [r.slot for r in chosen], with_taps=context is not None,
+                                            context=context)
+        if context is not None and feats is None:  # a prefill graph appended the chunk to the draft cache
+            self.proposer.context_appended(chosen, context[2])  # no rows for a request that feeds nothing
         done = []
         for i, req in enumerate(chosen):
             req.num_cached += counts[i]

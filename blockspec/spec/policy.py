@@ -11,8 +11,9 @@ drafting and never looks at the drafts, so it cannot affect what is emitted: exa
 depend on it.
 
 Choosing K = 0 is not all of the plain path: a request that may draft still feeds the drafter (its
-prompt's context at prefill, the taps of every step), which costs a busy server a tenth of its
-throughput when the steps are bound by host launches. So where plain wins, the batch size is parked:
+prompt's context at prefill, the taps of every step). On the H200 that cost a churning engine 10-25 %
+of its throughput while prefill was launched from the host, 1-3 % since the prefill graphs append the
+context themselves; on a CPU the context is compute. So where plain wins, the batch size is parked:
 requests that join it do not feed the drafter and the engine runs them as plain decoding. A park
 lasts PARK_TURNOVERS times the bucket's size in arrivals (the batch turning over twice), doubling
 each time the re-tries after it find plain still best; then joining requests feed the drafter again
