@@ -500,3 +500,17 @@ def test_host_lists_reach_the_device_under_a_default_device_context():
     with torch.device("meta"):
         got = to_device([3, 1, 2], torch.int64, "cpu")
     assert got.device.type == "cpu" and got.tolist() == [3, 1, 2]
+
+
+def test_a_batch_mixing_penalties_and_none_gives_each_its_own_output(llm):
+    """Requests with penalties beside requests without them in one step: each gets what it gets alone
+    (a step once stacked the missing history of the ones without, and failed)."""
+    penalised = SamplingParams(temperature=0.8, seed=4, repetition_penalty=1.3, presence_penalty=0.5, max_tokens=20,
+                               ignore_eos=True)
+    plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    alone = [llm.generate(p, q, use_tqdm=False)[0].outputs[0].token_ids
+             for p, q in (("def main():", plain), ("import os", penalised))]
+    together = llm.generate(["def main():", "import os"], [plain, penalised], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in together] == alone
+    unpenalised = SamplingParams(temperature=0.8, seed=4, max_tokens=20, ignore_eos=True)  # the penalties act
+    assert llm.generate("import os", unpenalised, use_tqdm=False)[0].outputs[0].token_ids != alone[1]

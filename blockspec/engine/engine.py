@@ -759,8 +759,12 @@ class Engine:
         if any(p.uses_penalties for p in ps):
             from blockspec.sample import expand_history
 
-            counts = torch.stack([r.output_counts for r in reqs])
-            masks = torch.stack([r.prompt_mask for r in reqs])
+            # a request without penalties beside ones with them: no history, which its neutral
+            # penalty values leave without effect
+            none_counts = torch.zeros(self.vocab_size, dtype=torch.int32, device=dev)
+            none_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=dev)
+            counts = torch.stack([none_counts if r.output_counts is None else r.output_counts for r in reqs])
+            masks = torch.stack([none_mask if r.prompt_mask is None else r.prompt_mask for r in reqs])
             req_idx = col(req_of_row, torch.int64)
             if block_tokens is None:
                 block_tokens = torch.full((len(reqs), 1), -1, dtype=torch.int64, device=dev)
