@@ -1,7 +1,8 @@
 """The attention kernel at Qwen3-8B's heads (32 query, 8 KV, head_dim 128, bf16): decode (one row),
 verify (16 causal rows) and draft (16 rows over the context and the block) at several batches,
-contexts and cache extents, for a set of launch shapes (`AttentionTiles`), next to the bytes that
-bound them.
+contexts and cache extents, for launch shapes (`AttentionTiles`, `--variants`), on shuffled pages
+of `--page-size` positions and on one page a slot (the layout before paging), next to the bytes
+that bound them.
 
 The engine's CUDA graphs launch over the whole cache (the extent), whatever the context; `--extents`
 0 means a cache just long enough. Each figure is a CUDA graph of one call per layer (36 layers, each
@@ -11,8 +12,8 @@ latency, not bandwidth, bounds the kernel, so the floor says how far there is to
 
     python benchmarks/bench_attention.py --out attention.json [--baseline old_triton_attention.py]
 
-`--baseline` times another version of the kernel module (for instance `git show REV:...` of this
-file's kernel) on the same caches.
+`--baseline` times the kernel module from before paging (`git show REV:blockspec/models/
+triton_attention.py`, slots and no page table) on the one-page-a-slot caches.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import functools
 import importlib.util
 import json
 import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -51,29 +53,41 @@ def bounds(kind: str, batch: int, context: int) -> tuple[torch.Tensor, torch.Ten
     return torch.zeros_like(hi), hi, rows
 
 
+def shuffled_pages(batch: int, keys: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A K or V pool of `batch` slots of `keys` positions in pages of `page`, the pages in random order
+    (as a busy engine leaves them), and the table that finds them."""
+    cols = -(-keys // page)
+    table = torch.randperm(batch * cols, device="cuda").view(batch, cols).to(torch.int32)
+    pool = torch.randn(batch * cols, KV_HEADS, page, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    return pool, table
+
+
 def run(args: argparse.Namespace) -> dict:
     bandwidth = copy_bandwidth()
     kernels: dict[str, Callable[..., torch.Tensor]] = {
-        name: functools.partial(block_attention, tiles=tiles) for name, tiles in VARIANTS.items()}
+        name: functools.partial(block_attention, tiles=VARIANTS[name]) for name in args.variants}
+    baseline = None
     if args.baseline:
         spec = importlib.util.spec_from_file_location("baseline_attention", args.baseline)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        kernels["baseline"] = module.block_attention
+        baseline = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = baseline  # its dataclasses look their module up while it loads
+        spec.loader.exec_module(baseline)
     results = []
     for batch in args.batches:
         for context in args.contexts:
             for extent in args.extents:
-                keys = max(extent, context + BLOCK + 1)
-                per_layer = 2 * batch * KV_HEADS * (keys + 1) * HEAD_DIM * 2
+                keys = max(extent, context + BLOCK + 1) + 1
+                per_layer = 2 * 2 * batch * KV_HEADS * keys * HEAD_DIM * 2  # one page a slot, and paged
                 read = 2 * batch * KV_HEADS * (context + BLOCK) * HEAD_DIM * 2
                 copies = max(2, min(LAYERS, -(-(256 << 20) // read)))
                 if copies * per_layer > CACHE_BUDGET:
                     print(f"skip batch {batch} context {context} extent {keys}: {copies * per_layer / 2**30:.0f} GiB")
                     continue
-                caches = [(torch.randn(batch, KV_HEADS, keys + 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
-                           torch.randn(batch, KV_HEADS, keys + 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16))
-                          for _ in range(copies)]
+                # one page a slot (the layout before paging, which --baseline reads), and shuffled pages
+                slot_layout = [shuffled_pages(batch, keys, keys) + shuffled_pages(batch, keys, keys)[:1]
+                               for _ in range(copies)]
+                paged = [shuffled_pages(batch, keys, args.page_size) + shuffled_pages(batch, keys, args.page_size)[:1]
+                         for _ in range(copies)]
                 slots = torch.arange(batch, device="cuda")
                 for kind in args.kinds:
                     lo, hi, rows = bounds(kind, batch, context)
@@ -81,9 +95,18 @@ def run(args: argparse.Namespace) -> dict:
                     nbytes = 2 * batch * KV_HEADS * (int(hi.max()) + 1) * HEAD_DIM * 2 + 2 * q.numel() * 2
                     floor_us = nbytes / bandwidth * 1e6
                     row = dict(kind=kind, batch=batch, context=context, extent=keys, floor_us=floor_us, times={})
+                    cases = {}
                     for name, kernel in kernels.items():
-                        calls = [functools.partial(kernel, q, k, v, slots, lo, hi, HEAD_DIM**-0.5, keys)
-                                 for k, v in caches]
+                        for layout, pools in ((f"pages of {args.page_size}", paged), ("one page a slot", slot_layout)):
+                            cases[f"{name}, {layout}"] = [
+                                functools.partial(kernel, q, k, v, table, slots, lo, hi, HEAD_DIM**-0.5, keys - 1)
+                                for k, table, v in pools]
+                    if baseline is not None:  # the slot kernel before paging, on the same one-page-a-slot pools
+                        cases["baseline"] = [functools.partial(baseline.block_attention, q, k, v,
+                                                               table.view(-1).long(), lo, hi,
+                                                               HEAD_DIM**-0.5, keys - 1)
+                                             for k, table, v in slot_layout]
+                    for name, calls in cases.items():
                         times = graph_seconds(calls, args.replays)
                         row["times"][name] = {"us": statistics.median(times) * 1e6, "spread": max(times) / min(times)}
                     results.append(row)
@@ -91,10 +114,10 @@ def run(args: argparse.Namespace) -> dict:
                     print(f"{kind:6s} b{batch:<3d} ctx {context:6d} extent {keys:6d} floor {floor_us:6.2f} us | "
                           + " | ".join(f"{n} {t['us']:.2f}" for n, t in row["times"].items()) + f" | best: {best}",
                           flush=True)
-                del caches
+                del slot_layout, paged
                 torch.cuda.empty_cache()
-    return dict(bandwidth_gb_s=bandwidth / 1e9, device=torch.cuda.get_device_name(),
-                variants={n: asdict(t) for n, t in VARIANTS.items()}, results=results)
+    return dict(bandwidth_gb_s=bandwidth / 1e9, device=torch.cuda.get_device_name(), page_size=args.page_size,
+                variants={n: asdict(VARIANTS[n]) for n in args.variants}, results=results)
 
 
 def markdown(result: dict) -> str:
@@ -117,7 +140,11 @@ def main() -> None:
                     help="cache length the graph launches over (0: context + block)")
     ap.add_argument("--kinds", nargs="+", default=["decode", "verify", "draft"], choices=["decode", "verify", "draft"])
     ap.add_argument("--replays", type=int, default=30)
-    ap.add_argument("--baseline", help="a triton_attention.py to time beside this one")
+    ap.add_argument("--baseline", help="a triton_attention.py from before paging (slots, no page table) to time "
+                                       "beside this one")
+    ap.add_argument("--page-size", type=int, default=16, help="positions a KV page holds")
+    ap.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS),
+                    help="launch shapes to time")
     ap.add_argument("--out", help="JSON file; a markdown table is written beside it")
     args = ap.parse_args()
     result = run(args)

@@ -67,6 +67,7 @@ class Cell:
     # server steps by the draft length the policy chose (/metrics, differenced over the cell; every
     # step the server ran meanwhile, the twin setting's opted-out requests included)
     policy_steps: dict[str, int] = field(default_factory=dict)
+    preemptions: int = 0  # requests the server preempted for KV pages during the cell (/metrics)
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -174,10 +175,16 @@ def run_cell(pool: ProcessPoolExecutor | None, processes: int, url: str, model: 
 
 
 def policy_steps(url: str) -> dict[str, int]:
-    """The server's decode steps so far by the draft length its policy chose (empty without a drafter)."""
+    """The server's decode steps so far by the draft length its policy chose (empty without a drafter),
+    and under "preempted" the requests it preempted for KV pages."""
     text = httpx.get(f"{url}/metrics").text
-    return {s.labels["draft_length"]: int(s.value) for fam in text_string_to_metric_families(text)
-            for s in fam.samples if s.name == "blockspec:spec_decode_policy_steps_total"}
+    out = {}
+    for s in (s for fam in text_string_to_metric_families(text) for s in fam.samples):
+        if s.name == "blockspec:spec_decode_policy_steps_total":
+            out[s.labels["draft_length"]] = int(s.value)
+        elif s.name == "blockspec:num_preemptions_total":
+            out["preempted"] = int(s.value)
+    return out
 
 
 def ratios(cells: list[Cell]) -> list[dict[str, Any]]:
@@ -196,7 +203,7 @@ def ratios(cells: list[Cell]) -> list[dict[str, Any]]:
 def markdown(cells: list[Cell], title: str) -> str:
     rounds = len({c.round for c in cells})
     head = ("| clients | T | spec | completed | errors | out tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms "
-            "| accept len | draft steps | steps by K | = twin |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| accept len | draft steps | steps by K | preempted | = twin |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 
     def trio(d: dict[str, float]) -> str:
         return " / ".join(f"{d[k]:.1f}" for k in ("p50", "p90", "p99")) if d else "-"
@@ -205,7 +212,7 @@ def markdown(cells: list[Cell], title: str) -> str:
             f" | {c.completed} | {c.errors} | "
             f"{c.tok_per_s} | {trio(c.ttft_ms)} | {trio(c.tpot_ms)} | {c.mean_acceptance_length or '-'} | "
             f"{'-' if c.draft_step_share is None else f'{100 * c.draft_step_share:.0f} %'} | "
-            f"{' '.join(f'{k}:{n}' for k, n in c.policy_steps.items() if n) or '-'} | "
+            f"{' '.join(f'{k}:{n}' for k, n in c.policy_steps.items() if n) or '-'} | {c.preemptions} | "
             f"{'-' if c.identical_to_twin is None else 'yes' if c.identical_to_twin else 'NO'} |" for c in cells]
     summary = ["", "| clients | T | on tok/s (median) | off tok/s (median) | on / off by round | median on / off |",
                "|---|---|---|---|---|---|"]
@@ -223,7 +230,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
            "--served-model-name", args.model_name, "--max-num-seqs", str(args.max_num_seqs), "--device", args.device,
            "--log-level", "warning", "--engine-process" if args.engine_process else "--no-engine-process"]
     for flag, value in (("--draft-model", args.draft_model), ("--speculative-config", args.speculative_config),
-                        ("--max-model-len", args.max_model_len)):
+                        ("--max-model-len", args.max_model_len), ("--num-kv-pages", args.num_kv_pages)):
         if value is not None:
             cmd += [flag, str(value)]
     proc = subprocess.Popen(cmd)
@@ -250,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speculative-config", default=None, help="JSON, as `blockspec serve` takes it")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--num-kv-pages", type=int, default=None, help="as `blockspec serve` takes it (default: auto)")
     p.add_argument("--device", default="auto")
     p.add_argument("--model-name", default="bench", help="served model name")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
@@ -293,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
                         pair.append(run_cell(pool, args.client_processes, url, args.model_name, prompts, level,
                                              temperature, spec, args.max_tokens, args.request_timeout))
                         after = policy_steps(url)
-                        pair[-1][0].policy_steps = {k: n - before.get(k, 0) for k, n in sorted(after.items())}
+                        steps = {k: n - before.get(k, 0) for k, n in sorted(after.items())}
+                        pair[-1][0].preemptions = steps.pop("preempted", 0)
+                        pair[-1][0].policy_steps = steps
                     same = all(a.ok and b.ok and a.token_ids == b.token_ids for a, b in zip(pair[0][1], pair[1][1], strict=True))
                     for cell, outcomes in pair:
                         cell.identical_to_twin, cell.round = same, rnd

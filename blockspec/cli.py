@@ -30,6 +30,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the Triton kernel on CUDA when triton is installed, else PyTorch SDPA")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU's memory the engine may hold (weights, KV caches, activations)")
+    g.add_argument("--kv-page-size", type=int, default=64, help="positions a KV cache page holds")
+    g.add_argument("--num-kv-pages", type=int, default=None,
+                   help="KV pages to allocate (default: what --gpu-memory-utilization leaves on CUDA, enough for "
+                        "max-num-seqs x max-model-len on the CPU); requests that run short are preempted and recomputed")
     g.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                    help="launch each greedy step before the previous one is committed (auto: on for CUDA)")
     s = p.add_argument_group("speculative decoding")
@@ -98,6 +102,7 @@ def build_llm(args: argparse.Namespace) -> Any:
                max_model_len=args.max_model_len, seed=args.seed, speculative_config=speculative_config(args),
                max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
                attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization,
+               kv_page_size=args.kv_page_size, num_kv_pages=args.num_kv_pages,
                async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
 
 

@@ -261,9 +261,15 @@ class EngineConfig:
     seed: int = 0
     # auto: the Triton kernel on CUDA when triton is installed, else SDPA (blockspec.models.triton_attention)
     attention_backend: str = "auto"
-    # share of the GPU's memory the engine may hold (weights, KV caches, activations); the KV caches
-    # of max_num_seqs x max_model_len are checked against it at start-up
+    # share of the GPU's memory the engine may hold (weights, KV caches, activations): on CUDA the KV
+    # pages fill what is left of it (at most what max_num_seqs x max_model_len can use)
     gpu_memory_utilization: float = 0.9
+    # positions a KV page holds (the target's and the drafter's caches share pages)
+    kv_page_size: int = 64
+    # KV pages of the shared pool (None: from gpu_memory_utilization on CUDA, enough for max_num_seqs x
+    # max_model_len on the CPU); fewer than that makes the engine preempt the newest requests when
+    # they run short and recompute them later. At least one max_model_len sequence must fit
+    num_kv_pages: int | None = None
     # plain and speculative greedy steps launch the next step before the host commits this one (a
     # plain step from the device's ids, a speculative one from the read-back counts), so the host's
     # bookkeeping overlaps the GPU's work; sampled verification launches only the next draft ahead
@@ -275,6 +281,10 @@ class EngineConfig:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if not isinstance(self.graph_prefill_tokens, int) or self.graph_prefill_tokens < 0:
             raise ConfigError(f"graph_prefill_tokens must be an integer >= 0, got {self.graph_prefill_tokens!r}")
+        if not isinstance(self.kv_page_size, int) or not 1 <= self.kv_page_size <= 1024:
+            raise ConfigError(f"kv_page_size must be an integer in [1, 1024], got {self.kv_page_size!r}")
+        if self.num_kv_pages is not None and (not isinstance(self.num_kv_pages, int) or self.num_kv_pages < 1):
+            raise ConfigError(f"num_kv_pages must be an integer >= 1 or None (auto), got {self.num_kv_pages!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.async_scheduling not in (None, True, False):

@@ -119,6 +119,8 @@ class LLM:
         tensor_parallel_size: int = 1,  # > 1 is served by __new__
         attention_backend: str = "auto",
         gpu_memory_utilization: float = 0.9,
+        kv_page_size: int = 64,
+        num_kv_pages: int | None = None,
         async_scheduling: bool | None = None,
         warmup: bool = True,
     ) -> None:
@@ -147,7 +149,8 @@ class LLM:
                                   max_prefill_tokens=max_prefill_tokens, graph_prefill_tokens=graph_prefill_tokens,
                                   seed=seed if seed is not None else 0,
                                   attention_backend=attention_backend,
-                                  gpu_memory_utilization=gpu_memory_utilization, async_scheduling=async_scheduling)
+                                  gpu_memory_utilization=gpu_memory_utilization, kv_page_size=kv_page_size,
+                                  num_kv_pages=num_kv_pages, async_scheduling=async_scheduling)
         self.engine = self._make_engine(engine_cfg, spec, drafter, eos)
         if warmup:  # GPU: capture every CUDA graph now, not inside the first requests
             done = self.engine.warmup()

@@ -258,7 +258,8 @@ def test_block_kv_never_persists(name, backend):
 def test_cache_shape_and_limits():
     model = load("dspark_vanilla")
     cache = model.new_cache(3, 20)
-    assert len(cache.k) == 2 and cache.k[0].shape[1:] == (2, 21, 8) and cache.max_slots == 3
+    # three slots of 21 positions (the trash position included) in pages of 64, plus the trash page
+    assert len(cache.k) == 2 and cache.k[0].shape == (3 + 1, 2, 64, 8) and cache.pages.max_slots == 3
     with pytest.raises(ValueError, match="beyond the cache"):
         model.append_context(cache, [0], [18], [4], torch.zeros(1, 4, 96))
 

@@ -217,10 +217,14 @@ def test_padded_query_rows_leave_real_rows_unchanged(llm):
     even for a request at the very end of its cache."""
     from blockspec.engine.kv_cache import meta_from_tensors
 
-    runner = llm.engine.runner
+    runner, pages = llm.engine.runner, llm.engine.pages
     cache = runner.cache
     end = cache.max_len - 3  # real rows end exactly at max_len; padding to width 8 would run past it
-    starts, q_lens, slots = [4, end], [5, 3], [0, 1]
+    slots = [pages.allocate(), pages.allocate()]
+    for slot in slots:
+        assert pages.reserve(slot, cache.max_len)
+    pages.sync()
+    starts, q_lens = [4, end], [5, 3]
     ids = torch.randint(5, 50, (2, 8))
     ids[0, 5:] = 0
     ids[1, 3:] = 0
@@ -229,11 +233,14 @@ def test_padded_query_rows_leave_real_rows_unchanged(llm):
     assert meta.positions[1, 3:].tolist() == [end] * 5 and int(meta.positions.max()) < cache.max_len
     assert meta.write_pos[1, 3:].tolist() == [cache.trash] * 5
     wide, _ = runner.forward_ids(ids, q_lens, starts, slots)
-    k0 = cache.k[0][1, :, end - 1].clone()
+    last_key = lambda: cache.gather(0, torch.tensor(slots[1:]), end)[0][0, :, end - 1]  # noqa: E731
+    k0 = last_key().clone()
     narrow, _ = runner.forward_ids(ids[:, :5], q_lens, starts, slots)
     torch.testing.assert_close(wide[0, :5], narrow[0, :5])
     torch.testing.assert_close(wide[1, :3], narrow[1, :3])
-    torch.testing.assert_close(cache.k[0][1, :, end - 1], k0)
+    torch.testing.assert_close(last_key(), k0)
+    for slot in slots:
+        pages.release(slot)
 
 
 def test_graph_key_extents():
@@ -344,33 +351,75 @@ def test_a_refused_stream_step_hands_over_to_the_offsets():
 
 
 def test_cache_plan_is_what_the_caches_allocate(tmp_path):
-    """The start-up memory check prices the caches exactly as they are allocated (target and drafter)."""
+    """The start-up plan prices a page as the pools allocate it (target and drafter, the trash page
+    included), and on the CPU allocates what max_num_seqs x max_model_len can use."""
     from pathlib import Path
 
+    from blockspec.engine.kv_cache import PageTable
     from blockspec.spec.drafter import load_drafter
     from factories import save_drafter_target
 
     llm = LLM(str(save_drafter_target(tmp_path / "t")), device="cpu", dtype="float32", max_model_len=100,
-              max_num_seqs=3)
-    model = llm.model
-    assert model.cache_bytes(3, 117) == model.new_cache(3, 117, "cpu").bytes
+              max_num_seqs=3, kv_page_size=8)
+    model, pages = llm.model, llm.engine.pages
+    assert pages.page_size == 8 and pages.num_pages == 3 * (pages.max_len // 8 + 1)
+    assert llm.engine.runner.cache.bytes == model.page_bytes(8) * (pages.num_pages + 1)
+    table = PageTable(3, 117, 16, 10, "cpu")
+    assert model.new_cache(table, 117, "cpu").bytes == model.page_bytes(16) * 11
     drafter = load_drafter("dflash", str(Path(__file__).parent / "fixtures" / "drafters" / "dflash"), "cpu",
                            torch.float32)
-    assert drafter.cache_bytes(3, 50) == drafter.new_cache(3, 50, "cpu").bytes
-    assert drafter.cache_bytes(3, 50, torch.bfloat16) * 2 == drafter.cache_bytes(3, 50)
+    assert drafter.new_cache(table, 50, "cpu").bytes == drafter.page_bytes(16) * 11
+    assert drafter.page_bytes(16, torch.bfloat16) * 2 == drafter.page_bytes(16)
 
 
-def test_cache_plan_that_cannot_fit_is_refused_with_its_numbers():
-    from blockspec.engine.kv_cache import check_cache_plan
+def test_a_page_plan_that_cannot_hold_one_sequence_is_refused_with_its_numbers():
+    from blockspec.config import EngineConfig
+    from blockspec.engine.kv_cache import plan_pages
 
     gib = 1 << 30
-    # 80 GiB card, 16 GiB of weights in use, 2 GiB reserved: 0.9 x 80 - 16 - 2 = 54 GiB for caches
-    check_cache_plan(54 * gib, gib, 64 * gib, 80 * gib, 0.9, 2 * gib, 53, 8192)  # fits exactly
+    cfg = EngineConfig(max_model_len=8192, kv_page_size=16, gpu_memory_utilization=0.9)
+    assert plan_pages(513, 513, gib, cfg) == 513  # exactly one sequence
     with pytest.raises(ConfigError) as e:
-        check_cache_plan(101 * gib, gib, 64 * gib, 80 * gib, 0.9, 2 * gib, 100, 8192)
+        plan_pages(512, 513, gib, cfg)
+    assert "num_kv_pages=512 (8192 positions of kv_page_size=16)" in str(e.value) and "needs 513 pages" in str(e.value)
+    # 80 GiB card, 16 GiB of weights in use, 2 GiB reserved: 0.9 x 80 - 16 - 2 = 54 GiB for pages
+    with pytest.raises(ConfigError) as e:
+        plan_pages(53, 513, gib, cfg, budget=(54 * gib, 80 * gib, 16 * gib, 2 * gib))
     msg = str(e.value)
-    assert "max_num_seqs=100 x max_model_len=8192 need 101.0 GiB" in msg and "54.0 GiB are left" in msg
-    assert "53 sequences of that length fit" in msg and "gpu_memory_utilization=0.9" in msg
+    assert "max_model_len=8192 needs 513 KV pages (513.00 GiB)" in msg and "54.00 GiB are left" in msg
+    assert "gpu_memory_utilization=0.9 x 80.0 GiB" in msg
+    for bad in (dict(kv_page_size=0), dict(kv_page_size=1.5), dict(num_kv_pages=0)):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            EngineConfig(**bad)
+
+
+def test_page_table_reserves_releases_and_syncs_what_changed():
+    """Pages come from one pool; a released slot's entries point to the trash page again (a padded row
+    writing its trash position must not land in a page another request now holds); the device table
+    changes only at `sync`."""
+    from blockspec.engine.kv_cache import PageTable
+
+    t = PageTable(max_slots=3, max_len=40, page_size=8, num_pages=7, device="cpu")
+    assert t.columns == 6 and t.trash_page == 7 and (t.table == 7).all()
+    a, b = t.allocate(), t.allocate()
+    assert t.reserve(a, 17) and t.held(a) == 3 and t.num_free_pages == 4
+    assert (t.table == 7).all()  # nothing on the device before sync
+    t.sync()
+    assert t.table[a, :3].tolist() == [0, 1, 2] and (t.table[a, 3:] == 7).all()
+    assert t.reserve(a, 24) and t.held(a) == 3  # already held: nothing taken
+    assert not t.reserve(b, 40) and t.held(b) == 0 and t.num_free_pages == 4  # too few: nothing taken
+    assert t.missing(b, 10**6) == t.columns  # capped at the table's extent
+    assert t.reserve(b, 32)
+    t.sync()
+    assert t.table[b, :4].tolist() == [3, 4, 5, 6] and t.num_free_pages == 0
+    t.release(a)
+    t.sync()
+    assert (t.table[a] == 7).all() and t.num_free_pages == 3 and t.num_free_slots == 2
+    assert t.allocate() == a and t.reserve(a, 8)
+    t.sync()
+    assert t.table[a, 0].item() in (0, 1, 2)
+    with pytest.raises(ValueError, match="released twice"):
+        t.release(2)
 
 
 def test_gpu_memory_utilization_out_of_range_is_refused():
@@ -500,6 +549,64 @@ def test_host_lists_reach_the_device_under_a_default_device_context():
     with torch.device("meta"):
         got = to_device([3, 1, 2], torch.int64, "cpu")
     assert got.device.type == "cpu" and got.tolist() == [3, 1, 2]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["synchronous", "pipelined"])
+def test_requests_preempted_for_pages_give_what_they_give_alone(tmp_path, asynchronous):
+    """A pool of KV pages for about one max_model_len sequence and six requests that grow long: the
+    newest are preempted and recomputed (more than once), and every output (greedy, seeded sampling,
+    penalties, logprobs, stop strings) equals the one it gets from an engine with room for all; no
+    request waits behind a full pool for ever, and the pool is whole at the end."""
+    path = save_tiny_model_with_tokenizer(tmp_path / "m", "qwen3", seed=7)
+    roomy = LLM(str(path), device="cpu", max_model_len=160, max_num_seqs=4)
+    tight = LLM(str(path), device="cpu", max_model_len=160, max_num_seqs=4, num_kv_pages=12, kv_page_size=16)
+    tight.engine.async_scheduling = asynchronous
+    prompts = ["def main():", "import os\n", "class A:", "x = 1", "for i in range(3):", "print("]
+    params = [SamplingParams(temperature=0, max_tokens=120, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=110, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=4, repetition_penalty=1.3, frequency_penalty=0.2, max_tokens=100,
+                             ignore_eos=True),
+              SamplingParams(temperature=0, logprobs=2, max_tokens=90, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=6, min_tokens=20, max_tokens=100),
+              SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)]
+    want = roomy.generate(prompts, params, use_tqdm=False)
+    got = tight.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids and g.outputs[0].text == w.outputs[0].text
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+    # recomputed K/V come from a prefill's products, not one row at a time: the same to rounding
+    for g, w in zip(got[3].outputs[0].logprobs, want[3].outputs[0].logprobs):
+        assert g.keys() == w.keys() and all(abs(g[t].logprob - w[t].logprob) < 1e-5 for t in g)
+    preempted = tight.get_metrics()["num_preemptions"]
+    assert preempted > 2 and roomy.get_metrics()["num_preemptions"] == 0
+    pages = tight.engine.pages
+    assert pages.num_free_pages == pages.num_pages and pages.num_free_slots == 4
+
+
+def test_admission_waits_for_pages_not_only_slots(tmp_path):
+    """Free slots but too few free pages for a prompt's first chunk: the request waits in the queue
+    (no preemption for an arrival) and joins when pages come back."""
+    path = save_tiny_model_with_tokenizer(tmp_path / "m", "qwen3", seed=7)
+    llm = LLM(str(path), device="cpu", max_model_len=160, max_num_seqs=4, num_kv_pages=12, kv_page_size=16)
+    engine = llm.engine
+    long = list(range(5, 125))  # 120 tokens: 8 of the 12 pages with the lookahead
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = engine.add_request("a", None, long, params)[0]
+    second = engine.add_request("b", None, long[::-1], params)[0]
+    engine.step()
+    assert engine.running == [first] and list(engine.waiting) == [second] and engine.pages.num_free_slots == 3
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.metrics()["num_preemptions"] == 0
+    alone = llm.generate([{"prompt_token_ids": long[::-1]}], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert second.output_ids == alone
+
+
+def test_a_pool_too_small_for_one_sequence_is_refused(tmp_path):
+    path = save_tiny_model_with_tokenizer(tmp_path / "m", "qwen3", seed=7)
+    with pytest.raises(ConfigError, match=r"num_kv_pages=5 \(80 positions of kv_page_size=16\) cannot hold one "
+                                          r"sequence of max_model_len=160"):
+        LLM(str(path), device="cpu", max_model_len=160, num_kv_pages=5, kv_page_size=16)
 
 
 def test_a_batch_mixing_penalties_and_none_gives_each_its_own_output(llm):

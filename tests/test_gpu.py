@@ -48,7 +48,8 @@ def test_prefill_graphs_equal_the_eager_prefill(tmp_path):
     slots, starts = [0, 1, 2], [0, 0, 0]
     runner.graph_prefill_tokens = 0
     hidden_e, feats_e = runner.forward(runs, starts, slots, with_taps=True)
-    k_e = [k[:3, :, :40].clone() for k in runner.cache.k]
+    keys = lambda layer: runner.cache.gather(layer, torch.tensor(slots, device="cuda"), 40)[0]  # noqa: E731
+    k_e = [keys(layer) for layer in range(len(runner.cache.k))]
     for k in runner.cache.k:
         k.zero_()
     runner.graph_prefill_tokens = 256
@@ -58,8 +59,8 @@ def test_prefill_graphs_equal_the_eager_prefill(tmp_path):
         n = len(run)
         torch.testing.assert_close(hidden_g[i, :n], hidden_e[i, :n])
         torch.testing.assert_close(feats_g[i, :n], feats_e[i, :n])
-        for layer, k in enumerate(runner.cache.k):
-            torch.testing.assert_close(k[i, :, :n], k_e[layer][i, :, :n])
+        for layer in range(len(runner.cache.k)):
+            torch.testing.assert_close(keys(layer)[i, :, :n], k_e[layer][i, :, :n])
     kept = feats_g.clone()
     runner.forward([[5] * 20], [0], [3], with_taps=True)  # another prefill graph: (1, 32)
     assert [key[:2] for key in replayed] == [(4, 64), (1, 32)]
@@ -82,6 +83,8 @@ def test_a_prefill_graph_appends_the_draft_context_the_eager_path_does(tmp_path,
                 graph_prefill_tokens=0)
     lengths = (3, 40, 11)
     for llm in (graphed, eager):
+        for pool in llm.engine.proposer.cache.k + llm.engine.proposer.cache.v:
+            pool.zero_()  # what the warm-up's requests left in the pages
         for i, n in enumerate(lengths):
             params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, use_speculation=i != 2)
             llm.engine.add_request(str(i), None, [2 + (i * 7 + j) % 90 for j in range(n)], params)
@@ -89,10 +92,13 @@ def test_a_prefill_graph_appends_the_draft_context_the_eager_path_does(tmp_path,
     cache_g, cache_e = graphed.engine.proposer.cache, eager.engine.proposer.cache
     reqs_g, reqs_e = list(graphed.engine.running), list(eager.engine.running)
     assert [r.num_draft_ctx for r in reqs_g] == [r.num_draft_ctx for r in reqs_e] == [3, 40, 0]
-    for r, n in zip(reqs_g, (3, 40)):
-        for kg, ke in zip(cache_g.k + cache_g.v, cache_e.k + cache_e.v):
-            torch.testing.assert_close(kg[r.slot, :, :n], ke[r.slot, :, :n])
-    assert not cache_g.k[0][reqs_g[2].slot].any()  # the opted-out request fed nothing
+    def context(cache, req, n):
+        return [t for layer in range(len(cache.k)) for t in cache.gather(layer, torch.tensor([req.slot]).cuda(), n)]
+
+    for rg, re, n in zip(reqs_g, reqs_e, (3, 40)):
+        for kg, ke in zip(context(cache_g, rg, n), context(cache_e, re, n)):
+            torch.testing.assert_close(kg, ke)
+    assert not any(t.any() for t in context(cache_g, reqs_g[2], 11))  # the opted-out request fed nothing
     outputs = []
     for llm, reqs in ((graphed, reqs_g), (eager, reqs_e)):
         while llm.engine.has_unfinished():
@@ -210,14 +216,44 @@ def test_a_step_waits_for_the_device_once(tmp_path, method, fixture, temperature
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("method, fixture", [(None, None), ("dflash", "dflash"), ("dspark", "dspark_vanilla")])
+def test_preempted_requests_under_cuda_graphs_give_plain_outputs(tmp_path, method, fixture):
+    """KV pages for about one max_model_len sequence and four requests that grow long, on the GPU:
+    captured graphs (prefill, decode, verify, draft) read page tables that change after their
+    capture, steps launched ahead carry rows of requests preempted meanwhile, and every output
+    equals plain decoding with room for all, greedy and seeded-sampled."""
+    from pathlib import Path
+
+    target = save_drafter_target(tmp_path / "t")
+    spec = None if method is None else {
+        "method": method, "model": str(Path(__file__).parent / "fixtures" / "drafters" / fixture),
+        "adaptive_draft_length": False}
+    tight = LLM(str(target), device="cuda", dtype="float32", max_model_len=160, speculative_config=spec,
+                num_kv_pages=14, kv_page_size=16)
+    roomy = LLM(str(target), device="cuda", dtype="float32", max_model_len=160)
+    prompts = [{"prompt_token_ids": [2 + (i * 11 + j) % 90 for j in range(n)]} for i, n in enumerate((5, 28, 12, 20))]
+    params = [SamplingParams(temperature=0, max_tokens=120, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=110, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=115, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)]
+    want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    m = tight.get_metrics()
+    assert m["num_preemptions"] > 2
+    if method is not None:
+        assert m["num_drafts"] > 0
+
+
+@pytest.mark.gpu
 def test_a_cache_plan_beyond_the_gpu_is_refused_before_allocating(tmp_path):
-    """max_num_seqs x max_model_len beyond the card's memory: a clear error at start-up naming the
-    numbers, not a CUDA out-of-memory error from inside an allocation."""
+    """Too little of the card left for the pages of one max_model_len sequence: a clear error at
+    start-up naming the numbers, not a CUDA out-of-memory error from inside an allocation."""
     from blockspec.config import ConfigError
 
     target = save_drafter_target(tmp_path / "t")
-    with pytest.raises(ConfigError, match="sequences of that length fit"):
-        LLM(str(target), device="cuda", dtype="float32", max_model_len=250, max_num_seqs=10**7)
+    with pytest.raises(ConfigError, match="one sequence of max_model_len=250 needs .* KV pages"):
+        LLM(str(target), device="cuda", dtype="float32", max_model_len=250, gpu_memory_utilization=0.01)
 
 
 @pytest.mark.gpu

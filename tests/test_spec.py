@@ -38,11 +38,13 @@ def prompts(n: int = 5, seed: int = 0) -> list[dict]:
             for length in torch.randint(1, 30, (n,), generator=g)]
 
 
-def spec_llm(target: Path, method: str, fixture: str, device: str = "cpu", **spec) -> LLM:
-    """Fixed draft length unless the test asks otherwise, so acceptance assertions see every position."""
+def spec_llm(target: Path, method: str, fixture: str, device: str = "cpu", engine: dict | None = None,
+             **spec) -> LLM:
+    """Fixed draft length unless the test asks otherwise, so acceptance assertions see every position.
+    `engine`: further LLM arguments."""
     spec.setdefault("adaptive_draft_length", False)
     return LLM(str(target), device=device, dtype="float32", max_model_len=160,
-               speculative_config={"method": method, "model": str(FIXTURES / fixture), **spec})
+               speculative_config={"method": method, "model": str(FIXTURES / fixture), **spec}, **(engine or {}))
 
 
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
@@ -111,7 +113,9 @@ def test_stops_inside_accepted_blocks(target, plain):
             assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
             assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in want]
     assert llm.get_metrics()["mean_acceptance_length"] > 3.0  # blocks really were accepted whole
-    assert not llm.engine.running and llm.engine.runner.cache.num_free_slots == llm.engine.config.max_num_seqs
+    pages = llm.engine.pages
+    assert not llm.engine.running and pages.num_free_slots == llm.engine.config.max_num_seqs
+    assert pages.num_free_pages == pages.num_pages  # every page back in the pool
 
 
 @pytest.mark.parametrize("fixture, method", [("dflash", "dflash"), ("dspark_vanilla", "dspark")])
@@ -345,9 +349,10 @@ def assert_draft_cache_is_one_append(engine, reqs, device, behind: int) -> None:
         fresh = drafter.new_cache(1, n + drafter.block_size + 1, device, torch.float32)
         drafter.append_context(fresh, [0], [0], [n], feats)
         for layer in range(len(fresh.k)):
-            for got, want in ((engine.proposer.cache.k[layer], fresh.k[layer]),
-                              (engine.proposer.cache.v[layer], fresh.v[layer])):
-                torch.testing.assert_close(got[req.slot, :, :n], want[0, :, :n], atol=1e-4, rtol=1e-4)
+            got = engine.proposer.cache.gather(layer, torch.tensor([req.slot], device=device), n)
+            want = fresh.gather(layer, torch.tensor([0], device=device), n)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
@@ -371,12 +376,48 @@ def test_draft_cache_holds_what_one_append_of_the_whole_context_gives(target, pl
                                                               use_tqdm=False)]
     add_device_oracle(llm, {tuple(p): e for p, e in zip(ps, expected)})  # accepted runs of every length
     reqs = [engine.add_request(str(i), None, p, q)[0] for i, (p, q) in enumerate(zip(ps, params))]
+    checks = 0
     while engine.has_unfinished():
         engine.step()
-    assert_draft_cache_is_one_append(engine, reqs, device, behind=5)
-    assert [r.output_ids for r in reqs] == expected
+        if engine.num_steps % 4 == 0:  # while they run: a finished request's pages go back to the pool
+            decoding = [r for r in engine.running if r.num_cached >= r.prefill_len]
+            assert_draft_cache_is_one_append(engine, decoding, device, behind=5)
+            checks += len(decoding)
+    assert [r.output_ids for r in reqs] == expected and checks >= 10
     # (on the GPU the graphed draft steps launched from device results draft for real: mostly rejected)
     assert llm.get_metrics()["mean_acceptance_length"] > (1.8 if device == "cpu" or not ahead else 1.0)
+
+
+@pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
+@pytest.mark.parametrize("ahead", [False, True], ids=["synchronous", "launched-ahead"])
+def test_preempted_requests_recompute_their_context_and_stay_exact(target, plain, method, fixture, ahead):
+    """With KV pages for about one request of max_model_len, four requests that grow long run short
+    of pages: the newest are preempted (their pages freed, in-flight rows dropped) and come back
+    through a prefill of their prompt and output so far. Outputs equal plain decoding, greedy and
+    seeded-sampled (drafts matched by sampling); a resumed request's draft cache holds one append of
+    its whole sequence; requests are preempted and resumed more than once."""
+    llm = spec_llm(target, method, fixture, engine={"num_kv_pages": 13, "kv_page_size": 16}, num_speculative_tokens=3)
+    engine = llm.engine
+    engine.async_scheduling = ahead
+    plan = iter([0, 0, 0, 0, 0, 3, 3, 0, 2, 3, 3, 3, 0] * 40)  # plain and speculative steps
+    engine.policy.choose = lambda batch: next(plan)
+    ps = [p["prompt_token_ids"] for p in prompts(4, seed=22)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (110, 90, 100)]
+    params.append(SamplingParams(temperature=0.8, seed=5, max_tokens=95, ignore_eos=True))
+    expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in ps], params,
+                                                              use_tqdm=False)]
+    add_device_oracle(llm, {tuple(p): e for p, e in zip(ps, expected)})
+    reqs = [engine.add_request(str(i), None, p, q)[0] for i, (p, q) in enumerate(zip(ps, params))]
+    checked = set()
+    while engine.has_unfinished():
+        engine.step()
+        resumed = [r for r in engine.running if r.num_preemptions and r.num_cached >= r.prefill_len
+                   and r.request_id not in checked]
+        assert_draft_cache_is_one_append(engine, resumed, "cpu", behind=5)
+        checked |= {r.request_id for r in resumed}
+    assert [r.output_ids for r in reqs] == expected
+    assert engine.metrics()["num_preemptions"] == sum(r.num_preemptions for r in reqs) > 2 and len(checked) >= 2
+    assert llm.get_metrics()["mean_acceptance_length"] > 1.8  # the drafts of resumed requests are accepted too
 
 
 def test_plain_steps_of_requests_that_joined_apart_append_their_held_rows_together(target, plain):

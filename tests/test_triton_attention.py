@@ -53,13 +53,26 @@ def case(r, nq, hq, hkv, hd, length, dtype, window=None, seed=0, extent=None):
     return q, k, v, slots, lo, hi
 
 
-CASES = [  # r, q, hq, hkv, hd, keys, window
-    (1, 1, 8, 2, 64, 300, None),  # batch-1 decode: keys split over programs, then merged
-    (3, 5, 4, 2, 32, 200, 17),  # a sliding window, several slots
-    (2, 16, 4, 4, 16, 100, None),  # verify-sized blocks, MHA
-    (2, 40, 4, 1, 32, 130, None),  # 160 rows per KV head: several row blocks
-    (2, 3, 6, 3, 80, 90, None),  # head_dim not a power of two
-    (2, 2, 4, 2, 8, 70, None),  # head_dim below tl.dot's minimum of 16
+def paged(cache, page_size, seed=0):
+    """The dense [slots, H, L, hd] cache as the engine holds it: pages of `page_size` positions in a
+    shuffled pool, and the table [slots, columns] that finds them."""
+    s, h, length, d = cache.shape
+    cols = -(-length // page_size)
+    dense = torch.zeros(s, h, cols * page_size, d, dtype=cache.dtype, device=cache.device)
+    dense[:, :, :length] = cache
+    order = torch.randperm(s * cols, generator=torch.Generator().manual_seed(seed)).to(cache.device)
+    pool = torch.empty(s * cols, h, page_size, d, dtype=cache.dtype, device=cache.device)
+    pool[order] = dense.view(s, h, cols, page_size, d).transpose(1, 2).reshape(s * cols, h, page_size, d)
+    return pool, order.view(s, cols).to(torch.int32)
+
+
+CASES = [  # r, q, hq, hkv, hd, keys, window, page size
+    (1, 1, 8, 2, 64, 300, None, 16),  # batch-1 decode: keys split over programs, then merged
+    (3, 5, 4, 2, 32, 200, 17, 24),  # a sliding window, several slots, pages across the key tiles
+    (2, 16, 4, 4, 16, 100, None, 64),  # verify-sized blocks, MHA
+    (2, 40, 4, 1, 32, 130, None, 7),  # 160 rows per KV head: several row blocks
+    (2, 3, 6, 3, 80, 90, None, 91),  # head_dim not a power of two; one page a slot
+    (2, 2, 4, 2, 8, 70, None, 16),  # head_dim below tl.dot's minimum of 16
 ]
 
 
@@ -69,9 +82,9 @@ CASES = [  # r, q, hq, hkv, hd, keys, window
 def test_kernel_matches_reference(shape, split, dtype, monkeypatch):
     if not split:  # one program per row block
         monkeypatch.setattr(triton_attention, "TILES", triton_attention.AttentionTiles(target_programs=1))
-    r, nq, hq, hkv, hd, length, window = shape
+    r, nq, hq, hkv, hd, length, window, page_size = shape
     q, k, v, slots, lo, hi = case(r, nq, hq, hkv, hd, length, dtype, window)
-    check_kernel(q, k, v, slots, lo, hi, hd**-0.5, length, dtype, split)
+    check_kernel(q, k, v, slots, lo, hi, hd**-0.5, length, dtype, split, page_size)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 8, 2, 64, 600), (1, 16, 8, 2, 32, 1200)])  # decode, verify
@@ -92,28 +105,34 @@ def test_short_context_in_a_long_cache(shape):
     assert -(-key_tiles // per) > tiles.merge_unroll
 
 
-def check_kernel(q, k, v, slots, lo, hi, scale, max_keys, dtype, split):
-    out = triton_attention.block_attention(q, k, v, slots, lo, hi, scale, max_keys)
+def check_kernel(q, k, v, slots, lo, hi, scale, max_keys, dtype, split, page_size=16):
+    """The kernel over the cache's pages, shuffled, against SDPA over the dense cache."""
     ref = reference(q, k, v, slots, lo, hi, scale, max_keys)
+    (k, table), (v, _) = paged(k, page_size), paged(v, page_size)
+    out = triton_attention.block_attention(q, k, v, table, slots, lo, hi, scale, max_keys)
     r, nq, hq, hd = q.shape
     tol = 2e-5 if dtype == torch.float32 else 1e-3
     assert out.dtype == dtype and out.shape == (r, nq, hq, hd)
     assert (out.float() - ref).abs().max() <= tol
     if split:  # the merging programs leave the arrival counters at zero, so a graph replay starts clean
         assert not triton_attention._COUNTERS[q.device].any()
-        again = triton_attention.block_attention(q, k, v, slots, lo, hi, scale, max_keys)
+        again = triton_attention.block_attention(q, k, v, table, slots, lo, hi, scale, max_keys)
         assert torch.equal(again, out)
-    # negative control: one key fewer per row breaks the tolerance, so the check can fail
-    short = triton_attention.block_attention(q, k, v, slots, lo, hi - 1, scale, max_keys)
+    # negative controls: one key fewer per row, or the pages read in pool order, break the tolerance
+    short = triton_attention.block_attention(q, k, v, table, slots, lo, hi - 1, scale, max_keys)
     assert (short.float() - ref).abs().max() > 2 * tol
+    unpaged = torch.arange(table.numel(), dtype=torch.int32, device=table.device).view(table.shape)
+    assert (triton_attention.block_attention(q, k, v, unpaged, slots, lo, hi, scale, max_keys).float()
+            - ref).abs().max() > 2 * tol
 
 
 def test_bf16_on_gpu():
     if DEVICE != "cuda":
         pytest.skip("Triton's interpreter has no bf16 matmul; the GPU runs this")
     q, k, v, slots, lo, hi = case(4, 16, 32, 8, 128, 1000, torch.bfloat16)
-    out = triton_attention.block_attention(q, k, v, slots, lo, hi, 128**-0.5, 1000)
     ref = reference(q, k, v, slots, lo, hi, 128**-0.5, 1000)
+    (k, table), (v, _) = paged(k, 16), paged(v, 16)
+    out = triton_attention.block_attention(q, k, v, table, slots, lo, hi, 128**-0.5, 1000)
     assert (out.float() - ref).abs().max() <= 2e-2
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from blockspec.config import RopeConfig
-from blockspec.engine.kv_cache import KVCache, causal_meta
+from blockspec.engine.kv_cache import KVCache, PageTable, causal_meta
 from blockspec.models import layers, triton_ops
 from factories import TRITON_SKIP_REASON, triton_interpretable
 
@@ -77,14 +77,15 @@ def test_qkv_rope_store_matches_reference(dtype, hq, hkv, hd, qk_norm):
     meta = causal_meta([4, 0, 2], [7, 0, 30], [4, 4, 3], n, length, DEVICE)
     rotary = layers.Rotary(RopeConfig(theta=10000.0), hd, 64).to(DEVICE)
     cos, sin = rotary(meta.positions, dtype)
-    caches = [KVCache(1, slots, hkv, hd, length, dtype, DEVICE) for _ in range(2)]
+    table = PageTable.full(slots, length, DEVICE, page_size=8)  # a slot's pages are not adjacent
+    caches = [KVCache(1, hkv, hd, length, dtype, DEVICE, table) for _ in range(2)]
     for c in caches:  # existing context must survive the store untouched
         c.k[0].copy_(rand(*c.k[0].shape, dtype=dtype, seed=5))
         c.v[0].copy_(rand(*c.v[0].shape, dtype=dtype, seed=6))
     want_q = reference_store(qkv, hq, hkv, hd, qw, kw, cos, sin, caches[0], meta)
     # context K/V (hq = 0) pass no q weight, as the drafter does
     got_q = triton_ops.qkv_rope_store(qkv, hq, hkv, hd, qw if hq else None, kw, 1e-6, cos, sin, caches[1].k[0],
-                                      caches[1].v[0], meta.slots, meta.write_pos)
+                                      caches[1].v[0], table.table, meta.slots, meta.write_pos)
     assert got_q.shape == (r, n, hq, hd)
     if hq:
         assert close(got_q, want_q, dtype)
@@ -94,7 +95,7 @@ def test_qkv_rope_store_matches_reference(dtype, hq, hkv, hd, qk_norm):
     caches[1].k[0].copy_(caches[0].k[0])
     cos1, sin1 = rotary(meta.positions + 1, dtype)
     triton_ops.qkv_rope_store(qkv, hq, hkv, hd, qw, kw, 1e-6, cos1, sin1, caches[1].k[0], caches[1].v[0],
-                              meta.slots, meta.write_pos)
+                              table.table, meta.slots, meta.write_pos)
     assert not close(caches[1].k[0], caches[0].k[0], dtype)
 
 
@@ -103,7 +104,8 @@ def test_qkv_rope_store_names_a_bad_shape():
     cache = torch.zeros(2, 2, 8, 8, device=DEVICE)
     with pytest.raises(ValueError, match=r"qkv_rope_store: qkv \(1, 2, 40\)"):
         triton_ops.qkv_rope_store(qkv, 4, 2, 8, None, None, 1e-6, qkv, qkv, cache, cache,
-                                  torch.zeros(1, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.int64))
+                                  torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
+                                  torch.zeros(1, 2, dtype=torch.int64))
 
 
 def reference_linear(x, w, b, norm_weight, swiglu, residual, glu=False):

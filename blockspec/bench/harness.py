@@ -332,10 +332,9 @@ def drive(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
     decode_s, decode_tokens = 0.0, 0
     step_s: dict[int, list[float]] = {}
     drafts: list[tuple[int, int]] = []
-    cache = engine.runner.cache
     while engine.has_unfinished():
-        prefill = bool(engine.waiting and cache.num_free_slots) or any(
-            r.num_cached < len(r.prompt_token_ids) for r in engine.running)
+        prefill = bool(engine.waiting and engine.pages.num_free_slots) or any(
+            r.num_cached < r.prefill_len for r in engine.running)
         n0, ts = engine.num_generated, time.perf_counter()
         engine.step()
         dt = time.perf_counter() - ts

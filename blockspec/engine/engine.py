@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from blockspec.config import EngineConfig, SpeculativeConfig
-from blockspec.engine.kv_cache import check_cache_plan
+from blockspec.engine.kv_cache import PageTable, plan_pages
 from blockspec.engine.request import IncrementalDetokenizer, Logprob, Request, SpecStats, Status
 from blockspec.engine.runner import BATCH_BUCKETS, CAPTURES, ModelRunner, bucket
 from blockspec.models.llama import CausalLM
@@ -143,19 +143,24 @@ class Engine:
         model.attention_backend = self.attention_backend
         if drafter is not None:
             drafter.attention_backend = self.attention_backend
-        self._check_memory(drafter if spec_config is not None else None)
+        drafter = drafter if spec_config is not None else None
+        margin, table_len = self.cache_extent(config, spec_config, drafter)
+        self.pages = PageTable(config.max_num_seqs, table_len, config.kv_page_size,
+                               self.plan_pages(model, drafter, config, table_len), self.device)
+        # positions past its length a request's next two steps may write (this one's and one launched
+        # ahead of its commit): verify rows and the drafter's block; pages are reserved that far
+        self.lookahead = 2 * margin + (drafter.block_size if drafter is not None else 0)
         if spec_config is not None:
             from blockspec.spec.proposer import Proposer
 
             # proposer_cls: a Proposer subclass (e.g. the benchmark-only SyntheticProposer); None = Proposer
             make = proposer_cls or Proposer
-            self.proposer = make(drafter, model, spec_config, config.max_num_seqs, config.max_model_len)
+            self.proposer = make(drafter, model, spec_config, config.max_num_seqs, config.max_model_len,
+                                 pages=self.pages)
             self.policy = DraftLengthPolicy(self.proposer.num_speculative_tokens, spec_config.adaptive_draft_length)
             taps = self.proposer.taps
-        # Verify rows reach past the committed length by the draft length; leave room for them.
-        margin = (self.proposer.num_speculative_tokens + 1) if self.proposer else 1
         widths = [1 + k for k in self.policy.candidates] if self.proposer else []
-        self.runner = ModelRunner(model, config.max_num_seqs, config.max_model_len + margin, taps, query_buckets=widths,
+        self.runner = ModelRunner(model, self.pages, config.max_model_len + margin, taps, query_buckets=widths,
                                   tap_sink=self.proposer.pending if self.proposer else None,
                                   graph_prefill_tokens=min(config.graph_prefill_tokens, config.max_prefill_tokens),
                                   context_sink=self.proposer.append_taps if self.proposer else None)
@@ -168,6 +173,7 @@ class Engine:
         self.num_generated = 0
         self.num_steps_launched_ahead = 0
         self.num_spec_steps_chained = 0
+        self.num_preemptions = 0
         use_async = config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if use_async is None else use_async
         self._inflight: PlainLaunch | None = None
@@ -182,34 +188,45 @@ class Engine:
         self.agree: Callable[[int], int] = lambda decision: decision
 
     # ---------------------------------------------------------------- start-up
-    def _check_memory(self, drafter: Any) -> None:
-        """On a GPU, refuse a cache plan that cannot fit, naming the numbers, instead of failing inside
-        an allocation. Caches are per slot and preallocated, so a plan that fits can never run out
-        of KV memory later: requests beyond max_num_seqs wait in the queue."""
-        if self.device.type != "cuda":
-            return
-        cfg, model = self.config, self.model
-        margin = drafter.num_draft_slots + 1 if drafter is not None else 1  # verify rows past the length
+    @staticmethod
+    def cache_extent(config: EngineConfig, spec: SpeculativeConfig | None, drafter: Any) -> tuple[int, int]:
+        """(margin, positions a slot's page table covers): verify rows reach past the committed length
+        by the draft length (the margin), the drafter's block past its context; every cache and the
+        page table leave room for them."""
+        if spec is None or drafter is None:
+            return 1, config.max_model_len + 1
+        margin = (spec.num_speculative_tokens or drafter.num_draft_slots) + 1
+        return margin, config.max_model_len + max(margin, drafter.block_size + 1)
 
-        itemsize = model.embed_tokens.weight.dtype.itemsize
-
-        def caches(slots: int) -> int:
-            n = model.cache_bytes(slots, cfg.max_model_len + margin)
-            if drafter is not None:
-                n += drafter.cache_bytes(slots, cfg.max_model_len + drafter.block_size + 1,
-                                         model.embed_tokens.weight.dtype)
-                n += slots * (drafter.block_size + 1) * drafter.fc.in_features * itemsize  # held taps (Proposer)
-            return n
-
+    @staticmethod
+    def plan_pages(model: CausalLM, drafter: Any, config: EngineConfig, table_len: int) -> int:
+        """KV pages to allocate: `num_kv_pages` if given; on a GPU what `gpu_memory_utilization` leaves
+        after the weights and a reserve for activations, at most what max_num_seqs x max_model_len can
+        use; on the CPU that most. Refuses, with the numbers, a plan that cannot hold one sequence
+        of max_model_len, instead of failing inside an allocation or mid-request."""
+        size = config.kv_page_size
+        dtype = model.embed_tokens.weight.dtype
+        per_page = model.page_bytes(size) + (drafter.page_bytes(size, dtype) if drafter is not None else 0)
+        per_seq = table_len // size + 1
+        most = config.max_num_seqs * per_seq
+        if config.num_kv_pages is not None:
+            return plan_pages(config.num_kv_pages, per_seq, per_page, config)
+        device = model.embed_tokens.weight.device
+        if device.type != "cuda":
+            return most
+        itemsize = dtype.itemsize
         mc = model.config
         # a prefill chunk's activations (residual, norms, qkv, MLP), greedy logits, graph pools and cuBLAS,
-        # and the outputs the prefill graphs share (hidden rows and taps)
-        reserve = cfg.max_prefill_tokens * (8 * mc.hidden_size + 3 * mc.intermediate_size) * itemsize + (3 << 29)
+        # the outputs the prefill graphs share (hidden rows and taps), the drafter's held taps
+        reserve = config.max_prefill_tokens * (8 * mc.hidden_size + 3 * mc.intermediate_size) * itemsize + (3 << 29)
         tap_width = drafter.fc.in_features if drafter is not None else 0
-        reserve += min(cfg.graph_prefill_tokens, cfg.max_prefill_tokens) * (mc.hidden_size + tap_width) * itemsize
-        free, total = torch.cuda.mem_get_info(self.device)
-        check_cache_plan(caches(cfg.max_num_seqs), caches(1) - caches(0), free, total, cfg.gpu_memory_utilization,
-                         reserve, cfg.max_num_seqs, cfg.max_model_len)
+        reserve += min(config.graph_prefill_tokens, config.max_prefill_tokens) * (mc.hidden_size + tap_width) * itemsize
+        if drafter is not None:
+            reserve += (config.max_num_seqs + 1) * (drafter.block_size + 1) * tap_width * itemsize
+        free, total = torch.cuda.mem_get_info(device)
+        budget = config.gpu_memory_utilization * total - (total - free) - reserve
+        return plan_pages(min(most, max(0, int(budget // per_page)) - 1), per_seq, per_page, config,
+                          budget=(budget, total, total - free, reserve))
 
     @torch.no_grad()
     def warmup(self) -> dict[str, float]:
@@ -251,6 +268,7 @@ class Engine:
         self.num_generated = 0
         self.num_steps_launched_ahead = 0
         self.num_spec_steps_chained = 0
+        self.num_preemptions = 0
         if self.proposer is not None:
             self.proposer.reset_stats()
             self.policy = DraftLengthPolicy(self.proposer.num_speculative_tokens, self.policy.adaptive)
@@ -302,10 +320,14 @@ class Engine:
         """Run one engine step; return the requests whose output changed.
 
         Prefill chunks of new requests run beside the decode of the running ones (two forwards in
-        one step), so a long prompt arriving never stalls the others."""
-        self._admit()
-        prefilling = [r for r in self.running if r.num_cached < len(r.prompt_token_ids)]
-        decoding = [r for r in self.running if r.num_cached >= len(r.prompt_token_ids)]
+        one step), so a long prompt arriving never stalls the others. Pages for the running requests'
+        next two steps come first (`_reserve`); new requests are admitted only in a step that preempted
+        none."""
+        if not self._reserve():
+            self._admit()
+        self.pages.sync()
+        prefilling = [r for r in self.running if r.num_cached < r.prefill_len]
+        decoding = [r for r in self.running if r.num_cached >= r.prefill_len]
         touched = []
         if prefilling:  # prefill steps start no pipeline, and no step's price spans one
             touched = self._commit_launch()
@@ -453,7 +475,7 @@ class Engine:
     def _draft_context(self, reqs: list[Request], counts: list[int]) -> tuple[list[int], list[int], list[int]]:
         """Where a prefill graph puts each request's chunk of taps in the draft cache: (slot, start, rows);
         the scratch slot and no rows for a request that feeds no drafter."""
-        scratch = self.runner.cache.scratch_slot  # the draft cache's too: both have max_num_seqs slots
+        scratch = self.pages.scratch_slot  # the draft cache's too: both share the page table
         fed = [r.feeds_drafter for r in reqs]
         return ([r.slot if f else scratch for r, f in zip(reqs, fed)],
                 [r.num_draft_ctx if f else 0 for r, f in zip(reqs, fed)],
@@ -464,7 +486,7 @@ class Engine:
         held row; the scratch slot for a request that never drafts), or None when none may draft."""
         if not self._drafts_any(reqs):
             return None
-        scratch = self.runner.cache.scratch_slot
+        scratch = self.pages.scratch_slot
         return ([r.slot if r.feeds_drafter else scratch for r in reqs],
                 [r.num_pending if r.feeds_drafter else 0 for r in reqs])
 
@@ -473,11 +495,58 @@ class Engine:
         if hold is not None:
             self.proposer.held([r for r in reqs if r.feeds_drafter])
 
+    def _pages_wanted(self, req: Request) -> int:
+        """Positions a request needs pages for this step: its prefill chunk, or its length, and the
+        lookahead of the steps launched before the next reservation."""
+        if req.num_cached < req.prefill_len:
+            end = min(req.prefill_len, req.num_cached + self.config.max_prefill_tokens)
+        else:
+            end = req.length
+        return end + self.lookahead
+
+    def _reserve(self) -> bool:
+        """Give every running request, oldest first, pages for this step and the one launched ahead of
+        its commit; where too few are free, preempt the newest (`_preempt`) until they suffice. A
+        request alone always fits: start-up refuses a pool smaller than one max_model_len sequence.
+        Returns whether any request was preempted."""
+        preempted = False
+        for req in list(self.running):
+            while req.status is Status.RUNNING and not self.pages.reserve(req.slot, self._pages_wanted(req)):
+                self._preempt(self.running[-1])
+                preempted = True
+        return preempted
+
+    def _preempt(self, req: Request) -> None:
+        """Take a request's slot and pages back and queue it first. What it emitted stands: it returns
+        through a prefill of its prompt and output so far (all but the last token, the anchor), which
+        recomputes the K/V and the drafter's context; sampling is keyed by position, so its tokens
+        are what they would have been. Rows of it in a step launched ahead are dropped at that
+        step's commit, as for an abort."""
+        self.running.remove(req)
+        self.pages.release(req.slot)
+        req.status = Status.WAITING
+        req.slot = -1
+        req.num_cached = req.num_draft_ctx = req.num_pending = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
     def _admit(self) -> None:
+        """Admit waiting requests in order while a slot and the pages of their first prefill chunk
+        are free, keeping a watermark of free pages (a hundredth of the pool) for the running
+        requests' growth, so an admission is not undone by a preemption at the next step."""
         joined = []
-        while self.waiting and self.runner.cache.num_free_slots:
-            req = self.waiting.popleft()
-            req.slot = self.runner.cache.allocate()
+        while self.waiting and self.pages.num_free_slots:
+            req = self.waiting[0]
+            slot = self.pages.allocate()
+            need = self._pages_wanted(req)
+            watermark = self.pages.num_pages // 100 if self.running else 0
+            if self.pages.missing(slot, need) + watermark > self.pages.num_free_pages:
+                self.pages.release(slot)
+                break
+            self.pages.reserve(slot, need)
+            self.waiting.popleft()
+            req.slot = slot
             req.status = Status.RUNNING
             self.running.append(req)
             joined.append(req)
@@ -505,10 +574,10 @@ class Engine:
         budget = self.config.max_prefill_tokens
         runs, starts, chosen = [], [], []
         for req in reqs:
-            take = min(len(req.prompt_token_ids) - req.num_cached, budget)  # chunked prefill
+            take = min(req.prefill_len - req.num_cached, budget)  # chunked prefill
             if take <= 0:
                 break
-            runs.append(req.prompt_token_ids[req.num_cached : req.num_cached + take])
+            runs.append(req.token_slice(req.num_cached, req.num_cached + take))
             starts.append(req.num_cached)
             chosen.append(req)
             budget -= take
@@ -522,7 +591,8 @@ class Engine:
         done = []
         for i, req in enumerate(chosen):
             req.num_cached += counts[i]
-            if req.num_cached == len(req.prompt_token_ids):
+            # a preempted request's anchor is its last token: it samples nothing here
+            if req.num_cached == req.prefill_len and not req.output_ids:
                 done.append((i, req, counts[i] - 1))
         if not done:
             self.timer.close()
@@ -663,7 +733,7 @@ class Engine:
         proposer = self.proposer
         if not (self.async_scheduling and launch.result is not None and reqs and proposer.chains):
             return False
-        decoding = {id(r) for r in self.running if r.num_cached >= len(r.prompt_token_ids)}
+        decoding = {id(r) for r in self.running if r.num_cached >= r.prefill_len}
         emitted = launch.result.shape[1] - 2  # rows the step may emit per request (drafts + 1)
         # a request that may reach its limit in this step is left to `_launch_ahead`, which knows
         if (decoding != {id(r) for r in reqs} or not all(self._has_room(r, launch.k + 1) for r in reqs)
@@ -695,7 +765,7 @@ class Engine:
         def pending(r: Request) -> tuple[int, int]:  # (tokens not yet committed, the last token)
             return verified_now.get(id(r), (0, r.output_ids[-1]))
 
-        nxt = [r for r in self.running if r.num_cached >= len(r.prompt_token_ids)
+        nxt = [r for r in self.running if r.num_cached >= r.prefill_len
                and self._has_room(r, pending(r)[0])]  # the next step's decode set
         whole = bool(nxt) and not self.needs_processing(nxt) and len(self._speculating(nxt)) == len(nxt)
         reqs = nxt if whole else verified
@@ -903,7 +973,7 @@ class Engine:
         req.finish_time = time.perf_counter()
         if req.status is Status.RUNNING:
             self.running.remove(req)
-            self.runner.cache.release(req.slot)
+            self.pages.release(req.slot)
         req.status = Status.FINISHED
         req.num_pending = 0
 
@@ -918,4 +988,5 @@ class Engine:
             out["num_spec_steps_chained"] = self.num_spec_steps_chained
         out["num_steps"] = self.num_steps
         out["num_generated_tokens"] = self.num_generated
+        out["num_preemptions"] = self.num_preemptions
         return out

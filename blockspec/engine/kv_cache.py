@@ -1,8 +1,14 @@
-"""Preallocated per-slot KV cache; a request's cache length is just a number, so rollback is free.
+"""Paged KV cache: a slot's positions live in fixed-size pages of a shared pool, so memory follows the
+tokens requests actually hold, not max_model_len for every slot.
 
-Layout per layer: [max_slots, kv_heads, max_len + 1, head_dim]. Column `max_len` is a trash column
-that padded query rows write into, so padding never overwrites real keys and is never read (every
-real query position is below `max_len`).
+`PageTable` owns the slots and the pages: the device table [slots + 1, columns] maps (slot, position
+// page_size) to a page of every pool that shares it (the target's cache and the drafter's, indexed
+alike). Each pool per layer is [pages + 1, kv_heads, page_size, head_dim]; the last page is trash:
+every table entry no request holds points to it, and padded query rows write there (position
+`max_len`, a position no real query reads), so padding never overwrites real keys. A request's
+length is still just a number: rollback is free, and rejected rows are overwritten later. Kernels
+read the table on the device at run time, so captured CUDA graphs follow pages allocated after
+their capture.
 """
 
 from __future__ import annotations
@@ -12,90 +18,192 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from blockspec.config import ConfigError
+from blockspec.config import ConfigError, EngineConfig
 from blockspec.transfer import to_device
+
+
+DEFAULT_PAGE_SIZE = 64
 
 
 class OutOfSlots(RuntimeError):
     """No free slot: the scheduler must queue the request."""
 
 
-class KVCache:
-    def __init__(
-        self,
-        num_layers: int,
-        max_slots: int,
-        num_kv_heads: int,
-        head_dim: int,
-        max_len: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        # One extra slot (index max_slots) is scratch space for padded rows of captured batches.
-        shape = (max_slots + 1, num_kv_heads, max_len + 1, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+class PageTable:
+    """Slots and the pages that hold their positions, shared by every cache of the engine (the target's
+    and the drafter's use the same page ids). The host decides (`reserve`, `release`); `sync` copies
+    the entries that changed to the device table in one transfer before the step's forwards."""
+
+    def __init__(self, max_slots: int, max_len: int, page_size: int, num_pages: int,
+                 device: torch.device | str) -> None:
+        if page_size < 1 or num_pages < 1:
+            raise ConfigError(f"page_size and num_pages must be >= 1, got {page_size} and {num_pages}")
         self.max_slots = max_slots
         self.max_len = max_len
-        self.trash = max_len
-        self.scratch_slot = max_slots
-        self._free = list(range(max_slots - 1, -1, -1))
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.trash_page = num_pages
+        self.scratch_slot = max_slots  # padded requests of captured batches: every entry is trash
+        self.columns = max_len // page_size + 1  # positions 0..max_len (max_len: the trash position)
+        self.table = torch.full((max_slots + 1, self.columns), num_pages, dtype=torch.int32, device=device)
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self._free_pages = list(range(num_pages - 1, -1, -1))
+        self._held: list[list[int]] = [[] for _ in range(max_slots)]
+        self._dirty: dict[tuple[int, int], int] = {}
+
+    @classmethod
+    def full(cls, max_slots: int, max_len: int, device: torch.device | str,
+             page_size: int = DEFAULT_PAGE_SIZE) -> PageTable:
+        """A table whose every slot holds pages for all its positions (a standalone cache: the models'
+        tests, the trainer's scoring). Pages go to the slots in turn, so a slot's pages are never
+        adjacent: whatever runs on it runs on scattered pages, as in the engine."""
+        columns = max_len // page_size + 1
+        table = cls(max_slots, max_len, page_size, max_slots * columns, device)
+        for col in range(columns):
+            for slot in range(max_slots):
+                table.reserve(slot, (col + 1) * page_size)
+        table.sync()
+        return table
 
     @staticmethod
-    def planned_bytes(num_layers: int, max_slots: int, num_kv_heads: int, head_dim: int, max_len: int,
-                      dtype: torch.dtype) -> int:
-        """Bytes a cache of these dimensions allocates (the scratch slot and trash column included)."""
-        return 2 * num_layers * (max_slots + 1) * num_kv_heads * (max_len + 1) * head_dim * dtype.itemsize
+    def pages_for(tokens: int, page_size: int) -> int:
+        return -(-tokens // page_size)
 
     @property
     def num_free_slots(self) -> int:
-        return len(self._free)
+        return len(self._free_slots)
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def held(self, slot: int) -> int:
+        """Pages `slot` holds."""
+        return len(self._held[slot])
+
+    def allocate(self) -> int:
+        if not self._free_slots:
+            raise OutOfSlots("no free KV slot")
+        return self._free_slots.pop()
+
+    def missing(self, slot: int, tokens: int) -> int:
+        """Pages `slot` lacks to hold positions 0..tokens-1 (capped at the table's extent)."""
+        want = self.pages_for(min(tokens, self.columns * self.page_size), self.page_size)
+        return max(0, want - len(self._held[slot]))
+
+    def reserve(self, slot: int, tokens: int) -> bool:
+        """Give `slot` pages for positions 0..tokens-1; False (and nothing taken) if too few are free."""
+        n = self.missing(slot, tokens)
+        if n > len(self._free_pages):
+            return False
+        pages = self._held[slot]
+        for _ in range(n):
+            page = self._free_pages.pop()
+            self._dirty[(slot, len(pages))] = page
+            pages.append(page)
+        return True
+
+    def release(self, slot: int) -> None:
+        """Free a slot and its pages; its entries point to the trash page again (a padded row of a
+        later batch writing this slot's trash position must not land in a page someone else holds)."""
+        if slot in self._free_slots:
+            raise ValueError(f"slot {slot} released twice")
+        pages = self._held[slot]
+        for col in range(len(pages)):
+            self._dirty[(slot, col)] = self.trash_page
+        self._free_pages.extend(reversed(pages))
+        self._held[slot] = []
+        self._free_slots.append(slot)
+
+    def sync(self) -> None:
+        """Copy the entries changed since the last sync to the device table (one transfer, one scatter;
+        ordered on the stream after every forward already launched, which still sees the old ones)."""
+        if not self._dirty:
+            return
+        (slots, cols), pages = zip(*self._dirty), list(self._dirty.values())
+        self._dirty.clear()
+        idx = to_device([list(slots), list(cols), pages], torch.int64, self.table.device)
+        self.table[idx[0], idx[1]] = idx[2].to(torch.int32)
+
+
+class KVCache:
+    """One model's K/V pools over a shared `PageTable`; `max_len` is this cache's positions per slot
+    (the trash position), at most the table's."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device | str, table: PageTable) -> None:
+        if max_len > table.max_len:
+            raise ValueError(f"a cache of {max_len} positions needs a page table of at least that many "
+                             f"({table.max_len})")
+        shape = (table.num_pages + 1, num_kv_heads, table.page_size, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.pages = table
+        self.max_len = max_len
+        self.trash = max_len
+        self.scratch_slot = table.scratch_slot
+
+    @property
+    def table(self) -> Tensor:
+        return self.pages.table
+
+    @staticmethod
+    def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype) -> int:
+        """Bytes one page of every layer's K and V takes."""
+        return 2 * num_layers * num_kv_heads * page_size * head_dim * dtype.itemsize
 
     @property
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def allocate(self) -> int:
-        if not self._free:
-            raise OutOfSlots("no free KV slot")
-        return self._free.pop()
-
-    def release(self, slot: int) -> None:
-        if slot in self._free:
-            raise ValueError(f"slot {slot} released twice")
-        self._free.append(slot)
+    def _locate(self, slots: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """(page, offset in the page) of each (slot, position); slots broadcast against positions."""
+        p = self.pages.page_size
+        return self.table[slots, positions // p].long(), positions % p
 
     def write(self, layer: int, meta: "AttnMeta", k: Tensor, v: Tensor) -> None:
         """k, v: [R, kv_heads, Q, hd], stored at (slot, write_pos) for every query row."""
-        idx = (meta.slots[:, None], slice(None), meta.write_pos)
-        self.k[layer][idx] = k.transpose(1, 2)
-        self.v[layer][idx] = v.transpose(1, 2)
+        page, offset = self._locate(meta.slots[:, None], meta.write_pos)
+        self.k[layer][page, :, offset] = k.transpose(1, 2)
+        self.v[layer][page, :, offset] = v.transpose(1, 2)
+
+    def gather(self, layer: int, slots: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
+        """Keys and values of positions 0..kv_len-1 of each slot: [R, kv_heads, kv_len, hd] (a copy)."""
+        cols = self.pages.pages_for(kv_len, self.pages.page_size)
+        pages = self.table[slots, :cols].long()  # [R, cols]
+
+        def pool(t: Tensor) -> Tensor:
+            x = t[pages]  # [R, cols, H, P, hd]
+            r, _, h, p, d = x.shape
+            return x.transpose(1, 2).reshape(r, h, cols * p, d)[:, :, :kv_len]
+
+        return pool(self.k[layer]), pool(self.v[layer])
 
     def read(self, layer: int, meta: "AttnMeta") -> tuple[Tensor, Tensor]:
         """Keys and values of the first kv_len positions of each request's slot: [R, kv_heads, kv_len, hd]."""
-        if meta.contiguous_slot is not None:
-            s = meta.contiguous_slot
-            return self.k[layer][s : s + 1, :, : meta.kv_len], self.v[layer][s : s + 1, :, : meta.kv_len]
-        return self.k[layer][meta.slots, :, : meta.kv_len], self.v[layer][meta.slots, :, : meta.kv_len]
+        return self.gather(layer, meta.slots, meta.kv_len)
 
 
-def check_cache_plan(need: int, per_seq: int, free: int, total: int, utilization: float, reserve: int,
-                     max_num_seqs: int, max_model_len: int) -> None:
-    """Refuse, with the numbers, KV caches that cannot fit in the GPU's memory, before allocating them.
-
-    The engine may hold `utilization` of `total`; what is in use already (weights) and `reserve`
-    (activations of a prefill chunk, logits, graph pools) come off it. `need` is the caches of
-    max_num_seqs slots, `per_seq` what each slot adds."""
+def plan_pages(pages: int, per_seq: int, per_page: int, config: EngineConfig,
+               budget: tuple[float, int, int, int] | None = None) -> int:
+    """`pages` if they hold one sequence of max_model_len (`per_seq` pages), else a ConfigError with
+    the numbers. `budget` = (bytes left for pages, the card's total, in use, reserved for
+    activations) when the count came from the GPU's memory; None when the user gave it."""
+    if pages >= per_seq:
+        return pages
     gib = 1 << 30
-    budget = utilization * total - (total - free) - reserve
-    if need <= budget:
-        return
-    fits = max(0, int(budget // per_seq) - 1) if per_seq else 0  # one scratch slot beside the requests'
+    size = config.kv_page_size
+    if budget is None:
+        raise ConfigError(f"num_kv_pages={pages} ({pages * size} positions of kv_page_size={size}) cannot hold one "
+                          f"sequence of max_model_len={config.max_model_len}, which needs {per_seq} pages: raise "
+                          f"num_kv_pages or lower max_model_len")
+    left, total, used, reserve = budget
     raise ConfigError(
-        f"the KV caches for max_num_seqs={max_num_seqs} x max_model_len={max_model_len} need {need / gib:.1f} GiB, "
-        f"but {max(budget, 0) / gib:.1f} GiB are left of gpu_memory_utilization={utilization} x {total / gib:.1f} GiB "
-        f"after the weights ({(total - free) / gib:.1f} GiB in use) and {reserve / gib:.1f} GiB for activations; "
-        f"{fits} sequences of that length fit: lower max_num_seqs or max_model_len, or raise gpu_memory_utilization")
+        f"one sequence of max_model_len={config.max_model_len} needs {per_seq} KV pages "
+        f"({per_seq * per_page / gib:.2f} GiB), but {max(left, 0) / gib:.2f} GiB are left of "
+        f"gpu_memory_utilization={config.gpu_memory_utilization} x {total / gib:.1f} GiB after the weights "
+        f"({used / gib:.1f} GiB in use) and {reserve / gib:.1f} GiB for activations: lower max_model_len or "
+        f"raise gpu_memory_utilization")
 
 
 @dataclass
@@ -111,7 +219,6 @@ class AttnMeta:
     write_pos: Tensor  # [R, Q] int64, cache column (trash column for padding rows)
     kv_len: int  # keys read per request
     bounds: dict[str, tuple[Tensor, Tensor]]
-    contiguous_slot: int | None = None  # single request: read its slot as a view, no gather
 
     def mask(self, layer_type: str) -> Tensor:
         """[R, 1, Q, kv_len] bool keep-mask of `bounds[layer_type]`."""
@@ -151,14 +258,12 @@ def causal_meta(
     """Metadata for a causal forward: request r feeds q_lens[r] tokens at positions starts[r], ... .
 
     Host lists in, device tensors out: the engine knows every length on the host, so this needs no
-    sync. A single request reads its slot as a view instead of a gather.
+    sync.
     """
     kv_len = kv_len or max(s + q for s, q in zip(starts, q_lens))
     as_t = lambda v: to_device(v, torch.int64, device)  # noqa: E731
-    meta = meta_from_tensors(as_t(slots), as_t(starts), as_t(q_lens), num_queries, kv_len, trash, sliding_window,
+    return meta_from_tensors(as_t(slots), as_t(starts), as_t(q_lens), num_queries, kv_len, trash, sliding_window,
                              layer_types)
-    meta.contiguous_slot = slots[0] if len(slots) == 1 else None
-    return meta
 
 
 def meta_from_tensors(

@@ -173,6 +173,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     truncated_text: str | None = None
+    num_preemptions: int = 0  # times its pages were taken back and its tokens recomputed later
     # what its parameters ask of every step, fixed at creation: a step tests them for each of its rows
     needs_history: bool = field(init=False)  # sampling reads committed tokens (penalties, min_tokens) or keeps logprobs
     needs_processing: bool = field(init=False)  # more than the raw logits' argmax (see Engine.needs_processing)
@@ -185,6 +186,19 @@ class Request:
     @property
     def length(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_ids)
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens the target must hold before this request decodes: its prompt, or after a preemption
+        every token but the last, which is the next step's anchor."""
+        return self.length - 1 if self.output_ids else len(self.prompt_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens start..end-1 of prompt + output, without joining the two lists."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_ids[max(start - n, 0) : end - n]
 
     @property
     def text(self) -> str:

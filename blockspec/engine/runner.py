@@ -19,7 +19,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from blockspec.engine.kv_cache import KVCache, causal_meta, meta_from_tensors
+from blockspec.engine.kv_cache import KVCache, PageTable, causal_meta, meta_from_tensors
 from blockspec.models.llama import CausalLM
 from blockspec.sample.sampler import greedy_ids
 from blockspec.transfer import to_device
@@ -98,7 +98,7 @@ class ModelRunner:
     hands the chunk's taps to the drafter's cache itself, so the prompt's draft context costs no
     launches from the host (the eager path returns the taps, and the engine appends them)."""
 
-    def __init__(self, model: CausalLM, max_slots: int, max_len: int, taps: Sequence[int] = (),
+    def __init__(self, model: CausalLM, pages: PageTable | int, max_len: int, taps: Sequence[int] = (),
                  use_cuda_graphs: bool | None = None, query_buckets: Sequence[int] = (),
                  tap_sink: Tensor | None = None, graph_prefill_tokens: int = 0,
                  context_sink: Callable[[Tensor, Tensor, Tensor, Tensor], None] | None = None) -> None:
@@ -109,7 +109,7 @@ class ModelRunner:
         # instead of capturing one per width
         self.query_buckets = tuple(sorted(set(query_buckets) | {1}))
         self.device = model.embed_tokens.weight.device
-        self.cache: KVCache = model.new_cache(max_slots, max_len, self.device)
+        self.cache: KVCache = model.new_cache(pages, max_len, self.device)
         self.taps = tuple(taps)
         self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self.graphs: dict[tuple[int, int, int, bool], CapturedForward] = {}

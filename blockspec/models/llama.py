@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from blockspec.config import ModelConfig
-from blockspec.engine.kv_cache import AttnMeta, KVCache
+from blockspec.engine.kv_cache import AttnMeta, KVCache, PageTable
 from blockspec.models.layers import (GatedMLP, RMSNorm, Rotary, add_rms_norm, additive_mask, attention, dense, few_rows,
                                      qk_norm_rope, stream)
 from blockspec.models.triton_attention import block_attention
@@ -62,9 +62,11 @@ class Attention(nn.Module):
             qw = self.q_norm.weight if self.q_norm is not None else None
             kw = self.k_norm.weight if self.k_norm is not None else None
             q = qkv_rope_store(dense(x, self.qkv_proj, norm=norm), self.heads, self.kv_heads, self.head_dim, qw, kw,
-                               self.eps, cos, sin, cache.k[layer], cache.v[layer], meta.slots, meta.write_pos)
+                               self.eps, cos, sin, cache.k[layer], cache.v[layer], cache.table, meta.slots,
+                               meta.write_pos)
             lo, hi = meta.bounds[self.layer_type]
-            out = block_attention(q, cache.k[layer], cache.v[layer], meta.slots, lo, hi, self.scale, meta.kv_len)
+            out = block_attention(q, cache.k[layer], cache.v[layer], cache.table, meta.slots, lo, hi, self.scale,
+                                  meta.kv_len)
             return dense(out.view(r, n, self.q_size), self.o_proj, residual=residual, next_norm=next_norm)
         q, k, v = self.project(x, cos, sin)
         if cache is not None:
@@ -123,17 +125,22 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
         self.attention_backend = "sdpa"  # the engine sets "triton" on GPUs (see triton_attention)
 
-    def new_cache(self, max_slots: int, max_len: int, device: torch.device | str | None = None) -> KVCache:
+    def new_cache(self, table: PageTable | int, max_len: int, device: torch.device | str | None = None) -> KVCache:
+        """This model's K/V pools over `table`'s pages, `max_len` positions a slot; an int `table` is a
+        number of slots that hold all their pages (`PageTable.full`)."""
         w = self.embed_tokens.weight
-        return KVCache(*self._cache_dims(max_slots, max_len), w.dtype, device or w.device)
+        device = device or w.device
+        if isinstance(table, int):
+            table = PageTable.full(table, max_len, device)
+        return KVCache(*self._cache_dims(), max_len, w.dtype, device, table)
 
-    def cache_bytes(self, max_slots: int, max_len: int) -> int:
-        """What `new_cache` would allocate, in bytes."""
-        return KVCache.planned_bytes(*self._cache_dims(max_slots, max_len), self.embed_tokens.weight.dtype)
+    def page_bytes(self, page_size: int) -> int:
+        """Bytes one page of this model's cache takes (every layer's K and V)."""
+        return KVCache.page_bytes(*self._cache_dims(), page_size, self.embed_tokens.weight.dtype)
 
-    def _cache_dims(self, max_slots: int, max_len: int) -> tuple[int, int, int, int, int]:
+    def _cache_dims(self) -> tuple[int, int, int]:
         kv_heads = self.layers[0].self_attn.kv_heads  # local count under tensor parallelism
-        return self.config.num_hidden_layers, max_slots, kv_heads, self.config.head_dim, max_len
+        return self.config.num_hidden_layers, kv_heads, self.config.head_dim
 
     def embed(self, input_ids: Tensor) -> Tensor:
         return self.embed_tokens(input_ids)

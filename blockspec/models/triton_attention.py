@@ -1,7 +1,7 @@
-"""Attention of a block of query rows over a slot of the KV cache, as one Triton kernel.
+"""Attention of a block of query rows over a slot of the paged KV cache, as one Triton kernel.
 
 Every engine attention is "query rows of request r attend to keys lo[r, i]..hi[r, i] of cache slot
-slots[r]": decode and verify (hi = the row's own position), the drafter's non-causal block (hi =
+slots[r]" (its pages found through the page table): decode and verify (hi = the row's own position), the drafter's non-causal block (hi =
 the block's last position) and sliding windows (lo > 0). The kernel reads keys in place from the
 cache, so nothing is gathered, repeated per query head or masked with a materialised tensor; the
 query heads that share a KV head are processed together, so each key is loaded once per step.
@@ -54,16 +54,16 @@ if triton is not None:
     # for 1, for multiples of 16 and for the rest): a new prompt length never compiles mid-request.
     @triton.jit(do_not_specialize=["stride_br", "num_queries"])
     def _block_attention(
-        Q, K, V, Slots, Lo, Hi, Out, PartAcc, PartMax, PartSum, Counters,
+        Q, K, V, Table, Slots, Lo, Hi, Out, PartAcc, PartMax, PartSum, Counters,
         stride_qr, stride_qq, stride_qh,
-        stride_ks, stride_kh, stride_kl,
-        stride_vs, stride_vh, stride_vl,
-        stride_br,
+        stride_kp, stride_kh, stride_kl,
+        stride_vp, stride_vh, stride_vl,
+        stride_t, stride_br,
         stride_or, stride_oq, stride_oh,
         num_queries, scale_log2,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, MAX_USED: tl.constexpr,
-        MERGE_UNROLL: tl.constexpr, IEEE: tl.constexpr,
+        MERGE_UNROLL: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr,
     ):
         """One program: BLOCK_M (query row, head-in-group) pairs of one (request, KV head), over one
         split of the key tiles those rows read. Online softmax in fp32 (base 2)."""
@@ -93,15 +93,22 @@ if triton is not None:
         per = tl.maximum(tl.maximum(tl.cdiv(tiles, n_splits), tl.cdiv(tiles, MAX_USED)), MIN_TILES)
         first = (first_tile + pid_s * per) * BLOCK_N
         end = tl.minimum(first + per * BLOCK_N, last)
-        k_base = K + slot.to(tl.int64) * stride_ks + kvh * stride_kh
-        v_base = V + slot.to(tl.int64) * stride_vs + kvh * stride_vh
+        pages = Table + slot.to(tl.int64) * stride_t  # the slot's page of each PAGE positions
+        k_base = K + kvh * stride_kh
+        v_base = V + kvh * stride_vh
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for start in range(first, end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < end
-            k = tl.load(k_base + n[:, None] * stride_kl + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            if PAGE % BLOCK_N == 0:  # tiles start at multiples of BLOCK_N: a tile lies in one page
+                page = tl.load(pages + start // PAGE).to(tl.int64)
+            else:
+                page = tl.load(pages + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            at = n % PAGE
+            k = tl.load(k_base + (page * stride_kp + at * stride_kl)[:, None] + d[None, :],
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             if IEEE:  # fp32 models: exact fp32 products, not TF32
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
             else:
@@ -113,7 +120,8 @@ if triton is not None:
             alpha = tl.exp2(m_i - base)
             p = tl.exp2(s - base[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + n[:, None] * stride_vl + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_base + (page * stride_vp + at * stride_vl)[:, None] + d[None, :],
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -192,11 +200,12 @@ class AttentionTiles:
 TILES = AttentionTiles()
 
 
-def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lo: Tensor, hi: Tensor,
-                    scale: float, max_keys: int, tiles: AttentionTiles | None = None) -> Tensor:
-    """q [R, Q, Hq, hd] (any strides with unit last stride); k/v_cache [S, Hkv, L, hd]; slots [R];
-    lo/hi [R, Q]: the first and last key position each query row attends to (inclusive; every key
-    index < max_keys <= L). Returns [R, Q, Hq, hd] in q's dtype.
+def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, slots: Tensor, lo: Tensor,
+                    hi: Tensor, scale: float, max_keys: int, tiles: AttentionTiles | None = None) -> Tensor:
+    """q [R, Q, Hq, hd] (any strides with unit last stride); k/v_cache [pages, Hkv, page_size, hd];
+    table [S, columns] int32: the page holding each page_size positions of a slot (see
+    `PageTable`); slots [R]; lo/hi [R, Q]: the first and last key position each query row attends to
+    (inclusive; every key index < max_keys). Returns [R, Q, Hq, hd] in q's dtype.
 
     Shapes and `max_keys` fix the launch grid, so the call is CUDA-graph capturable."""
     t = tiles or TILES
@@ -223,18 +232,18 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, 
     counters = split_counters(r * hkv * m_blocks, q.device)
     consts = dict(KV_HEADS=hkv, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d)
     _block_attention[(r * hkv, m_blocks, splits)](
-        q, k_cache, v_cache, slots, lo, hi, out, part_acc, part_max, part_sum, counters,
+        q, k_cache, v_cache, table, slots, lo, hi, out, part_acc, part_max, part_sum, counters,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        lo.stride(0),
+        table.stride(0), lo.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         nq, scale * math.log2(math.e),
         # decode blocks: no floor and no cap (splits <= target_programs), and fixed constants, so a
         # new split count never compiles a variant
         BLOCK_M=block_m, BLOCK_N=t.block_n, MIN_TILES=1 if block_m == 16 else t.min_tiles_wide,
         MAX_USED=t.target_programs if block_m == 16 else t.max_used_wide,
-        MERGE_UNROLL=t.merge_unroll, IEEE=q.dtype == torch.float32,
+        MERGE_UNROLL=t.merge_unroll, IEEE=q.dtype == torch.float32, PAGE=k_cache.shape[2],
         num_warps=t.num_warps, **consts,
     )
     return out

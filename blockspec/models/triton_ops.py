@@ -56,12 +56,12 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["rows_per_req"])  # a new prompt length must not compile a variant
     def _qkv_rope_store(
-        QKV, QW, KW, Cos, Sin, Slots, WritePos, QOut, KCache, VCache,
+        QKV, QW, KW, Cos, Sin, Table, Slots, WritePos, QOut, KCache, VCache,
         stride_x, stride_cs, stride_qo, stride_qh,
-        stride_ks, stride_kh, stride_kl, stride_vs, stride_vh, stride_vl,
+        stride_kp, stride_kh, stride_kl, stride_vp, stride_vh, stride_vl, stride_t,
         rows_per_req, eps,
         Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr,
-        QK_NORM: tl.constexpr,
+        QK_NORM: tl.constexpr, PAGE: tl.constexpr,
     ):
         """One program per (row, head) of the fused projection [q heads | k heads | v heads]."""
         row = tl.program_id(0).to(tl.int64)
@@ -98,10 +98,12 @@ if triton is not None:
         else:
             slot = tl.load(Slots + row // rows_per_req).to(tl.int64)
             pos = tl.load(WritePos + row).to(tl.int64)
+            page = tl.load(Table + slot * stride_t + pos // PAGE).to(tl.int64)
+            at = pos % PAGE
             if is_v:
-                out = VCache + slot * stride_vs + (head - Q_HEADS - KV_HEADS) * stride_vh + pos * stride_vl
+                out = VCache + page * stride_vp + (head - Q_HEADS - KV_HEADS) * stride_vh + at * stride_vl
             else:
-                out = KCache + slot * stride_ks + (head - Q_HEADS) * stride_kh + pos * stride_kl
+                out = KCache + page * stride_kp + (head - Q_HEADS) * stride_kh + at * stride_kl
             tl.store(out + d, x1, mask=ok)
             tl.store(out + half + d, x2, mask=ok)
 
@@ -255,10 +257,10 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 
 def qkv_rope_store(qkv: Tensor, q_heads: int, kv_heads: int, head_dim: int, q_weight: Tensor | None,
                    k_weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                   slots: Tensor, write_pos: Tensor) -> Tensor:
+                   table: Tensor, slots: Tensor, write_pos: Tensor) -> Tensor:
     """qkv [R, Q, (q_heads + 2 kv_heads) * head_dim] -> q [R, Q, q_heads, head_dim] normed and rotated;
-    k (normed, rotated) and v are stored at (slots[r], head, write_pos[r, i]) of the caches
-    [S, kv_heads, L, head_dim]. cos/sin [R, Q, head_dim]. q_heads may be 0 (context K/V only); the
+    k (normed, rotated) and v are stored at (slots[r], head, write_pos[r, i]) of the paged caches
+    [pages, kv_heads, page_size, head_dim], the page found in `table` [S, columns] (see `PageTable`). cos/sin [R, Q, head_dim]. q_heads may be 0 (context K/V only); the
     q/k RMSNorm runs when k_weight is given (Qwen3), else only RoPE (Llama, Qwen2)."""
     r, nq, width = qkv.shape
     if width != (q_heads + 2 * kv_heads) * head_dim or qkv.stride(-1) != 1:
@@ -275,13 +277,13 @@ def qkv_rope_store(qkv: Tensor, q_heads: int, kv_heads: int, head_dim: int, q_we
         raise ValueError("qkv_rope_store: q/k-norm needs both weights (q_weight is None)")
     write_pos = write_pos.reshape(r * nq)
     _qkv_rope_store[(r * nq, q_heads + 2 * kv_heads)](
-        rows, q_weight if q_weight is not None else rows, k_weight if qk_norm else rows, cos, sin, slots, write_pos, q,
-        k_cache, v_cache,
+        rows, q_weight if q_weight is not None else rows, k_weight if qk_norm else rows, cos, sin, table, slots,
+        write_pos, q, k_cache, v_cache,
         rows.stride(0), cos.stride(0), q_heads * head_dim, head_dim,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), nq, eps,
+        v_cache.stride(2), table.stride(0), nq, eps,
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF_BLOCK=triton.next_power_of_2(head_dim // 2),
-        QK_NORM=qk_norm, num_warps=1,
+        QK_NORM=qk_norm, PAGE=k_cache.shape[2], num_warps=1,
     )
     return q
 

@@ -16,6 +16,7 @@ run the same engine steps in lockstep, and rank 0 sends the result back.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import pickle
@@ -24,7 +25,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -36,7 +37,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from blockspec.config import ConfigError, ModelConfig, SpeculativeConfig
+from blockspec.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
 from blockspec.llm import LLM
 from blockspec.models.layers import GatedMLP
@@ -203,8 +204,17 @@ class RankLLM(LLM):
         self.control = control  # a CPU (gloo) group for host messages: commands, policy decisions
         super().__init__(model, **kwargs)
 
-    def _make_engine(self, *args: Any) -> Engine:
-        engine = super()._make_engine(*args)
+    def _make_engine(self, config: EngineConfig, spec: SpeculativeConfig | None, drafter: Any,
+                     eos: Iterable[int]) -> Engine:
+        if config.num_kv_pages is None:
+            # every rank must hold the same pages, or their preemptions (and so their steps) would part:
+            # the fewest any rank's memory allows
+            mine = Engine.plan_pages(self.model, drafter if spec is not None else None, config,
+                                     Engine.cache_extent(config, spec, drafter)[1])
+            least = torch.tensor([mine], dtype=torch.int64)
+            dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.control)
+            config = dataclasses.replace(config, num_kv_pages=int(least))
+        engine = super()._make_engine(config, spec, drafter, eos)
         if engine.proposer is not None and engine.policy.adaptive:  # a fixed K needs no agreement
             engine.agree = rank0_decides(self.control)
         return engine

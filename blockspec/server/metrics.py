@@ -35,14 +35,15 @@ class EngineGauges:
     num_generated: int
     spec: SpecStats
     policy: PolicyView | None = None  # the draft-length policy's view, when this report carries it
+    num_preemptions: int = 0
 
     @classmethod
     def of(cls, engine: Engine) -> EngineGauges:
-        cache = engine.runner.cache
+        pages = engine.pages
         spec = SpecStats()
         spec.merge(engine.spec_totals)
-        return cls(len(engine.running), len(engine.waiting), 1 - cache.num_free_slots / cache.max_slots,
-                   engine.num_generated, spec)
+        return cls(len(engine.running), len(engine.waiting), 1 - pages.num_free_pages / pages.num_pages,
+                   engine.num_generated, spec, num_preemptions=engine.num_preemptions)
 
 
 @dataclass
@@ -83,8 +84,9 @@ class ServerMetrics:
             return Histogram(f"blockspec:{name}", doc, lbl, buckets=buckets, registry=r)
 
         self.running = gauge("num_requests_running", "Requests holding a KV slot (prefilling or decoding).")
-        self.waiting = gauge("num_requests_waiting", "Requests queued for a free KV slot.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache slots in use (1 = full).")
+        self.waiting = gauge("num_requests_waiting", "Requests queued for a slot and KV pages (preempted ones too).")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache pages in use (1 = full).")
+        self.preemptions = counter("num_preemptions", "Requests preempted for KV pages (recomputed later).")
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("generation_tokens", "Generated (committed) tokens.")
         self.request_success = counter("request_success", "Finished requests by finish reason.", ("finished_reason",))
@@ -111,11 +113,13 @@ class ServerMetrics:
         self.tpot = histogram("time_per_output_token_seconds",
                               "Mean time per output token after the first, per request.", TPOT_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "From arrival to finish.", E2E_BUCKETS)
-        for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
+        for metric in (self.running, self.waiting, self.kv_usage, self.preemptions, self.prompt_tokens,
+                       self.generation_tokens,
                        self.drafts, self.draft_tokens, self.accepted, self.ttft, self.tpot, self.e2e):
             metric.labels(model_name)  # export every series from the start, at zero
         self._seen_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
         self._seen_generated = 0
+        self._seen_preemptions = 0
         self._seen_chosen: dict[int, int] = {}
         self._seen_parked: tuple[set[int], int] = (set(), 0)  # buckets parked, requests that joined them
 
@@ -128,6 +132,8 @@ class ServerMetrics:
         self.kv_usage.labels(name).set(s.kv_usage)
         self.generation_tokens.labels(name).inc(s.num_generated - self._seen_generated)
         self._seen_generated = s.num_generated
+        self.preemptions.labels(name).inc(s.num_preemptions - self._seen_preemptions)
+        self._seen_preemptions = s.num_preemptions
         drafts, draft_tokens, accepted, per_pos = self._seen_spec
         spec = s.spec
         self.drafts.labels(name).inc(spec.num_drafts - drafts)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockspec.config import ConfigError, ModelConfig, RopeConfig, rope_from_hf
-from blockspec.engine.kv_cache import AttnMeta, KVCache, range_mask
+from blockspec.engine.kv_cache import AttnMeta, KVCache, PageTable, range_mask
 from blockspec.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attention, dense
 from blockspec.models.triton_attention import block_attention
 from blockspec.models.triton_ops import qkv_rope_store
@@ -301,7 +301,8 @@ class DraftAttention(nn.Module):
                          meta: AttnMeta) -> None:
         """Kernel path of `context_kv` + `cache.write`: project, norm, rotate and store in one kernel."""
         qkv_rope_store(self._context_kv_proj(ctx), 0, self.kv_heads, self.head_dim, None, self.k_norm.weight,
-                       self.k_norm.eps, cos, sin, cache.k[layer], cache.v[layer], meta.slots, meta.write_pos)
+                       self.k_norm.eps, cos, sin, cache.k[layer], cache.v[layer], cache.table, meta.slots,
+                       meta.write_pos)
 
     def _context_kv_proj(self, ctx: Tensor) -> Tensor:
         """[k | v] of the context rows: the k and v slices of the fused projection."""
@@ -327,9 +328,10 @@ class DraftAttention(nn.Module):
         cache, meta = block.cache, block.meta
         q = qkv_rope_store(dense(x, self.qkv_proj, norm=norm), self.heads, self.kv_heads, self.head_dim,
                            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, cache.k[layer],
-                           cache.v[layer], meta.slots, meta.write_pos)
+                           cache.v[layer], cache.table, meta.slots, meta.write_pos)
         lo, hi = block.bounds[layer]
-        out = block_attention(q, cache.k[layer], cache.v[layer], meta.slots, lo, hi, self.scale, meta.kv_len)
+        out = block_attention(q, cache.k[layer], cache.v[layer], cache.table, meta.slots, lo, hi, self.scale,
+                              meta.kv_len)
         return dense(out.view(r, n, self.q_size), self.o_proj, residual=residual)
 
     def _block_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -434,17 +436,23 @@ class DraftModel(nn.Module):
             self.rotary = Rotary(self.config.rope, self.config.head_dim, max(2 * max_pos, 64)).to(self.device)
         return self.rotary.cos[positions].to(self.dtype), self.rotary.sin[positions].to(self.dtype)
 
-    def new_cache(self, max_slots: int, max_len: int, device: torch.device | str | None = None,
+    def new_cache(self, table: PageTable | int, max_len: int, device: torch.device | str | None = None,
                   dtype: torch.dtype | None = None) -> KVCache:
-        return KVCache(*self._cache_dims(max_slots, max_len), dtype or self.dtype, device or self.device)
+        """The drafter's K/V pools over `table`'s pages (the target's: one page id names the same
+        positions in both), `max_len` positions a slot; an int `table` is a number of slots that hold
+        all their pages (`PageTable.full`)."""
+        device = device or self.device
+        if isinstance(table, int):
+            table = PageTable.full(table, max_len, device)
+        return KVCache(*self._cache_dims(), max_len, dtype or self.dtype, device, table)
 
-    def cache_bytes(self, max_slots: int, max_len: int, dtype: torch.dtype | None = None) -> int:
-        """What `new_cache` would allocate, in bytes."""
-        return KVCache.planned_bytes(*self._cache_dims(max_slots, max_len), dtype or self.dtype)
+    def page_bytes(self, page_size: int, dtype: torch.dtype | None = None) -> int:
+        """Bytes one page of the drafter's cache takes (every layer's K and V)."""
+        return KVCache.page_bytes(*self._cache_dims(), page_size, dtype or self.dtype)
 
-    def _cache_dims(self, max_slots: int, max_len: int) -> tuple[int, int, int, int, int]:
+    def _cache_dims(self) -> tuple[int, int, int]:
         c = self.config
-        return c.num_layers, max_slots, c.num_kv_heads, c.head_dim, max_len
+        return c.num_layers, c.num_kv_heads, c.head_dim
 
     # ------------------------------------------------------------------ checks
     def check_target(self, target_cfg: ModelConfig) -> None:
@@ -591,12 +599,10 @@ class DraftModel(nn.Module):
         if kv_len > cache.max_len:
             raise ValueError(f"block_hidden: context length {kv_len} beyond the cache ({cache.max_len})")
         ctx_t = to_device(ctx_lens, torch.int64, dev)
-        if r == 1:  # one request reads its slot as a view instead of a gather
-            return self.block_hidden_tensors(cache, slice(slots[0], slots[0] + 1), ctx_t, anchor_ids, kv_len, embed)
         slot_t = to_device(slots, torch.int64, dev)
         return self.block_hidden_tensors(cache, slot_t, ctx_t, anchor_ids, kv_len, embed)
 
-    def block_hidden_tensors(self, cache: KVCache, slots: Tensor | slice, ctx_lens: Tensor, anchor_ids: Tensor,
+    def block_hidden_tensors(self, cache: KVCache, slots: Tensor, ctx_lens: Tensor, anchor_ids: Tensor,
                              kv_len: int, embed: Callable[[Tensor], Tensor] | None = None) -> Tensor:
         """Device-only body of `block_hidden` (CUDA-graph capturable); kv_len >= every ctx_lens[r]."""
         r, b, dev = anchor_ids.shape[0], self.block_size, anchor_ids.device
@@ -606,17 +612,14 @@ class DraftModel(nn.Module):
         positions = ctx_lens[:, None] + torch.arange(b, device=dev)[None, :]
         cos, sin = self._rope(positions, kv_len + b)
         if self.attention_backend == "triton":
-            slot_t = slots if isinstance(slots, Tensor) else torch.arange(slots.start, slots.stop, device=dev)
-            meta = AttnMeta(slot_t, positions, positions, kv_len + b, {})
+            meta = AttnMeta(slots, positions, positions, kv_len + b, {})
             block = CachedBlock(cache, meta, self._block_bounds(ctx_lens, positions))
             for i, layer in enumerate(self.layers):
                 x = layer.forward_cached(x, cos, sin, block, i)
             return self.norm(x)
         masks = self._block_masks(ctx_lens, positions, kv_len)
         for i, layer in enumerate(self.layers):
-            ck = cache.k[i][slots, :, :kv_len]
-            cv = cache.v[i][slots, :, :kv_len]
-            x = layer(x, cos, sin, ck, cv, masks[i])
+            x = layer(x, cos, sin, *cache.gather(i, slots, kv_len), masks[i])
         return self.norm(x)
 
     def slot_hidden(self, hidden: Tensor, k: int | None = None) -> Tensor:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from blockspec.config import ConfigError, SpeculativeConfig
+from blockspec.engine.kv_cache import PageTable
 from blockspec.engine.request import Request
 from blockspec.models.llama import CausalLM
 from blockspec.spec.draft_graph import DraftGraphs
@@ -74,7 +75,8 @@ class DraftLaunch:
 
 
 class Proposer:
-    def __init__(self, drafter: Any, target: CausalLM, cfg: SpeculativeConfig, max_slots: int, max_len: int) -> None:
+    def __init__(self, drafter: Any, target: CausalLM, cfg: SpeculativeConfig, max_slots: int, max_len: int,
+                 pages: PageTable | None = None) -> None:
         drafter.check_target(target.config)
         drafter.bind_target(target)
         self.drafter = drafter
@@ -95,7 +97,9 @@ class Proposer:
                               f"with a confidence head; {type(drafter).__name__} has none")
         self.has_confidence = has_conf
         self.reset_stats()
-        self.cache = drafter.new_cache(max_slots, max_len + drafter.block_size + 1, weight.device, weight.dtype)
+        # the target's page table (one page id, the same positions in both caches), or slots of their own
+        self.cache = drafter.new_cache(pages if pages is not None else max_slots, max_len + drafter.block_size + 1,
+                                       weight.device, weight.dtype)
         # target taps of tokens not in the draft cache yet, by slot (the scratch slot last), so a draft
         # or a flush reads them in one gather: at most a verify's K + 1 rows and one plain step's
         self.pending = torch.zeros(max_slots + 1, k + 2, drafter.fc.in_features, dtype=weight.dtype,

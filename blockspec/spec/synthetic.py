@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from blockspec.config import ConfigError, SpeculativeConfig
+from blockspec.engine.kv_cache import PageTable
 from blockspec.engine.request import Request
 from blockspec.models.llama import CausalLM
 from blockspec.spec.proposer import DraftBlock, Proposer
@@ -109,12 +110,12 @@ class SyntheticProposer(Proposer):
     """Proposer whose accepted counts are seeded draws from an AcceptanceProfile (benchmarks only)."""
 
     def __init__(self, drafter: Any, target: CausalLM, cfg: SpeculativeConfig, max_slots: int, max_len: int,
-                 profile: AcceptanceProfile | None = None, seed: int = 0) -> None:
+                 pages: PageTable | None = None, profile: AcceptanceProfile | None = None, seed: int = 0) -> None:
         if profile is None:
             raise ConfigError("SyntheticProposer replaces the target's acceptance with drawn counts (its outputs are "
                               "not the target's); it runs only with an explicit acceptance profile "
                               "(blockspec bench --synthetic-acceptance PROFILE)")
-        super().__init__(drafter, target, cfg, max_slots, max_len)
+        super().__init__(drafter, target, cfg, max_slots, max_len, pages)
         self.profile = profile
         self.rates = profile.rates(self.num_speculative_tokens)
         device = target.embed_tokens.weight.device
