@@ -203,7 +203,7 @@ def ratios(cells: list[Cell]) -> list[dict[str, Any]]:
 def markdown(cells: list[Cell], title: str) -> str:
     rounds = len({c.round for c in cells})
     head = ("| clients | T | spec | completed | errors | out tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms "
-            "| accept len | draft steps | steps by K | preempted | = twin |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| accept len | draft steps | steps by K | preempted | = twin |\n" + "|---" * 13 + "|\n")
 
     def trio(d: dict[str, float]) -> str:
         return " / ".join(f"{d[k]:.1f}" for k in ("p50", "p90", "p99")) if d else "-"

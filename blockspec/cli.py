@@ -33,7 +33,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-page-size", type=int, default=64, help="positions a KV cache page holds")
     g.add_argument("--num-kv-pages", type=int, default=None,
                    help="KV pages to allocate (default: what --gpu-memory-utilization leaves on CUDA, enough for "
-                        "max-num-seqs x max-model-len on the CPU); requests that run short are preempted and recomputed")
+                        "max-num-seqs x max-model-len on the CPU); requests that run short are preempted and "
+                        "recomputed")
     g.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                    help="launch each greedy step before the previous one is committed (auto: on for CUDA)")
     s = p.add_argument_group("speculative decoding")

@@ -1,8 +1,9 @@
 """Attention of a block of query rows over a slot of the paged KV cache, as one Triton kernel.
 
 Every engine attention is "query rows of request r attend to keys lo[r, i]..hi[r, i] of cache slot
-slots[r]" (its pages found through the page table): decode and verify (hi = the row's own position), the drafter's non-causal block (hi =
-the block's last position) and sliding windows (lo > 0). The kernel reads keys in place from the
+slots[r]" (its pages found through the page table): decode and verify (hi = the row's own
+position), the drafter's non-causal block (hi = the block's last position) and sliding windows
+(lo > 0). The kernel reads keys in place from the
 cache, so nothing is gathered, repeated per query head or masked with a materialised tensor; the
 query heads that share a KV head are processed together, so each key is loaded once per step.
 When a batch has too few (request, KV head) pairs to fill the GPU (batch-1 decode), the key range

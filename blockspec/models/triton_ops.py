@@ -260,8 +260,9 @@ def qkv_rope_store(qkv: Tensor, q_heads: int, kv_heads: int, head_dim: int, q_we
                    table: Tensor, slots: Tensor, write_pos: Tensor) -> Tensor:
     """qkv [R, Q, (q_heads + 2 kv_heads) * head_dim] -> q [R, Q, q_heads, head_dim] normed and rotated;
     k (normed, rotated) and v are stored at (slots[r], head, write_pos[r, i]) of the paged caches
-    [pages, kv_heads, page_size, head_dim], the page found in `table` [S, columns] (see `PageTable`). cos/sin [R, Q, head_dim]. q_heads may be 0 (context K/V only); the
-    q/k RMSNorm runs when k_weight is given (Qwen3), else only RoPE (Llama, Qwen2)."""
+    [pages, kv_heads, page_size, head_dim], the page found in `table` [S, columns] (see `PageTable`).
+    cos/sin [R, Q, head_dim]. q_heads may be 0 (context K/V only); the q/k RMSNorm runs when
+    k_weight is given (Qwen3), else only RoPE (Llama, Qwen2)."""
     r, nq, width = qkv.shape
     if width != (q_heads + 2 * kv_heads) * head_dim or qkv.stride(-1) != 1:
         raise ValueError(f"qkv_rope_store: qkv {tuple(qkv.shape)} is not [R, Q, ({q_heads} + 2 x {kv_heads}) x "
