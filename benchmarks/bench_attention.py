@@ -12,8 +12,9 @@ latency, not bandwidth, bounds the kernel, so the floor says how far there is to
 
     python benchmarks/bench_attention.py --out attention.json [--baseline old_triton_attention.py]
 
-`--baseline` times the kernel module from before paging (`git show REV:blockspec/models/
-triton_attention.py`, slots and no page table) on the one-page-a-slot caches.
+`--baseline` times other versions of the kernel module (`git show REV:blockspec/models/
+triton_attention.py`): a paged one on the same pages, one from before paging (slots, no page
+table) on the one-page-a-slot caches.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import inspect
 import json
 import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
@@ -66,12 +69,13 @@ def run(args: argparse.Namespace) -> dict:
     bandwidth = copy_bandwidth()
     kernels: dict[str, Callable[..., torch.Tensor]] = {
         name: functools.partial(block_attention, tiles=VARIANTS[name]) for name in args.variants}
-    baseline = None
-    if args.baseline:
-        spec = importlib.util.spec_from_file_location("baseline_attention", args.baseline)
-        baseline = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = baseline  # its dataclasses look their module up while it loads
-        spec.loader.exec_module(baseline)
+    baselines = {}
+    for i, path in enumerate(args.baseline or []):
+        spec = importlib.util.spec_from_file_location(f"baseline_attention_{i}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
+        spec.loader.exec_module(module)
+        baselines[Path(path).stem] = module.block_attention
     results = []
     for batch in args.batches:
         for context in args.contexts:
@@ -101,11 +105,13 @@ def run(args: argparse.Namespace) -> dict:
                             cases[f"{name}, {layout}"] = [
                                 functools.partial(kernel, q, k, v, table, slots, lo, hi, HEAD_DIM**-0.5, keys - 1)
                                 for k, table, v in pools]
-                    if baseline is not None:  # the slot kernel before paging, on the same one-page-a-slot pools
-                        cases["baseline"] = [functools.partial(baseline.block_attention, q, k, v,
-                                                               table.view(-1).long(), lo, hi,
-                                                               HEAD_DIM**-0.5, keys - 1)
-                                             for k, table, v in slot_layout]
+                    for name, kernel in baselines.items():
+                        if "table" in inspect.signature(kernel).parameters:  # a paged kernel: on the same pages
+                            cases[name] = [functools.partial(kernel, q, k, v, table, slots, lo, hi, HEAD_DIM**-0.5,
+                                                             keys - 1) for k, table, v in paged]
+                        else:  # the slot kernel before paging, on the one-page-a-slot pools
+                            cases[name] = [functools.partial(kernel, q, k, v, table.view(-1).long(), lo, hi,
+                                                             HEAD_DIM**-0.5, keys - 1) for k, table, v in slot_layout]
                     for name, calls in cases.items():
                         times = graph_seconds(calls, args.replays)
                         row["times"][name] = {"us": statistics.median(times) * 1e6, "spread": max(times) / min(times)}
@@ -140,8 +146,8 @@ def main() -> None:
                     help="cache length the graph launches over (0: context + block)")
     ap.add_argument("--kinds", nargs="+", default=["decode", "verify", "draft"], choices=["decode", "verify", "draft"])
     ap.add_argument("--replays", type=int, default=30)
-    ap.add_argument("--baseline", help="a triton_attention.py from before paging (slots, no page table) to time "
-                                       "beside this one")
+    ap.add_argument("--baseline", nargs="+", help="other triton_attention.py files to time beside this one (named "
+                                                  "by file; one from before paging runs on one page a slot)")
     ap.add_argument("--page-size", type=int, default=16, help="positions a KV page holds")
     ap.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS),
                     help="launch shapes to time")

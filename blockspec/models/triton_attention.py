@@ -51,6 +51,17 @@ def resolve_backend(requested: str, device: torch.device) -> str:
 
 if triton is not None:
 
+    @triton.jit
+    def _tile_pages(pages, start, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The page of the key tile at `start` (tiles start at multiples of BLOCK_N, so a tile lies in
+        one page when PAGE is a multiple of BLOCK_N: one load), else the page of each of its keys."""
+        if PAGE % BLOCK_N == 0:
+            page = tl.load(pages + start // PAGE, mask=start < end, other=0).to(tl.int64)
+        else:
+            n = start + tl.arange(0, BLOCK_N)
+            page = tl.load(pages + n // PAGE, mask=n < end, other=0).to(tl.int64)
+        return page
+
     # Arguments that follow a request's shape are not specialised on (Triton would compile a variant
     # for 1, for multiples of 16 and for the rest): a new prompt length never compiles mid-request.
     @triton.jit(do_not_specialize=["stride_br", "num_queries"])
@@ -100,15 +111,15 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        page = _tile_pages(pages, first, end, PAGE, BLOCK_N)
         for start in range(first, end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < end
-            if PAGE % BLOCK_N == 0:  # tiles start at multiples of BLOCK_N: a tile lies in one page
-                page = tl.load(pages + start // PAGE).to(tl.int64)
-            else:
-                page = tl.load(pages + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            # the next tile's pages are loaded a tile ahead, so its keys need not wait for them
+            tile_page = page
+            page = _tile_pages(pages, start + BLOCK_N, end, PAGE, BLOCK_N)
             at = n % PAGE
-            k = tl.load(k_base + (page * stride_kp + at * stride_kl)[:, None] + d[None, :],
+            k = tl.load(k_base + (tile_page * stride_kp + at * stride_kl)[:, None] + d[None, :],
                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             if IEEE:  # fp32 models: exact fp32 products, not TF32
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
@@ -121,7 +132,7 @@ if triton is not None:
             alpha = tl.exp2(m_i - base)
             p = tl.exp2(s - base[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + (page * stride_vp + at * stride_vl)[:, None] + d[None, :],
+            v = tl.load(v_base + (tile_page * stride_vp + at * stride_vl)[:, None] + d[None, :],
                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
