@@ -511,9 +511,19 @@ class Engine:
         Returns whether any request was preempted."""
         preempted = False
         for req in list(self.running):
-            while req.status is Status.RUNNING and not self.pages.reserve(req.slot, self._pages_wanted(req)):
-                self._preempt(self.running[-1])
+            if req.status is not Status.RUNNING:  # preempted for an older one
+                continue
+            wanted = self._pages_wanted(req)
+            if wanted <= req.kv_capacity:  # most steps: nothing to do (a page holds several steps)
+                continue
+            while not self.pages.reserve(req.slot, wanted):
+                victim = self.running[-1]
+                self._preempt(victim)
                 preempted = True
+                if victim is req:
+                    break
+            else:
+                req.kv_capacity = self.pages.held(req.slot) * self.pages.page_size
         return preempted
 
     def _preempt(self, req: Request) -> None:
@@ -526,7 +536,7 @@ class Engine:
         self.pages.release(req.slot)
         req.status = Status.WAITING
         req.slot = -1
-        req.num_cached = req.num_draft_ctx = req.num_pending = 0
+        req.num_cached = req.num_draft_ctx = req.num_pending = req.kv_capacity = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -545,6 +555,7 @@ class Engine:
                 self.pages.release(slot)
                 break
             self.pages.reserve(slot, need)
+            req.kv_capacity = self.pages.held(slot) * self.pages.page_size
             self.waiting.popleft()
             req.slot = slot
             req.status = Status.RUNNING

@@ -160,6 +160,7 @@ class Request:
     num_cached: int = 0  # target KV length (tokens whose K/V are in the cache)
     num_draft_ctx: int = 0  # drafter context length (tokens whose features are in the draft cache)
     num_pending: int = 0  # target taps held in the proposer's device buffer, not in the draft cache yet
+    kv_capacity: int = 0  # positions the KV pages of its slot hold
     feeds_drafter: bool = False  # set at admission: the drafter gets its context and it may draft
     output_counts: Tensor | None = None  # [V] int32 history for penalties (device)
     prompt_mask: Tensor | None = None  # [V] bool tokens of the prompt (device)
