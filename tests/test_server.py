@@ -477,6 +477,29 @@ def test_concurrent_requests_are_batched_and_exact(spec_server, plain_ref, tempe
     assert max(batch_sizes) >= 4  # the requests really ran together
 
 
+def test_requests_preempted_for_pages_stream_what_generate_gives(target_dir, plain_ref):
+    """A server whose KV pool holds about one request of max_model_len, and eight concurrent requests
+    that grow long (half streamed): requests are preempted and recomputed while their clients wait,
+    and every client gets exactly LLM.generate's tokens, none repeated or lost; /metrics counts the
+    preemptions and shows the pool's use."""
+    spec = {"method": "dflash", "model": str(FIXTURES / "dflash"), "adaptive_draft_length": False}
+    load = functools.partial(LLM, str(target_dir), device="cpu", max_model_len=160, max_num_seqs=8,
+                             speculative_config=spec, num_kv_pages=14, kv_page_size=16)
+    server = served(load, "spec", "process").wait_ready()
+    try:
+        prompts = token_prompts(8, seed=31)
+        base = dict(temperature=0.8, max_tokens=110, seed=5)
+        results = asyncio.run(fire(server.url, [(p, base) for p in prompts]))
+        after = server.metrics()
+    finally:
+        server.close()
+    want = plain_ref.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**base, ignore_eos=True),
+                              use_tqdm=False)
+    assert [r["choices"][0]["token_ids"] for r in results] == [o.outputs[0].token_ids for o in want]
+    assert metric(after, "blockspec:num_preemptions_total") > 2
+    assert metric(after, "blockspec:kv_cache_usage_perc") == 0  # every page back once all finished
+
+
 def test_clients_leaving_mid_batch_leave_the_others_exact(spec_server, plain_ref):
     """Streams closed after their first chunk are aborted while the others run on: on the tensor-parallel
     server every rank must drop the same requests, or the ranks' batches (and collectives) part."""
