@@ -207,7 +207,7 @@ class Engine:
         size = config.kv_page_size
         dtype = model.embed_tokens.weight.dtype
         per_page = model.page_bytes(size) + (drafter.page_bytes(size, dtype) if drafter is not None else 0)
-        per_seq = table_len // size + 1
+        per_seq = PageTable.columns_for(table_len, size)
         most = config.max_num_seqs * per_seq
         if config.num_kv_pages is not None:
             return plan_pages(config.num_kv_pages, per_seq, per_page, config)

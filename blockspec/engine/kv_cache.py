@@ -44,7 +44,7 @@ class PageTable:
         self.num_pages = num_pages
         self.trash_page = num_pages
         self.scratch_slot = max_slots  # padded requests of captured batches: every entry is trash
-        self.columns = max_len // page_size + 1  # positions 0..max_len (max_len: the trash position)
+        self.columns = self.columns_for(max_len, page_size)
         self.table = torch.full((max_slots + 1, self.columns), num_pages, dtype=torch.int32, device=device)
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._free_pages = list(range(num_pages - 1, -1, -1))
@@ -57,13 +57,17 @@ class PageTable:
         """A table whose every slot holds pages for all its positions (a standalone cache: the models'
         tests, the trainer's scoring). Pages go to the slots in turn, so a slot's pages are never
         adjacent: whatever runs on it runs on scattered pages, as in the engine."""
-        columns = max_len // page_size + 1
-        table = cls(max_slots, max_len, page_size, max_slots * columns, device)
-        for col in range(columns):
+        table = cls(max_slots, max_len, page_size, max_slots * cls.columns_for(max_len, page_size), device)
+        for col in range(table.columns):
             for slot in range(max_slots):
                 table.reserve(slot, (col + 1) * page_size)
         table.sync()
         return table
+
+    @staticmethod
+    def columns_for(max_len: int, page_size: int) -> int:
+        """Pages a slot of `max_len` positions spans: positions 0..max_len (max_len: the trash position)."""
+        return max_len // page_size + 1
 
     @staticmethod
     def pages_for(tokens: int, page_size: int) -> int:
@@ -128,10 +132,13 @@ class PageTable:
 
 class KVCache:
     """One model's K/V pools over a shared `PageTable`; `max_len` is this cache's positions per slot
-    (the trash position), at most the table's."""
+    (the trash position), at most the table's. An int `table` is a number of slots that hold all their
+    pages (`PageTable.full`): a standalone cache."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device | str, table: PageTable) -> None:
+                 device: torch.device | str, table: PageTable | int) -> None:
+        if isinstance(table, int):
+            table = PageTable.full(table, max_len, device)
         if max_len > table.max_len:
             raise ValueError(f"a cache of {max_len} positions needs a page table of at least that many "
                              f"({table.max_len})")

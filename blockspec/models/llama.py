@@ -126,13 +126,9 @@ class CausalLM(nn.Module):
         self.attention_backend = "sdpa"  # the engine sets "triton" on GPUs (see triton_attention)
 
     def new_cache(self, table: PageTable | int, max_len: int, device: torch.device | str | None = None) -> KVCache:
-        """This model's K/V pools over `table`'s pages, `max_len` positions a slot; an int `table` is a
-        number of slots that hold all their pages (`PageTable.full`)."""
+        """This model's K/V pools over `table`'s pages, `max_len` positions a slot (see `KVCache`)."""
         w = self.embed_tokens.weight
-        device = device or w.device
-        if isinstance(table, int):
-            table = PageTable.full(table, max_len, device)
-        return KVCache(*self._cache_dims(), max_len, w.dtype, device, table)
+        return KVCache(*self._cache_dims(), max_len, w.dtype, device or w.device, table)
 
     def page_bytes(self, page_size: int) -> int:
         """Bytes one page of this model's cache takes (every layer's K and V)."""

@@ -439,12 +439,8 @@ class DraftModel(nn.Module):
     def new_cache(self, table: PageTable | int, max_len: int, device: torch.device | str | None = None,
                   dtype: torch.dtype | None = None) -> KVCache:
         """The drafter's K/V pools over `table`'s pages (the target's: one page id names the same
-        positions in both), `max_len` positions a slot; an int `table` is a number of slots that hold
-        all their pages (`PageTable.full`)."""
-        device = device or self.device
-        if isinstance(table, int):
-            table = PageTable.full(table, max_len, device)
-        return KVCache(*self._cache_dims(), max_len, dtype or self.dtype, device, table)
+        positions in both), `max_len` positions a slot (see `KVCache`)."""
+        return KVCache(*self._cache_dims(), max_len, dtype or self.dtype, device or self.device, table)
 
     def page_bytes(self, page_size: int, dtype: torch.dtype | None = None) -> int:
         """Bytes one page of the drafter's cache takes (every layer's K and V)."""
