@@ -132,3 +132,45 @@ def test_an_idle_tp_server_meets_its_ranks_every_heartbeat(qwen3, monkeypatch):
     ours.send(Stop())
     loop.join(10)
     assert not loop.is_alive() and isinstance(meets[-1][1][-1], Stop)
+
+
+def _rank_with_its_own_plan(rank: int, init_file: str, model: str, plans: list[int], out: str) -> None:
+    """A rank whose memory would allow `plans[rank]` pages: write the pages its engine holds."""
+    import torch.distributed as dist
+
+    from blockspec.engine.engine import Engine
+    from blockspec.parallel.tp import RankLLM
+
+    torch.set_num_threads(1)
+    plan = Engine.plan_pages  # a plan given (num_kv_pages) stands; one from memory differs by rank
+    Engine.plan_pages = staticmethod(lambda model, drafter, config, table_len: plans[rank]
+                                     if config.num_kv_pages is None else plan(model, drafter, config, table_len))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        llm = RankLLM(rank, 2, model, None, seed=0, speculative_config=SPEC, device="cpu")
+        Path(out, str(rank)).write_text(str(llm.engine.pages.num_pages))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_whose_memory_differs_hold_the_pages_the_least_allows(qwen3, tmp_path):
+    """Each rank plans its KV pages from its own free memory; if they kept their own plans, one rank
+    would preempt where the other does not and their steps would part. Every rank takes the fewest."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_with_its_own_plan, args=(str(tmp_path / "init"), str(qwen3), [40, 25], str(tmp_path)), nprocs=2)
+    assert [(tmp_path / str(rank)).read_text() for rank in (0, 1)] == ["25", "25"]
+
+
+def test_tp2_preempts_in_step_and_gives_one_process_tokens(qwen3):
+    """A pool too small for every request: the ranks preempt and resume the same requests at the same
+    steps (or their collectives would part), and give the tokens of one process with the same pool,
+    which are plain decoding's."""
+    pool = {"num_kv_pages": 9, "kv_page_size": 16, "max_model_len": 64}
+    want = tokens(LLM(qwen3, seed=0).generate(PROMPTS, HOT, use_tqdm=False))
+    ref = LLM(qwen3, seed=0, speculative_config=SPEC, **pool)
+    assert tokens(ref.generate(PROMPTS, HOT, use_tqdm=False)) == want
+    assert ref.get_metrics()["num_preemptions"] > 0
+    with TPLLM(qwen3, tensor_parallel_size=2, seed=0, speculative_config=SPEC, **pool) as tp:
+        assert tokens(tp.generate(PROMPTS, HOT, use_tqdm=False)) == want
+        assert tp.get_metrics()["num_preemptions"] == ref.get_metrics()["num_preemptions"]

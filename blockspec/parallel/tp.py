@@ -211,9 +211,7 @@ class RankLLM(LLM):
             # the fewest any rank's memory allows
             mine = Engine.plan_pages(self.model, drafter if spec is not None else None, config,
                                      Engine.cache_extent(config, spec, drafter)[1])
-            least = torch.tensor([mine], dtype=torch.int64)
-            dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.control)
-            config = dataclasses.replace(config, num_kv_pages=int(least))
+            config = dataclasses.replace(config, num_kv_pages=fewest(mine, self.control))
         engine = super()._make_engine(config, spec, drafter, eos)
         if engine.proposer is not None and engine.policy.adaptive:  # a fixed K needs no agreement
             engine.agree = rank0_decides(self.control)
@@ -227,6 +225,13 @@ class RankLLM(LLM):
         model, model_dir = load_target(model_dir, torch_dtype, "cpu", max_positions=max_positions)
         shard_model(model, self.rank, self.world_size)
         return model.to(device), model_dir
+
+
+def fewest(value: int, group: ProcessGroup | None) -> int:
+    """The least of every rank's `value`, on every rank (a host all-reduce)."""
+    least = torch.tensor([int(value)], dtype=torch.int64)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group)
+    return int(least)
 
 
 def rank0_decides(group: ProcessGroup) -> Callable[[int], int]:
