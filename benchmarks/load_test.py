@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import socket
@@ -187,16 +188,35 @@ def policy_steps(url: str) -> dict[str, int]:
     return out
 
 
+def geomean_interval(values: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
+    """The geometric mean of on / off ratios and its 95 % percentile-bootstrap interval over rounds:
+    the rounds of one setting spread by 15-20 % at a busy server, so a median of a few rounds cannot
+    tell a loss of a few per cent from noise, and this interval says whether the rounds can."""
+    logs = [math.log(v) for v in values]
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(resamples))
+    return (math.exp(statistics.fmean(logs)), math.exp(means[int(0.025 * resamples)]),
+            math.exp(means[int(0.975 * resamples) - 1]))
+
+
 def ratios(cells: list[Cell]) -> list[dict[str, Any]]:
-    """Per (clients, T): each round's on / off output tok/s and their median, the settings' medians."""
+    """Per (clients, T), then all cells pooled: each round's on / off output tok/s, their median, and
+    their geometric mean with its bootstrap interval; the settings' median tok/s."""
     out = []
+    pooled: list[float] = []
     for level, temp in dict.fromkeys((c.level, c.temperature) for c in cells):
         rounds = sorted({c.round for c in cells if (c.level, c.temperature) == (level, temp)})
         tok = {(c.round, c.speculation): c.tok_per_s for c in cells if (c.level, c.temperature) == (level, temp)}
         each = [tok[r, True] / tok[r, False] for r in rounds]
+        pooled += each
         out.append({"level": level, "temperature": temp, "on_tok_s": statistics.median(tok[r, True] for r in rounds),
                     "off_tok_s": statistics.median(tok[r, False] for r in rounds),
-                    "on_over_off": [round(x, 3) for x in each], "median_on_over_off": round(statistics.median(each), 3)})
+                    "on_over_off": [round(x, 3) for x in each], "median_on_over_off": round(statistics.median(each), 3),
+                    "geomean_on_over_off": [round(x, 3) for x in geomean_interval(each)]})
+    if len(out) > 1:
+        out.append({"level": "all", "temperature": "all", "on_tok_s": None, "off_tok_s": None,
+                    "on_over_off": [], "median_on_over_off": round(statistics.median(pooled), 3),
+                    "geomean_on_over_off": [round(x, 3) for x in geomean_interval(pooled)]})
     return out
 
 
@@ -214,10 +234,15 @@ def markdown(cells: list[Cell], title: str) -> str:
             f"{'-' if c.draft_step_share is None else f'{100 * c.draft_step_share:.0f} %'} | "
             f"{' '.join(f'{k}:{n}' for k, n in c.policy_steps.items() if n) or '-'} | {c.preemptions} | "
             f"{'-' if c.identical_to_twin is None else 'yes' if c.identical_to_twin else 'NO'} |" for c in cells]
-    summary = ["", "| clients | T | on tok/s (median) | off tok/s (median) | on / off by round | median on / off |",
-               "|---|---|---|---|---|---|"]
-    summary += [f"| {r['level']} | {r['temperature']} | {r['on_tok_s']:.1f} | {r['off_tok_s']:.1f} | "
-                f"{', '.join(f'{x:.2f}' for x in r['on_over_off'])} | {r['median_on_over_off']:.2f} |" for r in ratios(cells)]
+    def tok(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    summary = ["", "| clients | T | on tok/s (median) | off tok/s (median) | on / off by round | median on / off "
+               "| geometric mean [95 % bootstrap] |", "|---|---|---|---|---|---|---|"]
+
+    summary += [f"| {r['level']} | {r['temperature']} | {tok(r['on_tok_s'])} | {tok(r['off_tok_s'])} | "
+                f"{', '.join(f'{x:.2f}' for x in r['on_over_off']) or '(pooled)'} | {r['median_on_over_off']:.2f} | "
+                "{:.3f} [{:.3f}, {:.3f}] |".format(*r["geomean_on_over_off"]) for r in ratios(cells)]
     return f"### {title}\n\n{head}" + "\n".join(rows) + "\n" + "\n".join(summary) + "\n"
 
 
@@ -269,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="at least this many requests per client in a cell: at 64 clients, 64 requests are one "
                         "batch that starts and ends together, a cell a fraction of a second long")
     p.add_argument("--rounds", type=int, default=1,
-                   help="on / off runs per cell, alternating which goes first; the summary takes medians")
+                   help="on / off runs per cell, alternating which goes first; the summary takes medians and geometric "
+                        "means with a bootstrap interval")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[16, 64, 256],
                    help="mixed prompt lengths (tokens with --token-vocab, else characters)")

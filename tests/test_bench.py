@@ -4,7 +4,10 @@ and transformers agree with plain decoding token for token; synthetic acceptance
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -239,3 +242,40 @@ def test_kernel_benchmark_records_keep_every_run(monkeypatch, capsys):
     assert record["runs"] == [{"rows": 1, "us": 2.5}, {"rows": 2, "us": 3.5}]
     lines = capsys.readouterr().out.splitlines()
     assert [json.loads(line) for line in lines] == record["runs"]
+
+
+def _load_test_module():
+    """benchmarks/load_test.py, which is a script, not part of the package."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "load_test.py"
+    spec = importlib.util.spec_from_file_location("load_test", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_load_test_summary_gives_the_geometric_mean_and_a_bootstrap_interval():
+    """The load test's verdict on "speculation never below plain" is the geometric mean of the rounds'
+    on / off ratios and its bootstrap interval: exact for known rounds, bracketing the mean, a point
+    for identical rounds, below 1 for rounds that all lose, and pooled over cells."""
+    lt = _load_test_module()
+    mean, low, high = lt.geomean_interval([0.5, 2.0, 1.0, 1.0])
+    assert mean == pytest.approx(1.0) and low < 1.0 < high
+    assert lt.geomean_interval([0.9] * 6) == pytest.approx((0.9, 0.9, 0.9))
+    losing = [0.95, 0.97, 0.96, 0.94, 0.98, 0.96, 0.95, 0.97]
+    mean, low, high = lt.geomean_interval(losing)
+    assert mean == pytest.approx(math.exp(sum(map(math.log, losing)) / len(losing)))
+    assert min(losing) <= low < mean < high < 1.0
+    assert lt.geomean_interval(losing) == lt.geomean_interval(losing)  # seeded
+
+    def cell(level, temp, spec, rnd, tok_s):
+        return lt.Cell(level, temp, spec, 1, 0, 1, 1.0, tok_s, {}, {}, None, round=rnd)
+
+    cells = [cell(16, 0.0, True, 0, 90.0), cell(16, 0.0, False, 0, 100.0),
+             cell(16, 0.0, False, 1, 100.0), cell(16, 0.0, True, 1, 110.0),
+             cell(64, 0.0, True, 0, 200.0), cell(64, 0.0, False, 0, 250.0)]
+    rows = lt.ratios(cells)
+    assert [r["level"] for r in rows] == [16, 64, "all"]
+    assert rows[0]["on_over_off"] == [0.9, 1.1] and rows[1]["on_over_off"] == [0.8]
+    assert rows[2]["geomean_on_over_off"][0] == pytest.approx((0.9 * 1.1 * 0.8) ** (1 / 3), abs=1e-3)
+    assert "| all | all | - | - | (pooled) |" in lt.markdown(cells, "t")
