@@ -43,6 +43,11 @@ VARIANTS = {
     "wide used 16": AttentionTiles(max_used_wide=16),
     "wide used 33": AttentionTiles(max_used_wide=33, min_tiles_wide=1),
     "programs 132": AttentionTiles(target_programs=132),
+    "per-key from 2 splits": AttentionTiles(per_key_splits=2),
+    "per-key from 4 splits": AttentionTiles(per_key_splits=4),
+    "per-key from 8 splits": AttentionTiles(per_key_splits=8),
+    "per-key from 16 splits": AttentionTiles(per_key_splits=16),
+    "per-key never": AttentionTiles(per_key_splits=1 << 30),
 }
 CACHE_BUDGET = 48 << 30  # bytes of K/V caches one case may allocate
 

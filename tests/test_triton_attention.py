@@ -87,6 +87,18 @@ def test_kernel_matches_reference(shape, split, dtype, monkeypatch):
     check_kernel(q, k, v, slots, lo, hi, hd**-0.5, length, dtype, split, page_size)
 
 
+@pytest.mark.parametrize("programs", [16, 264])
+def test_decode_split_over_many_programs_looks_each_key_page_up(programs, monkeypatch):
+    """Decode blocks split over many programs load each key's page (no tile's page loaded ahead):
+    programs of two tiles each (16 programs aimed for) and of one (264), on shuffled pages of 64."""
+    tiles = triton_attention.AttentionTiles(target_programs=programs, per_key_splits=8)
+    monkeypatch.setattr(triton_attention, "TILES", tiles)
+    q, k, v, slots, lo, hi = case(1, 1, 8, 2, 64, 700, torch.float32)
+    hi = hi - hi + 699
+    assert min(-(-700 // tiles.block_n), programs // 2) >= tiles.per_key_splits  # the per-key path runs
+    check_kernel(q, k, v, slots, lo, hi, 64**-0.5, 700, torch.float32, True)
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 8, 2, 64, 600), (1, 16, 8, 2, 32, 1200)])  # decode, verify
 def test_short_context_in_a_long_cache(shape):
     """CUDA graphs launch over the whole cache; the rows' real keys (here a tenth of it) are divided
