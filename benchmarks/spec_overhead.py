@@ -1,8 +1,9 @@
 """What enabling speculation costs the steps that do not draft: the same engine decodes batches of
 requests (greedy, or seeded sampling at `--temperature`; joining one step apart, as at a server)
-that opted out of speculation (`use_speculation=False`), that may speculate but take the plain
-path every step (the policy forced to K = 0: their taps are still kept for the drafter), and that
-speculate as the policy chooses. Per setting: output tok/s and the median, p10 and p90 wall time
+that opted out of speculation (`use_speculation=False`), that joined a parked batch (the policy
+told them not to feed the drafter, as where plain wins at a busy server), that may speculate but
+take the plain path every step (the policy forced to K = 0: their taps are still kept for the
+drafter), and that speculate as the policy chooses. Per setting: output tok/s and the median, p10 and p90 wall time
 of an engine step (host clock around `step()`, which ends on the step's read-back; the device is
 not synced between steps, as when serving).
 
@@ -28,18 +29,25 @@ from collections import Counter
 from blockspec import LLM, SamplingParams
 
 
-def measure(llm: LLM, batch: int, speculate: bool, force_plain: bool, steps: int, prompt_len: int,
+SETTINGS = ("opted out", "parked", "plain forced", "adaptive")
+
+
+def measure(llm: LLM, batch: int, setting: str, steps: int, prompt_len: int,
             temperature: float = 0.0, profile: bool = False, max_tokens: int | None = None) -> dict:
     engine = llm.engine
-    choose = engine.policy.choose
+    policy = engine.policy
+    choose, feeds = policy.choose, policy.feeds_drafter
+    speculate = setting != "opted out"
     choices: Counter[int] = Counter()
 
     def counted(b: int) -> int:
-        k = 0 if force_plain else choose(b)
+        k = 0 if setting == "plain forced" else choose(b)
         choices[k] += 1
         return k
 
-    engine.policy.choose = counted
+    policy.choose = counted
+    if setting == "parked":
+        policy.feeds_drafter = lambda b, joining=1: False
     added = 0
 
     def add() -> None:
@@ -73,7 +81,7 @@ def measure(llm: LLM, batch: int, speculate: bool, force_plain: bool, steps: int
             profiler.disable()
         walls.append((time.perf_counter() - start) * 1e3)
     seconds = time.perf_counter() - t0
-    out = {"batch": batch, "temperature": temperature, "use_speculation": speculate, "policy": "plain forced" if force_plain else "adaptive",
+    out = {"batch": batch, "temperature": temperature, "use_speculation": speculate, "setting": setting,
            "tok_s": (engine.num_generated - generated) / seconds, "step_ms_median": statistics.median(walls),
            "step_ms_p10": sorted(walls)[steps // 10], "step_ms_p90": sorted(walls)[9 * steps // 10],
            "drafts": engine.spec_totals.as_dict().get("num_drafts", 0) - drafts,
@@ -86,7 +94,7 @@ def measure(llm: LLM, batch: int, speculate: bool, force_plain: bool, steps: int
         engine.abort(f"r{i}")
     while engine.has_unfinished():
         engine.step()
-    engine.policy.choose = choose
+    policy.choose, policy.feeds_drafter = choose, feeds
     return out
 
 
@@ -102,6 +110,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="every request's (seeded per request)")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="churn: each request stops after this many tokens and a new one takes its place")
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", action="store_true", help="print each setting's hottest host functions (cProfile)")
     ap.add_argument("--out", default=None)
@@ -110,14 +119,14 @@ def main() -> None:
     llm = LLM(args.model, device=args.device, max_num_seqs=max(batches),
               speculative_config={"method": args.method, "model": args.draft_model})
     rows = []
-    settings = ((False, False), (True, True), (True, False))
+    settings = [s for s in SETTINGS if s in args.settings]
     for batch, rnd in ((b, r) for b in batches for r in range(args.rounds)):
-        for speculate, force_plain in settings if rnd % 2 == 0 else settings[::-1]:  # alternate the order
-            row = measure(llm, batch, speculate, force_plain, args.steps, args.prompt_len, args.temperature,
+        for setting in settings if rnd % 2 == 0 else settings[::-1]:  # alternate the order
+            row = measure(llm, batch, setting, args.steps, args.prompt_len, args.temperature,
                           args.profile, args.max_tokens)
             row["round"] = rnd
             rows.append(row)
-            print(f"batch {batch:3d}  use_speculation={speculate!s:5}  policy {row['policy']:12}  "
+            print(f"batch {batch:3d}  {setting:12}  "
                   f"{row['tok_s']:8.0f} tok/s  step {row['step_ms_median']:.3f} ms "
                   f"(p10 {row['step_ms_p10']:.3f}, p90 {row['step_ms_p90']:.3f})  "
                   f"drafts {row['drafts']}  choices {row['choices']}", flush=True)
