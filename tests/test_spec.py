@@ -202,6 +202,38 @@ def test_requests_that_join_a_parked_batch_run_plain_and_feed_no_drafter(target,
     assert [r.output_ids for r in burst + first + joined] == expected
 
 
+def test_requests_that_fed_without_drafting_stop_when_the_batch_grows_into_a_park(target, plain):
+    """A burst reaching a server joins over a few steps: its first arrivals, judged at a small batch,
+    feed the drafter. When the batch grows into a parked size, those that have not drafted yet stop
+    feeding (their held taps dropped), so the batch runs as plain decoding with no taps at all.
+    Outputs equal plain decoding."""
+    llm = spec_llm(target, "dflash", "dflash")
+    engine = llm.engine
+    engine.policy.park_left[4] = 10**9  # batches of 3 or 4 requests that may speculate
+    engine.policy.choose = lambda batch: 0  # nobody drafts before the burst is in
+    ps = [p["prompt_token_ids"] for p in prompts(4, seed=12)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    taps = []  # with_taps of every target forward
+    for name in ("forward", "forward_ids"):
+        real = getattr(engine.runner, name)
+        setattr(engine.runner, name, lambda *a, real=real, **kw: taps.append(kw.get("with_taps")) or real(*a, **kw))
+    first = [engine.add_request(str(i), None, ps[i], params)[0] for i in range(2)]  # a batch of 2: not parked
+    for _ in range(3):
+        engine.step()
+    assert all(r.feeds_drafter for r in first) and any(taps) and any(r.num_pending for r in first)
+    joins = engine.policy.view().parked_joins
+    rest = [engine.add_request(str(i), None, ps[i], params)[0] for i in range(2, 4)]  # with them, a batch of 4
+    engine.step()
+    assert not any(r.feeds_drafter or r.num_pending for r in first + rest)
+    assert engine.policy.view().parked_joins == joins + 4
+    taps.clear()
+    while engine.has_unfinished():
+        engine.step()
+    assert taps and not any(taps)
+    expected = plain.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    assert [r.output_ids for r in first + rest] == [o.outputs[0].token_ids for o in expected]
+
+
 @pytest.mark.parametrize("overrule", ["draft length", "feeding"])
 def test_the_engine_acts_on_the_agreed_decision_not_its_own(target, plain, overrule):
     """Tensor-parallel ranks take rank 0's policy decisions through Engine.agree. Overruled to the plain

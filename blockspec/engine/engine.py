@@ -570,6 +570,20 @@ class Engine:
                 feeds = bool(self.agree(self.policy.feeds_drafter(batch, len(speculating))))
                 for req in speculating:
                     req.feeds_drafter = feeds
+                if not feeds:
+                    self._stop_feeding_undrafted()
+
+    def _stop_feeding_undrafted(self) -> None:
+        """The batch has grown into a parked size: requests that joined it smaller, and fed the drafter
+        without drafting yet, stop feeding it. Arrivals that come over a few steps (a burst reaching
+        a server) are judged at the batch of their own step, so the first of them fed a drafter that
+        the whole batch could not use while the others ran, and paid for its taps on every step.
+        A request that has drafted keeps its context: its batch may shrink back and speculate."""
+        late = [r for r in self.running if r.feeds_drafter and not r.spec.num_drafts]
+        for req in late:
+            req.feeds_drafter = False
+            req.num_pending = 0  # its held taps will never be appended
+        self.policy.parked_joins += len(late)
 
     def _speculating(self, reqs: list[Request]) -> list[Request]:
         """The requests of a batch that may speculate this step: a drafter, a batch within
