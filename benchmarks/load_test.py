@@ -69,6 +69,7 @@ class Cell:
     # step the server ran meanwhile, the twin setting's opted-out requests included)
     policy_steps: dict[str, int] = field(default_factory=dict)
     preemptions: int = 0  # requests the server preempted for KV pages during the cell (/metrics)
+    parked_joins: int = 0  # requests that joined a parked batch, so never fed the drafter (/metrics)
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -177,7 +178,8 @@ def run_cell(pool: ProcessPoolExecutor | None, processes: int, url: str, model: 
 
 def policy_steps(url: str) -> dict[str, int]:
     """The server's decode steps so far by the draft length its policy chose (empty without a drafter),
-    and under "preempted" the requests it preempted for KV pages."""
+    under "preempted" the requests it preempted for KV pages, and under "parked" the requests that
+    joined a parked batch."""
     text = httpx.get(f"{url}/metrics").text
     out = {}
     for s in (s for fam in text_string_to_metric_families(text) for s in fam.samples):
@@ -185,6 +187,8 @@ def policy_steps(url: str) -> dict[str, int]:
             out[s.labels["draft_length"]] = int(s.value)
         elif s.name == "blockspec:num_preemptions_total":
             out["preempted"] = int(s.value)
+        elif s.name == "blockspec:spec_decode_policy_parked_requests_total":
+            out["parked"] = int(s.value)
     return out
 
 
@@ -223,7 +227,7 @@ def ratios(cells: list[Cell]) -> list[dict[str, Any]]:
 def markdown(cells: list[Cell], title: str) -> str:
     rounds = len({c.round for c in cells})
     head = ("| clients | T | spec | completed | errors | out tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms "
-            "| accept len | draft steps | steps by K | preempted | = twin |\n" + "|---" * 13 + "|\n")
+            "| accept len | draft steps | steps by K | joined parked | preempted | = twin |\n" + "|---" * 14 + "|\n")
 
     def trio(d: dict[str, float]) -> str:
         return " / ".join(f"{d[k]:.1f}" for k in ("p50", "p90", "p99")) if d else "-"
@@ -232,14 +236,14 @@ def markdown(cells: list[Cell], title: str) -> str:
             f" | {c.completed} | {c.errors} | "
             f"{c.tok_per_s} | {trio(c.ttft_ms)} | {trio(c.tpot_ms)} | {c.mean_acceptance_length or '-'} | "
             f"{'-' if c.draft_step_share is None else f'{100 * c.draft_step_share:.0f} %'} | "
-            f"{' '.join(f'{k}:{n}' for k, n in c.policy_steps.items() if n) or '-'} | {c.preemptions} | "
+            f"{' '.join(f'{k}:{n}' for k, n in c.policy_steps.items() if n) or '-'} | "
+            f"{c.parked_joins if c.speculation else '-'} | {c.preemptions} | "
             f"{'-' if c.identical_to_twin is None else 'yes' if c.identical_to_twin else 'NO'} |" for c in cells]
     def tok(v: float | None) -> str:
         return "-" if v is None else f"{v:.1f}"
 
     summary = ["", "| clients | T | on tok/s (median) | off tok/s (median) | on / off by round | median on / off "
                "| geometric mean [95 % bootstrap] |", "|---|---|---|---|---|---|---|"]
-
     summary += [f"| {r['level']} | {r['temperature']} | {tok(r['on_tok_s'])} | {tok(r['off_tok_s'])} | "
                 f"{', '.join(f'{x:.2f}' for x in r['on_over_off']) or '(pooled)'} | {r['median_on_over_off']:.2f} | "
                 "{:.3f} [{:.3f}, {:.3f}] |".format(*r["geomean_on_over_off"]) for r in ratios(cells)]
@@ -329,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                         after = policy_steps(url)
                         steps = {k: n - before.get(k, 0) for k, n in sorted(after.items())}
                         pair[-1][0].preemptions = steps.pop("preempted", 0)
+                        pair[-1][0].parked_joins = steps.pop("parked", 0)
                         pair[-1][0].policy_steps = steps
                     same = all(a.ok and b.ok and a.token_ids == b.token_ids for a, b in zip(pair[0][1], pair[1][1], strict=True))
                     for cell, outcomes in pair:

@@ -3,9 +3,9 @@ requests (greedy, or seeded sampling at `--temperature`; joining one step apart,
 that opted out of speculation (`use_speculation=False`), that joined a parked batch (the policy
 told them not to feed the drafter, as where plain wins at a busy server), that may speculate but
 take the plain path every step (the policy forced to K = 0: their taps are still kept for the
-drafter), and that speculate as the policy chooses. Per setting: output tok/s and the median, p10 and p90 wall time
-of an engine step (host clock around `step()`, which ends on the step's read-back; the device is
-not synced between steps, as when serving).
+drafter), and that speculate as the policy chooses. Per setting: output tok/s and the median, p10
+and p90 wall time of an engine step (host clock around `step()`, which ends on the step's
+read-back; the device is not synced between steps, as when serving).
 
 With `--max-tokens M` the batch churns as at a busy server: each request stops after M tokens and
 a new one (prompt length varying around `--prompt-len`) takes its place in the same step, so
