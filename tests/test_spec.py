@@ -234,6 +234,40 @@ def test_requests_that_fed_without_drafting_stop_when_the_batch_grows_into_a_par
     assert [r.output_ids for r in first + rest] == [o.outputs[0].token_ids for o in expected]
 
 
+@pytest.mark.parametrize("parked", [True, False])
+def test_a_batch_whose_size_the_policy_parks_stops_feeding_the_drafter(target, plain, parked):
+    """Requests that joined an unparked batch feed the drafter; when the policy then finds plain best
+    at their batch size and parks it, the whole batch stops feeding (drafted or not): no taps in its
+    later forwards. While the size is not parked, a plain choice leaves them feeding. Outputs equal
+    plain decoding."""
+    llm = spec_llm(target, "dflash", "dflash")
+    engine = llm.engine
+    plan = iter([3, 3] + [0] * 200)  # two speculative steps, then plain
+    engine.policy.choose = lambda batch: next(plan)
+    ps = [p["prompt_token_ids"] for p in prompts(3, seed=14)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    taps = []  # with_taps of every target forward
+    for name in ("forward", "forward_ids"):
+        real = getattr(engine.runner, name)
+        setattr(engine.runner, name, lambda *a, real=real, **kw: taps.append(kw.get("with_taps")) or real(*a, **kw))
+    reqs = [engine.add_request(str(i), None, p, params)[0] for i, p in enumerate(ps)]
+    for _ in range(4):
+        engine.step()
+    assert all(r.feeds_drafter and r.spec.num_drafts for r in reqs)
+    if parked:
+        engine.policy.park_left[4] = 10**9
+    joins = engine.policy.view().parked_joins
+    engine.step()
+    assert all(r.feeds_drafter is not parked for r in reqs)
+    assert engine.policy.view().parked_joins == joins + (3 if parked else 0)
+    taps.clear()
+    while engine.has_unfinished():
+        engine.step()
+    assert any(taps) is not parked
+    expected = plain.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    assert [r.output_ids for r in reqs] == [o.outputs[0].token_ids for o in expected]
+
+
 @pytest.mark.parametrize("overrule", ["draft length", "feeding"])
 def test_the_engine_acts_on_the_agreed_decision_not_its_own(target, plain, overrule):
     """Tensor-parallel ranks take rank 0's policy decisions through Engine.agree. Overruled to the plain

@@ -353,6 +353,10 @@ class Engine:
             return touched  # requests that joined since the launch wait for the next one
         spec = self._speculating(decoding)
         k = self._choose(len(spec)) if spec else 0
+        if spec and not k and self.agree(self.policy.parked(len(spec))):
+            # the policy found plain best at this batch size and parked it: the batch, which could
+            # draft, will not, so it stops paying for the drafter's context for the rest of its life
+            self._stop_feeding(spec)
         plain = [r for r in decoding if k == 0 or r not in spec]
         touched = []
         launch = self._inflight
@@ -571,19 +575,19 @@ class Engine:
                 for req in speculating:
                     req.feeds_drafter = feeds
                 if not feeds:
-                    self._stop_feeding_undrafted()
+                    # the batch has grown into a parked size: a burst reaching the server over a few
+                    # steps is judged step by step, so its first arrivals fed a drafter that the whole
+                    # batch could not use; those that have not drafted stop (one that has keeps its
+                    # context: its batch may shrink back and speculate)
+                    self._stop_feeding([r for r in self.running if r.feeds_drafter and not r.spec.num_drafts])
 
-    def _stop_feeding_undrafted(self) -> None:
-        """The batch has grown into a parked size: requests that joined it smaller, and fed the drafter
-        without drafting yet, stop feeding it. Arrivals that come over a few steps (a burst reaching
-        a server) are judged at the batch of their own step, so the first of them fed a drafter that
-        the whole batch could not use while the others ran, and paid for its taps on every step.
-        A request that has drafted keeps its context: its batch may shrink back and speculate."""
-        late = [r for r in self.running if r.feeds_drafter and not r.spec.num_drafts]
-        for req in late:
+    def _stop_feeding(self, reqs: list[Request]) -> None:
+        """These requests stop feeding the drafter: plain wins at the batch they are in, and they will
+        not draft (their held taps are dropped). They count as having joined a parked batch."""
+        for req in reqs:
             req.feeds_drafter = False
-            req.num_pending = 0  # its held taps will never be appended
-        self.policy.parked_joins += len(late)
+            req.num_pending = 0
+        self.policy.parked_joins += len(reqs)
 
     def _speculating(self, reqs: list[Request]) -> list[Request]:
         """The requests of a batch that may speculate this step: a drafter, a batch within

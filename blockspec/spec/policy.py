@@ -149,6 +149,10 @@ class DraftLengthPolicy:
         self._settled = None
         return True
 
+    def parked(self, batch: int) -> bool:
+        """Whether this batch size is parked now: plain wins there, and joining requests do not feed."""
+        return self.park_left.get(batch_bucket(batch), 0) > 0
+
     def view(self) -> PolicyView:
         prefix = self.prefix_acceptance()
         return PolicyView(dict(self.chosen), {key: min(w) for key, w in self.samples.items() if w},
