@@ -20,7 +20,9 @@ each time the re-tries after it find plain still best; then joining requests fee
 and, once every request of the batch can draft, each K is re-tried. A park is counted in arrivals,
 not seconds: only an arrival can use what it decides, and an idle gap brings no new evidence.
 A larger batch size that its own steps have not decided yet starts parked while a smaller one is on
-its second park in a row.
+its second park in a row. The engine stops the running requests of a parked batch size feeding too
+(`parked`): those that fed without drafting when arrivals join it, the whole batch when it chooses
+the plain path there.
 """
 
 from __future__ import annotations
