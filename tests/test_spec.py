@@ -158,6 +158,15 @@ def test_opted_out_request_keeps_no_draft_context(target):
         engine.step()
 
 
+def record_taps(engine) -> list:
+    """A list that gets the `with_taps` of every target forward the engine's runner makes from now on."""
+    taps = []
+    for name in ("forward", "forward_ids"):
+        real = getattr(engine.runner, name)
+        setattr(engine.runner, name, lambda *a, real=real, **kw: taps.append(kw.get("with_taps")) or real(*a, **kw))
+    return taps
+
+
 def test_requests_that_join_a_parked_batch_run_plain_and_feed_no_drafter(target, plain):
     """Arrivals that join a parked batch bucket (counting every arrival of the step) get no draft
     context, neither their prompt's nor their steps' taps; while one runs, the batch takes plain steps
@@ -176,10 +185,7 @@ def test_requests_that_join_a_parked_batch_run_plain_and_feed_no_drafter(target,
         while any(r.status.value != "finished" for r in reqs):
             engine.step()
 
-    taps = []  # with_taps of every target forward
-    for name in ("forward", "forward_ids"):
-        real = getattr(engine.runner, name)
-        setattr(engine.runner, name, lambda *a, real=real, **kw: taps.append(kw.get("with_taps")) or real(*a, **kw))
+    taps = record_taps(engine)
     burst = [add(i, short) for i in range(3)]  # three at once make a batch of 3, though each alone would not
     run_out(burst)
     assert not any(r.feeds_drafter or r.spec.num_drafts for r in burst) and not any(taps)
@@ -213,10 +219,7 @@ def test_requests_that_fed_without_drafting_stop_when_the_batch_grows_into_a_par
     engine.policy.choose = lambda batch: 0  # nobody drafts before the burst is in
     ps = [p["prompt_token_ids"] for p in prompts(4, seed=12)]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    taps = []  # with_taps of every target forward
-    for name in ("forward", "forward_ids"):
-        real = getattr(engine.runner, name)
-        setattr(engine.runner, name, lambda *a, real=real, **kw: taps.append(kw.get("with_taps")) or real(*a, **kw))
+    taps = record_taps(engine)
     first = [engine.add_request(str(i), None, ps[i], params)[0] for i in range(2)]  # a batch of 2: not parked
     for _ in range(3):
         engine.step()
@@ -246,10 +249,7 @@ def test_a_batch_whose_size_the_policy_parks_stops_feeding_the_drafter(target, p
     engine.policy.choose = lambda batch: next(plan)
     ps = [p["prompt_token_ids"] for p in prompts(3, seed=14)]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    taps = []  # with_taps of every target forward
-    for name in ("forward", "forward_ids"):
-        real = getattr(engine.runner, name)
-        setattr(engine.runner, name, lambda *a, real=real, **kw: taps.append(kw.get("with_taps")) or real(*a, **kw))
+    taps = record_taps(engine)
     reqs = [engine.add_request(str(i), None, p, params)[0] for i, p in enumerate(ps)]
     for _ in range(4):
         engine.step()
