@@ -237,12 +237,12 @@ def test_requests_that_fed_without_drafting_stop_when_the_batch_grows_into_a_par
     assert [r.output_ids for r in first + rest] == [o.outputs[0].token_ids for o in expected]
 
 
-@pytest.mark.parametrize("parked", [True, False])
-def test_a_batch_whose_size_the_policy_parks_stops_feeding_the_drafter(target, plain, parked):
-    """Requests that joined an unparked batch feed the drafter; when the policy then finds plain best
-    at their batch size and parks it, the whole batch stops feeding (drafted or not): no taps in its
-    later forwards. While the size is not parked, a plain choice leaves them feeding. Outputs equal
-    plain decoding."""
+@pytest.mark.parametrize("again", [True, False], ids=["second park", "first park"])
+def test_a_batch_whose_size_the_policy_parks_stops_feeding_the_drafter(target, plain, again):
+    """Requests that joined an unparked batch feed the drafter; when the policy's re-tries find plain
+    best at their batch size again and park it a second time, the whole batch stops feeding (drafted
+    or not): no taps in its later forwards. On a first park (decided from a few steps), a plain
+    choice leaves them feeding. Outputs equal plain decoding."""
     llm = spec_llm(target, "dflash", "dflash")
     engine = llm.engine
     plan = iter([3, 3] + [0] * 200)  # two speculative steps, then plain
@@ -254,16 +254,16 @@ def test_a_batch_whose_size_the_policy_parks_stops_feeding_the_drafter(target, p
     for _ in range(4):
         engine.step()
     assert all(r.feeds_drafter and r.spec.num_drafts for r in reqs)
-    if parked:
-        engine.policy.park_left[4] = 10**9
+    engine.policy.park_left[4] = 10**9
+    engine.policy.park_rounds[4] = 2 if again else 1
     joins = engine.policy.view().parked_joins
     engine.step()
-    assert all(r.feeds_drafter is not parked for r in reqs)
-    assert engine.policy.view().parked_joins == joins + (3 if parked else 0)
+    assert all(r.feeds_drafter is not again for r in reqs)
+    assert engine.policy.view().parked_joins == joins + (3 if again else 0)
     taps.clear()
     while engine.has_unfinished():
         engine.step()
-    assert any(taps) is not parked
+    assert any(taps) is not again
     expected = plain.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
     assert [r.output_ids for r in reqs] == [o.outputs[0].token_ids for o in expected]
 

@@ -353,8 +353,8 @@ class Engine:
             return touched  # requests that joined since the launch wait for the next one
         spec = self._speculating(decoding)
         k = self._choose(len(spec)) if spec else 0
-        if spec and not k and self.agree(self.policy.parked(len(spec))):
-            # the policy found plain best at this batch size and parked it: the batch, which could
+        if spec and not k and self.agree(self.policy.parked_again(len(spec))):
+            # the policy's re-tries found plain best at this batch size again: the batch, which could
             # draft, will not, so it stops paying for the drafter's context for the rest of its life
             self._stop_feeding(spec)
         plain = [r for r in decoding if k == 0 or r not in spec]

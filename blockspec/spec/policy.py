@@ -20,9 +20,9 @@ each time the re-tries after it find plain still best; then joining requests fee
 and, once every request of the batch can draft, each K is re-tried. A park is counted in arrivals,
 not seconds: only an arrival can use what it decides, and an idle gap brings no new evidence.
 A larger batch size that its own steps have not decided yet starts parked while a smaller one is on
-its second park in a row. The engine stops the running requests of a parked batch size feeding too
-(`parked`): those that fed without drafting when arrivals join it, the whole batch when it chooses
-the plain path there.
+its second park in a row. The engine stops the running requests of a parked batch size feeding too:
+those that fed without drafting when arrivals join it, and the whole batch when it chooses the plain
+path there on a second park in a row (`parked_again`).
 """
 
 from __future__ import annotations
@@ -151,9 +151,12 @@ class DraftLengthPolicy:
         self._settled = None
         return True
 
-    def parked(self, batch: int) -> bool:
-        """Whether this batch size is parked now: plain wins there, and joining requests do not feed."""
-        return self.park_left.get(batch_bucket(batch), 0) > 0
+    def parked_again(self, batch: int) -> bool:
+        """Whether this batch size is parked now by a park that the re-tries after an earlier one
+        confirmed. A first park is decided from a few steps, its speculative times perhaps borrowed
+        from another batch size, so a batch that could draft keeps feeding through it."""
+        bucket = batch_bucket(batch)
+        return self.park_left.get(bucket, 0) > 0 and self.park_rounds.get(bucket, 0) >= 2
 
     def view(self) -> PolicyView:
         prefix = self.prefix_acceptance()
