@@ -94,7 +94,7 @@ def test_decode_split_over_many_programs_looks_each_key_page_up(programs, monkey
     tiles = triton_attention.AttentionTiles(target_programs=programs, per_key_splits=8)
     monkeypatch.setattr(triton_attention, "TILES", tiles)
     q, k, v, slots, lo, hi = case(1, 1, 8, 2, 64, 700, torch.float32)
-    hi = hi - hi + 699
+    hi = torch.full_like(hi, 699)  # the row reads all 700 keys
     assert min(-(-700 // tiles.block_n), programs // 2) >= tiles.per_key_splits  # the per-key path runs
     check_kernel(q, k, v, slots, lo, hi, 64**-0.5, 700, torch.float32, True)
 
