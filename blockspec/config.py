@@ -289,3 +289,22 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.async_scheduling not in (None, True, False):
             raise ConfigError(f"async_scheduling must be true, false or None (auto), got {self.async_scheduling!r}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the HTTP server accepts, beyond what the engine checks."""
+
+    # with a key, /v1/ routes need `Authorization: Bearer <key>` (None: open, for a loopback server)
+    api_key: str | None = None
+    # request bodies larger than this are refused (413) before they are parsed
+    max_request_bytes: int = 16 << 20
+    # whether a request may bring its own chat template (`chat_template`): rendering one runs the
+    # request's code on the server, so only an operator who trusts its clients turns this on
+    trust_request_chat_template: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
+            raise ConfigError(f"max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
+        if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key.strip()):
+            raise ConfigError("api_key must be a non-empty string or None")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -16,7 +17,7 @@ from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine, RequestError
 from blockspec.engine.request import RequestOutput
 from blockspec.models.loader import ModelLoadError, load_target, read_json, resolve_device, resolve_model_dir
-from blockspec.sampling_params import SamplingParams
+from blockspec.sampling_params import SamplingParams, is_int
 
 log = logging.getLogger("blockspec")
 
@@ -47,6 +48,16 @@ def generation_eos_ids(model_dir: Path, config_eos: Sequence[int], tokenizer: An
     return sorted(ids)
 
 
+def check_text(text: str, where: str) -> None:
+    """Text must be valid Unicode to be tokenized: JSON can carry a lone surrogate (\\ud800) that no
+    encoding represents."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"{where}: not valid Unicode: a lone surrogate {text[exc.start]!r} at character "
+                           f"{exc.start}") from None
+
+
 @dataclass
 class ModelInputs:
     """What turning user input into checked token ids needs of a loaded model, without its weights:
@@ -59,6 +70,15 @@ class ModelInputs:
     vocab_size: int
     speculative: bool
 
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """Characters past which a text prompt cannot fit in max_model_len tokens, known without tokenizing
+        it: a token stands for at most the longest token's characters, times 4 for normalisers that
+        compose several characters into one. A prompt longer than this is refused before the
+        tokenizer spends time and memory on it."""
+        tokens = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+        return self.max_model_len * 4 * max(len(t) for t in tokens if t)
+
     def prompt_ids(self, prompt: PromptType, where: str) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -66,10 +86,14 @@ class ModelInputs:
                                    "pass {'prompt_token_ids': [...]} instead")
             if not prompt:
                 raise RequestError(f"{where}: the prompt is empty")
+            check_text(prompt, where)
+            if len(prompt) > self.max_prompt_chars:
+                raise RequestError(f"{where}: the prompt has {len(prompt)} characters, more than max_model_len "
+                                   f"({self.max_model_len}) tokens can hold (at most {self.max_prompt_chars})")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            if not isinstance(ids, list) or not all(is_int(t) for t in ids):
                 raise RequestError(f"{where}: prompt_token_ids must be a list of ints")
             return prompt.get("prompt"), ids
         if isinstance(prompt, dict) and "prompt" in prompt:
@@ -184,10 +208,19 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise RequestError("prompts must be a string, a dict with 'prompt_token_ids', or a list of them; got "
+                               f"{type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, (list, tuple)):
+            params = list(sampling_params)
+        else:
+            raise ConfigError("sampling_params must be SamplingParams or a list of them; got "
+                              f"{type(sampling_params).__name__}")
         if len(params) != len(prompts):
             raise ConfigError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each")
         prepared = [self.inputs.prompt_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
@@ -196,7 +229,13 @@ class LLM:
         groups = []
         for (text, ids), sp in zip(prepared, params):
             groups.append(self.engine.add_request(str(next(self._ids)), text, ids, sp))
-        self._run(sum((len(g) for g in groups), 0), use_tqdm)
+        try:
+            self._run(sum((len(g) for g in groups), 0), use_tqdm)
+        except BaseException:  # interrupted (Ctrl-C) or the engine broke: nothing of this call stays queued
+            for group in groups:
+                for req in group:
+                    self.engine.abort(req.request_id)
+            raise
         outputs = []
         for group in groups:
             first = group[0].to_output()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field
 
 
@@ -11,6 +12,25 @@ class SamplingError(ValueError):
 
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: -100 bans a token, +100 all but forces it
+INT64 = (-(2**63), 2**63 - 1)  # seeds are keyed as int64 on the device
+SHORT = reprlib.Repr()  # a bad value quoted in an error, cut short
+SHORT.maxstring = SHORT.maxother = 60
+SHORT.maxlong = 40
+
+
+def is_int(value: object) -> bool:
+    """An integer that is not a bool (True is an int to Python, never a count to a user)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def token_id(key: object) -> int | None:
+    """A token id given as an int or a string of digits (JSON object keys are strings), else None."""
+    if is_int(key):
+        return key if key >= 0 else None
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        return int(key)
+    return None
 
 
 @dataclass
@@ -41,7 +61,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, allowed: str) -> None:
             if not ok:
-                raise SamplingError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid; allowed: {allowed}")
+                raise SamplingError(f"SamplingParams.{name}={SHORT.repr(getattr(self, name))} is invalid; allowed: {allowed}")
 
         def number(name: str) -> float:
             value = getattr(self, name)
@@ -49,32 +69,41 @@ class SamplingParams:
                   name, "a finite number")
             return float(value)
 
-        check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "an integer in [1, 128]")
+        def integer(name: str, low: int, high: int | None, allowed: str, optional: bool = False) -> None:
+            value = getattr(self, name)
+            check((optional and value is None) or (is_int(value) and low <= value and (high is None or value <= high)),
+                  name, allowed)
+
+        integer("n", 1, 128, "an integer in [1, 128]")
         check(number("temperature") >= 0, "temperature", ">= 0 (0 = greedy)")
         check(0 < number("top_p") <= 1, "top_p", "in (0, 1]")
-        check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "an integer >= -1 (0 or -1 = off)")
+        integer("top_k", -1, INT64[1], "an integer >= -1 (0 or -1 = off)")
         check(0 <= number("min_p") <= 1, "min_p", "in [0, 1]")
         check(-2 <= number("presence_penalty") <= 2, "presence_penalty", "in [-2, 2]")
         check(-2 <= number("frequency_penalty") <= 2, "frequency_penalty", "in [-2, 2]")
         check(0 < number("repetition_penalty") <= 10, "repetition_penalty", "in (0, 10]")
-        check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)), "seed",
-              "an integer or None")
-        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "max_tokens",
-              "an integer >= 1, or None (until the context is full)")
-        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "an integer >= 0")
+        integer("seed", INT64[0], INT64[1], f"an integer in [{INT64[0]}, {INT64[1]}] or None", optional=True)
+        integer("max_tokens", 1, None, "an integer >= 1, or None (until the context is full)", optional=True)
+        integer("min_tokens", 0, None, "an integer >= 0")
         if self.max_tokens is not None:
             check(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})")
-        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
-              "logprobs", f"None or an integer in [0, {MAX_LOGPROBS}] (number of top alternatives)")
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        check(all(isinstance(s, str) and s for s in stops), "stop", "a non-empty string or a list of them")
+        integer("logprobs", 0, MAX_LOGPROBS, f"None or an integer in [0, {MAX_LOGPROBS}] (number of top alternatives)",
+                optional=True)
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "use_speculation"):
+            check(isinstance(getattr(self, flag), bool), flag, "True or False")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        check(isinstance(stops, (list, tuple)) and all(isinstance(s, str) and s for s in stops), "stop",
+              "a non-empty string or a list of them")
         self.stop_strings = tuple(stops)
         ids = self.stop_token_ids or []
-        check(all(isinstance(i, int) and i >= 0 for i in ids), "stop_token_ids", "a list of token ids >= 0")
+        check(isinstance(ids, (list, tuple)) and all(is_int(i) and i >= 0 for i in ids), "stop_token_ids",
+              "a list of token ids >= 0")
         bias = self.logit_bias or {}
-        check(all(isinstance(int(k), int) and math.isfinite(float(v)) for k, v in bias.items()), "logit_bias",
-              "a dict of token id -> finite bias")
-        self.logit_bias = {int(k): float(v) for k, v in bias.items()} or None
+        check(isinstance(bias, dict) and all(
+            token_id(k) is not None and isinstance(v, (int, float)) and not isinstance(v, bool)
+            and abs(v) <= MAX_LOGIT_BIAS for k, v in bias.items()), "logit_bias",
+            f"a dict of token id (>= 0) -> bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        self.logit_bias = {token_id(k): float(v) for k, v in bias.items()} or None
 
     @property
     def greedy(self) -> bool:

@@ -118,18 +118,27 @@ FAIL_PROMPT = "simulate a device failure"
 
 def llm_with_faults(step_delay: float = 0.0, **llm_kwargs):
     """An LLM whose engine steps take `step_delay` s longer (so a request is surely still running when its
-    client leaves) and fail while a request with the prompt FAIL_PROMPT runs, as a device error would.
-    Module-level, so a server can load it in its engine process (functools.partial pickles it)."""
+    client leaves) and whose target forwards raise, as a device error would, whenever their batch holds
+    a request with the prompt FAIL_PROMPT. Module-level, so a server can load it in its engine process
+    (functools.partial pickles it)."""
     from blockspec import LLM
 
     llm = LLM(**llm_kwargs)
-    engine, step = llm.engine, llm.engine.step
+    engine, runner, step = llm.engine, llm.engine.runner, llm.engine.step
 
-    def faulty_step():
+    def failing(forward, slots_at: int):
+        def run(*args, **kwargs):
+            slots = set(args[slots_at])
+            if any(r.prompt == FAIL_PROMPT and r.slot in slots for r in engine.running):
+                raise RuntimeError("simulated device failure")
+            return forward(*args, **kwargs)
+        return run
+
+    def slow_step():
         time.sleep(step_delay)
-        if any(r.prompt == FAIL_PROMPT for r in engine.running):
-            raise RuntimeError("simulated device failure")
         return step()
 
-    engine.step = faulty_step
+    runner.forward = failing(runner.forward, 2)  # forward(runs, starts, slots, ...)
+    runner.forward_ids = failing(runner.forward_ids, 3)  # forward_ids(ids, query_lens, starts, slots, ...)
+    engine.step = slow_step
     return llm

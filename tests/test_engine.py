@@ -9,7 +9,7 @@ import transformers
 from blockspec import LLM, SamplingError, SamplingParams
 from blockspec.config import ConfigError
 from blockspec.engine.engine import RequestError
-from factories import FAMILIES, save_tiny, save_tiny_model_with_tokenizer
+from factories import FAIL_PROMPT, FAMILIES, llm_with_faults, save_tiny, save_tiny_model_with_tokenizer
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
@@ -121,6 +121,12 @@ def test_chat_template(llm):
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(presence_penalty=3), "presence_penalty"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=99), "logprobs"), (dict(stop=[""]), "stop"),
     (dict(temperature=float("nan")), "temperature"), (dict(n=0), "n"),
+    # bools are not counts, values must fit the device's int64 seeds and OpenAI's logit_bias range
+    (dict(n=True), "n"), (dict(max_tokens=True), "max_tokens"), (dict(logprobs=True), "logprobs"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"), (dict(logit_bias={5: 1e308}), "logit_bias"),
+    (dict(logit_bias={"abc": 1}), "logit_bias"), (dict(logit_bias={-1: 5}), "logit_bias"), (dict(stop=123), "stop"),
+    (dict(seed=2**63), "seed"), (dict(seed=-(2**63) - 1), "seed"), (dict(seed=1.5), "seed"),
+    (dict(ignore_eos=1), "ignore_eos"), (dict(top_k=True), "top_k"),
 ])
 def test_invalid_sampling_values_name_the_field(kwargs, field):
     with pytest.raises(SamplingError, match=rf"SamplingParams\.{field}=.*allowed"):
@@ -139,6 +145,11 @@ def test_bad_requests_fail_before_any_work(llm):
         llm.generate(["ok"], SamplingParams(stop_token_ids=[10**6]), use_tqdm=False)
     with pytest.raises(ConfigError, match="2 SamplingParams for 1 prompts"):
         llm.generate(["ok"], [good, good], use_tqdm=False)
+    for prompts in (None, 123):
+        with pytest.raises(RequestError, match="prompts must be a string, a dict with 'prompt_token_ids', or a list"):
+            llm.generate(prompts, good, use_tqdm=False)
+    with pytest.raises(RequestError, match="prompt 0: not valid Unicode: a lone surrogate"):
+        llm.generate(["abc \ud800"], good, use_tqdm=False)
     assert not llm.engine.has_unfinished()
     assert llm.generate("ok", good, use_tqdm=False)[0].outputs[0].token_ids  # engine still serves
 
@@ -157,6 +168,50 @@ def test_nonfinite_logits_fail_one_request_only(llm, monkeypatch):
     outs = llm.generate(["aa", "bb"], SamplingParams(temperature=0.8, seed=1, max_tokens=3), use_tqdm=False)
     assert outs[0].error and "non-finite" in outs[0].error and outs[0].outputs[0].finish_reason == "error"
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 3
+
+
+def test_the_extreme_seeds_and_biases_that_are_allowed_work(llm):
+    params = [SamplingParams(temperature=0.7, seed=seed, max_tokens=4, ignore_eos=True, logit_bias={7: -100.0})
+              for seed in (2**63 - 1, -(2**63))]
+    outs = llm.generate(["aa", "bb"], params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 and 7 not in o.outputs[0].token_ids and not o.error for o in outs)
+
+
+def test_a_request_whose_steps_fail_fails_alone_and_the_llm_serves_on(tmp_path):
+    """Forwards raise whenever FAIL_PROMPT's request is in their batch: it fails with an error that names no
+    internals, the requests beside it give their tokens alone, and the LLM serves the next call."""
+    path = save_tiny_model_with_tokenizer(tmp_path / "m", "qwen3", seed=7)
+    llm = llm_with_faults(model=str(path), device="cpu", max_model_len=64, max_num_seqs=4)
+    ref = LLM(str(path), device="cpu", max_model_len=64, max_num_seqs=4)
+    params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=9, ignore_eos=True)]
+    prompts = ["hello", FAIL_PROMPT, "world"]
+    outs = llm.generate(prompts, [params[0], params[1], params[1]], use_tqdm=False)
+    assert outs[1].error and "error id" in outs[1].error and "simulated" not in outs[1].error
+    assert outs[1].outputs[0].finish_reason == "error"
+    want = ref.generate(["hello", "world"], [params[0], params[1]], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in (outs[0], outs[2])] == [o.outputs[0].token_ids for o in want]
+    assert not llm.engine.has_unfinished() and not llm.engine.waiting
+    again = llm.generate(["hello"], params[0], use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_an_interrupted_generate_leaves_nothing_queued(llm, monkeypatch):
+    step = llm.engine.step
+    calls = []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["aa", "bb"], SamplingParams(max_tokens=20), use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished()
+    assert llm.generate("aa", SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_llm_config_errors(tmp_path):

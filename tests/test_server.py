@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -22,59 +21,16 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from blockspec import LLM, SamplingParams
 from blockspec.cli import main
 from blockspec.server.app import create_app
 from factories import FAIL_PROMPT, llm_with_faults, save_drafter_target, save_tiny, save_tiny_tokenizer
+from live_server import PATIENCE, LiveServer, get, metric, post, stream, wait_until
 
 FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
 MAX_LEN = 128
-
-
-def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
-
-
-class LiveServer:
-    """uvicorn serving `app` on a free loopback port, in a thread."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.server.started, 20, "uvicorn to start")
-
-    def wait_ready(self) -> LiveServer:
-        wait_until(lambda: httpx.get(f"{self.url}/health").status_code == 200, 30, "/health to answer 200")
-        return self
-
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60, **kw)
-
-    def metrics(self) -> dict[tuple[str, frozenset], float]:
-        text = httpx.get(f"{self.url}/metrics").text
-        return {(s.name, frozenset(s.labels.items())): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(20)
-
-
-def metric(samples: dict, name: str, **labels: str) -> float:
-    """Sum of the samples called `name` whose labels include `labels`."""
-    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -164,14 +120,14 @@ def test_health_is_503_while_loading_then_200(text_dir):
     release = threading.Event()
 
     def load() -> LLM:
-        release.wait(30)
+        release.wait(PATIENCE)
         return text_llm(text_dir)
 
     server = LiveServer(create_app(load, "late"))
     try:
-        r = httpx.get(f"{server.url}/health")
+        r = get(f"{server.url}/health")
         assert r.status_code == 503 and r.json() == {"status": "loading"}
-        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a"})
+        r = post(f"{server.url}/v1/completions", json={"prompt": "a"})
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
         release.set()
         server.wait_ready()
@@ -188,8 +144,8 @@ def test_load_failure_is_reported(text_dir, place):
     load = functools.partial(LLM, str(text_dir), device="cpu", max_model_len=10**6)  # past max_position_embeddings
     server = served(load, "broken", place, on_engine_error=failures.append)
     try:
-        wait_until(lambda: failures, 10, "the load error")
-        r = httpx.get(f"{server.url}/health")
+        wait_until(lambda: failures, PATIENCE, "the load error")
+        r = get(f"{server.url}/health")
         assert r.status_code == 503 and "max_position_embeddings" in r.json()["error"]
     finally:
         server.close()
@@ -207,17 +163,17 @@ def test_cli_serve_subprocess(text_dir):
     def healthy() -> bool:
         assert proc.poll() is None, proc.stderr.read().decode()
         try:
-            return httpx.get(f"{url}/health").status_code == 200
+            return get(f"{url}/health").status_code == 200
         except httpx.TransportError:
             return False
 
     try:
-        wait_until(healthy, 60, "`blockspec serve` to become healthy")
-        r = httpx.post(f"{url}/v1/completions", json={"model": "cli", "prompt": "hi", "max_tokens": 3})
+        wait_until(healthy, PATIENCE, "`blockspec serve` to become healthy")
+        r = post(f"{url}/v1/completions", json={"model": "cli", "prompt": "hi", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
     finally:
         proc.terminate()
-        proc.wait(20)
+        proc.wait(PATIENCE)
 
 
 def test_cli_serve_exits_when_the_model_cannot_load(tmp_path, capsys):
@@ -252,7 +208,7 @@ def test_streaming_completion_with_usage(text_server):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert len(chunks) > 3 and chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
-    with httpx.stream("POST", f"{text_server.url}/v1/completions",
+    with stream("POST", f"{text_server.url}/v1/completions",
                       json={"prompt": "x", "max_tokens": 3, "stream": True}) as r:
         lines = [line for line in r.iter_lines() if line]
     assert r.headers["content-type"].startswith("text/event-stream")
@@ -350,7 +306,7 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize("route, body, status, param", BAD_REQUESTS)
 def test_bad_requests_get_openai_errors(text_server, route, body, status, param):
-    r = httpx.post(f"{text_server.url}/v1/{route}", json=body)
+    r = post(f"{text_server.url}/v1/{route}", json=body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["param"] == param
@@ -359,7 +315,7 @@ def test_bad_requests_get_openai_errors(text_server, route, body, status, param)
 
 
 def test_malformed_json_then_server_carries_on(text_server):
-    r = httpx.post(f"{text_server.url}/v1/completions", content=b'{"prompt": "a",',
+    r = post(f"{text_server.url}/v1/completions", content=b'{"prompt": "a",',
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError):
@@ -370,13 +326,13 @@ def test_malformed_json_then_server_carries_on(text_server):
 # ---------------------------------------------------------------- cancellation
 def test_client_leaving_a_stream_aborts_it(faulty_server):
     aborted = metric(faulty_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
-    with httpx.stream("POST", f"{faulty_server.url}/v1/completions",
+    with stream("POST", f"{faulty_server.url}/v1/completions",
                       json={"prompt": "a", "max_tokens": 120, "ignore_eos": True, "stream": True}) as r:
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
     wait_until(lambda: metric(faulty_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
-               == aborted + 1, 10, "the request to be aborted")
+               == aborted + 1, PATIENCE, "the request to be aborted")
     after = faulty_server.metrics()
     assert metric(after, "blockspec:num_requests_running") == 0 and metric(after, "blockspec:kv_cache_usage_perc") == 0
     assert faulty_server.client().completions.create(model="tiny", prompt="a", max_tokens=3).usage.completion_tokens >= 1
@@ -385,18 +341,36 @@ def test_client_leaving_a_stream_aborts_it(faulty_server):
 def test_client_leaving_a_non_streaming_request_aborts_it(faulty_server):
     aborted = metric(faulty_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{faulty_server.url}/v1/completions", json={"prompt": "a", "max_tokens": 120, "ignore_eos": True},
+        post(f"{faulty_server.url}/v1/completions", json={"prompt": "a", "max_tokens": 120, "ignore_eos": True},
                    timeout=0.3)
     wait_until(lambda: metric(faulty_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
-               == aborted + 1, 10, "the request to be aborted")
+               == aborted + 1, PATIENCE, "the request to be aborted")
     assert metric(faulty_server.metrics(), "blockspec:num_requests_running") == 0
     assert faulty_server.client().completions.create(model="tiny", prompt="b", max_tokens=3).usage.completion_tokens >= 1
 
 
-def test_engine_failure_fails_the_requests_in_flight_only(faulty_server):
-    r = httpx.post(f"{faulty_server.url}/v1/completions", json={"prompt": FAIL_PROMPT, "max_tokens": 5})
-    assert r.status_code == 500 and "simulated device failure" in r.json()["error"]["message"]
-    assert metric(faulty_server.metrics(), "blockspec:num_requests_running") == 0
+def test_a_request_whose_steps_fail_fails_alone(faulty_server, text_ref):
+    """Steps fail whenever a FAIL_PROMPT request runs in them: it ends in a 500 that names no internals
+    and is counted as a failure, while the requests beside it finish with generate's tokens."""
+    failures = metric(faulty_server.metrics(), "blockspec:request_failure_total")
+    params = dict(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
+    prompts = ["abc", "hello", "xyz"]
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=faulty_server.url, timeout=PATIENCE) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json={"prompt": p, **params,
+                                                                                "return_token_ids": True})
+                                          for p in [FAIL_PROMPT, *prompts]))
+
+    bad, *good = asyncio.run(run())
+    assert bad.status_code == 500
+    message = bad.json()["error"]["message"]
+    assert "the engine failed while serving this request (error id" in message and "simulated" not in message
+    want = text_ref.generate(prompts, SamplingParams(**params), use_tqdm=False)
+    assert [r.json()["choices"][0]["token_ids"] for r in good] == [o.outputs[0].token_ids for o in want]
+    after = faulty_server.metrics()
+    assert metric(after, "blockspec:request_failure_total") == failures + 1
+    assert metric(after, "blockspec:num_requests_running") == 0
     assert faulty_server.client().completions.create(model="tiny", prompt="a", max_tokens=2).usage.completion_tokens >= 1
 
 
@@ -407,18 +381,18 @@ def test_engine_process_death_fails_requests_and_health(text_dir):
     load = functools.partial(llm_with_faults, 0.01, **text_llm_kwargs(text_dir))
     server = served(load, "tiny", "process", on_engine_error=failures.append).wait_ready()
     try:
-        with httpx.stream("POST", f"{server.url}/v1/completions",
+        with stream("POST", f"{server.url}/v1/completions",
                           json={"prompt": "a", "max_tokens": 120, "ignore_eos": True, "stream": True}) as r:
             lines = r.iter_lines()
             next(lines)
             os.kill(server.app.state.engine.process_id, signal.SIGKILL)
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and "engine process exited" in rest[-2]
-        wait_until(lambda: failures, 10, "the engine error to be reported")
+        wait_until(lambda: failures, PATIENCE, "the engine error to be reported")
         assert "engine process exited with code -9" in failures[0]
-        r = httpx.get(f"{server.url}/health")
+        r = get(f"{server.url}/health")
         assert r.status_code == 503 and "code -9" in r.json()["error"]
-        assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "a"}).status_code == 503
+        assert post(f"{server.url}/v1/completions", json={"prompt": "a"}).status_code == 503
     finally:
         server.close()
 
@@ -431,7 +405,7 @@ def token_prompts(n: int, seed: int) -> list[list[int]]:
 
 async def fire(url: str, jobs: list[tuple[list[int], dict]]) -> list[dict]:
     """All jobs at once (staggered by a few ms, so they join a running batch); every second one streamed."""
-    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=PATIENCE) as client:
         async def one(i: int, prompt: list[int], body: dict) -> dict:
             await asyncio.sleep(0.003 * i)
             payload = {**body, "prompt": prompt, "return_token_ids": True, "ignore_eos": True}
@@ -508,7 +482,7 @@ def test_clients_leaving_mid_batch_leave_the_others_exact(spec_server, plain_ref
     aborted = metric(spec_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
 
     async def run() -> list[list[int] | None]:
-        async with httpx.AsyncClient(base_url=spec_server.url, timeout=60) as client:
+        async with httpx.AsyncClient(base_url=spec_server.url, timeout=PATIENCE) as client:
             async def one(i: int, prompt: list[int]) -> list[int] | None:
                 payload = {**base, "prompt": prompt, "return_token_ids": True, "stream": True}
                 ids = []
@@ -526,7 +500,7 @@ def test_clients_leaving_mid_batch_leave_the_others_exact(spec_server, plain_ref
     want = plain_ref.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**base), use_tqdm=False)
     assert [g for g in got if g is not None] == [o.outputs[0].token_ids for i, o in enumerate(want) if i % 3]
     wait_until(lambda: metric(spec_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
-               >= aborted + 1, 10, "the aborts to be counted")
+               >= aborted + 1, PATIENCE, "the aborts to be counted")
     assert metric(spec_server.metrics(), "blockspec:num_requests_running") == 0
 
 

@@ -7,7 +7,9 @@ everything else (logits, probabilities, acceptance) stays on the device.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -26,6 +28,12 @@ from blockspec.sample import RowParams, logprobs as top_logprobs, process_logits
 from blockspec.spec.policy import DraftLengthPolicy
 from blockspec.sampling_params import SamplingParams
 from blockspec.transfer import to_device
+
+log = logging.getLogger("blockspec.engine")
+
+# A request that took part in this many failed steps is failed at the next, even where it did not run
+# alone: each isolation lets it commit a token, so a fault it causes only beside others ends there.
+MAX_FAILED_STEPS = 3
 
 
 class RequestError(ValueError):
@@ -258,10 +266,18 @@ class Engine:
         self._reset_counters()
         return {"graphs": CAPTURES[0] - captured, "seconds": time.perf_counter() - t0}
 
-    def _reset_counters(self) -> None:
-        self._inflight = None  # warm-up requests are all finished: whatever is in flight is discarded
+    def _drop_launches(self) -> None:
+        """Forget every step launched and not committed (its rows are recomputed: sampling is keyed by
+        position, so they draw the same tokens again)."""
+        self._inflight = None
         self._spec_inflight = self._next_choice = None
         self._last_commit = self._step_end = None
+        self.timer.discard()
+        if self.proposer is not None:
+            self.proposer.ahead = None
+
+    def _reset_counters(self) -> None:
+        self._drop_launches()  # warm-up requests are all finished: whatever is in flight is discarded
         self.spec_totals = type(self.spec_totals)()
         self.timer = StepTimer(self.device)
         self.num_steps = 0
@@ -301,15 +317,17 @@ class Engine:
             reqs.append(req)
         return reqs
 
-    def abort(self, request_id: str) -> None:
-        """Drop a request; its slot (and KV) is freed now, between steps."""
-        for req in list(self.waiting):
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """Drop a request; its slot (and KV) is freed now, between steps. With `error` it ends as failed,
+        with that message."""
+        for req in list(self.waiting) + list(self.running):
             if req.request_id == request_id or req.request_id.startswith(f"{request_id}-"):
-                self.waiting.remove(req)
-                self._finish(req, "abort")
-        for req in list(self.running):
-            if req.request_id == request_id or req.request_id.startswith(f"{request_id}-"):
-                self._finish(req, "abort")
+                if req.status is Status.WAITING:
+                    self.waiting.remove(req)
+                if error is None:
+                    self._finish(req, "abort")
+                else:
+                    self._fail(req, error)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -319,7 +337,19 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one engine step; return the requests whose output changed.
 
-        Prefill chunks of new requests run beside the decode of the running ones (two forwards in
+        A step that raises costs no request its work: the requests it ran are preempted (recomputed
+        later, with the same output) and return one at a time, so the one whose rows make a step fail
+        fails alone (`_recover`)."""
+        try:
+            touched = self._step()
+        except Exception:
+            return self._recover()
+        if self.running and self.running[0].suspect:  # a suspect runs alone
+            self._clear_suspect(self.running[0])
+        return touched
+
+    def _step(self) -> list[Request]:
+        """Prefill chunks of new requests run beside the decode of the running ones (two forwards in
         one step), so a long prompt arriving never stalls the others. Pages for the running requests'
         next two steps come first (`_reserve`); new requests are admitted only in a step that preempted
         none."""
@@ -339,6 +369,37 @@ class Engine:
         self._step_end = time.perf_counter() if decoding else None
         self.num_steps += 1
         return touched
+
+    def _clear_suspect(self, req: Request) -> None:
+        """A suspect that committed a token running alone is cleared; while other suspects wait it goes
+        back behind them (to be recomputed), so the next runs alone now, not after its whole life."""
+        if len(req.output_ids) <= req.suspect_since:
+            return
+        req.suspect = False
+        if self.waiting and self.waiting[0].suspect:
+            self._requeue(req, at=sum(1 for _ in itertools.takewhile(lambda r: r.suspect, self.waiting)))
+
+    def _recover(self) -> list[Request]:
+        """After a step raised: whatever it launched is dropped, and the requests it ran are queued first
+        as suspects, which run alone one after another (`_admit`) until each commits a token. A suspect whose step
+        fails while it runs alone (or that took part in MAX_FAILED_STEPS failed steps) is failed with
+        an error that names no internals; the exception goes to the log under the same id."""
+        error_id = uuid.uuid4().hex[:12]
+        log.exception("engine step failed (error id %s); its %d requests are retried one at a time",
+                      error_id, len(self.running))
+        self._drop_launches()
+        failed = []
+        alone = len(self.running) == 1 and self.running[0].suspect
+        for req in reversed(list(self.running)):  # newest first: each goes to the queue's front, oldest ends first
+            req.num_failed_steps += 1
+            if alone or req.num_failed_steps >= MAX_FAILED_STEPS:
+                self._fail(req, f"the engine failed while serving this request (error id {error_id}; the "
+                                "server log has the details)")
+                failed.append(req)
+            else:
+                self._requeue(req)
+                req.suspect, req.suspect_since = True, len(req.output_ids)
+        return failed
 
     def _decode(self, decoding: list[Request]) -> list[Request]:
         """One decode step for every running request: speculative with the policy's K, or plain."""
@@ -536,14 +597,18 @@ class Engine:
         recomputes the K/V and the drafter's context; sampling is keyed by position, so its tokens
         are what they would have been. Rows of it in a step launched ahead are dropped at that
         step's commit, as for an abort."""
+        self._requeue(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _requeue(self, req: Request, at: int = 0) -> None:
+        """Release a running request's slot and pages and queue it (first, or at `at`), to be recomputed."""
         self.running.remove(req)
         self.pages.release(req.slot)
         req.status = Status.WAITING
         req.slot = -1
         req.num_cached = req.num_draft_ctx = req.num_pending = req.kv_capacity = 0
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.insert(at, req)
 
     def _admit(self) -> None:
         """Admit waiting requests in order while a slot and the pages of their first prefill chunk
@@ -552,6 +617,8 @@ class Engine:
         joined = []
         while self.waiting and self.pages.num_free_slots:
             req = self.waiting[0]
+            if self.running and (req.suspect or self.running[0].suspect):  # a suspect runs alone
+                break
             slot = self.pages.allocate()
             need = self._pages_wanted(req)
             watermark = self.pages.num_pages // 100 if self.running else 0
@@ -565,6 +632,8 @@ class Engine:
             req.status = Status.RUNNING
             self.running.append(req)
             joined.append(req)
+            if req.suspect:
+                break
         if self.proposer is not None and joined:
             # whether each feeds the drafter (its prompt's context, its steps' taps): it may speculate
             # and the batch it joins, all of this step's arrivals counted, is not parked

@@ -175,6 +175,9 @@ class Request:
     finish_time: float | None = None
     truncated_text: str | None = None
     num_preemptions: int = 0  # times its pages were taken back and its tokens recomputed later
+    num_failed_steps: int = 0  # engine steps it took part in that raised
+    suspect: bool = False  # in a step that raised: it runs alone until it commits a token past suspect_since
+    suspect_since: int = 0
     # what its parameters ask of every step, fixed at creation: a step tests them for each of its rows
     needs_history: bool = field(init=False)  # sampling reads committed tokens (penalties, min_tokens) or keeps logprobs
     needs_processing: bool = field(init=False)  # more than the raw logits' argmax (see Engine.needs_processing)

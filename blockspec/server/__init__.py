@@ -8,9 +8,14 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import ipaddress
+import os
+import socket
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from blockspec.config import ConfigError, ServerConfig
 
 T = TypeVar("T")
 
@@ -28,6 +33,13 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     g.add_argument("--seed", type=int, default=None, help="engine seed for requests that give none")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--api-key", default=os.environ.get("BLOCKSPEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $BLOCKSPEC_API_KEY; none: open)")
+    g.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
+                   help="refuse request bodies larger than this with a 413 (default: %(default)s)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat template (rendering one runs the request's template "
+                        "code on the server; default: refused)")
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a process of its own, so the HTTP side never takes its interpreter "
                         "lock (default); --no-engine-process runs it on a thread of the server's process")
@@ -49,12 +61,30 @@ def freezing_after(load: Callable[[], T]) -> Callable[[], T]:
     return load_and_freeze
 
 
+def loopback(host: str) -> bool:
+    """Whether every address `host` names is this machine's loopback."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until interrupted; exit 2 if the model cannot be loaded or the engine process dies."""
     if args.tensor_parallel_size != 1 and not args.engine_process:  # the ranks take their steps from pipes
         print(f"error: --tensor-parallel-size {args.tensor_parallel_size} needs the engine process: drop "
               "--no-engine-process", file=sys.stderr)
         return 2
+    try:
+        config = ServerConfig(api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                              trust_request_chat_template=args.trust_request_chat_template)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if config.api_key is None and not loopback(args.host):
+        print(f"warning: serving on {args.host} with no API key: anyone who reaches this address can use the model "
+              "(--api-key or BLOCKSPEC_API_KEY sets one)", file=sys.stderr)
     import uvicorn
 
     from blockspec.cli import build_llm
@@ -66,7 +96,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     load = functools.partial(build_llm, args)  # pickles, for the engine process (which freezes after it)
     app = create_app(load if args.engine_process else freezing_after(load), args.served_model_name or args.model,
-                     on_engine_error=engine_failed, engine_process=args.engine_process)
+                     on_engine_error=engine_failed, engine_process=args.engine_process, config=config)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     server.run()
     return 2 if app.state.engine.load_error else 0

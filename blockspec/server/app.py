@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import re
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,14 +24,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException
 
+from blockspec.config import ServerConfig
 from blockspec.engine.engine import RequestError
 from blockspec.engine.request import Logprob, SpecStats
 from blockspec.errors import USER_ERRORS
-from blockspec.llm import LLM, ModelInputs
+from blockspec.llm import LLM, ModelInputs, check_text
 from blockspec.sampling_params import SamplingParams
-from blockspec.server.async_engine import AsyncEngine, Delta, Prompt
+from blockspec.server.async_engine import AsyncEngine, Delta, EngineError, Prompt
 from blockspec.server.metrics import ServerMetrics
+from blockspec.server.middleware import APIKey, BodyLimit, InternalErrors
 from blockspec.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
@@ -58,16 +63,49 @@ def user_error(exc: Exception, param: str | None = None) -> APIError:
     return APIError(400, str(exc).replace("SamplingParams.", ""), named.group(1) if named else param)
 
 
+# how pydantic names a union's member in an error's location: a type, not one of the user's fields
+UNION_MEMBER = re.compile(r"(str|int|float|bool|none|list|dict|tuple|literal)(\[.*\])?|function-.*|[A-Z]\w*")
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """The first pydantic complaint as one readable line (malformed JSON, wrong type, unknown field);
     `param` is the top-level field it is about."""
     err = exc.errors()[0]
-    loc = [str(x) for x in err.get("loc", ())[1:]]
+    # a union's members appear in the location as type names ("str", "list[int]"): not the user's words
+    loc = [str(x) for x in err.get("loc", ())[1:] if not UNION_MEMBER.fullmatch(str(x))]
     if err.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
     if err.get("type") == "extra_forbidden":
         return APIError(400, f"unrecognized request argument: {'.'.join(loc)!r}", param=loc[0])
     return APIError(400, f"{'.'.join(loc) or 'body'}: {err.get('msg')}", param=loc[0] if loc else None)
+
+
+def api_error_of(exc: Exception) -> APIError:
+    """The API's answer to an exception that ends a request: a user error is a 400, an engine failure a
+    500 with its own words; anything else a 500 that names no internals (logged with its id)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, USER_ERRORS):
+        return user_error(exc)
+    if isinstance(exc, EngineError):
+        return APIError(500, str(exc), type="internal_server_error")
+    error_id = uuid.uuid4().hex[:12]
+    log.error("a request failed (error id %s)", error_id, exc_info=exc)
+    return APIError(500, f"internal server error (error id {error_id}; the server log has the details)",
+                    type="internal_server_error")
+
+
+def http_error(request: Request, exc: HTTPException) -> APIError:
+    """Starlette's own errors (no such route, method not allowed, a body it could not parse) in the
+    OpenAI format."""
+    if exc.status_code == 404:
+        return APIError(404, f"no such route: {request.method} {request.url.path}", code="not_found")
+    if exc.status_code == 405:
+        return APIError(405, f"method {request.method} is not allowed on {request.url.path}",
+                        code="method_not_allowed")
+    if exc.status_code == 400:
+        return APIError(400, "the request body could not be parsed as JSON (malformed, or nested too deeply)")
+    return APIError(exc.status_code, str(exc.detail))
 
 
 # ---------------------------------------------------------------- inputs
@@ -87,16 +125,60 @@ def completion_prompts(inputs: ModelInputs, prompt: str | list[str] | list[int] 
     return out
 
 
-def chat_prompt(inputs: ModelInputs, body: ChatCompletionRequest) -> Prompt:
+def check_strings(value: Any, where: str) -> None:
+    """Every string in a message (content, name, tool fields) must be valid Unicode."""
+    if isinstance(value, str):
+        check_text(value, where)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_strings(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_strings(item, f"{where}.{i}")
+
+
+def template_arguments(tokenizer: Any, body: ChatCompletionRequest, trusted: bool) -> dict[str, Any]:
+    """The chat template's extra variables from `chat_template_kwargs`, and the request's own template
+    where the server trusts request templates. Arguments of apply_chat_template itself (tokenize,
+    conversation, ...) are the server's to set, not a template variable."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    template = kwargs.pop("chat_template", None) or body.chat_template
+    if template is not None:
+        if not trusted:
+            raise APIError(400, "this server does not render chat templates sent with a request (start it with "
+                                "--trust-request-chat-template to allow them)", param="chat_template")
+        if not isinstance(template, str):
+            raise APIError(400, "chat_template must be a string", param="chat_template")
+        kwargs["chat_template"] = template
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs", "chat_template"}
+    taken = sorted(own & set(kwargs))
+    if taken:
+        raise APIError(400, f"chat_template_kwargs.{taken[0]} is set by the server, not by a request",
+                       param="chat_template_kwargs")
+    return kwargs
+
+
+def chat_prompt(inputs: ModelInputs, body: ChatCompletionRequest, trusted_templates: bool) -> Prompt:
+    """The conversation rendered by the chat template and tokenized (in a worker thread: a template's
+    loops and a long conversation's tokens are no work for the event loop)."""
     tok = inputs.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
     if not body.messages:
         raise APIError(400, "messages must be a non-empty list", param="messages")
+    messages = [m.for_template() for m in body.messages]
     try:
-        ids = tok.apply_chat_template([m.for_template() for m in body.messages], tokenize=True,
-                                      add_generation_prompt=body.add_generation_prompt,
-                                      **(body.chat_template_kwargs or {}))
+        check_strings(messages, "messages")
+    except RequestError as exc:
+        raise user_error(exc, "messages") from None
+    chars = sum(len(m.get("content") or "") for m in messages)
+    if chars > inputs.max_prompt_chars:
+        raise APIError(400, f"messages have {chars} characters, more than max_model_len ({inputs.max_model_len}) "
+                            f"tokens can hold (at most {inputs.max_prompt_chars})", param="messages")
+    kwargs = template_arguments(tok, body, trusted_templates)
+    try:
+        ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=body.add_generation_prompt,
+                                      **kwargs)
     except Exception as exc:  # template errors (jinja raise_exception, bad kwargs) are the request's fault
         raise APIError(400, f"the chat template failed on these messages: {exc}", param="messages") from None
     return None, list(ids if isinstance(ids, list) else ids["input_ids"])
@@ -295,21 +377,33 @@ async def abort_on_disconnect(request: Request, engine: AsyncEngine, request_id:
 
 # ---------------------------------------------------------------- app
 def create_app(load: Callable[[], LLM], served_model_name: str,
-               on_engine_error: Callable[[str], None] | None = None, engine_process: bool = False) -> FastAPI:
+               on_engine_error: Callable[[str], None] | None = None, engine_process: bool = False,
+               config: ServerConfig = ServerConfig()) -> FastAPI:
     """An app that loads its model (`load()`, on the engine's thread, or in the engine process with
     `engine_process`) when it starts serving; /health answers 503 until the model is ready.
     `on_engine_error` hears why the engine cannot serve: it failed to load, or its process died."""
     metrics = ServerMetrics(served_model_name)
     engine = AsyncEngine(load, metrics, on_engine_error, process=engine_process)
+    # tokenizing and template rendering run in threads, so the event loop answers others meanwhile; chat
+    # templates have threads of their own, so a slow one (a request's own, where trusted) never holds up
+    # the tokenizing of completions
+    tokenizing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="blockspec-tokenize")
+    templating = ThreadPoolExecutor(max_workers=2, thread_name_prefix="blockspec-template")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         yield
         engine.shutdown()
+        for pool in (tokenizing, templating):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="blockspec", lifespan=lifespan)
     app.state.engine = engine
+    app.add_middleware(InternalErrors)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    if config.api_key is not None:
+        app.add_middleware(APIKey, key=config.api_key)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -319,15 +413,21 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
     async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(exc).response()
 
+    @app.exception_handler(EngineError)
+    async def engine_error(_: Request, exc: EngineError) -> JSONResponse:
+        return api_error_of(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def starlette_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return http_error(request, exc).response()
+
     for error_type in USER_ERRORS:
         @app.exception_handler(error_type)
         async def bad_value(_: Request, exc: Exception) -> JSONResponse:
             return user_error(exc).response()
 
-    @app.exception_handler(Exception)
-    async def internal(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("request failed", exc_info=exc)
-        return APIError(500, str(exc), type="internal_server_error").response()
+    async def in_thread(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     def ready_inputs(model: str | None = None) -> ModelInputs:
         if engine.inputs is None:
@@ -367,9 +467,7 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
                         raise APIError(500, d.error, type="internal_server_error")
                     yield sse(renderer.chunk(d))
             except Exception as exc:
-                err = exc if isinstance(exc, APIError) else user_error(exc) if isinstance(exc, USER_ERRORS) \
-                    else APIError(500, str(exc), type="internal_server_error")
-                yield sse(ErrorResponse(error=err.info))
+                yield sse(ErrorResponse(error=api_error_of(exc).info))
             else:
                 if renderer.body.include_usage:
                     yield sse(renderer.usage_chunk(choices))
@@ -379,8 +477,8 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
     async def completions(body: CompletionRequest, request: Request) -> Response:
         inputs = ready_inputs(body.model)
         params = body.to_sampling_params(body.max_tokens, body.logprobs)
-        return await generate(request, body, inputs, completion_prompts(inputs, body.prompt), params,
-                              CompletionRenderer)
+        prompts = await in_thread(tokenizing, completion_prompts, inputs, body.prompt)
+        return await generate(request, body, inputs, prompts, params, CompletionRenderer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -389,7 +487,8 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.to_sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-        return await generate(request, body, inputs, [chat_prompt(inputs, body)], params, ChatRenderer)
+        prompt = await in_thread(templating, chat_prompt, inputs, body, config.trust_request_chat_template)
+        return await generate(request, body, inputs, [prompt], params, ChatRenderer)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -25,6 +25,7 @@ import queue
 import signal
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -38,6 +39,11 @@ from blockspec.sampling_params import SamplingParams
 from blockspec.server.metrics import EngineGauges, ServerMetrics, StepMetrics
 
 log = logging.getLogger("blockspec.server")
+
+
+class EngineError(RuntimeError):
+    """The engine could not serve a request (it stopped, or a step failed it); the message is the
+    client's to read and names no internals."""
 
 Prompt = tuple[str | None, list[int]]  # (text or None, token ids), as ModelInputs.prompt_ids returns
 
@@ -184,9 +190,11 @@ class EngineLoop:
             if engine.has_unfinished():
                 try:
                     engine.step()
-                except Exception as exc:  # a bug or out-of-memory: fail what is in flight, keep serving
-                    log.exception("engine step failed; failing the %d requests in flight", len(self._trackers))
-                    self._fail_all(exc, outputs)
+                except Exception:  # the engine's own recovery failed: fail what is in flight, keep serving
+                    error_id = uuid.uuid4().hex[:12]
+                    log.exception("engine step failed (error id %s); failing the %d requests in flight",
+                                  error_id, len(self._trackers))
+                    self._fail_all(error_id)
             self._report(outputs)
 
     def _add(self, cmd: Add, outputs: Outputs) -> None:
@@ -226,12 +234,11 @@ class EngineLoop:
             self._policy_sent = now
         self.send(StepReport(outputs, metrics))
 
-    def _fail_all(self, exc: Exception, outputs: Outputs) -> None:
-        error = RuntimeError(f"the engine failed while serving this request: {type(exc).__name__}: {exc}")
+    def _fail_all(self, error_id: str) -> None:
+        """Fail every request in flight: each ends with the error as its last delta, counted as a failure."""
         for t in self._trackers.values():
-            self.engine.abort(t.req.request_id)
-        outputs.extend((rid, error) for rid in {t.request_id for t in self._trackers.values()})
-        self._trackers.clear()
+            self.engine.abort(t.req.request_id, f"the engine failed while serving this request (error id "
+                                                f"{error_id}; the server log has the details)")
 
 
 def _loaded(load: Callable[[], LLM], send: Callable[[Report], None]) -> LLM | None:
@@ -383,7 +390,7 @@ class AsyncEngine:
         """The engine cannot serve (it did not load, or its process died): say so and fail what waits."""
         self.inputs = None
         self.load_error = message
-        error = RuntimeError(f"the engine stopped: {message}")
+        error = EngineError(f"the engine stopped: {message}")
         for out in self._queues.values():
             out.put_nowait(error)
         if self._on_engine_error is not None:

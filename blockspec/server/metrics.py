@@ -89,7 +89,10 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Requests preempted for KV pages (recomputed later).")
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("generation_tokens", "Generated (committed) tokens.")
-        self.request_success = counter("request_success", "Finished requests by finish reason.", ("finished_reason",))
+        self.request_success = counter("request_success", "Finished requests by finish reason (stop, length, "
+                                       "abort).", ("finished_reason",))
+        self.request_failure = counter("request_failure", "Requests the engine failed (a step that failed while "
+                                       "it ran alone, or non-finite logits); not in the latency histograms.")
         self.drafts = counter("spec_decode_num_drafts", "Verify steps in which a request drafted.")
         self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens sent to verification.")
         self.accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
@@ -114,7 +117,7 @@ class ServerMetrics:
                               "Mean time per output token after the first, per request.", TPOT_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "From arrival to finish.", E2E_BUCKETS)
         for metric in (self.running, self.waiting, self.kv_usage, self.preemptions, self.prompt_tokens,
-                       self.generation_tokens,
+                       self.generation_tokens, self.request_failure,
                        self.drafts, self.draft_tokens, self.accepted, self.ttft, self.tpot, self.e2e):
             metric.labels(model_name)  # export every series from the start, at zero
         self._seen_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
@@ -149,6 +152,9 @@ class ServerMetrics:
             self.prompt_tokens.labels(name).inc(prompt_tokens)
             self.ttft.labels(name).observe(ttft)
         for reason, e2e, tpot in report.finishes:
+            if reason == "error":
+                self.request_failure.labels(name).inc()
+                continue
             self.request_success.labels(name, reason).inc()
             self.e2e.labels(name).observe(e2e)
             if tpot is not None:

@@ -16,7 +16,9 @@ from blockspec.sampling_params import SamplingParams
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields are refused, and values are not coerced: true is not 1, "5" is not 5."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(StrictModel):
@@ -41,7 +43,7 @@ class GenerationRequest(StrictModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     use_speculation: bool = Field(True, description="False: decode this request without drafting")
@@ -98,6 +100,8 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = Field(None, description="a template of the request's own (only where the server "
+                                                        "trusts request templates)")
     chat_template_kwargs: dict[str, Any] | None = None
 
 
