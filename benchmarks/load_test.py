@@ -250,8 +250,8 @@ def markdown(cells: list[Cell], title: str) -> str:
     return f"### {title}\n\n{head}" + "\n".join(rows) + "\n" + "\n".join(summary) + "\n"
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    """`blockspec serve` on a free loopback port; returns once /health answers 200."""
+def start_server(args: argparse.Namespace, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """`blockspec serve` (with `extra` flags) on a free loopback port; returns once /health answers 200."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -262,7 +262,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
                         ("--max-model-len", args.max_model_len), ("--num-kv-pages", args.num_kv_pages)):
         if value is not None:
             cmd += [flag, str(value)]
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd + list(extra))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + args.startup_timeout
     while time.monotonic() < deadline:
