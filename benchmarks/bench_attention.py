@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from blockspec.bench.timing import copy_bandwidth, graph_seconds
-from blockspec.models.triton_attention import AttentionTiles, block_attention
+from blockspec.kernels.attention import AttentionTiles, block_attention
 
 Q_HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 32, 8, 128, 36, 16
 VARIANTS = {

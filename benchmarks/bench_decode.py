@@ -16,9 +16,9 @@ import torch
 
 from blockspec.bench.arch import QWEN3_8B, random_target, step_bytes
 from blockspec.bench.timing import copy_bandwidth, cuda_time
-from blockspec.engine.runner import ModelRunner
+from blockspec.models.runner import ModelRunner
 from blockspec.models.llama import CausalLM
-from blockspec.models.triton_attention import resolve_backend
+from blockspec.kernels.attention import resolve_backend
 
 
 def main() -> None:

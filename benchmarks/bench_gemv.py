@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.bench.timing import add_run, copy_bandwidth, graph_seconds, kernel_record
-from blockspec.models import layers, triton_ops
-from blockspec.models.triton_ops import SkinnyConfig
+from blockspec.kernels import ops as triton_ops
+from blockspec.models import layers
+from blockspec.kernels.ops import SkinnyConfig
 
 HIDDEN, INTER, Q_KV, VOCAB = 4096, 12288, 6144, 151936
 # name: (n, k, fusion) of Qwen3-8B's products; the fusion is what the decoder layer folds into it

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from blockspec.bench.timing import add_run, copy_bandwidth, cuda_time, kernel_record
-from blockspec.sample.gumbel_kernel import gumbel_argmax_kernel
+from blockspec.kernels.gumbel import gumbel_argmax_kernel
 from blockspec.sample.rng import STREAM_TARGET, gumbel_from_keys, row_key
 
 VOCAB = 151936

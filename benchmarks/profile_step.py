@@ -25,7 +25,7 @@ from bench_spec import drafters
 from blockspec.bench.arch import QWEN3_8B, random_target
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
-from blockspec.engine.runner import ModelRunner
+from blockspec.models.runner import ModelRunner
 from blockspec.sampling_params import SamplingParams
 
 

@@ -1,7 +1,7 @@
 """blockspec: block-parallel speculative decoding (DFlash, DSpark), exact on the device."""
 
 from blockspec.config import ConfigError, SpeculativeConfig
-from blockspec.engine.request import CompletionOutput, RequestOutput
+from blockspec.request import CompletionOutput, RequestOutput
 from blockspec.llm import LLM
 from blockspec.sampling_params import SamplingError, SamplingParams
 

@@ -259,7 +259,7 @@ class EngineConfig:
     # instead of launching each layer's kernels from Python (capped at max_prefill_tokens; 0: eager)
     graph_prefill_tokens: int = 2048
     seed: int = 0
-    # auto: the Triton kernel on CUDA when triton is installed, else SDPA (blockspec.models.triton_attention)
+    # auto: the Triton kernel on CUDA when triton is installed, else SDPA (blockspec.kernels.attention)
     attention_backend: str = "auto"
     # share of the GPU's memory the engine may hold (weights, KV caches, activations): on CUDA the KV
     # pages fill what is left of it (at most what max_num_seqs x max_model_len can use)

@@ -6,9 +6,16 @@ from __future__ import annotations
 import json
 
 from blockspec.config import ConfigError
-from blockspec.engine.engine import RequestError
-from blockspec.models.loader import ModelLoadError
 from blockspec.sampling_params import SamplingError
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint is missing, malformed or does not fit; the message names the path and the problem."""
+
+
+class RequestError(ValueError):
+    """A request cannot be served as given (empty, too long, ids outside the vocabulary)."""
+
 
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, ModelLoadError, SamplingError, RequestError,
                                             json.JSONDecodeError, FileNotFoundError)

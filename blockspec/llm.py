@@ -14,9 +14,11 @@ from typing import Any
 import torch
 
 from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
-from blockspec.engine.engine import Engine, RequestError
-from blockspec.engine.request import RequestOutput
-from blockspec.models.loader import ModelLoadError, load_target, read_json, resolve_device, resolve_model_dir
+from blockspec.engine.engine import Engine
+from blockspec.errors import RequestError
+from blockspec.request import RequestOutput
+from blockspec.models.loader import load_target, read_json, resolve_device, resolve_model_dir
+from blockspec.errors import ModelLoadError
 from blockspec.sampling_params import SamplingParams, is_int
 
 log = logging.getLogger("blockspec")

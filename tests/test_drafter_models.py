@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from blockspec.config import ConfigError, ModelConfig
-from blockspec.models.loader import ModelLoadError
+from blockspec.errors import ModelLoadError
 from blockspec.spec.drafter import (
     DFlashDraft,
     build_target_layer_ids,

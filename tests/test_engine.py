@@ -8,7 +8,7 @@ import transformers
 
 from blockspec import LLM, SamplingError, SamplingParams
 from blockspec.config import ConfigError
-from blockspec.engine.engine import RequestError
+from blockspec.errors import RequestError
 from factories import FAIL_PROMPT, FAMILIES, llm_with_faults, save_tiny, save_tiny_model_with_tokenizer
 
 
@@ -97,7 +97,7 @@ def test_logprobs_are_the_processed_distribution(llm):
     c = out.outputs[0]
     model = llm.model
     ids = out.prompt_token_ids + c.token_ids
-    from blockspec.engine.kv_cache import dense_causal_meta
+    from blockspec.models.kv_cache import dense_causal_meta
 
     meta = dense_causal_meta(1, len(ids), "cpu")
     ref = torch.log_softmax(model.compute_logits(model(torch.tensor([ids]), meta, None)[0])[0], -1)
@@ -270,7 +270,7 @@ def test_padded_query_rows_leave_real_rows_unchanged(llm):
     """Graphed verify forwards pad each request's rows up to a bucket width: the padding must not change
     the real rows, must write only the trash column, and must sit at positions the RoPE table covers
     even for a request at the very end of its cache."""
-    from blockspec.engine.kv_cache import meta_from_tensors
+    from blockspec.models.kv_cache import meta_from_tensors
 
     runner, pages = llm.engine.runner, llm.engine.pages
     cache = runner.cache
@@ -300,7 +300,7 @@ def test_padded_query_rows_leave_real_rows_unchanged(llm):
 
 def test_graph_key_extents():
     """SDPA graphs are bucketed by key length up to the cache; the kernel's one extent serves all."""
-    from blockspec.engine.runner import kv_extent, kv_extents
+    from blockspec.models.runner import kv_extent, kv_extents
 
     assert kv_extents(1000, whole=False) == [256, 512, 1000]
     assert kv_extents(200, whole=False) == [200]
@@ -313,7 +313,7 @@ def test_prefill_batches_within_the_token_cap_take_a_graph(tmp_path):
     """A prefill batch replays a captured graph when its padded size (batch bucket x width, widths
     powers of two from 16) is within graph_prefill_tokens, with the Triton kernel only; decode and
     verify widths keep their own graphs; capture_all makes exactly the keys requests can ask for."""
-    from blockspec.engine.runner import ModelRunner, prefill_graph_widths
+    from blockspec.models.runner import ModelRunner, prefill_graph_widths
 
     assert prefill_graph_widths(256) == [16, 32, 64, 128, 256] and prefill_graph_widths(15) == []
     model = LLM(str(save_tiny(tmp_path / "m", "qwen3", seed=2)), device="cpu", dtype="float32", warmup=False).model
@@ -361,7 +361,7 @@ def test_streamed_text_equals_the_offsets_chunk_for_chunk(skip):
     give, on the embedded tokenizer; prompt tails that end mid-character keep the offsets."""
     from pathlib import Path
 
-    from blockspec.engine.request import IncrementalDetokenizer
+    from blockspec.request import IncrementalDetokenizer
     from blockspec.llm import load_tokenizer
 
     tok = load_tokenizer(Path(__file__).parent.parent / "blockspec" / "assets" / "default" / "target")
@@ -381,7 +381,7 @@ def test_a_refused_stream_step_hands_over_to_the_offsets():
     offsets decode that token and the rest from the same state: no text lost or repeated."""
     from pathlib import Path
 
-    from blockspec.engine.request import IncrementalDetokenizer
+    from blockspec.request import IncrementalDetokenizer
     from blockspec.llm import load_tokenizer
 
     tok = load_tokenizer(Path(__file__).parent.parent / "blockspec" / "assets" / "default" / "target")
@@ -410,7 +410,7 @@ def test_cache_plan_is_what_the_caches_allocate(tmp_path):
     included), and on the CPU allocates what max_num_seqs x max_model_len can use."""
     from pathlib import Path
 
-    from blockspec.engine.kv_cache import PageTable
+    from blockspec.models.kv_cache import PageTable
     from blockspec.spec.drafter import load_drafter
     from factories import save_drafter_target
 
@@ -429,17 +429,17 @@ def test_cache_plan_is_what_the_caches_allocate(tmp_path):
 
 def test_a_page_plan_that_cannot_hold_one_sequence_is_refused_with_its_numbers():
     from blockspec.config import EngineConfig
-    from blockspec.engine.kv_cache import plan_pages
+    from blockspec.engine.memory import check_plan
 
     gib = 1 << 30
     cfg = EngineConfig(max_model_len=8192, kv_page_size=16, gpu_memory_utilization=0.9)
-    assert plan_pages(513, 513, gib, cfg) == 513  # exactly one sequence
+    assert check_plan(513, 513, gib, cfg) == 513  # exactly one sequence
     with pytest.raises(ConfigError) as e:
-        plan_pages(512, 513, gib, cfg)
+        check_plan(512, 513, gib, cfg)
     assert "num_kv_pages=512 (8192 positions of kv_page_size=16)" in str(e.value) and "needs 513 pages" in str(e.value)
     # 80 GiB card, 16 GiB of weights in use, 2 GiB reserved: 0.9 x 80 - 16 - 2 = 54 GiB for pages
     with pytest.raises(ConfigError) as e:
-        plan_pages(53, 513, gib, cfg, budget=(54 * gib, 80 * gib, 16 * gib, 2 * gib))
+        check_plan(53, 513, gib, cfg, budget=(54 * gib, 80 * gib, 16 * gib, 2 * gib))
     msg = str(e.value)
     assert "max_model_len=8192 needs 513 KV pages (513.00 GiB)" in msg and "54.00 GiB are left" in msg
     assert "gpu_memory_utilization=0.9 x 80.0 GiB" in msg
@@ -452,7 +452,7 @@ def test_page_table_reserves_releases_and_syncs_what_changed():
     """Pages come from one pool; a released slot's entries point to the trash page again (a padded row
     writing its trash position must not land in a page another request now holds); the device table
     changes only at `sync`."""
-    from blockspec.engine.kv_cache import PageTable
+    from blockspec.models.kv_cache import PageTable
 
     t = PageTable(max_slots=3, max_len=40, page_size=8, num_pages=7, device="cpu")
     assert t.columns == 6 and t.trash_page == 7 and (t.table == 7).all()

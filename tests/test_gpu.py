@@ -38,7 +38,7 @@ def test_prefill_graphs_equal_the_eager_prefill(tmp_path):
     llm = LLM(str(target), device="cuda", dtype="float32", max_model_len=256, warmup=False)
     model = llm.model
     model.attention_backend = "triton"
-    from blockspec.engine.runner import ModelRunner
+    from blockspec.models.runner import ModelRunner
 
     runner = ModelRunner(model, 4, 300, taps=(0, 2), graph_prefill_tokens=256)
     replayed = []
@@ -139,7 +139,7 @@ def test_warmup_captures_every_graph_serving_needs(tmp_path, backend):
     max_num_seqs, prompt length and context length, greedy or sampled, replays what warm-up made."""
     from pathlib import Path
 
-    from blockspec.engine.runner import CAPTURES
+    from blockspec.models.runner import CAPTURES
 
     target = save_drafter_target(tmp_path / "t")
     spec = {"method": "dflash", "model": str(Path(__file__).parent / "fixtures" / "drafters" / "dflash")}
@@ -165,8 +165,8 @@ def test_warmup_captures_every_graph_serving_needs(tmp_path, backend):
 
 def triton_compiled() -> set[str]:
     """Kernel variants Triton has compiled so far for blockspec's kernels (name: specialisation)."""
-    from blockspec.models import triton_attention, triton_ops
-    from blockspec.sample import gumbel_kernel
+    from blockspec.kernels import attention as triton_attention, ops as triton_ops
+    from blockspec.kernels import gumbel as gumbel_kernel
 
     kernels = [triton_attention._block_attention, triton_ops._rms_norm, triton_ops._silu_mul,
                triton_ops._qkv_rope_store, triton_ops._skinny_linear, gumbel_kernel._gumbel_argmax]

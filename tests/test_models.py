@@ -9,8 +9,9 @@ import torch
 import transformers
 
 from blockspec.config import ConfigError
-from blockspec.engine.kv_cache import causal_meta
-from blockspec.models.loader import ModelLoadError, load_target
+from blockspec.models.kv_cache import causal_meta
+from blockspec.models.loader import load_target
+from blockspec.errors import ModelLoadError
 from factories import FAMILIES, save_tiny
 
 CASES = [(fam, tie) for fam in FAMILIES for tie in (False, True)]

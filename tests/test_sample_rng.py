@@ -144,7 +144,7 @@ def test_gumbel_argmax_kernel_draws_the_reference_token(rows, vocab, programs):
     the same token for every row, with masked (-inf) columns and a row with a single live column.
     Ties go to the lowest id, as torch's argmax gives: a row with none live (id 0) and one with two
     +inf scores, in the same lane of different blocks and in different lanes."""
-    from blockspec.sample.gumbel_kernel import gumbel_argmax_kernel
+    from blockspec.kernels.gumbel import gumbel_argmax_kernel
     from blockspec.sample.rng import gumbel_from_keys, row_key
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -542,7 +542,7 @@ def test_spec_metrics_match_responses(spec_server):
 def test_parked_batch_buckets_and_their_requests_in_metrics():
     """The policy's parks: a gauge per batch bucket (1 while parked, back to 0 after), and a counter of
     the requests that joined a parked batch, differenced between views."""
-    from blockspec.engine.request import SpecStats
+    from blockspec.request import SpecStats
     from blockspec.server.metrics import EngineGauges, ServerMetrics, StepMetrics
     from blockspec.spec.policy import PolicyView
 
@@ -567,7 +567,7 @@ def test_parked_batch_buckets_and_their_requests_in_metrics():
 def test_deltas_that_waited_together_are_merged_per_choice():
     """A front that falls behind the engine sends one chunk per choice for all the steps it missed, with
     nothing lost or reordered; an error among them ends the request."""
-    from blockspec.engine.request import Logprob, SpecStats
+    from blockspec.request import Logprob, SpecStats
     from blockspec.server.async_engine import AsyncEngine, Delta, StepReport
     from blockspec.server.metrics import EngineGauges, ServerMetrics, StepMetrics
 

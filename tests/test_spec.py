@@ -402,7 +402,7 @@ def test_policy_turns_speculation_off_when_confidence_prunes_every_draft(target)
 def assert_draft_cache_is_one_append(engine, reqs, device, behind: int) -> None:
     """Each request's cached draft context K/V equal one append of the target's taps over its whole
     sequence into a fresh cache; at most `behind` of its tokens are not in yet."""
-    from blockspec.engine.kv_cache import causal_meta
+    from blockspec.models.kv_cache import causal_meta
 
     drafter, model = engine.proposer.drafter, engine.model
     for req in reqs:

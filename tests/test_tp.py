@@ -11,7 +11,7 @@ from factories import save_drafter_target, save_tiny
 
 from blockspec import LLM, SamplingParams
 from blockspec.config import ConfigError
-from blockspec.engine.engine import RequestError
+from blockspec.errors import RequestError
 from blockspec.models.loader import load_target
 from blockspec.parallel import TPLLM, shard_model
 
@@ -138,13 +138,13 @@ def _rank_with_its_own_plan(rank: int, init_file: str, model: str, plans: list[i
     """A rank whose memory would allow `plans[rank]` pages: write the pages its engine holds."""
     import torch.distributed as dist
 
-    from blockspec.engine.engine import Engine
+    from blockspec.engine import memory
     from blockspec.parallel.tp import RankLLM
 
     torch.set_num_threads(1)
-    plan = Engine.plan_pages  # a plan given (num_kv_pages) stands; one from memory differs by rank
-    Engine.plan_pages = staticmethod(lambda model, drafter, config, table_len: plans[rank]
-                                     if config.num_kv_pages is None else plan(model, drafter, config, table_len))
+    plan = memory.plan_pages  # a plan given (num_kv_pages) stands; one from memory differs by rank
+    memory.plan_pages = lambda model, drafter, config, table_len: plans[rank] \
+        if config.num_kv_pages is None else plan(model, drafter, config, table_len)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         llm = RankLLM(rank, 2, model, None, seed=0, speculative_config=SPEC, device="cpu")

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from blockspec.engine.kv_cache import dense_causal_meta
+from blockspec.models.kv_cache import dense_causal_meta
 from blockspec.models.loader import load_target
 from blockspec.spec.drafter import DFlashDraft, load_dflash
 from blockspec.spec.dspark_model import DSparkDraft, load_dspark

@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from blockspec import LLM, SamplingParams
-from blockspec.engine.kv_cache import range_mask
-from blockspec.engine.runner import ModelRunner
-from blockspec.models import layers, triton_attention, triton_ops
+from blockspec.models.kv_cache import range_mask
+from blockspec.models.runner import ModelRunner
+from blockspec.kernels import attention as triton_attention, ops as triton_ops
+from blockspec.models import layers
 from blockspec.models.loader import load_target
 from factories import TRITON_SKIP_REASON, save_drafter_target, save_tiny, triton_interpretable
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from blockspec.config import RopeConfig
-from blockspec.engine.kv_cache import KVCache, PageTable, causal_meta
-from blockspec.models import layers, triton_ops
+from blockspec.models.kv_cache import KVCache, PageTable, causal_meta
+from blockspec.kernels import ops as triton_ops
+from blockspec.models import layers
 from factories import TRITON_SKIP_REASON, triton_interpretable
 
 pytestmark = pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)

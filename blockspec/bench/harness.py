@@ -43,7 +43,7 @@ from blockspec.bench.timing import (
 )
 from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
-from blockspec.engine.request import SpecStats
+from blockspec.request import SpecStats
 from blockspec.models.llama import CausalLM
 from blockspec.sampling_params import SamplingParams
 from blockspec.spec.synthetic import AcceptanceProfile, SyntheticProposer

@@ -19,11 +19,12 @@ import torch
 from torch import Tensor
 
 from blockspec.config import EngineConfig, SpeculativeConfig
-from blockspec.engine.kv_cache import PageTable, plan_pages
-from blockspec.engine.request import IncrementalDetokenizer, Logprob, Request, SpecStats, Status
-from blockspec.engine.runner import BATCH_BUCKETS, CAPTURES, ModelRunner, bucket
+from blockspec.engine import memory
+from blockspec.models.kv_cache import PageTable
+from blockspec.request import IncrementalDetokenizer, Logprob, Request, SpecStats, Status
+from blockspec.models.runner import BATCH_BUCKETS, CAPTURES, ModelRunner, bucket
 from blockspec.models.llama import CausalLM
-from blockspec.models.triton_attention import resolve_backend
+from blockspec.kernels.attention import resolve_backend
 from blockspec.sample import RowParams, logprobs as top_logprobs, process_logits, sample
 from blockspec.spec.policy import DraftLengthPolicy
 from blockspec.sampling_params import SamplingParams
@@ -34,10 +35,6 @@ log = logging.getLogger("blockspec.engine")
 # A request that took part in this many failed steps is failed at the next, even where it did not run
 # alone: each isolation lets it commit a token, so a fault it causes only beside others ends there.
 MAX_FAILED_STEPS = 3
-
-
-class RequestError(ValueError):
-    """A request cannot be served as given (empty, too long, ids outside the vocabulary)."""
 
 
 class StepTimer:
@@ -152,9 +149,9 @@ class Engine:
         if drafter is not None:
             drafter.attention_backend = self.attention_backend
         drafter = drafter if spec_config is not None else None
-        margin, table_len = self.cache_extent(config, spec_config, drafter)
+        margin, table_len = memory.cache_extent(config, spec_config, drafter)
         self.pages = PageTable(config.max_num_seqs, table_len, config.kv_page_size,
-                               self.plan_pages(model, drafter, config, table_len), self.device)
+                               memory.plan_pages(model, drafter, config, table_len), self.device)
         # positions past its length a request's next two steps may write (this one's and one launched
         # ahead of its commit): verify rows and the drafter's block; pages are reserved that far
         self.lookahead = 2 * margin + (drafter.block_size if drafter is not None else 0)
@@ -196,46 +193,6 @@ class Engine:
         self.agree: Callable[[int], int] = lambda decision: decision
 
     # ---------------------------------------------------------------- start-up
-    @staticmethod
-    def cache_extent(config: EngineConfig, spec: SpeculativeConfig | None, drafter: Any) -> tuple[int, int]:
-        """(margin, positions a slot's page table covers): verify rows reach past the committed length
-        by the draft length (the margin), the drafter's block past its context; every cache and the
-        page table leave room for them."""
-        if spec is None or drafter is None:
-            return 1, config.max_model_len + 1
-        margin = (spec.num_speculative_tokens or drafter.num_draft_slots) + 1
-        return margin, config.max_model_len + max(margin, drafter.block_size + 1)
-
-    @staticmethod
-    def plan_pages(model: CausalLM, drafter: Any, config: EngineConfig, table_len: int) -> int:
-        """KV pages to allocate: `num_kv_pages` if given; on a GPU what `gpu_memory_utilization` leaves
-        after the weights and a reserve for activations, at most what max_num_seqs x max_model_len can
-        use; on the CPU that most. Refuses, with the numbers, a plan that cannot hold one sequence
-        of max_model_len, instead of failing inside an allocation or mid-request."""
-        size = config.kv_page_size
-        dtype = model.embed_tokens.weight.dtype
-        per_page = model.page_bytes(size) + (drafter.page_bytes(size, dtype) if drafter is not None else 0)
-        per_seq = PageTable.columns_for(table_len, size)
-        most = config.max_num_seqs * per_seq
-        if config.num_kv_pages is not None:
-            return plan_pages(config.num_kv_pages, per_seq, per_page, config)
-        device = model.embed_tokens.weight.device
-        if device.type != "cuda":
-            return most
-        itemsize = dtype.itemsize
-        mc = model.config
-        # a prefill chunk's activations (residual, norms, qkv, MLP), greedy logits, graph pools and cuBLAS,
-        # the outputs the prefill graphs share (hidden rows and taps), the drafter's held taps
-        reserve = config.max_prefill_tokens * (8 * mc.hidden_size + 3 * mc.intermediate_size) * itemsize + (3 << 29)
-        tap_width = drafter.fc.in_features if drafter is not None else 0
-        reserve += min(config.graph_prefill_tokens, config.max_prefill_tokens) * (mc.hidden_size + tap_width) * itemsize
-        if drafter is not None:
-            reserve += (config.max_num_seqs + 1) * (drafter.block_size + 1) * tap_width * itemsize
-        free, total = torch.cuda.mem_get_info(device)
-        budget = config.gpu_memory_utilization * total - (total - free) - reserve
-        return plan_pages(min(most, max(0, int(budget // per_page)) - 1), per_seq, per_page, config,
-                          budget=(budget, total, total - free, reserve))
-
     @torch.no_grad()
     def warmup(self) -> dict[str, float]:
         """Pay every one-time cost before the first request: capture the CUDA graph of each batch

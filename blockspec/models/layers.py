@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockspec.config import RopeConfig
-from blockspec.models import triton_ops
-from blockspec.models.triton_ops import PreNormed, use_kernels
+from blockspec.kernels import ops as triton_ops
+from blockspec.kernels.ops import PreNormed, use_kernels
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

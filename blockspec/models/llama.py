@@ -13,11 +13,11 @@ import torch
 from torch import Tensor, nn
 
 from blockspec.config import ModelConfig
-from blockspec.engine.kv_cache import AttnMeta, KVCache, PageTable
+from blockspec.models.kv_cache import AttnMeta, KVCache, PageTable
 from blockspec.models.layers import (GatedMLP, RMSNorm, Rotary, add_rms_norm, additive_mask, attention, dense, few_rows,
                                      qk_norm_rope, stream)
-from blockspec.models.triton_attention import block_attention
-from blockspec.models.triton_ops import PreNormed, qkv_rope_store
+from blockspec.kernels.attention import block_attention
+from blockspec.kernels.ops import PreNormed, qkv_rope_store
 
 
 class Attention(nn.Module):

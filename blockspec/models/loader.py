@@ -15,13 +15,10 @@ import torch
 from torch import Tensor, nn
 
 from blockspec.config import ConfigError, ModelConfig
+from blockspec.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from blockspec.models.llama import CausalLM
-
-
-class ModelLoadError(ValueError):
-    """A checkpoint is missing, malformed or does not fit; the message names the path and the problem."""
 
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.bin"]

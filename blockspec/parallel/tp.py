@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockspec.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
+from blockspec.engine import memory
 from blockspec.engine.engine import Engine
 from blockspec.llm import LLM
 from blockspec.models.layers import GatedMLP
@@ -209,8 +210,8 @@ class RankLLM(LLM):
         if config.num_kv_pages is None:
             # every rank must hold the same pages, or their preemptions (and so their steps) would part:
             # the fewest any rank's memory allows
-            mine = Engine.plan_pages(self.model, drafter if spec is not None else None, config,
-                                     Engine.cache_extent(config, spec, drafter)[1])
+            mine = memory.plan_pages(self.model, drafter if spec is not None else None, config,
+                                     memory.cache_extent(config, spec, drafter)[1])
             config = dataclasses.replace(config, num_kv_pages=fewest(mine, self.control))
         engine = super()._make_engine(config, spec, drafter, eos)
         if engine.proposer is not None and engine.policy.adaptive:  # a fixed K needs no agreement

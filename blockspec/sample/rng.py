@@ -25,22 +25,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from blockspec.kernels.gumbel import GAMMA, INV_2_53, MIX1, MIX2  # the hash the fused kernel computes too
+
 STREAM_TARGET = 0
 STREAM_DRAFT = 1
 STREAM_ACCEPT = 2
 STREAM_RESIDUAL = 3
 
-
-def _signed(c: int) -> int:
-    """An unsigned 64-bit constant as the int64 with the same bits."""
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-# splitmix64 constants, shared with the fused sampling kernel (gumbel_kernel.py)
-GAMMA = _signed(0x9E3779B97F4A7C15)  # the increment (odd, so k -> k * GAMMA is a bijection)
-MIX1 = _signed(0xBF58476D1CE4E5B9)
-MIX2 = _signed(0x94D049BB133111EB)
-INV_2_53 = 2.0**-53
 
 
 def _srl(x: Tensor, s: int) -> Tensor:

@@ -13,8 +13,8 @@ from torch import Tensor
 
 from blockspec.sample.processors import (CHUNK_ELEMS, RowParams, features, needs_full_processing,
                                          process_logits, row_chunks)
-from blockspec.models.triton_ops import use_kernels
-from blockspec.sample.gumbel_kernel import gumbel_argmax_kernel
+from blockspec.kernels.ops import use_kernels
+from blockspec.kernels.gumbel import gumbel_argmax_kernel
 from blockspec.sample.rng import STREAM_DRAFT, STREAM_TARGET, gumbel_from_keys, row_key
 
 

@@ -27,8 +27,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from blockspec.config import ServerConfig
-from blockspec.engine.engine import RequestError
-from blockspec.engine.request import Logprob, SpecStats
+from blockspec.errors import RequestError
+from blockspec.request import Logprob, SpecStats
 from blockspec.errors import USER_ERRORS
 from blockspec.llm import LLM, ModelInputs, check_text
 from blockspec.sampling_params import SamplingParams

@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from blockspec.engine.engine import Engine
-from blockspec.engine.request import Logprob, Request, SpecStats
+from blockspec.request import Logprob, Request, SpecStats
 from blockspec.errors import USER_ERRORS
 from blockspec.llm import LLM, ModelInputs
 from blockspec.sampling_params import SamplingParams

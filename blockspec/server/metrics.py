@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from blockspec.engine.engine import Engine
-from blockspec.engine.request import Request, SpecStats
+from blockspec.request import Request, SpecStats
 from blockspec.spec.policy import PolicyView
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

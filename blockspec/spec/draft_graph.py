@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from blockspec.engine.kv_cache import KVCache
-from blockspec.engine.runner import BATCH_BUCKETS, bucket, capture, kv_extent, kv_extents
+from blockspec.models.kv_cache import KVCache
+from blockspec.models.runner import BATCH_BUCKETS, bucket, capture, kv_extent, kv_extents
 from blockspec.models.llama import CausalLM
 from blockspec.transfer import to_device
 

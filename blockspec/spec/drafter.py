@@ -35,10 +35,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockspec.config import ConfigError, ModelConfig, RopeConfig, rope_from_hf
-from blockspec.engine.kv_cache import AttnMeta, KVCache, PageTable, range_mask
+from blockspec.models.kv_cache import AttnMeta, KVCache, PageTable, range_mask
 from blockspec.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attention, dense
-from blockspec.models.triton_attention import block_attention
-from blockspec.models.triton_ops import qkv_rope_store
+from blockspec.kernels.attention import block_attention
+from blockspec.kernels.ops import qkv_rope_store
 from blockspec.models.loader import (
     ModelLoadError,
     assign_weights,

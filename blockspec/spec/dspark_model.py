@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockspec.config import ConfigError, ModelConfig
-from blockspec.models.loader import ModelLoadError, read_json, read_state_dict, resolve_model_dir
+from blockspec.models.loader import read_json, read_state_dict, resolve_model_dir
+from blockspec.errors import ModelLoadError
 from blockspec.spec.drafter import (
     DrafterConfig,
     DraftModel,

@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 from blockspec.config import ConfigError, SpeculativeConfig
-from blockspec.engine.kv_cache import PageTable
-from blockspec.engine.request import Request
+from blockspec.models.kv_cache import PageTable
+from blockspec.request import Request
 from blockspec.models.llama import CausalLM
 from blockspec.spec.draft_graph import DraftGraphs
 from blockspec.spec.confidence import VerifyCostTable, schedule_prefixes, threshold_lengths, timed

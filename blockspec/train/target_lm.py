@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockspec.config import ModelConfig, RopeConfig
-from blockspec.engine.kv_cache import dense_causal_meta
+from blockspec.models.kv_cache import dense_causal_meta
 from blockspec.models.llama import CausalLM
 from blockspec.models.loader import resolve_device
 from blockspec.train.data import Batches, Example, collate

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from blockspec.config import ConfigError, EngineConfig
+from blockspec.config import ConfigError
 from blockspec.transfer import to_device
 
 
@@ -189,28 +189,6 @@ class KVCache:
     def read(self, layer: int, meta: "AttnMeta") -> tuple[Tensor, Tensor]:
         """Keys and values of the first kv_len positions of each request's slot: [R, kv_heads, kv_len, hd]."""
         return self.gather(layer, meta.slots, meta.kv_len)
-
-
-def plan_pages(pages: int, per_seq: int, per_page: int, config: EngineConfig,
-               budget: tuple[float, int, int, int] | None = None) -> int:
-    """`pages` if they hold one sequence of max_model_len (`per_seq` pages), else a ConfigError with
-    the numbers. `budget` = (bytes left for pages, the card's total, in use, reserved for
-    activations) when the count came from the GPU's memory; None when the user gave it."""
-    if pages >= per_seq:
-        return pages
-    gib = 1 << 30
-    size = config.kv_page_size
-    if budget is None:
-        raise ConfigError(f"num_kv_pages={pages} ({pages * size} positions of kv_page_size={size}) cannot hold one "
-                          f"sequence of max_model_len={config.max_model_len}, which needs {per_seq} pages: raise "
-                          f"num_kv_pages or lower max_model_len")
-    left, total, used, reserve = budget
-    raise ConfigError(
-        f"one sequence of max_model_len={config.max_model_len} needs {per_seq} KV pages "
-        f"({per_seq * per_page / gib:.2f} GiB), but {max(left, 0) / gib:.2f} GiB are left of "
-        f"gpu_memory_utilization={config.gpu_memory_utilization} x {total / gib:.1f} GiB after the weights "
-        f"({used / gib:.1f} GiB in use) and {reserve / gib:.1f} GiB for activations: lower max_model_len or "
-        f"raise gpu_memory_utilization")
 
 
 @dataclass

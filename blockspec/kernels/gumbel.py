@@ -17,8 +17,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from blockspec.models.triton_attention import triton
-from blockspec.sample.rng import GAMMA, INV_2_53, MIX1, MIX2
+from blockspec.kernels import triton
+
+
+def _signed(c: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+# splitmix64 constants: this kernel and its reference (blockspec.sample.rng) hash with them
+GAMMA = _signed(0x9E3779B97F4A7C15)  # the increment (odd, so k -> k * GAMMA is a bijection)
+MIX1 = _signed(0xBF58476D1CE4E5B9)
+MIX2 = _signed(0x94D049BB133111EB)
+INV_2_53 = 2.0**-53
 
 BLOCK = 1024
 TARGET_PROGRAMS = 528  # about four waves of an H100/H200's 132 SMs

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from blockspec.models.triton_attention import triton, triton_available
+from blockspec.kernels import triton, triton_available
 
 if triton is not None:
     import triton.language as tl

@@ -19,7 +19,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from blockspec.engine.kv_cache import KVCache, PageTable, causal_meta, meta_from_tensors
+from blockspec.models.kv_cache import KVCache, PageTable, causal_meta, meta_from_tensors
 from blockspec.models.llama import CausalLM
 from blockspec.sample.sampler import greedy_ids
 from blockspec.transfer import to_device

@@ -19,7 +19,6 @@ over the splits rather than landing in the first.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -28,16 +27,10 @@ from torch import Tensor
 
 from blockspec.config import ConfigError
 
-try:
-    import triton
+from blockspec.kernels import triton, triton_available
+
+if triton is not None:
     import triton.language as tl
-except ImportError:  # CPU-only installs: the reference path is used
-    triton = None
-
-
-@functools.cache
-def triton_available() -> bool:
-    return triton is not None
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
