@@ -27,7 +27,7 @@ from blockspec.bench.timing import copy_bandwidth, cuda_time, event_seconds
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
 from blockspec.sampling_params import SamplingParams
-from blockspec.spec.dspark_model import DSparkDraft, DSparkHeads
+from blockspec.drafters import DSparkDraft, DSparkHeads
 
 
 def drafters() -> dict[str, torch.nn.Module]:

@@ -167,7 +167,7 @@ class LLM:
         eos = generation_eos_ids(self.model_dir, self.model.config.eos_token_ids, self.tokenizer)
         drafter = None
         if spec is not None:
-            from blockspec.spec.drafter import load_drafter
+            from blockspec.drafters import load_drafter
 
             weight = self.model.embed_tokens.weight
             drafter = load_drafter(spec.method, spec.model, weight.device, weight.dtype)

@@ -20,7 +20,7 @@ from blockspec.cli import main
 from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
 from blockspec.sampling_params import SamplingParams
-from blockspec.spec.synthetic import AcceptanceProfile, SyntheticProposer, geometric_rate
+from blockspec.speculative.synthetic import AcceptanceProfile, SyntheticProposer, geometric_rate
 from factories import save_drafter_target, save_tiny, save_tiny_model_with_tokenizer
 
 # Random drafters are never accepted, so the engine's draft-length policy would rightly stop drafting; these

@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from blockspec.spec.confidence import schedule_prefixes, threshold_lengths
+from blockspec.speculative.confidence import schedule_prefixes, threshold_lengths
 
 
 def staircase(batch: int, rows: int) -> float:

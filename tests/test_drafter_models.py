@@ -16,14 +16,16 @@ from torch import nn
 
 from blockspec.config import ConfigError, ModelConfig
 from blockspec.errors import ModelLoadError
-from blockspec.spec.drafter import (
+from blockspec.drafters import (
     DFlashDraft,
+    DSparkDraft,
     build_target_layer_ids,
     load_dflash,
     load_drafter,
+    load_dspark,
     save_dflash,
+    save_dspark,
 )
-from blockspec.spec.dspark_model import DSparkDraft, load_dspark, save_dspark
 from factories import DRAFTER_TARGET_KW, TRITON_SKIP_REASON, hf_config, triton_interpretable
 
 FIX = Path(__file__).parent / "fixtures" / "drafters"

@@ -411,7 +411,7 @@ def test_cache_plan_is_what_the_caches_allocate(tmp_path):
     from pathlib import Path
 
     from blockspec.models.kv_cache import PageTable
-    from blockspec.spec.drafter import load_drafter
+    from blockspec.drafters import load_drafter
     from factories import save_drafter_target
 
     llm = LLM(str(save_drafter_target(tmp_path / "t")), device="cpu", dtype="float32", max_model_len=100,

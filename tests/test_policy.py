@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from blockspec.spec.policy import PARK_TURNOVERS, UNTIMED_PLAIN_PARKS, DraftLengthPolicy
+from blockspec.speculative.policy import PARK_TURNOVERS, UNTIMED_PLAIN_PARKS, DraftLengthPolicy
 
 
 def feed(policy: DraftLengthPolicy, rates: list[float], times: dict[int, float], batch: int = 1, steps: int = 400):

@@ -544,7 +544,7 @@ def test_parked_batch_buckets_and_their_requests_in_metrics():
     the requests that joined a parked batch, differenced between views."""
     from blockspec.request import SpecStats
     from blockspec.server.metrics import EngineGauges, ServerMetrics, StepMetrics
-    from blockspec.spec.policy import PolicyView
+    from blockspec.speculative.policy import PolicyView
 
     metrics = ServerMetrics("m")
 

@@ -16,7 +16,7 @@ import torch
 
 from blockspec import LLM, SamplingParams
 from blockspec.config import ConfigError
-from blockspec.spec.policy import NEAR_TIE
+from blockspec.speculative.policy import NEAR_TIE
 from factories import save_drafter_target, save_tiny
 
 FIXTURES = Path(__file__).parent / "fixtures" / "drafters"

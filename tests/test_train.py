@@ -11,8 +11,7 @@ import transformers
 
 from blockspec.models.kv_cache import dense_causal_meta
 from blockspec.models.loader import load_target
-from blockspec.spec.drafter import DFlashDraft, load_dflash
-from blockspec.spec.dspark_model import DSparkDraft, load_dspark
+from blockspec.drafters import DFlashDraft, DSparkDraft, load_dflash, load_dspark
 from blockspec.train.data import (
     HELDOUT_PACKAGES,
     SPECIAL_TOKENS,

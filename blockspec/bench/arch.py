@@ -19,8 +19,7 @@ from torch import nn
 from blockspec.config import ConfigError, ModelConfig, RopeConfig
 from blockspec.models.layers import Rotary
 from blockspec.models.llama import CausalLM
-from blockspec.spec.drafter import DFlashDraft, DrafterConfig, DraftModel
-from blockspec.spec.dspark_model import DSparkDraft, DSparkHeads
+from blockspec.drafters import DFlashDraft, DSparkDraft, DSparkHeads, DraftModel, DrafterConfig
 
 QWEN3_8B = ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,

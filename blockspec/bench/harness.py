@@ -46,7 +46,7 @@ from blockspec.engine.engine import Engine
 from blockspec.request import SpecStats
 from blockspec.models.llama import CausalLM
 from blockspec.sampling_params import SamplingParams
-from blockspec.spec.synthetic import AcceptanceProfile, SyntheticProposer
+from blockspec.speculative.synthetic import AcceptanceProfile, SyntheticProposer
 
 METHODS = ("plain", "dflash", "dspark")
 SYNTHETIC_NOTE = ("SYNTHETIC ACCEPTANCE: speculative runs draw their accepted counts from a set profile; their "
@@ -238,7 +238,7 @@ def _prepare_random(cfg: BenchConfig, device: torch.device) -> Setup:
 def _prepare_checkpoints(cfg: BenchConfig, device: torch.device) -> Setup:
     from blockspec.llm import generation_eos_ids, load_tokenizer
     from blockspec.models.loader import load_target, read_json, resolve_model_dir
-    from blockspec.spec.drafter import load_drafter
+    from blockspec.drafters import load_drafter
 
     model_dir = resolve_model_dir(cfg.model)
     tokenizer = load_tokenizer(model_dir)

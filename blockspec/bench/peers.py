@@ -16,7 +16,7 @@ import torch
 
 from blockspec.bench.timing import peak_memory_gb, percentile, reset_peak_memory, spread, synchronize
 from blockspec.models.llama import CausalLM
-from blockspec.spec.drafter import unfuse_state
+from blockspec.drafters.formats import unfuse_state
 
 PEERS = ("transformers",)
 ASSISTED_NEEDS_REAL = ("transformers assisted generation needs a real draft model, and with random target weights "

@@ -20,13 +20,14 @@ from torch import Tensor
 
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine import memory
+from blockspec.errors import RequestError
 from blockspec.models.kv_cache import PageTable
 from blockspec.request import IncrementalDetokenizer, Logprob, Request, SpecStats, Status
 from blockspec.models.runner import BATCH_BUCKETS, CAPTURES, ModelRunner, bucket
 from blockspec.models.llama import CausalLM
 from blockspec.kernels.attention import resolve_backend
 from blockspec.sample import RowParams, logprobs as top_logprobs, process_logits, sample
-from blockspec.spec.policy import DraftLengthPolicy
+from blockspec.speculative.policy import DraftLengthPolicy
 from blockspec.sampling_params import SamplingParams
 from blockspec.transfer import to_device
 
@@ -156,7 +157,7 @@ class Engine:
         # ahead of its commit): verify rows and the drafter's block; pages are reserved that far
         self.lookahead = 2 * margin + (drafter.block_size if drafter is not None else 0)
         if spec_config is not None:
-            from blockspec.spec.proposer import Proposer
+            from blockspec.speculative.proposer import Proposer
 
             # proposer_cls: a Proposer subclass (e.g. the benchmark-only SyntheticProposer); None = Proposer
             make = proposer_cls or Proposer

@@ -42,7 +42,7 @@ def plan_pages(model: CausalLM, drafter: Any, config: EngineConfig, table_len: i
     # a prefill chunk's activations (residual, norms, qkv, MLP), greedy logits, graph pools and cuBLAS,
     # the outputs the prefill graphs share (hidden rows and taps), the drafter's held taps
     reserve = config.max_prefill_tokens * (8 * mc.hidden_size + 3 * mc.intermediate_size) * itemsize + (3 << 29)
-    tap_width = drafter.fc.in_features if drafter is not None else 0
+    tap_width = drafter.feature_width if drafter is not None else 0
     reserve += min(config.graph_prefill_tokens, config.max_prefill_tokens) * (mc.hidden_size + tap_width) * itemsize
     if drafter is not None:
         reserve += (config.max_num_seqs + 1) * (drafter.block_size + 1) * tap_width * itemsize

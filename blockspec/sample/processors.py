@@ -34,6 +34,7 @@ batch changes nothing.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +111,22 @@ class RowParams:
                    frequency_penalty=floats[4], repetition_penalty=floats[5], top_k=ints[0], seed=ints[1],
                    position=ints[2], suppress_eos=ints[3].bool(), output_counts=output_counts,
                    prompt_mask=prompt_mask, logit_bias=logit_bias, eos_ids=eos_ids, features=feats)
+
+    def take(self, rows: Tensor) -> RowParams:
+        """The parameters of a subset of rows (e.g. one block position of every request)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor) and f.name != "eos_ids":
+                value = value[rows]
+            elif f.name == "logit_bias" and value is not None:
+                row, tok, bias = value
+                remap = torch.full((self.temperature.shape[0],), -1, dtype=torch.int64, device=rows.device)
+                remap[rows] = torch.arange(rows.shape[0], device=rows.device)
+                keep = remap[row] >= 0
+                value = (remap[row][keep], tok[keep], bias[keep])
+            out[f.name] = value
+        return RowParams(**out)
 
 
 def features(p: RowParams) -> Features:

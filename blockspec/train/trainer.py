@@ -46,15 +46,17 @@ from blockspec.config import ConfigError, ModelConfig
 from blockspec.models.kv_cache import dense_causal_meta
 from blockspec.models.llama import CausalLM
 from blockspec.models.loader import load_target, resolve_device
-from blockspec.spec.drafter import (
+from blockspec.drafters import (
     DFlashDraft,
-    DrafterConfig,
+    DSparkDraft,
+    DSparkHeads,
     DraftModel,
+    DrafterConfig,
     build_target_layer_ids,
     load_drafter,
     save_dflash,
+    save_dspark,
 )
-from blockspec.spec.dspark_model import DSparkDraft, DSparkHeads, save_dspark
 from blockspec.train.data import Batches, Example, collate, load_examples, split_examples
 
 METHODS = ("dflash", "dspark")
@@ -726,6 +728,7 @@ def greedy_acceptance(target: CausalLM, drafter: DraftModel, prompts: list[list[
     decoding. Returns mean acceptance length (bonus included) and per-position acceptance counts.
     """
     dev = next(target.parameters()).device
+    drafter.bind_target(target)  # a drafter without a head of its own drafts through the target's
     k = min(num_draft or drafter.num_draft_slots, drafter.num_draft_slots)
     taps = drafter.target_layer_ids
     eos = set(eos_ids)
@@ -745,12 +748,7 @@ def greedy_acceptance(target: CausalLM, drafter: DraftModel, prompts: list[list[
             ctx = len(seq)
             anchor_t = torch.tensor([anchor], device=dev)
             block = drafter.block_hidden(cache, [0], [ctx], anchor_t, target.embed)
-            slot_h = drafter.slot_hidden(block, k)
-            base = drafter.logits(slot_h, target)
-            if isinstance(drafter, DSparkDraft):
-                drafts = drafter.draft_greedy(base, slot_h, anchor_t)[0][0].tolist()
-            else:
-                drafts = base.argmax(-1)[0].tolist()
+            drafts = drafter.greedy_drafts(drafter.slot_hidden(block, k), anchor_t)[0][0].tolist()
             hidden, feats = target_forward(target, torch.tensor([seq + [anchor] + drafts], device=dev), taps)
             preds = target.compute_logits(hidden[0, ctx:]).argmax(-1).tolist()
             a = 0

@@ -24,7 +24,7 @@ from blockspec.config import ConfigError, SpeculativeConfig
 from blockspec.models.kv_cache import PageTable
 from blockspec.request import Request
 from blockspec.models.llama import CausalLM
-from blockspec.spec.proposer import DraftBlock, Proposer
+from blockspec.speculative.proposer import DraftBlock, Proposer
 
 if TYPE_CHECKING:
     from blockspec.engine.engine import Engine

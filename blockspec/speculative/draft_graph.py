@@ -12,11 +12,11 @@ host not read yet. Without CUDA graphs (the CPU) the same tensor code runs eager
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
+from blockspec.drafters import DraftModel
 from blockspec.models.kv_cache import KVCache
 from blockspec.models.runner import BATCH_BUCKETS, bucket, capture, kv_extent, kv_extents
 from blockspec.models.llama import CausalLM
@@ -41,12 +41,11 @@ class DraftGraphs:
     """`pending` [slots + 1, K + 2, F] (the proposer's) holds each slot's target taps not yet in the
     draft cache; both steps read their context rows from it (one gather inside the graph)."""
 
-    def __init__(self, drafter: Any, target: CausalLM, cache: KVCache, pending: Tensor, num_drafts: int,
-                 target_head: bool, markov_top_k: int = 0, use_graphs: bool = True) -> None:
+    def __init__(self, drafter: DraftModel, target: CausalLM, cache: KVCache, pending: Tensor, num_drafts: int,
+                 markov_top_k: int = 0, use_graphs: bool = True) -> None:
         self.use_graphs = use_graphs
         self.markov_top_k = markov_top_k
         self.drafter = drafter
-        self.target_head = target_head  # drafter logits are exactly the target LM head's
         self.target = target
         self.cache = cache
         self.pending = pending
@@ -130,12 +129,10 @@ class DraftGraphs:
         slots, starts, counts, anchors = control[0], control[1], control[2], control[3]
         d.append_context_tensors(self.cache, slots, starts, counts, self.pending[slots], kv + self.rows)
         hidden = d.block_hidden_tensors(self.cache, slots, starts + counts, anchors, kv, self.target.embed)
-        slot_hidden = d.slot_hidden(hidden, self.k)
-        if hasattr(d, "draft_greedy"):
-            return d.draft_greedy(d.logits(slot_hidden), slot_hidden, anchors, self.markov_top_k)
-        if self.target_head:  # argmax of the head's own-dtype logits = argmax of their fp32 copy
-            return self.target.lm_head(slot_hidden).argmax(-1), None
-        return d.draft_to_target(d.logits(slot_hidden).argmax(-1)), None
+        # where the drafter's logits are the target's, the argmax of the head's own-dtype logits (= that
+        # of their fp32 copy)
+        return d.greedy_drafts(d.slot_hidden(hidden, self.k), anchors, self.markov_top_k,
+                               head_argmax=lambda h: self.target.lm_head(h).argmax(-1))
 
     def _new_control(self, rows: int, b: int) -> Tensor:
         control = torch.zeros(rows, b, dtype=torch.int64, device=self.pending.device)

@@ -4,7 +4,6 @@ every speculating request in one forward, and accept on the device.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,12 +14,10 @@ from blockspec.config import ConfigError, SpeculativeConfig
 from blockspec.models.kv_cache import PageTable
 from blockspec.request import Request
 from blockspec.models.llama import CausalLM
-from blockspec.spec.draft_graph import DraftGraphs
-from blockspec.spec.confidence import VerifyCostTable, schedule_prefixes, threshold_lengths, timed
+from blockspec.speculative.draft_graph import DraftGraphs
+from blockspec.speculative.confidence import VerifyCostTable, schedule_prefixes, threshold_lengths, timed
 from blockspec.sample import (
-    RowParams,
     process_logits,
-    sample_draft,
     verify_block,
     verify_greedy,
     verify_sample_and_match,
@@ -91,7 +88,7 @@ class Proposer:
         self.taps = tuple(drafter.target_layer_ids)
         self.cost_table: VerifyCostTable | None = None
         weight = target.embed_tokens.weight
-        has_conf = getattr(drafter, "has_confidence", False)
+        has_conf = drafter.has_confidence
         if (cfg.confidence_threshold > 0 or cfg.adaptive_verification) and not has_conf:
             raise ConfigError("speculative_config.confidence_threshold / adaptive_verification need a DSpark drafter "
                               f"with a confidence head; {type(drafter).__name__} has none")
@@ -102,10 +99,10 @@ class Proposer:
                                        weight.device, weight.dtype)
         # target taps of tokens not in the draft cache yet, by slot (the scratch slot last), so a draft
         # or a flush reads them in one gather: at most a verify's K + 1 rows and one plain step's
-        self.pending = torch.zeros(max_slots + 1, k + 2, drafter.fc.in_features, dtype=weight.dtype,
+        self.pending = torch.zeros(max_slots + 1, k + 2, drafter.feature_width, dtype=weight.dtype,
                                    device=weight.device)
-        self.graphs = DraftGraphs(drafter, target, self.cache, self.pending, k, self._plain_target_head(),
-                                  cfg.markov_top_k, use_graphs=weight.device.type == "cuda")
+        self.graphs = DraftGraphs(drafter, target, self.cache, self.pending, k, cfg.markov_top_k,
+                                  use_graphs=weight.device.type == "cuda")
         self.ahead: DraftLaunch | None = None
 
     def reset_stats(self) -> None:
@@ -304,27 +301,14 @@ class Proposer:
                                            self.target.embed)
         slot_hidden = self.drafter.slot_hidden(hidden, self.num_speculative_tokens)
         if probabilistic:
-            return self._sample_drafts(reqs, slot_hidden, anchors, engine)
-        if hasattr(self.drafter, "draft_greedy"):
-            tokens, confidence = self.drafter.draft_greedy(self.drafter.logits(slot_hidden), slot_hidden, anchors,
-                                                           self.cfg.markov_top_k)
-            return tokens, None, confidence
-        if self._plain_target_head():
-            return engine.runner.greedy_ids(slot_hidden), None, None  # ids only, chunked over rows
-        return self.drafter.draft_to_target(self.drafter.logits(slot_hidden).argmax(-1)), None, None
-
-    def _markov_logits(self, i: int, base: Tensor, h: Tensor, prev: Tensor,
-                       state: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """U_k + B_k(prev) over the draft vocabulary, and the Markov state; with markov_top_k only the top-k
-        columns of U_k stay candidates (others -inf), so the truncated distribution is the q verified."""
-        top_k = self.cfg.markov_top_k
-        if 0 < top_k < base.shape[-1]:
-            values, columns = base.float().topk(top_k, dim=-1)
-            latent, state = self.drafter.markov_head.latent(h, prev, state)
-            out = torch.full_like(base, float("-inf"), dtype=torch.float32)
-            return out.scatter_(-1, columns, values + self.drafter.markov_bias_at(latent, columns)), state
-        bias, state = self.drafter.markov_step(i, h, prev, state)
-        return base + bias, state
+            r, k = slot_hidden.shape[:2]
+            round_ = to_device([req.length for req in reqs], torch.int64, slot_hidden.device)
+            return self.drafter.sample_drafts(slot_hidden, anchors, engine.row_params(reqs, [k] * r), round_,
+                                              self.target.config.vocab_size, self.cfg.markov_top_k)
+        # the target head's ids where the drafter's logits are the target's: ids only, chunked over rows
+        tokens, confidence = self.drafter.greedy_drafts(slot_hidden, anchors, self.cfg.markov_top_k,
+                                                        head_argmax=engine.runner.greedy_ids)
+        return tokens, None, confidence
 
     def _confident_lengths(self, confidence: Tensor, lens: list[int], engine: "Engine") -> list[int]:
         """Prune drafts by DSpark's confidence: static threshold, then the load-aware budget.
@@ -383,42 +367,6 @@ class Proposer:
             out["verify_budget_last"] = self.budget_history[-64:]
         return out
 
-    def _plain_target_head(self) -> bool:
-        """The drafter's logits are exactly the target LM head's (no own head, scale or softcap)."""
-        c = self.drafter.config
-        return not self.drafter.use_own_head and c.output_multiplier == 1.0 and not c.final_logit_softcapping
-
-    def _sample_drafts(self, reqs: list[Request], slot_hidden: Tensor, anchors: Tensor,
-                       engine: "Engine") -> tuple[Tensor, Tensor, Tensor | None]:
-        """Drafts drawn on the device from the processed draft distribution, q recorded exactly as sampled.
-
-        DFlash positions are independent given the context, so all K are drawn at once; DSpark's
-        Markov head makes position k depend on the token drawn at k-1, so it goes left to right.
-        Draft-vocabulary logits are placed into target-vocabulary rows (-inf elsewhere) first.
-        """
-        r, k = slot_hidden.shape[:2]
-        vocab = self.target.config.vocab_size
-        params = engine.row_params(reqs, [k] * r)
-        round_ = to_device([req.length for req in reqs], torch.int64, slot_hidden.device)
-        base = self.drafter.logits(slot_hidden)
-        if getattr(self.drafter, "markov_head_type", None) is None:
-            tokens, q = sample_draft(self.drafter.scatter_to_target(base, vocab, float("-inf")), params, round_)
-            return tokens, q, None
-        prev, state = anchors, None
-        tokens, qs, confs = [], [], []
-        for i in range(k):
-            rows = torch.arange(r, device=slot_hidden.device) * k + i
-            if self.drafter.has_confidence:
-                confs.append(self.drafter.confidence(slot_hidden[:, i], prev))
-            logits_i, state = self._markov_logits(i, base[:, i], slot_hidden[:, i], prev, state)
-            logits_i = self.drafter.scatter_to_target(logits_i, vocab, float("-inf"))
-            tok, q = sample_draft(logits_i[:, None], take_rows(params, rows), round_)
-            prev = tok[:, 0].clamp(min=0)
-            tokens.append(tok[:, 0])
-            qs.append(q[:, 0])
-        conf = torch.stack(confs, 1) if confs else None
-        return torch.stack(tokens, 1), torch.stack(qs, 1), conf
-
     # ---------------------------------------------------------------- verify
     def verify(self, engine: "Engine", reqs: list[Request], block: DraftBlock,
                hidden: Tensor) -> tuple[list[int], list[list[int]], list[list[dict]] | None]:
@@ -469,20 +417,3 @@ class Proposer:
     def unpack(rows: list[list[int]]) -> tuple[list[int], list[int], list[list[int]]]:
         """Accepted counts, draft lengths and emitted tokens from the host copy of `pack`."""
         return [row[0] for row in rows], [row[1] for row in rows], [row[2:] for row in rows]
-
-
-def take_rows(params: RowParams, rows: Tensor) -> RowParams:
-    """The sampling parameters of a subset of rows (e.g. one block position of every request)."""
-    out = {}
-    for f in dataclasses.fields(params):
-        value = getattr(params, f.name)
-        if isinstance(value, Tensor) and f.name != "eos_ids":
-            value = value[rows]
-        elif f.name == "logit_bias" and value is not None:
-            row, tok, bias = value
-            remap = torch.full((params.temperature.shape[0],), -1, dtype=torch.int64, device=rows.device)
-            remap[rows] = torch.arange(rows.shape[0], device=rows.device)
-            keep = remap[row] >= 0
-            value = (remap[row][keep], tok[keep], bias[keep])
-        out[f.name] = value
-    return RowParams(**out)
