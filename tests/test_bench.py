@@ -20,6 +20,9 @@ from blockspec.cli import main
 from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
 from blockspec.sampling_params import SamplingParams
+from blockspec.models.runner import ModelRunner
+from blockspec.speculative.context import DraftContext
+from blockspec.speculative.proposer import draft_length
 from blockspec.speculative.synthetic import AcceptanceProfile, SyntheticProposer, geometric_rate
 from factories import save_drafter_target, save_tiny, save_tiny_model_with_tokenizer
 
@@ -116,7 +119,8 @@ def _proposer_parts():
 def test_draws_follow_the_profile():
     target, drafter, spec = _proposer_parts()
     profile = AcceptanceProfile("0.9,0.8,0.7,0.6,0.5,0.4,0.3")
-    prop = SyntheticProposer(drafter, target, spec, 2, 128, profile=profile, seed=1)
+    context = DraftContext(drafter, 2, 128, draft_length(spec, drafter), 2, torch.float32, torch.device("cpu"))
+    prop = SyntheticProposer(drafter, target, ModelRunner(target, 2, 128), spec, context, profile=profile, seed=1)
     draws = prop.draw(torch.full((20000,), 7)).tolist()
     assert 1 + sum(draws) / len(draws) == pytest.approx(profile.expected_length(7), abs=0.05)
     for i, rate in enumerate(profile.rates(7)):  # conditional acceptance per position

@@ -362,7 +362,7 @@ def test_streamed_text_equals_the_offsets_chunk_for_chunk(skip):
     from pathlib import Path
 
     from blockspec.request import IncrementalDetokenizer
-    from blockspec.llm import load_tokenizer
+    from blockspec.engine.build import load_tokenizer
 
     tok = load_tokenizer(Path(__file__).parent.parent / "blockspec" / "assets" / "default" / "target")
     streamed = 0
@@ -382,7 +382,7 @@ def test_a_refused_stream_step_hands_over_to_the_offsets():
     from pathlib import Path
 
     from blockspec.request import IncrementalDetokenizer
-    from blockspec.llm import load_tokenizer
+    from blockspec.engine.build import load_tokenizer
 
     tok = load_tokenizer(Path(__file__).parent.parent / "blockspec" / "assets" / "default" / "target")
     ids = tok.encode("déjà vu: naïve café, 東京 and ünïcödé all the way down " * 3)
@@ -491,16 +491,16 @@ def pipelined(llm):
     plain steps that were launched ahead of their predecessor's commit."""
     engine = llm.engine
     launches: list[int] = []
-    real = engine._plain_step_async
+    real = engine._plain_step_pipelined
 
     def counted(reqs):
         launches.append(len(reqs))
         return real(reqs)
 
-    engine.async_scheduling, engine._plain_step_async = True, counted
+    engine.async_scheduling, engine._plain_step_pipelined = True, counted
     yield llm, launches
     engine.async_scheduling = False
-    del engine._plain_step_async
+    del engine._plain_step_pipelined
 
 
 def test_pipelined_plain_steps_emit_exactly_what_synchronous_ones_do(llm, pipelined):
@@ -566,7 +566,7 @@ def test_pipeline_survives_aborts_arrivals_and_nonfinite_rows(llm, pipelined, mo
     reqs = {p: engine.add_request(p, None, llm.tokenizer.encode(p), params)[0] for p in ("aa", "bb")}
     for _ in range(6):
         engine.step()
-    assert engine._inflight is not None
+    assert engine.pipeline.inflight is not None
     engine.abort("bb")
     n_bb = len(reqs["bb"].output_ids)
     reqs["cc"] = engine.add_request("cc", None, llm.tokenizer.encode("cc"), params)[0]

@@ -16,6 +16,7 @@ import torch
 
 from blockspec import LLM, SamplingParams
 from blockspec.config import ConfigError
+from blockspec.engine.pipeline import SpecLaunch
 from blockspec.speculative.policy import NEAR_TIE
 from factories import save_drafter_target, save_tiny
 
@@ -57,8 +58,8 @@ def add_oracle(llm: LLM, expected: dict[tuple, list[int]], corrupt: float = 0.15
     real = proposer.propose
     g = torch.Generator().manual_seed(seed)
 
-    def propose(reqs, budgets, engine, last_tokens=None):
-        block = real(reqs, budgets, engine, last_tokens)
+    def propose(reqs, budgets, last_tokens=None, draft_params=None):
+        block = real(reqs, budgets, last_tokens, draft_params)
         tokens = block.tokens.clone()
         for r, req in enumerate(reqs):
             want = expected[tuple(req.prompt_token_ids)]
@@ -415,7 +416,7 @@ def assert_draft_cache_is_one_append(engine, reqs, device, behind: int) -> None:
         fresh = drafter.new_cache(1, n + drafter.block_size + 1, device, torch.float32)
         drafter.append_context(fresh, [0], [0], [n], feats)
         for layer in range(len(fresh.k)):
-            got = engine.proposer.cache.gather(layer, torch.tensor([req.slot], device=device), n)
+            got = engine.context.cache.gather(layer, torch.tensor([req.slot], device=device), n)
             want = fresh.gather(layer, torch.tensor([0], device=device), n)
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
@@ -531,9 +532,9 @@ def test_draft_context_is_never_more_than_a_draft_step_behind(target, plain):
     pending_at_draft: list[int] = []
     propose = engine.proposer.propose
 
-    def watch(reqs, budgets, eng, last_tokens=None):
+    def watch(reqs, budgets, last_tokens=None, draft_params=None):
         pending_at_draft.extend(r.num_pending for r in reqs)
-        return propose(reqs, budgets, eng, last_tokens)
+        return propose(reqs, budgets, last_tokens, draft_params)
 
     engine.proposer.propose = watch
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -563,13 +564,13 @@ def test_policy_prices_steps_by_wall_time_with_host_work(target):
     plan = iter([0, 0, 2, 2, 2, 0] * 20)
     engine.policy.choose = lambda batch: next(plan)
     delay = 0.02  # several times a step of this model, so the check cannot pass without it
-    commit = engine._commit
+    commit = engine.output.commit
 
     def slow_commit(req, tokens, lps):
         clock.sleep(delay * len(tokens))  # a slow detokeniser: host work per emitted token
         return commit(req, tokens, lps)
 
-    engine._commit = slow_commit
+    engine.output.commit = slow_commit
     seen: list[tuple[int, float, int]] = []
     observe = engine.policy.observe_time
     before = [0]
@@ -625,10 +626,10 @@ def test_pipelined_plain_steps_between_speculative_ones_keep_output_exact(target
     pending_at_draft: list[int] = []
     propose = engine.proposer.propose
 
-    def watch(reqs, budgets, eng, last_tokens=None):
-        assert engine._inflight is None  # a speculative step starts from committed state
+    def watch(reqs, budgets, last_tokens=None, draft_params=None):
+        assert engine.pipeline.inflight is None  # a speculative step starts from committed state
         pending_at_draft.extend(r.num_pending for r in reqs)
-        return propose(reqs, budgets, eng, last_tokens)
+        return propose(reqs, budgets, last_tokens, draft_params)
 
     engine.proposer.propose = watch
     ps = prompts(3, seed=11)
@@ -702,16 +703,16 @@ def add_device_oracle(llm: LLM, expected: dict[tuple, list[int]]) -> dict[tuple,
     real_propose, real_step, real_eager = proposer.propose, proposer.graphs._step, proposer._eager_draft
     drafted: dict[tuple, list[int]] = {}
 
-    def propose(reqs, budgets, eng, last_tokens=None):
-        block = real_propose(reqs, budgets, eng, last_tokens)
+    def propose(reqs, budgets, last_tokens=None, draft_params=None):
+        block = real_propose(reqs, budgets, last_tokens, draft_params)
         for r, req in enumerate(reqs):
             n = req.num_cached + 1 - len(req.prompt_token_ids)  # the block starts at the cache count
             block.tokens[r, : block.lens[r]] = torch.tensor(
                 oracle_tokens(expected[tuple(req.prompt_token_ids)], n, block.lens[r]), dtype=torch.int64)
         return block
 
-    def eager(reqs, anchors, probabilistic, eng):
-        tokens, q, confidence = real_eager(reqs, anchors, probabilistic, eng)
+    def eager(reqs, anchors, draft_params):
+        tokens, q, confidence = real_eager(reqs, anchors, draft_params)
         for r, req in enumerate(reqs):
             drafted[(tuple(req.prompt_token_ids), req.num_cached + 1 - len(req.prompt_token_ids))] = tokens[r].tolist()
         return tokens, q, confidence
@@ -781,7 +782,7 @@ def test_steps_launched_ahead_survive_stops_aborts_and_arrivals(target, plain):
     reqs = [engine.add_request(str(i), None, p, stopping if i == 1 else greedy)[0] for i, p in enumerate(ps[:3])]
     for _ in range(3):
         engine.step()
-    assert engine._spec_inflight is not None
+    assert isinstance(engine.pipeline.inflight, SpecLaunch)
     engine.abort("2")
     aborted_at = len(reqs[2].output_ids)
     reqs.append(engine.add_request("3", None, ps[3], greedy)[0])
@@ -796,7 +797,7 @@ def test_steps_launched_ahead_survive_stops_aborts_and_arrivals(target, plain):
                                                                stop_token_ids=[alone[0][12]]))[0]
     while engine.has_unfinished():
         engine.step()
-    assert last.finish_reason == "stop" and engine._spec_inflight is None
+    assert last.finish_reason == "stop" and engine.pipeline.inflight is None
 
 
 def test_pipelined_steps_are_priced_one_step_each_across_switches(target):
@@ -813,7 +814,7 @@ def test_pipelined_steps_are_priced_one_step_each_across_switches(target):
     # far above a step of this model (and than a pause of the collector, which is off below): each
     # step's price holds one launch, so one delay
     delay = 0.1
-    for name in ("_plain_step_async", "_launch_spec"):
+    for name in ("_plain_step_pipelined", "_launch_spec"):
         def slow(*args, real=getattr(engine, name), **kw):
             clock.sleep(delay)
             return real(*args, **kw)

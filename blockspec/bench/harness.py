@@ -236,7 +236,7 @@ def _prepare_random(cfg: BenchConfig, device: torch.device) -> Setup:
 
 
 def _prepare_checkpoints(cfg: BenchConfig, device: torch.device) -> Setup:
-    from blockspec.llm import generation_eos_ids, load_tokenizer
+    from blockspec.engine.build import generation_eos_ids, load_tokenizer
     from blockspec.models.loader import load_target, read_json, resolve_model_dir
     from blockspec.drafters import load_drafter
 
@@ -425,7 +425,7 @@ def _memory(engine: Engine, drafter: Any) -> dict[str, float]:
     out = {"target_weights": param_bytes(engine.model) / 1e9, "target_kv": engine.runner.cache.bytes / 1e9}
     if engine.proposer is not None:
         out["drafter_weights"] = param_bytes(drafter) / 1e9
-        out["draft_kv"] = engine.proposer.cache.bytes / 1e9
+        out["draft_kv"] = engine.context.cache.bytes / 1e9
     return out
 
 

@@ -10,6 +10,7 @@ import torch
 from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
 from blockspec.models.kv_cache import PageTable
 from blockspec.models.llama import CausalLM
+from blockspec.speculative.proposer import draft_length
 
 
 def cache_extent(config: EngineConfig, spec: SpeculativeConfig | None, drafter: Any) -> tuple[int, int]:
@@ -18,7 +19,7 @@ def cache_extent(config: EngineConfig, spec: SpeculativeConfig | None, drafter: 
     page table leave room for them."""
     if spec is None or drafter is None:
         return 1, config.max_model_len + 1
-    margin = (spec.num_speculative_tokens or drafter.num_draft_slots) + 1
+    margin = draft_length(spec, drafter) + 1
     return margin, config.max_model_len + max(margin, drafter.block_size + 1)
 
 

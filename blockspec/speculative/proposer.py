@@ -5,18 +5,21 @@ every speculating request in one forward, and accept on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from blockspec.config import ConfigError, SpeculativeConfig
-from blockspec.models.kv_cache import PageTable
+from blockspec.drafters import DraftModel
+from blockspec.models.runner import ModelRunner
 from blockspec.request import Request
 from blockspec.models.llama import CausalLM
+from blockspec.speculative.context import DraftContext
 from blockspec.speculative.draft_graph import DraftGraphs
 from blockspec.speculative.confidence import VerifyCostTable, schedule_prefixes, threshold_lengths, timed
 from blockspec.sample import (
+    RowParams,
     process_logits,
     verify_block,
     verify_greedy,
@@ -24,9 +27,6 @@ from blockspec.sample import (
     verify_standard,
 )
 from blockspec.transfer import to_device
-
-if TYPE_CHECKING:
-    from blockspec.engine.engine import Engine
 
 
 @dataclass
@@ -71,20 +71,31 @@ class DraftLaunch:
         return self.anchor_ids[rows], self.tokens[rows], conf
 
 
+def draft_length(cfg: SpeculativeConfig, drafter: DraftModel) -> int:
+    """Drafts verified per step at most (K): `num_speculative_tokens`, or the drafter's whole block."""
+    slots = drafter.num_draft_slots
+    k = cfg.num_speculative_tokens or slots
+    if k > slots:
+        raise ConfigError(f"speculative_config.num_speculative_tokens={k} exceeds the drafter's block "
+                          f"({slots} draft positions for block_size {drafter.block_size})")
+    return k
+
+
 class Proposer:
-    def __init__(self, drafter: Any, target: CausalLM, cfg: SpeculativeConfig, max_slots: int, max_len: int,
-                 pages: PageTable | None = None) -> None:
+    """Drafts for a batch and verifies them, given what it needs as arguments: the requests, their
+    budgets and, for sampled rows, their `RowParams`. `runner` is the target's (its LM head reads
+    the verify rows; a verify forward prices DSpark's budget)."""
+
+    def __init__(self, drafter: DraftModel, target: CausalLM, runner: ModelRunner, cfg: SpeculativeConfig,
+                 context: DraftContext) -> None:
         drafter.check_target(target.config)
         drafter.bind_target(target)
         self.drafter = drafter
         self.target = target
+        self.runner = runner
         self.cfg = cfg
-        slots = drafter.num_draft_slots
-        k = cfg.num_speculative_tokens or slots
-        if k > slots:
-            raise ConfigError(f"speculative_config.num_speculative_tokens={k} exceeds the drafter's block "
-                              f"({slots} draft positions for block_size {drafter.block_size})")
-        self.num_speculative_tokens = k
+        self.context = context
+        k = self.num_speculative_tokens = context.num_drafts
         self.taps = tuple(drafter.target_layer_ids)
         self.cost_table: VerifyCostTable | None = None
         weight = target.embed_tokens.weight
@@ -94,14 +105,7 @@ class Proposer:
                               f"with a confidence head; {type(drafter).__name__} has none")
         self.has_confidence = has_conf
         self.reset_stats()
-        # the target's page table (one page id, the same positions in both caches), or slots of their own
-        self.cache = drafter.new_cache(pages if pages is not None else max_slots, max_len + drafter.block_size + 1,
-                                       weight.device, weight.dtype)
-        # target taps of tokens not in the draft cache yet, by slot (the scratch slot last), so a draft
-        # or a flush reads them in one gather: at most a verify's K + 1 rows and one plain step's
-        self.pending = torch.zeros(max_slots + 1, k + 2, drafter.feature_width, dtype=weight.dtype,
-                                   device=weight.device)
-        self.graphs = DraftGraphs(drafter, target, self.cache, self.pending, k, cfg.markov_top_k,
+        self.graphs = DraftGraphs(drafter, target, self.context.cache, self.context.pending, k, cfg.markov_top_k,
                                   use_graphs=weight.device.type == "cuda")
         self.ahead: DraftLaunch | None = None
 
@@ -125,110 +129,48 @@ class Proposer:
         limit = self.cfg.max_batch_for_speculation
         return limit is None or batch <= limit
 
-    # ---------------------------------------------------------------- context
-    def extend_context(self, reqs: list[Request], features: Tensor, counts: list[int]) -> None:
-        """Append the target features of a prefill chunk (features[i, :counts[i]] for reqs[i]) to the
-        draft cache at once."""
-        self.drafter.append_context(self.cache, [r.slot for r in reqs], [r.num_draft_ctx for r in reqs], counts,
-                                    features)
-        self.context_appended(reqs, counts)
-
-    def context_appended(self, reqs: list[Request], counts: list[int]) -> None:
-        """Count rows now in the draft cache (appended here, or by a prefill graph through `append_taps`)."""
-        for r, c in zip(reqs, counts):
-            r.num_draft_ctx += c
-
-    def append_taps(self, slots: Tensor, starts: Tensor, counts: Tensor, features: Tensor) -> None:
-        """Device-only context append (the target's prefill graphs run it as their `context_sink`):
-        features[r, :counts[r]] into draft cache slot slots[r] from starts[r]."""
-        self.drafter.append_context_tensors(self.cache, slots, starts, counts, features, self.cache.max_len)
-
-    def held(self, reqs: list[Request]) -> None:
-        """Account one row each that a plain step's forward put in `pending` (ModelRunner.tap_sink).
-
-        Plain steps' rows wait with the request's earlier ones until these fill one draft step's
-        append (K + 1 rows), then go in together. Appending every row costs a drafter pass per plain
-        step (on a CPU, a third of a small model's step); an unbounded backlog costs memory and,
-        after a stretch of plain steps, an eager catch-up before the next speculative step. Bounded
-        by K + 1, the backlog is what the graphed draft step appends anyway.
-
-        When one request's rows fill, every request of the step appends what it holds: requests
-        that joined at different steps would otherwise fill in turn, one append launch per plain
-        step; appended together they stay in phase, one launch every K + 1 steps."""
-        room, k, full = self.pending.shape[1], self.num_speculative_tokens, False
-        for r in reqs:  # one pass: a plain step runs this for every request
-            if r.num_pending >= room:
-                self._check_room(r, 1)
-            r.num_pending += 1
-            full = full or r.num_pending > k
-        if full:
-            counts, starts = self._take_pending(reqs)
-            self.graphs.append([r.slot for r in reqs], starts, counts)
-
-    def _check_room(self, req: Request, rows: int) -> None:
-        if req.num_pending + rows > self.pending.shape[1]:
-            raise RuntimeError(f"request {req.request_id}: {req.num_pending + rows} held context rows exceed the "
-                               f"buffer's {self.pending.shape[1]}")
-
-    def hold(self, reqs: list[Request], features: Tensor, counts: list[int]) -> None:
-        """Keep features[i, :counts[i]] (a verify's accepted rows) after the rows reqs[i] holds already,
-        for its next draft (one scatter for all)."""
-        src_row, src_col, slot, col = [], [], [], []
-        for i, (r, c) in enumerate(zip(reqs, counts)):
-            self._check_room(r, c)
-            src_row += [i] * c
-            src_col += range(c)
-            slot += [r.slot] * c
-            col += range(r.num_pending, r.num_pending + c)
-            r.num_pending += c
-        if src_row:
-            idx = to_device([src_row, src_col, slot, col], torch.int64, features.device)
-            self.pending[idx[2], idx[3]] = features[idx[0], idx[1]].to(self.pending.dtype)
+    def flush_held(self, reqs: list[Request]) -> None:
+        """Account the row a plain step's forward put in the held rows of each of `reqs`, and append
+        them to the draft cache once one request's fill a draft step's append (`DraftContext.held`)."""
+        flush = self.context.held(reqs)
+        if flush is not None:
+            self.graphs.append(*flush)
 
     # ---------------------------------------------------------------- draft
-    @staticmethod
-    def _take_pending(reqs: list[Request]) -> tuple[list[int], list[int]]:
-        """Each request's held rows and where they start in the draft cache; marks them consumed (the
-        caller appends them from the buffer)."""
-        counts = [r.num_pending for r in reqs]
-        starts = [r.num_draft_ctx for r in reqs]
-        for r, c in zip(reqs, counts):
-            r.num_draft_ctx += c
-            r.num_pending = 0
-        return counts, starts
-
-    def _probabilistic(self, reqs: list[Request]) -> bool:
+    def probabilistic(self, reqs: list[Request]) -> bool:
+        """Whether `reqs`' drafts are sampled (they need their rows' `RowParams`)."""
         return self.cfg.draft_sample_method == "probabilistic" and not all(r.params.greedy for r in reqs)
 
     def _graphable(self, reqs: list[Request]) -> bool:
         """Whether the step's draft can replay a captured graph (greedy drafts, a captured batch size,
         context rows and positions within the graph's extent)."""
         pending = [r.num_pending for r in reqs]
-        return (self.graphs.use_graphs and not self._probabilistic(reqs)
+        return (self.graphs.use_graphs and not self.probabilistic(reqs)
                 and self.graphs.fits(len(reqs), pending, max(r.num_cached for r in reqs)))
 
-    def launch_next(self, reqs: list[Request], anchors: list[int], engine: "Engine") -> bool:
+    def launch_next(self, reqs: list[Request], anchors: list[int]) -> bool:
         """Launch the next step's greedy draft for `reqs` now, before the host commits the tokens just
         verified: their cache counts and pending features are already advanced, and `anchors` are
         their last emitted tokens. `propose` takes it if the next step drafts for these requests (or
         for those of them still running); else it is dropped. Returns whether it launched."""
         self.ahead = None
-        if self._probabilistic(reqs):  # sampled drafts draw from the committed history's RNG positions
+        if self.probabilistic(reqs):  # sampled drafts draw from the committed history's RNG positions
             return False
         host = [max(a, 0) for a in anchors]  # a failed row's -1: its request is failed at the commit
         ids = to_device(host, torch.int64, self.target.embed_tokens.weight.device)
         if self._graphable(reqs):
             tokens, confidence = self._graphed_draft(reqs, ids)
         else:
-            tokens, _, confidence = self._eager_draft(reqs, ids, False, engine)
+            tokens, _, confidence = self._eager_draft(reqs, ids, None)
         self.ahead = DraftLaunch(list(reqs), host, [r.num_cached for r in reqs], ids, tokens, confidence)
         self.ahead_stats[0] += 1
         return True
 
-    def propose(self, reqs: list[Request], budgets: list[int], engine: "Engine",
-                last_tokens: list[int] | None = None) -> DraftBlock:
+    def propose(self, reqs: list[Request], budgets: list[int], last_tokens: list[int] | None = None,
+                draft_params: RowParams | None = None) -> DraftBlock:
         """Draft up to budgets[i] tokens for each request (its draft launched ahead if there is one).
-        `last_tokens`: each request's last token when it is not committed yet (a step launched ahead)."""
+        `last_tokens`: each request's last token when it is not committed yet (a step launched ahead).
+        `draft_params`: the K draft rows' sampling parameters of each request, where drafts are sampled."""
         device = self.target.embed_tokens.weight.device
         q_probs = confidence = None
         last = last_tokens if last_tokens is not None else [r.output_ids[-1] for r in reqs]
@@ -242,10 +184,10 @@ class Proposer:
             if self._graphable(reqs):
                 tokens, confidence = self._graphed_draft(reqs, anchors)
             else:
-                tokens, q_probs, confidence = self._eager_draft(reqs, anchors, self._probabilistic(reqs), engine)
+                tokens, q_probs, confidence = self._eager_draft(reqs, anchors, draft_params)
         lens = list(budgets)
         if confidence is not None:
-            lens = self._confident_lengths(confidence, lens, engine)
+            lens = self._confident_lengths(confidence, lens)
         block = self._cut(tokens, lens, to_device(lens, torch.int64, device), max(lens), anchors, confidence)
         block.q_probs = q_probs[:, : max(lens)] if q_probs is not None else None
         return block
@@ -266,7 +208,7 @@ class Proposer:
         anchors = result[:, 2:].gather(1, accepted[:, None])[:, 0].clamp(min=0)
         starts = [r.num_cached for r in reqs]
         slots = [r.slot for r in reqs]
-        self.pending[to_device(slots, torch.int64, device), : feats.shape[1]] = feats  # rows past counts unread
+        self.context.stage(slots, feats)
         tokens, confidence = self.graphs.run(slots, starts, counts, anchors, max(starts) + feats.shape[1])
         lens = (to_device(left, torch.int64, device) - counts - 1).clamp(0, k)
         self.ahead_stats[0] += 1  # launched ahead of the commit, and taken by the step it was launched for
@@ -284,33 +226,33 @@ class Proposer:
 
     def _graphed_draft(self, reqs: list[Request], anchors: Tensor) -> tuple[Tensor, Tensor | None]:
         """Context append + block + greedy drafts replayed as one CUDA graph (decode-time steps)."""
-        counts, starts = self._take_pending(reqs)
+        counts, starts = self.context.take(reqs)
         for r in reqs:
             assert r.num_draft_ctx == r.num_cached, (r.request_id, r.num_draft_ctx, r.num_cached)
         return self.graphs.run([r.slot for r in reqs], starts, counts, anchors)
 
-    def _eager_draft(self, reqs: list[Request], anchors: Tensor, probabilistic: bool,
-                     engine: "Engine") -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """The reference draft path: flush context, block forward, then greedy or sampled drafts."""
-        counts, starts = self._take_pending(reqs)
+    def _eager_draft(self, reqs: list[Request], anchors: Tensor,
+                     draft_params: RowParams | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The reference draft path: flush context, block forward, then greedy drafts, or drafts sampled
+        with `draft_params`."""
+        counts, starts = self.context.take(reqs)
         if any(counts):  # one append for every request's new context rows
             self.graphs.append([r.slot for r in reqs], starts, counts)
         for r in reqs:
             assert r.num_draft_ctx == r.num_cached, (r.request_id, r.num_draft_ctx, r.num_cached)
-        hidden = self.drafter.block_hidden(self.cache, [r.slot for r in reqs], [r.num_cached for r in reqs], anchors,
+        hidden = self.drafter.block_hidden(self.context.cache, [r.slot for r in reqs], [r.num_cached for r in reqs], anchors,
                                            self.target.embed)
         slot_hidden = self.drafter.slot_hidden(hidden, self.num_speculative_tokens)
-        if probabilistic:
-            r, k = slot_hidden.shape[:2]
+        if draft_params is not None:
             round_ = to_device([req.length for req in reqs], torch.int64, slot_hidden.device)
-            return self.drafter.sample_drafts(slot_hidden, anchors, engine.row_params(reqs, [k] * r), round_,
+            return self.drafter.sample_drafts(slot_hidden, anchors, draft_params, round_,
                                               self.target.config.vocab_size, self.cfg.markov_top_k)
         # the target head's ids where the drafter's logits are the target's: ids only, chunked over rows
         tokens, confidence = self.drafter.greedy_drafts(slot_hidden, anchors, self.cfg.markov_top_k,
-                                                        head_argmax=engine.runner.greedy_ids)
+                                                        head_argmax=self.runner.greedy_ids)
         return tokens, None, confidence
 
-    def _confident_lengths(self, confidence: Tensor, lens: list[int], engine: "Engine") -> list[int]:
+    def _confident_lengths(self, confidence: Tensor, lens: list[int]) -> list[int]:
         """Prune drafts by DSpark's confidence: static threshold, then the load-aware budget.
 
         Reads the [R, K] confidences on the host: one extra sync in steps that use them.
@@ -319,19 +261,19 @@ class Proposer:
             lens = threshold_lengths(confidence, lens, self.cfg.confidence_threshold)
         if self.cfg.adaptive_verification:
             if self.cost_table is None:
-                self.cost_table = VerifyCostTable(lambda b, q: self._profile_verify(engine, b, q),
+                self.cost_table = VerifyCostTable(self._profile_verify,
                                                   self.num_speculative_tokens + 1)
             survival = torch.cumprod(confidence.float(), dim=1).tolist()
             lens = schedule_prefixes(survival, lens, self.cost_table)
             self.budget_history.append(sum(lens))
         return lens
 
-    def _profile_verify(self, engine: "Engine", batch: int, rows: int) -> float:
+    def _profile_verify(self, batch: int, rows: int) -> float:
         """Seconds of one verify forward of `batch` requests x `rows` rows (scratch slot, no real KV touched)."""
-        cache = engine.runner.cache
+        cache = self.runner.cache
         start = min(256, cache.max_len - rows - 1)
         ids = torch.zeros(batch, rows, dtype=torch.int64, device=cache.k[0].device)
-        return timed(lambda: engine.runner.forward_ids(ids, [rows] * batch, [start] * batch,
+        return timed(lambda: self.runner.forward_ids(ids, [rows] * batch, [start] * batch,
                                                       [cache.scratch_slot] * batch, with_taps=True),
                      ids.device)
 
@@ -368,17 +310,18 @@ class Proposer:
         return out
 
     # ---------------------------------------------------------------- verify
-    def verify(self, engine: "Engine", reqs: list[Request], block: DraftBlock,
-               hidden: Tensor) -> tuple[list[int], list[list[int]], list[list[dict]] | None]:
-        """Accepted counts and emitted tokens per request (one host copy); -1 count = request failed."""
+    def verify(self, reqs: list[Request], block: DraftBlock, hidden: Tensor, params: RowParams | None,
+               want_logprobs: bool = False) -> tuple[list[int], list[list[int]], tuple[Tensor, Tensor] | None]:
+        """Accepted counts and emitted tokens per request (one host copy; a -1 count: the request
+        failed), and for logprobs the processed distribution of every verify row with the token each
+        emitted. `params`: the verify rows' sampling parameters; None where every row is plain greedy
+        (acceptance by argmax ids)."""
         r, rows, _ = hidden.shape
-        if not engine.needs_processing(reqs):
-            acc, _, toks = self.unpack(self.accept_greedy(engine, block, hidden).tolist())
+        if params is None:
+            acc, _, toks = self.unpack(self.accept_greedy(block, hidden).tolist())
             return acc, toks, None
         lens = block.lens_t
-        want_lp = any(q.logprobs is not None for q in reqs)
-        logits = engine.runner.logits(hidden).view(r * rows, -1)
-        params = engine.row_params(reqs, [rows] * r, block.tokens)
+        logits = self.runner.logits(hidden).view(r * rows, -1)
         processed = process_logits(logits, params)
         processed3 = processed.view(r, rows, -1)
         round_ = to_device([q.length for q in reqs], torch.int64, hidden.device)
@@ -389,16 +332,12 @@ class Proposer:
             num_acc, out = verify_block(processed3, block.q_probs, block.tokens, lens, params, round_)
         else:
             num_acc, out = verify_standard(processed3, block.q_probs, block.tokens, lens, params, round_)
-        lps = None
-        if want_lp:
-            flat_tokens = out.clamp(min=0).view(-1)
-            lps = engine.logprob_entries(reqs, processed, flat_tokens, [rows] * r)
         acc, _, toks = self.unpack(self.pack(num_acc, out, block).tolist())
-        return acc, toks, lps
+        return acc, toks, (processed, out.clamp(min=0).view(-1)) if want_logprobs else None
 
-    def accept_greedy(self, engine: "Engine", block: DraftBlock, hidden: Tensor) -> Tensor:
+    def accept_greedy(self, block: DraftBlock, hidden: Tensor) -> Tensor:
         """Greedy acceptance on the device, packed for one host copy (see `pack`)."""
-        ids = engine.runner.greedy_ids(hidden)
+        ids = self.runner.greedy_ids(hidden)
         num_acc, out = verify_greedy(ids, block.tokens, block.lens_t)
         return self.pack(num_acc, out, block)
 

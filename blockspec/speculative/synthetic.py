@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from blockspec.config import ConfigError, SpeculativeConfig
-from blockspec.models.kv_cache import PageTable
+from blockspec.drafters import DraftModel
+from blockspec.models.runner import ModelRunner
+from blockspec.sample import RowParams
 from blockspec.request import Request
 from blockspec.models.llama import CausalLM
+from blockspec.speculative.context import DraftContext
 from blockspec.speculative.proposer import DraftBlock, Proposer
-
-if TYPE_CHECKING:
-    from blockspec.engine.engine import Engine
 
 __all__ = ["AcceptanceProfile", "SyntheticProposer", "geometric_rate", "mean_length"]
 
@@ -109,13 +108,13 @@ class AcceptanceProfile:
 class SyntheticProposer(Proposer):
     """Proposer whose accepted counts are seeded draws from an AcceptanceProfile (benchmarks only)."""
 
-    def __init__(self, drafter: Any, target: CausalLM, cfg: SpeculativeConfig, max_slots: int, max_len: int,
-                 pages: PageTable | None = None, profile: AcceptanceProfile | None = None, seed: int = 0) -> None:
+    def __init__(self, drafter: DraftModel, target: CausalLM, runner: ModelRunner, cfg: SpeculativeConfig,
+                 context: DraftContext, profile: AcceptanceProfile | None = None, seed: int = 0) -> None:
         if profile is None:
             raise ConfigError("SyntheticProposer replaces the target's acceptance with drawn counts (its outputs are "
                               "not the target's); it runs only with an explicit acceptance profile "
                               "(blockspec bench --synthetic-acceptance PROFILE)")
-        super().__init__(drafter, target, cfg, max_slots, max_len, pages)
+        super().__init__(drafter, target, runner, cfg, context)
         self.profile = profile
         self.rates = profile.rates(self.num_speculative_tokens)
         device = target.embed_tokens.weight.device
@@ -135,11 +134,11 @@ class SyntheticProposer(Proposer):
         passed = (u < self.rates_t) & (torch.arange(width, device=lens.device)[None, :] < lens[:, None])
         return passed.long().cumprod(1).sum(1)
 
-    def verify(self, engine: Engine, reqs: list[Request], block: DraftBlock,
-               hidden: Tensor) -> tuple[list[int], list[list[int]], list[list[dict]] | None]:
-        if any(r.logprobs is not None for r in reqs):
+    def verify(self, reqs: list[Request], block: DraftBlock, hidden: Tensor, params: RowParams | None,
+               want_logprobs: bool = False) -> tuple[list[int], list[list[int]], tuple[Tensor, Tensor] | None]:
+        if want_logprobs:
             raise ConfigError("SyntheticProposer: logprobs are not available (synthetic tokens have none)")
-        return super().verify(engine, reqs, block, hidden)
+        return super().verify(reqs, block, hidden, params)
 
     def outcome(self, num_acc: Tensor, out: Tensor, block: DraftBlock) -> tuple[Tensor, Tensor]:
         """Drawn counts (the real verification still ran, and is timed as usual): each request emits

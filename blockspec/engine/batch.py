@@ -1,0 +1,147 @@
+"""How a batch's rows are sampled: per-row sampling tensors (`RowParams`), the penalty history each
+request keeps on the device, the plain step's token per request, and logprob entries.
+
+The proposer gets what it needs of this as arguments (the rows' `RowParams`); it never asks the
+engine for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from blockspec.models.runner import ModelRunner
+from blockspec.request import Logprob, Request
+from blockspec.sample import RowParams, expand_history, logprobs as top_logprobs, process_logits, sample
+from blockspec.transfer import to_device
+
+LogprobEntries = list[list[dict[int, Logprob]]]  # per request, per emitted row: token -> Logprob
+
+
+def needs_processing(reqs: list[Request]) -> bool:
+    """False when every row is plain greedy: then ids are all the step keeps."""
+    return any(r.needs_processing for r in reqs)
+
+
+def needs_history(reqs: list[Request]) -> bool:
+    """True when a row's sampling depends on committed tokens (penalties count them, min_tokens
+    counts them) or its step keeps more than ids (logprobs): such a step cannot be launched
+    before the one in flight is committed."""
+    return any(r.needs_history for r in reqs)
+
+
+class BatchSampling:
+    """Sampling rows for the target's outputs: the plain step's tokens, and the `RowParams` a verify
+    (or a sampled draft) processes its rows with."""
+
+    def __init__(self, runner: ModelRunner, vocab_size: int, eos_ids: list[int]) -> None:
+        self.runner = runner
+        self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
+        self.device = runner.device
+
+    def params(self, reqs: list[Request], rows_per_req: list[int], block_tokens: Tensor | None = None,
+               ahead: int = 0) -> RowParams:
+        """Per-row sampling parameters; row j of request r samples the token at position length + ahead + j
+        (`ahead`: tokens launched but not yet committed, see `needs_history`)."""
+        dev = self.device
+        req_of_row = [i for i, c in enumerate(rows_per_req) for _ in range(c)]
+        offset = [j for c in rows_per_req for j in range(c)]
+        ps = [reqs[i].params for i in req_of_row]
+
+        def col(values: list[Any], dtype: torch.dtype) -> Tensor:
+            return to_device(values, dtype, dev)
+
+        bias_rows, bias_ids, bias_vals = [], [], []
+        for row, (ri, j) in enumerate(zip(req_of_row, offset)):
+            req = reqs[ri]
+            p = req.params
+            for tok, b in (p.logit_bias or {}).items():
+                bias_rows.append(row), bias_ids.append(tok), bias_vals.append(b)
+            if len(req.output_ids) + j < p.min_tokens:  # min_tokens: stop ids impossible at this row
+                for tok in set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(self.eos_ids)):
+                    bias_rows.append(row), bias_ids.append(tok), bias_vals.append(float("-inf"))
+        logit_bias = (col(bias_rows, torch.int64), col(bias_ids, torch.int64), col(bias_vals, torch.float32)) \
+            if bias_rows else None
+        output_counts = prompt_mask = None
+        if any(p.uses_penalties for p in ps):
+            # a request without penalties beside ones with them: no history, which its neutral
+            # penalty values leave without effect
+            none_counts = torch.zeros(self.vocab_size, dtype=torch.int32, device=dev)
+            none_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=dev)
+            counts = torch.stack([none_counts if r.output_counts is None else r.output_counts for r in reqs])
+            masks = torch.stack([none_mask if r.prompt_mask is None else r.prompt_mask for r in reqs])
+            req_idx = col(req_of_row, torch.int64)
+            if block_tokens is None:
+                block_tokens = torch.full((len(reqs), 1), -1, dtype=torch.int64, device=dev)
+            output_counts = expand_history(counts, req_idx, block_tokens, col(offset, torch.int64))
+            prompt_mask = masks[req_idx]
+        return RowParams.from_host(
+            temperature=[p.temperature for p in ps],
+            seed=[reqs[i].seed for i in req_of_row],
+            position=[reqs[i].length + ahead + j for i, j in zip(req_of_row, offset)],
+            device=dev,
+            top_k=[max(p.top_k, 0) for p in ps],
+            top_p=[p.top_p for p in ps],
+            min_p=[p.min_p for p in ps],
+            presence_penalty=[p.presence_penalty for p in ps],
+            frequency_penalty=[p.frequency_penalty for p in ps],
+            repetition_penalty=[p.repetition_penalty for p in ps],
+            output_counts=output_counts,
+            prompt_mask=prompt_mask,
+            logit_bias=logit_bias,
+        )
+
+    def next_ids(self, reqs: list[Request], hidden_rows: Tensor, ahead: int = 0) -> Tensor:
+        """One token id per request on the device (-1 for a non-finite row), sampled `ahead` tokens
+        past each request's committed ones: the noise is keyed by position, so a step launched
+        before the commit draws what the step after the commit would."""
+        if not needs_processing(reqs):
+            return self.runner.greedy_ids(hidden_rows)
+        return sample(self.runner.logits(hidden_rows), self.params(reqs, [1] * len(reqs), ahead=ahead))
+
+    def sample(self, reqs: list[Request], hidden_rows: Tensor) -> tuple[list[int], LogprobEntries | None]:
+        """One token per request from its last hidden row (one host copy of the ids), with logprob
+        entries where a request asks for them."""
+        if all(r.logprobs is None for r in reqs):
+            return self.next_ids(reqs, hidden_rows).tolist(), None
+        logits = self.runner.logits(hidden_rows)
+        params = self.params(reqs, [1] * len(reqs))
+        tokens = sample(logits, params)  # -1 for a non-finite row: the commit fails that request alone
+        return tokens.tolist(), self.logprob_entries(reqs, process_logits(logits, params), tokens, [1] * len(reqs))
+
+    def logprob_entries(self, reqs: list[Request], processed: Tensor, tokens: Tensor,
+                        rows_per_req: list[int]) -> LogprobEntries:
+        """Logprob dicts (sampled token + top-n) per emitted row, from the processed distribution."""
+        top_n = max((r.params.logprobs or 0) for r in reqs)
+        lp, top_ids, top_lp = top_logprobs(processed, tokens.clamp(min=0), top_n)
+        rank = (processed > processed.gather(1, tokens.clamp(min=0)[:, None])).sum(-1) + 1
+        host = torch.cat([lp[:, None], rank[:, None].float(), top_lp], 1).tolist()
+        ids = torch.cat([tokens[:, None], top_ids], 1).tolist()
+        out, row = [], 0
+        for req, c in zip(reqs, rows_per_req):
+            entries = []
+            for _ in range(c):
+                tok = ids[row][0]
+                entry = {tok: Logprob(host[row][0], int(host[row][1]))}
+                for t, v in zip(ids[row][1 : 1 + (req.params.logprobs or 0)], host[row][2:]):
+                    entry.setdefault(t, Logprob(v))
+                entries.append(entry)
+                row += 1
+            out.append(entries)
+        return out
+
+    def start_history(self, req: Request) -> None:
+        """The device history penalties read: the prompt's tokens, and counts of the output's."""
+        if req.params.uses_penalties:
+            req.output_counts = torch.zeros(self.vocab_size, dtype=torch.int32, device=self.device)
+            req.prompt_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+            req.prompt_mask[to_device(req.prompt_token_ids, torch.int64, self.device)] = True
+
+    def add_history(self, req: Request, tokens: list[int]) -> None:
+        """Count a step's committed tokens in the request's penalty history (one scatter for all)."""
+        if req.output_counts is not None and tokens:
+            index = to_device(tokens, torch.int64, self.device)
+            req.output_counts.index_add_(0, index, torch.ones_like(index, dtype=torch.int32))

@@ -1,0 +1,74 @@
+"""Committing a step's tokens to a request: text through its incremental detokeniser, logprobs, and
+the rules that end it (EOS, stop ids, stop strings, max_tokens, the context). A stop inside a block
+of accepted tokens drops the rest of the block."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from blockspec.request import Logprob, Request
+
+NON_FINITE = "the target produced non-finite logits (NaN or inf) for this request"
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a request ended: finish reason (stop, length, error), what stopped it, the error message."""
+
+    reason: str
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+
+class OutputProcessor:
+    def __init__(self, eos_ids: list[int], max_model_len: int) -> None:
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+        self.num_generated = 0  # tokens committed, over every request
+
+    def commit(self, req: Request, tokens: list[int], lps: list[dict[int, Logprob]] | None) -> Ending | None:
+        """Append tokens one by one until one ends the request; how it ended, or None while it runs on.
+        A -1 token (a row whose logits were not finite) fails the request there."""
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        p = req.params
+        for j, tok in enumerate(tokens):
+            if tok < 0:
+                return Ending("error", error=NON_FINITE)
+            req.output_ids.append(tok)
+            self.num_generated += 1
+            if lps is not None and req.logprobs is not None:
+                req.logprobs.append(lps[j])
+                req.cumulative_logprob += lps[j][tok].logprob
+            new_text = req.detok.add(tok) if req.detok else ""
+            n_out = len(req.output_ids)
+            if n_out >= p.min_tokens:
+                if not p.ignore_eos and tok in self.eos_ids:
+                    return Ending("stop", tok)
+                if p.stop_token_ids and tok in p.stop_token_ids:
+                    return Ending("stop", tok)
+                if p.stop_strings and new_text:
+                    stop = self._stop_string(req, len(new_text))
+                    if stop is not None:
+                        return Ending("stop", stop)
+            if p.max_tokens is not None and n_out >= p.max_tokens:
+                return Ending("length")
+            if req.length >= self.max_model_len:
+                return Ending("length")
+        return None
+
+    @staticmethod
+    def _stop_string(req: Request, new_len: int) -> str | None:
+        """The stop string the newest text completes (the text is cut before it, or after it with
+        include_stop_str_in_output), or None."""
+        text = req.detok.text
+        longest = max(len(s) for s in req.params.stop_strings)
+        window_start = max(0, len(text) - new_len - longest + 1)
+        for s in req.params.stop_strings:
+            at = text.find(s, window_start)
+            if at >= 0:
+                end = at + len(s) if req.params.include_stop_str_in_output else at
+                req.truncated_text = text[:end]
+                return s
+        return None

@@ -1,0 +1,81 @@
+"""The step in flight: launched on the device, its tokens not yet committed on the host.
+
+With asynchronous scheduling a step is launched before the previous one is committed, so the host's
+commit, detokenisation and stop checks overlap the device's next forward. At most one step is in
+flight, plain or speculative (`Pipeline.inflight`). The pipeline also keeps the clock a pipelined
+step is priced by: from its predecessor's commit to its own, when both were steps of the same kind.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from blockspec.engine.batch import LogprobEntries
+from blockspec.request import Request
+from blockspec.speculative.proposer import DraftBlock
+
+
+@dataclass
+class PlainLaunch:
+    """A plain step launched, not committed: the next plain step is launched from its device ids."""
+
+    reqs: list[Request]
+    ids: Tensor | None  # [R] int64 next tokens on the device (-1: non-finite logits); None: read already
+    host: Tensor  # [R] pinned copy of ids, valid once `ready` has passed
+    ready: Any  # torch.cuda.Event (None on the CPU, where the copy is synchronous)
+    captures: int  # CUDA graph captures before the launch (a launch that captured is no timing sample)
+    logprobs: LogprobEntries | None = None  # where requests asked for them (read with the ids)
+
+
+@dataclass
+class SpecLaunch:
+    """A speculative step launched (draft, verify forward and, for greedy rows, acceptance on the
+    device) whose results the host has not read yet."""
+
+    reqs: list[Request]
+    k: int
+    budgets: list[int] | None  # drafts asked per request (None: known on the device only, = the block's lengths)
+    block: DraftBlock
+    hidden: Tensor  # verify rows' final hidden states (sampled verification reads them at the finish)
+    feats: Tensor  # verify rows' tap features, for the drafter's context
+    result: Tensor | None  # greedy rows: [R, 2 + W] accepted count, draft length, emitted tokens (Proposer.pack)
+    host: Tensor | None  # pinned copy of `result`, valid once `ready`
+    ready: Any  # torch.cuda.Event (None on the CPU, where the copy is synchronous)
+    captures: int  # CUDA graph captures before the launch (a launch that captured is no timing sample)
+
+
+class Pipeline:
+    def __init__(self) -> None:
+        self.inflight: PlainLaunch | SpecLaunch | None = None
+        # (batch, K) chosen while launching ahead and then not launched (the choice was the plain path):
+        # the next step takes it instead of choosing again
+        self.choice: tuple[int, int] | None = None
+        # (kind, time) of the last commit of a pipelined step: a pipelined step costs the time from its
+        # predecessor's commit, if that predecessor was a step of the same kind ("plain" or "spec")
+        self.last_commit: tuple[str, float] | None = None
+        self.step_end: float | None = None  # when the last step's decode ended (None: it had none, or a prefill)
+
+    def take(self, kind: type[PlainLaunch] | type[SpecLaunch]) -> Any:
+        """The step in flight if it is of `kind` (it leaves the pipeline), else None."""
+        launch = self.inflight
+        if not isinstance(launch, kind):
+            return None
+        self.inflight = None
+        return launch
+
+    def drop(self) -> None:
+        """Forget the step in flight and the clock (its rows are recomputed)."""
+        self.inflight = self.choice = None
+        self.last_commit = self.step_end = None
+
+    def since_last_commit(self, after: str, kind: str | None) -> float | None:
+        """Seconds since the last pipelined commit if it was of a step of kind `after` ("plain" or
+        "spec"), else None (after a switch of kind the interval spans two different steps); then
+        mark now as a commit of `kind` (None: a commit no pipelined step follows)."""
+        now = time.perf_counter()
+        last, self.last_commit = self.last_commit, (kind, now) if kind is not None else None
+        return now - last[1] if last is not None and last[0] == after else None

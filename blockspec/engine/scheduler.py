@@ -1,0 +1,137 @@
+"""Which requests hold a KV slot and pages (`running`, oldest first) and which wait (`waiting`).
+
+Admission takes waiting requests in order while a slot and the pages of their first prefill chunk
+are free; every step, each running request gets pages for its next positions and a lookahead (the
+steps launched before the next reservation); where the pool runs short the newest is preempted: its
+slot and pages go back and it waits first, to be recomputed through a prefill. Suspects (the
+requests of a step that raised) are admitted one at a time, so one that breaks a step does so alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+
+from blockspec.models.kv_cache import PageTable
+from blockspec.request import Request, Status
+
+
+class Scheduler:
+    def __init__(self, pages: PageTable, max_prefill_tokens: int, lookahead: int) -> None:
+        self.pages = pages
+        self.max_prefill_tokens = max_prefill_tokens
+        # positions past its length a request's next two steps may write (this one's and one launched
+        # ahead of its commit): verify rows and the drafter's block; pages are reserved that far
+        self.lookahead = lookahead
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, reqs: list[Request]) -> None:
+        self.waiting.extend(reqs)
+
+    def find(self, request_id: str) -> list[Request]:
+        """The requests of `request_id` (its n copies are `request_id-i`), waiting or running."""
+        return [r for r in itertools.chain(self.waiting, self.running)
+                if r.request_id == request_id or r.request_id.startswith(f"{request_id}-")]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def retire(self, req: Request) -> None:
+        """A finished request leaves the queues; its slot and pages go back."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self.pages.release(req.slot)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+
+    # ---------------------------------------------------------------- pages
+    def pages_wanted(self, req: Request) -> int:
+        """Positions a request needs pages for this step: its prefill chunk, or its length, and the
+        lookahead of the steps launched before the next reservation."""
+        if req.num_cached < req.prefill_len:
+            end = min(req.prefill_len, req.num_cached + self.max_prefill_tokens)
+        else:
+            end = req.length
+        return end + self.lookahead
+
+    def reserve(self) -> list[Request]:
+        """Give every running request, oldest first, pages for this step and the one launched ahead of
+        its commit; where too few are free, preempt the newest until they suffice. A request alone
+        always fits: start-up refuses a pool smaller than one max_model_len sequence. Returns the
+        requests preempted."""
+        preempted = []
+        for req in list(self.running):
+            if req.status is not Status.RUNNING:  # preempted for an older one
+                continue
+            wanted = self.pages_wanted(req)
+            if wanted <= req.kv_capacity:  # most steps: nothing to do (a page holds several steps)
+                continue
+            while not self.pages.reserve(req.slot, wanted):
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                req.kv_capacity = self.pages.held(req.slot) * self.pages.page_size
+        return preempted
+
+    def preempt(self, req: Request) -> None:
+        """Take a request's slot and pages back and queue it first. What it emitted stands: it returns
+        through a prefill of its prompt and output so far (all but the last token, the anchor), which
+        recomputes the K/V and the drafter's context; sampling is keyed by position, so its tokens
+        are what they would have been. Rows of it in a step launched ahead are dropped at that
+        step's commit, as for an abort."""
+        self.requeue(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def requeue(self, req: Request, at: int = 0) -> None:
+        """Release a running request's slot and pages and queue it (first, or at `at`), to be recomputed."""
+        self.running.remove(req)
+        self.pages.release(req.slot)
+        req.status = Status.WAITING
+        req.slot = -1
+        req.num_cached = req.kv_capacity = 0
+        self.waiting.insert(at, req)
+
+    def admit(self) -> list[Request]:
+        """Admit waiting requests in order while a slot and the pages of their first prefill chunk
+        are free, keeping a watermark of free pages (a hundredth of the pool) for the running
+        requests' growth, so an admission is not undone by a preemption at the next step. A suspect
+        runs alone: it joins no batch and none joins it. Returns the requests admitted."""
+        joined = []
+        while self.waiting and self.pages.num_free_slots:
+            req = self.waiting[0]
+            if self.running and (req.suspect or self.running[0].suspect):
+                break
+            slot = self.pages.allocate()
+            need = self.pages_wanted(req)
+            watermark = self.pages.num_pages // 100 if self.running else 0
+            if self.pages.missing(slot, need) + watermark > self.pages.num_free_pages:
+                self.pages.release(slot)
+                break
+            self.pages.reserve(slot, need)
+            req.kv_capacity = self.pages.held(slot) * self.pages.page_size
+            self.waiting.popleft()
+            req.slot = slot
+            req.status = Status.RUNNING
+            self.running.append(req)
+            joined.append(req)
+            if req.suspect:
+                break
+        return joined
+
+    def clear_suspect(self) -> None:
+        """After a step that did not raise: a suspect (running alone) that committed a token is cleared;
+        while other suspects wait it goes back behind them (to be recomputed), so the next runs alone
+        now, not after its whole life."""
+        req = self.running[0] if self.running else None
+        if req is None or not req.suspect or len(req.output_ids) <= req.suspect_since:
+            return
+        req.suspect = False
+        if self.waiting and self.waiting[0].suspect:
+            self.requeue(req, at=sum(1 for _ in itertools.takewhile(lambda r: r.suspect, self.waiting)))
