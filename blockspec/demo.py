@@ -45,8 +45,9 @@ def heldout_prompts(limit: int, lines: int = 4) -> list[str]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from blockspec import LLM, SamplingParams
-    from blockspec.cli import format_spec_metrics
+    from blockspec.llm import LLM
+    from blockspec.sampling_params import SamplingParams
+    from blockspec.cli_options import format_spec_metrics
 
     shipped = True
     if args.target is None or args.drafter is None:

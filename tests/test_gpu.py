@@ -83,13 +83,13 @@ def test_a_prefill_graph_appends_the_draft_context_the_eager_path_does(tmp_path,
                 graph_prefill_tokens=0)
     lengths = (3, 40, 11)
     for llm in (graphed, eager):
-        for pool in llm.engine.proposer.cache.k + llm.engine.proposer.cache.v:
+        for pool in llm.engine.context.cache.k + llm.engine.context.cache.v:
             pool.zero_()  # what the warm-up's requests left in the pages
         for i, n in enumerate(lengths):
             params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, use_speculation=i != 2)
             llm.engine.add_request(str(i), None, [2 + (i * 7 + j) % 90 for j in range(n)], params)
         llm.engine.step()  # the prefill of all three
-    cache_g, cache_e = graphed.engine.proposer.cache, eager.engine.proposer.cache
+    cache_g, cache_e = graphed.engine.context.cache, eager.engine.context.cache
     reqs_g, reqs_e = list(graphed.engine.running), list(eager.engine.running)
     assert [r.num_draft_ctx for r in reqs_g] == [r.num_draft_ctx for r in reqs_e] == [3, 40, 0]
     def context(cache, req, n):
@@ -264,7 +264,6 @@ def test_tp2_on_gpus_matches_one_gpu(tmp_path, adaptive):
     decisions) give one GPU's tokens, greedy and seeded-sampled, with DFlash speculation."""
     from pathlib import Path
 
-    from blockspec.parallel import TPLLM
 
     target = save_drafter_target(tmp_path / "t")
     spec = {"method": "dflash", "model": str(Path(__file__).parent / "fixtures" / "drafters" / "dflash"),
@@ -275,7 +274,7 @@ def test_tp2_on_gpus_matches_one_gpu(tmp_path, adaptive):
     one = LLM(str(target), device="cuda", dtype="float32", max_model_len=256, speculative_config=spec, seed=0)
     want = [[o.outputs[0].token_ids for o in one.generate(prompts, p, use_tqdm=False)] for p in runs]
     del one
-    with TPLLM(str(target), tensor_parallel_size=2, device="cuda", dtype="float32", max_model_len=256,
+    with LLM(str(target), tensor_parallel_size=2, device="cuda", dtype="float32", max_model_len=256,
                speculative_config=spec, seed=0) as tp:
         got = [[list(o.outputs[0].token_ids) for o in tp.generate(prompts, p, use_tqdm=False)] for p in runs]
         assert tp.get_metrics()["num_drafts"] > 0

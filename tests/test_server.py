@@ -543,7 +543,8 @@ def test_parked_batch_buckets_and_their_requests_in_metrics():
     """The policy's parks: a gauge per batch bucket (1 while parked, back to 0 after), and a counter of
     the requests that joined a parked batch, differenced between views."""
     from blockspec.request import SpecStats
-    from blockspec.server.metrics import EngineGauges, ServerMetrics, StepMetrics
+    from blockspec.engine.loop import EngineGauges, StepMetrics
+    from blockspec.server.metrics import ServerMetrics
     from blockspec.speculative.policy import PolicyView
 
     metrics = ServerMetrics("m")
@@ -568,8 +569,10 @@ def test_deltas_that_waited_together_are_merged_per_choice():
     """A front that falls behind the engine sends one chunk per choice for all the steps it missed, with
     nothing lost or reordered; an error among them ends the request."""
     from blockspec.request import Logprob, SpecStats
-    from blockspec.server.async_engine import AsyncEngine, Delta, StepReport
-    from blockspec.server.metrics import EngineGauges, ServerMetrics, StepMetrics
+    from blockspec.engine.loop import Delta, StepReport
+    from blockspec.server.async_engine import AsyncEngine
+    from blockspec.engine.loop import EngineGauges, StepMetrics
+    from blockspec.server.metrics import ServerMetrics
 
     def lp(tok: int) -> dict:
         return {tok: Logprob(-float(tok), 1)}
@@ -612,7 +615,7 @@ def test_deltas_that_waited_together_are_merged_per_choice():
 def test_serving_moves_what_loading_left_alive_out_of_the_collectors_reach():
     """`blockspec serve` freezes what the load left alive, so a full collection no longer walks the
     weights' Python objects, the tokenizer and the modules while requests wait."""
-    from blockspec.server import freezing_after
+    from blockspec.server.async_engine import freezing_after
 
     loaded = [[i] for i in range(1000)]  # container objects: ones the collector tracks
     assert any(o is loaded for o in gc.get_objects())

@@ -1,5 +1,5 @@
 """Tensor parallelism: shard the target across ranks (torch.distributed) and drive the ranks in lockstep."""
 
-from blockspec.parallel.tp import TPLLM, check_shardable, shard_model
+from blockspec.parallel.tp import RankGroup, check_shardable, shard_model
 
-__all__ = ["TPLLM", "check_shardable", "shard_model"]
+__all__ = ["RankGroup", "check_shardable", "shard_model"]

@@ -9,15 +9,13 @@ keyed by (seed, position), every rank draws the same tokens: the ranks never nee
 The one thing they must exchange is the adaptive draft-length policy's decisions, which come from each
 process's own clock: every rank takes rank 0's (`Engine.agree`, one small broadcast on a CPU group).
 
-`TPLLM` is the offline API at tensor_parallel_size N: it spawns N rank processes; rank 0 receives
-each call from the user's process over a pipe and broadcasts it to the other ranks, so all of them
-run the same engine steps in lockstep, and rank 0 sends the result back.
+`LLM(..., tensor_parallel_size=N)` spawns N rank processes (`RankGroup`); rank 0 receives each call
+from the user's process over a pipe and broadcasts it to the other ranks, so all of them run the
+same engine steps in lockstep, and rank 0 sends the result back.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import os
 import pickle
 import shutil
@@ -25,11 +23,11 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,10 +35,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from blockspec.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
-from blockspec.engine import memory
+from blockspec.config import ConfigError, ModelConfig
+from blockspec.engine.build import EngineSetup, build_engine
 from blockspec.engine.engine import Engine
-from blockspec.llm import LLM
+from blockspec.engine.loop import OfflineRunner, Stop, serve_engine
+from blockspec.inputs import ModelInputs
 from blockspec.models.layers import GatedMLP
 from blockspec.models.llama import Attention, CausalLM
 from blockspec.models.loader import (
@@ -194,38 +193,24 @@ def shard_model(model: CausalLM, rank: int, world_size: int, group: ProcessGroup
 
 
 # ---------------------------------------------------------------- ranks
-class RankLLM(LLM):
-    """The LLM of one rank: loads the full target on the CPU, keeps this rank's shard, then moves it
-    to the rank's device, so no device ever holds the whole model."""
+def rank_engine(rank: int, world_size: int, control: ProcessGroup, model: str | os.PathLike[str],
+                **options: Any) -> EngineSetup:
+    """One rank's engine (`options`: LLM's arguments): the full target is loaded on the CPU, this rank's
+    shard kept and moved to the rank's device, so no device ever holds the whole model; its KV pages
+    are the fewest any rank's memory allows, and its draft-length decisions rank 0's (`control`: a
+    CPU group for host messages)."""
 
-    def __init__(self, rank: int, world_size: int, model: str | os.PathLike[str],
-                 control: ProcessGroup = None, **kwargs: Any) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.control = control  # a CPU (gloo) group for host messages: commands, policy decisions
-        super().__init__(model, **kwargs)
-
-    def _make_engine(self, config: EngineConfig, spec: SpeculativeConfig | None, drafter: Any,
-                     eos: Iterable[int]) -> Engine:
-        if config.num_kv_pages is None:
-            # every rank must hold the same pages, or their preemptions (and so their steps) would part:
-            # the fewest any rank's memory allows
-            mine = memory.plan_pages(self.model, drafter if spec is not None else None, config,
-                                     memory.cache_extent(config, spec, drafter)[1])
-            config = dataclasses.replace(config, num_kv_pages=fewest(mine, self.control))
-        engine = super()._make_engine(config, spec, drafter, eos)
-        if engine.proposer is not None and engine.policy.adaptive:  # a fixed K needs no agreement
-            engine.agree = rank0_decides(self.control)
-        return engine
-
-    def _load_target(self, model_dir: Path, dtype: str | torch.dtype, device: torch.device,
-                     max_positions: int) -> tuple[CausalLM, Path]:
+    def load(model_dir: Path, dtype: str | torch.dtype, device: torch.device,
+             max_positions: int) -> tuple[CausalLM, Path]:
         cfg = ModelConfig.from_hf(read_json(model_dir / "config.json"), str(model_dir / "config.json"))
-        check_shardable(cfg, self.world_size)
+        check_shardable(cfg, world_size)
         torch_dtype = resolve_dtype(dtype, cfg.torch_dtype, device)
-        model, model_dir = load_target(model_dir, torch_dtype, "cpu", max_positions=max_positions)
-        shard_model(model, self.rank, self.world_size)
-        return model.to(device), model_dir
+        target, model_dir = load_target(model_dir, torch_dtype, "cpu", max_positions=max_positions)
+        shard_model(target, rank, world_size)
+        return target.to(device), model_dir
+
+    return build_engine(model, **options, load=load, fewest_pages=lambda mine: fewest(mine, control),
+                        agree=rank0_decides(control))
 
 
 def fewest(value: int, group: ProcessGroup | None) -> int:
@@ -248,13 +233,13 @@ def rank0_decides(group: ProcessGroup) -> Callable[[int], int]:
 
 
 def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | None, model: str,
-               llm_kwargs: dict[str, Any], num_threads: int) -> None:
-    """One rank: join the group, build the sharded LLM, then serve broadcast calls until "close"."""
+               options: dict[str, Any], num_threads: int) -> None:
+    """One rank: join the group, build its engine, then serve broadcast calls until "close"."""
     torch.set_num_threads(num_threads)
-    cuda = resolve_device(llm_kwargs.get("device", "auto")).type == "cuda"
+    cuda = resolve_device(options.get("device", "auto")).type == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
-        llm_kwargs = {**llm_kwargs, "device": f"cuda:{rank}"}
+        options = {**options, "device": f"cuda:{rank}"}
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (device README)
     elif Path("/sys/class/net/lo").exists():
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only: the ranks share one host
@@ -265,14 +250,21 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | No
     control = dist.new_group(backend="gloo") if cuda else None
     try:
         try:
-            llm: RankLLM | None = RankLLM(rank, world_size, model, control, **llm_kwargs)
-            reply: tuple[str, Any] = ("ok", None)
+            setup: EngineSetup | None = rank_engine(rank, world_size, control, model, **options)
+            reply: tuple[str, Any] = ("ok", setup.inputs)
         except Exception as exc:  # noqa: BLE001  every rank fails alike (same config, same weights); rank 0 reports it
-            llm, reply = None, ("err", _portable(exc))
+            setup, reply = None, ("err", _portable(exc))
         if conn is not None:
             conn.send(reply)
-        if llm is None:
+        if setup is None:
             return
+        runner = OfflineRunner(setup.engine)
+        calls: dict[str, Callable[..., Any]] = {
+            "run": runner.run,
+            "metrics": setup.engine.metrics,
+            # every rank runs the server's engine loop until it stops
+            "serve": lambda: _serve(setup.engine, setup.inputs, control, conn),
+        }
         while True:
             msg: list[Any] = [_next_call(conn) if conn is not None else None]
             dist.broadcast_object_list(msg, src=0, group=control)
@@ -282,9 +274,8 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | No
             if rank and "use_tqdm" in kwargs:
                 kwargs = {**kwargs, "use_tqdm": False}
             try:
-                # "serve": every rank runs the server's engine loop until it stops
-                reply = ("ok", _serve(llm, conn) if name == "serve" else getattr(llm, name)(*args, **kwargs))
-            except Exception as exc:  # noqa: BLE001  checks run before any collective, so every rank raises alike
+                reply = ("ok", calls[name](*args, **kwargs))
+            except Exception as exc:  # noqa: BLE001  every rank raises alike
                 reply = ("err", _portable(exc))
             if conn is not None:
                 conn.send(reply)
@@ -295,11 +286,10 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | No
 SERVE_HEARTBEAT_S = 30.0  # an idle server's ranks still meet in a collective, far inside the group's timeout
 
 
-def _serve(llm: RankLLM, conn: Connection | None) -> None:
+def _serve(engine: Engine, inputs: ModelInputs, control: ProcessGroup, conn: Connection | None) -> None:
     """The server's engine loop on every rank in lockstep: rank 0 takes the commands waiting in its
     pipe (the engine process relays them from the front) and broadcasts them before every step, so
     each rank applies the same submissions and aborts and steps alike; only rank 0 reports."""
-    from blockspec.server.async_engine import EngineLoop, Loaded, Stop
 
     def commands(block: bool) -> list[Any]:
         cmds: list[Any] = []
@@ -312,12 +302,10 @@ def _serve(llm: RankLLM, conn: Connection | None) -> None:
             except EOFError:  # the engine process is gone: stop every rank
                 cmds.append(Stop())
         msg: list[Any] = [cmds]
-        dist.broadcast_object_list(msg, src=0, group=llm.control)  # on the host: no device sync a step
+        dist.broadcast_object_list(msg, src=0, group=control)  # on the host: no device sync a step
         return msg[0]
 
-    if conn is not None:
-        conn.send(Loaded(llm.inputs))
-    EngineLoop(llm.engine, conn.send if conn is not None else lambda report: None).run(commands)
+    serve_engine(engine, inputs, commands, conn.send if conn is not None else lambda report: None)
 
 
 def _next_call(conn: Connection) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
@@ -337,42 +325,36 @@ def _portable(exc: Exception) -> Exception:
         return RuntimeError("".join(traceback.format_exception(exc)))
 
 
-class TPLLM:
-    """`LLM` at tensor_parallel_size N: the same generate / chat / get_metrics calls, run on N rank
-    processes (one GPU each, or CPU with gloo). Use as a context manager or call close()."""
+class RankGroup:
+    """The rank processes of a tensor-parallel LLM (one GPU each, or CPU with gloo): rank 0 receives
+    each call from the user's process over a pipe and broadcasts it to the other ranks, so all of
+    them run the same engine steps in lockstep, and rank 0 sends the result back."""
 
-    def __init__(self, *args: Any, tensor_parallel_size: int = 2, num_threads: int | None = None,
-                 startup_timeout_s: float = 600.0, **kwargs: Any) -> None:
-        """args / kwargs: LLM's, checked against its signature here rather than in the ranks.
-        num_threads: torch threads per rank; default: this process's, shared out so the ranks do not
-        oversubscribe the CPU."""
-        llm_kwargs = inspect.signature(LLM.__init__).bind(None, *args, **kwargs).arguments
-        for name in ("self", "tensor_parallel_size"):
-            llm_kwargs.pop(name, None)
-        model = llm_kwargs.pop("model")
+    def __init__(self, model: str | os.PathLike[str], options: dict[str, Any], world_size: int,
+                 num_threads: int | None = None, startup_timeout_s: float = 600.0) -> None:
+        """options: LLM's arguments. num_threads: torch threads per rank; default: this process's, shared
+        out so the ranks do not oversubscribe the CPU."""
         model_dir = resolve_model_dir(model)
         cfg = ModelConfig.from_hf(read_json(model_dir / "config.json"), str(model_dir / "config.json"))
-        check_shardable(cfg, tensor_parallel_size)  # fail here, before spawning anything
-        if resolve_device(llm_kwargs.get("device", "auto")).type == "cuda" and \
-                torch.cuda.device_count() < tensor_parallel_size:
-            raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} needs that many GPUs; "
+        check_shardable(cfg, world_size)  # fail here, before spawning anything
+        if resolve_device(options.get("device", "auto")).type == "cuda" and torch.cuda.device_count() < world_size:
+            raise ConfigError(f"tensor_parallel_size={world_size} needs that many GPUs; "
                               f"{torch.cuda.device_count()} visible")
-        self.world_size = tensor_parallel_size
-        self.speculative_config = SpeculativeConfig.from_user(llm_kwargs.get("speculative_config"))
-        num_threads = num_threads or max(1, torch.get_num_threads() // tensor_parallel_size)
+        self.world_size = world_size
+        num_threads = num_threads or max(1, torch.get_num_threads() // world_size)
         self._dir = tempfile.mkdtemp(prefix="blockspec-tp-")
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._procs = []
-        for rank in range(tensor_parallel_size):
+        for rank in range(world_size):
             p = ctx.Process(target=_rank_main, daemon=True,
-                            args=(rank, tensor_parallel_size, os.path.join(self._dir, "store"),
-                                  child if rank == 0 else None, str(model_dir), llm_kwargs, num_threads))
+                            args=(rank, world_size, os.path.join(self._dir, "store"),
+                                  child if rank == 0 else None, str(model_dir), options, num_threads))
             p.start()
             self._procs.append(p)
         child.close()
         try:
-            self._reply(startup_timeout_s)
+            self.inputs: ModelInputs = self._reply(startup_timeout_s)
         except BaseException:
             self.close()
             raise
@@ -399,30 +381,18 @@ class TPLLM:
         except EOFError:
             raise RuntimeError("tensor-parallel rank 0 closed its pipe without answering (it exited)") from None
 
-    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run `name` ("run": OfflineRunner.run, "metrics": Engine.metrics) on every rank in lockstep;
+        rank 0's result."""
         if not self._procs:
-            raise RuntimeError("TPLLM is closed")
+            raise RuntimeError("the tensor-parallel ranks are closed")
         self._conn.send((name, args, kwargs))
         return self._reply()
-
-    def generate(self, prompts: Any, sampling_params: Any = None, use_tqdm: bool = True) -> list[Any]:
-        """LLM.generate on every rank in lockstep; rank 0's outputs."""
-        return self._call("generate", prompts, sampling_params, use_tqdm=use_tqdm)
-
-    def chat(self, messages: Any, sampling_params: Any = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[Any]:
-        return self._call("chat", messages, sampling_params, use_tqdm=use_tqdm,
-                          add_generation_prompt=add_generation_prompt)
-
-    def get_metrics(self) -> dict[str, Any]:
-        return self._call("get_metrics")
 
     def serve(self, commands: Connection, reports: Connection) -> None:
         """Serve a server front's pipes (`blockspec serve`'s engine process): the ranks run the
         engine loop, rank 0 broadcasting the commands this process forwards to it, and its reports
         come back through here. Returns when the front sends Stop or goes away."""
-        from blockspec.server.async_engine import Stop
-
         self._conn.send(("serve", (), {}))
 
         def forward() -> None:
@@ -458,9 +428,3 @@ class TPLLM:
         self._procs = []
         self._conn.close()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -7,21 +7,17 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import ipaddress
 import os
 import socket
 import sys
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from blockspec.config import ConfigError, ServerConfig
 
-T = TypeVar("T")
-
 
 def add_serve_parser(sub: Any) -> None:
-    from blockspec.cli import add_model_args
+    from blockspec.cli_options import add_model_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)",
                        description="Serve a model over the OpenAI API: /v1/completions, /v1/chat/completions, "
@@ -44,21 +40,6 @@ def add_serve_parser(sub: Any) -> None:
                    help="run the engine in a process of its own, so the HTTP side never takes its interpreter "
                         "lock (default); --no-engine-process runs it on a thread of the server's process")
     p.set_defaults(func=run_serve)
-
-
-def freezing_after(load: Callable[[], T]) -> Callable[[], T]:
-    """`load`, then what is alive (modules, weights' Python objects, the tokenizer, warm-up's
-    leftovers) is moved out of the garbage collector's reach. It lives as long as the process, yet
-    every full collection walked all of it: some 370,000 objects, 0.2 s on this project's CPU, a
-    stall of every request in flight that a serving loop hits now and then."""
-
-    def load_and_freeze() -> T:
-        loaded = load()
-        gc.collect()
-        gc.freeze()
-        return loaded
-
-    return load_and_freeze
 
 
 def loopback(host: str) -> bool:
@@ -87,8 +68,9 @@ def run_serve(args: argparse.Namespace) -> int:
               "(--api-key or BLOCKSPEC_API_KEY sets one)", file=sys.stderr)
     import uvicorn
 
-    from blockspec.cli import build_llm
+    from blockspec.cli_options import build_llm
     from blockspec.server.app import create_app
+    from blockspec.server.async_engine import freezing_after
 
     def engine_failed(message: str) -> None:
         print(f"error: {message}", file=sys.stderr)

@@ -30,9 +30,11 @@ from blockspec.config import ServerConfig
 from blockspec.errors import RequestError
 from blockspec.request import Logprob, SpecStats
 from blockspec.errors import USER_ERRORS
-from blockspec.llm import LLM, ModelInputs, check_text
+from blockspec.inputs import ModelInputs, Prompt, check_text
+from blockspec.llm import LLM
 from blockspec.sampling_params import SamplingParams
-from blockspec.server.async_engine import AsyncEngine, Delta, EngineError, Prompt
+from blockspec.engine.loop import Delta
+from blockspec.server.async_engine import AsyncEngine, EngineError
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.middleware import APIKey, BodyLimit, InternalErrors
 from blockspec.server.protocol import (

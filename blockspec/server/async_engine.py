@@ -1,42 +1,47 @@
-"""Drive one Engine for an asyncio server: on a thread of the server's process, or in an engine
-process of its own (the default of `blockspec serve`).
-
-The Engine is not thread-safe and its steps block, so one loop (`EngineLoop`) owns it outright:
-submissions and aborts reach it as commands drained between steps (so requests join and leave the
-running batch at step boundaries), and each step sends back one `StepReport`: every request's new
-output as a `Delta` and the metrics' observations, all plain values built from the engine's Request
-objects. The front (`AsyncEngine`, on the event loop) routes a report's deltas to the requests'
-queues and applies its metrics.
+"""The served engine's front, on the HTTP server's event loop (`AsyncEngine`), and where the engine
+runs: on a thread of the server's process, or in an engine process of its own (the default of
+`blockspec serve`), which drives it with `blockspec.engine.loop.EngineLoop`.
 
 In a process of its own the engine's host work (scheduling, launches, detokenisation) no longer
 shares the interpreter lock with the HTTP side, whose work grows with the clients: at 64 streaming
-clients that work took most of each step's time on a thread. A front that falls behind merges the
-deltas waiting for a request into one, so it sends fewer, larger chunks instead of falling further
-behind.
+clients that work took most of each step's time on a thread. The front routes each step's report to
+the requests' queues; a front that falls behind merges the deltas waiting for a request into one,
+so it sends fewer, larger chunks instead of falling further behind.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
-import math
 import multiprocessing
 import queue
 import signal
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
-from blockspec.engine.engine import Engine
-from blockspec.request import Logprob, Request, SpecStats
+from blockspec.engine.loop import (
+    Abort,
+    Add,
+    Command,
+    Delta,
+    Loaded,
+    LoadFailed,
+    Report,
+    Stop,
+    StepReport,
+    serve_engine,
+)
 from blockspec.errors import USER_ERRORS
-from blockspec.llm import LLM, ModelInputs
+from blockspec.inputs import ModelInputs, Prompt
+from blockspec.llm import LLM
 from blockspec.sampling_params import SamplingParams
-from blockspec.server.metrics import EngineGauges, ServerMetrics, StepMetrics
+from blockspec.server.metrics import ServerMetrics
+
+T = TypeVar("T")
 
 log = logging.getLogger("blockspec.server")
 
@@ -45,200 +50,21 @@ class EngineError(RuntimeError):
     """The engine could not serve a request (it stopped, or a step failed it); the message is the
     client's to read and names no internals."""
 
-Prompt = tuple[str | None, list[int]]  # (text or None, token ids), as ModelInputs.prompt_ids returns
 
 
-@dataclass
-class Delta:
-    """What one choice produced since its last delta; the last one has finish_reason set."""
+def freezing_after(load: Callable[[], T]) -> Callable[[], T]:
+    """`load`, then what is alive (modules, weights' Python objects, the tokenizer, warm-up's
+    leftovers) is moved out of the garbage collector's reach. It lives as long as the process, yet
+    every full collection walked all of it: some 370,000 objects, 0.2 s on this project's CPU, a
+    stall of every request in flight that a serving loop hits now and then."""
 
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    error: str | None = None
-    spec: SpecStats | None = None  # the request's speculation counters, on the last delta
+    def load_and_freeze() -> T:
+        loaded = load()
+        gc.collect()
+        gc.freeze()
+        return loaded
 
-    def then(self, later: Delta) -> Delta:
-        """This delta followed by a later one of the same choice, as one."""
-        logprobs = None if self.logprobs is None and later.logprobs is None else \
-            (self.logprobs or []) + (later.logprobs or [])
-        return Delta(self.index, self.text + later.text, self.token_ids + later.token_ids, logprobs,
-                     later.finish_reason, later.stop_reason, later.error or self.error, later.spec or self.spec)
-
-
-# ---------------------------------------------------------------- messages between front and engine
-@dataclass
-class Add:
-    request_id: str
-    prompts: list[Prompt]
-    params: SamplingParams
-    arrival: float  # time.perf_counter() at the front: CLOCK_MONOTONIC, one clock for every process on Linux
-
-
-@dataclass
-class Abort:
-    request_id: str
-
-
-@dataclass
-class Stop:
-    pass
-
-
-Command = Add | Abort | Stop
-
-
-@dataclass
-class Loaded:
-    """The engine is ready; the front checks requests with `inputs`."""
-
-    inputs: ModelInputs
-
-
-@dataclass
-class LoadFailed:
-    message: str
-
-
-DeltaFields = tuple  # a Delta's fields in order: how a delta crosses to the front
-Outputs = list[tuple[str, DeltaFields | BaseException]]  # (the front's request id, its new output)
-
-
-@dataclass
-class StepReport:
-    """One step's output: each request's new output (or the error that ended it), and the metrics.
-    Deltas travel as plain tuples: a report crosses a pipe every step, and 64 dataclasses took 190 us
-    to pickle and 150 us to unpickle on this project's CPU, 64 tuples 22 and 29 us."""
-
-    outputs: Outputs
-    metrics: StepMetrics
-
-
-Report = Loaded | LoadFailed | StepReport
-
-
-# ---------------------------------------------------------------- engine side
-@dataclass
-class _Tracker:
-    """Engine-side bookkeeping of one engine request: what of its output has been sent."""
-
-    req: Request
-    request_id: str  # the front's id of the request this choice belongs to
-    index: int
-    arrival: float
-    sent_tokens: int = 0
-    sent_chars: int = 0
-    started: bool = False
-
-    def poll(self) -> DeltaFields | None:
-        """The new output since the last poll (a Delta's fields), or None. While a stop string could
-        still match, its possible beginning is held back, so streamed text never has to be taken back."""
-        req = self.req
-        done = req.finish_reason is not None
-        n = len(req.output_ids)
-        if n == self.sent_tokens and not done:
-            return None
-        text = req.text
-        visible = len(text)
-        if not done and req.params.stop_strings:
-            visible = max(self.sent_chars, visible - max(map(len, req.params.stop_strings)) + 1)
-        spec = None
-        if done:
-            spec = SpecStats()
-            spec.merge(req.spec)
-        delta = (self.index, text[self.sent_chars:visible], req.output_ids[self.sent_tokens:n],
-                 req.logprobs[self.sent_tokens:n] if req.logprobs is not None else None,
-                 req.finish_reason, req.stop_reason, req.error, spec)
-        self.sent_tokens, self.sent_chars = n, visible
-        return delta
-
-
-class EngineLoop:
-    """Owns an Engine: applies commands between steps, steps while there is work, and sends what each
-    step produced as one StepReport."""
-
-    # how often a report carries the draft-length policy's view (about 20 us to build), and when the
-    # last request in flight finishes
-    POLICY_EVERY_S = 0.5
-
-    def __init__(self, engine: Engine, send: Callable[[Report], None]) -> None:
-        self.engine = engine
-        self.send = send
-        self._trackers: dict[str, _Tracker] = {}  # engine request id -> tracker
-        self._policy_sent = -math.inf
-
-    def run(self, commands: Callable[[bool], list[Command]]) -> None:
-        """Serve until a Stop; `commands(block)` returns the commands waiting (blocking for one when
-        the engine is idle)."""
-        engine = self.engine
-        self._report([])
-        while True:
-            outputs: Outputs = []
-            for cmd in commands(not engine.has_unfinished()):
-                if isinstance(cmd, Stop):
-                    for tracker in self._trackers.values():
-                        engine.abort(tracker.req.request_id)
-                    self._report(outputs)
-                    return
-                if isinstance(cmd, Add):
-                    self._add(cmd, outputs)
-                else:
-                    engine.abort(cmd.request_id)
-            if engine.has_unfinished():
-                try:
-                    engine.step()
-                except Exception:  # the engine's own recovery failed: fail what is in flight, keep serving
-                    error_id = uuid.uuid4().hex[:12]
-                    log.exception("engine step failed (error id %s); failing the %d requests in flight",
-                                  error_id, len(self._trackers))
-                    self._fail_all(error_id)
-            self._report(outputs)
-
-    def _add(self, cmd: Add, outputs: Outputs) -> None:
-        added = []
-        try:
-            for i, (text, ids) in enumerate(cmd.prompts):
-                for req in self.engine.add_request(f"{cmd.request_id}-{i}", text, ids, cmd.params):
-                    added.append(_Tracker(req, cmd.request_id, i * cmd.params.n + req.index, cmd.arrival))
-        except USER_ERRORS as exc:  # all prompts go in, or none
-            self.engine.abort(cmd.request_id)
-            outputs.append((cmd.request_id, exc))
-            return
-        self._trackers.update((t.req.request_id, t) for t in added)
-
-    def _report(self, outputs: Outputs) -> None:
-        """Send every request's new output with the metrics (which the front applies first: a client
-        that got its answer sees the counts)."""
-        metrics = StepMetrics(EngineGauges.of(self.engine))
-        finished = False
-        for rid, t in list(self._trackers.items()):
-            req = t.req
-            if not t.started and req.first_token_time is not None:
-                t.started = True
-                metrics.first_token(req, t.arrival)
-            delta = t.poll()
-            if delta is None:
-                continue
-            outputs.append((t.request_id, delta))
-            if req.finish_reason is not None:  # its last delta
-                metrics.finish(req, t.arrival, req.finish_time or time.perf_counter())
-                del self._trackers[rid]
-                finished = True
-        now = time.perf_counter()
-        drained = finished and not self.engine.has_unfinished()  # the last answer: exact counts at rest
-        if self.engine.proposer is not None and (drained or now - self._policy_sent >= self.POLICY_EVERY_S):
-            metrics.engine.policy = self.engine.policy.view()
-            self._policy_sent = now
-        self.send(StepReport(outputs, metrics))
-
-    def _fail_all(self, error_id: str) -> None:
-        """Fail every request in flight: each ends with the error as its last delta, counted as a failure."""
-        for t in self._trackers.values():
-            self.engine.abort(t.req.request_id, f"the engine failed while serving this request (error id "
-                                                f"{error_id}; the server log has the details)")
+    return load_and_freeze
 
 
 def _loaded(load: Callable[[], LLM], send: Callable[[Report], None]) -> LLM | None:
@@ -252,12 +78,6 @@ def _loaded(load: Callable[[], LLM], send: Callable[[Report], None]) -> LLM | No
         return None
 
 
-def serve_engine(llm: LLM, commands: Callable[[bool], list[Command]], send: Callable[[Report], None]) -> None:
-    """Say the engine is ready, then run its loop until a Stop."""
-    send(Loaded(llm.inputs))
-    EngineLoop(llm.engine, send).run(commands)
-
-
 def _drain(first: Callable[[], Command], more: Callable[[], Command | None], block: bool) -> list[Command]:
     cmds = [first()] if block else []
     while (cmd := more()) is not None:
@@ -269,9 +89,6 @@ def _engine_process(load: Callable[[], LLM], commands: Connection, reports: Conn
     """The engine process: what loading left alive is frozen out of the collector's reach (the process
     lives for it), then the engine serves the pipe until a Stop or until the front goes away. A
     tensor-parallel model's ranks run the engine loop themselves; this process relays to rank 0."""
-    from blockspec.parallel.tp import TPLLM
-    from blockspec.server import freezing_after
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front stops the engine
 
     def more() -> Command | None:
@@ -279,13 +96,15 @@ def _engine_process(load: Callable[[], LLM], commands: Connection, reports: Conn
 
     try:
         llm = _loaded(freezing_after(load), reports.send)
-        if isinstance(llm, TPLLM):
-            try:
-                llm.serve(commands, reports)
-            finally:
-                llm.close()
-        elif llm is not None:
-            serve_engine(llm, lambda block: _drain(commands.recv, more, block), reports.send)
+        if llm is None:
+            return
+        try:
+            if llm.ranks is not None:
+                llm.ranks.serve(commands, reports)
+            else:
+                serve_engine(llm.engine, llm.inputs, lambda block: _drain(commands.recv, more, block), reports.send)
+        finally:
+            llm.close()
     except (EOFError, BrokenPipeError):  # the front is gone: nothing is left to serve
         pass
 
@@ -412,11 +231,11 @@ class AsyncEngine:
                 return None
 
         llm = _loaded(self._load, self._post)
-        if llm is not None and not isinstance(llm, LLM):  # a TPLLM: its ranks need the pipes of an engine process
+        if llm is not None and llm.ranks is not None:  # its ranks need the pipes of an engine process
             llm.close()
             self._post(LoadFailed("tensor parallelism is served from an engine process (drop --no-engine-process)"))
         elif llm is not None:
-            serve_engine(llm, lambda block: _drain(self._commands.get, more, block), self._post)
+            serve_engine(llm.engine, llm.inputs, lambda block: _drain(self._commands.get, more, block), self._post)
 
     def _start_process(self) -> None:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that has threads (uvicorn, torch)

@@ -8,12 +8,9 @@ applies, so the engine may run in another process.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from blockspec.engine.engine import Engine
-from blockspec.request import Request, SpecStats
+from blockspec.engine.loop import StepMetrics
 from blockspec.speculative.policy import PolicyView
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -22,48 +19,6 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.1
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                960.0, 1920.0, 7680.0)
-
-
-@dataclass
-class EngineGauges:
-    """The engine's queue, KV and cumulative counters after a step: plain values, so a step's report
-    can cross to the server's front process."""
-
-    running: int
-    waiting: int
-    kv_usage: float
-    num_generated: int
-    spec: SpecStats
-    policy: PolicyView | None = None  # the draft-length policy's view, when this report carries it
-    num_preemptions: int = 0
-
-    @classmethod
-    def of(cls, engine: Engine) -> EngineGauges:
-        pages = engine.pages
-        spec = SpecStats()
-        spec.merge(engine.spec_totals)
-        return cls(len(engine.running), len(engine.waiting), 1 - pages.num_free_pages / pages.num_pages,
-                   engine.num_generated, spec, num_preemptions=engine.num_preemptions)
-
-
-@dataclass
-class StepMetrics:
-    """What the metrics learn from one engine step."""
-
-    engine: EngineGauges
-    first_tokens: list[tuple[int, float]] = field(default_factory=list)  # (prompt tokens, seconds to first token)
-    # (finish reason, seconds from arrival to finish, mean seconds per output token after the first, if any)
-    finishes: list[tuple[str, float, float | None]] = field(default_factory=list)
-
-    def first_token(self, req: Request, arrival: float) -> None:
-        assert req.first_token_time is not None
-        self.first_tokens.append((len(req.prompt_token_ids), max(req.first_token_time - arrival, 0.0)))
-
-    def finish(self, req: Request, arrival: float, finish_time: float) -> None:
-        tpot = None
-        if req.first_token_time is not None and len(req.output_ids) > 1:
-            tpot = (finish_time - req.first_token_time) / (len(req.output_ids) - 1)
-        self.finishes.append((req.finish_reason or "abort", max(finish_time - arrival, 0.0), tpot))
 
 
 class ServerMetrics:

@@ -694,7 +694,8 @@ def regenerate_examples(target_dir: str | Path, examples: list[Example], cfg: Dr
     The prompt is everything before the first supervised token (or the first regen_prompt_tokens
     tokens of a fully supervised text chunk); the generated tokens become the supervised part.
     """
-    from blockspec import LLM, SamplingParams
+    from blockspec.llm import LLM
+    from blockspec.sampling_params import SamplingParams
 
     llm = LLM(str(target_dir), device=device, max_model_len=cfg.max_len + 1, seed=cfg.seed,
               max_num_seqs=min(64, max(1, len(examples))))
@@ -795,7 +796,8 @@ def _plain_greedy(target: CausalLM, prompt: list[int], max_new_tokens: int, eos:
 def engine_acceptance(target_dir: str | Path, method: str, drafter_dir: str | Path, prompts: list[list[int]],
                       max_new_tokens: int, device: str = "auto") -> dict[str, Any]:
     """Greedy acceptance measured through blockspec's engine (``LLM`` with a speculative_config)."""
-    from blockspec import LLM, SamplingParams
+    from blockspec.llm import LLM
+    from blockspec.sampling_params import SamplingParams
 
     llm = LLM(str(target_dir), device=device, seed=0,
               speculative_config={"method": method, "model": str(drafter_dir)})
@@ -832,7 +834,7 @@ def train_drafter(
     if not isinstance(target, CausalLM):
         target, target_dir = load_target(target, cfg.target_dtype, device, max_positions=cfg.max_len + 64)
         if tokenizer is None:
-            from blockspec.llm import load_tokenizer
+            from blockspec.engine.build import load_tokenizer
 
             tokenizer = load_tokenizer(target_dir)
     if not isinstance(data, list) or (eval_data is not None and not isinstance(eval_data, list)):

@@ -1,0 +1,130 @@
+"""User input turned into checked token ids, before any work starts: prompts (text, token ids, chat
+conversations), their lengths against the context, their ids against the vocabulary, and the
+sampling parameters that go with them. It needs the tokenizer and the model's limits, not its
+weights: the server's front process, which holds no weights, checks requests with a copy of it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from blockspec.config import ConfigError
+from blockspec.errors import RequestError
+from blockspec.sampling_params import SamplingParams, is_int
+
+PromptType = str | dict[str, Any]
+Prompt = tuple[str | None, list[int]]  # (text or None, token ids)
+
+
+def check_text(text: str, where: str) -> None:
+    """Text must be valid Unicode to be tokenized: JSON can carry a lone surrogate (\\ud800) that no
+    encoding represents."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"{where}: not valid Unicode: a lone surrogate {text[exc.start]!r} at character "
+                           f"{exc.start}") from None
+
+
+@dataclass
+class ModelInputs:
+    """What turning user input into checked token ids needs of a loaded model, without its weights:
+    the tokenizer, the context length and the vocabulary. The offline API checks with it before any
+    work starts, and the server's front process, which holds no weights, gets a copy of it."""
+
+    model_dir: Path
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+    speculative: bool
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """Characters past which a text prompt cannot fit in max_model_len tokens, known without tokenizing
+        it: a token stands for at most the longest token's characters, times 4 for normalisers that
+        compose several characters into one. A prompt longer than this is refused before the
+        tokenizer spends time and memory on it."""
+        tokens = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+        return self.max_model_len * 4 * max(len(t) for t in tokens if t)
+
+    def prompt_ids(self, prompt: PromptType, where: str) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"{where}: text prompt given but {self.model_dir} has no tokenizer; "
+                                   "pass {'prompt_token_ids': [...]} instead")
+            if not prompt:
+                raise RequestError(f"{where}: the prompt is empty")
+            check_text(prompt, where)
+            if len(prompt) > self.max_prompt_chars:
+                raise RequestError(f"{where}: the prompt has {len(prompt)} characters, more than max_model_len "
+                                   f"({self.max_model_len}) tokens can hold (at most {self.max_prompt_chars})")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(is_int(t) for t in ids):
+                raise RequestError(f"{where}: prompt_token_ids must be a list of ints")
+            return prompt.get("prompt"), ids
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self.prompt_ids(prompt["prompt"], where)
+        raise RequestError(f"{where}: a prompt is a string or a dict with 'prompt_token_ids'; "
+                           f"got {type(prompt).__name__}")
+
+    def check_prompt(self, ids: list[int], params: SamplingParams, where: str) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"{where}: sampling_params must be SamplingParams, got {type(params).__name__}")
+        limit = self.max_model_len
+        if not ids:
+            raise RequestError(f"{where}: the prompt is empty (no tokens)")
+        if len(ids) >= limit:
+            raise RequestError(f"{where}: prompt has {len(ids)} tokens; max_model_len is {limit}")
+        vocab = self.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        params.check_vocab(vocab)
+
+    def prepare(self, prompts: PromptType | Sequence[PromptType],
+                sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> tuple[list[Prompt],
+                                                                                              list[SamplingParams]]:
+        """Every prompt tokenized and checked with its parameters (one each, or one for all), so that one
+        bad prompt fails the call before any work starts."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise RequestError("prompts must be a string, a dict with 'prompt_token_ids', or a list of them; got "
+                               f"{type(prompts).__name__}")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, (list, tuple)):
+            params = list(sampling_params)
+        else:
+            raise ConfigError("sampling_params must be SamplingParams or a list of them; got "
+                              f"{type(sampling_params).__name__}")
+        if len(params) != len(prompts):
+            raise ConfigError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each")
+        prepared = [self.prompt_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        for i, (_, ids) in enumerate(prepared):
+            self.check_prompt(ids, params[i], f"prompt {i}")
+        return prepared, params
+
+    def chat_prompts(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+                     add_generation_prompt: bool = True) -> list[PromptType]:
+        """One conversation or a list of them, each through the tokenizer's chat template."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError(f"{self.model_dir} has no tokenizer chat template; use generate() with plain text")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for i, conv in enumerate(conversations):
+            if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
+                raise RequestError(f"conversation {i}: messages must be a non-empty list of {{'role', 'content'}}")
+            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
+            if not isinstance(ids, list):  # BatchEncoding in newer transformers
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return prompts
