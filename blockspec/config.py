@@ -7,6 +7,7 @@ message names the field and the allowed values.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -289,6 +290,26 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.async_scheduling not in (None, True, False):
             raise ConfigError(f"async_scheduling must be true, false or None (auto), got {self.async_scheduling!r}")
+
+
+@dataclass
+class EngineArgs(EngineConfig):
+    """What `LLM(model, ...)` takes besides the model and tensor_parallel_size (vLLM's EngineArgs): an
+    engine's limits, and how to load the model. Built alike in this process and in every
+    tensor-parallel rank."""
+
+    tokenizer: str | os.PathLike[str] | None = None  # directory or hub id (None: the model's)
+    dtype: Any = "auto"  # "auto" (fp32 on CPU, the checkpoint's on GPU), a name or a torch.dtype
+    device: str = "auto"
+    max_model_len: int | None = None  # None: the model config's, at most 4096
+    seed: int | None = None  # the engine's seed for requests that give none (None: 0)
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
+    warmup: bool = True  # capture every CUDA graph at start-up, not inside the first requests
+
+    def engine_config(self, max_model_len: int) -> EngineConfig:
+        """The engine's limits, with the context length the model allows."""
+        limits = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)}
+        return EngineConfig(**{**limits, "max_model_len": max_model_len, "seed": self.seed or 0})
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Self
 
-import torch
-
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineArgs, SpeculativeConfig
 from blockspec.engine.build import build_engine
 from blockspec.engine.loop import OfflineRunner
 from blockspec.inputs import PromptType
@@ -23,43 +21,21 @@ class LLM:
     With tensor_parallel_size N the target is split over N rank processes that answer the same calls
     (`blockspec.parallel`); `close()` (or leaving a `with` block) stops them."""
 
-    def __init__(
-        self,
-        model: str | os.PathLike[str],
-        tokenizer: str | os.PathLike[str] | None = None,
-        dtype: str | torch.dtype = "auto",
-        device: str = "auto",
-        max_model_len: int | None = None,
-        seed: int | None = None,
-        speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
-        max_num_seqs: int = 64,
-        max_prefill_tokens: int = 4096,
-        graph_prefill_tokens: int = 2048,
-        tensor_parallel_size: int = 1,
-        attention_backend: str = "auto",
-        gpu_memory_utilization: float = 0.9,
-        kv_page_size: int = 64,
-        num_kv_pages: int | None = None,
-        async_scheduling: bool | None = None,
-        warmup: bool = True,
-    ) -> None:
-        options = dict(tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
-                       speculative_config=speculative_config, max_num_seqs=max_num_seqs,
-                       max_prefill_tokens=max_prefill_tokens, graph_prefill_tokens=graph_prefill_tokens,
-                       attention_backend=attention_backend, gpu_memory_utilization=gpu_memory_utilization,
-                       kv_page_size=kv_page_size, num_kv_pages=num_kv_pages, async_scheduling=async_scheduling,
-                       warmup=warmup)
+    def __init__(self, model: str | os.PathLike[str], tensor_parallel_size: int = 1, **options: Any) -> None:
+        """`options`: the fields of `blockspec.config.EngineArgs` (tokenizer, dtype, device, max_model_len,
+        seed, speculative_config, max_num_seqs, ...), by name."""
+        args = EngineArgs(**options)
         self.tensor_parallel_size = tensor_parallel_size
         self.engine = self.ranks = None
         if tensor_parallel_size == 1:
-            setup = build_engine(model, **options)
+            setup = build_engine(model, args)
             self.engine, self.inputs, self.model = setup.engine, setup.inputs, setup.model
             self.speculative_config = setup.speculative_config
             self._runner = OfflineRunner(self.engine)
         else:
-            self.ranks = RankGroup(model, options, tensor_parallel_size)
+            self.ranks = RankGroup(model, args, tensor_parallel_size)
             self.inputs = self.ranks.inputs
-            self.speculative_config = SpeculativeConfig.from_user(speculative_config)
+            self.speculative_config = SpeculativeConfig.from_user(args.speculative_config)
         self.model_dir, self.tokenizer = self.inputs.model_dir, self.inputs.tokenizer
 
     def generate(

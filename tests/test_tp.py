@@ -142,6 +142,7 @@ def _rank_with_its_own_plan(rank: int, init_file: str, model: str, plans: list[i
     import torch.distributed as dist
 
     from blockspec.engine import memory
+    from blockspec.config import EngineArgs
     from blockspec.parallel.tp import rank_engine
 
     torch.set_num_threads(1)
@@ -150,7 +151,7 @@ def _rank_with_its_own_plan(rank: int, init_file: str, model: str, plans: list[i
         if config.num_kv_pages is None else plan(model, drafter, config, table_len)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        setup = rank_engine(rank, 2, None, model, seed=0, speculative_config=SPEC, device="cpu")
+        setup = rank_engine(rank, 2, None, model, EngineArgs(seed=0, speculative_config=SPEC, device="cpu"))
         Path(out, str(rank)).write_text(str(setup.engine.pages.num_pages))
     finally:
         dist.destroy_process_group()

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
+from blockspec.config import ConfigError, EngineArgs, SpeculativeConfig
 from blockspec.drafters import load_drafter
 from blockspec.engine import memory
 from blockspec.engine.engine import Engine
@@ -64,60 +64,44 @@ class EngineSetup:
 
 def build_engine(
     model: str | os.PathLike[str],
-    tokenizer: str | os.PathLike[str] | None = None,
-    dtype: str | torch.dtype = "auto",
-    device: str = "auto",
-    max_model_len: int | None = None,
-    seed: int | None = None,
-    speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
-    max_num_seqs: int = 64,
-    max_prefill_tokens: int = 4096,
-    graph_prefill_tokens: int = 2048,
-    attention_backend: str = "auto",
-    gpu_memory_utilization: float = 0.9,
-    kv_page_size: int = 64,
-    num_kv_pages: int | None = None,
-    async_scheduling: bool | None = None,
-    warmup: bool = True,
+    args: EngineArgs = EngineArgs(),
     *,
     load: TargetLoader = load_target,
     fewest_pages: Callable[[int], int] | None = None,
     agree: Callable[[int], int] | None = None,
 ) -> EngineSetup:
-    """The engine of `LLM(...)`'s arguments. A tensor-parallel rank passes `load` (its shard of the
+    """The engine of `LLM(model, ...)`. A tensor-parallel rank passes `load` (its shard of the
     target), `fewest_pages` (every rank must hold the pages the least of them can: the ranks'
     preemptions, and so their steps, would part otherwise) and `agree` (every rank takes rank 0's
     draft-length decisions)."""
-    spec = SpeculativeConfig.from_user(speculative_config)
-    dev = resolve_device(device)
+    a = args
+    spec = SpeculativeConfig.from_user(a.speculative_config)
+    dev = resolve_device(a.device)
     model_dir = resolve_model_dir(model)
     cfg_len = read_json(model_dir / "config.json").get("max_position_embeddings", 4096)
-    if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
-        raise ConfigError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
-    max_len = max_model_len or min(int(cfg_len), 4096)
+    if a.max_model_len is not None and (not isinstance(a.max_model_len, int) or a.max_model_len < 2):
+        raise ConfigError(f"max_model_len must be an integer >= 2, got {a.max_model_len!r}")
+    max_len = a.max_model_len or min(int(cfg_len), 4096)
     if max_len > cfg_len:
         raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings ({cfg_len})")
-    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-        raise ConfigError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+    if not isinstance(a.max_num_seqs, int) or a.max_num_seqs < 1:
+        raise ConfigError(f"max_num_seqs must be an integer >= 1, got {a.max_num_seqs!r}")
     margin = 64  # RoPE rows for draft/verify positions past the committed length
-    target, model_dir = load(model_dir, dtype, dev, max_len + margin)
-    tok = load_tokenizer(resolve_model_dir(tokenizer, "tokenizer") if tokenizer else model_dir)
+    target, model_dir = load(model_dir, a.dtype, dev, max_len + margin)
+    tok = load_tokenizer(resolve_model_dir(a.tokenizer, "tokenizer") if a.tokenizer else model_dir)
     eos = generation_eos_ids(model_dir, target.config.eos_token_ids, tok)
     drafter = None
     if spec is not None:
         weight = target.embed_tokens.weight
         drafter = load_drafter(spec.method, spec.model, weight.device, weight.dtype)
-    config = EngineConfig(max_model_len=max_len, max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
-                          graph_prefill_tokens=graph_prefill_tokens, seed=seed if seed is not None else 0,
-                          attention_backend=attention_backend, gpu_memory_utilization=gpu_memory_utilization,
-                          kv_page_size=kv_page_size, num_kv_pages=num_kv_pages, async_scheduling=async_scheduling)
+    config = a.engine_config(max_len)
     if fewest_pages is not None and config.num_kv_pages is None:
         mine = memory.plan_pages(target, drafter, config, memory.cache_extent(config, spec, drafter)[1])
         config = dataclasses.replace(config, num_kv_pages=fewest_pages(mine))
     engine = Engine(target, tok, config, spec, drafter, eos)
     if agree is not None and engine.proposer is not None and engine.policy.adaptive:  # a fixed K needs none
         engine.agree = agree
-    if warmup:  # GPU: capture every CUDA graph now, not inside the first requests
+    if a.warmup:  # GPU: capture every CUDA graph now, not inside the first requests
         done = engine.warmup()
         if done["graphs"]:
             log.info("warm-up: %d CUDA graphs captured in %.1f s", done["graphs"], done["seconds"])

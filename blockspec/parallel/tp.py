@@ -16,6 +16,7 @@ same engine steps in lockstep, and rank 0 sends the result back.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import shutil
@@ -35,7 +36,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from blockspec.config import ConfigError, ModelConfig
+from blockspec.config import ConfigError, EngineArgs, ModelConfig
 from blockspec.engine.build import EngineSetup, build_engine
 from blockspec.engine.engine import Engine
 from blockspec.engine.loop import OfflineRunner, Stop, serve_engine
@@ -194,8 +195,8 @@ def shard_model(model: CausalLM, rank: int, world_size: int, group: ProcessGroup
 
 # ---------------------------------------------------------------- ranks
 def rank_engine(rank: int, world_size: int, control: ProcessGroup, model: str | os.PathLike[str],
-                **options: Any) -> EngineSetup:
-    """One rank's engine (`options`: LLM's arguments): the full target is loaded on the CPU, this rank's
+                args: EngineArgs) -> EngineSetup:
+    """One rank's engine: the full target is loaded on the CPU, this rank's
     shard kept and moved to the rank's device, so no device ever holds the whole model; its KV pages
     are the fewest any rank's memory allows, and its draft-length decisions rank 0's (`control`: a
     CPU group for host messages)."""
@@ -209,7 +210,7 @@ def rank_engine(rank: int, world_size: int, control: ProcessGroup, model: str | 
         shard_model(target, rank, world_size)
         return target.to(device), model_dir
 
-    return build_engine(model, **options, load=load, fewest_pages=lambda mine: fewest(mine, control),
+    return build_engine(model, args, load=load, fewest_pages=lambda mine: fewest(mine, control),
                         agree=rank0_decides(control))
 
 
@@ -233,13 +234,13 @@ def rank0_decides(group: ProcessGroup) -> Callable[[int], int]:
 
 
 def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | None, model: str,
-               options: dict[str, Any], num_threads: int) -> None:
+               args: EngineArgs, num_threads: int) -> None:
     """One rank: join the group, build its engine, then serve broadcast calls until "close"."""
     torch.set_num_threads(num_threads)
-    cuda = resolve_device(options.get("device", "auto")).type == "cuda"
+    cuda = resolve_device(args.device).type == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
-        options = {**options, "device": f"cuda:{rank}"}
+        args = dataclasses.replace(args, device=f"cuda:{rank}")
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (device README)
     elif Path("/sys/class/net/lo").exists():
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only: the ranks share one host
@@ -250,7 +251,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | No
     control = dist.new_group(backend="gloo") if cuda else None
     try:
         try:
-            setup: EngineSetup | None = rank_engine(rank, world_size, control, model, **options)
+            setup: EngineSetup | None = rank_engine(rank, world_size, control, model, args)
             reply: tuple[str, Any] = ("ok", setup.inputs)
         except Exception as exc:  # noqa: BLE001  every rank fails alike (same config, same weights); rank 0 reports it
             setup, reply = None, ("err", _portable(exc))
@@ -330,14 +331,14 @@ class RankGroup:
     each call from the user's process over a pipe and broadcasts it to the other ranks, so all of
     them run the same engine steps in lockstep, and rank 0 sends the result back."""
 
-    def __init__(self, model: str | os.PathLike[str], options: dict[str, Any], world_size: int,
+    def __init__(self, model: str | os.PathLike[str], args: EngineArgs, world_size: int,
                  num_threads: int | None = None, startup_timeout_s: float = 600.0) -> None:
-        """options: LLM's arguments. num_threads: torch threads per rank; default: this process's, shared
+        """num_threads: torch threads per rank; default: this process's, shared
         out so the ranks do not oversubscribe the CPU."""
         model_dir = resolve_model_dir(model)
         cfg = ModelConfig.from_hf(read_json(model_dir / "config.json"), str(model_dir / "config.json"))
         check_shardable(cfg, world_size)  # fail here, before spawning anything
-        if resolve_device(options.get("device", "auto")).type == "cuda" and torch.cuda.device_count() < world_size:
+        if resolve_device(args.device).type == "cuda" and torch.cuda.device_count() < world_size:
             raise ConfigError(f"tensor_parallel_size={world_size} needs that many GPUs; "
                               f"{torch.cuda.device_count()} visible")
         self.world_size = world_size
@@ -349,7 +350,7 @@ class RankGroup:
         for rank in range(world_size):
             p = ctx.Process(target=_rank_main, daemon=True,
                             args=(rank, world_size, os.path.join(self._dir, "store"),
-                                  child if rank == 0 else None, str(model_dir), options, num_threads))
+                                  child if rank == 0 else None, str(model_dir), args, num_threads))
             p.start()
             self._procs.append(p)
         child.close()
