@@ -666,7 +666,7 @@ def test_a_pool_too_small_for_one_sequence_is_refused(tmp_path):
 
 def test_a_batch_mixing_penalties_and_none_gives_each_its_own_output(llm):
     """Requests with penalties beside requests without them in one step: each gets what it gets alone
-    (a step once stacked the missing history of the ones without, and failed)."""
+    (the ones without have no history to stack beside the others')."""
     penalised = SamplingParams(temperature=0.8, seed=4, repetition_penalty=1.3, presence_penalty=0.5, max_tokens=20,
                                ignore_eos=True)
     plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

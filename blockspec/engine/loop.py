@@ -176,8 +176,8 @@ Outputs = list[tuple[str, DeltaFields | BaseException]]  # (the front's request 
 @dataclass
 class StepReport:
     """One step's output: each request's new output (or the error that ended it), and the metrics.
-    Deltas travel as plain tuples: a report crosses a pipe every step, and 64 dataclasses took 190 us
-    to pickle and 150 us to unpickle on this project's CPU, 64 tuples 22 and 29 us."""
+    Deltas travel as plain tuples: a report crosses a pipe every step, and tuples pickle and unpickle
+    several times faster than dataclasses."""
 
     outputs: Outputs
     metrics: StepMetrics

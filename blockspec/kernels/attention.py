@@ -196,8 +196,8 @@ class AttentionTiles:
     the most splits that hold keys (one program merges the splits in turn, and a wide block's
     partials are four times a decode block's), the merge loop's unrolling, and the fewest splits of
     a decode block at which each key looks its page up (a vector load) instead of its tile's page
-    being loaded a tile ahead. On an H200 at Qwen3-8B's heads, per-key lookups made batch-1 decode
-    (33 splits) 5-18 % faster and decode at 16 splits or fewer up to 17 % slower."""
+    being loaded a tile ahead: per-key lookups pay where each split holds a tile or two (batch-1
+    decode) and cost where splits hold more (`benchmarks/bench_attention.py` measures both)."""
 
     block_n: int = 64
     target_programs: int = 264

@@ -4,9 +4,8 @@ On CUDA, forwards replay captured CUDA graphs, bucketed by batch size, query wid
 key length, so Python and kernel launch overhead bound neither batch-1 decoding nor a busy server:
 decode and verify (every request feeds at most one verify width of tokens), and with the Triton
 attention kernel prefill batches of up to `graph_prefill_tokens` padded tokens (widths in powers of
-two from 16). An eager forward costs about ten launches a layer from Python whatever its size
-(3 ms for six layers on the H200 host, a graph replay 0.1 ms), and at a busy server nearly every
-step holds a prefill. Longer prefill chunks and CPU runs take the eager path, which is the
+two from 16). An eager forward costs about ten launches a layer from Python whatever its size, many
+times a graph replay, and at a busy server nearly every step holds a prefill. Longer prefill chunks and CPU runs take the eager path, which is the
 reference the graph path is tested against.
 """
 

@@ -55,8 +55,8 @@ class EngineError(RuntimeError):
 def freezing_after(load: Callable[[], T]) -> Callable[[], T]:
     """`load`, then what is alive (modules, weights' Python objects, the tokenizer, warm-up's
     leftovers) is moved out of the garbage collector's reach. It lives as long as the process, yet
-    every full collection walked all of it: some 370,000 objects, 0.2 s on this project's CPU, a
-    stall of every request in flight that a serving loop hits now and then."""
+    every full collection walked all of it (hundreds of thousands of objects), a stall of every
+    request in flight that a serving loop hits now and then."""
 
     def load_and_freeze() -> T:
         loaded = load()

@@ -11,9 +11,8 @@ drafting and never looks at the drafts, so it cannot affect what is emitted: exa
 depend on it.
 
 Choosing K = 0 is not all of the plain path: a request that may draft still feeds the drafter (its
-prompt's context at prefill, the taps of every step). On the H200 that cost a churning engine 10-25 %
-of its throughput while prefill was launched from the host, 1-3 % since the prefill graphs append the
-context themselves; on a CPU the context is compute. So where plain wins, the batch size is parked:
+prompt's context at prefill, the taps of every step): launches on a GPU, compute on a CPU, paid whether
+or not a step drafts. So where plain wins, the batch size is parked:
 requests that join it do not feed the drafter and the engine runs them as plain decoding. A park
 lasts PARK_TURNOVERS times the bucket's size in arrivals (the batch turning over twice), doubling
 each time the re-tries after it find plain still best; then joining requests feed the drafter again
@@ -113,9 +112,8 @@ class DraftLengthPolicy:
         Each position's conditional rate borrows PRIOR_TRIALS pseudo-trials at the rate of the
         position before it (the first: at one half), so an unseen position extrapolates the last
         rate and a rarely offered one moves from it only as evidence comes. Shrunk towards one half
-        instead, the few trials deep positions get while short drafts are explored read as a
-        collapse (0 of 2 accepted gave 0.17), and longer drafts then never looked worth trying:
-        a K=15 drafter at 86 % per position sat at K=8 for a quarter of its steps."""
+        instead, the few trials deep positions get while short drafts are explored would read as a
+        collapse (0 of 2 accepted gives 0.17), and longer drafts would never look worth trying."""
         out, survive, rate = [], 1.0, 0.5
         for i in range(self.k_max):
             reached = self.accepted[i - 1] if i else self.offered[0]
