@@ -318,8 +318,9 @@ class ServerConfig:
 
     # with a key, /v1/ routes need `Authorization: Bearer <key>` (None: open, for a loopback server)
     api_key: str | None = None
-    # request bodies larger than this are refused (413) before they are parsed
-    max_request_bytes: int = 16 << 20
+    # request bodies larger than this are refused (413) before they are parsed: 4 MiB holds a prompt of
+    # a 128K-token context, as text or as token ids, several times over
+    max_request_bytes: int = 4 << 20
     # whether a request may bring its own chat template (`chat_template`): rendering one runs the
     # request's code on the server, so only an operator who trusts its clients turns this on
     trust_request_chat_template: bool = False
