@@ -15,6 +15,7 @@ from typing import Any
 from blockspec.config import ConfigError
 from blockspec.errors import RequestError
 from blockspec.sampling_params import SamplingParams, is_int
+from blockspec.structured import new_matcher
 
 PromptType = str | dict[str, Any]
 Prompt = tuple[str | None, list[int]]  # (text or None, token ids)
@@ -41,6 +42,7 @@ class ModelInputs:
     max_model_len: int
     vocab_size: int
     speculative: bool
+    eos_ids: tuple[int, ...] = ()
 
     @functools.cached_property
     def max_prompt_chars(self) -> int:
@@ -86,6 +88,8 @@ class ModelInputs:
         if bad:
             raise RequestError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         params.check_vocab(vocab)
+        if params.structured_outputs is not None:  # compiles it: a grammar that cannot fails here
+            new_matcher(params.structured_outputs, self.tokenizer, vocab, self.eos_ids, where)
 
     def prepare(self, prompts: PromptType | Sequence[PromptType],
                 sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> tuple[list[Prompt],

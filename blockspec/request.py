@@ -178,13 +178,17 @@ class Request:
     num_failed_steps: int = 0  # engine steps it took part in that raised
     suspect: bool = False  # in a step that raised: it runs alone until it commits a token past suspect_since
     suspect_since: int = 0
+    grammar: Any = None  # structured output: the matcher of its constraint, advanced by committed tokens
     # what its parameters ask of every step, fixed at creation: a step tests them for each of its rows
-    needs_history: bool = field(init=False)  # sampling reads committed tokens (penalties, min_tokens) or keeps logprobs
+    # sampling reads committed tokens (penalties, min_tokens, a grammar) or keeps logprobs
+    needs_history: bool = field(init=False)
     needs_processing: bool = field(init=False)  # more than the raw logits' argmax (see Engine.needs_processing)
 
     def __post_init__(self) -> None:
         p = self.params
-        self.needs_history = p.uses_penalties or bool(p.min_tokens) or p.logprobs is not None
+        # a grammar's masks follow the committed tokens, as penalties do
+        self.needs_history = (p.uses_penalties or bool(p.min_tokens) or p.logprobs is not None
+                              or p.structured_outputs is not None)
         self.needs_processing = self.needs_history or not p.greedy or bool(p.logit_bias)
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import reprlib
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class SamplingError(ValueError):
@@ -33,6 +34,35 @@ def token_id(key: object) -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint every generated token must keep: the output matches a JSON schema (`json`, a dict or
+    its text), any JSON object (`json_object`), a regular expression (`regex`), one of `choice`, or a
+    Lark grammar (`grammar`). Exactly one is given (vLLM's names)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise SamplingError(f"SamplingParams.structured_outputs needs exactly one of json, regex, choice, "
+                                f"grammar, json_object; got {given or 'none'}")
+        checks = {"json": isinstance(self.json, (dict, str)), "regex": isinstance(self.regex, str),
+                  "grammar": isinstance(self.grammar, str), "json_object": True,
+                  "choice": isinstance(self.choice, (list, tuple)) and bool(self.choice)
+                  and all(isinstance(c, str) and c for c in self.choice)}
+        if not checks[given[0]]:
+            allowed = {"json": "a JSON schema (dict or text)", "regex": "a string", "grammar": "a Lark grammar string",
+                       "choice": "a non-empty list of non-empty strings"}[given[0]]
+            raise SamplingError(f"SamplingParams.structured_outputs.{given[0]}={SHORT.repr(getattr(self, given[0]))} "
+                                f"is invalid; allowed: {allowed}")
+
+
 @dataclass
 class SamplingParams:
     """How one request is decoded. temperature 0 is greedy; top_k 0 or -1 turns top-k off."""
@@ -56,6 +86,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     use_speculation: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -89,6 +120,8 @@ class SamplingParams:
             check(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})")
         integer("logprobs", 0, MAX_LOGPROBS, f"None or an integer in [0, {MAX_LOGPROBS}] (number of top alternatives)",
                 optional=True)
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "None or a StructuredOutputsParams")
         for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "use_speculation"):
             check(isinstance(getattr(self, flag), bool), flag, "True or False")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []

@@ -82,12 +82,13 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-def save_tiny_tokenizer(path: Path) -> Path:
-    """A character-level tokenizer over printable ASCII: id 0 = <s>, 1 = </s> (EOS), chars from 2."""
+def save_tiny_tokenizer(path: Path, drop: str = "") -> Path:
+    """A character-level tokenizer over printable ASCII: id 0 = <s>, 1 = </s> (EOS), chars from 2 (98 ids;
+    fewer without the characters in `drop`)."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    chars = [chr(c) for c in range(32, 127) if chr(c) not in drop] + ["\n"]
     vocab = {"<s>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     tok.decoder = decoders.Fuse()
@@ -108,9 +109,13 @@ def save_tiny_model_with_tokenizer(path: Path, family: str = "qwen3", seed: int 
 DRAFTER_TARGET_KW = dict(vocab=96, hidden=32, layers=5, heads=4, kv_heads=2, head_dim=8)
 
 
-def save_drafter_target(path: Path) -> Path:
-    """The fixtures' target checkpoint (qwen3, seed 0): the drafter fixtures fit it."""
-    return save_tiny(path, "qwen3", seed=0, **DRAFTER_TARGET_KW)
+def save_drafter_target(path: Path, tokenizer: bool = False) -> Path:
+    """The fixtures' target checkpoint (qwen3, seed 0): the drafter fixtures fit it. With `tokenizer`, a
+    character tokenizer of its 96 ids (printable ASCII but '`' and '~')."""
+    save_tiny(path, "qwen3", seed=0, **DRAFTER_TARGET_KW)
+    if tokenizer:
+        save_tiny_tokenizer(path, drop="`~")
+    return Path(path)
 
 
 FAIL_PROMPT = "simulate a device failure"

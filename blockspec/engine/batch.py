@@ -7,6 +7,7 @@ engine for it.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from torch import Tensor
 from blockspec.models.runner import ModelRunner
 from blockspec.request import Logprob, Request
 from blockspec.sample import RowParams, expand_history, logprobs as top_logprobs, process_logits, sample
+from blockspec.structured import Masks
 from blockspec.transfer import to_device
 
 LogprobEntries = list[list[dict[int, Logprob]]]  # per request, per emitted row: token -> Logprob
@@ -43,9 +45,11 @@ class BatchSampling:
         self.device = runner.device
 
     def params(self, reqs: list[Request], rows_per_req: list[int], block_tokens: Tensor | None = None,
-               ahead: int = 0) -> RowParams:
+               ahead: int = 0, constrained: bool = True) -> RowParams:
         """Per-row sampling parameters; row j of request r samples the token at position length + ahead + j
-        (`ahead`: tokens launched but not yet committed, see `needs_history`)."""
+        (`ahead`: tokens launched but not yet committed, see `needs_history`). `block_tokens`: the drafts
+        a verify's rows follow. `constrained`: the rows of a request with a grammar get its masks (not
+        for drafting, which is unconstrained)."""
         dev = self.device
         req_of_row = [i for i, c in enumerate(rows_per_req) for _ in range(c)]
         offset = [j for c in rows_per_req for j in range(c)]
@@ -92,7 +96,24 @@ class BatchSampling:
             output_counts=output_counts,
             prompt_mask=prompt_mask,
             logit_bias=logit_bias,
+            allowed=self._grammar_masks(reqs, rows_per_req, block_tokens) if constrained else None,
         )
+
+    def _grammar_masks(self, reqs: list[Request], rows_per_req: list[int], block_tokens: Tensor | None
+                       ) -> Tensor | None:
+        """Each constrained request's rows: the mask of its grammar's state, and after each of the drafts
+        its verify rows follow (read once to the host); None when no request has a grammar."""
+        if not any(r.grammar is not None for r in reqs):
+            return None
+        masks = Masks(sum(rows_per_req), self.vocab_size)
+        drafts = block_tokens.tolist() if block_tokens is not None else None
+        row = 0
+        for i, (req, rows) in enumerate(zip(reqs, rows_per_req)):
+            if req.grammar is not None:
+                block = drafts[i][: rows - 1] if drafts is not None else []
+                masks.add(req.grammar, row, list(itertools.takewhile(lambda t: t >= 0, block)))
+            row += rows
+        return to_device(masks.fill(), torch.int32, self.device)
 
     def next_ids(self, reqs: list[Request], hidden_rows: Tensor, ahead: int = 0) -> Tensor:
         """One token id per request on the device (-1 for a non-finite row), sampled `ahead` tokens

@@ -105,5 +105,5 @@ def build_engine(
         done = engine.warmup()
         if done["graphs"]:
             log.info("warm-up: %d CUDA graphs captured in %.1f s", done["graphs"], done["seconds"])
-    inputs = ModelInputs(model_dir, tok, max_len, target.config.vocab_size, spec is not None)
+    inputs = ModelInputs(model_dir, tok, max_len, target.config.vocab_size, spec is not None, tuple(engine.eos_ids))
     return EngineSetup(engine, inputs, target, model_dir, tok, spec)

@@ -24,7 +24,7 @@ from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.drafters import DraftModel
 from blockspec.engine import memory
 from blockspec.engine.batch import BatchSampling, needs_history, needs_processing
-from blockspec.engine.output import OutputProcessor
+from blockspec.engine.output import OutputProcessor, grammar_ending
 from blockspec.engine.pipeline import Pipeline, PlainLaunch, SpecLaunch
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.timer import StepTimer
@@ -38,6 +38,7 @@ from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.context import DraftContext
 from blockspec.speculative.policy import DraftLengthPolicy
 from blockspec.speculative.proposer import Proposer, draft_length
+from blockspec.structured import new_matcher
 from blockspec.transfer import to_device
 
 log = logging.getLogger("blockspec.engine")
@@ -192,6 +193,10 @@ class Engine:
             raise RequestError(f"request {request_id}: prompt has {len(prompt_ids)} tokens; the context holds "
                                f"{limit} (max_model_len), leaving no room to generate")
         params.check_vocab(self.vocab_size)
+        grammar = None
+        if params.structured_outputs is not None:  # compiled before queueing: a bad grammar fails here
+            grammar = new_matcher(params.structured_outputs, self.tokenizer, self.vocab_size, tuple(self.eos_ids),
+                                  f"request {request_id}")
         reqs = []
         for i in range(params.n):
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.seed_gen))
@@ -202,6 +207,8 @@ class Engine:
             req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
             if params.logprobs is not None:
                 req.logprobs = []
+            if grammar is not None:
+                req.grammar = grammar.deep_copy()
             reqs.append(req)
         self.scheduler.add(reqs)
         return reqs
@@ -562,7 +569,7 @@ class Engine:
             draft_params = None
             if self.proposer.probabilistic(reqs):
                 k_max = self.proposer.num_speculative_tokens
-                draft_params = self.sampling.params(reqs, [k_max] * len(reqs))
+                draft_params = self.sampling.params(reqs, [k_max] * len(reqs), constrained=False)
             block = self.proposer.propose(reqs, budgets, anchors, draft_params)
             starts, q_lens = [r.num_cached for r in reqs], [1 + n for n in block.lens]
         else:
@@ -717,12 +724,16 @@ class Engine:
 
     # ---------------------------------------------------------------- commit
     def _append(self, req: Request, tokens: list[int], lps: list[dict[int, Logprob]] | None) -> None:
-        """Commit the step's tokens; a request that goes on counts them in its penalty history."""
+        """Commit the step's tokens; a request that goes on counts them in its penalty history and its
+        grammar, and ends where the grammar is complete."""
         start = len(req.output_ids)
         ending = self.output.commit(req, tokens, lps)
         if ending is None:
-            self.sampling.add_history(req, req.output_ids[start:])
-        else:
+            new = req.output_ids[start:]
+            self.sampling.add_history(req, new)
+            if req.grammar is not None:
+                ending = grammar_ending(req.grammar, new)
+        if ending is not None:
             self._finish(req, ending.reason, ending.stop_reason, ending.error)
 
     def _fail(self, req: Request, message: str) -> None:

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 from blockspec.request import Logprob, Request
+from blockspec.structured import GrammarMatcher
 
 NON_FINITE = "the target produced non-finite logits (NaN or inf) for this request"
 
@@ -72,3 +73,11 @@ class OutputProcessor:
                 req.truncated_text = text[:end]
                 return s
         return None
+
+
+def grammar_ending(grammar: GrammarMatcher, tokens: list[int]) -> Ending | None:
+    """Advance a request's grammar by its committed tokens: it ends (stop) once the grammar is complete,
+    and fails if a token left it (the masks make that impossible unless they are bypassed)."""
+    if not grammar.consume_tokens(tokens):
+        return Ending("error", error=f"the output left its structured-output grammar: {grammar.get_error()}")
+    return Ending("stop") if grammar.is_stopped() else None

@@ -7,6 +7,7 @@ exactly the distribution the non-speculative sampler would have used (sampling.m
 
 Order (vLLM's, V1 and Model Runner V2 alike):
 
+0. the structured-output bitmask (tokens a row's grammar forbids -> -inf),
 1. logit bias (sparse additive),
 2. eos suppression (min_tokens not reached: stop/eos ids -> -inf),
 3. penalties: repetition (tokens in prompt or output: positive logits divided, negative
@@ -78,6 +79,7 @@ class RowParams:
     prompt_mask: Tensor | None = None  # [N, V] bool tokens present in the prompt
     logit_bias: tuple[Tensor, Tensor, Tensor] | None = None  # (row [M] int64, token [M] int64, bias [M] float32)
     eos_ids: Tensor | None = None  # [E] int64 ids masked where suppress_eos
+    allowed: Tensor | None = None  # [N, ceil(V / 32)] int32 bitmask of the tokens a row's grammar allows
     features: Features | None = None  # host-side flags; None => derived from the tensors (one host sync)
 
     @classmethod
@@ -88,7 +90,7 @@ class RowParams:
                   repetition_penalty: Sequence[float] | None = None, suppress_eos: Sequence[bool] | None = None,
                   output_counts: Tensor | None = None, prompt_mask: Tensor | None = None,
                   logit_bias: tuple[Tensor, Tensor, Tensor] | None = None,
-                  eos_ids: Tensor | None = None) -> RowParams:
+                  eos_ids: Tensor | None = None, allowed: Tensor | None = None) -> RowParams:
         """Build from per-row host values (None = off for every row), with ``features`` filled in
         from the host values so that no later call needs to read them back from the device."""
         n = len(temperature)
@@ -110,7 +112,8 @@ class RowParams:
         return cls(temperature=floats[0], top_p=floats[1], min_p=floats[2], presence_penalty=floats[3],
                    frequency_penalty=floats[4], repetition_penalty=floats[5], top_k=ints[0], seed=ints[1],
                    position=ints[2], suppress_eos=ints[3].bool(), output_counts=output_counts,
-                   prompt_mask=prompt_mask, logit_bias=logit_bias, eos_ids=eos_ids, features=feats)
+                   prompt_mask=prompt_mask, logit_bias=logit_bias, eos_ids=eos_ids, features=feats,
+                   allowed=allowed)
 
     def take(self, rows: Tensor) -> RowParams:
         """The parameters of a subset of rows (e.g. one block position of every request)."""
@@ -129,6 +132,14 @@ class RowParams:
         return RowParams(**out)
 
 
+def apply_bitmask(logits: Tensor, bits: Tensor) -> Tensor:
+    """Logits of the tokens each row's bitmask forbids set to -inf, in place (bit t of a row: token t
+    allowed)."""
+    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(bits.shape[0], -1)[:, : logits.shape[-1]]
+    return logits.masked_fill_(allowed == 0, float("-inf"))
+
+
 def features(p: RowParams) -> Features:
     """``p.features`` if the caller supplied it, else read from the tensors (one host sync)."""
     if p.features is not None:
@@ -142,7 +153,7 @@ def needs_full_processing(p: RowParams) -> bool:
     """False when every row is greedy with no penalties, bias or eos suppression: the caller may
     then take the argmax of the raw logits and keep ids only."""
     return (features(p).sampled or p.output_counts is not None or p.prompt_mask is not None
-            or p.logit_bias is not None or p.eos_ids is not None)
+            or p.logit_bias is not None or p.eos_ids is not None or p.allowed is not None)
 
 
 def row_chunks(n: int, width: int, chunk_elems: int = CHUNK_ELEMS) -> Iterator[slice]:
@@ -185,6 +196,8 @@ def process_logits(logits: Tensor, p: RowParams, chunk_elems: int = CHUNK_ELEMS)
     The input is not modified; work runs in row chunks of ``chunk_elems`` elements.
     """
     out = logits.to(torch.float32, copy=True)
+    if p.allowed is not None:
+        apply_bitmask(out, p.allowed)
     if p.logit_bias is not None:
         rows, toks, bias = p.logit_bias
         out.index_put_((rows, toks), bias.to(torch.float32), accumulate=True)

@@ -1,0 +1,110 @@
+"""Structured output: the grammar a request's tokens must keep (a JSON schema, any JSON object, a regex, a
+choice, a Lark grammar), compiled by llguidance, and the token bitmask it allows at each sampled row.
+
+A request's matcher advances only on committed tokens. A verify row j of a speculative step gets the
+mask of the state after drafts 1..j (the matcher consumes them, fills the masks, and rolls back), so
+the target's processed distribution at every verified position is exactly the constrained one: a
+draft the grammar forbids has probability zero there and is rejected, never emitted. Drafts
+themselves are not constrained.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
+from torch import Tensor
+
+from blockspec.errors import RequestError
+from blockspec.sampling_params import StructuredOutputsParams
+
+GrammarMatcher = LLMatcher
+
+
+def grammar_of(spec: StructuredOutputsParams) -> str:
+    """The llguidance grammar of a constraint."""
+    if spec.json is not None:
+        return LLMatcher.grammar_from_json_schema(spec.json)
+    if spec.json_object:
+        return LLMatcher.grammar_from_json_schema({"type": "object"})
+    if spec.regex is not None:
+        return LLMatcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in spec.choice))
+    return LLMatcher.grammar_from_lark(spec.grammar)
+
+
+class _TextTokens:
+    """A tokenizer whose decoder llguidance cannot read (neither byte-level nor byte-fallback), given to it
+    as each token's text: right for tokenizers whose tokens are whole characters or words."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = list(tokenizer.all_special_ids)
+        special = set(self.special_token_ids)
+        self.tokens = [b"" if i in special or i >= len(tokenizer) else tokenizer.decode([i]).encode()
+                       for i in range(vocab_size)]
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+
+@functools.lru_cache(maxsize=4)
+def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]) -> LLTokenizer:
+    """llguidance's view of a tokenizer over the model's vocabulary (ids past the tokenizer's are never
+    allowed); built once per tokenizer (about a second for a large vocabulary)."""
+    eos = list(eos_ids) or None
+    try:
+        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+    except ValueError:  # a decoder llguidance does not read: the tokens' text instead
+        return LLTokenizer(TokenizerWrapper(_TextTokens(tokenizer, vocab_size)), n_vocab=vocab_size, eos_token=eos)
+
+
+def new_matcher(spec: StructuredOutputsParams, tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...],
+                where: str) -> GrammarMatcher:
+    """A matcher at the start of the output, or a RequestError naming the request and the problem."""
+    if tokenizer is None:
+        raise RequestError(f"{where}: structured outputs need the model's tokenizer, and this model has none")
+    try:
+        grammar = grammar_of(spec)
+    except ValueError as exc:
+        raise RequestError(f"{where}: structured_outputs: {exc}") from None
+    matcher = LLMatcher(ll_tokenizer(tokenizer, vocab_size, eos_ids), grammar, log_level=0)
+    if matcher.is_error():
+        raise RequestError(f"{where}: structured_outputs: {matcher.get_error()}")
+    return matcher
+
+
+class Masks:
+    """Token bitmasks of a batch's rows ([rows, ceil(V / 32)] int32, bit t of a row: token t allowed),
+    filled in parallel by llguidance; rows of requests without a grammar allow everything."""
+
+    def __init__(self, rows: int, vocab_size: int) -> None:
+        self.bits = llguidance.torch.allocate_token_bitmask(rows, vocab_size)
+        self._entries: list[tuple[GrammarMatcher, int, list[int]]] = []
+
+    def add(self, matcher: GrammarMatcher, row: int, drafts: list[int]) -> None:
+        """Row `row` gets the matcher's current mask; row `row + 1 + j` the mask after drafts[0..j], up to
+        the first draft the grammar forbids (rows past it are never emitted from)."""
+        self._entries.append((matcher, row, drafts))
+
+    def fill(self) -> Tensor:
+        with_drafts = [e for e in self._entries if e[2]]
+        alone = [(matcher, row) for matcher, row, drafts in self._entries if not drafts]
+        if with_drafts:
+            llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(_executor(), with_drafts, self.bits)
+        if alone:
+            llguidance.torch.fill_next_token_bitmask_par(_executor(), alone, self.bits)
+        return self.bits
+
+
+@functools.cache
+def _executor() -> llguidance.LLExecutor:
+    return llguidance.LLExecutor()

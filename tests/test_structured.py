@@ -1,0 +1,166 @@
+"""Structured output: every token keeps the request's grammar, and speculation keeps it exactly.
+
+The drafts here are the target's own unconstrained continuation, which the grammar mostly forbids
+while the unconstrained target would accept them: only masks on every verify row (the grammar's state
+after the drafts before it) make speculative output equal plain constrained decoding. A control with
+the masks of the rows after the first taken away shows the equality test catches that."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import llguidance.torch
+import pytest
+import torch
+
+from blockspec import LLM, SamplingParams
+from blockspec.errors import RequestError
+from blockspec.sample.processors import apply_bitmask
+from blockspec.sampling_params import SamplingError, StructuredOutputsParams
+from blockspec.structured import Masks
+from factories import save_drafter_target
+
+FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "b": {"enum": ["x", "yy", "zzz"]}},
+          "required": ["a", "b"], "additionalProperties": False}
+PROMPTS = ["hello", "x = 1", "def f():", "{", "The answer"]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return save_drafter_target(tmp_path_factory.mktemp("target"), tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def plain(target) -> LLM:
+    return LLM(str(target), device="cpu", max_model_len=160)
+
+
+def speculative(target: Path, method: str = "dflash", fixture: str = "dflash", **spec) -> LLM:
+    return LLM(str(target), device="cpu", max_model_len=160,
+               speculative_config={"method": method, "model": str(FIXTURES / fixture), "adaptive_draft_length": False,
+                                   **spec})
+
+
+def with_unconstrained_drafts(llm: LLM, plain: LLM) -> None:
+    """Drafts = what the target would say next without the grammar (its greedy continuation)."""
+    proposer = llm.engine.proposer
+    real = proposer.propose
+
+    def propose(reqs, budgets, last_tokens=None, draft_params=None):
+        block = real(reqs, budgets, last_tokens, draft_params)
+        tokens = block.tokens.clone()
+        for r, req in enumerate(reqs):
+            if not block.lens[r]:
+                continue
+            ids = req.prompt_token_ids + req.output_ids
+            free = plain.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=block.lens[r],
+                                                                              ignore_eos=True), use_tqdm=False)
+            drafts = free[0].outputs[0].token_ids
+            tokens[r, : len(drafts)] = torch.tensor(drafts)
+        block.tokens = tokens
+        return block
+
+    proposer.propose = propose
+
+
+def texts(outs) -> list[str]:
+    return [o.outputs[0].text for o in outs]
+
+
+def ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def check_schema(text: str) -> None:
+    value = json.loads(text)
+    assert set(value) == {"a", "b"} and 0 <= value["a"] <= 99 and value["b"] in ("x", "yy", "zzz"), text
+
+
+def test_the_bitmask_leaves_exactly_the_allowed_tokens():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 100, generator=g)
+    bits = torch.randint(-(2**31), 2**31 - 1, (5, 4), generator=g, dtype=torch.int64).to(torch.int32)
+    want = logits.clone()
+    llguidance.torch.apply_token_bitmask_inplace(want, bits)
+    got = apply_bitmask(logits.clone(), bits)
+    assert torch.equal(got, want) and (got == float("-inf")).any() and (got > float("-inf")).any()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_json_schema_output_is_valid_and_speculation_gives_plain_output(target, plain, temperature):
+    params = SamplingParams(temperature=temperature, seed=3, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    for text in texts(want):
+        check_schema(text)
+    assert all(o.outputs[0].finish_reason == "stop" for o in want)
+    llm = speculative(target, num_speculative_tokens=3)
+    with_unconstrained_drafts(llm, plain)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert ids(got) == ids(want)
+    metrics = llm.get_metrics()
+    assert metrics["num_accepted_tokens"] > 0 and metrics["num_accepted_tokens"] < metrics["num_draft_tokens"]
+
+
+def test_verify_rows_without_their_draft_masks_break_the_equality(target, plain, monkeypatch):
+    """The control: each verify row but the first left unmasked, the unconstrained drafts pass."""
+    add = Masks.add
+    monkeypatch.setattr(Masks, "add", lambda self, matcher, row, drafts: add(self, matcher, row, []))
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    llm = speculative(target, num_speculative_tokens=3)
+    with_unconstrained_drafts(llm, plain)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert ids(got) != ids(want)
+
+
+@pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
+def test_regex_choice_and_grammar_hold_with_every_drafter(target, plain, method, fixture):
+    def an_object(text: str, finish: str) -> bool:  # a random model's free object may outrun max_tokens
+        return isinstance(json.loads(text), dict) if finish == "stop" else text.startswith("{")
+
+    cases = [(StructuredOutputsParams(regex=r"[a-c]{3}-[0-9]{2}"), lambda t, _: re.fullmatch(r"[a-c]{3}-[0-9]{2}", t)),
+             (StructuredOutputsParams(choice=["red", "green", "blue"]), lambda t, _: t in ("red", "green", "blue")),
+             (StructuredOutputsParams(grammar='start: "yes" | "no" | "maybe"'), lambda t, _: t in ("yes", "no", "maybe")),
+             (StructuredOutputsParams(json_object=True), an_object)]
+    llm = speculative(target, method, fixture)
+    for spec, valid in cases:
+        params = SamplingParams(temperature=0.7, seed=11, max_tokens=40, structured_outputs=spec)
+        want = plain.generate(PROMPTS, params, use_tqdm=False)
+        assert all(valid(o.outputs[0].text, o.outputs[0].finish_reason) for o in want), (spec, texts(want))
+        assert ids(llm.generate(PROMPTS, params, use_tqdm=False)) == ids(want)
+
+
+def test_copies_and_preempted_requests_keep_their_grammar(target, plain):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    out = plain.generate(["hi"], params, use_tqdm=False)[0]
+    for copy in out.outputs:
+        check_schema(copy.text)
+    small = LLM(str(target), device="cpu", max_model_len=160, num_kv_pages=11, kv_page_size=16)
+    long = StructuredOutputsParams(regex="[a-z ]{90}")  # requests that outgrow the pool, so some are preempted
+    single = SamplingParams(temperature=0.9, seed=2, max_tokens=100, structured_outputs=long)
+    many = [f"prompt number {i} " * 3 for i in range(6)]
+    got = small.generate(many, single, use_tqdm=False)
+    assert small.get_metrics()["num_preemptions"] > 0
+    assert all(re.fullmatch("[a-z ]{90}", t) for t in texts(got))
+    assert ids(got) == ids(plain.generate(many, single, use_tqdm=False))
+
+
+def test_bad_constraints_fail_before_any_work(plain, target):
+    with pytest.raises(SamplingError, match="exactly one of"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(RequestError, match="prompt 0: structured_outputs"):
+        plain.generate(["a"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-")), use_tqdm=False)
+    with pytest.raises(RequestError, match="structured_outputs"):
+        plain.generate(["a"], SamplingParams(structured_outputs=StructuredOutputsParams(json="{not json")),
+                       use_tqdm=False)
+    assert not plain.engine.has_unfinished()
+    bare = LLM(str(save_drafter_target(target.parent / "bare")), device="cpu", max_model_len=64)
+    with pytest.raises(RequestError, match="structured outputs need the model's tokenizer"):
+        bare.generate([{"prompt_token_ids": [5, 6]}],
+                      SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")), use_tqdm=False)
