@@ -324,9 +324,14 @@ class ServerConfig:
     # whether a request may bring its own chat template (`chat_template`): rendering one runs the
     # request's code on the server, so only an operator who trusts its clients turns this on
     trust_request_chat_template: bool = False
+    # how tool calls are found in a model's text for tool_choice "auto" ("hermes": Qwen, "llama3_json":
+    # Llama 3; None: "auto" is refused, "required" and named functions still work)
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
             raise ConfigError(f"max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
         if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key.strip()):
             raise ConfigError("api_key must be a non-empty string or None")
+        if self.tool_call_parser not in (None, "hermes", "llama3_json"):
+            raise ConfigError(f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}")

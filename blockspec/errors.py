@@ -17,5 +17,9 @@ class RequestError(ValueError):
     """A request cannot be served as given (empty, too long, ids outside the vocabulary)."""
 
 
+class ConstraintError(RequestError):
+    """A request's structured-output constraint cannot be compiled (the message says why)."""
+
+
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, ModelLoadError, SamplingError, RequestError,
                                             json.JSONDecodeError, FileNotFoundError)

@@ -20,7 +20,7 @@ import llguidance.torch
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from torch import Tensor
 
-from blockspec.errors import RequestError
+from blockspec.errors import ConstraintError, RequestError
 from blockspec.sampling_params import StructuredOutputsParams
 
 GrammarMatcher = LLMatcher
@@ -75,10 +75,10 @@ def new_matcher(spec: StructuredOutputsParams, tokenizer: Any, vocab_size: int, 
     try:
         grammar = grammar_of(spec)
     except ValueError as exc:
-        raise RequestError(f"{where}: structured_outputs: {exc}") from None
+        raise ConstraintError(f"{where}: structured_outputs: {exc}") from None
     matcher = LLMatcher(ll_tokenizer(tokenizer, vocab_size, eos_ids), grammar, log_level=0)
     if matcher.is_error():
-        raise RequestError(f"{where}: structured_outputs: {matcher.get_error()}")
+        raise ConstraintError(f"{where}: structured_outputs: {matcher.get_error()}")
     return matcher
 
 

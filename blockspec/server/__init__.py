@@ -33,6 +33,12 @@ def add_serve_parser(sub: Any) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $BLOCKSPEC_API_KEY; none: open)")
     g.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
                    help="refuse request bodies larger than this with a 413 (default: %(default)s)")
+    g.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
+                   help="how tool calls are found in the model's text for tool_choice \"auto\" (hermes: Qwen2.5 / "
+                        "Qwen3, llama3_json: Llama 3.1+); without it \"auto\" is refused (default: %(default)s)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice \"auto\" is on whenever --tool-call-parser "
+                        "is given")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat template (rendering one runs the request's template "
                         "code on the server; default: refused)")
@@ -59,7 +65,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         config = ServerConfig(api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                              trust_request_chat_template=args.trust_request_chat_template)
+                              trust_request_chat_template=args.trust_request_chat_template,
+                              tool_call_parser=args.tool_call_parser)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import inspect
 import logging
 import re
@@ -27,9 +29,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from blockspec.config import ServerConfig
-from blockspec.errors import RequestError
 from blockspec.request import Logprob, SpecStats
-from blockspec.errors import USER_ERRORS
+from blockspec.errors import USER_ERRORS, ConstraintError, RequestError
 from blockspec.inputs import ModelInputs, Prompt, check_text
 from blockspec.llm import LLM
 from blockspec.sampling_params import SamplingParams
@@ -37,11 +38,12 @@ from blockspec.engine.loop import Delta
 from blockspec.server.async_engine import AsyncEngine, EngineError
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.middleware import APIKey, BodyLimit, InternalErrors
+from blockspec.server.tools import PARSERS, ToolUse
 from blockspec.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
-    ErrorInfo, ErrorResponse, GenerationRequest, ModelCard, ModelList, ResponseBase, SpecDecodeStats, TokenLogprob,
-    TopLogprob, Usage,
+    DeltaToolCall, ErrorInfo, ErrorResponse, GenerationRequest, ModelCard, ModelList, NamedToolChoice, ResponseBase,
+    SpecDecodeStats, TokenLogprob, ToolCall, TopLogprob, Usage,
 )
 
 log = logging.getLogger("blockspec.server")
@@ -160,9 +162,29 @@ def template_arguments(tokenizer: Any, body: ChatCompletionRequest, trusted: boo
     return kwargs
 
 
-def chat_prompt(inputs: ModelInputs, body: ChatCompletionRequest, trusted_templates: bool) -> Prompt:
-    """The conversation rendered by the chat template and tokenized (in a worker thread: a template's
-    loops and a long conversation's tokens are no work for the event loop)."""
+def tool_use(body: ChatCompletionRequest, parser_name: str | None) -> ToolUse | None:
+    """The request's tools and tool choice (None without tools); a choice that needs tools, or "auto"
+    without a parser configured, is a 400."""
+    choice = body.tool_choice
+    named = {"name": choice.function.name} if isinstance(choice, NamedToolChoice) else None
+    if not body.tools:
+        if named is not None or choice == "required":
+            raise APIError(400, "tool_choice asks for a tool call, but the request has no tools", param="tool_choice")
+        return None
+    use = ToolUse([t.function.model_dump(exclude_none=True) for t in body.tools], named or choice or "auto",
+                  body.parallel_tool_calls, PARSERS[parser_name] if parser_name else None)
+    if use.choice == "auto" and use.parser is None:
+        raise APIError(400, 'tool_choice "auto" needs the server started with --tool-call-parser (hermes for Qwen, '
+                            'llama3_json for Llama 3); "required" or a named function work without one',
+                       param="tool_choice")
+    return use
+
+
+def chat_prompt(inputs: ModelInputs, body: ChatCompletionRequest, trusted_templates: bool,
+                tools: ToolUse | None = None) -> Prompt:
+    """The conversation rendered by the chat template (with the tools the model may call) and tokenized
+    (in a worker thread: a template's loops and a long conversation's tokens are no work for the event
+    loop)."""
     tok = inputs.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
@@ -178,6 +200,8 @@ def chat_prompt(inputs: ModelInputs, body: ChatCompletionRequest, trusted_templa
         raise APIError(400, f"messages have {chars} characters, more than max_model_len ({inputs.max_model_len}) "
                             f"tokens can hold (at most {inputs.max_prompt_chars})", param="messages")
     kwargs = template_arguments(tok, body, trusted_templates)
+    if tools is not None and tools.template_tools() is not None:
+        kwargs["tools"] = tools.template_tools()
     try:
         ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=body.add_generation_prompt,
                                       **kwargs)
@@ -193,6 +217,8 @@ def check_prompts(inputs: ModelInputs, prompts: list[Prompt], params: SamplingPa
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         try:
             inputs.check_prompt(ids, params, where)
+        except ConstraintError as exc:
+            raise user_error(exc, "response_format") from None
         except RequestError as exc:
             raise user_error(exc, "prompt") from None
         if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
@@ -318,8 +344,26 @@ class CompletionRenderer(Renderer):
 
 
 class ChatRenderer(Renderer):
+    """Chat responses; with tools, each choice's text is split into content and tool calls (streamed
+    as one delta when the choice ends, since a call is known only once its text is whole)."""
+
     prefix = "chatcmpl"
     chunk_type = ChatCompletionChunk
+
+    def __init__(self, *args: Any, tools: ToolUse | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tools = tools if tools is not None and tools.calls_possible else None
+        self.texts: dict[int, str] = {}  # with tools: each streamed choice's text so far
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall] | None, str | None]:
+        """(content, tool calls, finish reason) of a choice's whole text."""
+        if self.tools is None:
+            return text, None, finish_reason
+        content, calls = self.tools.split(text)
+        if not calls:
+            return text, None, finish_reason
+        return content, [ToolCall(**c.as_openai()) for c in calls], "tool_calls" if finish_reason == "stop" \
+            else finish_reason
 
     def logprobs(self, entries: list[dict[int, Logprob]] | None, ids: list[int]) -> ChatLogprobs | None:
         if entries is None or self.params.logprobs is None:
@@ -342,19 +386,28 @@ class ChatRenderer(Renderer):
             for i in range(len(self.prompts) * self.params.n)]
 
     def chunk(self, d: Delta) -> BaseModel:
-        choice = ChatChunkChoice(index=d.index, delta=DeltaMessage(content=d.text),
-                                 logprobs=self.logprobs(d.logprobs, d.token_ids), finish_reason=d.finish_reason,
-                                 stop_reason=d.stop_reason, token_ids=self.token_ids(d.token_ids))
+        delta, finish_reason = DeltaMessage(content=d.text), d.finish_reason
+        if self.tools is not None:
+            self.texts[d.index] = self.texts.get(d.index, "") + d.text
+            content, calls, finish_reason = self.message(self.texts[d.index], d.finish_reason) \
+                if d.finish_reason is not None else ("", None, None)
+            delta = DeltaMessage(content=content, tool_calls=[DeltaToolCall(index=i, **c.model_dump())
+                                                              for i, c in enumerate(calls)] if calls else None)
+        choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=self.logprobs(d.logprobs, d.token_ids),
+                                 finish_reason=finish_reason, stop_reason=d.stop_reason,
+                                 token_ids=self.token_ids(d.token_ids))
         return ChatCompletionChunk(id=self.id, model=self.model, choices=[choice])
 
     def response(self, choices: list[Choice]) -> BaseModel:
         usage, spec = self.usage(choices)
-        return ChatCompletionResponse(id=self.id, model=self.model, usage=usage, spec_decode=spec, choices=[
-            ChatChoice(index=i, message=AssistantMessage(content=c.text),
-                       logprobs=self.logprobs(c.logprobs, c.token_ids), finish_reason=c.finish_reason,
-                       stop_reason=c.stop_reason, token_ids=self.token_ids(c.token_ids),
-                       prompt_token_ids=self.prompt_ids(i))
-            for i, c in enumerate(choices)])
+        out = []
+        for i, c in enumerate(choices):
+            content, calls, finish_reason = self.message(c.text, c.finish_reason)
+            out.append(ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls),
+                                  logprobs=self.logprobs(c.logprobs, c.token_ids), finish_reason=finish_reason,
+                                  stop_reason=c.stop_reason, token_ids=self.token_ids(c.token_ids),
+                                  prompt_token_ids=self.prompt_ids(i)))
+        return ChatCompletionResponse(id=self.id, model=self.model, usage=usage, spec_decode=spec, choices=out)
 
 
 def sse(payload: BaseModel) -> str:
@@ -489,8 +542,19 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.to_sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-        prompt = await in_thread(templating, chat_prompt, inputs, body, config.trust_request_chat_template)
-        return await generate(request, body, inputs, [prompt], params, ChatRenderer)
+        tools = tool_use(body, config.tool_call_parser)
+        if tools is not None:
+            try:
+                constraint = tools.constraint()
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="tool_choice") from None
+            if constraint is not None:
+                if params.structured_outputs is not None:
+                    raise APIError(400, "a tool choice that forces a call constrains the output already: give it or "
+                                        "response_format / structured_outputs, not both", param="tool_choice")
+                params = dataclasses.replace(params, structured_outputs=constraint)
+        prompt = await in_thread(templating, chat_prompt, inputs, body, config.trust_request_chat_template, tools)
+        return await generate(request, body, inputs, [prompt], params, functools.partial(ChatRenderer, tools=tools))
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from blockspec.sampling_params import SamplingParams
+from blockspec.sampling_params import SamplingError, SamplingParams, StructuredOutputsParams
 
 
 class StrictModel(BaseModel):
@@ -23,6 +23,30 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(StrictModel):
+    """OpenAI's `response_format.json_schema`: the schema the output must match."""
+
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's `structured_outputs` extra: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class GenerationRequest(StrictModel):
@@ -47,6 +71,13 @@ class GenerationRequest(StrictModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     use_speculation: bool = Field(True, description="False: decode this request without drafting")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older names for the same constraints
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     return_token_ids: bool = Field(False, description="also return prompt and output token ids (vLLM extra)")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -61,7 +92,32 @@ class GenerationRequest(StrictModel):
             n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             logit_bias=self.logit_bias, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, use_speculation=self.use_speculation, **given)
+            skip_special_tokens=self.skip_special_tokens, use_speculation=self.use_speculation,
+            structured_outputs=self.structured(), **given)
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, from whichever of response_format, structured_outputs or the
+        guided_* fields it gives (at most one)."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            if self.response_format.type == "json_object":
+                found.append(("response_format", {"json_object": True}))
+            else:
+                fmt = self.response_format.json_schema
+                if fmt is None or fmt.json_schema is None:
+                    raise SamplingError("SamplingParams.response_format: type json_schema needs json_schema.schema")
+                found.append(("response_format", {"json": fmt.json_schema}))
+        if self.structured_outputs is not None:
+            given = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            found.append(("structured_outputs", given))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                found.append((f"guided_{name}", {name: value}))
+        if len(found) > 1:
+            raise SamplingError(f"SamplingParams.{found[1][0]}: give one output constraint, not "
+                                f"{' and '.join(name for name, _ in found)}")
+        return StructuredOutputsParams(**found[0][1]) if found else None
 
     @property
     def include_usage(self) -> bool:
@@ -94,12 +150,36 @@ class ChatMessage(BaseModel):
         return msg
 
 
+class FunctionDefinition(StrictModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ToolDefinition(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
+    parallel_tool_calls: bool = True
     chat_template: str | None = Field(None, description="a template of the request's own (only where the server "
                                                         "trusts request templates)")
     chat_template_kwargs: dict[str, Any] | None = None
@@ -178,9 +258,25 @@ class CompletionResponse(ResponseBase):
     choices: list[CompletionChoice]
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class DeltaToolCall(ToolCall):
+    index: int
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -201,6 +297,7 @@ class ChatCompletionResponse(ResponseBase):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

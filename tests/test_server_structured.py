@@ -1,0 +1,139 @@
+"""Structured output and tool calls over the OpenAI API (the official client on 127.0.0.1): the output
+keeps the constraint, and a server that drafts gives what plain constrained decoding gives."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from blockspec import LLM, SamplingParams
+from blockspec.config import ServerConfig
+from blockspec.sampling_params import StructuredOutputsParams
+from blockspec.server.app import create_app
+from blockspec.server.tools import Call, hermes, llama3_json, required_schema
+from factories import save_drafter_target
+from live_server import LiveServer, post
+
+FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "b": {"enum": ["x", "yy", "zzz"]}},
+          "required": ["a", "b"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}, "days": {"type": "integer", "minimum": 1,
+                                                                                  "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return save_drafter_target(tmp_path_factory.mktemp("target"), tokenizer=True)
+
+
+def load(target: Path, spec: bool) -> LLM:
+    drafter = {"method": "dflash", "model": str(FIXTURES / "dflash"), "adaptive_draft_length": False}
+    return LLM(str(target), device="cpu", max_model_len=160, speculative_config=drafter if spec else None)
+
+
+@pytest.fixture(scope="module")
+def plain(target) -> LLM:
+    return load(target, spec=False)
+
+
+@pytest.fixture(scope="module", params=["plain", "speculative"])
+def server(target, request) -> Iterator[LiveServer]:
+    live = LiveServer(create_app(functools.partial(load, target, request.param == "speculative"), "tiny",
+                                 config=ServerConfig(tool_call_parser="hermes"))).wait_ready()
+    yield live
+    live.close()
+
+
+def test_response_format_json_schema_equals_plain_constrained_decoding(server, plain):
+    client = server.client()
+    fmt = {"type": "json_schema", "json_schema": {"name": "pair", "schema": SCHEMA}}
+    got = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "say"}], max_tokens=60,
+                                         temperature=0, response_format=fmt,
+                                         extra_body={"return_token_ids": True})
+    value = json.loads(got.choices[0].message.content)
+    assert set(value) == {"a", "b"} and value["b"] in ("x", "yy", "zzz")
+    want = plain.chat([{"role": "user", "content": "say"}],
+                      SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+                      use_tqdm=False)[0].outputs[0]
+    assert got.choices[0].model_extra["token_ids"] == want.token_ids
+
+
+@pytest.mark.parametrize("extra, valid", [
+    ({"structured_outputs": {"regex": "[a-c]{4}"}}, lambda t: len(t) == 4 and set(t) <= set("abc")),
+    ({"guided_choice": ["left", "right"]}, lambda t: t in ("left", "right")),
+    ({"guided_regex": "[0-9]{3}"}, lambda t: len(t) == 3 and t.isdigit()),
+    ({"response_format": {"type": "json_object"}}, lambda t: t.startswith("{")),
+])
+def test_completions_take_vllm_constraints(server, extra, valid):
+    out = server.client().completions.create(model="tiny", prompt="x", max_tokens=30, temperature=0.8, seed=2,
+                                             extra_body=extra)
+    assert valid(out.choices[0].text), out.choices[0].text
+
+
+def test_bad_constraints_are_400s_naming_the_field(server):
+    r = post(f"{server.url}/v1/completions", json={"prompt": "x", "guided_regex": "[a-"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    r = post(f"{server.url}/v1/completions", json={"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]})
+    assert r.status_code == 400 and "one output constraint" in r.json()["error"]["message"], r.text
+    r = post(f"{server.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                        "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    r = post(f"{server.url}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert r.status_code == 400 and "nope" in r.json()["error"]["message"]
+
+
+def test_a_named_tool_choice_returns_its_call(server):
+    out = server.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER, TIME], max_tokens=60,
+        temperature=0, tool_choice={"type": "function", "function": {"name": "weather"}})
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "weather" and args["city"] in ("Oslo", "Lima") and 1 <= args["days"] <= 7
+
+
+def test_required_tool_choice_streams_its_calls_when_the_choice_ends(server):
+    stream = server.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "now?"}], tools=[WEATHER, TIME], max_tokens=100,
+        temperature=0.7, seed=4, tool_choice="required", parallel_tool_calls=False, stream=True)
+    chunks = list(stream)
+    calls = [c for chunk in chunks for choice in chunk.choices for c in (choice.delta.tool_calls or [])]
+    finishes = [choice.finish_reason for chunk in chunks for choice in chunk.choices if choice.finish_reason]
+    assert len(calls) == 1 and calls[0].function.name in ("weather", "time") and finishes == ["tool_calls"]
+    json.loads(calls[0].function.arguments)
+
+
+def test_auto_tool_choice_needs_a_parser(target):
+    live = LiveServer(create_app(functools.partial(load, target, False), "tiny")).wait_ready()
+    try:
+        with pytest.raises(openai.BadRequestError, match="tool-call-parser"):
+            live.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                  tools=[WEATHER])
+    finally:
+        live.close()
+
+
+def test_the_parsers_find_calls_in_each_family_format():
+    content, calls = hermes('Sure.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    assert content == "Sure." and calls == [Call("weather", '{"city": "Oslo"}')]
+    assert hermes("no calls here") == ("no calls here", [])
+    content, calls = llama3_json('<|python_tag|>{"name": "time", "parameters": {"zone": "UTC"}}; '
+                                 '{"name": "weather", "parameters": {"city": "Lima"}}')
+    assert content == "" and [c.name for c in calls] == ["time", "weather"]
+    assert llama3_json("plain text")[1] == []
+    schema = required_schema([WEATHER["function"]], parallel=False)
+    assert schema["maxItems"] == 1 and schema["items"]["anyOf"][0]["properties"]["name"] == {"const": "weather"}
