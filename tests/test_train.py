@@ -9,6 +9,8 @@ import pytest
 import torch
 import transformers
 
+from blockspec.config import ConfigError
+
 from blockspec.models.kv_cache import dense_causal_meta
 from blockspec.models.loader import load_target
 from blockspec.drafters import DFlashDraft, DSparkDraft, load_dflash, load_dspark
@@ -252,16 +254,118 @@ def test_resume_gives_the_same_next_step(tiny_target, tmp_path):
     a = DrafterTrainer(target, data, cfg, mask_token_id=95, pad_id=0)
     for _ in range(2):
         a.step(4)
-    a.save_checkpoint(tmp_path / "ckpt.pt")
+    a.save_checkpoint(tmp_path / "ckpt")
     torch.manual_seed(123)  # disturb global RNG: the restore must not depend on it
     expected = a.step(4)
     b = DrafterTrainer(target, data, cfg, mask_token_id=95, pad_id=0)
-    b.load_checkpoint(tmp_path / "ckpt.pt")
+    b.load_checkpoint(tmp_path / "ckpt")
     got = b.step(4)
     assert b.step_num == a.step_num == 3
     assert float(got.loss.detach()) == float(expected.loss.detach())
     for (n, p), q in zip(a.drafter.named_parameters(), b.drafter.parameters()):
         assert torch.equal(p, q), n
+
+
+def test_checkpoint_is_safetensors_and_a_weights_only_state(tiny_target, tmp_path):
+    """The weights load with safetensors alone and the rest with torch.load(weights_only=True): no pickled
+    objects; the state names its format version, and a weights file from another step is refused."""
+    from safetensors.torch import load_file
+
+    target, _ = tiny_target
+    cfg = DrafterTrainConfig(method="dspark", num_layers=1, block_size=3, markov_rank=8, max_len=24, batch_size=4,
+                             num_anchors=4, max_steps=4, device="cpu", progress=False)
+    trainer = DrafterTrainer(target, _pattern_examples(10, 24, seed=3), cfg, mask_token_id=95, pad_id=0)
+    trainer.step(4)
+    ckpt = trainer.save_checkpoint(tmp_path / "ckpt")
+    weights = load_file(str(ckpt / "drafter.safetensors"))
+    assert all(torch.equal(weights[n], p) for n, p in trainer.drafter.named_parameters() if n in weights)
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    assert state["format_version"] == 1 and state["step"] == 1 and state["optimizer"]["state"]
+    assert state["schedule"]["total"] == 4 and state["batches"] == trainer.batches.state_dict()
+    trainer.step(4)
+    (ckpt / "trainer_state.pt").rename(tmp_path / "state_step1.pt")
+    trainer.save_checkpoint(ckpt)
+    (tmp_path / "state_step1.pt").replace(ckpt / "trainer_state.pt")  # a save cut between its two files
+    with pytest.raises(ConfigError, match="from step 2"):
+        DrafterTrainer(target, _pattern_examples(10, 24, seed=3), cfg, mask_token_id=95, pad_id=0).load_checkpoint(ckpt)
+
+
+def test_resume_with_more_steps_trains_the_rest(tiny_target, tmp_path):
+    """A run of 3 steps, resumed with --max-steps 6, trains steps 4-6 and says so; resumed again with the
+    same --max-steps it has nothing left to train and says that instead of exporting the same drafter."""
+    target, _ = tiny_target
+    data = _pattern_examples(12, 24, seed=3)
+
+    def run(max_steps: int, resume: bool):
+        cfg = DrafterTrainConfig(method="dflash", num_layers=1, block_size=3, max_len=24, batch_size=4, num_anchors=4,
+                                 max_steps=max_steps, checkpoint_dir=str(tmp_path / "ckpt"), resume=resume,
+                                 mask_token_id=95, device="cpu", progress=False)
+        return train_drafter(target, data, cfg, tokenizer=None, eval_data=[], out_dir=None)
+
+    first = run(3, resume=False)
+    assert first.metrics["steps"] == 3
+    before = {n: p.clone() for n, p in first.drafter.named_parameters()}
+    second = run(6, resume=True)
+    assert second.metrics["steps"] == 6
+    assert second.metrics["resumed_from_step"] == 3 and second.metrics["steps_this_run"] == 3
+    assert any(not torch.equal(before[n], p) for n, p in second.drafter.named_parameters())
+    with pytest.raises(ConfigError, match="at step 6 and --max-steps is 6: nothing left to train"):
+        run(6, resume=True)
+
+
+def test_learning_rate_schedule(tiny_target):
+    """transformers' warm-up + cosine to a floor: lr x s / w over w = warmup_frac x T warm-up steps (0 at
+    step 0), then lr x (m + (1 - m)(1 + cos(pi (s - w) / (T - w))) / 2); a longer plan (a resume, or a
+    time budget's count) continues from the current step."""
+    import math
+
+    from blockspec.train.trainer import CosineSchedule
+
+    weight = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([weight], lr=2.0)
+    schedule = CosineSchedule(opt, warmup_frac=0.2, min_ratio=0.1)
+
+    def expected(s: int, total: int) -> float:
+        w = int(0.2 * total)
+        if s < w:
+            return 2.0 * s / w
+        return 2.0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - w) / (total - w))))
+
+    for s in range(20):
+        schedule.plan(10 if s < 5 else 20, s)
+        assert schedule.lr() == pytest.approx(expected(s, 10 if s < 5 else 20)), s
+        opt.step()
+        schedule.step()
+    assert expected(19, 20) == pytest.approx(2.0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 15 / 16))))
+
+
+def test_train_cli_flags_have_help_choices_and_one_line_errors(tmp_path, capsys):
+    """Every `blockspec train` flag has help text and shows its default; method and Markov head types are
+    choices; a missing --data path is one line naming it, before any model loads."""
+    import argparse
+
+    from blockspec.cli import main
+    from blockspec.train.trainer import build_arg_parser
+
+    parser = build_arg_parser()
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert len(options) > 50 and all(a.help for a in options), [a.dest for a in options if not a.help]
+    choices = {a.dest: a.choices for a in options if a.choices}
+    assert list(choices["method"]) == ["dflash", "dspark"] and list(choices["markov_head_type"]) == [
+        "vanilla", "gated", "rnn"]
+    assert parser.formatter_class is argparse.ArgumentDefaultsHelpFormatter
+    args = parser.parse_args(["--target", "t", "--data", "d", "--out", "o", "--target-layer-ids", "1", "3",
+                              "--no-confidence-head", "--resume", "--max-steps", "40"])
+    assert args.target_layer_ids == [1, 3] and args.confidence_head is False and args.resume is True
+    assert args.max_steps == 40
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--target", "t", "--data", "d", "--out", "o", "--method", "medusa"])
+    capsys.readouterr()
+    missing = tmp_path / "no-such.jsonl"
+    assert main(["train", "--target", str(tmp_path / "no-target"), "--data", str(missing), "--out",
+                 str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --data {missing}: no such file, directory or glob match\n"
 
 
 def test_drafter_loss_ignores_invalid_blocks(tiny_target):

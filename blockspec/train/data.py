@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from blockspec.config import ConfigError
+
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 MASK_TOKEN = "<|mask|>"
@@ -31,8 +33,9 @@ HELDOUT_PACKAGES = ("json", "asyncio", "email")
 TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 
 
-class DataError(ValueError):
-    """A data file or record cannot be used; the message names the file/record and the problem."""
+class DataError(ConfigError):
+    """A data file or record cannot be used; the message names the file/record and the problem (one line
+    from the command line, as every ConfigError)."""
 
 
 @dataclass
@@ -82,7 +85,8 @@ def text_files(spec: str | Path, suffixes: Sequence[str] | None = None) -> list[
     if suffixes:
         found = [p for p in found if p.suffix in suffixes]
     if not found:
-        raise DataError(f"{spec}: no files found")
+        raise DataError(f"{spec}: no files there" if path.exists() else
+                        f"{spec}: no such file, directory or glob match")
     return sorted(found)
 
 

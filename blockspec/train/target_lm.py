@@ -23,7 +23,7 @@ from blockspec.models.kv_cache import dense_causal_meta
 from blockspec.models.llama import CausalLM
 from blockspec.models.loader import resolve_device
 from blockspec.train.data import Batches, Example, collate
-from blockspec.train.trainer import StepBudget, autocast, cosine_lr, make_optimizer, progress_bar
+from blockspec.train.trainer import CosineSchedule, StepBudget, autocast, make_optimizer, progress_bar
 
 
 @dataclass
@@ -129,6 +129,7 @@ def train_target(model: CausalLM, train: list[Example], heldout: list[Example], 
     device = resolve_device(cfg.device)
     model.to(device).train()
     opt = make_optimizer(model, cfg.lr, cfg.weight_decay)
+    schedule = CosineSchedule(opt, cfg.warmup_frac, cfg.min_lr_ratio)
     batches = Batches(train, cfg.batch_size, pad_id, cfg.seed)
     budget = StepBudget(cfg.max_steps, cfg.max_minutes * 60 if cfg.max_minutes else None)
     bar = progress_bar(budget.total if budget.calibrated else None, "target LM", cfg.progress)
@@ -137,9 +138,8 @@ def train_target(model: CausalLM, train: list[Example], heldout: list[Example], 
     best: tuple[float, int, dict[str, Tensor]] | None = None
     while not budget.done(step):
         ids, mask = (t.to(device, non_blocking=True) for t in next(batches))
-        lr = cosine_lr(step, budget.total, cfg.lr, cfg.warmup_frac, cfg.min_lr_ratio)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        schedule.plan(budget.total, step)
+        lr = schedule.lr()
         with autocast(device):
             nll, n = lm_nll(model, ids, mask)
             loss = nll / n.clamp(min=1)
@@ -147,6 +147,7 @@ def train_target(model: CausalLM, train: list[Example], heldout: list[Example], 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
+        schedule.step()
         step += 1
         budget.after_step(step)
         if step % 10 == 0 or budget.done(step):

@@ -29,14 +29,13 @@ import contextlib
 import copy
 import dataclasses
 import json
-import math
 import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal, get_args, get_type_hints
 
 import torch
 import torch.nn.functional as F
@@ -57,9 +56,13 @@ from blockspec.drafters import (
     save_dflash,
     save_dspark,
 )
-from blockspec.train.data import Batches, Example, collate, load_examples, split_examples
+from blockspec.drafters.config import MARKOV_HEAD_TYPES
+from blockspec.train.data import Batches, DataError, Example, collate, load_examples, split_examples, text_files
 
-METHODS = ("dflash", "dspark")
+Method = Literal["dflash", "dspark"]
+Labels = Literal["data", "target"]
+MarkovHeadType = Literal[MARKOV_HEAD_TYPES]
+METHODS: tuple[str, ...] = get_args(Method)
 
 
 # ================================================================ shared optimisation
@@ -75,13 +78,50 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tupl
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas)
 
 
-def cosine_lr(step: int, total: int, base: float, warmup_frac: float, min_ratio: float) -> float:
-    """Linear warm-up over warmup_frac of `total`, then cosine down to min_ratio * base."""
-    warmup = max(1, int(warmup_frac * total))
-    if step < warmup:
-        return base * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+CHECKPOINT_VERSION = 1
+CHECKPOINT_WEIGHTS, CHECKPOINT_STATE = "drafter.safetensors", "trainer_state.pt"
+
+
+class CosineSchedule:
+    """Linear warm-up over warmup_frac of the planned steps, then cosine decay to min_ratio x each group's lr:
+    transformers' ``get_cosine_with_min_lr_schedule_with_warmup``, rebuilt at the current step whenever the
+    plan's length changes (a time budget fixes it after a few steps; a resume may extend it).
+
+    With w warm-up steps of T, step s trains at lr x s / w while s < w (0 at step 0), then at
+    lr x (m + (1 - m) (1 + cos(pi (s - w) / (T - w))) / 2).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup_frac: float, min_ratio: float) -> None:
+        self.optimizer = optimizer
+        self.warmup_frac = warmup_frac
+        self.min_ratio = min_ratio
+        self.total: int | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+
+    def plan(self, total: int, step: int) -> None:
+        """Schedule over `total` steps, positioned so that the next optimiser step is `step`."""
+        if total == self.total and self.scheduler is not None:
+            return
+        from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+        self.total = total
+        self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+            self.optimizer, int(self.warmup_frac * total), total, min_lr_rate=self.min_ratio, last_epoch=step - 1)
+
+    def lr(self) -> float:
+        """The learning rate of the next step (the first parameter group's)."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    def step(self) -> None:
+        self.scheduler.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"total": self.total, "scheduler": self.scheduler.state_dict() if self.scheduler else None}
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        if state["total"] is not None:
+            self.plan(state["total"], step)
+            self.scheduler.load_state_dict(state["scheduler"])
 
 
 class StepBudget:
@@ -94,16 +134,15 @@ class StepBudget:
 
     CALIB_START, CALIB_END = 3, 13
 
-    def __init__(self, max_steps: int | None, max_seconds: float | None, start_step: int = 0,
-                 total: int | None = None) -> None:
+    def __init__(self, max_steps: int | None, max_seconds: float | None, start_step: int = 0) -> None:
         if max_steps is None and max_seconds is None:
             raise ConfigError("training needs max_steps, a time budget (max_minutes), or both")
         self.max_steps = max_steps
         self.max_seconds = max_seconds
         self.t0 = time.monotonic()
         self.start_step = start_step
-        self.total = total or max_steps or 10**9
-        self.calibrated = total is not None or max_seconds is None
+        self.total = max_steps or 10**9
+        self.calibrated = max_seconds is None
         self._t_calib: float | None = None
 
     def elapsed(self) -> float:
@@ -149,65 +188,78 @@ def progress_bar(total: int | None, desc: str, enabled: bool) -> Any:
 
 
 # ================================================================ configuration
+def option(default: Any, help: str) -> Any:
+    """A dataclass field whose `help` becomes its `blockspec train` flag's help text (HfArgumentParser)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class DrafterTrainConfig:
-    """Everything a drafter training run needs besides the target and the data.
+    """Everything a drafter training run needs besides the target and the data; each field is a
+    `blockspec train` flag.
 
     Shape fields left as None copy the target's (hidden size, heads, MLP width). Loss weights
     left as None take the method's published values: DFlash CE only with gamma 7/5/4 for block
     16/10/8; DSpark 0.1 CE + 0.9 L1 + 1.0 BCE with gamma 4.
     """
 
-    method: str = "dflash"
-    init_from: str | None = None  # fine-tune this drafter checkpoint instead of building a new one
-    num_layers: int = 2
-    block_size: int | None = None  # dflash 16, dspark 7
-    target_layer_ids: tuple[int, ...] | None = None
-    num_target_features: int = 3
-    hidden_size: int | None = None
-    intermediate_size: int | None = None
-    num_heads: int | None = None
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    mask_token_id: int | None = None
-    markov_rank: int = 64
-    markov_head_type: str = "vanilla"
-    confidence_head: bool = True
+    method: Method = option("dflash", "drafter family")
+    init_from: str | None = option(None, "fine-tune this drafter checkpoint instead of building a new one")
+    num_layers: int = option(2, "draft decoder layers")
+    block_size: int | None = option(None, "block length: the anchor and the positions drafted after it "
+                                          "(None: 16 for dflash, 7 for dspark)")
+    target_layer_ids: list[int] | None = option(None, "target layers whose outputs the drafter reads "
+                                                      "(None: z-lab's uniform choice)")
+    num_target_features: int = option(3, "how many target layers to tap when target_layer_ids is None")
+    hidden_size: int | None = option(None, "drafter hidden size (None: the target's)")
+    intermediate_size: int | None = option(None, "drafter MLP width (None: the target's, or 3 x hidden_size)")
+    num_heads: int | None = option(None, "attention heads (None: the target's)")
+    num_kv_heads: int | None = option(None, "key/value heads (None: the target's, at most num_heads)")
+    head_dim: int | None = option(None, "per-head width (None: the target's, or hidden_size / num_heads)")
+    mask_token_id: int | None = option(None, "embedding row of the block's MASK positions (None: the tokenizer's "
+                                             "mask token, else the first row past the tokenizer)")
+    markov_rank: int = option(64, "dspark: rank of the Markov head (0: none)")
+    markov_head_type: MarkovHeadType = option("vanilla", "dspark: Markov head variant")
+    confidence_head: bool = option(True, "dspark: train the confidence head")
     # data
-    max_len: int = 512
-    batch_size: int = 8
-    num_anchors: int = 512
-    eval_frac: float = 0.02
-    # "data": the dataset's tokens; "target": the target's greedy token at each position given the data
-    # prefix (what greedy verification accepts; a cheap stand-in for regenerating the data at T=0)
-    labels: str = "data"
+    max_len: int = option(512, "tokens per training sequence at most")
+    batch_size: int = option(8, "sequences per optimiser step")
+    num_anchors: int = option(512, "blocks (random anchors) per sequence at most")
+    eval_frac: float = option(0.02, "share of the data held out for evaluation when --eval-data is not given")
+    labels: Labels = option(
+        "data", "what each draft position learns: the data's token, or the target's greedy token given the data "
+                "prefix (what greedy verification accepts)")
     # loss
-    loss_decay_gamma: float | None = None
-    ce_alpha: float | None = None
-    l1_alpha: float | None = None
-    conf_alpha: float | None = None
+    loss_decay_gamma: float | None = option(None, "position weight exp(-j / gamma) (None: the method's value)")
+    ce_alpha: float | None = option(None, "cross-entropy weight (None: 1.0 dflash, 0.1 dspark)")
+    l1_alpha: float | None = option(None, "dspark: L1 distance to the target distribution (None: 0.9)")
+    conf_alpha: float | None = option(None, "dspark: confidence-head BCE weight (None: 1.0 with the head)")
     # optimisation
-    lr: float = 6e-4
-    warmup_frac: float = 0.04
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    max_steps: int | None = 1000
-    max_minutes: float | None = None
-    eval_every: int = 0
-    eval_batches: int = 8
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    seed: int = 0
-    device: str = "auto"
-    target_dtype: str = "auto"
-    progress: bool = True
+    lr: float = option(6e-4, "peak learning rate (AdamW)")
+    warmup_frac: float = option(0.04, "share of the steps spent warming the learning rate up from 0")
+    min_lr_ratio: float = option(0.0, "final learning rate as a share of the peak (cosine decay)")
+    weight_decay: float = option(0.0, "AdamW weight decay on matrices (not embeddings)")
+    grad_clip: float = option(1.0, "gradient norm clip")
+    max_steps: int | None = option(1000, "stop after this many optimiser steps in all (a resume counts the "
+                                         "checkpoint's)")
+    max_minutes: float | None = option(None, "stop after this many minutes of this run (the step count is "
+                                             "fixed from the first steps' speed)")
+    eval_every: int = option(0, "evaluate on the held-out data every N steps (0: only at the end)")
+    eval_batches: int = option(8, "held-out batches per evaluation")
+    checkpoint_dir: str | None = option(None, "directory for the checkpoint (drafter.safetensors and "
+                                              "trainer_state.pt); --resume continues from it")
+    checkpoint_every: int = option(0, "save a checkpoint every N steps (0: only at the end)")
+    resume: bool = option(False, "continue from the checkpoint in --checkpoint-dir, if there is one")
+    seed: int = option(0, "seed of the data order, anchors and initial weights")
+    device: str = option("auto", "auto | cpu | cuda | cuda:N")
+    target_dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+        "auto", "dtype the frozen target is loaded in (auto: the checkpoint's on GPU, float32 on CPU)")
+    progress: bool = option(True, "show a progress bar")
     # optional regeneration of responses by the target (blockspec's engine)
-    regenerate: bool = False
-    regen_temperature: float = 0.0
-    regen_prompt_tokens: int = 64
-    regen_max_new_tokens: int | None = None
+    regenerate: bool = option(False, "replace each example's supervised part by the target's own continuation")
+    regen_temperature: float = option(0.0, "temperature of the regenerated continuations")
+    regen_prompt_tokens: int = option(64, "prompt length for regenerating fully supervised text chunks")
+    regen_max_new_tokens: int | None = option(None, "regenerated tokens per example at most (None: up to max_len)")
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -226,9 +278,9 @@ class DrafterTrainConfig:
         has_conf = dspark and self.confidence_head
         self.conf_alpha = self.conf_alpha if self.conf_alpha is not None else (1.0 if has_conf else 0.0)
         if self.target_layer_ids is not None:
-            self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
-        if self.labels not in ("data", "target"):
-            raise ConfigError(f"labels {self.labels!r} not supported; allowed: data, target")
+            self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.labels not in get_args(Labels):
+            raise ConfigError(f"labels {self.labels!r} not supported; allowed: {', '.join(get_args(Labels))}")
         if self.num_anchors < 1 or self.batch_size < 1 or self.max_len < 2:
             raise ConfigError("num_anchors, batch_size must be >= 1 and max_len >= 2")
 
@@ -528,10 +580,10 @@ class DrafterTrainer:
                 frozen.requires_grad_(False)
         self.drafter.check_target(target.config)
         self.opt = make_optimizer(self.drafter, cfg.lr, cfg.weight_decay)
+        self.schedule = CosineSchedule(self.opt, cfg.warmup_frac, cfg.min_lr_ratio)
         self.batches = Batches(self.train_examples, cfg.batch_size, pad_id, cfg.seed)
         self.anchor_gen = torch.Generator().manual_seed(cfg.seed + 17)
         self.step_num = 0
-        self.total: int | None = None
         self.meter = AcceptanceMeter(self.drafter.num_draft_slots)
         self.history: list[dict[str, Any]] = []
 
@@ -541,15 +593,15 @@ class DrafterTrainer:
         ids, mask = next(self.batches)
         anchors, valid = sample_anchors(mask, cfg.num_anchors, self.anchor_gen)
         ids, mask, anchors, valid = (t.to(self.device, non_blocking=True) for t in (ids, mask, anchors, valid))
-        lr = cosine_lr(self.step_num, total, cfg.lr, cfg.warmup_frac, cfg.min_lr_ratio)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
+        self.schedule.plan(total, self.step_num)
+        lr = self.schedule.lr()
         with autocast(self.device, self.target_dtype):
             out = drafter_loss(self.drafter, self.target, ids, mask, anchors, valid, cfg)
         self.opt.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
         self.opt.step()
+        self.schedule.step()
         self.step_num += 1
         out.parts["lr"] = lr
         return out
@@ -588,50 +640,78 @@ class DrafterTrainer:
 
     # ------------------------------------------------------------ checkpoints
     def checkpoint_state(self) -> dict[str, Any]:
+        """Everything but the weights, in types `torch.load(..., weights_only=True)` reads: optimiser,
+        schedule, data order, anchor and global RNG states, and the configs that must match on resume."""
         d = self.drafter
-        heads = dataclasses.asdict(d.heads) if isinstance(d, DSparkDraft) else None
         return {
-            "step": self.step_num, "total": self.total, "train_config": dataclasses.asdict(self.cfg),
-            "drafter_config": d.config, "heads": heads, "drafter": d.state_dict(),
-            "optimizer": self.opt.state_dict(), "batches": self.batches.state_dict(),
-            "anchor_gen": self.anchor_gen.get_state(),
+            "format_version": CHECKPOINT_VERSION, "step": self.step_num,
+            "train_config": dataclasses.asdict(self.cfg), "drafter_config": dataclasses.asdict(d.config),
+            "heads": dataclasses.asdict(d.heads) if isinstance(d, DSparkDraft) else None,
+            "optimizer": self.opt.state_dict(), "schedule": self.schedule.state_dict(),
+            "batches": self.batches.state_dict(), "anchor_gen": self.anchor_gen.get_state(),
             "rng": {"python": random.getstate(), "torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         }
 
-    def save_checkpoint(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(self.checkpoint_state(), tmp)
-        tmp.replace(path)
-        return path
+    def save_checkpoint(self, directory: str | Path) -> Path:
+        """The drafter's weights (drafter.safetensors) and the trainer's state (trainer_state.pt) in
+        `directory`, each written whole before it replaces the last; both carry the step, so a save
+        cut between the two files is detected on load."""
+        from safetensors.torch import save_model
 
-    def load_checkpoint(self, path: str | Path) -> None:
-        """Restore drafter, optimiser, data position, anchor and global RNG: the next step is the one that
-        the interrupted run would have taken."""
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        if state["drafter_config"] != self.drafter.config:
-            raise ConfigError(f"{path}: checkpoint drafter shape differs from this run's configuration")
-        self.drafter.load_state_dict(state["drafter"])
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        weights, state = directory / CHECKPOINT_WEIGHTS, directory / CHECKPOINT_STATE
+        save_model(self.drafter, str(weights.with_suffix(".tmp")),
+                   metadata={"step": str(self.step_num), "format_version": str(CHECKPOINT_VERSION)})
+        weights.with_suffix(".tmp").replace(weights)
+        torch.save(self.checkpoint_state(), state.with_suffix(".tmp"))
+        state.with_suffix(".tmp").replace(state)
+        return directory
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Restore drafter, optimiser, schedule, data position, anchor and global RNG: the next step is
+        the one that the interrupted run would have taken."""
+        from safetensors import safe_open
+        from safetensors.torch import load_model
+
+        directory = Path(directory)
+        weights, state_path = directory / CHECKPOINT_WEIGHTS, directory / CHECKPOINT_STATE
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
+        if state.get("format_version") != CHECKPOINT_VERSION:
+            raise ConfigError(f"{state_path}: checkpoint format {state.get('format_version')!r}, this blockspec "
+                              f"reads format {CHECKPOINT_VERSION}")
+        if state["drafter_config"] != dataclasses.asdict(self.drafter.config):
+            raise ConfigError(f"{directory}: checkpoint drafter shape differs from this run's configuration")
+        with safe_open(str(weights), "pt") as f:
+            saved_step = (f.metadata() or {}).get("step")
+        if saved_step != str(state["step"]):
+            raise ConfigError(f"{directory}: {CHECKPOINT_WEIGHTS} is from step {saved_step}, {CHECKPOINT_STATE} "
+                              f"from step {state['step']} (a save was cut short)")
+        load_model(self.drafter, str(weights), device=str(self.device))
         self.opt.load_state_dict(state["optimizer"])
+        self.step_num = int(state["step"])
+        self.schedule.load_state_dict(state["schedule"], self.step_num)
         self.batches.load_state_dict(state["batches"])
         self.anchor_gen.set_state(state["anchor_gen"])
         random.setstate(state["rng"]["python"])
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        self.step_num = int(state["step"])
-        self.total = state["total"]
 
     # ------------------------------------------------------------ loop
     def fit(self) -> dict[str, Any]:
+        """Train until the step or time budget is spent (a resume continues from the checkpoint's step
+        up to max_steps in all); save the checkpoint; return the metrics."""
         cfg = self.cfg
-        ckpt = Path(cfg.checkpoint_dir) / "last.pt" if cfg.checkpoint_dir else None
-        if cfg.resume and ckpt is not None and ckpt.is_file():
+        ckpt = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+        if cfg.resume and ckpt is not None and (ckpt / CHECKPOINT_STATE).is_file():
             self.load_checkpoint(ckpt)
-        budget = StepBudget(cfg.max_steps, cfg.max_minutes * 60 if cfg.max_minutes else None, self.step_num,
-                            self.total)
+            if cfg.max_steps is not None and self.step_num >= cfg.max_steps:
+                raise ConfigError(f"--resume: the checkpoint in {ckpt} is at step {self.step_num} and --max-steps is "
+                                  f"{cfg.max_steps}: nothing left to train (raise --max-steps)")
+        resumed_from = self.step_num
+        budget = StepBudget(cfg.max_steps, cfg.max_minutes * 60 if cfg.max_minutes else None, self.step_num)
         bar = progress_bar(budget.total if budget.calibrated else None, f"train {cfg.method}", cfg.progress)
         if bar is not None:
             bar.update(self.step_num)
@@ -641,7 +721,6 @@ class DrafterTrainer:
         while not budget.done(self.step_num):
             out = self.step(budget.total)
             budget.after_step(self.step_num)
-            self.total = budget.total if budget.calibrated else None
             self.meter.add(out.match, out.valid)
             last = {"loss": float(out.loss.detach()), **out.parts}
             if self.step_num % 10 == 0 or self.step_num == 1:
@@ -663,7 +742,8 @@ class DrafterTrainer:
             bar.close()
         if ckpt is not None:
             self.save_checkpoint(ckpt)
-        metrics: dict[str, Any] = {"steps": self.step_num, "seconds": round(budget.elapsed(), 1),
+        metrics: dict[str, Any] = {"steps": self.step_num, "steps_this_run": self.step_num - resumed_from,
+                                   "resumed_from_step": resumed_from, "seconds": round(budget.elapsed(), 1),
                                    "final_train": {k: round(v, 5) for k, v in last.items()}}
         if self.heldout:
             metrics["heldout"] = self.evaluate()
@@ -868,27 +948,25 @@ def train_drafter(
 
 
 def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """Arguments of `blockspec train` (one per DrafterTrainConfig field that users set)."""
+    """Arguments of `blockspec train`: the run's paths, then one flag per DrafterTrainConfig field, made by
+    transformers' HfArgumentParser from the field's type (Literal types give the choices) and its help."""
+    from transformers import HfArgumentParser
+
     p = parser or argparse.ArgumentParser(prog="blockspec train", description="Train a DFlash or DSpark drafter.")
-    p.add_argument("--target", required=True, help="target HF directory or hub id")
-    p.add_argument("--data", required=True, help=".jsonl of {prompt,response}/{messages}, or text files/dir/glob")
-    p.add_argument("--eval-data", default=None)
-    p.add_argument("--out", required=True, help="directory for the exported drafter")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the target's)")
-    skip = {"target_layer_ids", "checkpoint_dir"}
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    run = p.add_argument_group("run")
+    run.add_argument("--target", required=True, help="target: Hugging Face directory or hub id")
+    run.add_argument("--data", required=True, help="training data: a .jsonl of {prompt, response} or {messages} "
+                                                   "records, or text files (a file, a directory or a glob)")
+    run.add_argument("--eval-data", default=None, help="held-out data, as --data (None: an --eval-frac split)")
+    run.add_argument("--out", required=True, help="directory the trained drafter is exported to")
+    run.add_argument("--tokenizer", default=None, help="tokenizer directory (None: the target's)")
+    group = p.add_argument_group("training")
+    hints = get_type_hints(DrafterTrainConfig)
     for f in dataclasses.fields(DrafterTrainConfig):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default
-        if isinstance(default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        else:
-            kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" |")[0], str)
-            p.add_argument(flag, type=kind, default=default)
-    p.add_argument("--target-layer-ids", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
-                   help="comma-separated target layers to tap (default: z-lab's uniform choice)")
-    p.add_argument("--checkpoint-dir", default=None, help="where last.pt goes (resume with --resume)")
+        resolved = copy.copy(f)  # HfArgumentParser reads (and rewrites) the field's type: a copy keeps the class's
+        resolved.type = hints[f.name]
+        HfArgumentParser._parse_dataclass_field(group, resolved)
     return p
 
 
@@ -898,6 +976,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_cli(args: argparse.Namespace) -> int:
     """`blockspec train`: train, export, and write the metrics next to the exported drafter."""
+    for flag, spec in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if spec is not None:  # before the target loads: a wrong path fails at once, naming the flag
+            try:
+                text_files(spec)
+            except DataError as exc:
+                raise DataError(f"{flag} {exc}") from None
     fields = {f.name for f in dataclasses.fields(DrafterTrainConfig)}
     cfg = DrafterTrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     tokenizer = None
