@@ -23,7 +23,7 @@ from blockspec.sampling_params import SamplingParams
 from blockspec.models.runner import ModelRunner
 from blockspec.speculative.context import DraftContext
 from blockspec.speculative.proposer import draft_length
-from blockspec.speculative.synthetic import AcceptanceProfile, SyntheticProposer, geometric_rate
+from blockspec.speculative.synthetic import AcceptanceProfile, SyntheticProposer, geometric_rate, mean_length
 from factories import save_drafter_target, save_tiny, save_tiny_model_with_tokenizer
 
 # Random drafters are never accepted, so the engine's draft-length policy would rightly stop drafting; these
@@ -129,6 +129,21 @@ def test_draws_follow_the_profile():
     capped = prop.draw(torch.tensor([2, 0, 5] * 1000)).view(-1, 3)
     assert capped[:, 0].max() == 2 and capped[:, 1].max() == 0  # never past each request's draft budget
     assert capped[:, 2].max() == 5
+
+
+def test_a_mean_length_profile_is_the_whole_blocks_and_fewer_drafts_truncate_it():
+    """"3.5" is the mean acceptance length of the drafter's whole block (7 drafts here); verifying only 3
+    keeps the first 3 of the same rates, so the shorter draft length accepts less, as the same drafter
+    would, instead of a higher rate solved for 3 drafts."""
+    target, drafter, _ = _proposer_parts()
+    spec = SpeculativeConfig(method="dflash", model="random", num_speculative_tokens=3)
+    context = DraftContext(drafter, 2, 128, draft_length(spec, drafter), 2, torch.float32, torch.device("cpu"))
+    prop = SyntheticProposer(drafter, target, ModelRunner(target, 2, 128), spec, context,
+                             profile=AcceptanceProfile("3.5"), seed=1)
+    assert drafter.num_draft_slots == 7 and prop.num_speculative_tokens == 3
+    assert prop.rates == pytest.approx([geometric_rate(3.5, 7)] * 3)
+    assert prop.expected_length(3) == pytest.approx(mean_length(AcceptanceProfile("3.5").rates(7)[:3]))
+    assert prop.expected_length(3) < AcceptanceProfile("3.5").expected_length(7) == pytest.approx(3.5)
 
 
 def test_synthetic_proposer_refuses_without_a_profile():

@@ -64,7 +64,8 @@ class AcceptanceProfile:
 
     ``spec`` is what the user wrote: a list of rates ("0.9,0.85,0.8"; positions past the list are
     rejected), or one number >= 1, a target mean acceptance length mapped to a constant (geometric)
-    rate for the drafter's number of drafts.
+    rate for the drafter's whole block. A step that verifies fewer drafts keeps the first rates, so a
+    shorter draft length never looks better than the same drafter's full one.
     """
 
     spec: str
@@ -116,7 +117,7 @@ class SyntheticProposer(Proposer):
                               "(blockspec bench --synthetic-acceptance PROFILE)")
         super().__init__(drafter, target, runner, cfg, context)
         self.profile = profile
-        self.rates = profile.rates(self.num_speculative_tokens)
+        self.rates = profile.rates(drafter.num_draft_slots)[: self.num_speculative_tokens]
         device = target.embed_tokens.weight.device
         self.rates_t = torch.tensor(self.rates, dtype=torch.float64, device=device)
         self.generator = torch.Generator(device=device)
