@@ -8,21 +8,72 @@ import sys
 import time
 from typing import Any
 
+from blockspec import __version__
 from blockspec.cli_options import (
+    HelpFormatter,
     add_model_args,
     add_sampling_args,
     build_llm,
+    format_logprobs,
     format_spec_metrics,
     sampling_params,
+    settle_model,
 )
+from blockspec.llm import LLM
 
 EXAMPLES = """examples:
   blockspec demo                                   # speculative decoding on the embedded default model
-  blockspec generate --model Qwen/Qwen3-8B --prompt "Write a haiku" --max-tokens 64
-  blockspec generate --model ./my-model --prompt "def fib(n):" \\
+  blockspec generate Qwen/Qwen3-8B --prompt "Write a haiku" --max-tokens 64
+  blockspec generate ./my-model --prompt "def fib(n):" \\
       --draft-model z-lab/Qwen3-8B-DFlash-b16 --num-speculative-tokens 15
-  blockspec chat --model ./my-model --prompt "Hello!" --temperature 0.7 --seed 1
+  blockspec chat default --draft-model default     # a conversation on stdin, one turn a line
+  blockspec chat ./my-model --prompt "Hello!" --temperature 0.7 --seed 1
+  blockspec serve Qwen/Qwen3-8B -tp 2 --draft-model z-lab/Qwen3-8B-DFlash-b16
 """
+
+
+def print_summary(llm: LLM, ntok: int, seconds: float) -> None:
+    """Tokens per second, and with speculation configured what it did (or why it drafted nothing)."""
+    m = llm.get_stats()
+    print(f"--- {ntok} tokens in {seconds:.2f} s ({ntok / max(seconds, 1e-9):.1f} tok/s)", file=sys.stderr)
+    if llm.speculative_config is not None:
+        print(format_spec_metrics(m), file=sys.stderr)
+        print(f"  time split: draft {m.get('draft_s', 0):.3f} s, verify {m.get('verify_s', 0):.3f} s, "
+              f"rest {m.get('rest_s', 0):.3f} s", file=sys.stderr)
+
+
+def cmd_chat_session(args: argparse.Namespace) -> int:
+    """A conversation: each line of stdin is the user's next turn, answered with the whole conversation
+    so far; a turn the model cannot take (too long for the context) is reported and dropped."""
+    from blockspec.errors import USER_ERRORS
+
+    params = sampling_params(args)
+    llm = build_llm(args)
+    messages: list[dict[str, str]] = []
+    tty = sys.stdin.isatty()
+    if tty:
+        print("blockspec chat: one message a line; Ctrl-D ends the conversation", file=sys.stderr)
+    ntok, t0 = 0, time.perf_counter()
+    while True:
+        if tty:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        try:
+            answer = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+        except USER_ERRORS as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            messages.pop()
+            continue
+        ntok += len(answer.token_ids)
+        print(answer.text, flush=True)
+        messages.append({"role": "assistant", "content": answer.text})
+    print_summary(llm, ntok, time.perf_counter() - t0)
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace, chat: bool = False) -> int:
@@ -37,6 +88,8 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> int:
                 prompts.append({"prompt_token_ids": record["prompt_token_ids"]}
                                if isinstance(record, dict) and "prompt_token_ids" in record
                                else record["prompt"] if isinstance(record, dict) else record)
+    if not prompts and chat:
+        return cmd_chat_session(args)
     if not prompts:
         raise SystemExit("error: give at least one --prompt or --prompts-file")
     llm = build_llm(args)
@@ -53,13 +106,9 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> int:
             print(f"--- {out.request_id} [{c.finish_reason}]" + (f" error: {out.error}" if out.error else ""))
             print(c.text)
             if c.logprobs:
-                print("logprobs:", [(t, round(lp.logprob, 4)) for e in c.logprobs for t, lp in list(e.items())[:1]])
-    m = llm.get_metrics()
-    print(f"--- {ntok} tokens in {dt:.2f} s ({ntok / dt:.1f} tok/s)", file=sys.stderr)
-    if llm.speculative_config is not None:
-        print(format_spec_metrics(m), file=sys.stderr)
-        print(f"  time split: draft {m.get('draft_s', 0):.3f} s, verify {m.get('verify_s', 0):.3f} s, "
-              f"rest {m.get('rest_s', 0):.3f} s", file=sys.stderr)
+                print(f"logprobs (token logprob (rank) | top {params.logprobs}):")
+                print(format_logprobs(c.token_ids, c.logprobs, llm.get_tokenizer(), params.logprobs or 0))
+    print_summary(llm, ntok, dt)
     return 0
 
 
@@ -68,17 +117,19 @@ def main(argv: list[str] | None = None) -> int:
         prog="blockspec",
         description="Block-parallel speculative decoding (DFlash, DSpark) for Llama / Qwen models. "
                     "Output is exactly what plain decoding gives; drafting only makes it faster.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EXAMPLES, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"blockspec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, helptext in (("generate", "generate text for one or more prompts"),
-                           ("chat", "one chat turn per prompt, with the model's chat template")):
-        p = sub.add_parser(name, help=helptext, description=helptext, epilog=EXAMPLES,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+                           ("chat", "a conversation read from stdin, one user turn a line, with the model's chat "
+                                    "template; with --prompt, one turn per prompt")):
+        p = sub.add_parser(name, help=helptext, description=helptext, epilog=EXAMPLES, formatter_class=HelpFormatter)
         add_model_args(p)
         add_sampling_args(p)
-        p.add_argument("--prompt", action="append", help="prompt text (repeatable: one batch)")
+        p.add_argument("--prompt", action="append", help="prompt text (repeatable: one batch; default: none)")
         p.add_argument("--prompts-file", default=None,
-                       help="file with one prompt per line, or jsonl with 'prompt' or 'prompt_token_ids'")
+                       help="file with one prompt per line, or jsonl with 'prompt' or 'prompt_token_ids' "
+                            "(default: none)")
         p.add_argument("--chat", action="store_true", help="apply the chat template")
     from blockspec.bench import add_bench_parser
     from blockspec.demo import add_demo_parser
@@ -96,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     from blockspec.errors import USER_ERRORS
 
     try:
+        if hasattr(args, "model_tag"):
+            settle_model(args)
         if args.command in ("generate", "chat"):
             return cmd_generate(args, chat=args.command == "chat")
         return args.func(args)

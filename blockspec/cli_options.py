@@ -5,65 +5,135 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
+from blockspec.config import ConfigError, EngineArgs, EngineConfig
 from blockspec.llm import LLM
+from blockspec.request import Logprob
 from blockspec.sampling_params import SamplingParams
+
+# the embedded default pair (a target and its DFlash and DSpark drafters) that `--model default` and
+# `--draft-model default` name
+EMBEDDED = Path(__file__).parent / "assets" / "default"
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, unless the help already says it in words (as it does
+    where the default is None and means something: "the model's")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="the target model: a Hugging Face directory or hub id, or 'default' (the embedded default "
+                        "model); or give it as --model")
     g = p.add_argument_group("model")
-    g.add_argument("--model", required=True, help="Hugging Face model directory or hub id of the target model")
+    g.add_argument("--model", default=None, help="the target model, as the MODEL argument (one of the two is required)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: fp32 on CPU)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length to plan memory for")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together at most")
-    g.add_argument("--tensor-parallel-size", type=int, default=1, help="split the target across N ranks")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length to plan memory for (default: the model's, at most 4096)")
+    g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, help="requests decoded together at most")
+    g.add_argument("--max-prefill-tokens", "--max-num-batched-tokens", dest="max_prefill_tokens", type=int,
+                   default=EngineConfig.max_prefill_tokens,
+                   help="prompt tokens one step prefills at most (longer prompts are chunked); "
+                        "--max-num-batched-tokens is vLLM's name for it (the running requests' decode rows come on "
+                        "top of it here)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="split the target across N ranks")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "sdpa"],
                    help="auto: the Triton kernel on CUDA when triton is installed, else PyTorch SDPA")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    g.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization,
                    help="share of the GPU's memory the engine may hold (weights, KV caches, activations)")
-    g.add_argument("--kv-page-size", type=int, default=64, help="positions a KV cache page holds")
+    g.add_argument("--kv-page-size", "--block-size", dest="kv_page_size", type=int, default=EngineConfig.kv_page_size,
+                   help="positions a KV cache page holds (--block-size: vLLM's name)")
     g.add_argument("--num-kv-pages", type=int, default=None,
                    help="KV pages to allocate (default: what --gpu-memory-utilization leaves on CUDA, enough for "
                         "max-num-seqs x max-model-len on the CPU); requests that run short are preempted and "
                         "recomputed")
     g.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                    help="launch each greedy step before the previous one is committed (auto: on for CUDA)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (target decode and prefill, the draft step): slower steps, faster start-up")
+    g.add_argument("--chat-template", default=None,
+                   help="a chat template file, or the Jinja template itself, used instead of the tokenizer's "
+                        "(default: the tokenizer's)")
+    g.add_argument("--generation-config", default=EngineArgs.generation_config,
+                   help="default sampling parameters: 'auto' reads the model's generation_config.json "
+                        "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), 'vllm' ignores "
+                        "it, or a directory with one")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's sake and ignored: blockspec runs no code from a model's repository")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="vLLM's prefix caching: blockspec has none yet (on is accepted with a warning; default: off)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default=None, choices=["dflash", "dspark"],
                    help="drafter family (default: dflash when --draft-model is given)")
-    s.add_argument("--draft-model", default=None, help="drafter directory or hub id (turns speculation on)")
+    s.add_argument("--draft-model", default=None,
+                   help="drafter directory or hub id, or 'default' (the embedded drafter of --speculative-method); "
+                        "turns speculation on (default: none, plain decoding)")
     s.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="draft tokens verified per step (default: the drafter's block size - 1 for DFlash)")
-    s.add_argument("--draft-sample-method", default=None, choices=["greedy", "probabilistic"])
-    s.add_argument("--rejection-sample-method", default=None, choices=["standard", "block"])
-    s.add_argument("--speculative-config", default=None, help="the whole speculative_config as JSON")
+                   help="draft tokens verified per step at most (default: the drafter's block size - 1 for DFlash)")
+    s.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction, default=None,
+                   help="each step verifies the number of drafts with the most measured tokens per second, down to "
+                        "none (default: on); --no-adaptive-draft-length pins it to --num-speculative-tokens")
+    s.add_argument("--draft-sample-method", default=None, choices=["greedy", "probabilistic"],
+                   help="how drafts are drawn (default: greedy)")
+    s.add_argument("--rejection-sample-method", default=None, choices=["standard", "block"],
+                   help="how sampled drafts are verified (default: standard)")
+    s.add_argument("--speculative-config", default=None,
+                   help="the whole speculative_config as JSON (default: none; the flags above override its fields)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
-    g.add_argument("--min-tokens", type=int, default=0)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None, help="per-request seed: same seed, same tokens")
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--stop-token-ids", type=int, nargs="*", default=None)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--logprobs", type=int, default=None, help="also print logprobs with N alternatives")
+    g.add_argument("--min-tokens", type=int, default=0, help="tokens to generate before EOS or a stop may end it")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set with this probability")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 or -1 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top probability")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from tokens already generated")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted per occurrence of tokens already generated")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divides the logits of tokens in the prompt or the output (1 = off)")
+    g.add_argument("--seed", type=int, default=None, help="per-request seed: same seed, same tokens (default: none)")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable; default: none)")
+    g.add_argument("--stop-token-ids", type=int, nargs="*", default=None, help="token ids that end the output "
+                                                                               "(default: none)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    g.add_argument("--logprobs", type=int, default=None,
+                   help="print each token's text, logprob and rank with its N most likely alternatives "
+                        "(default: none)")
+
+
+def settle_model(args: argparse.Namespace) -> None:
+    """The target as given by the MODEL argument or --model (one of them, or both alike)."""
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ConfigError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
+    args.model = args.model or args.model_tag
+    if args.model is None:
+        raise ConfigError("give the target model: MODEL (a directory, a hub id or 'default') or --model")
+
+
+def model_path(name: str) -> str:
+    """'default' is the embedded default target; anything else a directory or hub id as given."""
+    return str(EMBEDDED / "target") if name == "default" else name
 
 
 def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
     cfg: dict[str, Any] = json.loads(args.speculative_config) if args.speculative_config else {}
     if args.draft_model:
         cfg["model"] = args.draft_model
+    if args.adaptive_draft_length is not None:
+        cfg["adaptive_draft_length"] = args.adaptive_draft_length
     if args.speculative_method:
         cfg["method"] = args.speculative_method
     if args.num_speculative_tokens is not None:
@@ -75,6 +145,8 @@ def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
     if not cfg:
         return None
     cfg.setdefault("method", "dflash")
+    if cfg.get("model") == "default":
+        cfg["model"] = str(EMBEDDED / cfg["method"])
     return cfg
 
 
@@ -89,19 +161,51 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def build_llm(args: argparse.Namespace) -> LLM:
-    return LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+    return LLM(model_path(args.model), tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, seed=args.seed, speculative_config=speculative_config(args),
-               max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
+               max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
+               tensor_parallel_size=args.tensor_parallel_size,
                attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization,
                kv_page_size=args.kv_page_size, num_kv_pages=args.num_kv_pages,
-               async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
+               async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+               enforce_eager=args.enforce_eager, chat_template=args.chat_template,
+               generation_config=args.generation_config, trust_remote_code=args.trust_remote_code,
+               enable_prefix_caching=args.enable_prefix_caching)
+
+
+def why_no_drafts(m: dict[str, Any]) -> str:
+    """Why a run with speculation configured drafted nothing, from the engine's counters."""
+    chosen = m.get("policy_steps", {})
+    parked = m.get("num_parked_requests", 0)
+    if parked or (chosen and not any(k for k, n in chosen.items() if n)):
+        return ("speculation: configured, but the draft-length policy chose plain decoding for every step"
+                + (f" ({parked} requests joined a batch size where plain decoding won)" if parked else "")
+                + " (adaptive_draft_length=false pins K)")
+    return ("speculation: configured, but no step drafted (every request opted out with use_speculation=False, the "
+            "batch was over max_batch_for_speculation, or no request decoded past its first token)")
 
 
 def format_spec_metrics(m: dict[str, Any]) -> str:
     if not m.get("num_drafts"):
-        return "speculation: no drafts this run"
+        return why_no_drafts(m)
     per_pos = m["num_accepted_tokens_per_pos"]
     rates = " ".join(f"{n / m['num_drafts']:.2f}" for n in per_pos)
     return (f"speculation: mean acceptance length {m['mean_acceptance_length']:.2f}, acceptance rate "
             f"{m['acceptance_rate']:.1%} ({m['num_accepted_tokens']}/{m['num_draft_tokens']} drafts accepted over "
             f"{m['num_drafts']} steps)\n  per-position acceptance: {rates}")
+
+
+def format_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], tokenizer: Any, top_n: int) -> str:
+    """One line per generated token: its text, logprob and rank, then the top_n alternatives (by rank)."""
+
+    def text(tok: int) -> str:
+        return repr(tokenizer.decode([tok])) if tokenizer is not None else f"id {tok}"
+
+    lines = []
+    for tok, entry in zip(token_ids, entries):
+        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= top_n),
+                     key=lambda item: item[1].rank)
+        alternatives = ", ".join(f"{text(t)} {lp.logprob:.4f}" for t, lp in top)
+        lines.append(f"  {text(tok)} {entry[tok].logprob:.4f} (rank {entry[tok].rank})"
+                     + (f" | top {top_n}: {alternatives}" if top_n else ""))
+    return "\n".join(lines)

@@ -276,6 +276,9 @@ class EngineConfig:
     # bookkeeping overlaps the GPU's work; sampled verification launches only the next draft ahead
     # (None: on for CUDA, off for CPU, where a launch runs synchronously)
     async_scheduling: bool | None = None
+    # no CUDA graph anywhere (target decode and prefill, the draft step): every forward launches its
+    # kernels from Python (vLLM's enforce_eager); for debugging, and a faster start-up
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -290,6 +293,8 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.async_scheduling not in (None, True, False):
             raise ConfigError(f"async_scheduling must be true, false or None (auto), got {self.async_scheduling!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
 
 
 @dataclass
@@ -305,6 +310,49 @@ class EngineArgs(EngineConfig):
     seed: int | None = None  # the engine's seed for requests that give none (None: 0)
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     warmup: bool = True  # capture every CUDA graph at start-up, not inside the first requests
+    # a chat template (a file, or the Jinja text itself) used instead of the tokenizer's
+    chat_template: str | None = None
+    # where default sampling parameters come from (vLLM's --generation-config): "auto", the model
+    # directory's generation_config.json; "vllm", none (SamplingParams' own defaults); else a directory
+    # holding a generation_config.json
+    generation_config: str = "auto"
+    # vLLM's name for the tokens one step may hold; here it sets max_prefill_tokens, the prompt tokens
+    # one step prefills (the decode rows of running requests come on top)
+    max_num_batched_tokens: int | None = None
+    # accepted for vLLM's sake: blockspec runs no code from a model's repository, so there is nothing to trust
+    trust_remote_code: bool = False
+    # vLLM's prefix caching: blockspec has none yet (True is accepted with a warning that it stays off)
+    enable_prefix_caching: bool | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("trust_remote_code", "warmup"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.enable_prefix_caching not in (None, True, False):
+            raise ConfigError(f"enable_prefix_caching must be true, false or None, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ConfigError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
+        batched = self.max_num_batched_tokens
+        if batched is not None:
+            if not isinstance(batched, int) or isinstance(batched, bool) or batched < 1:
+                raise ConfigError(f"max_num_batched_tokens must be an integer >= 1, got {batched!r}")
+            default = EngineConfig.max_prefill_tokens
+            if self.max_prefill_tokens not in (default, batched):
+                raise ConfigError(f"max_num_batched_tokens={batched} and max_prefill_tokens={self.max_prefill_tokens} "
+                                  "name the same limit; give one of them")
+            self.max_prefill_tokens = batched
+
+    def unhonoured(self) -> list[str]:
+        """One line for each vLLM option given that blockspec accepts but cannot honour."""
+        notes = []
+        if self.trust_remote_code:
+            notes.append("trust_remote_code=True is not needed: blockspec runs no code from the model's repository "
+                         "(it loads Llama / Qwen weights into its own model classes); ignored")
+        if self.enable_prefix_caching:
+            notes.append("enable_prefix_caching=True: blockspec has no prefix caching yet, so it stays off (every "
+                         "prompt is prefilled in full)")
+        return notes
 
     def engine_config(self, max_model_len: int) -> EngineConfig:
         """The engine's limits, with the context length the model allows."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,17 @@ def check_text(text: str, where: str) -> None:
                            f"{exc.start}") from None
 
 
+def read_chat_template(value: str) -> str:
+    """A chat template given as a file or as the Jinja text itself (vLLM's `--chat-template`): text with
+    a brace or a newline is a template; anything else must be a file."""
+    if any(c in value for c in "{}\n"):
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"chat_template {value!r} is neither a file nor a Jinja template")
+    return path.read_text()
+
+
 @dataclass
 class ModelInputs:
     """What turning user input into checked token ids needs of a loaded model, without its weights:
@@ -43,6 +54,8 @@ class ModelInputs:
     vocab_size: int
     speculative: bool
     eos_ids: tuple[int, ...] = ()
+    # SamplingParams fields the model's generation_config.json sets (engine/build.py reads it)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @functools.cached_property
     def max_prompt_chars(self) -> int:
@@ -91,6 +104,11 @@ class ModelInputs:
         if params.structured_outputs is not None:  # compiles it: a grammar that cannot fails here
             new_matcher(params.structured_outputs, self.tokenizer, vocab, self.eos_ids, where)
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What a call that passes no SamplingParams decodes with: the model's generation_config.json
+        sampling values over SamplingParams' defaults (as vLLM's LLM does)."""
+        return SamplingParams(**self.sampling_defaults)
+
     def prepare(self, prompts: PromptType | Sequence[PromptType],
                 sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> tuple[list[Prompt],
                                                                                               list[SamplingParams]]:
@@ -102,7 +120,7 @@ class ModelInputs:
             raise RequestError("prompts must be a string, a dict with 'prompt_token_ids', or a list of them; got "
                                f"{type(prompts).__name__}")
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         elif isinstance(sampling_params, (list, tuple)):
@@ -118,16 +136,24 @@ class ModelInputs:
         return prepared, params
 
     def chat_prompts(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-                     add_generation_prompt: bool = True) -> list[PromptType]:
-        """One conversation or a list of them, each through the tokenizer's chat template."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+                     add_generation_prompt: bool = True, chat_template: str | None = None,
+                     chat_template_kwargs: dict[str, Any] | None = None) -> list[PromptType]:
+        """One conversation or a list of them, each through the tokenizer's chat template (or
+        `chat_template`), with `chat_template_kwargs` as the template's extra variables (Qwen3's
+        enable_thinking, for one)."""
+        if self.tokenizer is None:
+            raise RequestError(f"{self.model_dir} has no tokenizer; use generate() with prompt_token_ids")
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(f"{self.model_dir} has no tokenizer chat template; use generate() with plain text")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptType] = []
         for i, conv in enumerate(conversations):
             if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
                 raise RequestError(f"conversation {i}: messages must be a non-empty list of {{'role', 'content'}}")
-            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, tokenize=True,
+                chat_template=read_chat_template(chat_template) if chat_template is not None else None,
+                **(chat_template_kwargs or {}))
             if not isinstance(ids, list):  # BatchEncoding in newer transformers
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})

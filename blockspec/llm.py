@@ -2,17 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any, Self
 
-from blockspec.config import EngineArgs, SpeculativeConfig
+from blockspec.config import ConfigError, EngineArgs, SpeculativeConfig
 from blockspec.engine.build import build_engine
 from blockspec.engine.loop import OfflineRunner
 from blockspec.inputs import PromptType
+from blockspec.metrics_reader import MetricList, metrics_of
 from blockspec.parallel.tp import RankGroup
 from blockspec.request import RequestOutput
 from blockspec.sampling_params import SamplingParams
+
+log = logging.getLogger("blockspec")
+
+
+def engine_args(options: dict[str, Any]) -> EngineArgs:
+    """`EngineArgs` from LLM's keyword options; an option blockspec does not have (a vLLM one it lacks,
+    or a misspelling) is a ConfigError naming it, not a TypeError."""
+    known = {f.name for f in dataclasses.fields(EngineArgs) if f.init}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(f"LLM(): blockspec has no option {', '.join(unknown)}; its options: {', '.join(sorted(known))}")
+    return EngineArgs(**options)
 
 
 class LLM:
@@ -24,7 +39,9 @@ class LLM:
     def __init__(self, model: str | os.PathLike[str], tensor_parallel_size: int = 1, **options: Any) -> None:
         """`options`: the fields of `blockspec.config.EngineArgs` (tokenizer, dtype, device, max_model_len,
         seed, speculative_config, max_num_seqs, ...), by name."""
-        args = EngineArgs(**options)
+        args = engine_args(options)
+        for note in args.unhonoured():
+            log.warning(note)
         self.tensor_parallel_size = tensor_parallel_size
         self.engine = self.ranks = None
         if tensor_parallel_size == 1:
@@ -37,6 +54,20 @@ class LLM:
             self.inputs = self.ranks.inputs
             self.speculative_config = SpeculativeConfig.from_user(args.speculative_config)
         self.model_dir, self.tokenizer = self.inputs.model_dir, self.inputs.tokenizer
+        self.model_name = str(model)
+        if self.inputs.sampling_defaults:
+            log.warning("default sampling parameters from generation_config.json (generation_config=%r): %s; "
+                        "generation_config='vllm' ignores the file", args.generation_config,
+                        ", ".join(f"{k}={v}" for k, v in self.inputs.sampling_defaults.items()))
+
+    def get_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer prompts are encoded with (None for a model directory without one)."""
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() decode with when given no SamplingParams: generation_config.json's
+        sampling values (unless generation_config='vllm') over SamplingParams' defaults."""
+        return self.inputs.default_sampling_params()
 
     def generate(
         self,
@@ -60,13 +91,26 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
-        return self.generate(self.inputs.chat_prompts(messages, add_generation_prompt), sampling_params, use_tqdm)
+        """Apply the chat template (the tokenizer's, or `chat_template`: Jinja text or a file) to one
+        conversation or a list of them, then generate. `chat_template_kwargs` are the template's extra
+        variables, e.g. {"enable_thinking": False} for Qwen3."""
+        prompts = self.inputs.chat_prompts(messages, add_generation_prompt, chat_template, chat_template_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm)
 
-    def get_metrics(self) -> dict[str, Any]:
-        """Aggregate speculation counters (vLLM names) and the draft / verify / rest time split."""
+    def get_stats(self) -> dict[str, Any]:
+        """The engine's counters as a dict: speculation (vLLM's names), the draft-length policy's choices
+        (`policy_steps`: decode steps by the number of drafts verified, 0 = plain), the draft / verify /
+        rest time split, tokens, preemptions."""
         return self.ranks.call("metrics") if self.ranks is not None else self.engine.metrics()
+
+    def get_metrics(self) -> MetricList:
+        """The counters as vLLM's `LLM.get_metrics()` gives them: Counter, Gauge and Vector objects named
+        `vllm:...` (`vllm:spec_decode_num_drafts`, `vllm:spec_decode_num_accepted_tokens_per_pos`, ...),
+        and the policy's choices as `blockspec:spec_decode_policy_steps` by draft_length."""
+        return metrics_of(self.get_stats(), self.model_name, self.speculative_config is not None)
 
     def close(self) -> None:
         """Stop the rank processes of a tensor-parallel LLM (nothing to do for one process)."""

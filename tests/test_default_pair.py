@@ -28,7 +28,7 @@ def acceptance(method: str, drop_features: bool = False) -> tuple[float, bool]:
     plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True,
                                                  use_speculation=False), use_tqdm=False)
     same = [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
-    return llm.get_metrics()["mean_acceptance_length"], same
+    return llm.get_stats()["mean_acceptance_length"], same
 
 
 @needs_pair

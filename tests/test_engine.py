@@ -632,8 +632,8 @@ def test_requests_preempted_for_pages_give_what_they_give_alone(tmp_path, asynch
     # recomputed K/V come from a prefill's products, not one row at a time: the same to rounding
     for g, w in zip(got[3].outputs[0].logprobs, want[3].outputs[0].logprobs):
         assert g.keys() == w.keys() and all(abs(g[t].logprob - w[t].logprob) < 1e-5 for t in g)
-    preempted = tight.get_metrics()["num_preemptions"]
-    assert preempted > 2 and roomy.get_metrics()["num_preemptions"] == 0
+    preempted = tight.get_stats()["num_preemptions"]
+    assert preempted > 2 and roomy.get_stats()["num_preemptions"] == 0
     pages = tight.engine.pages
     assert pages.num_free_pages == pages.num_pages and pages.num_free_slots == 4
 

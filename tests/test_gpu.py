@@ -103,7 +103,7 @@ def test_a_prefill_graph_appends_the_draft_context_the_eager_path_does(tmp_path,
     for llm, reqs in ((graphed, reqs_g), (eager, reqs_e)):
         while llm.engine.has_unfinished():
             llm.engine.step()
-        outputs.append(([r.output_ids for r in reqs], llm.get_metrics()["num_accepted_tokens_per_pos"]))
+        outputs.append(([r.output_ids for r in reqs], llm.get_stats()["num_accepted_tokens_per_pos"]))
     assert outputs[0] == outputs[1] and sum(outputs[0][1]) > 0
 
 
@@ -127,7 +127,7 @@ def test_cuda_graph_draft_step_equals_eager(tmp_path, method, fixture):
     b = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     c = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert graphed.engine.proposer.graphs.graphs and a == b == c
-    ga, ea = graphed.get_metrics(), eager.get_metrics()
+    ga, ea = graphed.get_stats(), eager.get_stats()
     assert ga["num_accepted_tokens_per_pos"] == ea["num_accepted_tokens_per_pos"]
     assert ga["num_spec_steps_chained"] > 0  # graphed steps launched from device results ran too
 
@@ -239,7 +239,7 @@ def test_preempted_requests_under_cuda_graphs_give_plain_outputs(tmp_path, metho
     want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
     assert got == want
-    m = tight.get_metrics()
+    m = tight.get_stats()
     assert m["num_preemptions"] > 2
     if method is not None:
         assert m["num_drafts"] > 0
@@ -277,5 +277,5 @@ def test_tp2_on_gpus_matches_one_gpu(tmp_path, adaptive):
     with LLM(str(target), tensor_parallel_size=2, device="cuda", dtype="float32", max_model_len=256,
                speculative_config=spec, seed=0) as tp:
         got = [[list(o.outputs[0].token_ids) for o in tp.generate(prompts, p, use_tqdm=False)] for p in runs]
-        assert tp.get_metrics()["num_drafts"] > 0
+        assert tp.get_stats()["num_drafts"] > 0
     assert got == [[list(t) for t in w] for w in want]

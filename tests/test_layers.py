@@ -17,7 +17,7 @@ LAYERS = [
     {"speculative"},
     {"engine"},
     {"parallel"},
-    {"llm"},
+    {"llm", "metrics_reader"},
     {"", "__main__", "cli", "cli_options", "demo", "server", "bench", "train"},
 ]
 

@@ -93,7 +93,7 @@ def test_greedy_equals_plain(target, plain, method, fixture, k, oracle):
     if oracle:
         add_oracle(llm, {tuple(p["prompt_token_ids"]): e for p, e in zip(ps, expected)})
     assert run(llm, ps, GREEDY) == expected
-    m = llm.get_metrics()
+    m = llm.get_stats()
     k_eff = k or llm.engine.proposer.drafter.num_draft_slots
     assert m["num_drafts"] > 0 and len(m["num_accepted_tokens_per_pos"]) <= k_eff
     if oracle:
@@ -113,7 +113,7 @@ def test_stops_inside_accepted_blocks(target, plain):
             want = plain.generate(ps, params, use_tqdm=False)
             assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
             assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in want]
-    assert llm.get_metrics()["mean_acceptance_length"] > 3.0  # blocks really were accepted whole
+    assert llm.get_stats()["mean_acceptance_length"] > 3.0  # blocks really were accepted whole
     pages = llm.engine.pages
     assert not llm.engine.running and pages.num_free_slots == llm.engine.config.max_num_seqs
     assert pages.num_free_pages == pages.num_pages  # every page back in the pool
@@ -300,7 +300,7 @@ def test_probabilistic_drafts_run_and_greedy_rows_stay_exact(target, plain, meth
     assert outs[1].outputs[0].token_ids == run(plain, [ps[1]], GREEDY)[0]
     assert [len(o.outputs[0].token_ids) for o in outs] == [20, 40, 20]
     assert all(0 <= t < 96 for o in outs for t in o.outputs[0].token_ids)
-    assert llm.get_metrics()["num_drafts"] > 0
+    assert llm.get_stats()["num_drafts"] > 0
 
 
 def test_metrics_names_and_per_request(target):
@@ -308,8 +308,8 @@ def test_metrics_names_and_per_request(target):
     out = llm.generate(prompts(2), GREEDY, use_tqdm=False)
     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
                 "acceptance_rate", "mean_acceptance_length"):
-        assert key in out[0].metrics and key in llm.get_metrics()
-    m = llm.get_metrics()
+        assert key in out[0].metrics and key in llm.get_stats()
+    m = llm.get_stats()
     assert m["num_draft_tokens"] == sum(o.metrics["num_draft_tokens"] for o in out)
     assert m["acceptance_rate"] == pytest.approx(m["num_accepted_tokens"] / m["num_draft_tokens"])
     assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
@@ -354,7 +354,7 @@ def test_confidence_pruning_stays_exact(target, plain, spec):
     assert run(llm, ps, GREEDY) == expected
     sampled = SamplingParams(temperature=0.8, seed=4, max_tokens=30, ignore_eos=True)
     assert run(llm, ps, sampled) == run(plain, ps, sampled)
-    m = llm.get_metrics()
+    m = llm.get_stats()
     assert len(m["confidence_predicted_per_pos"]) == 4 and len(m["confidence_realised_per_pos"]) == 4
     if spec.get("adaptive_verification"):
         assert m["verify_budget_mean"] >= 0
@@ -365,7 +365,7 @@ def test_confidence_threshold_prunes_drafts(target):
     pruned = spec_llm(target, "dspark", "dspark_vanilla", confidence_threshold=0.9)
     run(full, prompts(3), GREEDY)
     run(pruned, prompts(3), GREEDY)
-    assert pruned.get_metrics()["num_draft_tokens"] < full.get_metrics()["num_draft_tokens"]
+    assert pruned.get_stats()["num_draft_tokens"] < full.get_stats()["num_draft_tokens"]
 
 
 def test_confidence_options_need_a_confidence_head(target):
@@ -394,7 +394,7 @@ def test_policy_turns_speculation_off_when_confidence_prunes_every_draft(target)
     policy.choose = lambda batch: choices.append(choose(batch)) or choices[-1]
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     llm.generate([prompts(1, seed=8)[0]], params, use_tqdm=False)
-    assert llm.get_metrics()["num_draft_tokens"] == 0  # every draft was pruned
+    assert llm.get_stats()["num_draft_tokens"] == 0  # every draft was pruned
     # before accounting pruned steps to the K chosen, about 2 % of steps were plain; now most are
     # (a noisy machine can make a spec candidate look cheap for a while, hence the margin)
     assert choices.count(0) >= 0.3 * len(choices), choices
@@ -452,7 +452,7 @@ def test_draft_cache_holds_what_one_append_of_the_whole_context_gives(target, pl
             checks += len(decoding)
     assert [r.output_ids for r in reqs] == expected and checks >= 10
     # (on the GPU the graphed draft steps launched from device results draft for real: mostly rejected)
-    assert llm.get_metrics()["mean_acceptance_length"] > (1.8 if device == "cpu" or not ahead else 1.0)
+    assert llm.get_stats()["mean_acceptance_length"] > (1.8 if device == "cpu" or not ahead else 1.0)
 
 
 @pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
@@ -484,7 +484,7 @@ def test_preempted_requests_recompute_their_context_and_stay_exact(target, plain
         checked |= {r.request_id for r in resumed}
     assert [r.output_ids for r in reqs] == expected
     assert engine.metrics()["num_preemptions"] == sum(r.num_preemptions for r in reqs) > 2 and len(checked) >= 2
-    assert llm.get_metrics()["mean_acceptance_length"] > 1.8  # the drafts of resumed requests are accepted too
+    assert llm.get_stats()["mean_acceptance_length"] > 1.8  # the drafts of resumed requests are accepted too
 
 
 def test_plain_steps_of_requests_that_joined_apart_append_their_held_rows_together(target, plain):
@@ -637,7 +637,7 @@ def test_pipelined_plain_steps_between_speculative_ones_keep_output_exact(target
     got = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
     assert got == [o.outputs[0].token_ids for o in plain.generate(ps, params, use_tqdm=False)]
     assert pending_at_draft and max(pending_at_draft) <= 4
-    assert llm.get_metrics()["num_drafts"] > 0
+    assert llm.get_stats()["num_drafts"] > 0
 
 
 def run_launching_ahead(target, method, fixture, ps, params, ahead: bool) -> tuple[list[list[int]], dict]:
@@ -645,7 +645,7 @@ def run_launching_ahead(target, method, fixture, ps, params, ahead: bool) -> tup
     llm = spec_llm(target, method, fixture, num_speculative_tokens=3)
     llm.engine.async_scheduling = ahead
     llm.engine.policy.choose = lambda batch: 3
-    return [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)], llm.get_metrics()
+    return [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)], llm.get_stats()
 
 
 @pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
@@ -753,7 +753,7 @@ def test_steps_launched_from_device_results_are_the_synchronous_steps(target, pl
         llm.engine.policy.choose = lambda batch: 3
         drafted = add_device_oracle(llm, table)
         runs[chained] = ([o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)],
-                         llm.get_metrics(), drafted)
+                         llm.get_stats(), drafted)
     (sync_out, sync, sync_drafts), (out, chain, chain_drafts) = runs[False], runs[True]
     assert out == sync_out == expected
     # the drafter saw the same context (a draft launched ahead for a request that then stopped is extra)

@@ -102,7 +102,7 @@ def test_json_schema_output_is_valid_and_speculation_gives_plain_output(target, 
     with_unconstrained_drafts(llm, plain)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert ids(got) == ids(want)
-    metrics = llm.get_metrics()
+    metrics = llm.get_stats()
     assert metrics["num_accepted_tokens"] > 0 and metrics["num_accepted_tokens"] < metrics["num_draft_tokens"]
 
 
@@ -146,7 +146,7 @@ def test_copies_and_preempted_requests_keep_their_grammar(target, plain):
     single = SamplingParams(temperature=0.9, seed=2, max_tokens=100, structured_outputs=long)
     many = [f"prompt number {i} " * 3 for i in range(6)]
     got = small.generate(many, single, use_tqdm=False)
-    assert small.get_metrics()["num_preemptions"] > 0
+    assert small.get_stats()["num_preemptions"] > 0
     assert all(re.fullmatch("[a-z ]{90}", t) for t in texts(got))
     assert ids(got) == ids(plain.generate(many, single, use_tqdm=False))
 

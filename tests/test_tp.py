@@ -50,9 +50,9 @@ def test_tp2_matches_tp1_greedy_and_seeded(qwen3, spec):
             # fixed K: an adaptive policy's choices follow the clock of the process that decides)
             ref = LLM(qwen3, seed=0, speculative_config=spec)
             ref_hot = tokens(ref.generate(PROMPTS, HOT, use_tqdm=False))
-            before = tp.get_metrics()
+            before = tp.get_stats()
             assert tokens(tp.generate(PROMPTS, HOT, use_tqdm=False)) == ref_hot
-            after, want = tp.get_metrics(), ref.get_metrics()
+            after, want = tp.get_stats(), ref.get_stats()
             assert want["num_accepted_tokens"] > 0
             for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
                 assert after[key] - before[key] == want[key]
@@ -90,7 +90,7 @@ def test_tp2_biases_and_tied_embeddings(tmp_path, family, kw):
 def test_kv_heads_must_divide_world_size(qwen3):
     with pytest.raises(ConfigError, match="num_key_value_heads"):
         LLM(qwen3, tensor_parallel_size=3)
-    with pytest.raises(TypeError):  # LLM's signature is checked before any rank is spawned
+    with pytest.raises(ConfigError, match="no option max_num_sequences"):  # checked before any rank is spawned
         LLM(qwen3, tensor_parallel_size=2, max_num_sequences=4)
     model, _ = load_target(qwen3, "float32", "cpu")
     with pytest.raises(ConfigError, match="num_key_value_heads"):
@@ -176,7 +176,7 @@ def test_tp2_preempts_in_step_and_gives_one_process_tokens(qwen3):
     want = tokens(LLM(qwen3, seed=0).generate(PROMPTS, HOT, use_tqdm=False))
     ref = LLM(qwen3, seed=0, speculative_config=SPEC, **pool)
     assert tokens(ref.generate(PROMPTS, HOT, use_tqdm=False)) == want
-    assert ref.get_metrics()["num_preemptions"] > 0
+    assert ref.get_stats()["num_preemptions"] > 0
     with LLM(qwen3, tensor_parallel_size=2, seed=0, speculative_config=SPEC, **pool) as tp:
         assert tokens(tp.generate(PROMPTS, HOT, use_tqdm=False)) == want
-        assert tp.get_metrics()["num_preemptions"] == ref.get_metrics()["num_preemptions"]
+        assert tp.get_stats()["num_preemptions"] == ref.get_stats()["num_preemptions"]

@@ -147,8 +147,9 @@ class BatchSampling:
             for _ in range(c):
                 tok = ids[row][0]
                 entry = {tok: Logprob(host[row][0], int(host[row][1]))}
-                for t, v in zip(ids[row][1 : 1 + (req.params.logprobs or 0)], host[row][2:]):
-                    entry.setdefault(t, Logprob(v))
+                # the alternatives come sorted, most likely first: the i-th has rank i + 1
+                for rank, (t, v) in enumerate(zip(ids[row][1 : 1 + (req.params.logprobs or 0)], host[row][2:]), 1):
+                    entry.setdefault(t, Logprob(v, rank))
                 entries.append(entry)
                 row += 1
             out.append(entries)

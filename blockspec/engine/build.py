@@ -19,7 +19,7 @@ from blockspec.drafters import load_drafter
 from blockspec.engine import memory
 from blockspec.engine.engine import Engine
 from blockspec.errors import ModelLoadError
-from blockspec.inputs import ModelInputs
+from blockspec.inputs import ModelInputs, read_chat_template
 from blockspec.models.llama import CausalLM
 from blockspec.models.loader import load_target, read_json, resolve_device, resolve_model_dir
 
@@ -50,6 +50,29 @@ def generation_eos_ids(model_dir: Path, config_eos: Sequence[int], tokenizer: An
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
+
+
+# generation_config.json fields that become default sampling parameters, as vLLM reads them (its
+# max_new_tokens is max_tokens here)
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_dir: Path, source: str) -> dict[str, Any]:
+    """Default sampling parameters from a generation_config.json, as vLLM's `--generation-config`
+    reads them: "auto" takes the model directory's, "vllm" none, anything else names a directory.
+    The values the file sets (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)
+    replace SamplingParams' defaults; a file that sets none of them (EOS ids only) changes nothing."""
+    if source == "vllm":
+        return {}
+    folder = model_dir if source == "auto" else resolve_model_dir(source, "generation_config")
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if source != "auto":
+            raise ConfigError(f"generation_config: {folder} has no generation_config.json")
+        return {}
+    given = read_json(path)
+    return {ours: given[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if given.get(theirs) is not None}
 
 
 @dataclass
@@ -86,9 +109,14 @@ def build_engine(
         raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings ({cfg_len})")
     if not isinstance(a.max_num_seqs, int) or a.max_num_seqs < 1:
         raise ConfigError(f"max_num_seqs must be an integer >= 1, got {a.max_num_seqs!r}")
+    defaults = generation_defaults(model_dir, a.generation_config)  # before the weights: a bad file fails fast
     margin = 64  # RoPE rows for draft/verify positions past the committed length
     target, model_dir = load(model_dir, a.dtype, dev, max_len + margin)
     tok = load_tokenizer(resolve_model_dir(a.tokenizer, "tokenizer") if a.tokenizer else model_dir)
+    if a.chat_template is not None:
+        if tok is None:
+            raise ConfigError(f"chat_template needs a tokenizer; {model_dir} has none")
+        tok.chat_template = read_chat_template(a.chat_template)
     eos = generation_eos_ids(model_dir, target.config.eos_token_ids, tok)
     drafter = None
     if spec is not None:
@@ -105,5 +133,6 @@ def build_engine(
         done = engine.warmup()
         if done["graphs"]:
             log.info("warm-up: %d CUDA graphs captured in %.1f s", done["graphs"], done["seconds"])
-    inputs = ModelInputs(model_dir, tok, max_len, target.config.vocab_size, spec is not None, tuple(engine.eos_ids))
+    inputs = ModelInputs(model_dir, tok, max_len, target.config.vocab_size, spec is not None, tuple(engine.eos_ids),
+                         sampling_defaults=defaults)
     return EngineSetup(engine, inputs, target, model_dir, tok, spec)

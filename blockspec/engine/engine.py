@@ -91,7 +91,9 @@ class Engine:
         self.runner = ModelRunner(model, self.pages, config.max_model_len + margin,
                                   drafter.target_layer_ids if drafter is not None else (), query_buckets=widths,
                                   tap_sink=context.pending if context else None,
-                                  graph_prefill_tokens=min(config.graph_prefill_tokens, config.max_prefill_tokens),
+                                  use_cuda_graphs=False if config.enforce_eager else None,
+                                  graph_prefill_tokens=0 if config.enforce_eager else
+                                  min(config.graph_prefill_tokens, config.max_prefill_tokens),
                                   context_sink=context.append_taps if context else None)
         if drafter is not None:
             # proposer_cls: a Proposer subclass (e.g. the benchmark-only SyntheticProposer); None = Proposer
@@ -757,7 +759,11 @@ class Engine:
             out["num_drafts_launched_ahead"], out["num_drafts_launched_ahead_taken"] = self.proposer.ahead_stats
             out["num_spec_steps_launched_ahead"] = self.num_steps_launched_ahead
             out["num_spec_steps_chained"] = self.num_spec_steps_chained
+            out["num_speculative_tokens"] = self.proposer.num_speculative_tokens
+            out["policy_steps"] = dict(self.policy.chosen)  # decode steps by the K chosen (0: plain)
+            out["num_parked_requests"] = self.policy.parked_joins
         out["num_steps"] = self.num_steps
         out["num_generated_tokens"] = self.num_generated
         out["num_preemptions"] = self.num_preemptions
+        out["num_requests_running"], out["num_requests_waiting"] = len(self.running), len(self.waiting)
         return out

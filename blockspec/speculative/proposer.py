@@ -98,7 +98,6 @@ class Proposer:
         k = self.num_speculative_tokens = context.num_drafts
         self.taps = tuple(drafter.target_layer_ids)
         self.cost_table: VerifyCostTable | None = None
-        weight = target.embed_tokens.weight
         has_conf = drafter.has_confidence
         if (cfg.confidence_threshold > 0 or cfg.adaptive_verification) and not has_conf:
             raise ConfigError("speculative_config.confidence_threshold / adaptive_verification need a DSpark drafter "
@@ -106,7 +105,7 @@ class Proposer:
         self.has_confidence = has_conf
         self.reset_stats()
         self.graphs = DraftGraphs(drafter, target, self.context.cache, self.context.pending, k, cfg.markov_top_k,
-                                  use_graphs=weight.device.type == "cuda")
+                                  use_graphs=runner.use_graphs)  # graphed where the target's forwards are
         self.ahead: DraftLaunch | None = None
 
     def reset_stats(self) -> None:

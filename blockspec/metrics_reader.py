@@ -1,0 +1,96 @@
+"""`LLM.get_metrics()` in the shape of vLLM's `vllm.v1.metrics.reader`: a list of Counter, Gauge, Vector and
+Histogram objects, each with a name and labels, so code written against vLLM's reader (its speculative
+decoding example reads `vllm:spec_decode_num_drafts` and the per-position Vector by name) runs unchanged.
+
+Names vLLM has are under `vllm:`; counts only blockspec keeps (the draft-length policy's choices) are
+under `blockspec:`. The engine's own dict, with the time split and calibration figures, stays
+available as `LLM.get_stats()`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Metric:
+    name: str
+    labels: dict[str, str]
+
+
+@dataclass
+class Counter(Metric):
+    """A count that only grows."""
+
+    value: int
+
+
+@dataclass
+class Vector(Metric):
+    """Counts by position: vLLM's shape for spec_decode_num_accepted_tokens_per_pos."""
+
+    values: list[int]
+
+
+@dataclass
+class Gauge(Metric):
+    """A value that goes up and down."""
+
+    value: float
+
+
+@dataclass
+class Histogram(Metric):
+    """Observations in buckets keyed by their upper bound ('+Inf' holds them all)."""
+
+    count: int
+    sum: float
+    buckets: dict[str, int]
+
+
+# the engine's counters (`Engine.metrics()` keys) and vLLM's names for them
+ENGINE_COUNTERS = {"num_generated_tokens": "vllm:generation_tokens", "num_preemptions": "vllm:num_preemptions"}
+SPEC_COUNTERS = {"num_drafts": "vllm:spec_decode_num_drafts", "num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+                 "num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
+
+
+class MetricList(list):
+    """The Metric objects of one `get_metrics()` call. Reading it by a string key (`m["num_drafts"]`,
+    `m.get(...)`) still answers from the engine's dict, which `get_metrics()` returned before it took
+    vLLM's shape, with a DeprecationWarning naming `get_stats()`."""
+
+    def __init__(self, metrics: list[Metric], stats: dict[str, Any]) -> None:
+        super().__init__(metrics)
+        self._stats = stats
+
+    def _stat(self, key: str) -> dict[str, Any]:
+        warnings.warn(f"get_metrics()[{key!r}]: get_metrics() returns vLLM-shaped Metric objects now; "
+                      "LLM.get_stats() returns the dict", DeprecationWarning, stacklevel=3)
+        return self._stats
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, str):
+            return self._stat(index)[index]
+        return super().__getitem__(index)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._stat(key).get(key, default)
+
+
+def metrics_of(stats: dict[str, Any], model_name: str, speculative: bool) -> MetricList:
+    """The engine's dict as vLLM's reader objects, labelled as vLLM labels them (model_name, engine)."""
+    labels = {"model_name": model_name, "engine": "0"}
+    out: list[Metric] = [Gauge(f"vllm:num_requests_{state}", dict(labels), stats[f"num_requests_{state}"])
+                         for state in ("running", "waiting")]
+    out += [Counter(name, dict(labels), stats[key]) for key, name in ENGINE_COUNTERS.items()]
+    if speculative:
+        out += [Counter(name, dict(labels), stats[key]) for key, name in SPEC_COUNTERS.items()]
+        per_pos = list(stats["num_accepted_tokens_per_pos"])  # a position drafts reach once is counted from then
+        out.append(Vector("vllm:spec_decode_num_accepted_tokens_per_pos", dict(labels),
+                          per_pos + [0] * (stats["num_speculative_tokens"] - len(per_pos))))
+        out += [Counter("blockspec:spec_decode_policy_steps", {**labels, "draft_length": str(k)}, n)
+                for k, n in sorted(stats["policy_steps"].items())]
+        out.append(Counter("blockspec:spec_decode_policy_parked_requests", dict(labels), stats["num_parked_requests"]))
+    return MetricList(out, stats)

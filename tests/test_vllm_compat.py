@@ -1,0 +1,265 @@
+"""What a vLLM user brings over works as they expect: vLLM's LLM(...) options and methods, its
+get_metrics() objects, generation_config.json defaults, logprob ranks, and the command line's habits
+(positional MODEL, -tp, --block-size, --max-num-batched-tokens, --enforce-eager, --chat-template,
+--version, defaults in --help, `--model default`, an interactive chat, readable logprobs)."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import warnings
+from pathlib import Path
+
+import pytest
+
+from blockspec import LLM, ConfigError, SamplingParams
+from blockspec.cli import main
+from blockspec.cli_options import add_model_args, add_sampling_args, build_llm, format_spec_metrics
+from blockspec.metrics_reader import Counter, Gauge, Vector
+from factories import save_drafter_target, save_tiny_model_with_tokenizer
+
+FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory) -> Path:
+    return save_tiny_model_with_tokenizer(tmp_path_factory.mktemp("text") / "m")
+
+
+@pytest.fixture(scope="module")
+def text_llm(text_dir) -> LLM:
+    return LLM(str(text_dir), device="cpu", max_model_len=96)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    return save_drafter_target(tmp_path_factory.mktemp("target") / "t")
+
+
+def parsed(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    add_sampling_args(parser)
+    args = parser.parse_args(argv)
+    args.model = args.model or args.model_tag
+    return args
+
+
+# ---------------------------------------------------------------- LLM(...) options
+def test_vllm_options_map_to_the_engine(text_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="blockspec"):
+        llm = LLM(str(text_dir), device="cpu", max_model_len=96, enforce_eager=True, max_num_batched_tokens=32,
+                  trust_remote_code=True, enable_prefix_caching=True)
+    config = llm.engine.config
+    assert config.max_prefill_tokens == 32 and config.enforce_eager
+    assert not llm.engine.runner.use_graphs and llm.engine.runner.graph_prefill_tokens == 0
+    notes = [r.getMessage() for r in caplog.records]
+    assert any(n.startswith("trust_remote_code=True is not needed") for n in notes)
+    assert any(n.startswith("enable_prefix_caching=True: blockspec has no prefix caching") for n in notes)
+    assert llm.get_tokenizer() is llm.tokenizer is not None
+
+
+def test_a_graphed_engine_prefills_in_graphs_unless_eager(text_dir):
+    assert LLM(str(text_dir), device="cpu", max_model_len=96).engine.runner.graph_prefill_tokens > 0
+
+
+def test_an_option_blockspec_lacks_is_a_config_error_naming_it(text_dir):
+    with pytest.raises(ConfigError, match="no option pipeline_parallel_size"):
+        LLM(str(text_dir), device="cpu", pipeline_parallel_size=2)
+    with pytest.raises(ConfigError, match="name the same limit"):
+        LLM(str(text_dir), device="cpu", max_num_batched_tokens=32, max_prefill_tokens=64)
+
+
+# ---------------------------------------------------------------- generation_config.json
+def write_generation_config(path: Path, **fields) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1, **fields}))
+    return path
+
+
+def test_generation_config_sets_the_default_sampling_parameters(tmp_path):
+    gen = tmp_path / "gen"
+    model = save_tiny_model_with_tokenizer(tmp_path / "own")
+    write_generation_config(model, temperature=0.0, top_k=5, repetition_penalty=1.1, max_new_tokens=5)
+    write_generation_config(gen, temperature=0.7, top_p=0.8)
+    llm = LLM(str(model), device="cpu", max_model_len=96)
+    d = llm.get_default_sampling_params()
+    assert (d.temperature, d.top_k, d.repetition_penalty, d.max_tokens, d.top_p) == (0.0, 5, 1.1, 5, 1.0)
+    out = llm.generate("abc", use_tqdm=False)[0].outputs[0]
+    want = llm.generate("abc", SamplingParams(temperature=0, top_k=5, repetition_penalty=1.1, max_tokens=5),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) <= 5 and out.token_ids == want.token_ids
+    assert LLM(str(model), device="cpu", max_model_len=96, generation_config="vllm").get_default_sampling_params() \
+        == SamplingParams()
+    other = LLM(str(model), device="cpu", max_model_len=96, generation_config=str(gen)).get_default_sampling_params()
+    assert (other.temperature, other.top_p, other.top_k) == (0.7, 0.8, 0)
+    with pytest.raises(ConfigError, match="has no generation_config.json"):
+        LLM(str(model), device="cpu", generation_config=str(tmp_path))
+
+
+def test_a_generation_config_with_eos_ids_only_changes_no_default(text_llm):
+    assert text_llm.get_default_sampling_params() == SamplingParams()
+
+
+# ---------------------------------------------------------------- chat templates
+TEMPLATE = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}{{ suffix | default('') }}"
+
+
+def test_chat_takes_a_template_and_its_variables(text_llm, tmp_path):
+    messages = [{"role": "user", "content": "hi"}]
+    tok = text_llm.get_tokenizer()
+
+    def prompt_ids(**kw) -> list[int]:
+        return text_llm.chat(messages, GREEDY, use_tqdm=False, **kw)[0].prompt_token_ids
+
+    assert prompt_ids(chat_template=TEMPLATE) == tok.encode("[hi]")
+    assert prompt_ids(chat_template=TEMPLATE, chat_template_kwargs={"suffix": "ok"}) == tok.encode("[hi]ok")
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    assert prompt_ids(chat_template=str(path)) == tok.encode("[hi]")
+    assert prompt_ids() == tok.encode("<user>hi\n<assistant>")  # the tokenizer's own
+
+
+def test_chat_template_option_replaces_the_tokenizers(text_dir, tmp_path):
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    llm = build_llm(parsed([str(text_dir), "--device", "cpu", "--max-model-len", "96", "--chat-template", str(path)]))
+    out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == llm.get_tokenizer().encode("[hi]")
+    with pytest.raises(ConfigError, match="neither a file nor a Jinja template"):
+        LLM(str(text_dir), device="cpu", chat_template=str(tmp_path / "missing.jinja"))
+
+
+# ---------------------------------------------------------------- logprobs and metrics
+def test_every_top_alternative_has_its_rank(text_llm):
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=4, ignore_eos=True)
+    out = text_llm.generate("hello", params, use_tqdm=False)[0].outputs[0]
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        assert entry[tok].rank == 1  # greedy: the chosen token is the most likely
+        alternatives = sorted(entry.values(), key=lambda lp: -lp.logprob)
+        assert [lp.rank for lp in alternatives] == [1, 2, 3, 4]
+
+
+def test_get_metrics_gives_vllms_reader_objects(target_dir):
+    spec = {"method": "dflash", "model": str(FIXTURES / "dflash"), "adaptive_draft_length": False}
+    llm = LLM(str(target_dir), device="cpu", max_model_len=96, speculative_config=spec)
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                 use_tqdm=False)
+    stats = llm.get_stats()
+    by_name = {m.name: m for m in llm.get_metrics()}
+    assert stats["num_drafts"] > 0
+    for name, key in (("vllm:spec_decode_num_drafts", "num_drafts"), ("vllm:spec_decode_num_draft_tokens",
+                      "num_draft_tokens"), ("vllm:spec_decode_num_accepted_tokens", "num_accepted_tokens"),
+                      ("vllm:generation_tokens", "num_generated_tokens")):
+        assert isinstance(by_name[name], Counter) and by_name[name].value == stats[key], name
+    per_pos = by_name["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    k = llm.engine.proposer.num_speculative_tokens
+    assert isinstance(per_pos, Vector) and len(per_pos.values) == k
+    assert per_pos.values[: len(stats["num_accepted_tokens_per_pos"])] == stats["num_accepted_tokens_per_pos"]
+    assert isinstance(by_name["vllm:num_requests_running"], Gauge) and by_name["vllm:num_requests_running"].value == 0
+    assert per_pos.labels == {"model_name": str(target_dir), "engine": "0"}
+    steps = {m.labels["draft_length"]: m.value for m in llm.get_metrics()
+             if m.name == "blockspec:spec_decode_policy_steps"}
+    assert steps == {str(k): n for k, n in stats["policy_steps"].items()} and steps[str(k)] > 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert llm.get_metrics()["num_drafts"] == stats["num_drafts"]  # the dict, read the old way
+    assert "get_stats()" in str(caught[0].message)
+
+
+def test_no_draft_is_explained():
+    assert format_spec_metrics({"num_drafts": 0, "policy_steps": {0: 7}}) == (
+        "speculation: configured, but the draft-length policy chose plain decoding for every step "
+        "(adaptive_draft_length=false pins K)")
+    assert "no step drafted" in format_spec_metrics({"num_drafts": 0, "policy_steps": {}})
+
+
+# ---------------------------------------------------------------- command line
+def test_model_as_argument_or_flag(text_dir, capsys):
+    base = ["--prompt", "ab", "--max-tokens", "3", "--device", "cpu", "--max-model-len", "96"]
+    assert main(["generate", str(text_dir), *base]) == 0
+    positional = capsys.readouterr().out
+    assert main(["generate", "--model", str(text_dir), *base]) == 0
+    assert capsys.readouterr().out == positional
+    assert main(["generate", str(text_dir), "--model", "other", *base]) == 2
+    assert "two models given" in capsys.readouterr().err
+    assert main(["generate", *base]) == 2
+    assert "give the target model" in capsys.readouterr().err
+
+
+def test_vllm_flag_names_reach_the_engine(text_dir):
+    args = parsed([str(text_dir), "-tp", "1", "--block-size", "16", "--max-num-batched-tokens", "48",
+                   "--enforce-eager", "--device", "cpu", "--max-model-len", "96"])
+    assert (args.tensor_parallel_size, args.kv_page_size, args.max_prefill_tokens) == (1, 16, 48)
+    assert parsed([str(text_dir), "-tp", "2"]).tensor_parallel_size == 2
+    config = build_llm(args).engine.config
+    assert (config.kv_page_size, config.max_prefill_tokens, config.enforce_eager) == (16, 48, True)
+    flags = parsed([str(text_dir), "--draft-model", "d", "--no-adaptive-draft-length"])
+    from blockspec.cli_options import speculative_config
+
+    assert speculative_config(flags)["adaptive_draft_length"] is False
+    assert "adaptive_draft_length" not in speculative_config(parsed([str(text_dir), "--draft-model", "d"]))
+
+
+def test_version_and_defaults_in_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == "blockspec 0.1.0"
+    for command in ("generate", "chat"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        for default in ("(default: 64)", "(default: 4096)", "(default: auto)", "(default: 0.0)", "(default: the "
+                        "model's)"):
+            assert default in text, (command, default)
+
+
+def test_default_names_the_embedded_pair(capsys):
+    assert main(["generate", "default", "--draft-model", "default", "--prompt", "def f(x):", "--max-tokens", "8",
+                 "--device", "cpu", "--ignore-eos"]) == 0
+    out, err = capsys.readouterr()
+    assert "--- 0 [length]" in out and "speculation:" in err
+
+
+def test_plain_steps_only_are_explained(target_dir, capsys, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_token_ids": [5, 6, 7, 8]}\n')
+    # two tokens: the prefill's, then one decode step, which the adaptive policy takes plain (it times the
+    # plain step first)
+    assert main(["generate", str(target_dir), "--prompts-file", str(prompts), "--draft-model",
+                 str(FIXTURES / "dflash"), "--device", "cpu", "--max-tokens", "2", "--ignore-eos"]) == 0
+    assert ("speculation: configured, but the draft-length policy chose plain decoding for every step "
+            "(adaptive_draft_length=false pins K)") in capsys.readouterr().err
+
+
+def test_logprobs_print_text_logprob_rank_and_alternatives(text_dir, capsys):
+    assert main(["generate", str(text_dir), "--prompt", "ab", "--max-tokens", "3", "--logprobs", "2", "--device",
+                 "cpu", "--ignore-eos"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert len(lines) == 3
+    for line in lines:
+        token, rest = line.strip().split(" ", 1)
+        assert token.startswith("'") and "(rank 1) | top 2: " in rest
+        assert len(rest.split("| top 2: ")[1].split(", ")) == 2
+
+
+def test_chat_keeps_the_conversation(text_dir, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n\nagain\n"))
+    args = [str(text_dir), "--max-tokens", "4", "--device", "cpu", "--max-model-len", "96", "--ignore-eos"]
+    assert main(["chat", *args]) == 0
+    out, err = capsys.readouterr()
+    llm = LLM(str(text_dir), device="cpu", max_model_len=96)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = llm.chat([{"role": "user", "content": "hello"}], params, use_tqdm=False)[0].outputs[0].text
+    second = llm.chat([{"role": "user", "content": "hello"}, {"role": "assistant", "content": first},
+                       {"role": "user", "content": "again"}], params, use_tqdm=False)[0].outputs[0].text
+    assert out == f"{first}\n{second}\n" and "tokens in" in err
+
+
+def test_chat_with_prompts_answers_each_alone(text_dir, capsys):
+    assert main(["chat", str(text_dir), "--prompt", "hello", "--prompt", "again", "--max-tokens", "2", "--device",
+                 "cpu"]) == 0
+    assert capsys.readouterr().out.count("--- ") == 2
