@@ -375,8 +375,16 @@ class ServerConfig:
     # how tool calls are found in a model's text for tool_choice "auto" ("hermes": Qwen, "llama3_json":
     # Llama 3; None: "auto" is refused, "required" and named functions still work)
     tool_call_parser: str | None = None
+    # the prefix of the metrics vLLM also has: "vllm" (vLLM's dashboards read them unchanged) or "blockspec"
+    metrics_prefix: str = "vllm"
+    # seconds between the log's throughput lines while the server is busy (None: no such lines)
+    log_stats_interval_s: float | None = 10.0
 
     def __post_init__(self) -> None:
+        if self.metrics_prefix not in ("vllm", "blockspec"):
+            raise ConfigError(f"metrics_prefix must be 'vllm' or 'blockspec', got {self.metrics_prefix!r}")
+        if self.log_stats_interval_s is not None and not self.log_stats_interval_s > 0:
+            raise ConfigError(f"log_stats_interval_s must be > 0 or None, got {self.log_stats_interval_s!r}")
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
             raise ConfigError(f"max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
         if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key.strip()):

@@ -171,6 +171,7 @@ class Request:
     stop_reason: str | int | None = None
     error: str | None = None
     spec: SpecStats = field(default_factory=SpecStats)
+    scheduled_time: float | None = None  # when it first got a slot (its time in the queue ends there)
     first_token_time: float | None = None
     finish_time: float | None = None
     truncated_text: str | None = None

@@ -325,27 +325,27 @@ def test_malformed_json_then_server_carries_on(text_server):
 
 # ---------------------------------------------------------------- cancellation
 def test_client_leaving_a_stream_aborts_it(faulty_server):
-    aborted = metric(faulty_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
+    aborted = metric(faulty_server.metrics(), "vllm:request_success_total", finished_reason="abort")
     with stream("POST", f"{faulty_server.url}/v1/completions",
                       json={"prompt": "a", "max_tokens": 120, "ignore_eos": True, "stream": True}) as r:
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
-    wait_until(lambda: metric(faulty_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
+    wait_until(lambda: metric(faulty_server.metrics(), "vllm:request_success_total", finished_reason="abort")
                == aborted + 1, PATIENCE, "the request to be aborted")
     after = faulty_server.metrics()
-    assert metric(after, "blockspec:num_requests_running") == 0 and metric(after, "blockspec:kv_cache_usage_perc") == 0
+    assert metric(after, "vllm:num_requests_running") == 0 and metric(after, "vllm:kv_cache_usage_perc") == 0
     assert faulty_server.client().completions.create(model="tiny", prompt="a", max_tokens=3).usage.completion_tokens >= 1
 
 
 def test_client_leaving_a_non_streaming_request_aborts_it(faulty_server):
-    aborted = metric(faulty_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
+    aborted = metric(faulty_server.metrics(), "vllm:request_success_total", finished_reason="abort")
     with pytest.raises(httpx.ReadTimeout):
         post(f"{faulty_server.url}/v1/completions", json={"prompt": "a", "max_tokens": 120, "ignore_eos": True},
                    timeout=0.3)
-    wait_until(lambda: metric(faulty_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
+    wait_until(lambda: metric(faulty_server.metrics(), "vllm:request_success_total", finished_reason="abort")
                == aborted + 1, PATIENCE, "the request to be aborted")
-    assert metric(faulty_server.metrics(), "blockspec:num_requests_running") == 0
+    assert metric(faulty_server.metrics(), "vllm:num_requests_running") == 0
     assert faulty_server.client().completions.create(model="tiny", prompt="b", max_tokens=3).usage.completion_tokens >= 1
 
 
@@ -370,7 +370,7 @@ def test_a_request_whose_steps_fail_fails_alone(faulty_server, text_ref):
     assert [r.json()["choices"][0]["token_ids"] for r in good] == [o.outputs[0].token_ids for o in want]
     after = faulty_server.metrics()
     assert metric(after, "blockspec:request_failure_total") == failures + 1
-    assert metric(after, "blockspec:num_requests_running") == 0
+    assert metric(after, "vllm:num_requests_running") == 0
     assert faulty_server.client().completions.create(model="tiny", prompt="a", max_tokens=2).usage.completion_tokens >= 1
 
 
@@ -432,7 +432,7 @@ def test_concurrent_requests_are_batched_and_exact(spec_server, plain_ref, tempe
 
     def poll() -> None:
         while not done.is_set():
-            batch_sizes.append(metric(spec_server.metrics(), "blockspec:num_requests_running"))
+            batch_sizes.append(metric(spec_server.metrics(), "vllm:num_requests_running"))
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
@@ -470,8 +470,8 @@ def test_requests_preempted_for_pages_stream_what_generate_gives(target_dir, pla
     want = plain_ref.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**base, ignore_eos=True),
                               use_tqdm=False)
     assert [r["choices"][0]["token_ids"] for r in results] == [o.outputs[0].token_ids for o in want]
-    assert metric(after, "blockspec:num_preemptions_total") > 2
-    assert metric(after, "blockspec:kv_cache_usage_perc") == 0  # every page back once all finished
+    assert metric(after, "vllm:num_preemptions_total") > 2
+    assert metric(after, "vllm:kv_cache_usage_perc") == 0  # every page back once all finished
 
 
 def test_clients_leaving_mid_batch_leave_the_others_exact(spec_server, plain_ref):
@@ -479,7 +479,7 @@ def test_clients_leaving_mid_batch_leave_the_others_exact(spec_server, plain_ref
     server every rank must drop the same requests, or the ranks' batches (and collectives) part."""
     prompts = token_prompts(8, seed=4)
     base = dict(temperature=0, max_tokens=60, seed=17, ignore_eos=True)
-    aborted = metric(spec_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
+    aborted = metric(spec_server.metrics(), "vllm:request_success_total", finished_reason="abort")
 
     async def run() -> list[list[int] | None]:
         async with httpx.AsyncClient(base_url=spec_server.url, timeout=PATIENCE) as client:
@@ -499,9 +499,9 @@ def test_clients_leaving_mid_batch_leave_the_others_exact(spec_server, plain_ref
     got = asyncio.run(run())
     want = plain_ref.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**base), use_tqdm=False)
     assert [g for g in got if g is not None] == [o.outputs[0].token_ids for i, o in enumerate(want) if i % 3]
-    wait_until(lambda: metric(spec_server.metrics(), "blockspec:request_success_total", finished_reason="abort")
+    wait_until(lambda: metric(spec_server.metrics(), "vllm:request_success_total", finished_reason="abort")
                >= aborted + 1, PATIENCE, "the aborts to be counted")
-    assert metric(spec_server.metrics(), "blockspec:num_requests_running") == 0
+    assert metric(spec_server.metrics(), "vllm:num_requests_running") == 0
 
 
 def test_spec_metrics_match_responses(spec_server):
@@ -517,18 +517,24 @@ def test_spec_metrics_match_responses(spec_server):
 
     assert spec["num_drafts"] > 0 and spec["mean_acceptance_length"] == pytest.approx(
         1 + spec["num_accepted_tokens"] / spec["num_drafts"])
-    assert delta("blockspec:spec_decode_num_drafts_total") == spec["num_drafts"]
-    assert delta("blockspec:spec_decode_num_draft_tokens_total") == spec["num_draft_tokens"]
-    assert delta("blockspec:spec_decode_num_accepted_tokens_total") == spec["num_accepted_tokens"]
-    assert delta("blockspec:spec_decode_num_accepted_tokens_per_pos_total") == spec["num_accepted_tokens"]
-    assert delta("blockspec:generation_tokens_total") == 20 == resp.usage.completion_tokens
-    assert delta("blockspec:prompt_tokens_total") == len(prompt)
-    assert delta("blockspec:request_success_total", finished_reason="length") == 1
-    assert delta("blockspec:time_to_first_token_seconds_count") == 1
-    assert delta("blockspec:time_per_output_token_seconds_count") == 1
+    assert delta("vllm:spec_decode_num_drafts_total") == spec["num_drafts"]
+    assert delta("vllm:spec_decode_num_draft_tokens_total") == spec["num_draft_tokens"]
+    assert delta("vllm:spec_decode_num_accepted_tokens_total") == spec["num_accepted_tokens"]
+    assert delta("vllm:spec_decode_num_accepted_tokens_per_pos_total") == spec["num_accepted_tokens"]
+    assert delta("vllm:generation_tokens_total") == 20 == resp.usage.completion_tokens
+    assert delta("vllm:prompt_tokens_total") == len(prompt)
+    assert delta("vllm:request_success_total", finished_reason="length") == 1
+    assert delta("vllm:time_to_first_token_seconds_count") == 1
+    # one per-request figure each; an inter-token latency for each later step that gave it tokens (a
+    # speculative step gives several), the older time_per_output_token name holding the same
+    for name in ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time",
+                 "request_inference_time", "request_time_per_output_token"):
+        assert delta(f"vllm:{name}_seconds_count") == 1, name
+    steps = delta("vllm:inter_token_latency_seconds_count")
+    assert 1 <= steps <= 19 and delta("vllm:time_per_output_token_seconds_count") == steps
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
-        assert metric(after, f"blockspec:{gauge}") == 0
-    assert any(name == "blockspec:spec_decode_num_accepted_tokens_per_pos_total" and ("position", "0") in labels
+        assert metric(after, f"vllm:{gauge}") == 0
+    assert any(name == "vllm:spec_decode_num_accepted_tokens_per_pos_total" and ("position", "0") in labels
                for name, labels in after)
     # the draft-length policy's view (this server's policy is fixed: every decode step takes K = k_max)
     steps = {k: delta("blockspec:spec_decode_policy_steps_total", draft_length=k)

@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from blockspec.engine.engine import Engine
 from blockspec.errors import USER_ERRORS
@@ -94,24 +95,47 @@ class EngineGauges:
                    engine.num_generated, spec, num_preemptions=engine.num_preemptions)
 
 
+def span(start: float | None, end: float | None) -> float | None:
+    """Seconds from start to end, or None where either did not happen."""
+    return None if start is None or end is None else max(end - start, 0.0)
+
+
+class Finish(NamedTuple):
+    """A finished request's times, in vLLM's intervals (None: the phase did not happen, e.g. a request
+    aborted while it waited)."""
+
+    reason: str  # stop, length, abort, error
+    e2e: float  # from arrival at the front to the finish
+    queue: float | None  # from the engine's arrival to its first slot
+    prefill: float | None  # from its first slot to its first token
+    decode: float | None  # from its first token to its last
+    inference: float | None  # from its first slot to its last token
+    tpot: float | None  # decode time per output token after the first
+
+
 @dataclass
 class StepMetrics:
     """What the metrics learn from one engine step."""
 
     engine: EngineGauges
     first_tokens: list[tuple[int, float]] = field(default_factory=list)  # (prompt tokens, seconds to first token)
-    # (finish reason, seconds from arrival to finish, mean seconds per output token after the first, if any)
-    finishes: list[tuple[str, float, float | None]] = field(default_factory=list)
+    # per request that got tokens this step after its first: seconds since the step that gave its last
+    # ones (with speculation a step can give several tokens: vLLM's inter-token latency is per step too)
+    inter_token: list[float] = field(default_factory=list)
+    finishes: list[Finish] = field(default_factory=list)
 
     def first_token(self, req: Request, arrival: float) -> None:
         assert req.first_token_time is not None
         self.first_tokens.append((len(req.prompt_token_ids), max(req.first_token_time - arrival, 0.0)))
 
     def finish(self, req: Request, arrival: float, finish_time: float) -> None:
-        tpot = None
-        if req.first_token_time is not None and len(req.output_ids) > 1:
-            tpot = (finish_time - req.first_token_time) / (len(req.output_ids) - 1)
-        self.finishes.append((req.finish_reason or "abort", max(finish_time - arrival, 0.0), tpot))
+        first = req.first_token_time
+        decode = span(first, finish_time)
+        n = len(req.output_ids)
+        self.finishes.append(Finish(req.finish_reason or "abort", max(finish_time - arrival, 0.0),
+                                    span(req.arrival_time, req.scheduled_time), span(req.scheduled_time, first),
+                                    decode, span(req.scheduled_time, finish_time),
+                                    decode / (n - 1) if decode is not None and n > 1 else None))
 
 
 @dataclass
@@ -198,6 +222,7 @@ class _Tracker:
     sent_tokens: int = 0
     sent_chars: int = 0
     started: bool = False
+    last_tokens_at: float | None = None  # when the report with its latest tokens was sent
 
     def poll(self) -> DeltaFields | None:
         """The new output since the last poll (a Delta's fields), or None. While a stop string could
@@ -280,6 +305,7 @@ class EngineLoop:
         that got its answer sees the counts)."""
         metrics = StepMetrics(EngineGauges.of(self.engine))
         finished = False
+        now = time.perf_counter()
         for rid, t in list(self._trackers.items()):
             req = t.req
             if not t.started and req.first_token_time is not None:
@@ -288,12 +314,15 @@ class EngineLoop:
             delta = t.poll()
             if delta is None:
                 continue
+            if delta[2]:  # new tokens
+                if t.last_tokens_at is not None:
+                    metrics.inter_token.append(now - t.last_tokens_at)
+                t.last_tokens_at = now
             outputs.append((t.request_id, delta))
             if req.finish_reason is not None:  # its last delta
-                metrics.finish(req, t.arrival, req.finish_time or time.perf_counter())
+                metrics.finish(req, t.arrival, req.finish_time or now)
                 del self._trackers[rid]
                 finished = True
-        now = time.perf_counter()
         drained = finished and not self.engine.has_unfinished()  # the last answer: exact counts at rest
         if self.engine.proposer is not None and (drained or now - self._policy_sent >= self.POLICY_EVERY_S):
             metrics.engine.policy = self.engine.policy.view()

@@ -10,6 +10,7 @@ requests of a step that raised) are admitted one at a time, so one that breaks a
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 
 from blockspec.models.kv_cache import PageTable
@@ -119,6 +120,8 @@ class Scheduler:
             self.waiting.popleft()
             req.slot = slot
             req.status = Status.RUNNING
+            if req.scheduled_time is None:  # its first admission: a preempted request's queue time ended before
+                req.scheduled_time = time.perf_counter()
             self.running.append(req)
             joined.append(req)
             if req.suspect:

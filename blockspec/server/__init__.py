@@ -8,27 +8,39 @@ from __future__ import annotations
 import argparse
 import functools
 import ipaddress
+import logging
 import os
+import signal
 import socket
 import sys
 from typing import Any
 
 from blockspec.config import ConfigError, ServerConfig
 
+log = logging.getLogger("blockspec")
+
 
 def add_serve_parser(sub: Any) -> None:
-    from blockspec.cli_options import add_model_args
+    from blockspec.cli_options import HelpFormatter, add_model_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)",
                        description="Serve a model over the OpenAI API: /v1/completions, /v1/chat/completions, "
-                                   "/v1/models, /health, /metrics.")
+                                   "/v1/models, /health, /metrics, and vLLM's /tokenize, /detokenize, /version.",
+                       formatter_class=HelpFormatter)
     add_model_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    g.add_argument("--seed", type=int, default=None, help="engine seed for requests that give none")
-    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    g.add_argument("--seed", type=int, default=None, help="engine seed for requests that give none (default: 0)")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the server log's level")
+    g.add_argument("--metrics-prefix", default=ServerConfig.metrics_prefix, choices=["vllm", "blockspec"],
+                   help="/metrics names the metrics vLLM has vllm:... (its dashboards read them unchanged) or "
+                        "blockspec:...; blockspec's own metrics are blockspec:... either way")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help=f"no throughput lines in the log (otherwise one every {ServerConfig.log_stats_interval_s:g} s "
+                        "while busy)")
     g.add_argument("--api-key", default=os.environ.get("BLOCKSPEC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $BLOCKSPEC_API_KEY; none: open)")
     g.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
@@ -66,7 +78,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         config = ServerConfig(api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                               trust_request_chat_template=args.trust_request_chat_template,
-                              tool_call_parser=args.tool_call_parser)
+                              tool_call_parser=args.tool_call_parser, metrics_prefix=args.metrics_prefix,
+                              log_stats_interval_s=None if args.disable_log_stats else ServerConfig.log_stats_interval_s)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -75,17 +88,53 @@ def run_serve(args: argparse.Namespace) -> int:
               "(--api-key or BLOCKSPEC_API_KEY sets one)", file=sys.stderr)
     import uvicorn
 
-    from blockspec.cli_options import build_llm
+    from uvicorn.logging import DefaultFormatter
+
+    from blockspec.cli_options import build_llm, speculative_config
     from blockspec.server.app import create_app
     from blockspec.server.async_engine import freezing_after
+
+    name = args.served_model_name or args.model
 
     def engine_failed(message: str) -> None:
         print(f"error: {message}", file=sys.stderr)
         server.should_exit = True
 
+    def ready(_: Any) -> None:
+        log.info("blockspec serve ready on http://%s:%d, model %s, %s", args.host, args.port, name,
+                 describe_speculation(speculative_config(args)))
+
+    # the server's own lines (ready, throughput) in uvicorn's format, at --log-level
+    handler = logging.StreamHandler()
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+    level, propagate = log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(args.log_level.upper())
+    log.propagate = False
     load = functools.partial(build_llm, args)  # pickles, for the engine process (which freezes after it)
-    app = create_app(load if args.engine_process else freezing_after(load), args.served_model_name or args.model,
-                     on_engine_error=engine_failed, engine_process=args.engine_process, config=config)
+    app = create_app(load if args.engine_process else freezing_after(load), name, on_engine_error=engine_failed,
+                     engine_process=args.engine_process, config=config, on_ready=ready)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
-    server.run()
+    # uvicorn stops gracefully at the first SIGINT or SIGTERM, then raises that signal again for the code
+    # around it (a KeyboardInterrupt's traceback, or death by SIGTERM): this is that code, and the stop
+    # it asked for is done, so the repeat is dropped and the command exits 0
+    dropped = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler_before in dropped.items():
+            signal.signal(sig, handler_before)
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
     return 2 if app.state.engine.load_error else 0
+
+
+def describe_speculation(cfg: dict[str, Any] | None) -> str:
+    """The ready line's account of speculation."""
+    if cfg is None:
+        return "speculation off (no --draft-model)"
+    k = cfg.get("num_speculative_tokens") or "the drafter's default"
+    adaptive = "adaptive: each step verifies 0 to K drafts" if cfg.get("adaptive_draft_length", True) \
+        else "pinned by --no-adaptive-draft-length"
+    return f"speculation {cfg['method']} with {cfg['model']} (K = {k}, {adaptive})"

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions, /v1/models,
-/health and /metrics, over an AsyncEngine.
+/health and /metrics, and vLLM's /tokenize, /detokenize and /version, over an AsyncEngine.
 
 Requests are validated completely on the event loop (sampling values, prompt length against the
 context, token ids against the vocabulary) before anything reaches the engine, so a bad request
@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from blockspec import __version__
 from blockspec.config import ServerConfig
 from blockspec.request import Logprob, SpecStats
 from blockspec.errors import USER_ERRORS, ConstraintError, RequestError
@@ -42,8 +43,9 @@ from blockspec.server.tools import PARSERS, ToolUse
 from blockspec.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
-    DeltaToolCall, ErrorInfo, ErrorResponse, GenerationRequest, ModelCard, ModelList, NamedToolChoice, ResponseBase,
-    SpecDecodeStats, TokenLogprob, ToolCall, TopLogprob, Usage,
+    DeltaToolCall, DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, GenerationRequest, ModelCard,
+    ModelList, NamedToolChoice, ResponseBase, SpecDecodeStats, TokenizeChatRequest, TokenizeRequest, TokenizeResponse,
+    TokenLogprob, ToolCall, TopLogprob, Usage, VersionResponse,
 )
 
 log = logging.getLogger("blockspec.server")
@@ -81,6 +83,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
     if err.get("type") == "extra_forbidden":
         return APIError(400, f"unrecognized request argument: {'.'.join(loc)!r}", param=loc[0])
+    if err.get("type") == "content_part":  # the refused part's index: messages.0.content.1
+        loc.append(str(err["ctx"]["part"]))
     return APIError(400, f"{'.'.join(loc) or 'body'}: {err.get('msg')}", param=loc[0] if loc else None)
 
 
@@ -127,6 +131,12 @@ def completion_prompts(inputs: ModelInputs, prompt: str | list[str] | list[int] 
         except RequestError as exc:
             raise user_error(exc, "prompt") from None
     return out
+
+
+def encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """/tokenize's ids of a text prompt (valid Unicode only)."""
+    check_text(text, "prompt")
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def check_strings(value: Any, where: str) -> None:
@@ -311,6 +321,26 @@ class CompletionRenderer(Renderer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.offsets: dict[int, int] = {}  # per choice: text offset of its next logprobs token
+        # with echo, each prompt's text, which its choices' text starts with
+        self.echoed = [self.prompt_text(text, ids) for text, ids in self.prompts] if self.body.echo else None
+
+    def prompt_text(self, text: str | None, ids: list[int]) -> str:
+        """A prompt as text: as given, or its token ids decoded."""
+        if text is not None:
+            return text
+        if self.strings.tokenizer is None:
+            raise APIError(400, "echo of a token-id prompt needs a tokenizer; this model has none", param="echo")
+        return self.strings.tokenizer.decode(ids)
+
+    def echo(self, index: int) -> str:
+        return self.echoed[index // self.params.n] if self.echoed is not None else ""
+
+    def opening_chunks(self) -> list[BaseModel]:
+        """With echo, streamed choices open with their prompt's text, as vLLM sends it."""
+        if self.echoed is None:
+            return []
+        return [CompletionResponse(id=self.id, model=self.model, choices=[CompletionChoice(index=i, text=self.echo(i))])
+                for i in range(len(self.prompts) * self.params.n)]
 
     def logprobs(self, index: int, entries: list[dict[int, Logprob]] | None,
                  ids: list[int]) -> CompletionLogprobs | None:
@@ -337,7 +367,7 @@ class CompletionRenderer(Renderer):
     def response(self, choices: list[Choice]) -> BaseModel:
         usage, spec = self.usage(choices)
         return CompletionResponse(id=self.id, model=self.model, usage=usage, spec_decode=spec, choices=[
-            CompletionChoice(index=i, text=c.text, logprobs=self.logprobs(i, c.logprobs, c.token_ids),
+            CompletionChoice(index=i, text=self.echo(i) + c.text, logprobs=self.logprobs(i, c.logprobs, c.token_ids),
                              finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                              token_ids=self.token_ids(c.token_ids), prompt_token_ids=self.prompt_ids(i))
             for i, c in enumerate(choices)])
@@ -433,22 +463,34 @@ async def abort_on_disconnect(request: Request, engine: AsyncEngine, request_id:
 # ---------------------------------------------------------------- app
 def create_app(load: Callable[[], LLM], served_model_name: str,
                on_engine_error: Callable[[str], None] | None = None, engine_process: bool = False,
-               config: ServerConfig = ServerConfig()) -> FastAPI:
+               config: ServerConfig = ServerConfig(), on_ready: Callable[[ModelInputs], None] | None = None) -> FastAPI:
     """An app that loads its model (`load()`, on the engine's thread, or in the engine process with
     `engine_process`) when it starts serving; /health answers 503 until the model is ready.
-    `on_engine_error` hears why the engine cannot serve: it failed to load, or its process died."""
-    metrics = ServerMetrics(served_model_name)
-    engine = AsyncEngine(load, metrics, on_engine_error, process=engine_process)
+    `on_engine_error` hears why the engine cannot serve: it failed to load, or its process died;
+    `on_ready`, that it is loaded."""
+    metrics = ServerMetrics(served_model_name, config.metrics_prefix)
+    engine = AsyncEngine(load, metrics, on_engine_error, process=engine_process, on_ready=on_ready)
     # tokenizing and template rendering run in threads, so the event loop answers others meanwhile; chat
     # templates have threads of their own, so a slow one (a request's own, where trusted) never holds up
     # the tokenizing of completions
     tokenizing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="blockspec-tokenize")
     templating = ThreadPoolExecutor(max_workers=2, thread_name_prefix="blockspec-template")
 
+    async def log_stats(interval: float) -> None:
+        """vLLM's periodic lines while the server is busy: throughput, queue, KV usage, speculation."""
+        while True:
+            await asyncio.sleep(interval)
+            for line in metrics.interval_summary():
+                log.info("%s", line)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        interval = config.log_stats_interval_s
+        stats = asyncio.create_task(log_stats(interval)) if interval is not None else None
         yield
+        if stats is not None:
+            stats.cancel()
         engine.shutdown()
         for pool in (tokenizing, templating):
             pool.shutdown(wait=False, cancel_futures=True)
@@ -556,11 +598,48 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
         prompt = await in_thread(templating, chat_prompt, inputs, body, config.trust_request_chat_template, tools)
         return await generate(request, body, inputs, [prompt], params, functools.partial(ChatRenderer, tools=tools))
 
+    def model_card(inputs: ModelInputs) -> ModelCard:
+        return ModelCard(id=served_model_name, root=str(inputs.model_dir), max_model_len=inputs.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        inputs = ready_inputs()
-        return ModelList(data=[ModelCard(id=served_model_name, root=str(inputs.model_dir),
-                                         max_model_len=inputs.max_model_len)])
+        return ModelList(data=[model_card(ready_inputs())])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        return model_card(ready_inputs(model_id))
+
+    def tokenizer_of(inputs: ModelInputs) -> Any:
+        if inputs.tokenizer is None:
+            raise APIError(400, f"{served_model_name} has no tokenizer: this server takes and returns token ids only")
+        return inputs.tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's /tokenize: a prompt's ids, or a conversation's as /v1/chat/completions renders it."""
+        inputs = ready_inputs(body.model)
+        tok = tokenizer_of(inputs)
+        if isinstance(body, TokenizeChatRequest):
+            _, ids = await in_thread(templating, chat_prompt, inputs, body, config.trust_request_chat_template,
+                                     tool_use(body, config.tool_call_parser))
+        else:
+            ids = await in_thread(tokenizing, encode, tok, body.prompt, body.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=inputs.max_model_len, tokens=ids,
+                                token_strs=tok.convert_ids_to_tokens(ids) if body.return_token_strs else None)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        """vLLM's /detokenize: the text of token ids."""
+        inputs = ready_inputs(body.model)
+        tok = tokenizer_of(inputs)
+        bad = [t for t in body.tokens if not 0 <= t < inputs.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens: ids {bad[:5]} outside the vocabulary [0, {inputs.vocab_size})", param="tokens")
+        return DetokenizeResponse(prompt=await in_thread(tokenizing, tok.decode, body.tokens))
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
 
     @app.get("/health")
     async def health() -> Response:

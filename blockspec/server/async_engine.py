@@ -15,8 +15,10 @@ import asyncio
 import gc
 import logging
 import multiprocessing
+import os
 import queue
 import signal
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -107,6 +109,11 @@ def _engine_process(load: Callable[[], LLM], commands: Connection, reports: Conn
             llm.close()
     except (EOFError, BrokenPipeError):  # the front is gone: nothing is left to serve
         pass
+    # served and closed: end here, without the interpreter's teardown, which takes seconds over what
+    # loading froze and prints extension modules' leak reports for it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------- front (event loop)
@@ -115,9 +122,12 @@ class AsyncEngine:
     runs in a spawned process (`load` must then pickle); otherwise on a thread of this process."""
 
     def __init__(self, load: Callable[[], LLM], metrics: ServerMetrics,
-                 on_engine_error: Callable[[str], None] | None = None, process: bool = False) -> None:
+                 on_engine_error: Callable[[str], None] | None = None, process: bool = False,
+                 on_ready: Callable[[ModelInputs], None] | None = None) -> None:
         self._load = load
         self._on_engine_error = on_engine_error  # told when the engine cannot load, or its process dies
+        self._on_ready = on_ready  # told once the engine is loaded
+        self._stopping = False  # shutdown() asked the engine to stop: its end is no failure
         self.metrics = metrics
         self.process = process
         self.inputs: ModelInputs | None = None  # set once the engine is loaded
@@ -150,6 +160,7 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort whatever is running and stop the engine (a load in progress on a thread is left to die
         with the process; an engine process is terminated if it does not stop in time)."""
+        self._stopping = True
         self._commands.put(Stop())
         if self._proc is not None:
             self._proc.join(timeout)
@@ -202,6 +213,8 @@ class AsyncEngine:
                     out.put_nowait(item if isinstance(item, BaseException) else Delta(*item))
         elif isinstance(report, Loaded):
             self.inputs = report.inputs
+            if self._on_ready is not None:
+                self._on_ready(report.inputs)
         else:
             self._failed(report.message)
 
@@ -268,6 +281,8 @@ class AsyncEngine:
                     break
                 failed |= isinstance(report, LoadFailed)
                 self._post(report)
+            if self._stopping:  # the end shutdown() asked for
+                return
             self._proc.join(5)
             if self._proc.exitcode != 0 and not failed:  # killed, or crashed outside a step
                 self._post(LoadFailed(f"the engine process exited with code {self._proc.exitcode}"))

@@ -7,12 +7,48 @@ ordinary top-level fields here, which is where the OpenAI client's `extra_body` 
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from blockspec.sampling_params import SamplingError, SamplingParams, StructuredOutputsParams
+
+
+log = logging.getLogger("blockspec.server")
+
+# Fields clients send that change nothing a response holds: accepted, dropped, and named in one log line
+# per request. Fields that would change the output (suffix, audio, modalities beyond text, web search,
+# verbosity) stay unknown fields, refused with a 400.
+IGNORED_FIELDS = {
+    "store": "OpenAI keeps the completion for its dashboard; this server stores nothing",
+    "metadata": "tags for stored completions",
+    "service_tier": "OpenAI's processing tier",
+    "prompt_cache_key": "a caching hint",
+    "safety_identifier": "an end-user id for abuse monitoring",
+    "prediction": "predicted output: a latency hint that never changes the text",
+    # o-series reasoning budget; the Llama / Qwen chat templates read none (Qwen3's thinking is
+    # chat_template_kwargs.enable_thinking)
+    "reasoning_effort": "a reasoning budget no supported chat template reads",
+}
+
+
+def drop_ignored_fields(data: Any) -> Any:
+    """The request's JSON without IGNORED_FIELDS, logging the names it had (and parallel_tool_calls
+    where there are no tools for it to apply to)."""
+    if not isinstance(data, dict):
+        return data
+    named = [name for name in IGNORED_FIELDS if name in data]
+    if "parallel_tool_calls" in data and not data.get("tools"):
+        named.append("parallel_tool_calls")
+    if named:
+        log.info("request fields accepted and ignored (they change nothing in the response): %s", ", ".join(named))
+        data = {k: v for k, v in data.items() if k not in IGNORED_FIELDS}
+    return data
 
 
 class StrictModel(BaseModel):
@@ -83,6 +119,8 @@ class GenerationRequest(StrictModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
 
+    drop_ignored = model_validator(mode="before")(drop_ignored_fields)
+
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams validates every value; unset OpenAI fields keep its (OpenAI-equal) defaults."""
         given = {name: getattr(self, name) for name in (
@@ -128,6 +166,25 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
+    echo: bool = Field(False, description="the prompt's text before each choice's output")
+    best_of: int | None = Field(None, description="only n (or unset): every sample is returned, none is ranked")
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_without_logprobs(cls, echo: bool, info: ValidationInfo) -> bool:
+        if echo and info.data.get("logprobs") is not None:
+            raise PydanticCustomError("echo_logprobs", "echo with logprobs would need the prompt's logprobs, which "
+                                                       "this server does not compute; drop one of them")
+        return echo
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of != n:
+            raise PydanticCustomError("best_of", "must equal n ({n}) or be left out: this server returns all n samples "
+                                                 "and ranks none (vLLM's rule)", {"n": n})
+        return best_of
 
 
 class TextPart(BaseModel):
@@ -142,6 +199,18 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[TextPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """An image, audio or file part is refused by name (app.validation_error adds its index to the
+        location), not as a type mismatch."""
+        for i, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise PydanticCustomError("content_part", "{kind} parts are not supported; this server serves a text "
+                                                          "model", {"kind": kind, "part": i})
+        return content
 
     def for_template(self) -> dict[str, Any]:
         msg = self.model_dump(exclude_none=True)
@@ -326,3 +395,47 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---------------------------------------------------------------- vLLM's /tokenize, /detokenize, /version
+class TokenizeCompletionRequest(StrictModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # the tokenizer's BOS and the like, as /v1/completions adds them
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(ChatCompletionRequest):
+    """A conversation, tokenized as /v1/chat/completions renders it (template, tools, kwargs alike)."""
+
+    return_token_strs: bool | None = False
+
+
+def tokenize_kind(body: Any) -> str:
+    """Which /tokenize body this is: a conversation has messages."""
+    return "TokenizeChatRequest" if isinstance(body, dict) and "messages" in body else "TokenizeCompletionRequest"
+
+
+TokenizeRequest = Annotated[Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")]
+                            | Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")],
+                            Discriminator(tokenize_kind)]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

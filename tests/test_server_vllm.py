@@ -1,0 +1,242 @@
+"""`blockspec serve` as a vLLM user's clients and dashboards expect it, over real HTTP on 127.0.0.1:
+/v1/models/{id}, /tokenize, /detokenize, /version, the fields accepted and ignored, best_of and echo,
+a text-only model's answer to image parts, vLLM's metric names (no _created series), the periodic log,
+and the ready line and clean shutdown of the command."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from blockspec import LLM
+from blockspec.cli import main
+from blockspec.config import ServerConfig
+from blockspec.server.app import create_app
+from factories import save_tiny_model_with_tokenizer
+from live_server import PATIENCE, LiveServer, get, metric, post, wait_until
+
+NAME = "org/tiny"  # a name with a slash, as hub ids have
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory) -> Path:
+    return save_tiny_model_with_tokenizer(tmp_path_factory.mktemp("text") / "m")
+
+
+def load(path: Path) -> LLM:
+    return LLM(str(path), device="cpu", max_model_len=96, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def server(text_dir) -> Iterator[LiveServer]:
+    live = LiveServer(create_app(functools.partial(load, text_dir), NAME,
+                                 config=ServerConfig(log_stats_interval_s=0.05))).wait_ready()
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(text_dir):
+    return load(text_dir).get_tokenizer()
+
+
+# ---------------------------------------------------------------- routes
+def test_one_model_by_id(server):
+    client = server.client()
+    card = client.models.retrieve(NAME)
+    assert card.id == NAME and card.model_extra["max_model_len"] == 96
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.models.retrieve("other")
+    assert exc.value.body["code"] == "model_not_found" and exc.value.body["param"] == "model"
+
+
+def test_tokenize_detokenize_and_version(server, tokenizer):
+    r = post(f"{server.url}/tokenize", json={"model": NAME, "prompt": "hello", "return_token_strs": True})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["tokens"] == tokenizer.encode("hello") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 96 and body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
+    plain = post(f"{server.url}/tokenize", json={"prompt": "hello", "add_special_tokens": False}).json()
+    assert plain["tokens"] == tokenizer.encode("hello", add_special_tokens=False) and plain["token_strs"] is None
+    r = post(f"{server.url}/detokenize", json={"model": NAME, "tokens": body["tokens"]})
+    assert r.status_code == 200 and r.json() == {"prompt": tokenizer.decode(body["tokens"])}
+    r = post(f"{server.url}/detokenize", json={"tokens": [5, 10**6]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    assert post(f"{server.url}/tokenize", json={"model": "other", "prompt": "a"}).status_code == 404
+    assert get(f"{server.url}/version").json() == {"version": "0.1.0"}
+
+
+def test_tokenize_a_conversation_as_chat_renders_it(server, tokenizer):
+    messages = [{"role": "user", "content": "hi there"}]
+    r = post(f"{server.url}/tokenize", json={"messages": messages})
+    assert r.status_code == 200
+    chat = server.client().chat.completions.create(model=NAME, messages=messages, max_tokens=1)
+    assert r.json()["tokens"] == tokenizer.encode("<user>hi there\n<assistant>")  # the tiny tokenizer's template
+    assert r.json()["count"] == chat.usage.prompt_tokens
+    r = post(f"{server.url}/tokenize", json={"messages": messages, "bogus": 1})
+    assert r.status_code == 400 and "bogus" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------- request fields
+def test_fields_that_change_nothing_are_accepted_and_named_in_the_log(server, caplog):
+    client = server.client()
+    with caplog.at_level(logging.INFO, logger="blockspec.server"):
+        r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "a"}], max_tokens=2,
+                                           store=True, metadata={"k": "v"}, service_tier="auto",
+                                           parallel_tool_calls=False, reasoning_effort="low")
+    assert r.choices[0].message.content is not None
+    lines = [rec.getMessage() for rec in caplog.records if "accepted and ignored" in rec.getMessage()]
+    assert len(lines) == 1
+    for name in ("store", "metadata", "service_tier", "reasoning_effort", "parallel_tool_calls"):
+        assert name in lines[0]
+    r = post(f"{server.url}/v1/completions", json={"prompt": "a", "suffix": "b"})  # suffix would change the output
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+
+
+def test_best_of_must_equal_n(server):
+    client = server.client()
+    r = client.completions.create(model=NAME, prompt="ab", n=2, best_of=2, max_tokens=2, temperature=1, seed=1)
+    assert len(r.choices) == 2
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=NAME, prompt="ab", best_of=3, max_tokens=2)
+    assert exc.value.body["param"] == "best_of" and "must equal n (1)" in exc.value.body["message"]
+
+
+def test_echo_puts_the_prompt_before_the_output(server, tokenizer):
+    client = server.client()
+    plain = client.completions.create(model=NAME, prompt="abc", max_tokens=4, temperature=0)
+    echoed = client.completions.create(model=NAME, prompt="abc", max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == "abc" + plain.choices[0].text
+    ids = tokenizer.encode("xyz")
+    by_ids = client.completions.create(model=NAME, prompt=ids, max_tokens=2, temperature=0, echo=True)
+    assert by_ids.choices[0].text.startswith(tokenizer.decode(ids))
+    chunks = list(client.completions.create(model=NAME, prompt="abc", max_tokens=4, temperature=0, echo=True,
+                                            stream=True))
+    assert chunks[0].choices[0].text == "abc" and "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=NAME, prompt="abc", max_tokens=2, echo=True, logprobs=1)
+    assert exc.value.body["param"] == "echo"
+
+
+def test_an_image_part_is_refused_by_name(server):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]
+    with pytest.raises(openai.BadRequestError) as exc:
+        server.client().chat.completions.create(model=NAME, messages=messages, max_tokens=2)
+    assert exc.value.body["message"] == ("messages.0.content.1: image_url parts are not supported; this server serves "
+                                         "a text model")
+    assert exc.value.body["param"] == "messages"
+
+
+# ---------------------------------------------------------------- metrics and logs
+def families(live: LiveServer) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(get(f"{live.url}/metrics").text)}
+
+
+def test_metrics_have_vllms_names_and_labels_and_no_created_series(server):
+    before = server.metrics()
+    server.client().completions.create(model=NAME, prompt="abc", max_tokens=5, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    after = server.metrics()
+    text = get(f"{server.url}/metrics").text
+    assert "_created" not in text
+    for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time", "request_prefill_time",
+                 "request_decode_time", "request_inference_time", "request_time_per_output_token"):
+        key = f"vllm:{name}_seconds_count"
+        assert metric(after, key, model_name=NAME, engine="0") - metric(before, key) == 1, name
+    steps = metric(after, "vllm:inter_token_latency_seconds_count") - metric(before, "vllm:inter_token_latency_seconds_count")
+    assert steps == 4  # five tokens, one a step: four intervals after the first
+    assert metric(after, "vllm:time_per_output_token_seconds_count") == metric(after, "vllm:inter_token_latency_seconds_count")
+    assert metric(after, "vllm:generation_tokens_total") - metric(before, "vllm:generation_tokens_total") == 5
+    assert {"vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:request_success",
+            "blockspec:request_failure"} <= set(families(server))
+    assert not any(name.startswith("blockspec:") and name[len("blockspec:"):] in ("num_requests_running",
+                                                                                 "generation_tokens")
+                   for name in families(server))
+
+
+def test_metrics_prefix_blockspec(text_dir):
+    live = LiveServer(create_app(functools.partial(load, text_dir), "tiny",
+                                 config=ServerConfig(metrics_prefix="blockspec"))).wait_ready()
+    try:
+        names = set(families(live))
+        assert {"blockspec:num_requests_running", "blockspec:generation_tokens", "blockspec:request_failure"} <= names
+        assert not any(name.startswith("vllm:") for name in names)
+    finally:
+        live.close()
+
+
+def test_the_log_reports_throughput_while_busy(server, caplog):
+    with caplog.at_level(logging.INFO, logger="blockspec.server"):
+        server.client().completions.create(model=NAME, prompt="abc", max_tokens=6, extra_body={"ignore_eos": True})
+
+        def logged() -> list[str]:
+            return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Avg prompt throughput")]
+
+        wait_until(lambda: logged(), PATIENCE, "a throughput line")
+    line = logged()[0]
+    assert "Avg generation throughput:" in line and "Running:" in line and "KV cache usage:" in line
+
+
+# ---------------------------------------------------------------- the command
+def test_serve_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: vllm)", "(default: 8000)", "(default: loopback only)", "(default: 64)"):
+        assert default in text, default
+
+
+def serve_command(text_dir: Path, *extra: str) -> tuple[subprocess.Popen, str, list[str]]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "blockspec.cli", "serve", str(text_dir), "--port", str(port), "--max-model-len",
+           "64", "--device", "cpu", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True).start()
+    return proc, f"http://127.0.0.1:{port}", lines
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM to the server", "Ctrl-C to the process group"])
+def test_serve_says_when_it_is_ready_and_stops_cleanly(text_dir, stop):
+    proc, url, lines = serve_command(text_dir, "--served-model-name", "cli")
+    try:
+        wait_until(lambda: any("blockspec serve ready on" in line for line in lines) or proc.poll() is not None,
+                   PATIENCE, "the ready line")
+        ready = next(line for line in lines if "blockspec serve ready on" in line)
+        assert f"ready on {url}, model cli, speculation off" in ready
+        assert get(f"{url}/health").status_code == 200
+        if stop.startswith("SIGTERM"):
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: every process of the group
+        assert proc.wait(PATIENCE) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(lines)
+    assert "error:" not in text and "exited with code" not in text and "Traceback" not in text, text
