@@ -18,7 +18,6 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from blockspec import LLM
@@ -29,14 +28,6 @@ from factories import save_tiny_model_with_tokenizer
 from live_server import PATIENCE, LiveServer, get, metric, post, wait_until
 
 NAME = "org/tiny"  # a name with a slash, as hub ids have
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

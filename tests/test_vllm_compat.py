@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from blockspec import LLM, ConfigError, SamplingParams
 from blockspec.cli import main
@@ -64,6 +65,25 @@ def test_vllm_options_map_to_the_engine(text_dir, caplog):
 
 def test_a_graphed_engine_prefills_in_graphs_unless_eager(text_dir):
     assert LLM(str(text_dir), device="cpu", max_model_len=96).engine.runner.graph_prefill_tokens > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_enforce_eager_captures_no_graph_and_decodes_as_the_graphs_do(target_dir):
+    from blockspec.models.runner import CAPTURES
+
+    spec = {"method": "dflash", "model": str(FIXTURES / "dflash"), "adaptive_draft_length": False}
+    kw = dict(device="cuda", dtype="float32", max_model_len=128, max_num_seqs=4, speculative_config=spec)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 30)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    graphed = LLM(str(target_dir), **kw)
+    captured = CAPTURES[0]
+    eager = LLM(str(target_dir), enforce_eager=True, **kw)
+    want = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert got == want and CAPTURES[0] == captured
+    assert graphed.engine.proposer.graphs.use_graphs and not eager.engine.proposer.graphs.use_graphs
+    assert not eager.engine.runner.use_graphs and eager.engine.runner.graph_prefill_tokens == 0
 
 
 def test_an_option_blockspec_lacks_is_a_config_error_naming_it(text_dir):
