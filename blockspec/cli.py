@@ -54,24 +54,27 @@ def cmd_chat_session(args: argparse.Namespace) -> int:
     if tty:
         print("blockspec chat: one message a line; Ctrl-D ends the conversation", file=sys.stderr)
     ntok, t0 = 0, time.perf_counter()
-    while True:
-        if tty:
-            print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line:
-            break
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line.rstrip("\n")})
-        try:
-            answer = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
-        except USER_ERRORS as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            messages.pop()
-            continue
-        ntok += len(answer.token_ids)
-        print(answer.text, flush=True)
-        messages.append({"role": "assistant", "content": answer.text})
+    try:
+        while True:
+            if tty:
+                print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line:
+                break
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line.rstrip("\n")})
+            try:
+                answer = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+            except USER_ERRORS as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                messages.pop()
+                continue
+            ntok += len(answer.token_ids)
+            print(answer.text, flush=True)
+            messages.append({"role": "assistant", "content": answer.text})
+    except KeyboardInterrupt:  # Ctrl-C ends the conversation as Ctrl-D does (an answer under way is dropped)
+        print(file=sys.stderr)
     print_summary(llm, ntok, time.perf_counter() - t0)
     return 0
 

@@ -279,6 +279,25 @@ def test_chat_keeps_the_conversation(text_dir, capsys, monkeypatch):
     assert out == f"{first}\n{second}\n" and "tokens in" in err
 
 
+def test_chat_ends_at_ctrl_c_and_a_turn_too_long_is_dropped(text_dir, capsys, monkeypatch):
+    lines = iter(["x" * 200 + "\n", "hi\n"])  # the first cannot fit max_model_len 96; then Ctrl-C
+
+    def readline() -> str:
+        line = next(lines, None)
+        if line is None:
+            raise KeyboardInterrupt
+        return line
+
+    monkeypatch.setattr("sys.stdin", io.StringIO())
+    monkeypatch.setattr("sys.stdin.readline", readline)
+    assert main(["chat", str(text_dir), "--max-tokens", "2", "--device", "cpu", "--max-model-len", "96"]) == 0
+    out, err = capsys.readouterr()
+    llm = LLM(str(text_dir), device="cpu", max_model_len=96)
+    answer = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=2),
+                      use_tqdm=False)[0].outputs[0].text  # the second turn alone: the first was dropped
+    assert out == answer + "\n" and "error: " in err and "max_model_len" in err and "tokens in" in err
+
+
 def test_chat_with_prompts_answers_each_alone(text_dir, capsys):
     assert main(["chat", str(text_dir), "--prompt", "hello", "--prompt", "again", "--max-tokens", "2", "--device",
                  "cpu"]) == 0
