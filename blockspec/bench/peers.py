@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from blockspec.bench.timing import peak_memory_gb, percentile, reset_peak_memory, spread, synchronize
+from blockspec.bench.timing import peak_memory_gb, reset_peak_memory, spread, synchronize
 from blockspec.models.llama import CausalLM
 from blockspec.drafters.formats import unfuse_state
 
@@ -120,8 +121,8 @@ def measure_generate(hf: Any, prompts: list[list[int]], temperature: float, max_
         "output_tok_s": spread([n / t for n, t in zip(tokens, e2e)]),
         "decode_tok_s": spread([(n - len(prompts)) / d for n, d in zip(tokens, decode)]),
         "tpot_ms": {"p50": 1e3 * spread(decode)["median"] / max(max_new_tokens - 1, 1),
-                    "p90": 1e3 * percentile(decode, 90) / max(max_new_tokens - 1, 1)},
-        "ttft_ms": {"p50": 1e3 * ttft, "p90": 1e3 * percentile(firsts, 90)},
+                    "p90": 1e3 * float(np.percentile(decode, 90)) / max(max_new_tokens - 1, 1)},
+        "ttft_ms": {"p50": 1e3 * ttft, "p90": 1e3 * float(np.percentile(firsts, 90))},
         "ttft_method": "generate(max_new_tokens=1)",
         **peak,
     }

@@ -79,6 +79,16 @@ def peak_memory_gb(device: torch.device) -> dict[str, float | str]:
             "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}
 
 
+def allocated_bytes(device: torch.device) -> int:
+    """Bytes the caching allocator hands out on the device now (0 off the GPU)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def peak_allocated_bytes(device: torch.device) -> int:
+    """The most bytes allocated on the device since the last `reset_peak_memory` (0 off the GPU)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
 def free_memory(device: torch.device) -> None:
     """Return freed blocks to the device, so the next run's peak starts from what is really held."""
     if device.type == "cuda":
@@ -89,15 +99,6 @@ def free_memory(device: torch.device) -> None:
 def spread(values: list[float]) -> dict[str, float]:
     """Median, min and max of repeated measurements."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100), linear interpolation between order statistics."""
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def kernel_record(bandwidth: float, **fields: object) -> dict:
