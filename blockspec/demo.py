@@ -1,15 +1,22 @@
 """`blockspec demo`: speculative vs plain decoding on the embedded default model, measured in one run.
 
 The default pair (a small Qwen3-architecture code model and its DFlash / DSpark drafters, trained on
-the Python standard library) ships inside the package, so this runs offline on any machine.
+the Python standard library) ships inside the package, so this runs offline on any machine. Requests
+run one after another at batch 1, as a user at a terminal sends them; each prompt is one round, run
+plain and speculative back to back in alternating order (plain, speculative, speculative, plain, ...),
+so a drift of the machine's speed falls on both, and the speedup is the median of the rounds' ratios
+with their min and max.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import sys
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +51,60 @@ def heldout_prompts(limit: int, lines: int = 4) -> list[str]:
     return prompts[:: max(1, len(prompts) // limit)][:limit]
 
 
+def use_color(enabled: bool) -> bool:
+    """Colours only on a terminal, and never with NO_COLOR set (https://no-color.org)."""
+    return enabled and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+
+
+@dataclass
+class Round:
+    """One prompt decoded plain and speculative: tokens and seconds of each, and whether they agree."""
+
+    plain_tokens: int
+    plain_s: float
+    spec_tokens: int
+    spec_s: float
+    same: bool
+
+    @property
+    def speedup(self) -> float:
+        return (self.spec_tokens / self.spec_s) / (self.plain_tokens / self.plain_s)
+
+
+def summary(rounds: list[Round], acc: dict[str, Any]) -> list[str]:
+    """The closing lines: acceptance, tok/s of both runs, and the speedup with its spread; or, when no step
+    drafted, that the policy chose plain decoding, and no speedup."""
+    from blockspec.bench.drafts import NO_DRAFTS_WHY
+
+    plain_n, plain_s = sum(r.plain_tokens for r in rounds), sum(r.plain_s for r in rounds)
+    spec_n, spec_s = sum(r.spec_tokens for r in rounds), sum(r.spec_s for r in rounds)
+    lines = []
+    if acc["num_drafts"]:
+        per = " ".join("-" if x is None else f"{x:.2f}" for x in acc["per_position"])
+        # every decode step emits one token plus the drafts it accepted; each prompt's first token is its prefill's
+        steps = spec_n - len(rounds) - round((acc["mean_acceptance_length"] - 1) * acc["num_drafts"])
+        lines += [f"speculation: acceptance length {acc['mean_acceptance_length']:.2f} (tokens per verify step, "
+                  f"bonus included) over {acc['num_drafts']} verify step(s) of {acc['mean_draft_length']:.1f} "
+                  f"drafts on average; {acc['num_drafts']} of {steps} decode steps drafted"
+                  + ("" if acc["num_drafts"] >= steps else " (the draft-length policy chose plain decoding for the "
+                     "others; --no-adaptive-draft-length drafts every step)"),
+                  f"  per-position acceptance (of the steps drafting position i, the share accepting it; - = never "
+                  f"drafted): {per}"]
+    lines += [f"plain:       {plain_n} tokens in {plain_s:.2f} s = {plain_n / plain_s:.1f} tok/s",
+              f"speculative: {spec_n} tokens in {spec_s:.2f} s = {spec_n / spec_s:.1f} tok/s"]
+    agree = f"outputs identical to plain decoding: {'yes' if all(r.same for r in rounds) else 'NO'}"
+    if not acc["num_drafts"]:
+        return lines + [f"{NO_DRAFTS_WHY}; the speculative runs decoded as the plain ones did, so there is no "
+                        "speedup to report (--no-adaptive-draft-length drafts every step); " + agree]
+    ratios = [r.speedup for r in rounds]
+    return lines + [f"speedup {statistics.median(ratios):.2f}x (median of {len(ratios)} interleaved rounds, min "
+                    f"{min(ratios):.2f}x, max {max(ratios):.2f}x); {agree}"]
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    from blockspec.bench.drafts import StepLog, acceptance
     from blockspec.llm import LLM
     from blockspec.sampling_params import SamplingParams
-    from blockspec.cli_options import format_spec_metrics
 
     shipped = True
     if args.target is None or args.drafter is None:
@@ -58,60 +115,61 @@ def run_demo(args: argparse.Namespace) -> int:
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"{p}: not a model directory (no config.json)")
     prompts = args.prompt or heldout_prompts(args.num_prompts)
-    spec = {"method": args.method, "model": str(drafter)}
+    spec = {"method": args.method, "model": str(drafter), "adaptive_draft_length": args.adaptive_draft_length}
     if args.num_speculative_tokens:
         spec["num_speculative_tokens"] = args.num_speculative_tokens
-    llm = LLM(str(target), device=args.device, speculative_config=spec, seed=0)
-    base = dict(temperature=args.temperature, seed=0, max_tokens=args.max_tokens)
-    plain = SamplingParams(**base, use_speculation=False)
-    fast = SamplingParams(**base)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-
-    def timed(params: SamplingParams) -> tuple[list[Any], float]:
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return outs, time.perf_counter() - t0
-
-    before = llm.get_metrics()
-    spec_outs, t_spec = timed(fast)
-    after = llm.get_metrics()
-    plain_outs, t_plain = timed(plain)
-    n_spec = sum(len(o.outputs[0].token_ids) for o in spec_outs)
-    n_plain = sum(len(o.outputs[0].token_ids) for o in plain_outs)
-    same = all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(spec_outs, plain_outs))
-    delta = {k: after[k] - before.get(k, 0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-    per_pos = [a - (before["num_accepted_tokens_per_pos"][i] if i < len(before["num_accepted_tokens_per_pos"]) else 0)
-               for i, a in enumerate(after["num_accepted_tokens_per_pos"])]
-    delta["num_accepted_tokens_per_pos"] = per_pos
-    delta["acceptance_rate"] = delta["num_accepted_tokens"] / max(delta["num_draft_tokens"], 1)
-    delta["mean_acceptance_length"] = 1 + delta["num_accepted_tokens"] / max(delta["num_drafts"], 1)
-    print(f"=== prompt 1 of {len(prompts)} ===\n{prompts[0]}", end="")
-    print(f"\033[1m{spec_outs[0].outputs[0].text}\033[0m" if args.color else spec_outs[0].outputs[0].text)
-    print("=" * 60)
-    print(f"target {target}, drafter {args.method} ({drafter}), device {llm.engine.device}, "
-          f"temperature {args.temperature}, {len(prompts)} held-out prompts")
+    llm = LLM(str(target), device=args.device, speculative_config=spec, seed=0, max_num_seqs=1)
+    engine = llm.engine
+    base_params = dict(temperature=args.temperature, seed=0, max_tokens=args.max_tokens)
+    modes = {"plain": SamplingParams(**base_params, use_speculation=False), "spec": SamplingParams(**base_params)}
+    for use in (False, True):  # warm-up of both paths
+        llm.generate(prompts[:1], SamplingParams(**base_params | {"max_tokens": 8}, use_speculation=use), use_tqdm=False)
+    engine.spec_totals = log = StepLog()  # what each speculative step drafted and accepted
+    color = use_color(args.color)
+    dim, bold, reset = ("\033[2m", "\033[1m", "\033[0m") if color else ("", "", "")
+    print(f"target {target}, drafter {args.method} ({drafter}), device {engine.device}, temperature "
+          f"{args.temperature}; {len(prompts)} prompts, one request at a time (batch 1)")
     if not shipped:
         print("note: this is the quick CPU-built pair (trained for seconds), not the GPU-trained default: its "
               "text is barely trained (often repetitive), so its acceptance figures say little about real drafting")
-    print(format_spec_metrics(delta))
-    print(f"speculative: {n_spec} tokens in {t_spec:.2f} s = {n_spec / t_spec:.1f} tok/s")
-    print(f"plain:       {n_plain} tokens in {t_plain:.2f} s = {n_plain / t_plain:.1f} tok/s")
-    print(f"speedup {(n_spec / t_spec) / (n_plain / t_plain):.2f}x; outputs identical to plain decoding: "
-          f"{'yes' if same else 'NO'}")
-    return 0 if same or args.temperature > 0 else 1
+    rounds = []
+    for i, prompt in enumerate(prompts):
+        timed = {}
+        for mode in (("plain", "spec") if i % 2 == 0 else ("spec", "plain")):
+            t0 = time.perf_counter()
+            out = llm.generate([prompt], modes[mode], use_tqdm=False)[0].outputs[0]
+            timed[mode] = (out, time.perf_counter() - t0)
+        (plain, plain_s), (fast, spec_s) = timed["plain"], timed["spec"]
+        rounds.append(Round(len(plain.token_ids), plain_s, len(fast.token_ids), spec_s,
+                            list(plain.token_ids) == list(fast.token_ids)))
+        print(f"\n=== prompt {i + 1} of {len(prompts)} ===\n{dim}{prompt}{reset}{bold}{fast.text}{reset}")
+        print(f"--- plain {rounds[-1].plain_tokens / plain_s:.1f} tok/s, speculative "
+              f"{rounds[-1].spec_tokens / spec_s:.1f} tok/s ({rounds[-1].speedup:.2f}x)"
+              + ("" if rounds[-1].same else "; the outputs differ"))
+    acc = acceptance(log.drain(), engine.proposer.num_speculative_tokens)
+    print("=" * 60)
+    print("\n".join(summary(rounds, acc)))
+    return 0 if all(r.same for r in rounds) or args.temperature > 0 else 1
 
 
 def add_demo_parser(sub: Any) -> None:
     p = sub.add_parser("demo", help="speculative vs plain decoding on the embedded default model",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--method", default="dflash", choices=["dflash", "dspark"])
+    p.add_argument("--method", default="dflash", choices=["dflash", "dspark"],
+                   help="the embedded drafter to use (default: dflash)")
     p.add_argument("--target", default=None, help="target directory (default: the embedded model)")
     p.add_argument("--drafter", default=None, help="drafter directory (default: the embedded one for --method)")
-    p.add_argument("--prompt", action="append", default=None, help="prompt (repeatable; default: held-out set)")
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--num-speculative-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--color", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--prompt", action="append", default=None,
+                   help="prompt (repeatable; default: openings of held-out stdlib functions)")
+    p.add_argument("--num-prompts", type=int, default=8, help="held-out prompts, one round each (default: 8)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default: 128)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="drafts verified per step at most (default: the drafter's block)")
+    p.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction, default=True,
+                   help="each step verifies the number of drafts with the most measured tokens per second, down to "
+                        "none (default: on); --no-adaptive-draft-length drafts every step")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+    p.add_argument("--color", action=argparse.BooleanOptionalAction, default=True,
+                   help="colour the code on a terminal (never into a pipe or a file, nor with NO_COLOR set)")
     p.set_defaults(func=run_demo)

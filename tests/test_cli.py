@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
+import sys
 from pathlib import Path
 
 import pytest
 
 from blockspec.cli import main
+from blockspec.demo import ASSETS
 from factories import save_drafter_target, save_tiny, save_tiny_model_with_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
@@ -47,6 +50,69 @@ def test_invalid_sampling_flag_is_one_line(tmp_path, capsys):
     path = save_tiny_model_with_tokenizer(tmp_path / "m")
     assert main(["generate", "--model", str(path), "--prompt", "x", "--top-p", "1.5", "--device", "cpu"]) == 2
     assert "top_p" in capsys.readouterr().err
+
+
+needs_pair = pytest.mark.skipif(not (ASSETS / "target" / "config.json").is_file(), reason="embedded pair not installed")
+DEMO = ["demo", "--num-prompts", "2", "--max-tokens", "8", "--device", "cpu"]
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@needs_pair
+def test_demo_colours_only_a_terminal_without_no_color(monkeypatch, capsys):
+    """Into a pipe the demo writes no ANSI codes, nor on a terminal with NO_COLOR set; on a terminal it
+    colours the code (the control that shows the check can fail)."""
+    assert main(DEMO) == 0
+    piped = capsys.readouterr().out
+    assert "\x1b[" not in piped and "=== prompt 2 of 2 ===" in piped
+    for no_color, coloured in (("1", False), ("", True)):
+        monkeypatch.setenv("NO_COLOR", no_color)
+        terminal = Terminal()
+        monkeypatch.setattr(sys, "stdout", terminal)
+        assert main(DEMO) == 0
+        assert ("\x1b[1m" in terminal.getvalue()) is coloured
+
+
+@needs_pair
+def test_demo_runs_one_request_at_a_time_in_alternating_rounds(monkeypatch, capsys):
+    """Each generate call carries one prompt (batch 1); after a warm-up of each path, round 1 runs plain
+    then speculative, round 2 speculative then plain; the summary gives both tok/s and the speedup's
+    spread or says there were no drafts."""
+    from blockspec.llm import LLM
+
+    calls = []
+    real = LLM.generate
+
+    def generate(self, prompts, params, use_tqdm=True):
+        calls.append((len(prompts), "spec" if params.use_speculation else "plain"))
+        assert self.engine.config.max_num_seqs == 1
+        return real(self, prompts, params, use_tqdm=use_tqdm)
+
+    monkeypatch.setattr(LLM, "generate", generate)
+    assert main(DEMO) == 0
+    assert calls == [(1, "plain"), (1, "spec"), (1, "plain"), (1, "spec"), (1, "spec"), (1, "plain")]
+    out = capsys.readouterr().out
+    assert "plain:       16 tokens in" in out and "speculative: 16 tokens in" in out
+    assert "interleaved rounds, min" in out or "no drafts: the draft-length policy" in out
+
+
+def test_demo_summary_gives_the_speedup_spread_or_says_no_drafts():
+    from blockspec.demo import Round, summary
+
+    rounds = [Round(100, 1.0, 100, 1.0 / 1.1, True), Round(100, 1.0, 100, 1.0 / 1.2, True)]
+    drafted = {"num_drafts": 4, "mean_acceptance_length": 2.5, "mean_draft_length": 3.0,
+               "per_position": [0.75, 0.5, None]}
+    lines = summary(rounds, drafted)
+    assert "4 of 192 decode steps drafted (the draft-length policy chose plain decoding for the others" in lines[0]
+    assert "per-position acceptance" in lines[1] and lines[1].endswith("0.75 0.50 -")
+    assert lines[-1] == ("speedup 1.15x (median of 2 interleaved rounds, min 1.10x, max 1.20x); outputs identical "
+                         "to plain decoding: yes")
+    idle = summary(rounds, {"num_drafts": 0, "per_position": [None] * 3})
+    assert idle[-1].startswith("no drafts: the draft-length policy chose plain decoding at every step")
+    assert "speedup 1" not in "\n".join(idle) and "no speedup to report" in idle[-1]
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "demo", "train", "serve", "bench"])
