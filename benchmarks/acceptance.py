@@ -37,13 +37,13 @@ def main() -> None:
             for temp in (float(t) for t in args.temperatures.split(",")):
                 if temp == 0 and draft_method != "greedy":
                     continue  # at T = 0 every method is greedy verification
-                before = llm.get_metrics()
+                before = llm.get_stats()
                 params = [SamplingParams(temperature=temp, seed=i, max_tokens=args.max_tokens, ignore_eos=True)
                           for i in range(len(prompts))]
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 dt = time.perf_counter() - t0
-                after = llm.get_metrics()
+                after = llm.get_stats()
                 drafts = after["num_drafts"] - before["num_drafts"]
                 accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
                 per_pos = [a - (before["num_accepted_tokens_per_pos"][i]

@@ -60,7 +60,7 @@ def main() -> None:
     print(json.dumps({
         "dtype": args.dtype, "device": str(llm.engine.device), "method": args.method, "prompts": len(prompts),
         "max_tokens": args.max_tokens, "temperature": args.temperature, "adaptive": args.adaptive,
-        "drafts": llm.get_metrics().get("num_drafts"),
+        "drafts": llm.get_stats().get("num_drafts"),
         "identical_outputs": {"spec_batch_vs_plain_batch": same(spec_batch, plain_batch),
                               "plain_batch_vs_plain_single": same(plain_batch, plain_single),
                               "spec_batch_vs_plain_single": same(spec_batch, plain_single),

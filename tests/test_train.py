@@ -385,6 +385,25 @@ def test_drafter_loss_ignores_invalid_blocks(tiny_target):
     assert other.parts["ce"] != full.parts["ce"] and torch.equal(other.match, full.match)
 
 
+def test_engine_acceptance_reads_the_engines_counters(tmp_path):
+    """The recipe's acceptance through blockspec's engine: the counters of the run, read from the engine's
+    dict (get_stats), not through get_metrics()'s deprecated string keys."""
+    import warnings
+    from pathlib import Path
+
+    from blockspec.train.trainer import engine_acceptance
+    from factories import save_drafter_target
+
+    target = save_drafter_target(tmp_path / "target")
+    drafter = Path(__file__).parent / "fixtures" / "drafters" / "dflash"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stats = engine_acceptance(target, "dflash", drafter, [[5, 6, 7, 8], [9, 10]], 12, device="cpu")
+    assert not [w for w in caught if "get_stats" in str(w.message)]
+    assert stats["num_drafts"] > 0 and stats["mean_acceptance_length"] >= 1.0
+    assert len(stats["acceptance_rate_per_pos"]) == len(stats["num_accepted_tokens_per_pos"]) > 0
+
+
 def test_regenerate_replaces_responses_with_target_greedy(tiny_target):
     from blockspec.train.trainer import _plain_greedy, regenerate_examples
 

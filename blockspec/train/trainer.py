@@ -883,7 +883,7 @@ def engine_acceptance(target_dir: str | Path, method: str, drafter_dir: str | Pa
               speculative_config={"method": method, "model": str(drafter_dir)})
     llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_new_tokens),
                  use_tqdm=False)
-    m = llm.get_metrics()
+    m = llm.get_stats()
     drafts = max(1, m.get("num_drafts", 0))
     return {
         "mean_acceptance_length": round(m["mean_acceptance_length"], 4),
