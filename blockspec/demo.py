@@ -123,7 +123,8 @@ def run_demo(args: argparse.Namespace) -> int:
     base_params = dict(temperature=args.temperature, seed=0, max_tokens=args.max_tokens)
     modes = {"plain": SamplingParams(**base_params, use_speculation=False), "spec": SamplingParams(**base_params)}
     for use in (False, True):  # warm-up of both paths
-        llm.generate(prompts[:1], SamplingParams(**base_params | {"max_tokens": 8}, use_speculation=use), use_tqdm=False)
+        warm = SamplingParams(**base_params | {"max_tokens": 8}, use_speculation=use)
+        llm.generate(prompts[:1], warm, use_tqdm=False)
     engine.spec_totals = log = StepLog()  # what each speculative step drafted and accepted
     color = use_color(args.color)
     dim, bold, reset = ("\033[2m", "\033[1m", "\033[0m") if color else ("", "", "")
@@ -153,8 +154,10 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def add_demo_parser(sub: Any) -> None:
+    from blockspec.cli_options import HelpFormatter
+
     p = sub.add_parser("demo", help="speculative vs plain decoding on the embedded default model",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--method", default="dflash", choices=["dflash", "dspark"],
                    help="the embedded drafter to use (default: dflash)")
     p.add_argument("--target", default=None, help="target directory (default: the embedded model)")

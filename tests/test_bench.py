@@ -237,6 +237,8 @@ def test_cli_help(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "--synthetic-acceptance" in out and "--random-weights" in out and "--peers" in out
+    assert "seed of the random prompts, weights and sampling (default:" in " ".join(out.split())
+    assert "(default: (" not in out and "(default: True)" not in out
 
 
 def test_cli_runs_and_rejects_bad_input(tmp_path, capsys):

@@ -342,8 +342,6 @@ def test_learning_rate_schedule(tiny_target):
 def test_train_cli_flags_have_help_choices_and_one_line_errors(tmp_path, capsys):
     """Every `blockspec train` flag has help text and shows its default; method and Markov head types are
     choices; a missing --data path is one line naming it, before any model loads."""
-    import argparse
-
     from blockspec.cli import main
     from blockspec.train.trainer import build_arg_parser
 
@@ -353,7 +351,9 @@ def test_train_cli_flags_have_help_choices_and_one_line_errors(tmp_path, capsys)
     choices = {a.dest: a.choices for a in options if a.choices}
     assert list(choices["method"]) == ["dflash", "dspark"] and list(choices["markov_head_type"]) == [
         "vanilla", "gated", "rnn"]
-    assert parser.formatter_class is argparse.ArgumentDefaultsHelpFormatter
+    text = parser.format_help()
+    assert "drafter family (default: dflash)" in text and "--max-steps MAX_STEPS" in text
+    assert "(default: None)" not in text  # a None default is said in words: "(None: the target's)"
     args = parser.parse_args(["--target", "t", "--data", "d", "--out", "o", "--target-layer-ids", "1", "3",
                               "--no-confidence-head", "--resume", "--max-steps", "40"])
     assert args.target_layer_ids == [1, 3] and args.confidence_head is False and args.resume is True

@@ -792,8 +792,10 @@ def _list(kind: type) -> Callable[[str], tuple[Any, ...]]:
 
 def add_bench_parser(sub: Any) -> None:
     """`blockspec bench`: the subcommand and its options (dispatched through args.func)."""
+    from blockspec.cli_options import HelpFormatter
+
     p = sub.add_parser("bench", help="plain vs DFlash vs DSpark speed (and transformers peers): JSON, markdown, plots",
-                       description=__doc__, epilog=BENCH_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, epilog=BENCH_EXAMPLES, formatter_class=HelpFormatter)
     m = p.add_argument_group("models")
     m.add_argument("--preset", default=None, choices=PRESETS,
                    help="default: the embedded target with its DFlash and DSpark drafters, on openings of held-out "
@@ -806,7 +808,8 @@ def add_bench_parser(sub: Any) -> None:
     m.add_argument("--dspark-block-size", type=int, default=None, help="random-weights DSpark block (default: arch's)")
     m.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     m.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32")
-    m.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "sdpa"])
+    m.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "sdpa"],
+                   help="auto: the Triton kernel on CUDA when triton is installed, else SDPA")
     w = p.add_argument_group("workload")
     w.add_argument("--methods", type=_list(str), default=None, help="comma list of plain,dflash,dspark "
                    "(default: plain and every drafter available)")
@@ -816,15 +819,16 @@ def add_bench_parser(sub: Any) -> None:
     w.add_argument("--prompts", default=None, help="jsonl with 'prompt' or 'prompt_token_ids', 'builtin' (chat "
                    "questions) or 'heldout' (openings of stdlib functions no embedded model saw) (default: "
                    "random-token prompts of --input-len)")
-    w.add_argument("--input-len", type=_list(int), default=(512,), help="random prompt length(s), comma list")
+    w.add_argument("--input-len", type=_list(int), default=(512,),
+                   help="random prompt length(s), comma list (default 512)")
     w.add_argument("--output-len", type=int, default=256, help="tokens generated per request (EOS ignored)")
     w.add_argument("--waves", type=int, default=1, help="requests per point = batch x waves (default 1)")
     w.add_argument("--repeats", type=int, default=3, help="timed rounds per point after the warm-up, each running "
                    "every method once (default 3)")
     w.add_argument("--no-chat-template", dest="chat_template", action="store_false",
-                   help="tokenize text prompts as they are")
-    w.add_argument("--max-prefill-tokens", type=int, default=4096)
-    w.add_argument("--seed", type=int, default=0)
+                   help="tokenize text prompts as they are (default: with the tokenizer's chat template)")
+    w.add_argument("--max-prefill-tokens", type=int, default=4096, help="prompt tokens one step prefills at most")
+    w.add_argument("--seed", type=int, default=0, help="seed of the random prompts, weights and sampling")
     s = p.add_argument_group("speculation")
     s.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts verified per step")
     s.add_argument("--speculative-config", type=json.loads, default={},
@@ -834,9 +838,9 @@ def add_bench_parser(sub: Any) -> None:
                         "mean acceptance length of the drafter's whole block ('6.5', geometric; a step verifying "
                         "fewer drafts keeps the first rates); output tokens are then NOT the target's and the "
                         "report is labelled synthetic")
-    s.add_argument("--synthetic-seed", type=int, default=0)
+    s.add_argument("--synthetic-seed", type=int, default=0, help="seed of the synthetic acceptance draws")
     q = p.add_argument_group("peers (same weights, same device)")
-    q.add_argument("--peers", type=_list(str), default=(), help="comma list: transformers")
+    q.add_argument("--peers", type=_list(str), default=(), help="comma list: transformers (default: none)")
     q.add_argument("--peer-assistant", default=None, help="draft model directory for transformers assisted "
                    "generation (same tokenizer as the target)")
     q.add_argument("--peer-batch-sizes", type=_list(int), default=None, help="default: --batch-sizes")
@@ -844,7 +848,7 @@ def add_bench_parser(sub: Any) -> None:
     q.add_argument("--peer-output-len", type=int, default=None, help="default: --output-len")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="bench-results", help="directory for bench.json, bench.md and the plots")
-    o.add_argument("--no-plots", dest="plots", action="store_false")
+    o.add_argument("--no-plots", dest="plots", action="store_false", help="write no PNG plots (default: write them)")
     p.set_defaults(func=cmd_bench)
 
 

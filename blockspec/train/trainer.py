@@ -952,15 +952,17 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     transformers' HfArgumentParser from the field's type (Literal types give the choices) and its help."""
     from transformers import HfArgumentParser
 
+    from blockspec.cli_options import HelpFormatter
+
     p = parser or argparse.ArgumentParser(prog="blockspec train", description="Train a DFlash or DSpark drafter.")
-    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    p.formatter_class = HelpFormatter
     run = p.add_argument_group("run")
     run.add_argument("--target", required=True, help="target: Hugging Face directory or hub id")
     run.add_argument("--data", required=True, help="training data: a .jsonl of {prompt, response} or {messages} "
                                                    "records, or text files (a file, a directory or a glob)")
-    run.add_argument("--eval-data", default=None, help="held-out data, as --data (None: an --eval-frac split)")
+    run.add_argument("--eval-data", default=None, help="held-out data, as --data (default: an --eval-frac split)")
     run.add_argument("--out", required=True, help="directory the trained drafter is exported to")
-    run.add_argument("--tokenizer", default=None, help="tokenizer directory (None: the target's)")
+    run.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the target's)")
     group = p.add_argument_group("training")
     hints = get_type_hints(DrafterTrainConfig)
     for f in dataclasses.fields(DrafterTrainConfig):
