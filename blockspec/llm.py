@@ -12,7 +12,7 @@ from blockspec.config import ConfigError, EngineArgs, SpeculativeConfig
 from blockspec.engine.build import build_engine
 from blockspec.engine.loop import OfflineRunner
 from blockspec.inputs import PromptType
-from blockspec.metrics_reader import MetricList, metrics_of
+from blockspec.metrics_reader import Metric, metrics_of
 from blockspec.parallel.tp import RankGroup
 from blockspec.request import RequestOutput
 from blockspec.sampling_params import SamplingParams
@@ -106,7 +106,7 @@ class LLM:
         rest time split, tokens, preemptions."""
         return self.ranks.call("metrics") if self.ranks is not None else self.engine.metrics()
 
-    def get_metrics(self) -> MetricList:
+    def get_metrics(self) -> list[Metric]:
         """The counters as vLLM's `LLM.get_metrics()` gives them: Counter, Gauge and Vector objects named
         `vllm:...` (`vllm:spec_decode_num_drafts`, `vllm:spec_decode_num_accepted_tokens_per_pos`, ...),
         and the policy's choices as `blockspec:spec_decode_policy_steps` by draft_length."""

@@ -9,7 +9,6 @@ available as `LLM.get_stats()`.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,30 +55,7 @@ SPEC_COUNTERS = {"num_drafts": "vllm:spec_decode_num_drafts", "num_draft_tokens"
                  "num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
 
 
-class MetricList(list):
-    """The Metric objects of one `get_metrics()` call. Reading it by a string key (`m["num_drafts"]`,
-    `m.get(...)`) still answers from the engine's dict, which `get_metrics()` returned before it took
-    vLLM's shape, with a DeprecationWarning naming `get_stats()`."""
-
-    def __init__(self, metrics: list[Metric], stats: dict[str, Any]) -> None:
-        super().__init__(metrics)
-        self._stats = stats
-
-    def _stat(self, key: str) -> dict[str, Any]:
-        warnings.warn(f"get_metrics()[{key!r}]: get_metrics() returns vLLM-shaped Metric objects now; "
-                      "LLM.get_stats() returns the dict", DeprecationWarning, stacklevel=3)
-        return self._stats
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, str):
-            return self._stat(index)[index]
-        return super().__getitem__(index)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self._stat(key).get(key, default)
-
-
-def metrics_of(stats: dict[str, Any], model_name: str, speculative: bool) -> MetricList:
+def metrics_of(stats: dict[str, Any], model_name: str, speculative: bool) -> list[Metric]:
     """The engine's dict as vLLM's reader objects, labelled as vLLM labels them (model_name, engine)."""
     labels = {"model_name": model_name, "engine": "0"}
     out: list[Metric] = [Gauge(f"vllm:num_requests_{state}", dict(labels), stats[f"num_requests_{state}"])
@@ -93,4 +69,4 @@ def metrics_of(stats: dict[str, Any], model_name: str, speculative: bool) -> Met
         out += [Counter("blockspec:spec_decode_policy_steps", {**labels, "draft_length": str(k)}, n)
                 for k, n in sorted(stats["policy_steps"].items())]
         out.append(Counter("blockspec:spec_decode_policy_parked_requests", dict(labels), stats["num_parked_requests"]))
-    return MetricList(out, stats)
+    return out

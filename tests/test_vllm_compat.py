@@ -9,7 +9,6 @@ import argparse
 import io
 import json
 import logging
-import warnings
 from pathlib import Path
 
 import pytest
@@ -184,10 +183,6 @@ def test_get_metrics_gives_vllms_reader_objects(target_dir):
     steps = {m.labels["draft_length"]: m.value for m in llm.get_metrics()
              if m.name == "blockspec:spec_decode_policy_steps"}
     assert steps == {str(k): n for k, n in stats["policy_steps"].items()} and steps[str(k)] > 0
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert llm.get_metrics()["num_drafts"] == stats["num_drafts"]  # the dict, read the old way
-    assert "get_stats()" in str(caught[0].message)
 
 
 def test_no_draft_is_explained():
