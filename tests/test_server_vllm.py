@@ -6,6 +6,7 @@ and the ready line and clean shutdown of the command."""
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import signal
@@ -138,6 +139,28 @@ def test_an_image_part_is_refused_by_name(server):
     assert exc.value.body["message"] == ("messages.0.content.1: image_url parts are not supported; this server serves "
                                          "a text model")
     assert exc.value.body["param"] == "messages"
+
+
+def test_generation_config_fills_what_a_request_leaves_unset(tmp_path):
+    model = save_tiny_model_with_tokenizer(tmp_path / "m")
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 1, "max_new_tokens": 3, "top_k": 1}))
+    live = LiveServer(create_app(functools.partial(load, model), NAME)).wait_ready()
+    try:
+        chat = functools.partial(live.client().chat.completions.create, model=NAME,
+                                 messages=[{"role": "user", "content": "hi"}], temperature=1.0)
+        short = chat(extra_body={"ignore_eos": True})
+        assert short.usage.completion_tokens == 3  # max_new_tokens: the model's default max_tokens
+        longer = chat(max_tokens=7, extra_body={"ignore_eos": True, "seed": 1})
+        assert longer.usage.completion_tokens == 7  # the request's own value wins
+        # top_k=1 from the file makes temperature 1.0 greedy: two seeds agree; a request's top_k overrides it
+        seeds = {chat(max_tokens=7, extra_body={"ignore_eos": True, "seed": s}).choices[0].message.content
+                 for s in (1, 2)}
+        assert seeds == {longer.choices[0].message.content}
+        varied = {chat(max_tokens=7, extra_body={"ignore_eos": True, "seed": s, "top_k": 0}).choices[0].message.content
+                  for s in range(1, 5)}
+        assert len(varied) > 1
+    finally:
+        live.close()
 
 
 # ---------------------------------------------------------------- metrics and logs

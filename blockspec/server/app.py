@@ -573,7 +573,7 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         inputs = ready_inputs(body.model)
-        params = body.to_sampling_params(body.max_tokens, body.logprobs)
+        params = body.to_sampling_params(body.max_tokens, body.logprobs, inputs.sampling_defaults)
         prompts = await in_thread(tokenizing, completion_prompts, inputs, body.prompt)
         return await generate(request, body, inputs, prompts, params, CompletionRenderer)
 
@@ -583,7 +583,8 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = body.to_sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        params = body.to_sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                                         inputs.sampling_defaults)
         tools = tool_use(body, config.tool_call_parser)
         if tools is not None:
             try:

@@ -8,6 +8,7 @@ ordinary top-level fields here, which is where the OpenAI client's `extra_body` 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 import time
 from typing import Annotated, Any, Literal
 
@@ -121,13 +122,19 @@ class GenerationRequest(StrictModel):
 
     drop_ignored = model_validator(mode="before")(drop_ignored_fields)
 
-    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """SamplingParams validates every value; unset OpenAI fields keep its (OpenAI-equal) defaults."""
-        given = {name: getattr(self, name) for name in (
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                           defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams validates every value. A field the request leaves unset takes the model's
+        default (`defaults`: generation_config.json's values, as vLLM's server applies them), else
+        SamplingParams' own (OpenAI-equal) default."""
+        given = dict(defaults or {})
+        given.update({name: getattr(self, name) for name in (
             "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-            if getattr(self, name) is not None}
+            if getattr(self, name) is not None})
+        if max_tokens is not None or "max_tokens" not in given:
+            given["max_tokens"] = max_tokens
         return SamplingParams(
-            n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+            n=self.n, seed=self.seed, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             logit_bias=self.logit_bias, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, use_speculation=self.use_speculation,
