@@ -16,7 +16,7 @@ class ConfigError(ValueError):
     """A configuration value does not fit; the message names the field and what is allowed."""
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -37,7 +37,8 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (Llama-3.x, Qwen2/2.5, Qwen3), read from HF config.json."""
+    """Shape of a Llama-family decoder (Llama-3.x, Qwen2/2.5, Qwen3, and the Qwen3-MoE / Qwen2-MoE sparse
+    variants), read from HF config.json."""
 
     model_type: str
     vocab_size: int
@@ -60,6 +61,19 @@ class ModelConfig:
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # mixture of experts (Qwen3-MoE, Qwen2-MoE): the layers in `moe_layers` route each row to
+    # `num_experts_per_tok` of `num_experts` SwiGLU experts of width `moe_intermediate_size`; the
+    # others keep the dense MLP of `intermediate_size`
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, gated by a sigmoid (0: none)
+    moe_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
 
     @staticmethod
     def from_hf(cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -68,7 +82,7 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"{source}: model_type {model_type!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-3.x, Qwen2/2.5, Qwen3 families)"
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-3.x, Qwen2/2.5, Qwen3 families, Qwen3-MoE, Qwen2-MoE)"
             )
         if "text_config" in cfg and "hidden_size" not in cfg:
             raise ConfigError(f"{source}: multimodal configs (text_config) are not supported")
@@ -119,23 +133,26 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=rope_from_hf(cfg, source),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            qkv_bias=bool(cfg.get("attention_bias", False)) or model_type == "qwen2",
-            o_bias=bool(cfg.get("attention_bias", False)) and model_type in ("llama", "mistral"),
+            qkv_bias=bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe"
+            else bool(cfg.get("attention_bias", False)) or model_type == "qwen2",
+            o_bias=bool(cfg.get("attention_bias", False)) and model_type in ("llama", "mistral", "qwen3", "qwen3_moe"),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_window=cfg.get("sliding_window") if "sliding_attention" in layer_types else None,
             layer_types=layer_types,
             torch_dtype=str(dtype).replace("torch.", ""),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            **moe_from_hf(cfg, model_type, layers, source),
         )
 
     def to_hf(self) -> dict[str, Any]:
         """The HF config.json dict for this shape (used when blockspec writes checkpoints)."""
         cfg: dict[str, Any] = {
-            "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                               "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[self.model_type]],
+            "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                               "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                               "qwen2_moe": "Qwen2MoeForCausalLM"}[self.model_type]],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -159,6 +176,13 @@ class ModelConfig:
             cfg["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
         if self.bos_token_id is not None:
             cfg["bos_token_id"] = self.bos_token_id
+        if self.model_type in ("qwen3_moe", "qwen2_moe"):
+            cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                       decoder_sparse_step=1,
+                       mlp_only_layers=[i for i in range(self.num_hidden_layers) if i not in self.moe_layers])
+            if self.model_type == "qwen2_moe":
+                cfg.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size, qkv_bias=self.qkv_bias)
         return cfg
 
 
@@ -182,6 +206,41 @@ def rope_from_hf(cfg: dict[str, Any], source: str) -> RopeConfig:
         beta_slow=float(params.get("beta_slow", 1.0)),
         attention_factor=params.get("attention_factor"),
     )
+
+
+def moe_from_hf(cfg: dict[str, Any], model_type: str, layers: int, source: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen3-MoE / Qwen2-MoE config (none for dense types), as HF
+    builds them: layer i is sparse unless it is in mlp_only_layers or (i + 1) % decoder_sparse_step != 0."""
+    if model_type not in ("qwen3_moe", "qwen2_moe"):
+        return {}
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{source}: field 'hidden_act' {cfg.get('hidden_act')!r} is not supported (silu only)")
+    # transformers 5 writes num_local_experts; the hub checkpoints have num_experts
+    name = "num_experts" if "num_experts" in cfg else "num_local_experts"
+    fields = {"num_experts": cfg.get(name), "num_experts_per_tok": cfg.get("num_experts_per_tok"),
+              "moe_intermediate_size": cfg.get("moe_intermediate_size")}
+    for field_name, value in fields.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{source}: field {name if field_name == 'num_experts' else field_name!r} must be a "
+                              f"positive integer, got {value!r}")
+    if fields["num_experts_per_tok"] > fields["num_experts"]:
+        raise ConfigError(f"{source}: field 'num_experts_per_tok' ({fields['num_experts_per_tok']}) exceeds "
+                          f"{name} ({fields['num_experts']})")
+    step = cfg.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ConfigError(f"{source}: field 'decoder_sparse_step' must be an integer >= 1, got {step!r}")
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(not isinstance(i, int) or not 0 <= i < layers for i in dense):
+        raise ConfigError(f"{source}: field 'mlp_only_layers' must list layer indices in [0, {layers}), got {dense!r}")
+    shared = 0
+    if model_type == "qwen2_moe":  # its sparse block always has the shared expert
+        shared = cfg.get("shared_expert_intermediate_size")
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared <= 0:
+            raise ConfigError(f"{source}: field 'shared_expert_intermediate_size' must be a positive integer, "
+                              f"got {shared!r}")
+    return {**fields, "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "shared_expert_intermediate_size": shared,
+            "moe_layers": tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)}
 
 
 SPEC_METHODS = ("dflash", "dspark")

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
 TRITON_SKIP_REASON = "needs triton >= 3.9 (its interpreter runs the kernels on the CPU)"
 
 
@@ -48,6 +49,16 @@ def hf_config(family: str, vocab: int = 96, hidden: int = 64, layers: int = 4, h
         common.setdefault("rope_theta", 1000000.0)
         common.setdefault("head_dim", 32)
         return transformers.Qwen3Config(**common)
+    if family in MOE_FAMILIES:  # 8 experts, top-2, expert width 24; every layer sparse unless told
+        common.setdefault("rope_theta", 1000000.0)
+        common.setdefault("num_experts", 8)
+        common.setdefault("num_experts_per_tok", 2)
+        common.setdefault("moe_intermediate_size", 24)
+        if family == "qwen3_moe":
+            common.setdefault("head_dim", 32)
+            return transformers.Qwen3MoeConfig(**common)
+        common.setdefault("shared_expert_intermediate_size", 40)
+        return transformers.Qwen2MoeConfig(**common)
     raise ValueError(family)
 
 
@@ -57,11 +68,12 @@ def make_hf_model(family: str, seed: int = 0, **kw):
     torch.manual_seed(seed)
     cfg = hf_config(family, **kw)
     cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-           "qwen3": transformers.Qwen3ForCausalLM}[family]
+           "qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+           "qwen2_moe": transformers.Qwen2MoeForCausalLM}[family]
     model = cls(cfg).eval()
     with torch.no_grad():  # wider weights than the default init, so greedy paths are not trivially flat
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # 3-D: transformers 5's stacked experts
                 p.normal_(0, 0.08 if "embed" not in name else 0.5)
             elif "norm" in name:
                 p.uniform_(0.8, 1.2)
@@ -70,10 +82,15 @@ def make_hf_model(family: str, seed: int = 0, **kw):
     return model
 
 
-def save_tiny(path: Path, family: str = "qwen3", seed: int = 0, max_shard_size: str | None = None, **kw) -> Path:
-    """Write a tiny HF checkpoint (config, safetensors, generation config) to `path` and return it."""
+def save_tiny(path: Path, family: str = "qwen3", seed: int = 0, max_shard_size: str | None = None,
+              stacked_experts: bool = False, **kw) -> Path:
+    """Write a tiny HF checkpoint (config, safetensors, generation config) to `path` and return it. MoE
+    experts are written one by one, as the hub checkpoints hold them, or with `stacked_experts` as
+    transformers 5 holds them in memory (3-D gate_up_proj / down_proj)."""
     model = make_hf_model(family, seed, **kw)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    if stacked_experts:
+        kwargs["save_original_format"] = False
     model.save_pretrained(path, **kwargs)
     return Path(path)
 
@@ -115,6 +132,13 @@ def save_drafter_target(path: Path, tokenizer: bool = False) -> Path:
     save_tiny(path, "qwen3", seed=0, **DRAFTER_TARGET_KW)
     if tokenizer:
         save_tiny_tokenizer(path, drop="`~")
+    return Path(path)
+
+
+def save_moe_target(path: Path, family: str = "qwen3_moe") -> Path:
+    """A mixture-of-experts target of the fixtures' shape (so the drafter fixtures fit it): 5 layers, the
+    middle one dense (mlp_only_layers), the others 8 experts, top-2, renormalised."""
+    save_tiny(path, family, seed=0, mlp_only_layers=[2], norm_topk_prob=True, **DRAFTER_TARGET_KW)
     return Path(path)
 
 

@@ -2,8 +2,10 @@
 
 `qwen3-8b` is Qwen3-8B (36 layers, hidden 4096, vocab 151936) with a Qwen3-8B-DFlash-b16-shaped drafter
 (5 layers, block 16, taps [1, 9, 17, 25, 33]) and a DeepSpec dspark_qwen3_8b_block7-shaped DSpark
-drafter (same backbone, anchor-first, vanilla Markov head rank 256, confidence head). `tiny` is the same
-layout at toy size, for CPU tests.
+drafter (same backbone, anchor-first, vanilla Markov head rank 256, confidence head). `qwen3-30b-a3b` is
+Qwen3-30B-A3B (48 layers, hidden 2048, 128 experts of width 768, top-8, renormalised) with a drafter of
+z-lab/Qwen3-Coder-30B-A3B-DFlash's shape (8 layers, block 16, taps [1, 12, 23, 34, 45]) and DSpark heads
+as qwen3-8b's. `tiny` and `tiny-moe` are the dense and sparse layouts at toy size, for CPU tests.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 from blockspec.config import ConfigError, ModelConfig, RopeConfig
 from blockspec.models.layers import Rotary
 from blockspec.models.llama import CausalLM
+from blockspec.models.moe import Experts
 from blockspec.drafters import DFlashDraft, DSparkDraft, DSparkHeads, DraftModel, DrafterConfig
 
 QWEN3_8B = ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -31,10 +34,28 @@ QWEN3_8B_DFLASH = DrafterConfig(hidden_size=4096, intermediate_size=12288, num_l
                                 target_layer_ids=(1, 9, 17, 25, 33), target_hidden_size=4096,
                                 rope=QWEN3_8B.rope, max_position_embeddings=40960)
 
+QWEN3_30B_A3B = ModelConfig(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                            num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                            rope=RopeConfig(theta=1e6), max_position_embeddings=40960, qk_norm=True,
+                            layer_types=("full_attention",) * 48, torch_dtype="bfloat16", eos_token_ids=(151645,),
+                            num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                            moe_layers=tuple(range(48)))
+
+# z-lab/Qwen3-Coder-30B-A3B-DFlash (the public drafter of this family): a Qwen3 backbone of the target's
+# width with a dense MLP of the target's intermediate_size (RoPE theta 1e7 there, for the Coder target's
+# context; it does not change a step's cost)
+QWEN3_30B_A3B_DFLASH = DrafterConfig(hidden_size=2048, intermediate_size=6144, num_layers=8, num_heads=32,
+                                     num_kv_heads=4, head_dim=128, vocab_size=151936, block_size=16,
+                                     mask_token_id=151669, target_layer_ids=(1, 12, 23, 34, 45),
+                                     target_hidden_size=2048, rope=QWEN3_30B_A3B.rope, max_position_embeddings=40960)
+
 TINY = ModelConfig(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=136, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope=RopeConfig(theta=1e6),
                    max_position_embeddings=4096, qk_norm=True, layer_types=("full_attention",) * 4,
                    torch_dtype="float32", eos_token_ids=(1,))
+
+TINY_MOE = dataclasses.replace(TINY, model_type="qwen3_moe", num_experts=16, num_experts_per_tok=4,
+                               moe_intermediate_size=32, norm_topk_prob=True, moe_layers=(0, 1, 3))
 
 TINY_DFLASH = DrafterConfig(hidden_size=64, intermediate_size=136, num_layers=2, num_heads=4, num_kv_heads=2,
                             head_dim=16, vocab_size=512, block_size=8, mask_token_id=511, target_layer_ids=(0, 2),
@@ -61,6 +82,8 @@ ARCHS = {
     "qwen3-8b": Arch("qwen3-8b", QWEN3_8B, QWEN3_8B_DFLASH, 7, DSparkHeads(markov_rank=256), 0.02),
     # wider weights at toy size, so greedy choices are not near-ties (the transformers cross-check is exact)
     "tiny": Arch("tiny", TINY, TINY_DFLASH, 8, DSparkHeads(markov_rank=16), 0.08),
+    "qwen3-30b-a3b": Arch("qwen3-30b-a3b", QWEN3_30B_A3B, QWEN3_30B_A3B_DFLASH, 7, DSparkHeads(markov_rank=256), 0.02),
+    "tiny-moe": Arch("tiny-moe", TINY_MOE, TINY_DFLASH, 8, DSparkHeads(markov_rank=16), 0.08),
 }
 
 
@@ -81,11 +104,11 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _randomize(model: nn.Module, std: float, seed: int) -> None:
-    """Normal(0, std) for every matrix (norm weights stay 1, biases 0), seeded."""
+    """Normal(0, std) for every matrix and stacked experts (norm weights stay 1, biases 0), seeded."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:
                 p.normal_(0, std, generator=gen)
 
 
@@ -110,11 +133,23 @@ def random_drafter(cfg: DrafterConfig, device: str | torch.device = "cuda", dtyp
     return model.eval().requires_grad_(False)
 
 
-def step_bytes(model: nn.Module) -> int:
-    """Weights read by one decode step: every parameter but the embedding table (one row is read)."""
+def step_bytes(model: nn.Module, experts_read: float | None = None) -> int:
+    """Weights read by one decode step: every parameter but the embedding table (one row is read); of a
+    mixture-of-experts layer only the experts the step routes to, `experts_read` a layer (default: one
+    row's top-k, a batch-1 plain step; a verify step reads the union of its rows' experts, measured by
+    `bench.expert_union`)."""
     emb = model.embed_tokens.weight
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb) + (
-        emb.numel() * emb.element_size() if model.config.tie_word_embeddings else 0)
+    stacked = {id(p): m for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
+    total = 0
+    for p in model.parameters():
+        if p is emb:
+            continue
+        nbytes = p.numel() * p.element_size()
+        if id(p) in stacked:
+            read = model.config.num_experts_per_tok if experts_read is None else experts_read
+            nbytes = nbytes * min(read, p.shape[0]) / p.shape[0]
+        total += nbytes
+    return int(total) + (emb.numel() * emb.element_size() if model.config.tie_word_embeddings else 0)
 
 
 def param_bytes(model: nn.Module) -> int:

@@ -1,4 +1,5 @@
-"""The Llama decoder family (Llama-3.x, Qwen2/2.5, Qwen3, Mistral) on blockspec's KV cache.
+"""The Llama decoder family (Llama-3.x, Qwen2/2.5, Qwen3, Mistral, and the Qwen3-MoE / Qwen2-MoE sparse
+variants, whose MLPs are `moe.SparseMoE` in the layers the config names) on blockspec's KV cache.
 
 One forward serves prefill, decode and verify: every request feeds a run of tokens at known
 positions into its cache slot. The same pass can return the outputs of chosen decoder layers
@@ -18,6 +19,7 @@ from blockspec.models.layers import (GatedMLP, RMSNorm, Rotary, add_rms_norm, ad
                                      qk_norm_rope, stream)
 from blockspec.kernels.attention import block_attention
 from blockspec.kernels.ops import PreNormed, qkv_rope_store
+from blockspec.models.moe import SparseMoE
 
 
 class Attention(nn.Module):
@@ -77,13 +79,14 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_type: str) -> None:
+    def __init__(self, cfg: ModelConfig, layer_type: str, index: int = 0) -> None:
         super().__init__()
         self.layer_type = layer_type
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_type)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.mlp = SparseMoE(cfg) if index in cfg.moe_layers else GatedMLP(cfg.hidden_size, cfg.intermediate_size,
+                                                                           cfg.mlp_bias)
 
     def forward(
         self, x: Tensor | PreNormed, residual: Tensor | None, cos: Tensor, sin: Tensor, layer: int,
@@ -117,7 +120,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t, i) for i, t in enumerate(cfg.layer_types))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

@@ -170,6 +170,7 @@ def load_target(
     """Load a Llama/Qwen2/Qwen3 causal LM from a HF directory or hub id."""
     from blockspec.models.layers import Rotary
     from blockspec.models.llama import CausalLM
+    from blockspec.models.moe import stack_experts
 
     model_dir = resolve_model_dir(name_or_path)
     raw = read_json(model_dir / "config.json")
@@ -182,6 +183,7 @@ def load_target(
     if "lm_head.weight" in state and not cfg.tie_word_embeddings:
         mapped["lm_head.weight"] = state["lm_head.weight"]
     mapped = {k: v for k, v in mapped.items() if not k.endswith("rotary_emb.inv_freq")}
+    mapped = stack_experts(mapped, str(model_dir))  # hub checkpoints store MoE experts one by one
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)
     model = model.to_empty(device="cpu")

@@ -1,7 +1,8 @@
 """Megatron-style tensor parallelism for the target model, on torch.distributed (NCCL on GPUs, gloo on CPU).
 
 Each rank holds a slice of every projection: q/k/v heads and the MLP's intermediate units are split
-column-wise, o_proj and down_proj row-wise (one all_reduce each), and the vocabulary is split for
+column-wise, o_proj and down_proj row-wise (one all_reduce each; a mixture-of-experts MLP keeps every
+expert on every rank with a slice of its width, and the router whole), and the vocabulary is split for
 both the embedding (all_reduce of masked lookups) and the LM head (all_gather to full logits). The
 hidden states between layers, the tapped features and the logits are therefore full-size and
 identical on every rank, so the drafter runs replicated on each rank, and because sampling noise is
@@ -43,6 +44,7 @@ from blockspec.engine.loop import OfflineRunner, Stop, serve_engine
 from blockspec.inputs import ModelInputs
 from blockspec.models.layers import GatedMLP
 from blockspec.models.llama import Attention, CausalLM
+from blockspec.models.moe import SparseMoE
 from blockspec.models.loader import (
     load_target,
     read_json,
@@ -117,9 +119,14 @@ def check_shardable(cfg: ModelConfig, world_size: int) -> None:
     if cfg.num_key_value_heads % world_size:
         raise ConfigError(f"tensor_parallel_size={world_size} does not divide num_key_value_heads "
                           f"({cfg.num_key_value_heads}); KV heads are split across ranks, not replicated")
-    if cfg.intermediate_size % world_size:
+    dense_layers = len(cfg.moe_layers) < cfg.num_hidden_layers
+    if dense_layers and cfg.intermediate_size % world_size:
         raise ConfigError(f"tensor_parallel_size={world_size} does not divide intermediate_size "
                           f"({cfg.intermediate_size})")
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if cfg.is_moe and getattr(cfg, name) % world_size:
+            raise ConfigError(f"tensor_parallel_size={world_size} does not divide {name} ({getattr(cfg, name)}); "
+                              "every rank holds every expert with a slice of its width")
 
 
 def _part(t: Tensor, rank: int, world_size: int, dim: int = 0) -> Tensor:
@@ -159,6 +166,29 @@ def _shard_mlp(mlp: GatedMLP, rank: int, world_size: int, group: ProcessGroup) -
     mlp.down_proj = RowParallelLinear(_part(down.weight, rank, world_size, dim=1), down.bias, group)
 
 
+def _shard_moe(moe: SparseMoE, rank: int, world_size: int, group: ProcessGroup) -> None:
+    """Every rank holds every expert with its slice of the expert width (gate and up rows, down
+    columns), and the router whole, so each rank routes alike; the shared expert is split the same
+    way. The block's output is then a partial sum: one all_reduce, as for the dense MLP."""
+    experts = moe.experts
+    gate, up = experts.gate_up_proj.chunk(2, dim=1)
+    experts.gate_up_proj = nn.Parameter(torch.cat([_part(gate, rank, world_size, 1), _part(up, rank, world_size, 1)],
+                                                  dim=1), requires_grad=False)
+    experts.down_proj = nn.Parameter(_part(experts.down_proj, rank, world_size, dim=2), requires_grad=False)
+    moe.inter //= world_size
+    shared = moe.shared_expert
+    if shared is not None:  # column-parallel gate_up, row-parallel down without its own reduction
+        gu = shared.gate_up_proj
+        gu.weight = nn.Parameter(torch.cat([_part(h, rank, world_size) for h in gu.weight.chunk(2)]),
+                                 requires_grad=False)
+        gu.out_features = gu.weight.shape[0]
+        shared.inter //= world_size
+        shared.down_proj.weight = nn.Parameter(_part(shared.down_proj.weight, rank, world_size, dim=1),
+                                               requires_grad=False)
+        shared.down_proj.in_features = shared.inter
+    moe.all_reduce = lambda t: dist.all_reduce(t, group=group)
+
+
 def _vocab_rows(weight: Tensor, rank: int, world_size: int) -> tuple[Tensor, int, int]:
     """(this rank's rows zero-padded to ceil(V / world_size), first row, real row count)."""
     vocab = weight.shape[0]
@@ -183,7 +213,10 @@ def shard_model(model: CausalLM, rank: int, world_size: int, group: ProcessGroup
         return model
     for layer in model.layers:
         _shard_attention(layer.self_attn, rank, world_size, group)
-        _shard_mlp(layer.mlp, rank, world_size, group)
+        if isinstance(layer.mlp, SparseMoE):
+            _shard_moe(layer.mlp, rank, world_size, group)
+        else:
+            _shard_mlp(layer.mlp, rank, world_size, group)
     tied = model.lm_head.weight is model.embed_tokens.weight
     vocab = model.config.vocab_size
     emb, start, rows = _vocab_rows(model.embed_tokens.weight, rank, world_size)

@@ -1,0 +1,130 @@
+"""One mixture-of-experts layer of Qwen3-30B-A3B's shape (128 experts of width 768, top-8, hidden 2048,
+bf16): the fused kernels (route, align, grouped gate_up and down, combine) at decode / verify / prefill
+row counts, against the floor of the experts the rows actually select, and a tile sweep.
+
+Each figure is one layer's call timed as a CUDA graph of calls over several layers' weights (so the
+selected experts stream from HBM, not L2), median of repeated replays. The floor of a call is the
+bytes of the union of its rows' experts over the measured copy bandwidth. Routing comes from random
+router logits: "uniform" (rows independent), or "local" (each request's rows equicorrelated with
+rho = 0.8, the locality model of blockspec.bench.expert_union; rows = requests x rows each). For
+scale, the dense SwiGLU MLP of the same active width (8 x 768) at the same rows.
+
+    python benchmarks/bench_moe.py --out moe.json [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from blockspec.bench.expert_union import LOCAL_RHO
+from blockspec.bench.timing import copy_bandwidth, graph_seconds
+from blockspec.kernels import moe as K
+from blockspec.models.layers import GatedMLP
+
+EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
+LAYERS = 6  # 6 x 1.2 GB of experts: a step's experts never sit in L2 from the call before
+EXPERT_BYTES = 3 * HIDDEN * INTER * 2
+# (block_n_up, block_n_down, block_k, num_warps, num_stages) tried for few rows with --sweep
+SWEEP = [(16, 32, 128, 4, 3), (32, 64, 128, 4, 3), (32, 32, 256, 4, 2), (64, 64, 128, 4, 3), (32, 64, 64, 4, 4),
+         (16, 64, 256, 4, 2), (32, 128, 128, 8, 3), (64, 128, 64, 4, 4)]
+
+
+def router_logits(rows: int, per_request: int, rho: float, gen: torch.Generator) -> torch.Tensor:
+    """[rows, E] random logits; with rho, each request's `per_request` rows equicorrelated by rho."""
+    z = torch.randn(rows // per_request, per_request, EXPERTS, generator=gen)
+    if rho and per_request > 1:
+        m = z.mean(1, keepdim=True)
+        z = (1 - rho) ** 0.5 * (z - m) + (1 + (per_request - 1) * rho) ** 0.5 * m
+    return z.reshape(rows, EXPERTS).to("cuda", torch.bfloat16)
+
+
+class Layers:
+    def __init__(self) -> None:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        self.gate_up = [torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
+                        * HIDDEN ** -0.5 for _ in range(LAYERS)]
+        self.down = [torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", dtype=torch.bfloat16, generator=g)
+                     * INTER ** -0.5 for _ in range(LAYERS)]
+        with torch.device("cuda"):  # the dense SwiGLU MLP of the same active width (top-8 x 768 = 6144)
+            self.dense = [GatedMLP(HIDDEN, TOP_K * INTER).to(torch.bfloat16).eval().requires_grad_(False)
+                          for _ in range(LAYERS)]
+
+
+def measure(layers: Layers, rows: int, per_request: int, rho: float, bandwidth: float,
+            cfg: K.MoeConfig | None = None, replays: int = 20) -> dict:
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    logits = [router_logits(rows, per_request, rho, gen) for _ in range(LAYERS)]
+    routes = [K.route(z, TOP_K, True, torch.bfloat16) for z in logits]
+    union = statistics.mean(ids.unique().numel() for _, ids in routes)
+    full = [lambda i=i: K.fused_experts(x, layers.gate_up[i], layers.down[i],
+                                        *K.route(logits[i], TOP_K, True, x.dtype), config=cfg) for i in range(LAYERS)]
+    only_routing = [lambda i=i: K.align(K.route(logits[i], TOP_K, True, x.dtype)[1].view(-1), EXPERTS,
+                                        (cfg or K.moe_config(rows)).block_m,
+                                        K.num_tiles(rows, TOP_K, EXPERTS, (cfg or K.moe_config(rows)).block_m))
+                    for i in range(LAYERS)]
+    t = statistics.median(graph_seconds(full, replays))
+    t_route = statistics.median(graph_seconds(only_routing, replays))
+    floor = union * EXPERT_BYTES / bandwidth
+    return {"rows": rows, "rows_per_request": per_request, "routing": "local" if rho else "uniform",
+            "union_experts": union, "us": 1e6 * t, "route_align_us": 1e6 * t_route, "floor_us": 1e6 * floor,
+            "of_floor": floor / t, "config": None if cfg is None else cfg.__dict__}
+
+
+def dense_us(layers: Layers, rows: int, replays: int = 20) -> float:
+    """The dense SwiGLU MLP of the same active width at `rows` rows (what `GatedMLP` runs: the skinny
+    kernel up to 16 rows, cuBLAS above)."""
+    x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    return 1e6 * statistics.median(graph_seconds([lambda m=m: m(x) for m in layers.dense], replays))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,128,512,2048")
+    p.add_argument("--sweep", action="store_true", help="also try the SWEEP tiles at 1, 4, 16 and 64 rows")
+    p.add_argument("--out", default="moe.json")
+    args = p.parse_args()
+    bandwidth = copy_bandwidth()
+    layers = Layers()
+    runs = []
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; one expert {EXPERT_BYTES / 1e6:.1f} MB")
+    print("rows  routing  per-req  union   us    route+align us  floor us  of floor  dense us")
+    for rows in (int(r) for r in args.rows.split(",")):
+        for per_request, rho in ((1, 0.0), (min(rows, 16), LOCAL_RHO)):  # local: requests of up to 16 rows
+            if rho and (per_request == 1 or rows % per_request):
+                continue
+            run = measure(layers, rows, per_request, rho, bandwidth)
+            if not rho:
+                run["dense_same_active_us"] = dense_us(layers, rows)
+            runs.append(run)
+            print(f"{rows:5d}  {run['routing']:7s}  {per_request:7d}  {run['union_experts']:5.1f}  {run['us']:7.1f}  "
+                  f"{run['route_align_us']:13.1f}  {run['floor_us']:8.1f}  {run['of_floor']:8.0%}  "
+                  f"{run.get('dense_same_active_us', float('nan')):8.1f}")
+    sweep = []
+    if args.sweep:
+        for rows in (1, 4, 16, 64):
+            best = None
+            for tiles in SWEEP:
+                cfg = K.MoeConfig(max(16, 1 << (rows - 1).bit_length()), *tiles)
+                try:
+                    run = measure(layers, rows, 1, 0.0, bandwidth, cfg, replays=10)
+                except Exception as exc:  # noqa: BLE001  a tile that does not fit (shared memory) is skipped
+                    print(f"rows {rows} {tiles}: {type(exc).__name__}")
+                    continue
+                sweep.append(run)
+                if best is None or run["us"] < best["us"]:
+                    best = run
+                print(f"rows {rows:3d} tiles {tiles}: {run['us']:.1f} us ({run['of_floor']:.0%} of floor)")
+            if best is not None:
+                print(f"best at {rows} rows: {best['config']} {best['us']:.1f} us")
+    Path(args.out).write_text(json.dumps({"copy_bandwidth_TBps": bandwidth / 1e12, "runs": runs, "sweep": sweep},
+                                         indent=1))
+
+
+if __name__ == "__main__":
+    main()

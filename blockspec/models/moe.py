@@ -1,0 +1,155 @@
+"""The sparse mixture-of-experts MLP of Qwen3-MoE and Qwen2-MoE, and the loader's expert stacking.
+
+A router (a linear map to one logit per expert) picks each row's top-k experts from the softmax of
+its logits, in fp32, renormalising the k probabilities to sum to 1 where the config says so
+(`norm_topk_prob`). Each expert is a SwiGLU MLP; the row's output is the router-weighted sum of its k
+experts' outputs (plus, in Qwen2-MoE, a shared expert gated by a sigmoid). The experts are stacked in
+two tensors, gate_up [E, 2I, H] (gate rows first) and down [E, H, I], the layout transformers 5
+keeps in memory, so one grouped kernel (`kernels.moe`) reads each selected expert's weights once.
+
+The loop over experts here is the reference (CPU, training, and the oracle the kernels are tested
+against); on CUDA inference the block runs the fused kernels.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from blockspec.config import ModelConfig
+from blockspec.errors import ModelLoadError
+from blockspec.kernels import moe as moe_kernels
+from blockspec.kernels.ops import PreNormed, use_kernels
+from blockspec.models.layers import GatedMLP, RMSNorm, rms_norm, silu_mul, stream
+
+
+def route(logits: Tensor, top_k: int, renorm: bool) -> tuple[Tensor, Tensor]:
+    """logits [M, E] -> (weights [M, k] in the logits' dtype, expert ids [M, k] int64), best first.
+    Softmax and top-k in fp32, as transformers' Qwen-MoE routers compute them."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renorm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+def experts_reference(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+    """sum_j weights[m, j] * expert_{ids[m, j]}(x[m]) for x [M, H]; gate_up [E, 2I, H], down [E, H, I].
+
+    One pass per expert that some row selected, over the rows that selected it; each expert's output
+    is rounded to x's dtype (as a linear layer rounds), the weighted sum is kept in fp32 and rounded once."""
+    out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        y = F.linear(silu_mul(F.linear(x[rows], gate_up[e])), down[e])
+        out.index_add_(0, rows, y.float() * weights[rows, slot, None].float())
+    return out.to(x.dtype)
+
+
+class Experts(nn.Module):
+    """The stacked expert weights (named as transformers 5 names them: experts.gate_up_proj, .down_proj)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+
+class SparseMoE(nn.Module):
+    """Router + experts (+ the gated shared expert where the config has one), a drop-in for GatedMLP."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.renorm = cfg.norm_topk_prob
+        self.inter = cfg.moe_intermediate_size  # local width under tensor parallelism
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        shared = cfg.shared_expert_intermediate_size
+        self.shared_expert = GatedMLP(cfg.hidden_size, shared) if shared else None
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared else None
+        # tensor parallelism sets this: the sum over ranks of the block's partial outputs
+        self.all_reduce: Callable[[Tensor], None] | None = None
+        # benchmark-only routing model (bench/expert_union.py): the router logits of a request's rows in
+        # one step made equicorrelated with this correlation (variance kept); 0 is the model's own routing
+        self.routing_locality = 0.0
+        # called with each forward's expert ids [rows, k] where set (measurements; eager runs only)
+        self.observe: Callable[[Tensor], None] | None = None
+
+    def router_logits(self, h: Tensor) -> Tensor:
+        """h [..., H] -> logits [rows, E]. Under the benchmark's locality model (h [R, Q, H]: Q rows of
+        each of R requests) each request's logits are split into their mean m over its rows and the
+        deviations d, and recombined as sqrt(1 - rho) d + sqrt(1 + (Q - 1) rho) m (in fp32): rows that
+        were independent with equal variances become correlated by rho with the same variances."""
+        logits = F.linear(h, self.gate.weight)
+        rho, q = self.routing_locality, h.shape[1] if h.dim() == 3 else 1
+        if rho and q > 1:
+            z = logits.float()
+            m = z.mean(dim=1, keepdim=True)
+            logits = (1 - rho) ** 0.5 * (z - m) + (1 + (q - 1) * rho) ** 0.5 * m
+        return logits.reshape(-1, self.num_experts)
+
+    def forward(self, x: Tensor | PreNormed, norm: RMSNorm | None = None, residual: Tensor | None = None,
+                next_norm: RMSNorm | None = None) -> Tensor:
+        """residual + moe(norm(x)), both optional, as `GatedMLP.forward` takes them (`next_norm` is not
+        used: the output is plain rows, which the next layer norms itself)."""
+        h = stream(x)
+        if norm is not None:
+            h = rms_norm(h, norm.weight, norm.eps)
+        shape = h.shape
+        rows = h.reshape(-1, shape[-1])
+        logits = self.router_logits(h)
+        w = self.experts
+        fused = use_kernels(rows, w.gate_up_proj)
+        if fused:
+            weights, ids = moe_kernels.route(logits, self.top_k, self.renorm, rows.dtype)
+        else:
+            weights, ids = route(logits, self.top_k, self.renorm)
+            weights = weights.to(rows.dtype)
+        if self.observe is not None:
+            self.observe(ids)
+        add_now = residual is not None and self.shared_expert is None and self.all_reduce is None
+        res = residual.reshape(rows.shape) if add_now else None
+        if fused:
+            out = moe_kernels.fused_experts(rows, w.gate_up_proj, w.down_proj, weights, ids, residual=res)
+        else:
+            out = experts_reference(rows, w.gate_up_proj, w.down_proj, weights, ids)
+            out = out if res is None else res + out
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(F.linear(rows, self.shared_expert_gate.weight))
+            out = out + gate * self.shared_expert(rows)
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        out = out.view(shape)
+        return out if residual is None or add_now else residual + out
+
+
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_up_proj|down_proj)\.weight$")
+
+
+def stack_experts(state: dict[str, Tensor], source: str) -> dict[str, Tensor]:
+    """Per-expert tensors (`...mlp.experts.{e}.gate_up_proj.weight` after gate/up fusion, and
+    `.down_proj.weight`: the hub checkpoints' names) stacked into `...mlp.experts.gate_up_proj`
+    [E, 2I, H] and `.down_proj` [E, H, I]; tensors already stacked (transformers 5's own layout) pass."""
+    out: dict[str, Tensor] = {}
+    groups: dict[tuple[str, str], dict[int, Tensor]] = {}
+    for name, t in state.items():
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            out[name] = t
+        else:
+            groups.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = t
+    for (prefix, part), experts in groups.items():
+        missing = sorted(set(range(max(experts) + 1)) - set(experts))
+        if missing:
+            raise ModelLoadError(f"{source}: {prefix}: checkpoint lacks experts {missing[:8]} of {part}")
+        key = f"{prefix}.{part}"
+        if key in out:
+            raise ModelLoadError(f"{source}: {key} is both stacked and per expert in the checkpoint")
+        out[key] = torch.stack([experts[e] for e in range(len(experts))])
+    return out

@@ -1,0 +1,192 @@
+"""The fused mixture-of-experts kernels (route, align, grouped gate_up / down, combine) held to the
+reference in `models.moe`. Without a GPU the small cases run in Triton's interpreter; the bf16 cases at
+Qwen3-30B-A3B's expert shapes and the CUDA-graph capture need CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.kernels import moe as K
+from blockspec.models import moe as M
+from factories import TRITON_SKIP_REASON, triton_interpretable
+
+pytestmark = pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def rand(*shape: int, dtype: torch.dtype, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype)
+
+
+def experts(num: int, hidden: int, inter: int, dtype: torch.dtype, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [E, 2I, H], down [E, H, I], scaled so activations stay near 1."""
+    return (rand(num, 2 * inter, hidden, dtype=dtype, seed=seed, scale=hidden ** -0.5),
+            rand(num, hidden, inter, dtype=dtype, seed=seed + 1, scale=inter ** -0.5))
+
+
+def reference(x, gate_up, down, logits, k, renorm):
+    weights, ids = M.route(logits, k, renorm)
+    return M.experts_reference(x, gate_up, down, weights.to(x.dtype), ids)
+
+
+def fused(x, gate_up, down, logits, k, renorm, **kw):
+    weights, ids = K.route(logits, k, renorm, x.dtype)
+    return K.fused_experts(x, gate_up, down, weights, ids, **kw)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """fp32: summation order only; half types: a rounding boundary crossed here and there (one ulp of
+    the largest values at most, and rarely)."""
+    err = (got.float() - want.float()).abs()
+    scale = want.float().abs().max().item()
+    if dtype == torch.float32:
+        assert err.max() <= 1e-5 * max(1.0, scale), err.max()
+    else:
+        assert err.max() <= 2 ** -7 * scale + 1e-3, (err.max(), scale)
+        assert err.mean() <= 2 ** -10 * scale, (err.mean(), scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("renorm", [False, True])
+@pytest.mark.parametrize("num_experts,k", [(6, 2), (16, 4)])  # a padded expert block; a wider top-k
+def test_route_matches_reference(dtype, renorm, num_experts, k):
+    logits = rand(13, num_experts, dtype=dtype, seed=3, scale=2.0)
+    weights, ids = K.route(logits, k, renorm, dtype)
+    want_w, want_ids = M.route(logits, k, renorm)
+    assert ids.dtype == torch.int32 and torch.equal(ids.long(), want_ids)
+    assert weights.dtype == dtype and torch.allclose(weights.float(), want_w.float(), atol=1e-3, rtol=1e-3)
+    other = K.route(logits, k, not renorm, dtype)[0]  # negative control: the other normalisation
+    assert not torch.allclose(other.float(), want_w.float(), atol=1e-3)
+
+
+@pytest.mark.parametrize("pairs,num_experts,block_m", [(1, 8, 16), (30, 6, 16), (140, 16, 16), (600, 16, 64),
+                                                       (600, 128, 16)])
+def test_align_kernel_equals_the_sort(pairs, num_experts, block_m):
+    """The one-program counting sort and tile table against the stable torch sort, tile by tile."""
+    ids = torch.randint(0, num_experts, (pairs,), generator=torch.Generator().manual_seed(pairs)).to(DEVICE,
+                                                                                                   torch.int32)
+    tiles = K.num_tiles(pairs, 1, num_experts, block_m)
+    got = K.Schedule(*(torch.full((n,), -7, dtype=torch.int32, device=DEVICE) for n in (pairs, tiles, tiles, tiles)))
+    K._moe_align[(1,)](ids, got.sorted_pairs, got.tile_expert, got.tile_lo, got.tile_hi, pairs, num_experts, tiles,
+                       BLOCK_M=block_m, E_BLOCK=K.triton.next_power_of_2(num_experts), CHUNK=64)
+    want = K.align_torch(ids, num_experts, block_m, tiles)
+    used = want.tile_expert >= 0
+    assert torch.equal(got.sorted_pairs, want.sorted_pairs) and torch.equal(got.tile_expert, want.tile_expert)
+    assert torch.equal(got.tile_lo[used], want.tile_lo[used]) and torch.equal(got.tile_hi[used], want.tile_hi[used])
+    # the tiles cover every pair once, each within one expert and at most block_m long
+    lo, hi, ex = want.tile_lo[used].long(), want.tile_hi[used].long(), want.tile_expert[used].long()
+    assert int((hi - lo).sum()) == pairs and bool(((hi - lo) <= block_m).all() and ((hi - lo) > 0).all())
+    for a, b, e in zip(lo.tolist(), hi.tolist(), ex.tolist()):
+        assert bool((ids[want.sorted_pairs[a:b].long()] == e).all())
+
+
+# one row; a few; past one 16-row tile; past MOE_FEW_ROWS (64-pair tiles, several for an expert)
+@pytest.mark.parametrize("dtype,rows,num_experts,k", [(torch.float32, 1, 16, 4), (torch.float16, 5, 6, 2),
+                                                      (torch.float32, 17, 16, 4), (torch.float16, 70, 6, 2)])
+def test_fused_experts_match_reference(dtype, rows, num_experts, k):
+    hidden, inter = 64, 48  # a ragged last K block of the down projection (48 % 32)
+    x = rand(rows, hidden, dtype=dtype)
+    gate_up, down = experts(num_experts, hidden, inter, dtype)
+    logits = rand(rows, num_experts, dtype=dtype, seed=4)
+    want = reference(x, gate_up, down, logits, k, True)
+    got = fused(x, gate_up, down, logits, k, True)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert_close(got, want, dtype)
+    swapped = torch.cat(gate_up.chunk(2, dim=1)[::-1], dim=1)  # negative control: gate and up swapped
+    assert (fused(x, swapped, down, logits, k, True).float() - want.float()).abs().max() > 1e-2
+
+
+def test_residual_is_added_as_the_unfused_add_rounds():
+    x = rand(5, 64, dtype=torch.float16)
+    res = rand(5, 64, dtype=torch.float16, seed=9)
+    gate_up, down = experts(8, 64, 32, torch.float16)
+    logits = rand(5, 8, dtype=torch.float16, seed=4)
+    weights, ids = K.route(logits, 2, False, torch.float16)
+    plain = K.fused_experts(x, gate_up, down, weights, ids)
+    assert torch.equal(K.fused_experts(x, gate_up, down, weights, ids, residual=res), res + plain)
+
+
+def moe_block(cfg_kw: dict, dtype: torch.dtype) -> M.SparseMoE:
+    from blockspec.config import ModelConfig
+
+    cfg = ModelConfig(model_type="qwen3_moe", vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
+                      num_attention_heads=1, num_key_value_heads=1, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, moe_layers=(0,), **cfg_kw)
+    torch.manual_seed(0)
+    block = M.SparseMoE(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, p.shape[-1] ** -0.5)
+    return block.to(DEVICE, dtype).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("shared", [0, 40], ids=["qwen3_moe", "shared-expert"])
+def test_block_takes_the_kernels_where_they_serve(monkeypatch, shared):
+    """The SparseMoE block with the kernels (forced on here, as on CUDA) against its reference path,
+    with the layer's pre-norm and residual folded in as the decoder layer passes them."""
+    from blockspec.models.layers import RMSNorm
+
+    dtype = torch.float16
+    block = moe_block({"norm_topk_prob": True, "shared_expert_intermediate_size": shared}, dtype)
+    norm = RMSNorm(64).to(DEVICE, dtype)
+    x = rand(2, 3, 64, dtype=dtype)
+    res = rand(2, 3, 64, dtype=dtype, seed=5)
+    monkeypatch.setattr(M, "use_kernels", lambda *t: False)
+    want = block(x, norm=norm, residual=res)
+    seen = []
+    block.observe = seen.append
+    monkeypatch.setattr(M, "use_kernels", lambda *t: True)
+    got = block(x, norm=norm, residual=res)
+    assert got.shape == x.shape and len(seen) == 1 and seen[0].shape == (6, 2)
+    assert_close(got - res, want - res, dtype)
+
+
+# ---------------------------------------------------------------------------------------- GPU, bf16
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 4, 16, 64, 65, 300])
+@pytest.mark.parametrize("num_experts,k", [(128, 8), (64, 4), (8, 2)])
+@pytest.mark.parametrize("renorm", [True, False])
+def test_bf16_expert_shapes_match_reference(rows, num_experts, k, renorm):
+    """Qwen3-30B-A3B's expert shapes (H 2048, I 768) in bf16, at decode, verify and prefill row counts,
+    and coarser experts (Mixtral-like 8 x top-2: many pairs an expert, several tiles above 64 rows)."""
+    dtype = torch.bfloat16
+    x = rand(rows, 2048, dtype=dtype)
+    gate_up, down = experts(num_experts, 2048, 768, dtype)
+    logits = rand(rows, num_experts, dtype=dtype, seed=4)
+    want = reference(x, gate_up, down, logits, k, renorm)
+    got = fused(x, gate_up, down, logits, k, renorm)
+    assert_close(got, want, dtype)
+    assert (fused(x, gate_up, down, logits.flip(-1), k, renorm).float() - want.float()).abs().max() > 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 16, 64, 256])
+def test_bf16_steps_replay_in_a_cuda_graph(rows):
+    """Route, align and the grouped products captured once, replayed on new rows and new routing: the
+    eager results, with nothing read back to the host in between."""
+    dtype = torch.bfloat16
+    gate_up, down = experts(128, 2048, 768, dtype)
+    x = rand(rows, 2048, dtype=dtype)
+    logits = rand(rows, 128, dtype=dtype, seed=4)
+    run = lambda: fused(x, gate_up, down, logits, 8, True)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for seed in (7, 8):
+        x.copy_(rand(rows, 2048, dtype=dtype, seed=seed))
+        logits.copy_(rand(rows, 128, dtype=dtype, seed=seed + 10))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fused(x, gate_up, down, logits, 8, True))
+        assert_close(out, reference(x, gate_up, down, logits, 8, True), dtype)
+
