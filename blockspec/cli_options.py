@@ -38,6 +38,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: fp32 on CPU)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--quantization", "-q", default=None, choices=["fp8"],
+                   help="fp8: quantize the decoder layers' weights at load to FP8 (e4m3, per-channel scales; "
+                        "embeddings and LM head stay in --dtype); FP8 checkpoints load as FP8 without it "
+                        "(default: none)")
+    g.add_argument("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, choices=["auto", "fp8", "fp8_e4m3"],
+                   help="the target's and the drafter's KV cache: auto (the model's dtype) or fp8 (e4m3, per-tensor "
+                        "scales 1.0: half the bytes per cached token)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length to plan memory for (default: the model's, at most 4096)")
     g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, help="requests decoded together at most")
@@ -162,6 +169,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def build_llm(args: argparse.Namespace) -> LLM:
     return LLM(model_path(args.model), tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                max_model_len=args.max_model_len, seed=args.seed, speculative_config=speculative_config(args),
                max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
                tensor_parallel_size=args.tensor_parallel_size,

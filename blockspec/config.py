@@ -305,6 +305,8 @@ class SpeculativeConfig:
 
 
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
+QUANTIZATIONS = ("fp8",)  # EngineArgs.quantization: applied to an unquantized checkpoint at load
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 (vLLM's fp8_e4m3): e4m3
 
 
 @dataclass
@@ -338,8 +340,13 @@ class EngineConfig:
     # no CUDA graph anywhere (target decode and prefill, the draft step): every forward launches its
     # kernels from Python (vLLM's enforce_eager); for debugging, and a faster start-up
     enforce_eager: bool = False
+    # the target's and the drafter's K/V pools: "auto", the model's dtype; "fp8", e4m3 with per-tensor
+    # scales of 1.0 (half the bytes a decode step reads and a page holds; models.kv_cache)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if not isinstance(self.graph_prefill_tokens, int) or self.graph_prefill_tokens < 0:
@@ -364,6 +371,9 @@ class EngineArgs(EngineConfig):
 
     tokenizer: str | os.PathLike[str] | None = None  # directory or hub id (None: the model's)
     dtype: Any = "auto"  # "auto" (fp32 on CPU, the checkpoint's on GPU), a name or a torch.dtype
+    # "fp8": the decoder layers' products quantized at load to e4m3 weights with per-channel scales
+    # (embeddings, LM head and norms stay in dtype); an FP8 checkpoint loads as FP8 whatever this is
+    quantization: str | None = None
     device: str = "auto"
     max_model_len: int | None = None  # None: the model config's, at most 4096
     seed: int | None = None  # the engine's seed for requests that give none (None: 0)
@@ -385,6 +395,9 @@ class EngineArgs(EngineConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization {self.quantization!r} is not supported; supported: "
+                              f"{', '.join(QUANTIZATIONS)} (FP8 checkpoints load as FP8 without it)")
         for name in ("trust_remote_code", "warmup"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from blockspec.bench.arch import get_arch, param_bytes, random_drafter, random_target, step_bytes
+from blockspec.models.quant import is_quantized, quantize_model
 from blockspec.bench.drafts import NO_DRAFTS_WHY, StepLog, acceptance, drafted, drafting_share
 from blockspec.bench.plots import title, write_plots
 from blockspec.bench.timing import (
@@ -106,6 +107,8 @@ class BenchConfig:
     dspark_block_size: int | None = None  # random weights: None = the arch's (7 for qwen3-8b)
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str | None = None  # "fp8": the target's decoder weights in FP8, per channel (drafters stay in dtype)
+    kv_cache_dtype: str = "auto"  # "fp8": the target's and the drafters' KV caches in e4m3
     seed: int = 0
     max_prefill_tokens: int = 4096
     attention_backend: str = "auto"
@@ -238,6 +241,12 @@ def _describe(dcfg: Any, heads: Any) -> str:
     return text + (f", Markov rank {heads.markov_rank} + confidence head" if heads is not None else "")
 
 
+def _quantized(cfg: BenchConfig, target: Any = None) -> str:
+    """What the report's dtype adds for FP8 weights and an FP8 KV cache."""
+    weights = ", fp8 weights" if cfg.quantization or (target is not None and is_quantized(target)) else ""
+    return weights + (", fp8 KV cache" if cfg.kv_cache_dtype != "auto" else "")
+
+
 def prepare(cfg: BenchConfig, device: torch.device) -> Setup:
     """Build (random weights) or load (checkpoints) the target, the prompts, and the drafter factories."""
     return (_prepare_random if cfg.random_weights else _prepare_checkpoints)(cfg, device)
@@ -251,6 +260,8 @@ def _prepare_random(cfg: BenchConfig, device: torch.device) -> Setup:
     prompts = load_prompts(cfg, None, arch.target.vocab_size, max(cfg.batch_sizes) * cfg.waves)
     max_len = max(len(p) for p in prompts) + cfg.output_len + 8
     target = random_target(arch.target, max_len + 64, device, dtype, arch.init_std, cfg.seed)
+    if cfg.quantization:
+        quantize_model(target, cfg.quantization)  # on the device, layer by layer
     shapes = {"dflash": (arch.dflash, None, 1), "dspark": (arch.dspark(cfg.dspark_block_size), arch.dspark_heads, 2)}
 
     def make_drafter(method: str) -> Any:
@@ -261,7 +272,7 @@ def _prepare_random(cfg: BenchConfig, device: torch.device) -> Setup:
     drafters = {m: f"{source}: {_describe(*shapes[m][:2])}" for m in cfg.selected_methods() if m != "plain"}
     return Setup(target, device, list(arch.target.eos_token_ids), prompts, max_len, None, make_drafter,
                  {m: f"random-{arch.name}-{m}" for m in shapes},
-                 {"target": source, "dtype": str(dtype).replace("torch.", ""), "drafters": drafters})
+                 {"target": source, "dtype": str(dtype).replace("torch.", "") + _quantized(cfg), "drafters": drafters})
 
 
 def _prepare_checkpoints(cfg: BenchConfig, device: torch.device) -> Setup:
@@ -274,7 +285,8 @@ def _prepare_checkpoints(cfg: BenchConfig, device: torch.device) -> Setup:
     vocab = int(read_json(model_dir / "config.json")["vocab_size"])
     prompts = load_prompts(cfg, tokenizer, vocab, max(cfg.batch_sizes) * cfg.waves)
     max_len = max(len(p) for p in prompts) + cfg.output_len + 8
-    target, model_dir = load_target(model_dir, cfg.dtype, device, max_positions=max_len + 64)
+    target, model_dir = load_target(model_dir, cfg.dtype, device, max_positions=max_len + 64,
+                                    quantization=cfg.quantization)
     weight = target.embed_tokens.weight
     sources = {m: getattr(cfg, f"{m}_model") for m in ("dflash", "dspark") if getattr(cfg, f"{m}_model")}
 
@@ -283,7 +295,8 @@ def _prepare_checkpoints(cfg: BenchConfig, device: torch.device) -> Setup:
 
     return Setup(target, device, generation_eos_ids(model_dir, target.config.eos_token_ids, tokenizer), prompts,
                  max_len, model_dir, load, sources,
-                 {"target": str(cfg.model), "dtype": str(weight.dtype).replace("torch.", ""), "drafters": sources})
+                 {"target": str(cfg.model), "dtype": str(weight.dtype).replace("torch.", "") + _quantized(cfg, target),
+                  "drafters": sources})
 
 
 def build_engine(cfg: BenchConfig, setup: Setup, method: str, drafter: Any, batch: int) -> Engine:
@@ -298,7 +311,7 @@ def build_engine(cfg: BenchConfig, setup: Setup, method: str, drafter: Any, batc
                                seed=cfg.synthetic_seed)
     engine_cfg = EngineConfig(max_model_len=setup.max_len, max_num_seqs=batch,
                               max_prefill_tokens=cfg.max_prefill_tokens, seed=cfg.seed,
-                              attention_backend=cfg.attention_backend)
+                              attention_backend=cfg.attention_backend, kv_cache_dtype=cfg.kv_cache_dtype)
     engine = Engine(setup.target, None, engine_cfg, spec, drafter, setup.eos_ids, proposer_cls=proposer)
     engine.warmup()  # graph captures and compilation before anything is timed, as a server does at start-up
     engine.spec_totals = StepLog()  # the same counters, plus what each step drafted
@@ -810,6 +823,11 @@ def add_bench_parser(sub: Any) -> None:
     m.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32")
     m.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "sdpa"],
                    help="auto: the Triton kernel on CUDA when triton is installed, else SDPA")
+    m.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: the target's decoder weights quantized to FP8 (per-channel scales) at load, random "
+                        "weights on the device; drafters stay in --dtype (default: none)")
+    m.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="the KV caches (target's and drafters'): auto (the model's dtype) or fp8 (e4m3)")
     w = p.add_argument_group("workload")
     w.add_argument("--methods", type=_list(str), default=None, help="comma list of plain,dflash,dspark "
                    "(default: plain and every drafter available)")

@@ -68,7 +68,7 @@ class DraftAttention(nn.Module):
         """Kernel path of `context_kv` + `cache.write`: project, norm, rotate and store in one kernel."""
         qkv_rope_store(self._context_kv_proj(ctx), 0, self.kv_heads, self.head_dim, None, self.k_norm.weight,
                        self.k_norm.eps, cos, sin, cache.k[layer], cache.v[layer], cache.table, meta.slots,
-                       meta.write_pos)
+                       meta.write_pos, cache.k_scale, cache.v_scale)
 
     def _context_kv_proj(self, ctx: Tensor) -> Tensor:
         """[k | v] of the context rows: the k and v slices of the fused projection."""
@@ -94,10 +94,10 @@ class DraftAttention(nn.Module):
         cache, meta = block.cache, block.meta
         q = qkv_rope_store(dense(x, self.qkv_proj, norm=norm), self.heads, self.kv_heads, self.head_dim,
                            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, cache.k[layer],
-                           cache.v[layer], cache.table, meta.slots, meta.write_pos)
+                           cache.v[layer], cache.table, meta.slots, meta.write_pos, cache.k_scale, cache.v_scale)
         lo, hi = block.bounds[layer]
         out = block_attention(q, cache.k[layer], cache.v[layer], cache.table, meta.slots, lo, hi, self.scale,
-                              meta.kv_len)
+                              meta.kv_len, k_scale=cache.k_scale, v_scale=cache.v_scale)
         return dense(out.view(r, n, self.q_size), self.o_proj, residual=residual)
 
     def _block_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -171,6 +171,9 @@ class DraftModel(nn.Module):
         self._target = None
         self.rotary = self._make_rotary()
         self.attention_backend = "sdpa"  # the engine sets "triton" on GPUs (see kernels.attention)
+        # the engine sets float8_e4m3fn for an FP8 cache (on the kernel path the block's own K/V are
+        # read back from it too; the reference keeps them in the model's dtype)
+        self.kv_cache_dtype: torch.dtype | None = None
 
     has_confidence = False  # a confidence head (DSpark) gives each draft a survival probability
 
@@ -242,11 +245,13 @@ class DraftModel(nn.Module):
                   dtype: torch.dtype | None = None) -> KVCache:
         """The drafter's K/V pools over `table`'s pages (the target's: one page id names the same
         positions in both), `max_len` positions a slot (see `KVCache`)."""
-        return KVCache(*self._cache_dims(), max_len, dtype or self.dtype, device or self.device, table)
+        return KVCache(*self._cache_dims(), max_len, dtype or self.dtype, device or self.device, table,
+                       self.kv_cache_dtype)
 
     def page_bytes(self, page_size: int, dtype: torch.dtype | None = None) -> int:
-        """Bytes one page of the drafter's cache takes (every layer's K and V)."""
-        return KVCache.page_bytes(*self._cache_dims(), page_size, dtype or self.dtype)
+        """Bytes one page of the drafter's cache takes (every layer's K and V), stored in `dtype`
+        (default: its cache dtype)."""
+        return KVCache.page_bytes(*self._cache_dims(), page_size, dtype or self.kv_cache_dtype or self.dtype)
 
     def _cache_dims(self) -> tuple[int, int, int]:
         c = self.config

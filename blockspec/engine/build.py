@@ -25,7 +25,7 @@ from blockspec.models.loader import load_target, read_json, resolve_device, reso
 
 log = logging.getLogger("blockspec")
 
-TargetLoader = Callable[[Path, "str | torch.dtype", torch.device, int], tuple[CausalLM, Path]]
+TargetLoader = Callable[[Path, "str | torch.dtype", torch.device, int, "str | None"], tuple[CausalLM, Path]]
 
 
 def load_tokenizer(path: Path | None) -> Any:
@@ -111,7 +111,7 @@ def build_engine(
         raise ConfigError(f"max_num_seqs must be an integer >= 1, got {a.max_num_seqs!r}")
     defaults = generation_defaults(model_dir, a.generation_config)  # before the weights: a bad file fails fast
     margin = 64  # RoPE rows for draft/verify positions past the committed length
-    target, model_dir = load(model_dir, a.dtype, dev, max_len + margin)
+    target, model_dir = load(model_dir, a.dtype, dev, max_len + margin, a.quantization)
     tok = load_tokenizer(resolve_model_dir(a.tokenizer, "tokenizer") if a.tokenizer else model_dir)
     if a.chat_template is not None:
         if tok is None:

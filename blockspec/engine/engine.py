@@ -30,7 +30,7 @@ from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.timer import StepTimer
 from blockspec.errors import RequestError
 from blockspec.kernels.attention import resolve_backend
-from blockspec.models.kv_cache import PageTable
+from blockspec.models.kv_cache import PageTable, kv_storage_dtype
 from blockspec.models.llama import CausalLM
 from blockspec.models.runner import BATCH_BUCKETS, CAPTURES, ModelRunner, bucket
 from blockspec.request import IncrementalDetokenizer, Logprob, Request, SpecStats, Status
@@ -68,8 +68,10 @@ class Engine:
         self.attention_backend = resolve_backend(config.attention_backend, self.device)
         model.attention_backend = self.attention_backend
         drafter = drafter if spec_config is not None else None
+        model.kv_cache_dtype = kv_storage_dtype(config.kv_cache_dtype, model.embed_tokens.weight.dtype)
         if drafter is not None:
             drafter.attention_backend = self.attention_backend
+            drafter.kv_cache_dtype = model.kv_cache_dtype
         margin, table_len = memory.cache_extent(config, spec_config, drafter)
         self.pages = PageTable(config.max_num_seqs, table_len, config.kv_page_size,
                                memory.plan_pages(model, drafter, config, table_len), self.device)

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 
 from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
-from blockspec.models.kv_cache import PageTable
+from blockspec.models.kv_cache import PageTable, kv_storage_dtype
 from blockspec.models.llama import CausalLM
+from blockspec.models.quant import Fp8Linear
 from blockspec.speculative.proposer import draft_length
 
 
@@ -30,7 +31,8 @@ def plan_pages(model: CausalLM, drafter: Any, config: EngineConfig, table_len: i
     of max_model_len, instead of failing inside an allocation or mid-request."""
     size = config.kv_page_size
     dtype = model.embed_tokens.weight.dtype
-    per_page = model.page_bytes(size) + (drafter.page_bytes(size, dtype) if drafter is not None else 0)
+    kv = kv_storage_dtype(config.kv_cache_dtype, dtype)
+    per_page = model.page_bytes(size, kv) + (drafter.page_bytes(size, kv) if drafter is not None else 0)
     per_seq = PageTable.columns_for(table_len, size)
     most = config.max_num_seqs * per_seq
     if config.num_kv_pages is not None:
@@ -43,6 +45,8 @@ def plan_pages(model: CausalLM, drafter: Any, config: EngineConfig, table_len: i
     # a prefill chunk's activations (residual, norms, qkv, MLP), greedy logits, graph pools and cuBLAS,
     # the outputs the prefill graphs share (hidden rows and taps), the drafter's held taps
     reserve = config.max_prefill_tokens * (8 * mc.hidden_size + 3 * mc.intermediate_size) * itemsize + (3 << 29)
+    # an FP8 product over more rows than kernels.fp8.TILE_MAX_ROWS dequantizes its weight first
+    reserve += max((m.weight.numel() * itemsize for m in model.modules() if isinstance(m, Fp8Linear)), default=0)
     tap_width = drafter.feature_width if drafter is not None else 0
     reserve += min(config.graph_prefill_tokens, config.max_prefill_tokens) * (mc.hidden_size + tap_width) * itemsize
     if drafter is not None:

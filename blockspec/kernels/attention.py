@@ -66,13 +66,15 @@ if triton is not None:
         stride_vp, stride_vh, stride_vl,
         stride_t, stride_br,
         stride_or, stride_oq, stride_oh,
-        num_queries, scale_log2,
+        num_queries, scale_log2, v_scale,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, MAX_USED: tl.constexpr,
         MERGE_UNROLL: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr, PER_KEY: tl.constexpr,
     ):
         """One program: BLOCK_M (query row, head-in-group) pairs of one (request, KV head), over one
-        split of the key tiles those rows read. Online softmax in fp32 (base 2)."""
+        split of the key tiles those rows read. Online softmax in fp32 (base 2). Keys and values of
+        an FP8 cache are converted to q's dtype as they load (exact); K's scale is in scale_log2,
+        V's (v_scale) multiplies the output."""
         pid_rh = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -116,7 +118,7 @@ if triton is not None:
                 page = _tile_pages(pages, start + BLOCK_N, end, PAGE, BLOCK_N, PER_KEY)
             at = n % PAGE
             k = tl.load(k_base + (tile_page * stride_kp + at * stride_kl)[:, None] + d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
             if IEEE:  # fp32 models: exact fp32 products, not TF32
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
             else:
@@ -129,7 +131,7 @@ if triton is not None:
             p = tl.exp2(s - base[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + (tile_page * stride_vp + at * stride_vl)[:, None] + d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -163,11 +165,11 @@ if triton is not None:
                                                          cache_modifier=".cg") * beta[:, None]
                     m_i = m_new
                 tl.atomic_xchg(counter, 0)  # ready for the next launch (and the next graph replay)
-                out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+                out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
                 tl.store(Out + r * stride_or + qi[:, None] * stride_oq + head[:, None] * stride_oh + d[None, :],
                          out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         else:
-            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
             tl.store(Out + r * stride_or + qi[:, None] * stride_oq + head[:, None] * stride_oh + d[None, :],
                      out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -213,13 +215,15 @@ TILES = AttentionTiles()
 
 
 def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, slots: Tensor, lo: Tensor,
-                    hi: Tensor, scale: float, max_keys: int, tiles: AttentionTiles | None = None) -> Tensor:
+                    hi: Tensor, scale: float, max_keys: int, tiles: AttentionTiles | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> Tensor:
     """q [R, Q, Hq, hd] (any strides with unit last stride); k/v_cache [pages, Hkv, page_size, hd];
     table [S, columns] int32: the page holding each page_size positions of a slot (see
     `PageTable`); slots [R]; lo/hi [R, Q]: the first and last key position each query row attends to
     (inclusive; every key index < max_keys). Returns [R, Q, Hq, hd] in q's dtype.
 
-    Shapes and `max_keys` fix the launch grid, so the call is CUDA-graph capturable."""
+    Shapes and `max_keys` fix the launch grid, so the call is CUDA-graph capturable. Caches in
+    float8_e4m3fn hold K / k_scale and V / v_scale (`kv_cache.quantize_kv`)."""
     t = tiles or TILES
     r, nq, hq, hd = q.shape
     hkv = k_cache.shape[1]
@@ -250,7 +254,7 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         table.stride(0), lo.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        nq, scale * math.log2(math.e),
+        nq, scale * math.log2(math.e) * k_scale, v_scale,
         # decode blocks: no floor and no cap (splits <= target_programs), and fixed constants, so a
         # new split count never compiles a variant
         BLOCK_M=block_m, BLOCK_N=t.block_n, MIN_TILES=1 if block_m == 16 else t.min_tiles_wide,

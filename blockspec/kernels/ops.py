@@ -59,11 +59,12 @@ if triton is not None:
         QKV, QW, KW, Cos, Sin, Table, Slots, WritePos, QOut, KCache, VCache,
         stride_x, stride_cs, stride_qo, stride_qh,
         stride_kp, stride_kh, stride_kl, stride_vp, stride_vh, stride_vl, stride_t,
-        rows_per_req, eps,
+        rows_per_req, eps, k_inv, v_inv,
         Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr,
-        QK_NORM: tl.constexpr, PAGE: tl.constexpr,
+        QK_NORM: tl.constexpr, PAGE: tl.constexpr, KV_FP8: tl.constexpr = False,
     ):
-        """One program per (row, head) of the fused projection [q heads | k heads | v heads]."""
+        """One program per (row, head) of the fused projection [q heads | k heads | v heads]. KV_FP8:
+        K and V stored in e4m3, times k_inv / v_inv (1 / their scales) and saturated."""
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         half = HEAD_DIM // 2
@@ -91,10 +92,10 @@ if triton is not None:
             a, b = x1.to(tl.float32), x2.to(tl.float32)
             x1 = (a * c1 - b * s1).to(x1.dtype)
             x2 = (b * c2 + a * s2).to(x2.dtype)
-        if head < Q_HEADS:
-            out = QOut + row * stride_qo + head * stride_qh
-            tl.store(out + d, x1, mask=ok)
-            tl.store(out + half + d, x2, mask=ok)
+        if head < Q_HEADS:  # q_out and the cache pointer differ in type (fp8 pages): distinct names
+            q_out = QOut + row * stride_qo + head * stride_qh
+            tl.store(q_out + d, x1, mask=ok)
+            tl.store(q_out + half + d, x2, mask=ok)
         else:
             slot = tl.load(Slots + row // rows_per_req).to(tl.int64)
             pos = tl.load(WritePos + row).to(tl.int64)
@@ -104,28 +105,49 @@ if triton is not None:
                 out = VCache + page * stride_vp + (head - Q_HEADS - KV_HEADS) * stride_vh + at * stride_vl
             else:
                 out = KCache + page * stride_kp + (head - Q_HEADS) * stride_kh + at * stride_kl
-            tl.store(out + d, x1, mask=ok)
-            tl.store(out + half + d, x2, mask=ok)
+            if KV_FP8:
+                inv = tl.where(is_v, v_inv, k_inv)
+                y1 = tl.minimum(tl.maximum(x1.to(tl.float32) * inv, -448.0), 448.0)
+                y2 = tl.minimum(tl.maximum(x2.to(tl.float32) * inv, -448.0), 448.0)
+                tl.store(out + d, y1.to(KCache.dtype.element_ty), mask=ok)
+                tl.store(out + half + d, y2.to(KCache.dtype.element_ty), mask=ok)
+            else:
+                tl.store(out + d, x1, mask=ok)
+                tl.store(out + half + d, x2, mask=ok)
 
     @triton.jit
-    def _dot_step(acc, xv, wv, BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
+    def _dot_step(acc, xv, wv, ws, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, KSCALED: tl.constexpr):
         """One K tile of the product: at one row a multiply-add kept per (column, k) and summed at the
-        end; above it a tensor-core dot."""
+        end; above it a tensor-core dot. An FP8 weight tile is converted to the input's dtype (exact);
+        with KSCALED its columns' scales for this K block (`ws`) multiply it, or the tile's dot."""
         if BLOCK_M == 1:
-            acc += wv.to(tl.float32) * xv.to(tl.float32)
-        elif IEEE:  # fp32 models: no tf32 rounding of the inputs
-            acc = tl.dot(xv, tl.trans(wv), acc, input_precision="ieee")
+            w32 = wv.to(tl.float32)
+            if KSCALED:
+                w32 = w32 * ws[:, None]
+            acc += w32 * xv.to(tl.float32)
         else:
-            acc = tl.dot(xv, tl.trans(wv), acc)
+            wv = wv.to(xv.dtype)
+            if KSCALED:
+                if IEEE:
+                    acc += tl.dot(xv, tl.trans(wv), input_precision="ieee") * ws[None, :]
+                else:
+                    acc += tl.dot(xv, tl.trans(wv)) * ws[None, :]
+            elif IEEE:  # fp32 models: no tf32 rounding of the inputs
+                acc = tl.dot(xv, tl.trans(wv), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xv, tl.trans(wv), acc)
         return acc
 
     @triton.jit
-    def _dot_result(acc, rstd, Bias, cols, col_ok, BLOCK_M: tl.constexpr, SCALE: tl.constexpr,
-                    HAS_BIAS: tl.constexpr):
-        """The fp32 product [BLOCK_M, BLOCK_N]: the one-row partials summed, the rows' RMS scale applied
-        (SCALE: a norm whose weight the input already carries), the bias added."""
+    def _dot_result(acc, rstd, Bias, cols, col_ok, col_scale, BLOCK_M: tl.constexpr, SCALE: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, COL_SCALED: tl.constexpr):
+        """The fp32 product [BLOCK_M, BLOCK_N]: the one-row partials summed, an FP8 weight's per-channel
+        scales applied (COL_SCALED), the rows' RMS scale applied (SCALE: a norm whose weight the input
+        already carries), the bias added."""
         if BLOCK_M == 1:
             acc = tl.sum(acc, 1)[None, :]
+        if COL_SCALED:
+            acc = acc * col_scale[None, :]
         if SCALE:
             acc = acc * rstd[:, None]
         if HAS_BIAS:
@@ -134,11 +156,12 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["m"])  # the row count follows the batch: never a new variant
     def _skinny_linear(
-        X, W, Bias, NormW, Res, Out, Sums, Scaled, m, n, k, n_sums, stride_x, stride_w, stride_r, stride_o, eps,
+        X, W, Bias, NormW, Res, Out, Sums, Scaled, WScale, m, n, k, n_sums, stride_x, stride_w, stride_r, stride_o,
+        stride_s, eps,
         PROLOGUE: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
         EMIT: tl.constexpr, SUMS_BLOCK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, WSCALE: tl.constexpr = 0, SCALE_BR: tl.constexpr = 1, SCALE_BC: tl.constexpr = 1,
     ):
         """Out[m, n] = g(f(X)[m, :] @ W[n, :]^T (+ bias)) (+ Res), for few rows: one program per BLOCK_N
         output columns streams its weight rows once. f is the identity, the RMSNorm (PROLOGUE 1, with
@@ -148,7 +171,10 @@ if triton is not None:
         the operand streams unmodified). g is the identity, or with GLU silu(gate) * up of the
         product's halves (W = [gate | up], 2n rows). EMIT (with Res, the residual stream): also store
         what PROLOGUE 3 of the next product takes, Out * NormW in Scaled and each program's sums of
-        squares in Sums[program]."""
+        squares in Sums[program]. An FP8 weight (W e4m3) is dequantized in registers: WSCALE 1, one
+        scale per output row (WScale [n_rows, 1]) applied to the product; WSCALE 2, scales over
+        (SCALE_BR x SCALE_BC) blocks (WScale [rows / BR, k / BC]) applied per K tile, which lies in
+        one K block (BLOCK_K divides SCALE_BC)."""
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < m
@@ -195,12 +221,27 @@ if triton is not None:
                 if PROLOGUE == 1:  # rounded as the rms_norm kernel rounds
                     nw = tl.load(NormW + kk, mask=kk < k, other=0.0).to(tl.float32)
                     xv = (nw[None, :] * (xv.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
-            acc = _dot_step(acc, xv, tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0), BLOCK_M, IEEE)
+            ws = 1.0
+            if WSCALE == 2:  # this K block's scale of each column
+                ws = tl.load(WScale + (cols // SCALE_BR).to(tl.int64) * stride_s + k0 // SCALE_BC, mask=col_ok,
+                             other=0.0)
+            acc = _dot_step(acc, xv, tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0), ws, BLOCK_M, IEEE,
+                            WSCALE == 2)
             if GLU:
-                acc_up = _dot_step(acc_up, xv, tl.load(u_rows + kk[None, :], mask=w_ok, other=0.0), BLOCK_M, IEEE)
-        y = _dot_result(acc, rstd, Bias, cols, col_ok, BLOCK_M, PROLOGUE == 3, HAS_BIAS).to(dtype)
+                if WSCALE == 2:
+                    ws = tl.load(WScale + ((cols + n) // SCALE_BR).to(tl.int64) * stride_s + k0 // SCALE_BC,
+                                 mask=col_ok, other=0.0)
+                acc_up = _dot_step(acc_up, xv, tl.load(u_rows + kk[None, :], mask=w_ok, other=0.0), ws, BLOCK_M,
+                                   IEEE, WSCALE == 2)
+        cs = 1.0
+        if WSCALE == 1:
+            cs = tl.load(WScale + cols.to(tl.int64) * stride_s, mask=col_ok, other=0.0)
+        y = _dot_result(acc, rstd, Bias, cols, col_ok, cs, BLOCK_M, PROLOGUE == 3, HAS_BIAS, WSCALE == 1).to(dtype)
         if GLU:  # the product rounded as the unfused linear rounds, then as the silu_mul kernel rounds
-            up = _dot_result(acc_up, rstd, Bias + n, cols, col_ok, BLOCK_M, PROLOGUE == 3, HAS_BIAS).to(dtype)
+            if WSCALE == 1:
+                cs = tl.load(WScale + (cols + n).to(tl.int64) * stride_s, mask=col_ok, other=0.0)
+            up = _dot_result(acc_up, rstd, Bias + n, cols, col_ok, cs, BLOCK_M, PROLOGUE == 3, HAS_BIAS,
+                             WSCALE == 1).to(dtype)
             gate = y.to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
             y = (act * up.to(tl.float32)).to(dtype)
@@ -257,12 +298,14 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 
 def qkv_rope_store(qkv: Tensor, q_heads: int, kv_heads: int, head_dim: int, q_weight: Tensor | None,
                    k_weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                   table: Tensor, slots: Tensor, write_pos: Tensor) -> Tensor:
+                   table: Tensor, slots: Tensor, write_pos: Tensor, k_scale: float = 1.0, v_scale: float = 1.0
+                   ) -> Tensor:
     """qkv [R, Q, (q_heads + 2 kv_heads) * head_dim] -> q [R, Q, q_heads, head_dim] normed and rotated;
     k (normed, rotated) and v are stored at (slots[r], head, write_pos[r, i]) of the paged caches
     [pages, kv_heads, page_size, head_dim], the page found in `table` [S, columns] (see `PageTable`).
     cos/sin [R, Q, head_dim]. q_heads may be 0 (context K/V only); the q/k RMSNorm runs when
-    k_weight is given (Qwen3), else only RoPE (Llama, Qwen2)."""
+    k_weight is given (Qwen3), else only RoPE (Llama, Qwen2). Caches in float8_e4m3fn take K / k_scale
+    and V / v_scale, saturated (`kv_cache.quantize_kv`)."""
     r, nq, width = qkv.shape
     if width != (q_heads + 2 * kv_heads) * head_dim or qkv.stride(-1) != 1:
         raise ValueError(f"qkv_rope_store: qkv {tuple(qkv.shape)} is not [R, Q, ({q_heads} + 2 x {kv_heads}) x "
@@ -282,9 +325,9 @@ def qkv_rope_store(qkv: Tensor, q_heads: int, kv_heads: int, head_dim: int, q_we
         write_pos, q, k_cache, v_cache,
         rows.stride(0), cos.stride(0), q_heads * head_dim, head_dim,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), table.stride(0), nq, eps,
+        v_cache.stride(2), table.stride(0), nq, eps, 1.0 / k_scale, 1.0 / v_scale,
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF_BLOCK=triton.next_power_of_2(head_dim // 2),
-        QK_NORM=qk_norm, PAGE=k_cache.shape[2], num_warps=1,
+        QK_NORM=qk_norm, PAGE=k_cache.shape[2], KV_FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=1,
     )
     return q
 
@@ -342,7 +385,8 @@ class PreNormed:
 def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_weight: Tensor | None = None,
                   eps: float = 0.0, swiglu: bool = False, glu: bool = False, residual: Tensor | None = None,
                   prenormed: PreNormed | None = None, emit_norm: Tensor | None = None,
-                  config: SkinnyConfig | None = None) -> Tensor | PreNormed:
+                  config: SkinnyConfig | None = None, weight_scale: Tensor | None = None,
+                  scale_block: tuple[int, int] | None = None) -> Tensor | PreNormed:
     """linear(f(x), weight, bias) (+ residual) for few rows, f fused into the product's prologue:
 
     - `norm_weight`: f = RMSNorm (the layer's pre-norm), so the normed rows are never stored;
@@ -352,7 +396,9 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm
     - `glu`: the weight is [gate | up] (2N rows) and the output silu(gate) * up (width N): the MLP's
       activation after its first product instead of before its second;
     - `residual`: the output is residual + the product, each rounded as the unfused ops round;
-      with `emit_norm`, returned as PreNormed for the RMSNorm of that weight.
+      with `emit_norm`, returned as PreNormed for the RMSNorm of that weight;
+    - `weight_scale`: the weight is FP8 (e4m3), dequantized as it streams: its fp32 scales over
+      `scale_block` (rows, columns) blocks, [ceil(N / rows), ceil(K / columns)] (`kernels.fp8`).
     """
     rows = _rows(x)
     m = rows.shape[0]
@@ -367,6 +413,24 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm
         raise ValueError("skinny_linear: emit_norm describes the residual stream: it needs `residual`")
     prologue = 3 if prenormed is not None else 1 if norm_weight is not None else 2 if swiglu else 0
     cfg = config or skinny_config(m, n, k, 2 if swiglu else 0, x.element_size())
+    wscale, (br, bc), stride_s = 0, scale_block or (1, 1), 0
+    if (weight_scale is None) == (weight.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"skinny_linear: an FP8 weight needs weight_scale, and only an FP8 weight takes one "
+                         f"(weight {weight.dtype}, weight_scale {'given' if weight_scale is not None else 'none'})")
+    if weight_scale is not None:
+        if weight_scale.dtype != torch.float32 or scale_block is None:
+            raise ValueError(f"skinny_linear: weight_scale takes a float8_e4m3fn weight, fp32 scales and their "
+                             f"scale_block (got {weight.dtype}, {weight_scale.dtype}, block {scale_block})")
+        if tuple(weight_scale.shape) != (-(-n // br), -(-k // bc)):
+            raise ValueError(f"skinny_linear: weight_scale {tuple(weight_scale.shape)} does not cover weight "
+                             f"{tuple(weight.shape)} in {br} x {bc} blocks")
+        stride_s = weight_scale.stride(0)
+        wscale = 1 if br == 1 and bc >= k else 2
+        if wscale == 2:  # a K tile must lie in one scale block
+            block_k = min(cfg.block_k, bc & -bc)
+            if block_k < 16:
+                raise ValueError(f"skinny_linear: scale blocks of {bc} columns need K tiles of {block_k} < 16")
+            cfg = replace(cfg, block_k=block_k)
     block_n = cfg.block_n
     if glu:  # each program streams block_n weight rows: half gate, half up
         n, block_n = n // 2, max(16, block_n // 2)
@@ -382,12 +446,14 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm
         sums = out
     scaled = torch.empty_like(out) if emit_norm is not None else out
     _skinny_linear[grid](
-        rows, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight, res,
-        out, sums, scaled, m, n, k, sums.shape[0], rows.stride(0), weight.stride(0), res.stride(0), out.stride(0), eps,
+        rows, weight, bias if bias is not None else out, norm_weight if norm_weight is not None else out, res,
+        out, sums, scaled, weight_scale if weight_scale is not None else out, m, n, k, sums.shape[0], rows.stride(0),
+        weight.stride(0), res.stride(0), out.stride(0), stride_s, eps,
         PROLOGUE=prologue, GLU=glu, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         EMIT=emit_norm is not None, SUMS_BLOCK=triton.next_power_of_2(sums.shape[0]) if prologue == 3 else 1,
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32, WSCALE=wscale, SCALE_BR=br, SCALE_BC=bc,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if emit_norm is not None:
         return PreNormed(out.view(*x.shape[:-1], n), scaled.view(*x.shape[:-1], n), sums, emit_norm)

@@ -9,6 +9,11 @@ every table entry no request holds points to it, and padded query rows write the
 length is still just a number: rollback is free, and rejected rows are overwritten later. Kernels
 read the table on the device at run time, so captured CUDA graphs follow pages allocated after
 their capture.
+
+With `kv_dtype` float8_e4m3fn (`kv_cache_dtype="fp8"`) the pools hold K and V in e4m3, each divided
+by its per-tensor scale (`k_scale`, `v_scale`; 1.0, as vLLM takes uncalibrated FP8 caches) and
+saturated at +-448: half the bytes a step reads and a page holds. Attention dequantizes as it
+loads (the kernels) or after the gather (`gather`, the reference); the model's dtype is unchanged.
 """
 
 from __future__ import annotations
@@ -23,6 +28,18 @@ from blockspec.transfer import to_device
 
 
 DEFAULT_PAGE_SIZE = 64
+FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+
+
+def kv_storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The pools' dtype for `EngineConfig.kv_cache_dtype` ("auto": the model's `dtype`)."""
+    return dtype if kv_cache_dtype == "auto" else FP8
+
+
+def quantize_kv(x: Tensor, scale: float) -> Tensor:
+    """x / scale in e4m3, saturated (the store the kernels do: fp32 times 1 / scale, clamped, rounded)."""
+    return (x.float() * (1.0 / scale)).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8)
 
 
 class OutOfSlots(RuntimeError):
@@ -136,15 +153,22 @@ class KVCache:
     pages (`PageTable.full`): a standalone cache."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device | str, table: PageTable | int) -> None:
+                 device: torch.device | str, table: PageTable | int, kv_dtype: torch.dtype | None = None,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         if isinstance(table, int):
             table = PageTable.full(table, max_len, device)
         if max_len > table.max_len:
             raise ValueError(f"a cache of {max_len} positions needs a page table of at least that many "
                              f"({table.max_len})")
         shape = (table.num_pages + 1, num_kv_heads, table.page_size, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        store = kv_dtype or dtype
+        if store not in (dtype, FP8):
+            raise ValueError(f"a KV cache stores the model's dtype or float8_e4m3fn, not {store}")
+        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        self.dtype = dtype  # what attention computes in
+        self.quantized = store == FP8
+        self.k_scale, self.v_scale = (k_scale, v_scale) if self.quantized else (1.0, 1.0)
         self.pages = table
         self.max_len = max_len
         self.trash = max_len
@@ -171,6 +195,8 @@ class KVCache:
     def write(self, layer: int, meta: "AttnMeta", k: Tensor, v: Tensor) -> None:
         """k, v: [R, kv_heads, Q, hd], stored at (slot, write_pos) for every query row."""
         page, offset = self._locate(meta.slots[:, None], meta.write_pos)
+        if self.quantized:
+            k, v = quantize_kv(k, self.k_scale), quantize_kv(v, self.v_scale)
         self.k[layer][page, :, offset] = k.transpose(1, 2)
         self.v[layer][page, :, offset] = v.transpose(1, 2)
 
@@ -179,12 +205,13 @@ class KVCache:
         cols = self.pages.pages_for(kv_len, self.pages.page_size)
         pages = self.table[slots, :cols].long()  # [R, cols]
 
-        def pool(t: Tensor) -> Tensor:
+        def pool(t: Tensor, scale: float) -> Tensor:
             x = t[pages]  # [R, cols, H, P, hd]
             r, _, h, p, d = x.shape
-            return x.transpose(1, 2).reshape(r, h, cols * p, d)[:, :, :kv_len]
+            x = x.transpose(1, 2).reshape(r, h, cols * p, d)[:, :, :kv_len]
+            return (x.float() * scale).to(self.dtype) if self.quantized else x
 
-        return pool(self.k[layer]), pool(self.v[layer])
+        return pool(self.k[layer], self.k_scale), pool(self.v[layer], self.v_scale)
 
     def read(self, layer: int, meta: "AttnMeta") -> tuple[Tensor, Tensor]:
         """Keys and values of the first kv_len positions of each request's slot: [R, kv_heads, kv_len, hd]."""

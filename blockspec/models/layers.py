@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from blockspec.config import RopeConfig
 from blockspec.kernels import ops as triton_ops
 from blockspec.kernels.ops import PreNormed, use_kernels
+from blockspec.models.quant import Fp8Linear
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -123,10 +124,11 @@ def dense(x: Tensor | PreNormed, proj: nn.Linear, *, norm: RMSNorm | None = None
     statistics from the product before, which returns PreNormed rows when given `next_norm` (the
     norm that comes next on the residual stream); without them the norm is a kernel of its own.
     Otherwise, and as the reference, the ops run one after the other; the results agree up to the
-    products' summation order and roundings.
+    products' summation order and roundings. An `Fp8Linear` streams its e4m3 weight alike.
     """
     rows = stream(x)
-    if few_rows(rows) and type(proj) is nn.Linear:  # a parallel layer's own forward reduces across ranks
+    fp8 = type(proj) is Fp8Linear
+    if few_rows(rows) and (fp8 or type(proj) is nn.Linear):  # a parallel layer's own forward reduces across ranks
         many = rows.numel() > rows.shape[-1]
         prenormed = x if isinstance(x, PreNormed) and norm is not None and x.weight is norm.weight else None
         if many and prenormed is None:
@@ -135,7 +137,9 @@ def dense(x: Tensor | PreNormed, proj: nn.Linear, *, norm: RMSNorm | None = None
         emit = next_norm.weight if many and next_norm is not None and residual is not None else None
         return triton_ops.skinny_linear(rows, proj.weight, proj.bias, norm_weight=None if norm is None else norm.weight,
                                         eps=0.0 if norm is None else norm.eps, swiglu=swiglu, glu=glu,
-                                        residual=residual, prenormed=prenormed, emit_norm=emit)
+                                        residual=residual, prenormed=prenormed, emit_norm=emit,
+                                        weight_scale=proj.weight_scale if fp8 else None,
+                                        scale_block=proj.block if fp8 else None)
     x = rows
     if norm is not None:
         x = norm(x)

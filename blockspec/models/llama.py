@@ -65,10 +65,10 @@ class Attention(nn.Module):
             kw = self.k_norm.weight if self.k_norm is not None else None
             q = qkv_rope_store(dense(x, self.qkv_proj, norm=norm), self.heads, self.kv_heads, self.head_dim, qw, kw,
                                self.eps, cos, sin, cache.k[layer], cache.v[layer], cache.table, meta.slots,
-                               meta.write_pos)
+                               meta.write_pos, cache.k_scale, cache.v_scale)
             lo, hi = meta.bounds[self.layer_type]
             out = block_attention(q, cache.k[layer], cache.v[layer], cache.table, meta.slots, lo, hi, self.scale,
-                                  meta.kv_len)
+                                  meta.kv_len, k_scale=cache.k_scale, v_scale=cache.v_scale)
             return dense(out.view(r, n, self.q_size), self.o_proj, residual=residual, next_norm=next_norm)
         q, k, v = self.project(x, cos, sin)
         if cache is not None:
@@ -127,15 +127,18 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
         self.attention_backend = "sdpa"  # the engine sets "triton" on GPUs (see triton_attention)
+        self.kv_cache_dtype: torch.dtype | None = None  # the engine sets float8_e4m3fn for an FP8 cache
 
     def new_cache(self, table: PageTable | int, max_len: int, device: torch.device | str | None = None) -> KVCache:
         """This model's K/V pools over `table`'s pages, `max_len` positions a slot (see `KVCache`)."""
         w = self.embed_tokens.weight
-        return KVCache(*self._cache_dims(), max_len, w.dtype, device or w.device, table)
+        return KVCache(*self._cache_dims(), max_len, w.dtype, device or w.device, table, self.kv_cache_dtype)
 
-    def page_bytes(self, page_size: int) -> int:
-        """Bytes one page of this model's cache takes (every layer's K and V)."""
-        return KVCache.page_bytes(*self._cache_dims(), page_size, self.embed_tokens.weight.dtype)
+    def page_bytes(self, page_size: int, kv_dtype: torch.dtype | None = None) -> int:
+        """Bytes one page of this model's cache takes (every layer's K and V), stored in `kv_dtype`
+        (default: this model's cache dtype)."""
+        dtype = kv_dtype or self.kv_cache_dtype or self.embed_tokens.weight.dtype
+        return KVCache.page_bytes(*self._cache_dims(), page_size, dtype)
 
     def _cache_dims(self) -> tuple[int, int, int]:
         kv_heads = self.layers[0].self_attn.kv_heads  # local count under tensor parallelism

@@ -108,8 +108,10 @@ def assign_weights(module: nn.Module, state: dict[str, Tensor], source: str, opt
             params[name].copy_(t)
 
 
-def fuse_hf_layer_names(state: dict[str, Tensor], prefix: str, rename: Callable[[str], str]) -> dict[str, Tensor]:
-    """Map HF per-layer q/k/v and gate/up tensors onto blockspec's fused qkv_proj and gate_up_proj."""
+def fuse_hf_layer_names(state: dict[str, Any], prefix: str, rename: Callable[[str], str],
+                        concat: Callable[[list[Any]], Any] = torch.cat) -> dict[str, Any]:
+    """Map HF per-layer q/k/v and gate/up tensors onto blockspec's fused qkv_proj and gate_up_proj
+    (`concat` stacks the parts along the output rows: FP8 weights bring their scales along)."""
     out: dict[str, Tensor] = {}
     groups: dict[str, dict[str, Tensor]] = {}
     for name, t in state.items():
@@ -130,7 +132,7 @@ def fuse_hf_layer_names(state: dict[str, Tensor], prefix: str, rename: Callable[
         need = order[fused]
         if set(parts) != set(need):
             raise ModelLoadError(f"{key}: checkpoint has {sorted(parts)} but needs all of {list(need)}")
-        out[key] = torch.cat([parts[p] for p in need], dim=0)
+        out[key] = concat([parts[p] for p in need])
     return out
 
 
@@ -166,8 +168,12 @@ def load_target(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
     max_positions: int | None = None,
+    quantization: str | None = None,
 ) -> tuple[CausalLM, Path]:
-    """Load a Llama/Qwen2/Qwen3 causal LM from a HF directory or hub id."""
+    """Load a Llama/Qwen2/Qwen3 causal LM from a HF directory or hub id. An FP8 checkpoint keeps its
+    e4m3 weights; `quantization="fp8"` quantizes an unquantized one's decoder products at load, on the
+    device (`models.quant`)."""
+    from blockspec.models import quant
     from blockspec.models.layers import Rotary
     from blockspec.models.llama import CausalLM
     from blockspec.models.moe import stack_experts
@@ -175,11 +181,19 @@ def load_target(
     model_dir = resolve_model_dir(name_or_path)
     raw = read_json(model_dir / "config.json")
     cfg = ModelConfig.from_hf(raw, str(model_dir / "config.json"))
+    fp8 = quant.checkpoint_quantization(raw, str(model_dir / "config.json"))
+    if quantization is not None and quantization not in quant.QUANTIZATIONS:
+        raise ConfigError(f"quantization {quantization!r} is not supported; supported: "
+                          f"{', '.join(quant.QUANTIZATIONS)} (or None)")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, cfg.torch_dtype, dev)
     state = read_state_dict(model_dir)
+    packed = quant.take_fp8_weights(state, fp8) if fp8 is not None else {}
     prefix = "model." if any(k.startswith("model.") for k in state) else ""
     mapped = fuse_hf_layer_names(state, prefix, lambda n: n)
+    packed_mapped = fuse_hf_layer_names(packed, prefix, lambda n: n, concat=quant.concat_fp8)
+    if "lm_head.weight" in packed:
+        packed_mapped["lm_head.weight"] = packed["lm_head.weight"]
     if "lm_head.weight" in state and not cfg.tie_word_embeddings:
         mapped["lm_head.weight"] = state["lm_head.weight"]
     mapped = {k: v for k, v in mapped.items() if not k.endswith("rotary_emb.inv_freq")}
@@ -189,8 +203,11 @@ def load_target(
     model = model.to_empty(device="cpu")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    mapped.update(quant.install_fp8(model, packed_mapped, str(model_dir)))
     assign_weights(model, mapped, str(model_dir))
-    model = model.to(device=dev, dtype=torch_dtype)
+    model = model.to(device=dev, dtype=torch_dtype)  # FP8 weights and their scales keep their dtypes
+    if quantization is not None and fp8 is None:
+        quant.quantize_model(model, quantization)
     # RoPE tables stay fp32 (built after the dtype cast); they are cast per use.
     model.rotary = Rotary(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings).to(dev)
     model.eval().requires_grad_(False)

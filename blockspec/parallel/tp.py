@@ -45,6 +45,7 @@ from blockspec.inputs import ModelInputs
 from blockspec.models.layers import GatedMLP
 from blockspec.models.llama import Attention, CausalLM
 from blockspec.models.moe import SparseMoE
+from blockspec.models.quant import is_quantized
 from blockspec.models.loader import (
     load_target,
     read_json,
@@ -207,6 +208,8 @@ def shard_model(model: CausalLM, rank: int, world_size: int, group: ProcessGroup
     Call on every rank with the same full weights, after torch.distributed is initialised and before
     the KV cache is allocated (CausalLM.new_cache sizes it with the local KV heads)."""
     check_shardable(model.config, world_size)
+    if world_size > 1 and is_quantized(model):
+        raise ConfigError("tensor_parallel_size > 1 with FP8 weights is not supported yet")
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} outside [0, {world_size})")
     if world_size == 1:
@@ -234,12 +237,13 @@ def rank_engine(rank: int, world_size: int, control: ProcessGroup, model: str | 
     are the fewest any rank's memory allows, and its draft-length decisions rank 0's (`control`: a
     CPU group for host messages)."""
 
-    def load(model_dir: Path, dtype: str | torch.dtype, device: torch.device,
-             max_positions: int) -> tuple[CausalLM, Path]:
+    def load(model_dir: Path, dtype: str | torch.dtype, device: torch.device, max_positions: int,
+             quantization: str | None = None) -> tuple[CausalLM, Path]:
         cfg = ModelConfig.from_hf(read_json(model_dir / "config.json"), str(model_dir / "config.json"))
         check_shardable(cfg, world_size)
         torch_dtype = resolve_dtype(dtype, cfg.torch_dtype, device)
-        target, model_dir = load_target(model_dir, torch_dtype, "cpu", max_positions=max_positions)
+        target, model_dir = load_target(model_dir, torch_dtype, "cpu", max_positions=max_positions,
+                                        quantization=quantization)
         shard_model(target, rank, world_size)
         return target.to(device), model_dir
 
@@ -371,6 +375,9 @@ class RankGroup:
         model_dir = resolve_model_dir(model)
         cfg = ModelConfig.from_hf(read_json(model_dir / "config.json"), str(model_dir / "config.json"))
         check_shardable(cfg, world_size)  # fail here, before spawning anything
+        if world_size > 1 and (args.quantization or "quantization_config" in read_json(model_dir / "config.json")):
+            raise ConfigError("tensor_parallel_size > 1 with FP8 weights (an FP8 checkpoint or quantization='fp8') "
+                              "is not supported yet: the ranks would need the scales sharded with the weights")
         if resolve_device(args.device).type == "cuda" and torch.cuda.device_count() < world_size:
             raise ConfigError(f"tensor_parallel_size={world_size} needs that many GPUs; "
                               f"{torch.cuda.device_count()} visible")

@@ -1,0 +1,130 @@
+"""FP8 weight products of a Qwen3-8B-shaped model against bf16, by row count: what `kernels.fp8`
+dispatches to (the streaming kernel up to 16 rows, 64-row tiles up to TILE_MAX_ROWS, dequantize +
+cuBLAS above) and the alternatives at each size (tiles, dequantize + cuBLAS, and FP8 tensor cores
+through torch._scaled_mm: per-token activation scales for per-channel weights, 1 x 128 groups for
+128 x 128 blocks), per-channel and 128 x 128 block scales.
+
+Each figure is one product timed as a CUDA graph of calls over enough weight copies to defeat the L2
+cache, median of repeated replays; the floor is the FP8 weight bytes over the measured copy bandwidth.
+`--sweep` first times a few streaming tiles at 1 and 16 rows (the bf16 tiles were tuned for bf16).
+
+    python benchmarks/bench_fp8_gemm.py --out fp8_gemm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from blockspec.bench.timing import add_run, copy_bandwidth, graph_seconds, kernel_record
+from blockspec.kernels import fp8
+from blockspec.kernels import ops as triton_ops
+from blockspec.kernels.ops import SkinnyConfig
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+L2_DEFEAT_BYTES = 512 << 20
+
+
+class Case:
+    """One product shape at one row count: bf16 weights and their FP8 copies (per channel, 128 x 128)."""
+
+    def __init__(self, n: int, k: int, m: int, bf16: bool = True) -> None:
+        self.n, self.k, self.m = n, k, m
+        copies = max(1, -(-L2_DEFEAT_BYTES // (n * k)))
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+        self.bf16 = [w.clone() for _ in range(max(1, copies // 2))] if bf16 else []
+        q, s = fp8.quantize_per_channel(w)
+        self.channel = [(q.clone(), s, (1, k)) for _ in range(copies)]
+        q, s = fp8.quantize_blocks(w, (128, 128))
+        self.block = [(q.clone(), s, (128, 128)) for _ in range(copies)]
+        self.x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+
+    def calls(self, kind: str, path: str, cfg: SkinnyConfig | None = None) -> list[Callable[[], object]]:
+        x = self.x
+        if kind == "bf16":
+            if path == "skinny":
+                return [lambda w=w: triton_ops.skinny_linear(x, w, config=cfg) for w in self.bf16]
+            return [lambda w=w: F.linear(x, w) for w in self.bf16]
+        weights = self.channel if kind == "channel" else self.block
+        if path == "dispatch":
+            return [lambda a=a: fp8.fp8_linear(x, *a) for a in weights]
+        if path == "skinny":
+            return [lambda a=a: triton_ops.skinny_linear(x, a[0], weight_scale=a[1], scale_block=a[2], config=cfg)
+                    for a in weights]
+        if path == "tiles":
+            return [lambda a=a: triton_ops.skinny_linear(x, a[0], weight_scale=a[1], scale_block=a[2],
+                                                         config=fp8.TILE_CONFIG) for a in weights]
+        if path == "dequantize":
+            return [lambda a=a: F.linear(x, fp8.dequantize(*a, x.dtype)) for a in weights]
+        if path == "scaled_mm":
+            mm = fp8.scaled_mm_rowwise if kind == "channel" else fp8.scaled_mm_blockwise
+            return [lambda a=a: mm(x, a[0], a[1]) for a in weights]
+        raise ValueError(path)
+
+
+def timed(calls: list[Callable[[], object]]) -> float | str:
+    try:
+        return statistics.median(graph_seconds(calls)) * 1e6
+    except Exception as exc:  # a tile that does not fit, a recipe this build lacks
+        return repr(exc)[:120]
+
+
+def sweep_space(m: int) -> list[SkinnyConfig]:
+    if m == 1:
+        grid = itertools.product([1], [8, 16, 32], [256, 512, 1024], [4, 8], [1, 3])
+    else:
+        grid = itertools.product([16], [32, 64], [128, 256, 512], [4], [3, 4])
+    return [SkinnyConfig(*c) for c in grid]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,16,64,256,2048")
+    ap.add_argument("--sweep", action="store_true", help="time streaming tiles at 1 and 16 rows first")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    result = kernel_record(bw, tile_max_rows=fp8.TILE_MAX_ROWS, tile_config=fp8.TILE_CONFIG.__dict__, sweep=[])
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}), flush=True)
+    if args.sweep:
+        for m in (1, 16):
+            cases = {name: Case(n, k, m, bf16=False) for name, (n, k) in SHAPES.items()}
+            for cfg, kind in itertools.product(sweep_space(m), ("channel", "block")):
+                row = {"rows": m, "scales": kind, "config": cfg.__dict__}
+                for name, case in cases.items():
+                    t = timed(case.calls(kind, "skinny", cfg))
+                    row[name + "_floor_ratio"] = case.n * case.k / bw / (t * 1e-6) if isinstance(t, float) else t
+                result["sweep"].append(row)
+                print(json.dumps(row), flush=True)
+            del cases
+            torch.cuda.empty_cache()
+    for m in (int(r) for r in args.rows.split(",")):
+        for name, (n, k) in SHAPES.items():
+            case = Case(n, k, m)
+            floor = n * k / bw
+            run = {"rows": m, "layer": name, "n": n, "k": k, "fp8_floor_us": floor * 1e6,
+                   "bf16_floor_us": 2 * floor * 1e6}
+            run["bf16_us"] = timed(case.calls("bf16", "skinny" if m <= triton_ops.SKINNY_MAX_ROWS else "cublas"))
+            paths = ["dispatch"] + (["tiles", "dequantize"] if m > triton_ops.SKINNY_MAX_ROWS else [])
+            for kind in ("channel", "block"):
+                for path in paths + (["scaled_mm"] if m > triton_ops.SKINNY_MAX_ROWS else []):
+                    t = timed(case.calls(kind, path))
+                    run[f"{kind}_{path}_us"] = t
+                    if isinstance(t, float) and isinstance(run["bf16_us"], float):
+                        run[f"{kind}_{path}_vs_bf16"] = run["bf16_us"] / t
+            del case
+            add_run(result, run)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""FP8 weights in the target: the `Fp8Linear` layer, FP8 checkpoints read into it, and on-the-fly
+quantization of a model dtype checkpoint (`quantization="fp8"`).
+
+Weights only: each quantized product reads e4m3 weights with fp32 scales (`kernels.fp8`) and keeps
+its activations in the model's dtype, so a step reads half the bytes and every path (plain decode,
+verify, prefill, CPU) computes the same model up to the products' roundings. Embeddings, the LM head
+and the norms stay in the model's dtype. A checkpoint's static activation scales (`input_scale`) are
+therefore not used.
+
+Checkpoints (`quantization_config.quant_method` "fp8", HF fine-grained FP8 as Qwen/Qwen3-8B-FP8 and
+DeepSeek ship it; and "fbgemm_fp8"): a linear layer is FP8 where its `weight` is float8_e4m3fn, with
+`weight_scale_inv` over `weight_block_size` blocks, or `weight_scale` per tensor or per output
+channel. Layers a checkpoint keeps in bf16 (`modules_to_not_convert`, vLLM's `ignored_layers`) load
+as ordinary linears.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from blockspec.config import QUANTIZATIONS, ConfigError
+from blockspec.errors import ModelLoadError
+from blockspec.kernels.fp8 import FP8, fp8_linear, quantize_per_channel, scale_shape
+
+QUANT_METHODS = ("fp8", "fbgemm_fp8")  # checkpoint formats read
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the decoder layers' products
+ACTIVATION_SCALES = (".input_scale", ".input_scale_ub", ".activation_scale_ub")
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ W^T + b with W = weight (e4m3) x weight_scale (fp32, over `block` (rows, columns)
+    blocks). Both stay as they are under a dtype cast of the model; only the bias follows it."""
+
+    def __init__(self, weight: Tensor, weight_scale: Tensor, block: tuple[int, int], bias: Tensor | None = None
+                 ) -> None:
+        super().__init__()
+        n, k = weight.shape
+        if weight.dtype != FP8 or tuple(weight_scale.shape) != scale_shape(n, k, block):
+            raise ValueError(f"Fp8Linear: weight {weight.dtype} {tuple(weight.shape)} with scales "
+                             f"{tuple(weight_scale.shape)} over {block} blocks (want float8_e4m3fn and "
+                             f"{scale_shape(n, k, block)})")
+        self.out_features, self.in_features = n, k
+        self.block = (int(block[0]), int(block[1]))
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(weight_scale.float(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @staticmethod
+    def from_linear(linear: nn.Linear) -> Fp8Linear:
+        """`linear` quantized with one scale per output channel."""
+        q, scale = quantize_per_channel(linear.weight.detach())
+        return Fp8Linear(q, scale, (1, linear.in_features), linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Fp8Linear:
+        held = {name: self._parameters.pop(name) for name in ("weight", "weight_scale")}
+        try:
+            super()._apply(fn, recurse)  # the bias: device and dtype
+        finally:
+            self._parameters.update(held)
+        device = fn(torch.zeros((), device=held["weight"].device)).device  # where fn sends tensors
+        for name, p in held.items():
+            if p.device != device:
+                moved = torch.empty_like(p, device=device) if p.is_meta else p.to(device)
+                self._parameters[name] = nn.Parameter(moved, requires_grad=False)
+        return self
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"scale_block={self.block}")
+
+
+@dataclass
+class Fp8Weight:
+    """A checkpoint's FP8 weight and its scales, before it is installed in an `Fp8Linear`."""
+
+    weight: Tensor
+    scale: Tensor
+    block: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Fp8Checkpoint:
+    """A checkpoint's `quantization_config`: the declared scale blocks (None: per tensor or per channel)
+    and the modules it keeps unquantized."""
+
+    block: tuple[int, int] | None
+    not_converted: tuple[str, ...]
+    source: str
+
+
+def checkpoint_quantization(raw: dict[str, Any], source: str) -> Fp8Checkpoint | None:
+    """The FP8 format of a config.json (None: an unquantized checkpoint); any other quantization is a
+    ConfigError naming the field and what is supported."""
+    qc = raw.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ConfigError(f"{source}: quantization_config must be an object, got {type(qc).__name__}")
+    method = qc.get("quant_method")
+    if method not in QUANT_METHODS:
+        raise ConfigError(f"{source}: quantization_config.quant_method {method!r} is not supported; supported: "
+                          f"{', '.join(QUANT_METHODS)} (FP8 e4m3 weights with block, per-channel or per-tensor "
+                          "scales, e.g. Qwen/Qwen3-8B-FP8), or an unquantized checkpoint")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"{source}: quantization_config.fmt {fmt!r} is not supported; supported: e4m3")
+    block = qc.get("weight_block_size")
+    if block is not None:
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise ConfigError(f"{source}: quantization_config.weight_block_size must be two positive integers "
+                              f"[rows, columns], got {block!r}")
+        block = (block[0], block[1])
+    skip = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []
+    if not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
+        raise ConfigError(f"{source}: quantization_config.modules_to_not_convert must be a list of module names")
+    return Fp8Checkpoint(block, tuple(skip), source)
+
+
+def _scale_layout(name: str, weight: Tensor, scale: Tensor, fmt: Fp8Checkpoint) -> tuple[Tensor, tuple[int, int]]:
+    """(scales, block) of one checkpoint weight, from the scale tensor's shape: the declared blocks,
+    one value (per tensor, widened to per channel), or one per output row."""
+    n, k = weight.shape
+    scale = scale.float()
+    if fmt.block is not None and tuple(scale.shape) == scale_shape(n, k, fmt.block):
+        return scale.contiguous(), fmt.block
+    if scale.numel() == 1:
+        return scale.reshape(1, 1).expand(n, 1).contiguous(), (1, k)
+    if tuple(scale.shape) in ((n,), (n, 1)):
+        return scale.reshape(n, 1).contiguous(), (1, k)
+    raise ModelLoadError(f"{fmt.source}: {name} has shape {tuple(scale.shape)}, which fits weight {tuple(weight.shape)} "
+                         f"neither per tensor, per channel nor in weight_block_size {fmt.block} blocks")
+
+
+def take_fp8_weights(state: dict[str, Tensor], fmt: Fp8Checkpoint) -> dict[str, Fp8Weight]:
+    """Remove the FP8 weights, their scales and any activation scales from `state`; return the weights
+    by their `.weight` names."""
+    out: dict[str, Fp8Weight] = {}
+    for name in [n for n, t in state.items() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]:
+        weight = state.pop(name)
+        module = name.removesuffix(".weight")
+        if weight.dtype != FP8 or not name.endswith(".weight") or weight.dim() != 2:
+            raise ModelLoadError(f"{fmt.source}: {name} is {weight.dtype} {tuple(weight.shape)}; only linear "
+                                 "weights in float8_e4m3fn are supported")
+        skipped = next((s for s in fmt.not_converted if s in module), None)
+        if skipped is not None:
+            raise ModelLoadError(f"{fmt.source}: {name} is FP8 but quantization_config.modules_to_not_convert "
+                                 f"lists {skipped!r}")
+        scale_name = module + (".weight_scale_inv" if module + ".weight_scale_inv" in state else ".weight_scale")
+        if scale_name not in state:
+            raise ModelLoadError(f"{fmt.source}: {name} is FP8 but the checkpoint has neither "
+                                 f"{module}.weight_scale_inv nor {module}.weight_scale")
+        scale, block = _scale_layout(scale_name, weight, state.pop(scale_name), fmt)
+        out[name] = Fp8Weight(weight, scale, block)
+    for name in [n for n in state if n.endswith(ACTIVATION_SCALES)]:
+        del state[name]  # weight-only FP8: activations stay in the model's dtype
+    return out
+
+
+def concat_fp8(parts: list[Fp8Weight]) -> Fp8Weight:
+    """The fused weight of parts stacked along the output rows (q/k/v, gate/up), with scales that
+    still line up: block scales are stacked where every part but the last ends on a block boundary;
+    otherwise each part's scales are spread to its rows (blocks of one row) first. Parts with
+    different column blocks are brought to their common divisor."""
+    k = parts[0].weight.shape[1]
+    if any(p.weight.shape[1] != k for p in parts):
+        raise ValueError(f"concat_fp8: parts of different widths {[p.weight.shape[1] for p in parts]}")
+    cols = math.gcd(*(min(p.block[1], k) for p in parts))
+    rows = parts[0].block[0]
+    aligned = all(p.block[0] == rows for p in parts) and all(p.weight.shape[0] % rows == 0 for p in parts[:-1])
+    scales = []
+    for p in parts:
+        s = p.scale
+        width = min(p.block[1], k)
+        if width != cols:  # each column block split into width / cols blocks
+            s = s.repeat_interleave(width // cols, dim=1)[:, : -(-k // cols)]
+        if not aligned and p.block[0] > 1:
+            s = s.repeat_interleave(p.block[0], dim=0)[: p.weight.shape[0]]
+        scales.append(s)
+    block = (rows if aligned else 1, cols)
+    return Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat(scales).contiguous(), block)
+
+
+def install_fp8(model: nn.Module, weights: dict[str, Fp8Weight], source: str) -> dict[str, Tensor]:
+    """Put an `Fp8Linear` where each weight goes (names as the model's, `<module>.weight`); returns the
+    tensors to load into them (weight and weight_scale), for `assign_weights`."""
+    state: dict[str, Tensor] = {}
+    for name, w in weights.items():
+        path = name.removesuffix(".weight")
+        parent_name, _, attr = path.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_name)
+            old = getattr(parent, attr)
+        except AttributeError:
+            raise ModelLoadError(f"{source}: FP8 weight {name} has no linear layer in the model") from None
+        if type(old) is not nn.Linear or tuple(old.weight.shape) != tuple(w.weight.shape):
+            raise ModelLoadError(f"{source}: FP8 weight {name} {tuple(w.weight.shape)} does not fit the model's "
+                                 f"{type(old).__name__} {tuple(getattr(old, 'weight', torch.empty(0)).shape)}")
+        if getattr(model, "embed_tokens", None) is not None and old.weight is model.embed_tokens.weight:
+            raise ModelLoadError(f"{source}: {name} is FP8 but tied to the embedding, which stays in the model dtype")
+        device = old.weight.device
+        setattr(parent, attr, Fp8Linear(torch.empty(w.weight.shape, dtype=FP8, device=device),
+                                        torch.empty(w.scale.shape, dtype=torch.float32, device=device), w.block,
+                                        old.bias))
+        state[path + ".weight"], state[path + ".weight_scale"] = w.weight, w.scale
+    return state
+
+
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Quantize the decoder layers' products in place (`PROJECTIONS` directly under a layer's
+    self_attn or mlp), per output channel, on the device they are on; the embedding, the LM head,
+    the norms and anything else (e.g. experts) keep their dtype. Returns the layers quantized."""
+    if method not in QUANTIZATIONS:
+        raise ConfigError(f"quantization {method!r} is not supported; supported: {', '.join(QUANTIZATIONS)}")
+    done = 0
+    for layer in model.layers:
+        for block_name in ("self_attn", "mlp"):
+            block = getattr(layer, block_name, None)
+            for attr in PROJECTIONS:
+                linear = getattr(block, attr, None) if block is not None else None
+                if type(linear) is nn.Linear:
+                    setattr(block, attr, Fp8Linear.from_linear(linear))
+                    done += 1
+    return done
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, Fp8Linear) for m in model.modules())

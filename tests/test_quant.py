@@ -1,0 +1,302 @@
+"""FP8 weights on the CPU: FP8 checkpoints (block, per-channel and per-tensor scales, layers kept in
+bf16) equal to their dequantized reference, fused q/k/v and gate/up scales that stay aligned,
+refused quantization methods, `quantization="fp8"` at load, and speculative decoding exact on the
+quantized target (greedy against its own plain decoding, seeded sampling likewise)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from blockspec import LLM, SamplingParams
+from blockspec.config import ConfigError, EngineArgs
+from blockspec.errors import ModelLoadError
+from blockspec.kernels import fp8
+from blockspec.models.kv_cache import causal_meta
+from blockspec.models.loader import load_target
+from blockspec.models.quant import Fp8Linear, Fp8Weight, concat_fp8
+from factories import save_drafter_target
+from test_spec import FIXTURES, add_oracle, prompts, run
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    """The drafter fixtures' tiny qwen3 target (q 32 rows, k and v 16, gate and up 72: not all whole
+    32-row blocks), in fp32."""
+    return save_drafter_target(tmp_path_factory.mktemp("target"))
+
+
+def write_fp8(src: Path, dst: Path, layout: str, keep: tuple[str, ...] = (), scale_name: str | None = None) -> Path:
+    """`src` as an FP8 checkpoint: every decoder linear (but those whose name holds one of `keep`) in
+    e4m3 with `layout` scales ("block32", "block16": weight_scale_inv over those blocks; "channel",
+    "tensor": weight_scale), and beside it the same checkpoint with the dequantized weights in fp32."""
+    state = load_file(str(src / "model.safetensors"))
+    quant, plain = {}, {}
+    for name, t in state.items():
+        module = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS) or any(k in name for k in keep):
+            quant[name] = plain[name] = t
+            continue
+        if layout.startswith("block"):
+            b = int(layout[5:])
+            q, s = fp8.quantize_blocks(t, (b, b))
+            block = (b, b)
+        elif layout == "channel":
+            q, s = fp8.quantize_per_channel(t)
+            block = (1, t.shape[1])
+        else:  # one scale for the whole tensor
+            s = (t.abs().max() / fp8.E4M3_MAX).reshape(1)
+            q = (t / s).to(fp8.FP8)
+            block = (t.shape[0], t.shape[1])
+        quant[name] = q
+        quant[module + (scale_name or (".weight_scale_inv" if layout.startswith("block") else ".weight_scale"))] = (
+            s if layout == "tensor" else s.squeeze(1) if layout == "channel" else s)
+        plain[name] = fp8.dequantize_reference(q, s.reshape(1, 1) if layout == "tensor" else s, block, torch.float32)
+    config = json.loads((src / "config.json").read_text())
+    for out, tensors, qc in ((dst / "fp8", quant, True), (dst / "dequantized", plain, False)):
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / "model.safetensors"))
+        cfg = dict(config, torch_dtype="float32")
+        if qc:
+            cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                          **({"weight_block_size": [b, b]} if layout.startswith("block") else {}),
+                                          **({"modules_to_not_convert": list(keep)} if keep else {})}
+        (out / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    cache = model.new_cache(1, 64)
+    meta = causal_meta([0], [0], [ids.shape[1]], ids.shape[1], cache.trash, "cpu")
+    return model.compute_logits(model(ids, meta, cache)[0])
+
+
+IDS = torch.randint(2, 95, (1, 24), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("layout, blocks", [("block32", {"qkv_proj": (1, 32), "gate_up_proj": (1, 32),
+                                                         "o_proj": (32, 32), "down_proj": (32, 32)}),
+                                            ("block16", {"qkv_proj": (16, 16), "gate_up_proj": (1, 16)}),
+                                            ("channel", {"qkv_proj": (1, 32), "down_proj": (1, 72)}),
+                                            ("tensor", {"qkv_proj": (1, 32), "o_proj": (1, 32)})])
+def test_fp8_checkpoint_equals_its_dequantized_reference(target, tmp_path, layout, blocks):
+    """Logits within fp32 rounding of the same weights dequantized; the fused parts' scales stay on
+    their rows (32-row blocks do not fit k's 16 rows or gate's 72: those spread to one row each)."""
+    dirs = write_fp8(target, tmp_path, layout)
+    ours, _ = load_target(dirs / "fp8", "float32", "cpu", 128)
+    ref, _ = load_target(dirs / "dequantized", "float32", "cpu", 128)
+    layer = ours.layers[1]
+    for name, block in blocks.items():
+        module = getattr(layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp, name)
+        assert isinstance(module, Fp8Linear) and module.weight.dtype == torch.float8_e4m3fn
+        assert module.block == block, name
+    assert type(ours.lm_head) is nn.Linear and ours.embed_tokens.weight.dtype == torch.float32
+    with torch.no_grad():
+        assert (logits(ours, IDS) - logits(ref, IDS)).abs().max() < 1e-5
+
+
+def test_layers_a_checkpoint_keeps_unquantized_load_as_they_are(target, tmp_path):
+    dirs = write_fp8(target, tmp_path, "block16", keep=("layers.0.mlp", "layers.3.self_attn"))
+    ours, _ = load_target(dirs / "fp8", "float32", "cpu", 128)
+    ref, _ = load_target(dirs / "dequantized", "float32", "cpu", 128)
+    assert type(ours.layers[0].mlp.gate_up_proj) is nn.Linear and type(ours.layers[3].self_attn.qkv_proj) is nn.Linear
+    assert isinstance(ours.layers[0].self_attn.qkv_proj, Fp8Linear)
+    with torch.no_grad():
+        assert (logits(ours, IDS) - logits(ref, IDS)).abs().max() < 1e-5
+
+
+def test_concatenated_scales_stay_on_their_rows():
+    """q/k/v of 48, 16 and 40 rows in 32-row blocks: the fused weight dequantizes to the parts'
+    dequantized weights stacked; stacking the block scales as they are (negative control) does not."""
+    g = torch.Generator().manual_seed(0)
+    parts = []
+    for rows in (48, 16, 40):
+        q, s = fp8.quantize_blocks(torch.randn(rows, 80, generator=g) * torch.rand(rows, 1, generator=g), (32, 32))
+        parts.append(Fp8Weight(q, s, (32, 32)))
+    want = torch.cat([fp8.dequantize_reference(p.weight, p.scale, p.block, torch.float32) for p in parts])
+    fused = concat_fp8(parts)
+    assert fused.block == (1, 32) and fused.scale.shape == (104, 3)
+    assert torch.equal(fp8.dequantize_reference(fused.weight, fused.scale, fused.block, torch.float32), want)
+    naive = torch.cat([p.scale for p in parts])
+    assert not torch.equal(fp8.dequantize_reference(fused.weight, naive[:4], (32, 32), torch.float32), want)
+    # whole blocks (a ragged last part) stack as they are
+    q, s = fp8.quantize_blocks(torch.randn(64, 80, generator=g), (32, 32))
+    aligned = concat_fp8([Fp8Weight(q, s, (32, 32)), parts[1]])
+    assert aligned.block == (32, 32) and aligned.scale.shape == (3, 3)
+    assert torch.equal(fp8.dequantize_reference(aligned.weight, aligned.scale, aligned.block, torch.float32),
+                       torch.cat([fp8.dequantize_reference(q, s, (32, 32), torch.float32), want[48:64]]))
+    # a per-channel part among block parts: both spread to one scale a row and a common column block
+    q, s = fp8.quantize_per_channel(torch.randn(24, 80, generator=g))
+    mixed = concat_fp8([parts[1], Fp8Weight(q, s, (1, 80))])
+    assert mixed.block == (1, math.gcd(32, 80))
+    want = torch.cat([fp8.dequantize_reference(parts[1].weight, parts[1].scale, (32, 32), torch.float32),
+                      fp8.dequantize_reference(q, s, (1, 80), torch.float32)])
+    assert torch.equal(fp8.dequantize_reference(mixed.weight, mixed.scale, mixed.block, torch.float32), want)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes", "compressed-tensors", None])
+def test_other_quantization_methods_are_refused_naming_the_field(target, tmp_path, method):
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": method, "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").symlink_to(target / "model.safetensors")
+    with pytest.raises(ConfigError, match=rf"config.json: quantization_config.quant_method {method!r} is not "
+                                          r"supported; supported: fp8, fbgemm_fp8"):
+        load_target(tmp_path, "float32", "cpu", 128)
+
+
+@pytest.mark.parametrize("fault, error", [
+    ("e5m2", r"quantization_config.fmt 'e5m2' is not supported; supported: e4m3"),
+    ("no scale", r"layers.0.self_attn.q_proj.weight is FP8 but the checkpoint has neither"),
+    ("bad scale", r"layers.0.self_attn.q_proj.weight_scale_inv has shape \(3, 3\), which fits weight \(32, 32\)"),
+    ("not converted", r"layers.0.self_attn.\w_proj.weight is FP8 but quantization_config.modules_to_not_convert "
+                      r"lists .layers.0.self_attn."),
+])
+def test_a_broken_fp8_checkpoint_names_the_tensor_or_field(target, tmp_path, fault, error):
+    dirs = write_fp8(target, tmp_path, "block16")
+    path = dirs / "fp8"
+    cfg = json.loads((path / "config.json").read_text())
+    state = load_file(str(path / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight_scale_inv"
+    if fault == "e5m2":
+        cfg["quantization_config"]["fmt"] = "e5m2"
+    elif fault == "no scale":
+        del state[name]
+    elif fault == "bad scale":
+        state[name] = torch.ones(3, 3)
+    else:
+        cfg["quantization_config"]["modules_to_not_convert"] = ["layers.0.self_attn"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises((ConfigError, ModelLoadError), match=error):
+        load_target(path, "float32", "cpu", 128)
+
+
+def test_quantization_fp8_quantizes_the_decoder_products_per_channel(target):
+    model, _ = load_target(target, "float32", "cpu", 128, quantization="fp8")
+    ref, _ = load_target(target, "float32", "cpu", 128)
+    quantized = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert len(quantized) == 4 * model.config.num_hidden_layers
+    assert all(m.block == (1, m.in_features) and m.weight_scale.shape == (m.out_features, 1) for m in quantized)
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight.dtype == torch.float32
+    # the same model as the dequantized weights in fp32, and not the unquantized one
+    for layer, base in zip(model.layers, ref.layers):
+        for name in ("qkv_proj", "o_proj"):
+            m = getattr(layer.self_attn, name)
+            getattr(base.self_attn, name).weight.data = fp8.dequantize_reference(m.weight, m.weight_scale, m.block,
+                                                                                 torch.float32)
+        for name in ("gate_up_proj", "down_proj"):
+            m = getattr(layer.mlp, name)
+            getattr(base.mlp, name).weight.data = fp8.dequantize_reference(m.weight, m.weight_scale, m.block,
+                                                                           torch.float32)
+    unquantized, _ = load_target(target, "float32", "cpu", 128)
+    with torch.no_grad():
+        got = logits(model, IDS)
+        assert (got - logits(ref, IDS)).abs().max() < 1e-5
+        assert (got - logits(unquantized, IDS)).abs().max() > 1e-3
+    with pytest.raises(ConfigError, match="quantization 'int4' is not supported; supported: fp8"):
+        EngineArgs(quantization="int4")
+
+
+def test_a_dtype_cast_keeps_fp8_weights_and_scales(target):
+    model, _ = load_target(target, "float32", "cpu", 128, quantization="fp8")
+    model.to(torch.float16)
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.dtype == torch.float32
+    assert model.embed_tokens.weight.dtype == torch.float16
+
+
+def test_tensor_parallel_fp8_is_refused_before_spawning(target):
+    with pytest.raises(ConfigError, match="tensor_parallel_size > 1 with FP8 weights"):
+        LLM(str(target), device="cpu", tensor_parallel_size=2, quantization="fp8")
+
+
+def test_cli_passes_quantization_and_kv_cache_dtype(monkeypatch):
+    import argparse
+
+    from blockspec import cli_options
+
+    p = argparse.ArgumentParser()
+    cli_options.add_model_args(p)
+    cli_options.add_sampling_args(p)
+    args = p.parse_args(["x", "--quantization", "fp8", "--kv-cache-dtype", "fp8"])
+    seen = {}
+    monkeypatch.setattr(cli_options, "LLM", lambda model, **kw: seen.update(kw))
+    if hasattr(cli_options, "settle_model"):
+        cli_options.settle_model(args)
+    cli_options.build_llm(args)
+    assert seen["quantization"] == seen["kv_cache_dtype"] == "fp8"
+
+
+# ---------------------------------------------------------------- speculation on the quantized target
+GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def unquantized(target) -> LLM:
+    return LLM(str(target), device="cpu", max_model_len=160)
+
+
+@pytest.mark.parametrize("method, fixture, fp8", [("dflash", "dflash", {"quantization": "fp8"}),
+                                                  ("dspark", "dspark_vanilla", {"quantization": "fp8"}),
+                                                  ("dflash", "dflash", {"kv_cache_dtype": "fp8"}),
+                                                  ("dspark", "dspark_vanilla", {"quantization": "fp8",
+                                                                                "kv_cache_dtype": "fp8"})])
+def test_speculation_on_the_quantized_target_is_exact(target, unquantized, method, fixture, fp8):
+    """FP8 weights, an FP8 KV cache (the target's and the drafter's), or both. Greedy: the quantized
+    model's own plain decoding, token for token (oracle drafts, so blocks are accepted and rejected);
+    seeded sampling: the same tokens as plain sampling."""
+    ps = prompts(4, seed=3)
+    plain = LLM(str(target), device="cpu", max_model_len=160, **fp8)
+    expected = run(plain, ps, GREEDY)
+    assert run(unquantized, ps, GREEDY) != expected  # the test tells the quantized target from the original
+    llm = LLM(str(target), device="cpu", max_model_len=160, speculative_config={
+        "method": method, "model": str(FIXTURES / fixture), "adaptive_draft_length": False}, **fp8)
+    if "kv_cache_dtype" in fp8:
+        assert llm.engine.runner.cache.k[0].dtype == llm.engine.context.cache.v[0].dtype == torch.float8_e4m3fn
+    add_oracle(llm, {tuple(p["prompt_token_ids"]): e for p, e in zip(ps, expected)}, corrupt=0.2)
+    assert run(llm, ps, GREEDY) == expected
+    assert llm.get_stats()["mean_acceptance_length"] > 2.0
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=20, ignore_eos=True)
+    assert run(llm, ps, sampled) == run(plain, ps, sampled)
+
+
+def test_an_fp8_kv_cache_stores_e4m3_and_reads_the_model_dtype(target):
+    """The reference store and gather: K / k_scale, V / v_scale saturated at +-448; read back times the
+    scales in the model's dtype; a page takes a quarter of an fp32 page."""
+    from blockspec.models.kv_cache import FP8, KVCache, causal_meta, quantize_kv
+
+    cache = KVCache(2, 2, 8, 32, torch.float32, "cpu", 2, FP8, k_scale=0.5, v_scale=4.0)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 2, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g) * 100
+    v[0, 0, 0, 0] = 5000.0
+    meta = causal_meta([0, 1], [3, 0], [5, 5], 5, cache.trash, "cpu")
+    cache.write(1, meta, k, v)
+    keys, values = cache.read(1, meta)
+    assert keys.dtype == values.dtype == torch.float32 and cache.k[1].dtype == FP8
+    assert torch.equal(keys[0, :, 3:8], quantize_kv(k[0], 0.5).float() * 0.5)
+    assert torch.equal(values[1, :, :5], quantize_kv(v[1], 4.0).float() * 4.0)
+    assert values[0, 0, 3, 0] == 448.0 * 4.0  # saturated, not inf
+    assert ((keys[0, :, 3:8] - k[0]).abs() <= k[0].abs() * 2**-4 + 2**-10).all()  # e4m3 rounding at most
+    assert KVCache.page_bytes(2, 2, 8, 64, FP8) * 4 == KVCache.page_bytes(2, 2, 8, 64, torch.float32)
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of"):
+        EngineArgs(kv_cache_dtype="int8")
+
+
+def test_speculation_on_an_fp8_checkpoint_is_exact(target, tmp_path):
+    path = write_fp8(target, tmp_path, "block32") / "fp8"
+    plain = LLM(str(path), device="cpu", max_model_len=160)
+    ps = prompts(3, seed=4)
+    expected = run(plain, ps, GREEDY)
+    llm = LLM(str(path), device="cpu", max_model_len=160,
+              speculative_config={"method": "dflash", "model": str(FIXTURES / "dflash"), "adaptive_draft_length": False})
+    add_oracle(llm, {tuple(p["prompt_token_ids"]): e for p, e in zip(ps, expected)}, corrupt=0.2)
+    assert run(llm, ps, GREEDY) == expected

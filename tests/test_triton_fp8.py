@@ -1,0 +1,373 @@
+"""The FP8 weight products (`kernels.fp8`, `ops.skinny_linear` with e4m3 weights) held to a float64
+reference of the dequantized weight; without a GPU they run in Triton's interpreter (fp32 and fp16
+inputs), on a GPU also bf16, the row-count dispatch, CUDA-graph capture and torch._scaled_mm."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blockspec.kernels import fp8
+from blockspec.kernels import ops as triton_ops
+from factories import TRITON_SKIP_REASON, triton_interpretable
+
+pytestmark = pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+# Triton's interpreter runs bf16 dots wrongly (numpy has no bf16): bf16 only on the GPU
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def rand(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+
+def quantized(n: int, k: int, layout: str, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """An [n, k] weight in e4m3 with scales: per channel, in 32 x 32 blocks (ragged at the edges when n
+    or k is not a multiple), or those block scales spread to one row each ((1, 32) blocks)."""
+    w = rand(n, k, seed=seed) / k**0.5 * torch.linspace(0.2, 3.0, n, device=DEVICE)[:, None]  # rows of varied size
+    if layout == "channel":
+        q, s = fp8.quantize_per_channel(w)
+        return q, s, (1, k)
+    q, s = fp8.quantize_blocks(w, (32, 32))
+    if layout == "rows":
+        return q, s.repeat_interleave(32, 0)[:n].contiguous(), (1, 32)
+    return q, s, (32, 32)
+
+
+def reference(x, w, scale, block, bias=None, norm_weight=None, swiglu=False, residual=None, glu=False):
+    """float64: the dequantized weight, and the ops the kernel fuses, one after the other."""
+    x = x.double()
+    weight = w.double() * fp8.expand_scale(scale.double(), block, *w.shape)
+    if norm_weight is not None:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight.double()
+    if swiglu:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    y = x @ weight.T + (bias.double() if bias is not None else 0)
+    if glu:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if residual is None else y + residual.double()
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    return torch.allclose(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# each fusion with two or three scale layouts (not all: every pairing is a kernel variant to compile on a GPU)
+FUSION_LAYOUTS = [("bias", "channel"), ("bias", "block"), ("norm", "rows"), ("norm", "block"), ("swiglu", "channel"),
+                  ("swiglu", "block"), ("residual", "rows"), ("residual", "channel"), ("norm+glu", "block"),
+                  ("norm+glu", "channel"), ("norm+glu", "rows")]
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if not (CUDA and d == torch.float16)])  # fp16: the CPU's
+@pytest.mark.parametrize("rows", [1, 3, 17])  # one row, a dot block, two row blocks
+@pytest.mark.parametrize("fusion, layout", FUSION_LAYOUTS)
+def test_skinny_linear_streams_fp8_weights(dtype, rows, fusion, layout):
+    n, k = 48, 80  # neither a multiple of the 32-column tiles nor of the 32 x 32 scale blocks
+    glu = fusion.endswith("+glu")
+    cfg = triton_ops.SkinnyConfig(block_m=1 if rows == 1 else 16, block_n=32, block_k=64, num_warps=4, num_stages=2)
+    w, s, block = quantized(2 * n if glu else n, k, layout)
+    x = rand(rows, 2 * k if fusion == "swiglu" else k, seed=2, dtype=dtype)
+    b = rand(w.shape[0], seed=3, dtype=dtype) if fusion == "bias" else None
+    nw = rand(k, seed=4, dtype=dtype) if "norm" in fusion else None
+    res = rand(rows, n, seed=5, dtype=dtype) if fusion == "residual" else None
+    kw = dict(norm_weight=nw, swiglu=fusion == "swiglu", residual=res, glu=glu)
+    got = triton_ops.skinny_linear(x, w, b, eps=1e-6, config=cfg, weight_scale=s, scale_block=block, **kw)
+    want = reference(x, w, s, block, b, **kw)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert close(got, want, dtype)
+    # negative control: the scales of other rows (a misaligned layout) give another product
+    wrong = triton_ops.skinny_linear(x, w, b, eps=1e-6, config=cfg, weight_scale=s.flip(0).contiguous(),
+                                     scale_block=block, **kw)
+    assert not close(wrong, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("glu", [False, True])
+def test_prenormed_rows_norm_an_fp8_product(dtype, glu):
+    """The decoder's chain above one row with FP8 weights: o/down writes the residual stream and the
+    next norm's statistics, qkv/gate_up norms inside its stream."""
+    rows, k, n, n2 = 5, 96, 80, 48
+    cfg = triton_ops.SkinnyConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2)
+    x = rand(rows, k, dtype=dtype)
+    w1, s1, b1 = quantized(n, k, "block", seed=1)
+    res = rand(rows, n, seed=2, dtype=dtype)
+    nw = rand(n, seed=3, dtype=dtype)
+    w2, s2, b2 = quantized(2 * n2 if glu else n2, n, "channel", seed=4)
+    pre = triton_ops.skinny_linear(x, w1, residual=res, emit_norm=nw, config=cfg, weight_scale=s1, scale_block=b1)
+    got = triton_ops.skinny_linear(pre.rows, w2, prenormed=pre, eps=1e-6, glu=glu, config=cfg, weight_scale=s2,
+                                   scale_block=b2)
+    h = reference(x, w1, s1, b1, residual=res)
+    want = reference(h, w2, s2, b2, norm_weight=nw, glu=glu)
+    assert close(pre.rows, h, dtype) and close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["channel", "block"])
+def test_wide_row_tiles_match_the_reference(dtype, layout):
+    """Above SKINNY_MAX_ROWS: the same kernel in fp8.TILE_CONFIG's 64-row tiles (two row tiles here)."""
+    w, s, block = quantized(160, 256, layout)
+    x = rand(70, 256, seed=2, dtype=dtype)
+    got = triton_ops.skinny_linear(x, w, config=fp8.TILE_CONFIG, weight_scale=s, scale_block=block)
+    assert close(got, reference(x, w, s, block), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["channel", "block", "rows"])
+def test_dequantize_kernel_is_the_reference(dtype, layout):
+    w, s, block = quantized(72, 200, layout)
+    want = fp8.dequantize_reference(w, s, block, dtype)
+    assert torch.equal(fp8.dequantize_kernel(w, s, block, dtype), want)
+    assert close(want, w.double() * fp8.expand_scale(s.double(), block, 72, 200), dtype)
+    if layout == "block":  # negative control: row r given block r % 3's scales (one scale row per weight row)
+        assert not torch.equal(fp8.dequantize_kernel(w, s.repeat(24, 1).contiguous(), (1, 32), dtype), want)
+
+
+@pytest.mark.parametrize("layout", ["channel", "block"])
+def test_quantization_error_is_e4m3_rounding(layout):
+    w = rand(100, 300) * torch.logspace(-3, 1, 100, device=DEVICE)[:, None]
+    q, s = fp8.quantize_per_channel(w) if layout == "channel" else fp8.quantize_blocks(w, (32, 128))
+    block = (1, 300) if layout == "channel" else (32, 128)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == fp8.scale_shape(100, 300, block)
+    scale = fp8.expand_scale(s, block, 100, 300)
+    err = (fp8.dequantize_reference(q, s, block, torch.float32) - w).abs()
+    # half an e4m3 step: 2^-4 relative for normal values, 2^-10 of the scale among the subnormals
+    assert (err <= w.abs() * 2**-4 + scale * 2**-10 + 1e-12).all()
+    assert (q.float().abs().amax(dim=1) == fp8.E4M3_MAX).all() if layout == "channel" else True
+    # negative control: scales off by a factor of two are far outside that bound
+    wrong = (fp8.dequantize_reference(q, s * 2, block, torch.float32) - w).abs()
+    assert not (wrong <= w.abs() * 2**-4 + scale * 2**-10 + 1e-12).all()
+
+
+def test_skinny_linear_names_a_bad_scale():
+    w, s, block = quantized(48, 80, "block")
+    x = rand(1, 80)
+    with pytest.raises(ValueError, match="an FP8 weight needs weight_scale"):
+        triton_ops.skinny_linear(x, w)
+    with pytest.raises(ValueError, match=r"does not cover weight \(48, 80\) in 16 x 32 blocks"):
+        triton_ops.skinny_linear(x, w, weight_scale=s, scale_block=(16, 32))
+
+
+# ---------------------------------------------------------------- GPU: dispatch, bf16, graphs, _scaled_mm
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 64, 300])  # skinny, skinny, row tiles, dequantize + cuBLAS
+@pytest.mark.parametrize("layout", ["channel", "block"])
+def test_fp8_linear_by_row_count_matches_the_reference(rows, layout):
+    w, s, block = quantized(384, 512, layout)
+    x = rand(rows, 512, seed=2, dtype=torch.bfloat16)
+    b = rand(384, seed=3, dtype=torch.bfloat16)
+    got = fp8.fp8_linear(x, w, s, block, b)
+    assert got.dtype == torch.bfloat16 and close(got, reference(x, w, s, block, b), torch.bfloat16)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 64, 300])
+def test_fp8_linear_replays_in_a_cuda_graph(rows):
+    w, s, block = quantized(384, 512, "block")
+    x = rand(rows, 512, seed=2, dtype=torch.bfloat16)
+    fp8.fp8_linear(x, w, s, block)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8.fp8_linear(x, w, s, block)
+    x.copy_(rand(rows, 512, seed=7, dtype=torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fp8.fp8_linear(x, w, s, block))
+
+
+@gpu
+@pytest.mark.gpu
+def test_scaled_mm_rowwise_is_close_to_the_weight_only_product():
+    """FP8 tensor cores quantize the activations too: close to, not equal to, the weight-only model."""
+    w, s, block = quantized(512, 1024, "channel")
+    x = rand(256, 1024, seed=2, dtype=torch.bfloat16)
+    try:
+        got = fp8.scaled_mm_rowwise(x, w, s)
+    except RuntimeError as exc:  # a build or GPU without row-wise scaled_mm
+        pytest.skip(f"torch._scaled_mm row-wise: {exc}"[:200])
+    want = reference(x, w, s, block)
+    rel = (got.double() - want).norm() / want.norm()
+    assert rel < 0.05
+    assert (fp8.scaled_mm_rowwise(x, w, s * 2).double() - want).norm() / want.norm() > 0.5  # negative control
+
+
+@gpu
+@pytest.mark.gpu
+def test_scaled_mm_blockwise_is_close_to_the_weight_only_product():
+    """128 x 128 block weights on FP8 tensor cores (1 x 128 activation groups, CUDA >= 12.9, Hopper)."""
+    w = rand(512, 1280) / 1280**0.5
+    q, s = fp8.quantize_blocks(w, (128, 128))
+    x = rand(256, 1280, seed=2, dtype=torch.bfloat16)
+    try:
+        got = fp8.scaled_mm_blockwise(x, q, s)
+    except (RuntimeError, NotImplementedError) as exc:  # a build or GPU without block-wise scaled_mm
+        pytest.skip(f"torch._scaled_mm block-wise: {exc}"[:200])
+    want = reference(x, q, s, (128, 128))
+    assert (got.double() - want).norm() / want.norm() < 0.05
+    wrong = fp8.scaled_mm_blockwise(x, q, s.flip(0).contiguous())  # negative control: other rows' scales
+    assert (wrong.double() - want).norm() / want.norm() > 0.05
+
+
+FRONT_END = """
+import json, sys
+from triton._C.libtriton import ir
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.compiler import ASTSource
+from blockspec.kernels import ops
+
+target = GPUTarget("cuda", 90, 32)
+backend = CUDABackend(target)
+options = backend.parse_options({})
+for kernel, signature, constexprs in json.loads(sys.argv[1]):
+    fn = getattr(ops, kernel)
+    names = fn.arg_names
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    source = ASTSource(fn=fn, signature={n: signature.get(n, "constexpr" if n in constexprs else "i32") for n in names},
+                       constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    source.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
+"""
+
+
+def test_the_kv_store_compiles_for_the_gpu():
+    """Triton's front end (AST -> TTIR) for sm_90 needs no GPU and type-checks what the interpreter does
+    not: `_qkv_rope_store` writes q rows and cache pages of another type (e4m3) in two branches. Run in a
+    fresh interpreter, since TRITON_INTERPRET replaces the language the front end compiles."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    cases = []
+    for dtype, cache in (("fp32", "*fp32"), ("bf16", "*bf16"), ("fp32", "*fp8e4nv"), ("bf16", "*fp8e4nv")):
+        signature = {**{n: f"*{dtype}" for n in ("QKV", "QW", "KW", "QOut")}, "Cos": "*fp32", "Sin": "*fp32",
+                     "Table": "*i32", "Slots": "*i32", "WritePos": "*i32", "KCache": cache, "VCache": cache,
+                     "eps": "fp32", "k_inv": "fp32", "v_inv": "fp32"}
+        constexprs = {"Q_HEADS": 4, "KV_HEADS": 2, "HEAD_DIM": 128, "HALF_BLOCK": 64, "QK_NORM": True, "PAGE": 16,
+                      "KV_FP8": cache == "*fp8e4nv"}
+        cases.append(("_qkv_rope_store", signature, constexprs))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", FRONT_END, json.dumps(cases)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("method, fixture, fp8", [("dflash", "dflash", {"quantization": "fp8"}),
+                                                  ("dspark", "dspark_vanilla", {"quantization": "fp8"}),
+                                                  ("dflash", "dflash", {"kv_cache_dtype": "fp8"}),
+                                                  ("dspark", "dspark_vanilla", {"quantization": "fp8",
+                                                                                "kv_cache_dtype": "fp8"})])
+def test_graphed_speculation_on_an_fp8_target_is_its_plain_decoding(tmp_path, method, fixture, fp8):
+    """On the GPU (CUDA graphs, the FP8 streaming kernel at decode and verify widths, FP8 pages in the
+    attention kernel): greedy speculation equals the quantized model's plain decoding, graphed plain
+    equals eager plain, and seeded sampling equals plain sampling."""
+    from blockspec import LLM, SamplingParams
+    from factories import save_drafter_target
+    from test_spec import FIXTURES, add_oracle, prompts, run
+
+    target = save_drafter_target(tmp_path / "target")
+    common = dict(device="cuda", dtype="float32", max_model_len=256, **fp8)
+    plain = LLM(str(target), **common)
+    eager = LLM(str(target), enforce_eager=True, **common)
+    ps = prompts(4, seed=5)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = run(plain, ps, greedy)
+    assert run(eager, ps, greedy) == expected
+    config = {"method": method, "model": str(FIXTURES / fixture), "adaptive_draft_length": False}
+    spec = LLM(str(target), speculative_config=config, **common)
+    assert run(spec, ps, greedy) == expected
+    # accepted drafts too: the oracle replaces Proposer.propose, which a chained (asynchronous) step skips
+    oracle = LLM(str(target), speculative_config=config, async_scheduling=False, **common)
+    add_oracle(oracle, {tuple(p["prompt_token_ids"]): e for p, e in zip(ps, expected)}, corrupt=0.2)
+    assert run(oracle, ps, greedy) == expected and oracle.get_stats()["mean_acceptance_length"] > 2.0
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=30, ignore_eos=True)
+    assert run(spec, ps, sampled) == run(plain, ps, sampled)
+
+
+# ---------------------------------------------------------------- FP8 KV cache
+KV_SCALES = (0.5, 2.0)  # K / 0.5 and V / 2.0 stored: the scales are applied, not assumed to be 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq", [4, 0])  # the target's (and the draft block's) rows; the drafter's context K/V
+def test_qkv_rope_store_into_an_fp8_cache(dtype, hq):
+    """K / k_scale and V / v_scale saturated into e4m3 pages, as `KVCache.write` stores them: on the GPU
+    V bit for bit, K within one e4m3 step (RoPE rounds once where the reference rounds per op). Triton's
+    interpreter rounds to e4m3 wrongly where rounding carries into the exponent (1.9375 -> 1.0) and
+    flushes subnormals, so on the CPU nearly every value agrees, not all."""
+    from blockspec.config import RopeConfig
+    from blockspec.models import layers
+    from blockspec.models.kv_cache import FP8, KVCache, PageTable, causal_meta
+    from test_triton_ops import reference_store
+
+    r, n, hkv, hd, slots, length = 3, 4, 2, 16, 5, 40
+    qkv = rand(r, n, (hq + 2 * hkv) * hd, seed=1, dtype=dtype) * 3
+    qkv[0, 0, -hd:] = 1000.0  # a V beyond the e4m3 range after scaling: saturates, no inf / nan
+    qw, kw = rand(hd, seed=3, dtype=dtype), rand(hd, seed=4, dtype=dtype)
+    meta = causal_meta([4, 0, 2], [7, 0, 30], [4, 4, 3], n, length, DEVICE)
+    cos, sin = layers.Rotary(RopeConfig(theta=10000.0), hd, 64).to(DEVICE)(meta.positions, dtype)
+    table = PageTable.full(slots, length, DEVICE, page_size=8)
+    ref, got = (KVCache(1, hkv, hd, length, dtype, DEVICE, table, FP8, *KV_SCALES) for _ in range(2))
+    reference_store(qkv, hq, hkv, hd, qw, kw, cos, sin, ref, meta)
+    triton_ops.qkv_rope_store(qkv, hq, hkv, hd, qw if hq else None, kw, 1e-6, cos, sin, got.k[0], got.v[0],
+                              table.table, meta.slots, meta.write_pos, *KV_SCALES)
+    v, v_ref, k, k_ref = got.v[0].float(), ref.v[0].float(), got.k[0].float(), ref.k[0].float()
+    kw_, vw_ = k_ref != 0, v_ref != 0  # the entries this store wrote
+    assert got.k[0].dtype == FP8 and v.abs().max() == 448.0 and v.isfinite().all()
+    if CUDA:
+        assert torch.equal(got.v[0].view(torch.uint8), ref.v[0].view(torch.uint8))
+        assert torch.allclose(k, k_ref, rtol=2**-3, atol=2**-9) and (k[kw_] == k_ref[kw_]).float().mean() > 0.95
+    else:
+        assert (v[vw_] == v_ref[vw_]).float().mean() > 0.9 and (k[kw_] == k_ref[kw_]).float().mean() > 0.9
+    # negative control: stored without the scales
+    triton_ops.qkv_rope_store(qkv, hq, hkv, hd, qw if hq else None, kw, 1e-6, cos, sin, got.k[0], got.v[0],
+                              table.table, meta.slots, meta.write_pos)
+    assert (got.k[0].float()[kw_] == k_ref[kw_]).float().mean() < 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1, 8, 2, 64, 300, 16), (2, 16, 4, 2, 32, 100, 64), (2, 40, 4, 1, 32, 130, 7)])
+def test_block_attention_reads_an_fp8_cache(dtype, shape):
+    """Decode (split over keys), verify and wide blocks over e4m3 pages: the reference is SDPA over the
+    dequantized keys and values."""
+    from test_triton_attention import case, paged, reference
+
+    r, nq, hq, hkv, hd, length, page = shape
+    q, k, v, slots, lo, hi = case(r, nq, hq, hkv, hd, length, dtype)
+    kq, vq = (fp8_kv(t * 2, s) for t, s in zip((k, v), KV_SCALES))
+    want = reference(q, kq.float() * KV_SCALES[0], vq.float() * KV_SCALES[1], slots, lo, hi, hd**-0.5, length)
+    (k_pool, table), (v_pool, _) = paged(kq, page), paged(vq, page)
+    got = triton_attention_call(q, k_pool, v_pool, table[slots], lo, hi, hd**-0.5, length, *KV_SCALES)
+    assert got.dtype == dtype
+    tol = 2e-5 if dtype == torch.float32 else 2e-3
+    assert torch.allclose(got.float(), want, atol=tol, rtol=tol)
+    # negative control: the scales left out
+    wrong = triton_attention_call(q, k_pool, v_pool, table[slots], lo, hi, hd**-0.5, length, 1.0, 1.0)
+    assert not torch.allclose(wrong.float(), want, atol=tol, rtol=tol)
+
+
+def fp8_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    from blockspec.models.kv_cache import quantize_kv
+
+    return quantize_kv(x, scale)
+
+
+def triton_attention_call(q, k_pool, v_pool, table, lo, hi, scale, length, k_scale, v_scale):
+    from blockspec.kernels.attention import block_attention
+
+    slots = torch.arange(table.shape[0], device=q.device)
+    return block_attention(q, k_pool, v_pool, table, slots, lo, hi, scale, length, k_scale=k_scale, v_scale=v_scale)
