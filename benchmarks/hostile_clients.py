@@ -72,8 +72,13 @@ async def round_(url: str, model: str, bad: list[tuple[str, bytes]]) -> dict[str
                         ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
             return ids, time.perf_counter() - t0
 
-        async def hostile(route: str, body: bytes) -> int:
-            r = await client.post(f"/v1/{route}", content=body, headers={"content-type": "application/json"})
+        async def hostile(route: str, body: bytes) -> int | str:
+            """The status, or "closed" where the server answered before the upload ended (a 413 on
+            Content-Length) and closed the connection under the client still sending."""
+            try:
+                r = await client.post(f"/v1/{route}", content=body, headers={"content-type": "application/json"})
+            except httpx.TransportError:
+                return "closed"
             return r.status_code
 
         prober = asyncio.create_task(probe())
