@@ -16,8 +16,8 @@ import torch
 
 from blockspec import LLM, SamplingParams
 from factories import save_moe_target
+from test_spec import FIXTURES, add_oracle, prompts, run
 
-FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
@@ -31,42 +31,10 @@ def plain(target) -> LLM:
     return LLM(str(target), device="cpu", max_model_len=128)
 
 
-def prompts(n: int, seed: int) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    return [{"prompt_token_ids": torch.randint(2, 95, (int(length),), generator=g).tolist()}
-            for length in torch.randint(1, 24, (n,), generator=g)]
-
-
 def spec_llm(target: Path, method: str, fixture: str, **spec) -> LLM:
     spec.setdefault("adaptive_draft_length", False)  # every step verifies the whole block
     return LLM(str(target), device="cpu", dtype="float32", max_model_len=128,
                speculative_config={"method": method, "model": str(FIXTURES / fixture), **spec})
-
-
-def run(llm: LLM, ps: list[dict], params) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
-
-
-def add_oracle(llm: LLM, expected: dict[tuple, list[int]], corrupt: float, seed: int = 0) -> None:
-    """Replace drafts with the plain continuation, corrupting a fraction so rejections happen too."""
-    proposer = llm.engine.proposer
-    real = proposer.propose
-    g = torch.Generator().manual_seed(seed)
-
-    def propose(reqs, budgets, last_tokens=None, draft_params=None):
-        block = real(reqs, budgets, last_tokens, draft_params)
-        tokens = block.tokens.clone()
-        for r, req in enumerate(reqs):
-            want = expected[tuple(req.prompt_token_ids)]
-            n = len(req.output_ids)
-            for i in range(block.lens[r]):
-                truth = want[n + i] if n + i < len(want) else 3
-                tokens[r, i] = int(torch.randint(2, 95, (1,), generator=g)) if torch.rand(1, generator=g) < corrupt \
-                    else truth
-        block.tokens = tokens
-        return block
-
-    proposer.propose = propose
 
 
 @pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
