@@ -97,8 +97,11 @@ def summary(rounds: list[Round], acc: dict[str, Any]) -> list[str]:
         return lines + [f"{NO_DRAFTS_WHY}; the speculative runs decoded as the plain ones did, so there is no "
                         "speedup to report (--no-adaptive-draft-length drafts every step); " + agree]
     ratios = [r.speedup for r in rounds]
+    low, high = min(ratios), max(ratios)
+    # as the bench's verdict: a median inside a spread that crosses 1 is no measured speedup
+    verdict = "" if low > 1 or high < 1 else ": within the rounds' spread, no measurable difference"
     return lines + [f"speedup {statistics.median(ratios):.2f}x (median of {len(ratios)} interleaved rounds, min "
-                    f"{min(ratios):.2f}x, max {max(ratios):.2f}x); {agree}"]
+                    f"{low:.2f}x, max {high:.2f}x{verdict}); {agree}"]
 
 
 def run_demo(args: argparse.Namespace) -> int:

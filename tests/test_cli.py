@@ -110,6 +110,9 @@ def test_demo_summary_gives_the_speedup_spread_or_says_no_drafts():
     assert "per-position acceptance" in lines[1] and lines[1].endswith("0.75 0.50 -")
     assert lines[-1] == ("speedup 1.15x (median of 2 interleaved rounds, min 1.10x, max 1.20x); outputs identical "
                          "to plain decoding: yes")
+    mixed = summary([rounds[0], Round(100, 1.0, 100, 1.0 / 0.9, True)], drafted)
+    assert mixed[-1].startswith("speedup 1.00x (median of 2 interleaved rounds, min 0.90x, max 1.10x: within the "
+                                "rounds' spread, no measurable difference)")
     idle = summary(rounds, {"num_drafts": 0, "per_position": [None] * 3})
     assert idle[-1].startswith("no drafts: the draft-length policy chose plain decoding at every step")
     assert "speedup 1" not in "\n".join(idle) and "no speedup to report" in idle[-1]
