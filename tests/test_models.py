@@ -119,3 +119,34 @@ def test_missing_weights_file(tmp_path):
     (path / "model.safetensors").unlink()
     with pytest.raises(ModelLoadError, match="no weights found"):
         load_target(path)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "default"},
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "beta_fast": 16.0, "beta_slow": 2.0,
+     "attention_factor": 1.3},
+])
+def test_rope_tables_equal_transformers(scaling):
+    """RoPE frequencies and attention scaling, read from the config.json transformers writes, equal
+    transformers' own initialisers for every rope type blockspec supports; another factor does not."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from blockspec.config import rope_from_hf
+    from blockspec.models.layers import rope_inv_freq
+
+    kind = scaling["rope_type"]
+    cfg = transformers.LlamaConfig(hidden_size=512, num_attention_heads=4, head_dim=128, rope_theta=1e6,
+                                   rope_scaling=None if kind == "default" else dict(scaling),
+                                   max_position_embeddings=131072)
+    want = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu") if kind != "default" else (
+        1.0 / (1e6 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128)), 1.0)
+    raw = cfg.to_dict()
+    inv, scale = rope_inv_freq(rope_from_hf(raw, "config.json"), 128)
+    assert torch.equal(inv, want[0].float()) and scale == pytest.approx(want[1], rel=1e-12)
+    if kind != "default":  # negative control
+        other = rope_from_hf({**raw, "rope_parameters": {**raw.get("rope_parameters", {}), "factor": 2.0}}, "c")
+        assert not torch.equal(rope_inv_freq(other, 128)[0], inv)
