@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from blockspec.bad_words import word_sequences
 from blockspec.config import ConfigError
 from blockspec.errors import RequestError
 from blockspec.sampling_params import SamplingParams, is_int
@@ -103,6 +104,8 @@ class ModelInputs:
         params.check_vocab(vocab)
         if params.structured_outputs is not None:  # compiles it: a grammar that cannot fails here
             new_matcher(params.structured_outputs, self.tokenizer, vocab, self.eos_ids, where)
+        if params.bad_words:  # tokenized as the engine will: no tokenizer, or ids past the vocabulary, fail here
+            word_sequences(params.bad_words, self.tokenizer, vocab)
 
     def default_sampling_params(self) -> SamplingParams:
         """What a call that passes no SamplingParams decodes with: the model's generation_config.json

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import Tensor
 
+from blockspec.bad_words import BadWords
 from blockspec.sampling_params import SamplingParams
 
 
@@ -86,6 +87,8 @@ class RequestOutput:
     finished: bool
     metrics: dict[str, Any]
     error: str | None = None
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing before it)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class IncrementalDetokenizer:
@@ -166,6 +169,9 @@ class Request:
     prompt_mask: Tensor | None = None  # [V] bool tokens of the prompt (device)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
+    # with prompt_logprobs: the prompt's entries computed so far (prefill chunks append; n copies share one)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    bad_words: BadWords = ()  # SamplingParams.bad_words tokenized (bad_words.word_sequences)
     detok: IncrementalDetokenizer | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -181,16 +187,16 @@ class Request:
     suspect_since: int = 0
     grammar: Any = None  # structured output: the matcher of its constraint, advanced by committed tokens
     # what its parameters ask of every step, fixed at creation: a step tests them for each of its rows
-    # sampling reads committed tokens (penalties, min_tokens, a grammar) or keeps logprobs
+    # sampling reads committed tokens (penalties, min_tokens, a grammar, a longer bad word) or keeps logprobs
     needs_history: bool = field(init=False)
     needs_processing: bool = field(init=False)  # more than the raw logits' argmax (see Engine.needs_processing)
 
     def __post_init__(self) -> None:
         p = self.params
-        # a grammar's masks follow the committed tokens, as penalties do
+        # a grammar's masks and a longer bad word's ban follow the committed tokens, as penalties do
         self.needs_history = (p.uses_penalties or bool(p.min_tokens) or p.logprobs is not None
-                              or p.structured_outputs is not None)
-        self.needs_processing = self.needs_history or not p.greedy or bool(p.logit_bias)
+                              or p.structured_outputs is not None or any(len(w) > 1 for w in self.bad_words))
+        self.needs_processing = self.needs_history or not p.greedy or bool(p.logit_bias) or bool(self.bad_words)
 
     @property
     def length(self) -> int:
@@ -240,4 +246,4 @@ class Request:
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
         )
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion],
-                             self.status is Status.FINISHED, self.metrics(), self.error)
+                             self.status is Status.FINISHED, self.metrics(), self.error, self.prompt_logprobs)

@@ -13,6 +13,7 @@ class SamplingError(ValueError):
 
 
 MAX_LOGPROBS = 20
+MAX_BAD_WORDS = 128  # each is matched against every sampled row's history on the host (vLLM's runner V2: as many)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: -100 bans a token, +100 all but forces it
 INT64 = (-(2**63), 2**63 - 1)  # seeds are keyed as int64 on the device
 SHORT = reprlib.Repr()  # a bad value quoted in an error, cut short
@@ -65,7 +66,14 @@ class StructuredOutputsParams:
 
 @dataclass
 class SamplingParams:
-    """How one request is decoded. temperature 0 is greedy; top_k 0 or -1 turns top-k off."""
+    """How one request is decoded. temperature 0 is greedy; top_k 0 or -1 turns top-k off.
+
+    `prompt_logprobs` (k): every prompt token after the first with its logprob given the tokens before
+    it and the k most likely alternatives with their ranks (the first token: None). They are the model's
+    raw logprobs, before any sampling processor (vLLM's default): a prompt is read, not sampled.
+    `bad_words`: strings never emitted (vLLM's rule: each word tokenized as given and with a leading
+    space; a one-token word's token is banned at every row, a longer word's last token where the output
+    so far ends with its other tokens)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -82,7 +90,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     use_speculation: bool = True
@@ -120,6 +130,9 @@ class SamplingParams:
             check(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})")
         integer("logprobs", 0, MAX_LOGPROBS, f"None or an integer in [0, {MAX_LOGPROBS}] (number of top alternatives)",
                 optional=True)
+        integer("prompt_logprobs", 0, MAX_LOGPROBS,
+                f"None or an integer in [0, {MAX_LOGPROBS}] (number of top alternatives per prompt token)",
+                optional=True)
         check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
               "structured_outputs", "None or a StructuredOutputsParams")
         for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "use_speculation"):
@@ -137,6 +150,11 @@ class SamplingParams:
             and abs(v) <= MAX_LOGIT_BIAS for k, v in bias.items()), "logit_bias",
             f"a dict of token id (>= 0) -> bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         self.logit_bias = {token_id(k): float(v) for k, v in bias.items()} or None
+        words = self.bad_words
+        check(words is None or (isinstance(words, (list, tuple)) and len(words) <= MAX_BAD_WORDS and all(
+            isinstance(w, str) and w.strip() for w in words)), "bad_words",
+            f"None or a list of at most {MAX_BAD_WORDS} strings, none empty or only whitespace")
+        self.bad_words = list(words) if words else None
 
     @property
     def greedy(self) -> bool:

@@ -1,5 +1,6 @@
 """`blockspec serve` as a vLLM user's clients and dashboards expect it, over real HTTP on 127.0.0.1:
-/v1/models/{id}, /tokenize, /detokenize, /version, the fields accepted and ignored, best_of and echo,
+/v1/models/{id}, /tokenize, /detokenize, /version, the fields accepted and ignored, best_of and echo (with the
+prompt's logprobs), prompt_logprobs and bad_words,
 a text-only model's answer to image parts, vLLM's metric names (no _created series), the periodic log,
 and the ready line and clean shutdown of the command."""
 
@@ -21,7 +22,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from blockspec import LLM
+from blockspec import LLM, SamplingParams
 from blockspec.cli import main
 from blockspec.config import ServerConfig
 from blockspec.server.app import create_app
@@ -126,9 +127,82 @@ def test_echo_puts_the_prompt_before_the_output(server, tokenizer):
     chunks = list(client.completions.create(model=NAME, prompt="abc", max_tokens=4, temperature=0, echo=True,
                                             stream=True))
     assert chunks[0].choices[0].text == "abc" and "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+
+
+@pytest.fixture(scope="module")
+def offline(text_dir) -> LLM:
+    return load(text_dir)
+
+
+def test_echo_with_logprobs_gives_the_prompt_tokens_their_logprobs(server, offline, tokenizer):
+    """As OpenAI and vLLM: the echoed prompt's tokens come first in logprobs, the first with null, the
+    others with the model's logprobs of them and their alternatives; streamed, the echo chunk has them."""
+    client = server.client()
+    ids = tokenizer.encode("abcd")
+    want = offline.generate("abcd", SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=2),
+                            use_tqdm=False)[0]
+    r = client.completions.create(model=NAME, prompt="abcd", max_tokens=3, temperature=0, echo=True, logprobs=2)
+    lp, out = r.choices[0].logprobs, want.outputs[0]
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids + out.token_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[:2] == [0, 1]
+    entries = want.prompt_logprobs[1:] + out.logprobs
+    for got, top, tok, entry in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], ids[1:] + out.token_ids, entries):
+        assert abs(got - entry[tok].logprob) < 1e-5
+        assert top.keys() == {tokenizer.decode([t]) for t, e in entry.items() if t == tok or e.rank <= 2}
+    assert r.choices[0].model_extra["prompt_logprobs"][0] is None  # vLLM returns the prompt's entries too
+    chunks = list(client.completions.create(model=NAME, prompt="abcd", max_tokens=3, temperature=0, echo=True,
+                                            logprobs=2, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text == "abcd" and first.logprobs.tokens == lp.tokens[:4] and first.logprobs.token_logprobs[0] is None
+    streamed = [t for c in chunks if c.choices for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+
+
+def test_prompt_logprobs_in_extra_body(server, offline, tokenizer):
+    """vLLM's prompt_logprobs: on each completion choice, and on a chat response; each entry maps token ids
+    to logprob, rank and text; refused with stream."""
+    client = server.client()
+    ids = tokenizer.encode("hello")
+    want = offline.generate("hello", SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    r = client.completions.create(model=NAME, prompt="hello", max_tokens=1, extra_body={"prompt_logprobs": 1})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert r.choices[0].logprobs is None and len(got) == len(ids) and got[0] is None
+    for entry, tok, ref in zip(got[1:], ids[1:], want.prompt_logprobs[1:]):
+        assert entry.keys() == {str(t) for t in ref}
+        assert entry[str(tok)]["rank"] == ref[tok].rank and abs(entry[str(tok)]["logprob"] - ref[tok].logprob) < 1e-5
+        assert entry[str(tok)]["decoded_token"] == tokenizer.decode([tok])
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=1, n=2, temperature=1,
+                                          extra_body={"prompt_logprobs": 0})
+    want = offline.chat(messages, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    got = chat.model_extra["prompt_logprobs"]
+    assert len(got) == chat.usage.prompt_tokens == len(want.prompt_logprobs) and got[0] is None
+    assert all(e.keys() == {str(t) for t in ref} for e, ref in zip(got[1:], want.prompt_logprobs[1:]))
     with pytest.raises(openai.BadRequestError) as exc:
-        client.completions.create(model=NAME, prompt="abc", max_tokens=2, echo=True, logprobs=1)
-    assert exc.value.body["param"] == "echo"
+        client.completions.create(model=NAME, prompt="a", max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1})
+    assert exc.value.body["param"] == "prompt_logprobs"
+
+
+def test_bad_words_in_extra_body(server, offline):
+    """vLLM's bad_words: a word the plain output holds is not in the output, which equals the offline
+    engine's; a bad value is a 400 naming the field."""
+    client = server.client()
+    plain = client.completions.create(model=NAME, prompt="abc", max_tokens=16, temperature=0).choices[0].text
+    word = next(plain[i : i + 2] for i in range(len(plain) - 1) if plain[i : i + 2].strip() == plain[i : i + 2])
+    r = client.completions.create(model=NAME, prompt="abc", max_tokens=16, temperature=0,
+                                  extra_body={"bad_words": [word]})
+    want = offline.generate("abc", SamplingParams(temperature=0, max_tokens=16, bad_words=[word]), use_tqdm=False)[0]
+    assert word not in r.choices[0].text and r.choices[0].text == want.outputs[0].text
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "a"}], max_tokens=4,
+                                          extra_body={"bad_words": ["x"]})
+    assert "x" not in chat.choices[0].message.content
+    for bad in ([""], ["a"] * 200, ["é"]):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.completions.create(model=NAME, prompt="a", max_tokens=1, extra_body={"bad_words": bad})
+        assert exc.value.body["param"] == "bad_words"
+    r = post(f"{server.url}/v1/completions", content=b'{"prompt": "a", "bad_words": ["\\ud800"]}',
+             headers={"content-type": "application/json"})  # a lone surrogate, which the client cannot send
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
 
 
 def test_an_image_part_is_refused_by_name(server):

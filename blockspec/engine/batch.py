@@ -1,5 +1,6 @@
 """How a batch's rows are sampled: per-row sampling tensors (`RowParams`), the penalty history each
-request keeps on the device, the plain step's token per request, and logprob entries.
+request keeps on the device, the plain step's token per request, and logprob entries (of sampled rows,
+and of the prompt's tokens from its prefill).
 
 The proposer gets what it needs of this as arguments (the rows' `RowParams`); it never asks the
 engine for it.
@@ -13,13 +14,33 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from blockspec.bad_words import banned_tokens
 from blockspec.models.runner import ModelRunner
 from blockspec.request import Logprob, Request
 from blockspec.sample import RowParams, expand_history, logprobs as top_logprobs, process_logits, sample
+from blockspec.sample.processors import row_chunks
 from blockspec.structured import Masks
 from blockspec.transfer import to_device
 
 LogprobEntries = list[list[dict[int, Logprob]]]  # per request, per emitted row: token -> Logprob
+
+
+def entries(scores: Tensor, tokens: Tensor, tops: list[int]) -> list[dict[int, Logprob]]:
+    """One logprob dict per row of `scores` (log-probabilities up to a per-row constant): its token's
+    logprob and rank (1 + the tokens more likely), then its `tops[row]` most likely tokens, ranked 1..n."""
+    lp, top_ids, top_lp = top_logprobs(scores, tokens.clamp(min=0), max(tops, default=0))
+    rank = (scores > scores.gather(1, tokens.clamp(min=0)[:, None])).sum(-1) + 1
+    host = torch.cat([lp[:, None], rank[:, None].float(), top_lp], 1).tolist()
+    ids = torch.cat([tokens[:, None], top_ids], 1).tolist()
+    out = []
+    for row, top in enumerate(tops):
+        tok = ids[row][0]
+        entry = {tok: Logprob(host[row][0], int(host[row][1]))}
+        # the alternatives come sorted, most likely first: the i-th has rank i + 1
+        for place, (t, v) in enumerate(zip(ids[row][1 : 1 + top], host[row][2:]), 1):
+            entry.setdefault(t, Logprob(v, place))
+        out.append(entry)
+    return out
 
 
 def needs_processing(reqs: list[Request]) -> bool:
@@ -48,12 +69,14 @@ class BatchSampling:
                ahead: int = 0, constrained: bool = True) -> RowParams:
         """Per-row sampling parameters; row j of request r samples the token at position length + ahead + j
         (`ahead`: tokens launched but not yet committed, see `needs_history`). `block_tokens`: the drafts
-        a verify's rows follow. `constrained`: the rows of a request with a grammar get its masks (not
-        for drafting, which is unconstrained)."""
+        a verify's rows follow. `constrained`: the rows of a request with a grammar get its masks, and
+        those of a request with bad words their bans, each after the drafts before the row (not for
+        drafting, which is unconstrained)."""
         dev = self.device
         req_of_row = [i for i, c in enumerate(rows_per_req) for _ in range(c)]
         offset = [j for c in rows_per_req for j in range(c)]
         ps = [reqs[i].params for i in req_of_row]
+        drafts = self._host_drafts(reqs, rows_per_req, block_tokens) if constrained else None
 
         def col(values: list[Any], dtype: torch.dtype) -> Tensor:
             return to_device(values, dtype, dev)
@@ -64,6 +87,9 @@ class BatchSampling:
             p = req.params
             for tok, b in (p.logit_bias or {}).items():
                 bias_rows.append(row), bias_ids.append(tok), bias_vals.append(b)
+            if constrained and req.bad_words:  # banned after the output and the drafts before this row
+                for tok in banned_tokens(req.bad_words, req.output_ids, drafts[ri][:j] if drafts else ()):
+                    bias_rows.append(row), bias_ids.append(tok), bias_vals.append(float("-inf"))
             if len(req.output_ids) + j < p.min_tokens:  # min_tokens: stop ids impossible at this row
                 for tok in set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(self.eos_ids)):
                     bias_rows.append(row), bias_ids.append(tok), bias_vals.append(float("-inf"))
@@ -96,22 +122,31 @@ class BatchSampling:
             output_counts=output_counts,
             prompt_mask=prompt_mask,
             logit_bias=logit_bias,
-            allowed=self._grammar_masks(reqs, rows_per_req, block_tokens) if constrained else None,
+            allowed=self._grammar_masks(reqs, rows_per_req, drafts) if constrained else None,
         )
 
-    def _grammar_masks(self, reqs: list[Request], rows_per_req: list[int], block_tokens: Tensor | None
+    @staticmethod
+    def _host_drafts(reqs: list[Request], rows_per_req: list[int], block_tokens: Tensor | None
+                     ) -> list[list[int]] | None:
+        """Each request's drafts its verify rows follow, up to the first padding, read to the host once
+        where a grammar or a bad word of several tokens depends on them; else None."""
+        follow = [r.grammar is not None or any(len(w) > 1 for w in r.bad_words) for r in reqs]
+        if block_tokens is None or not any(follow):
+            return None
+        return [list(itertools.takewhile(lambda t: t >= 0, block[: rows - 1]))
+                for block, rows in zip(block_tokens.tolist(), rows_per_req)]
+
+    def _grammar_masks(self, reqs: list[Request], rows_per_req: list[int], drafts: list[list[int]] | None
                        ) -> Tensor | None:
         """Each constrained request's rows: the mask of its grammar's state, and after each of the drafts
-        its verify rows follow (read once to the host); None when no request has a grammar."""
+        its verify rows follow; None when no request has a grammar."""
         if not any(r.grammar is not None for r in reqs):
             return None
         masks = Masks(sum(rows_per_req), self.vocab_size)
-        drafts = block_tokens.tolist() if block_tokens is not None else None
         row = 0
         for i, (req, rows) in enumerate(zip(reqs, rows_per_req)):
             if req.grammar is not None:
-                block = drafts[i][: rows - 1] if drafts is not None else []
-                masks.add(req.grammar, row, list(itertools.takewhile(lambda t: t >= 0, block)))
+                masks.add(req.grammar, row, drafts[i] if drafts is not None else [])
             row += rows
         return to_device(masks.fill(), torch.int32, self.device)
 
@@ -136,24 +171,23 @@ class BatchSampling:
     def logprob_entries(self, reqs: list[Request], processed: Tensor, tokens: Tensor,
                         rows_per_req: list[int]) -> LogprobEntries:
         """Logprob dicts (sampled token + top-n) per emitted row, from the processed distribution."""
-        top_n = max((r.params.logprobs or 0) for r in reqs)
-        lp, top_ids, top_lp = top_logprobs(processed, tokens.clamp(min=0), top_n)
-        rank = (processed > processed.gather(1, tokens.clamp(min=0)[:, None])).sum(-1) + 1
-        host = torch.cat([lp[:, None], rank[:, None].float(), top_lp], 1).tolist()
-        ids = torch.cat([tokens[:, None], top_ids], 1).tolist()
-        out, row = [], 0
-        for req, c in zip(reqs, rows_per_req):
-            entries = []
-            for _ in range(c):
-                tok = ids[row][0]
-                entry = {tok: Logprob(host[row][0], int(host[row][1]))}
-                # the alternatives come sorted, most likely first: the i-th has rank i + 1
-                for rank, (t, v) in enumerate(zip(ids[row][1 : 1 + (req.params.logprobs or 0)], host[row][2:]), 1):
-                    entry.setdefault(t, Logprob(v, rank))
-                entries.append(entry)
-                row += 1
-            out.append(entries)
-        return out
+        tops = [r.params.logprobs or 0 for r, c in zip(reqs, rows_per_req) for _ in range(c)]
+        flat = entries(processed, tokens, tops)
+        bounds = itertools.pairwise(itertools.accumulate(rows_per_req, initial=0))
+        return [flat[a:b] for a, b in bounds]
+
+    def add_prompt_logprobs(self, req: Request, hidden: Tensor, start: int) -> None:
+        """Append the prompt logprobs a prefill chunk gives (`hidden`: its rows, from position `start`):
+        row i predicts the token at start + i + 1. Only positions not computed yet (a request recomputed
+        after a preemption, or another of its n copies, has them) and inside the prompt (past it, rows
+        predict the output). Raw logprobs of the model, in row chunks of bounded size."""
+        done, prompt = req.prompt_logprobs, req.prompt_token_ids
+        first, end = max(len(done) - 1 - start, 0), min(len(prompt) - 1 - start, hidden.shape[0])
+        for s in row_chunks(end - first, self.vocab_size):
+            rows = slice(first + s.start, first + s.stop)
+            tokens = to_device(prompt[start + rows.start + 1 : start + rows.stop + 1], torch.int64, self.device)
+            logits = self.runner.logits(hidden[rows]).float()
+            done.extend(entries(logits, tokens, [req.params.prompt_logprobs] * len(tokens)))
 
     def start_history(self, req: Request) -> None:
         """The device history penalties read: the prompt's tokens, and counts of the output's."""

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from blockspec.bad_words import word_sequences
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.drafters import DraftModel
 from blockspec.engine import memory
@@ -201,13 +202,17 @@ class Engine:
         if params.structured_outputs is not None:  # compiled before queueing: a bad grammar fails here
             grammar = new_matcher(params.structured_outputs, self.tokenizer, self.vocab_size, tuple(self.eos_ids),
                                   f"request {request_id}")
+        bad = word_sequences(params.bad_words, self.tokenizer, self.vocab_size) if params.bad_words else ()
+        # the n copies read one prompt: whichever prefills a position first computes its entry, for all
+        prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         reqs = []
         for i in range(params.n):
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.seed_gen))
             if params.n > 1:
                 seed = hash((seed, i)) & (2**62 - 1)
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
-            req = Request(rid, prompt, list(prompt_ids), params, seed, index=i)
+            req = Request(rid, prompt, list(prompt_ids), params, seed, index=i, bad_words=bad)
+            req.prompt_logprobs = prompt_logprobs
             req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
             if params.logprobs is not None:
                 req.logprobs = []
@@ -351,6 +356,9 @@ class Engine:
                                             context=context)
         if context is not None and feats is None:  # a prefill graph appended the chunk to the draft cache
             self.context.appended(chosen, context[2])  # no rows for a request that feeds nothing
+        for i, req in enumerate(chosen):
+            if req.prompt_logprobs is not None:
+                self.sampling.add_prompt_logprobs(req, hidden[i, : counts[i]], starts[i])
         done = []
         for i, req in enumerate(chosen):
             req.num_cached += counts[i]

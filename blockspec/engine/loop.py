@@ -150,13 +150,16 @@ class Delta:
     stop_reason: str | int | None = None
     error: str | None = None
     spec: SpecStats | None = None  # the request's speculation counters, on the last delta
+    # with prompt_logprobs: the prompt's entries (SamplingParams.prompt_logprobs), on the choice's first delta
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def then(self, later: Delta) -> Delta:
         """This delta followed by a later one of the same choice, as one."""
         logprobs = None if self.logprobs is None and later.logprobs is None else \
             (self.logprobs or []) + (later.logprobs or [])
         return Delta(self.index, self.text + later.text, self.token_ids + later.token_ids, logprobs,
-                     later.finish_reason, later.stop_reason, later.error or self.error, later.spec or self.spec)
+                     later.finish_reason, later.stop_reason, later.error or self.error, later.spec or self.spec,
+                     self.prompt_logprobs or later.prompt_logprobs)
 
 
 # ---------------------------------------------------------------- messages between front and engine
@@ -221,6 +224,7 @@ class _Tracker:
     arrival: float
     sent_tokens: int = 0
     sent_chars: int = 0
+    sent_prompt: bool = False  # its prompt logprobs went with a delta
     started: bool = False
     last_tokens_at: float | None = None  # when the report with its latest tokens was sent
 
@@ -240,10 +244,12 @@ class _Tracker:
         if done:
             spec = SpecStats()
             spec.merge(req.spec)
+        # the prompt's logprobs are whole once the first token is sampled: they go with the first delta
+        prompt = req.prompt_logprobs if not self.sent_prompt else None
         delta = (self.index, text[self.sent_chars:visible], req.output_ids[self.sent_tokens:n],
                  req.logprobs[self.sent_tokens:n] if req.logprobs is not None else None,
-                 req.finish_reason, req.stop_reason, req.error, spec)
-        self.sent_tokens, self.sent_chars = n, visible
+                 req.finish_reason, req.stop_reason, req.error, spec, prompt)
+        self.sent_tokens, self.sent_chars, self.sent_prompt = n, visible, True
         return delta
 
 

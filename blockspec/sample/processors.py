@@ -8,7 +8,8 @@ exactly the distribution the non-speculative sampler would have used (sampling.m
 Order (vLLM's, V1 and Model Runner V2 alike):
 
 0. the structured-output bitmask (tokens a row's grammar forbids -> -inf),
-1. logit bias (sparse additive),
+1. logit bias (sparse additive; bad-word bans come as -inf entries, where vLLM bans them just before the
+   bias: adding -inf commutes with the bias),
 2. eos suppression (min_tokens not reached: stop/eos ids -> -inf),
 3. penalties: repetition (tokens in prompt or output: positive logits divided, negative
    multiplied), then frequency (minus f * count), then presence (minus p * [count > 0]),

@@ -44,8 +44,8 @@ from blockspec.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
     DeltaToolCall, DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, GenerationRequest, ModelCard,
-    ModelList, NamedToolChoice, ResponseBase, SpecDecodeStats, TokenizeChatRequest, TokenizeRequest, TokenizeResponse,
-    TokenLogprob, ToolCall, TopLogprob, Usage, VersionResponse,
+    ModelList, NamedToolChoice, PromptLogprob, PromptLogprobs, ResponseBase, SpecDecodeStats, TokenizeChatRequest,
+    TokenizeRequest, TokenizeResponse, TokenLogprob, ToolCall, TopLogprob, Usage, VersionResponse,
 )
 
 log = logging.getLogger("blockspec.server")
@@ -244,6 +244,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
@@ -253,6 +254,7 @@ class Choice:
         self.text += d.text
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs or []
+        self.prompt_logprobs = self.prompt_logprobs or d.prompt_logprobs
         self.finish_reason, self.stop_reason, self.error = d.finish_reason, d.stop_reason, d.error
         if d.spec is not None:
             self.spec = d.spec
@@ -289,8 +291,21 @@ class Renderer:
     def token_ids(self, ids: list[int]) -> list[int] | None:
         return ids if self.body.return_token_ids else None
 
+    def prompt_logprobs(self, entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+        """The prompt's logprobs as vLLM returns them (each token with its text; -inf as -9999), where the
+        request asked for them."""
+        if entries is None or self.params.prompt_logprobs is None:
+            return None
+        return [None if entry is None else {t: PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank,
+                                                             decoded_token=self.strings(t)) for t, lp in entry.items()}
+                for entry in entries]
+
     def opening_chunks(self) -> list[BaseModel]:
         return []
+
+    def chunks(self, d: Delta) -> list[BaseModel]:
+        """What a delta streams as: one chunk."""
+        return [self.chunk(d)]
 
     def chunk(self, d: Delta) -> BaseModel:
         raise NotImplementedError
@@ -323,6 +338,7 @@ class CompletionRenderer(Renderer):
         self.offsets: dict[int, int] = {}  # per choice: text offset of its next logprobs token
         # with echo, each prompt's text, which its choices' text starts with
         self.echoed = [self.prompt_text(text, ids) for text, ids in self.prompts] if self.body.echo else None
+        self.opened: set[int] = set()  # streamed choices whose echo went out
 
     def prompt_text(self, text: str | None, ids: list[int]) -> str:
         """A prompt as text: as given, or its token ids decoded."""
@@ -335,24 +351,37 @@ class CompletionRenderer(Renderer):
     def echo(self, index: int) -> str:
         return self.echoed[index // self.params.n] if self.echoed is not None else ""
 
-    def opening_chunks(self) -> list[BaseModel]:
-        """With echo, streamed choices open with their prompt's text, as vLLM sends it."""
-        if self.echoed is None:
-            return []
-        return [CompletionResponse(id=self.id, model=self.model, choices=[CompletionChoice(index=i, text=self.echo(i))])
-                for i in range(len(self.prompts) * self.params.n)]
+    def echoed_logprobs(self, index: int, prompt_entries: list[dict[int, Logprob] | None] | None
+                        ) -> tuple[list[dict[int, Logprob] | None], list[int]]:
+        """With echo and logprobs, the entries and ids of a choice's prompt, which its logprobs start with."""
+        if self.echoed is None or self.params.logprobs is None:
+            return [], []
+        return list(prompt_entries or []), self.prompts[index // self.params.n][1]
 
-    def logprobs(self, index: int, entries: list[dict[int, Logprob]] | None,
+    def chunks(self, d: Delta) -> list[BaseModel]:
+        """With echo, a streamed choice opens with its prompt's text (and its logprobs with logprobs) once
+        the first delta brings them, as vLLM sends it."""
+        if self.echoed is None or d.index in self.opened:
+            return [self.chunk(d)]
+        self.opened.add(d.index)
+        echo = CompletionChoice(index=d.index, text=self.echo(d.index),
+                                logprobs=self.logprobs(d.index, *self.echoed_logprobs(d.index, d.prompt_logprobs)))
+        return [CompletionResponse(id=self.id, model=self.model, choices=[echo]), self.chunk(d)]
+
+    def logprobs(self, index: int, entries: list[dict[int, Logprob] | None] | None,
                  ids: list[int]) -> CompletionLogprobs | None:
+        """The legacy logprobs of `ids` (an echoed prompt's first has no entry: null); alternatives up to
+        the request's logprobs."""
         if entries is None or self.params.logprobs is None:
             return None
-        out = CompletionLogprobs()
+        out, top = CompletionLogprobs(), self.params.logprobs
         offset = self.offsets.get(index, 0)
         for tok, entry in zip(ids, entries):
             s = self.strings(tok)
             out.tokens.append(s)
-            out.token_logprobs.append(entry[tok].logprob)
-            out.top_logprobs.append({self.strings(t): lp.logprob for t, lp in entry.items()})
+            out.token_logprobs.append(entry[tok].logprob if entry is not None else None)
+            out.top_logprobs.append(None if entry is None else {
+                self.strings(t): lp.logprob for t, lp in entry.items() if t == tok or (lp.rank or 0) <= top})
             out.text_offset.append(offset)
             offset += len(s)
         self.offsets[index] = offset
@@ -366,11 +395,15 @@ class CompletionRenderer(Renderer):
 
     def response(self, choices: list[Choice]) -> BaseModel:
         usage, spec = self.usage(choices)
-        return CompletionResponse(id=self.id, model=self.model, usage=usage, spec_decode=spec, choices=[
-            CompletionChoice(index=i, text=self.echo(i) + c.text, logprobs=self.logprobs(i, c.logprobs, c.token_ids),
-                             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                             token_ids=self.token_ids(c.token_ids), prompt_token_ids=self.prompt_ids(i))
-            for i, c in enumerate(choices)])
+        out = []
+        for i, c in enumerate(choices):
+            entries, ids = self.echoed_logprobs(i, c.prompt_logprobs)
+            out.append(CompletionChoice(index=i, text=self.echo(i) + c.text,
+                                        logprobs=self.logprobs(i, entries + c.logprobs, ids + c.token_ids),
+                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                        token_ids=self.token_ids(c.token_ids), prompt_token_ids=self.prompt_ids(i),
+                                        prompt_logprobs=self.prompt_logprobs(c.prompt_logprobs)))
+        return CompletionResponse(id=self.id, model=self.model, usage=usage, spec_decode=spec, choices=out)
 
 
 class ChatRenderer(Renderer):
@@ -437,7 +470,8 @@ class ChatRenderer(Renderer):
                                   logprobs=self.logprobs(c.logprobs, c.token_ids), finish_reason=finish_reason,
                                   stop_reason=c.stop_reason, token_ids=self.token_ids(c.token_ids),
                                   prompt_token_ids=self.prompt_ids(i)))
-        return ChatCompletionResponse(id=self.id, model=self.model, usage=usage, spec_decode=spec, choices=out)
+        return ChatCompletionResponse(id=self.id, model=self.model, usage=usage, spec_decode=spec, choices=out,
+                                      prompt_logprobs=self.prompt_logprobs(choices[0].prompt_logprobs))
 
 
 def sse(payload: BaseModel) -> str:
@@ -537,6 +571,9 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
 
     async def generate(request: Request, body: GenerationRequest, inputs: ModelInputs, prompts: list[Prompt],
                        params: SamplingParams, renderer_type: type[Renderer]) -> Response:
+        if body.stream and body.prompt_logprobs:
+            raise APIError(400, "prompt_logprobs are not streamed (as in vLLM): drop stream, or on /v1/completions "
+                                "use echo with logprobs", param="prompt_logprobs")
         check_prompts(inputs, prompts, params)
         renderer = renderer_type(body, served_model_name, prompts, params, TokenStrings(inputs.tokenizer),
                                  inputs.speculative)
@@ -562,7 +599,8 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
                     choices[d.index].add(d)
                     if d.error:
                         raise APIError(500, d.error, type="internal_server_error")
-                    yield sse(renderer.chunk(d))
+                    for chunk in renderer.chunks(d):
+                        yield sse(chunk)
             except Exception as exc:
                 yield sse(ErrorResponse(error=api_error_of(exc).info))
             else:

@@ -105,6 +105,9 @@ class GenerationRequest(StrictModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = Field(None, description="the prompt tokens' logprobs with this many alternatives "
+                                                          "(vLLM extra; not with stream)")
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     use_speculation: bool = Field(True, description="False: decode this request without drafting")
@@ -136,6 +139,7 @@ class GenerationRequest(StrictModel):
         return SamplingParams(
             n=self.n, seed=self.seed, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=self.wanted_prompt_logprobs, bad_words=self.bad_words,
             logit_bias=self.logit_bias, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, use_speculation=self.use_speculation,
             structured_outputs=self.structured(), **given)
@@ -168,21 +172,26 @@ class GenerationRequest(StrictModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the engine computes (None: no prompt logprobs)."""
+        return self.prompt_logprobs
+
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
-    echo: bool = Field(False, description="the prompt's text before each choice's output")
+    echo: bool = Field(False, description="the prompt's text before each choice's output (with logprobs: its "
+                                          "tokens' logprobs before the output's, the first null)")
     best_of: int | None = Field(None, description="only n (or unset): every sample is returned, none is ranked")
 
-    @field_validator("echo")
-    @classmethod
-    def _echo_without_logprobs(cls, echo: bool, info: ValidationInfo) -> bool:
-        if echo and info.data.get("logprobs") is not None:
-            raise PydanticCustomError("echo_logprobs", "echo with logprobs would need the prompt's logprobs, which "
-                                                       "this server does not compute; drop one of them")
-        return echo
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        """With echo and logprobs the echoed prompt tokens carry logprobs too, as the output's do (vLLM)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.prompt_logprobs or 0, self.logprobs)
+        return self.prompt_logprobs
 
     @field_validator("best_of")
     @classmethod
@@ -291,10 +300,23 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs; an echoed prompt's first token has none (null: nothing comes before it)."""
+
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """One token of a prompt position's `prompt_logprobs` entry, as vLLM writes it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]  # per prompt token (the first: null), token id -> logprob
 
 
 class TopLogprob(BaseModel):
@@ -319,6 +341,7 @@ class CompletionChoice(BaseModel):
     stop_reason: str | int | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ResponseBase(BaseModel):
@@ -368,6 +391,7 @@ class ChatChoice(BaseModel):
 class ChatCompletionResponse(ResponseBase):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's place for them: every choice has the one prompt
 
 
 class DeltaMessage(BaseModel):
