@@ -279,3 +279,20 @@ def test_tp2_on_gpus_matches_one_gpu(tmp_path, adaptive):
         got = [[list(o.outputs[0].token_ids) for o in tp.generate(prompts, p, use_tqdm=False)] for p in runs]
         assert tp.get_stats()["num_drafts"] > 0
     assert got == [[list(t) for t in w] for w in want]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_bench_on_gpus_gives_one_gpus_tokens():
+    """`blockspec bench -tp 2 --compare-tp1` on two GPUs (NCCL, CUDA graphs with the all-reduces inside):
+    plain and a synthetic DFlash (fixed K) give one GPU's tokens, and the report has both ranks' figures."""
+    from blockspec.bench import BenchConfig, run_bench
+
+    result = run_bench(BenchConfig(random_weights=True, arch="tiny", device="cuda", dtype="float32", input_len=(8,),
+                                   output_len=24, repeats=1, batch_sizes=(1, 4), methods=("plain", "dflash"),
+                                   synthetic_acceptance="4", speculative_config={"adaptive_draft_length": False},
+                                   tensor_parallel_size=2, compare_tp1=True))
+    rows = result["compare_tp1"]["rows"]
+    assert len(rows) == 4 and all(row["tokens_match_tp1"] == 1.0 for row in rows)
+    assert all(len(run["ranks"]["step_ms"]) == 2 for run in result["runs"])
+    assert result["device"] == torch.cuda.get_device_name(0)

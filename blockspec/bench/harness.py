@@ -12,6 +12,12 @@ since the engines of a point are alive together.
 
 With `synthetic_acceptance` the speculative runs use SyntheticProposer (real draft and verify
 forwards, drawn acceptance): their tokens are not the target's, and the report says so everywhere.
+
+With `tensor_parallel_size` N > 1 the sweep runs on N rank processes: each builds the same seeded target
+(or loads the checkpoint) and keeps its shard, builds the same engines (KV pages the fewest any rank
+allows, rank 0's draft-length decisions) and runs the same passes in lockstep; rank 0 times them and
+the report adds every rank's step figures (`tp_report`). With `compare_tp1` TP = 1 runs first, in this
+process, and the report compares the two.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +46,7 @@ from blockspec.bench.arch import get_arch, param_bytes, random_drafter, random_t
 from blockspec.models.quant import is_quantized, quantize_model
 from blockspec.bench.drafts import NO_DRAFTS_WHY, StepLog, acceptance, drafted, drafting_share
 from blockspec.bench.plots import title, write_plots
+from blockspec.bench.tp_report import add_rank_figures, compare_tp, rank_figures, tp_header, tp_sections
 from blockspec.bench.timing import (
     allocated_bytes,
     copy_bandwidth,
@@ -48,7 +56,7 @@ from blockspec.bench.timing import (
     spread,
     synchronize,
 )
-from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
+from blockspec.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
 from blockspec.models.llama import CausalLM
 from blockspec.sampling_params import SamplingParams
@@ -112,6 +120,8 @@ class BenchConfig:
     seed: int = 0
     max_prefill_tokens: int = 4096
     attention_backend: str = "auto"
+    tensor_parallel_size: int = 1  # N > 1: N rank processes (one GPU each, or gloo on the CPU), rank 0 timing
+    compare_tp1: bool = False  # with N > 1: TP = 1 in this process first, and the report compares them
     command: str | None = None
 
     def apply_preset(self) -> None:
@@ -168,6 +178,33 @@ class BenchConfig:
             raise ConfigError(f"--prompts {self.prompts} is text and needs the model's tokenizer; with "
                               "--random-weights use random-token prompts (--input-len) or a jsonl with "
                               "prompt_token_ids")
+        self._validate_ranks()
+
+    def _validate_ranks(self) -> None:
+        """The tensor-parallel options: shapes that split, no FP8 weights, no more ranks than GPUs, no peers
+        (transformers runs the whole target in one process), checked before any rank process starts."""
+        from blockspec.models.loader import read_json, resolve_model_dir
+        from blockspec.parallel.tp import check_ranks
+
+        n = self.tensor_parallel_size
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"--tensor-parallel-size must be an integer >= 1, got {n!r}")
+        if self.compare_tp1 and n == 1:
+            raise ConfigError("--compare-tp1 compares a tensor-parallel run with TP = 1: give "
+                              "--tensor-parallel-size N > 1")
+        if n == 1:
+            return
+        if self.peers:
+            raise ConfigError(f"--peers run the whole target in this process: leave them out with "
+                              f"--tensor-parallel-size {n}")
+        if self.random_weights:
+            target, fp8 = get_arch(self.arch).target, bool(self.quantization)
+        else:
+            path = resolve_model_dir(self.model) / "config.json"
+            config = read_json(path)
+            target = ModelConfig.from_hf(config, str(path))
+            fp8 = bool(self.quantization) or "quantization_config" in config
+        check_ranks(target, n, self.device, fp8)
 
     def selected_methods(self) -> tuple[str, ...]:
         if self.methods is not None:
@@ -178,6 +215,17 @@ class BenchConfig:
     @property
     def synthetic(self) -> bool:
         return self.synthetic_acceptance is not None
+
+
+@dataclass(frozen=True)
+class Rank:
+    """This process's place among tensor-parallel ranks: it holds shard `rank` of `world_size` of the
+    target, and its engines take the KV pages the fewest any rank allows and rank 0's draft-length
+    decisions, agreed over `control` (the ranks' gloo group for host values; None: the default group)."""
+
+    rank: int
+    world_size: int
+    control: Any = None
 
 
 @dataclass
@@ -247,19 +295,23 @@ def _quantized(cfg: BenchConfig, target: Any = None) -> str:
     return weights + (", fp8 KV cache" if cfg.kv_cache_dtype != "auto" else "")
 
 
-def prepare(cfg: BenchConfig, device: torch.device) -> Setup:
-    """Build (random weights) or load (checkpoints) the target, the prompts, and the drafter factories."""
-    return (_prepare_random if cfg.random_weights else _prepare_checkpoints)(cfg, device)
+def prepare(cfg: BenchConfig, device: torch.device, rank: Rank | None = None) -> Setup:
+    """Build (random weights) or load (checkpoints) the target, the prompts, and the drafter factories;
+    a tensor-parallel rank keeps its shard of the target (the drafters stay whole)."""
+    return (_prepare_random if cfg.random_weights else _prepare_checkpoints)(cfg, device, rank)
 
 
-def _prepare_random(cfg: BenchConfig, device: torch.device) -> Setup:
+def _prepare_random(cfg: BenchConfig, device: torch.device, rank: Rank | None) -> Setup:
     from blockspec.models.loader import resolve_dtype
+    from blockspec.parallel.tp import shard_model
 
     arch = get_arch(cfg.arch)
     dtype = resolve_dtype(cfg.dtype, "bfloat16", device)
     prompts = load_prompts(cfg, None, arch.target.vocab_size, max(cfg.batch_sizes) * cfg.waves)
     max_len = max(len(p) for p in prompts) + cfg.output_len + 8
     target = random_target(arch.target, max_len + 64, device, dtype, arch.init_std, cfg.seed)
+    if rank is not None:  # every rank builds the same seeded weights and keeps its slices
+        shard_model(target, rank.rank, rank.world_size)
     if cfg.quantization:
         quantize_model(target, cfg.quantization)  # on the device, layer by layer
     shapes = {"dflash": (arch.dflash, None, 1), "dspark": (arch.dspark(cfg.dspark_block_size), arch.dspark_heads, 2)}
@@ -275,18 +327,19 @@ def _prepare_random(cfg: BenchConfig, device: torch.device) -> Setup:
                  {"target": source, "dtype": str(dtype).replace("torch.", "") + _quantized(cfg), "drafters": drafters})
 
 
-def _prepare_checkpoints(cfg: BenchConfig, device: torch.device) -> Setup:
+def _prepare_checkpoints(cfg: BenchConfig, device: torch.device, rank: Rank | None) -> Setup:
     from blockspec.engine.build import generation_eos_ids, load_tokenizer
     from blockspec.models.loader import load_target, read_json, resolve_model_dir
     from blockspec.drafters import load_drafter
+    from blockspec.parallel.tp import shard_loader
 
     model_dir = resolve_model_dir(cfg.model)
     tokenizer = load_tokenizer(model_dir)
     vocab = int(read_json(model_dir / "config.json")["vocab_size"])
     prompts = load_prompts(cfg, tokenizer, vocab, max(cfg.batch_sizes) * cfg.waves)
     max_len = max(len(p) for p in prompts) + cfg.output_len + 8
-    target, model_dir = load_target(model_dir, cfg.dtype, device, max_positions=max_len + 64,
-                                    quantization=cfg.quantization)
+    load = load_target if rank is None else shard_loader(rank.rank, rank.world_size)
+    target, model_dir = load(model_dir, cfg.dtype, device, max_len + 64, cfg.quantization)
     weight = target.embed_tokens.weight
     sources = {m: getattr(cfg, f"{m}_model") for m in ("dflash", "dspark") if getattr(cfg, f"{m}_model")}
 
@@ -299,7 +352,13 @@ def _prepare_checkpoints(cfg: BenchConfig, device: torch.device) -> Setup:
                   "drafters": sources})
 
 
-def build_engine(cfg: BenchConfig, setup: Setup, method: str, drafter: Any, batch: int) -> Engine:
+def build_engine(cfg: BenchConfig, setup: Setup, method: str, drafter: Any, batch: int,
+                 rank: Rank | None = None) -> Engine:
+    """One method's engine at one batch size, warmed up; on a tensor-parallel rank its KV pages and
+    draft-length decisions are the ones every rank takes."""
+    from blockspec.engine.build import agree_on_draft_length, agreed_pages
+    from blockspec.parallel.tp import fewest, rank0_decides
+
     spec = proposer = None
     if method != "plain":
         values = {"method": method, "model": setup.drafter_source[method], **cfg.speculative_config}
@@ -312,7 +371,11 @@ def build_engine(cfg: BenchConfig, setup: Setup, method: str, drafter: Any, batc
     engine_cfg = EngineConfig(max_model_len=setup.max_len, max_num_seqs=batch,
                               max_prefill_tokens=cfg.max_prefill_tokens, seed=cfg.seed,
                               attention_backend=cfg.attention_backend, kv_cache_dtype=cfg.kv_cache_dtype)
+    if rank is not None:
+        engine_cfg = agreed_pages(engine_cfg, setup.target, drafter, spec, partial(fewest, group=rank.control))
     engine = Engine(setup.target, None, engine_cfg, spec, drafter, setup.eos_ids, proposer_cls=proposer)
+    if rank is not None:
+        agree_on_draft_length(engine, rank0_decides(rank.control))
     engine.warmup()  # graph captures and compilation before anything is timed, as a server does at start-up
     engine.spec_totals = StepLog()  # the same counters, plus what each step drafted
     return engine
@@ -485,20 +548,43 @@ def _environment(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
 
 
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Run the whole sweep and return the report (JSON-serialisable); `log` receives one line per point."""
+    """Run the whole sweep and return the report (JSON-serialisable); `log` receives one line per point.
+
+    With tensor_parallel_size N > 1 the sweep runs on N rank processes in lockstep, rank 0 timing it;
+    with compare_tp1, TP = 1 runs in this process first and the report compares the two per run."""
     from blockspec.models.loader import resolve_device
 
     cfg.apply_preset()
     cfg.validate()
     device = resolve_device(cfg.device)
+    if cfg.tensor_parallel_size == 1:
+        return measure_sweep(cfg, device, log)[0]
+    one = None
+    if cfg.compare_tp1:
+        log("TP=1, in this process:")
+        one = measure_sweep(dataclasses.replace(cfg, tensor_parallel_size=1, compare_tp1=False), device, log)
+        free_memory(device)  # its weights and caches are gone; the ranks' rank 0 shares this GPU
+    log(f"TP={cfg.tensor_parallel_size}, on {cfg.tensor_parallel_size} rank processes:")
+    result, outputs = _on_ranks(cfg, log)
+    if one is not None:
+        matches = {key: prefix_match(outputs[key], one[1][key]) for key in outputs if key in one[1]}
+        result["compare_tp1"] = compare_tp(result, one[0], matches)
+    return result
+
+
+def measure_sweep(cfg: BenchConfig, device: torch.device, log: Callable[[str], None], rank: Rank | None = None
+                  ) -> tuple[dict[str, Any], dict[tuple[str, int, float], list[list[int]]]]:
+    """This process's sweep (a tensor-parallel rank's with `rank`): the report, and the output tokens of
+    each (method, batch, temperature)'s last pass."""
     result: dict[str, Any] = {"benchmark": "blockspec bench", "synthetic": cfg.synthetic,
                               "synthetic_acceptance": None, **_environment(cfg, device),
-                              "config": dataclasses.asdict(cfg)}
+                              "config": dataclasses.asdict(cfg),
+                              "tensor_parallel_size": rank.world_size if rank is not None else 1}
     if cfg.synthetic:
         result["synthetic_acceptance"] = {"profile": cfg.synthetic_acceptance, "seed": cfg.synthetic_seed,
                                           "note": SYNTHETIC_NOTE}
     bandwidth = copy_bandwidth() if device.type == "cuda" else None  # before the models: needs 4 GB free
-    setup = prepare(cfg, device)
+    setup = prepare(cfg, device, rank)
     model = dict(setup.description, target_gb=param_bytes(setup.target) / 1e9,
                  weight_bytes_per_step_gb=step_bytes(setup.target) / 1e9)
     result["model"] = model
@@ -511,8 +597,9 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
     drafters = {m: setup.make_drafter(m) for m in methods if m != "plain"}
     runs: list[dict[str, Any]] = []
     plain_outputs: dict[tuple[int, float], list[list[int]]] = {}
+    last_outputs: dict[tuple[str, int, float], list[list[int]]] = {}
     for batch in cfg.batch_sizes:
-        engines = {m: build_engine(cfg, setup, m, drafters.get(m), batch) for m in methods}
+        engines = {m: build_engine(cfg, setup, m, drafters.get(m), batch, rank) for m in methods}
         memory = {m: _memory(engine, drafters.get(m)) for m, engine in engines.items()}
         held = {m: sum(parts.values()) for m, parts in memory.items()}
         n = batch * cfg.waves
@@ -523,6 +610,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
             if "plain" in measured:
                 plain_outputs[(batch, temp)] = measured["plain"][1]
             for method, (run, outputs) in measured.items():
+                last_outputs[(method, batch, temp)] = outputs
                 run = {"method": method, "batch": batch, "temperature": temp,
                        "synthetic": cfg.synthetic and method != "plain", "output_len": cfg.output_len, **run,
                        "memory_gb": memory[method]}
@@ -539,7 +627,55 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
     compare_to_plain(runs)
     result["runs"] = runs
     result["checks"] = checks(result)
-    return result
+    return result, last_outputs
+
+
+def _on_ranks(cfg: BenchConfig, log: Callable[[str], None]
+              ) -> tuple[dict[str, Any], dict[tuple[str, int, float], list[list[int]]]]:
+    """The sweep on `cfg.tensor_parallel_size` spawned ranks: rank 0's report, with every rank's step
+    figures, and its output tokens; rank 0's log lines come through here as they are written."""
+    from blockspec.parallel.tp import RankProcesses
+
+    n = cfg.tensor_parallel_size
+    ranks = RankProcesses(_sweep_rank, n, (cfg, max(1, torch.get_num_threads() // n)))
+    try:
+        while (message := ranks.receive())[0] == "log":
+            log(message[1])
+    finally:
+        ranks.close()
+    status, value = message
+    if status == "err":
+        raise value
+    return value
+
+
+def _sweep_rank(rank: int, world_size: int, init_file: str, conn: Connection | None, cfg: BenchConfig,
+                num_threads: int) -> None:
+    """One rank of a tensor-parallel sweep: its shard of the same target (seeded or loaded), the same
+    engines and passes as every other rank, in lockstep (the model's collectives keep them there). Rank 0
+    sends its log lines, then its report with every rank's step figures, or the error."""
+    import torch.distributed as dist
+
+    from blockspec.models.loader import resolve_device
+    from blockspec.parallel.tp import join_group, portable
+
+    torch.set_num_threads(num_threads)
+    device, control = join_group(rank, world_size, init_file, cfg.device)
+    send = conn.send if conn is not None else lambda message: None
+    try:
+        result, outputs = measure_sweep(cfg, resolve_device(device), lambda line: send(("log", line)),
+                                        Rank(rank, world_size, control))
+        figures: list[Any] | None = [None] * world_size if rank == 0 else None
+        dist.gather_object(rank_figures(result["runs"]), figures, dst=0, group=control)
+        if figures is not None:
+            add_rank_figures(result["runs"], figures)
+        send(("ok", (result, outputs)))
+    except Exception as exc:  # noqa: BLE001  rank 0 reports it; another rank's traceback goes to stderr
+        send(("err", portable(exc)))
+        if rank:
+            raise
+    finally:
+        dist.destroy_process_group()
 
 
 def run_peers(cfg: BenchConfig, setup: Setup, plain_outputs: dict[tuple[int, float], list[list[int]]],
@@ -697,6 +833,7 @@ def markdown(result: dict[str, Any]) -> str:
                  f"{m['weight_bytes_per_step_gb']:.3g} GB read per decode step)")
     for name, desc in m["drafters"].items():
         lines.append(f"- {name}: {desc}")
+    lines += tp_header(result)
     floor = result["floor"]
     if isinstance(floor, dict):
         lines.append(f"- floor: {floor['tok_s_batch1']:.1f} tok/s at batch 1 ({floor['step_ms_batch1']:.2f} ms/step, "
@@ -764,6 +901,7 @@ def markdown(result: dict[str, Any]) -> str:
         pts = ", ".join(f"b{p['batch']}/T{p['temperature']} " + ("no drafts" if p["verdict"] == "no drafts" else
                         f"{_f(p['speedup'], '.2f')}x ({p['verdict']})") for p in points)
         lines.append(f"- {method}: {pts}")
+    lines += tp_sections(result)
     return "\n".join(lines) + "\n"
 
 
@@ -786,6 +924,9 @@ BENCH_EXAMPLES = """examples:
   # real shapes without downloads: Qwen3-8B target + DFlash b16 + DSpark b7 drafters, random bf16 weights
   blockspec bench --random-weights --arch qwen3-8b --batch-sizes 1,4,16,64 --temperatures 0,0.7 \\
       --synthetic-acceptance 6.5 --peers transformers --peer-output-len 32
+  # two GPUs: TP = 2 against TP = 1 in one call
+  blockspec bench --random-weights --arch qwen3-8b -tp 2 --compare-tp1 --batch-sizes 1,4,16,64 \\
+      --temperatures 0,0.7 --synthetic-acceptance 6.5
   # a real target and drafters on a prompt file
   blockspec bench --model Qwen/Qwen3-8B --dflash-model z-lab/Qwen3-8B-DFlash-b16 --prompts prompts.jsonl
   # CPU smoke test
@@ -828,6 +969,12 @@ def add_bench_parser(sub: Any) -> None:
                         "weights on the device; drafters stay in --dtype (default: none)")
     m.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="the KV caches (target's and drafters'): auto (the model's dtype) or fp8 (e4m3)")
+    m.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the target over N rank processes (one GPU each; gloo ranks on the CPU), run in "
+                        "lockstep; rank 0 times, and the report adds each rank's step time and drafter share")
+    m.add_argument("--compare-tp1", action="store_true",
+                   help="with --tensor-parallel-size N > 1: run TP = 1 in this process first and report TP = N "
+                        "against it per method and batch (plain tok/s ratio, speculation's speedup at each TP)")
     w = p.add_argument_group("workload")
     w.add_argument("--methods", type=_list(str), default=None, help="comma list of plain,dflash,dspark "
                    "(default: plain and every drafter available)")

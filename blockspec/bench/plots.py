@@ -28,8 +28,9 @@ def title(result: dict[str, Any]) -> str:
     m = result["model"]
     runs = [r for r in result["runs"] if r["status"] == "ok" and "prompt_tokens_mean" in r]
     prompt = sum(r["prompt_tokens_mean"] for r in runs) / len(runs) if runs else float("nan")
-    text = (f"{m['target']} ({m['dtype']}) on {result['device']}: {prompt:.0f}-token prompts, "
-            f"{result['config']['output_len']} output tokens")
+    ranks = result.get("tensor_parallel_size", 1)
+    text = (f"{m['target']} ({m['dtype']}) on {result['device']}{f', TP={ranks}' if ranks > 1 else ''}: "
+            f"{prompt:.0f}-token prompts, {result['config']['output_len']} output tokens")
     if result["synthetic"]:
         return f"SYNTHETIC ACCEPTANCE {result['synthetic_acceptance']['profile']}: {text}"
     return f"{text}, real acceptance"

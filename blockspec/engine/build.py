@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from blockspec.config import ConfigError, EngineArgs, SpeculativeConfig
+from blockspec.config import ConfigError, EngineArgs, EngineConfig, SpeculativeConfig
 from blockspec.drafters import load_drafter
 from blockspec.engine import memory
 from blockspec.engine.engine import Engine
@@ -85,6 +85,23 @@ class EngineSetup:
     speculative_config: SpeculativeConfig | None
 
 
+def agreed_pages(config: EngineConfig, target: CausalLM, drafter: Any, spec: SpeculativeConfig | None,
+                 fewest_pages: Callable[[int], int]) -> EngineConfig:
+    """`config` with the KV pages the fewest any tensor-parallel rank's memory allows (a count given
+    stands): ranks holding different pools would preempt at different steps and their steps part."""
+    if config.num_kv_pages is not None:
+        return config
+    mine = memory.plan_pages(target, drafter, config, memory.cache_extent(config, spec, drafter)[1])
+    return dataclasses.replace(config, num_kv_pages=fewest_pages(mine))
+
+
+def agree_on_draft_length(engine: Engine, agree: Callable[[int], int]) -> None:
+    """Have `engine` take its draft-length decisions through `agree` (rank 0's, on tensor-parallel
+    ranks): an adaptive policy decides from each process's clock. A fixed K needs none."""
+    if engine.proposer is not None and engine.policy.adaptive:
+        engine.agree = agree
+
+
 def build_engine(
     model: str | os.PathLike[str],
     args: EngineArgs = EngineArgs(),
@@ -123,12 +140,11 @@ def build_engine(
         weight = target.embed_tokens.weight
         drafter = load_drafter(spec.method, spec.model, weight.device, weight.dtype)
     config = a.engine_config(max_len)
-    if fewest_pages is not None and config.num_kv_pages is None:
-        mine = memory.plan_pages(target, drafter, config, memory.cache_extent(config, spec, drafter)[1])
-        config = dataclasses.replace(config, num_kv_pages=fewest_pages(mine))
+    if fewest_pages is not None:
+        config = agreed_pages(config, target, drafter, spec, fewest_pages)
     engine = Engine(target, tok, config, spec, drafter, eos)
-    if agree is not None and engine.proposer is not None and engine.policy.adaptive:  # a fixed K needs none
-        engine.agree = agree
+    if agree is not None:
+        agree_on_draft_length(engine, agree)
     if a.warmup:  # GPU: capture every CUDA graph now, not inside the first requests
         done = engine.warmup()
         if done["graphs"]:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockspec.config import ConfigError, EngineArgs, ModelConfig
-from blockspec.engine.build import EngineSetup, build_engine
+from blockspec.engine.build import EngineSetup, TargetLoader, build_engine
 from blockspec.engine.engine import Engine
 from blockspec.engine.loop import OfflineRunner, Stop, serve_engine
 from blockspec.inputs import ModelInputs
@@ -232,10 +232,16 @@ def shard_model(model: CausalLM, rank: int, world_size: int, group: ProcessGroup
 # ---------------------------------------------------------------- ranks
 def rank_engine(rank: int, world_size: int, control: ProcessGroup, model: str | os.PathLike[str],
                 args: EngineArgs) -> EngineSetup:
-    """One rank's engine: the full target is loaded on the CPU, this rank's
-    shard kept and moved to the rank's device, so no device ever holds the whole model; its KV pages
-    are the fewest any rank's memory allows, and its draft-length decisions rank 0's (`control`: a
-    CPU group for host messages)."""
+    """One rank's engine: its shard of the target (`shard_loader`); its KV pages are the fewest any
+    rank's memory allows, and its draft-length decisions rank 0's (`control`: a CPU group for host
+    messages)."""
+    return build_engine(model, args, load=shard_loader(rank, world_size),
+                        fewest_pages=lambda mine: fewest(mine, control), agree=rank0_decides(control))
+
+
+def shard_loader(rank: int, world_size: int) -> TargetLoader:
+    """A target loader that keeps this rank's shard: the full target is loaded on the CPU, sharded,
+    and only the shard moved to the device, so no device ever holds the whole model."""
 
     def load(model_dir: Path, dtype: str | torch.dtype, device: torch.device, max_positions: int,
              quantization: str | None = None) -> tuple[CausalLM, Path]:
@@ -247,8 +253,7 @@ def rank_engine(rank: int, world_size: int, control: ProcessGroup, model: str | 
         shard_model(target, rank, world_size)
         return target.to(device), model_dir
 
-    return build_engine(model, args, load=load, fewest_pages=lambda mine: fewest(mine, control),
-                        agree=rank0_decides(control))
+    return load
 
 
 def fewest(value: int, group: ProcessGroup | None) -> int:
@@ -270,14 +275,13 @@ def rank0_decides(group: ProcessGroup) -> Callable[[int], int]:
     return agree
 
 
-def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | None, model: str,
-               args: EngineArgs, num_threads: int) -> None:
-    """One rank: join the group, build its engine, then serve broadcast calls until "close"."""
-    torch.set_num_threads(num_threads)
-    cuda = resolve_device(args.device).type == "cuda"
+def join_group(rank: int, world_size: int, init_file: str, device: str | torch.device) -> tuple[str, ProcessGroup]:
+    """Join the ranks' process group: NCCL on GPUs (rank r on cuda:r, NVLink multicast off), gloo on
+    the CPU (over loopback). Returns this rank's device and the group for host messages."""
+    cuda = resolve_device(device).type == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
-        args = dataclasses.replace(args, device=f"cuda:{rank}")
+        device = f"cuda:{rank}"
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (device README)
     elif Path("/sys/class/net/lo").exists():
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only: the ranks share one host
@@ -286,12 +290,21 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | No
     # calls, server commands and policy decisions are host objects: under NCCL a broadcast of them
     # would go through a device tensor and sync the host every step, so they use a gloo group
     control = dist.new_group(backend="gloo") if cuda else None
+    return str(device), control
+
+
+def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | None, model: str,
+               args: EngineArgs, num_threads: int) -> None:
+    """One rank: join the group, build its engine, then serve broadcast calls until "close"."""
+    torch.set_num_threads(num_threads)
+    device, control = join_group(rank, world_size, init_file, args.device)
+    args = dataclasses.replace(args, device=device)
     try:
         try:
             setup: EngineSetup | None = rank_engine(rank, world_size, control, model, args)
             reply: tuple[str, Any] = ("ok", setup.inputs)
         except Exception as exc:  # noqa: BLE001  every rank fails alike (same config, same weights); rank 0 reports it
-            setup, reply = None, ("err", _portable(exc))
+            setup, reply = None, ("err", portable(exc))
         if conn is not None:
             conn.send(reply)
         if setup is None:
@@ -314,7 +327,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | No
             try:
                 reply = ("ok", calls[name](*args, **kwargs))
             except Exception as exc:  # noqa: BLE001  every rank raises alike
-                reply = ("err", _portable(exc))
+                reply = ("err", portable(exc))
             if conn is not None:
                 conn.send(reply)
     finally:
@@ -354,7 +367,7 @@ def _next_call(conn: Connection) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
         return "close", (), {}
 
 
-def _portable(exc: Exception) -> Exception:
+def portable(exc: Exception) -> Exception:
     """The exception itself when it pickles, else a RuntimeError carrying its traceback."""
     try:
         pickle.loads(pickle.dumps(exc))
@@ -363,51 +376,45 @@ def _portable(exc: Exception) -> Exception:
         return RuntimeError("".join(traceback.format_exception(exc)))
 
 
-class RankGroup:
-    """The rank processes of a tensor-parallel LLM (one GPU each, or CPU with gloo): rank 0 receives
-    each call from the user's process over a pipe and broadcasts it to the other ranks, so all of
-    them run the same engine steps in lockstep, and rank 0 sends the result back."""
+def check_ranks(cfg: ModelConfig, world_size: int, device: str | torch.device, fp8: bool) -> None:
+    """Raise ConfigError, before any rank is spawned, when `world_size` ranks cannot run this target:
+    shapes that do not split, FP8 weights (`fp8`: their scales are not sharded), fewer GPUs than ranks."""
+    check_shardable(cfg, world_size)
+    if world_size > 1 and fp8:
+        raise ConfigError("tensor_parallel_size > 1 with FP8 weights (an FP8 checkpoint or quantization='fp8') "
+                          "is not supported yet: the ranks would need the scales sharded with the weights")
+    if resolve_device(device).type == "cuda" and torch.cuda.device_count() < world_size:
+        raise ConfigError(f"tensor_parallel_size={world_size} needs that many GPUs; "
+                          f"{torch.cuda.device_count()} visible")
 
-    def __init__(self, model: str | os.PathLike[str], args: EngineArgs, world_size: int,
-                 num_threads: int | None = None, startup_timeout_s: float = 600.0) -> None:
-        """num_threads: torch threads per rank; default: this process's, shared
-        out so the ranks do not oversubscribe the CPU."""
-        model_dir = resolve_model_dir(model)
-        cfg = ModelConfig.from_hf(read_json(model_dir / "config.json"), str(model_dir / "config.json"))
-        check_shardable(cfg, world_size)  # fail here, before spawning anything
-        if world_size > 1 and (args.quantization or "quantization_config" in read_json(model_dir / "config.json")):
-            raise ConfigError("tensor_parallel_size > 1 with FP8 weights (an FP8 checkpoint or quantization='fp8') "
-                              "is not supported yet: the ranks would need the scales sharded with the weights")
-        if resolve_device(args.device).type == "cuda" and torch.cuda.device_count() < world_size:
-            raise ConfigError(f"tensor_parallel_size={world_size} needs that many GPUs; "
-                              f"{torch.cuda.device_count()} visible")
+
+class RankProcesses:
+    """`world_size` spawned processes, each running `main(rank, world_size, init_file, conn, *args)`
+    (`init_file`: the group's rendezvous; `conn`: rank 0's end of a pipe to this process, None on
+    the others); what rank 0 sends back is read here, failing fast when any rank dies instead."""
+
+    def __init__(self, main: Callable[..., None], world_size: int, args: tuple[Any, ...]) -> None:
         self.world_size = world_size
-        num_threads = num_threads or max(1, torch.get_num_threads() // world_size)
         self._dir = tempfile.mkdtemp(prefix="blockspec-tp-")
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._procs = []
         for rank in range(world_size):
-            p = ctx.Process(target=_rank_main, daemon=True,
-                            args=(rank, world_size, os.path.join(self._dir, "store"),
-                                  child if rank == 0 else None, str(model_dir), args, num_threads))
+            p = ctx.Process(target=main, daemon=True,
+                            args=(rank, world_size, os.path.join(self._dir, "store"), child if rank == 0 else None,
+                                  *args))
             p.start()
             self._procs.append(p)
         child.close()
-        try:
-            self.inputs: ModelInputs = self._reply(startup_timeout_s)
-        except BaseException:
-            self.close()
-            raise
 
-    def _reply(self, timeout_s: float | None = None) -> Any:
+    def reply(self, timeout_s: float | None = None) -> Any:
         """Wait for rank 0's answer, failing fast if any rank process dies instead."""
-        status, value = self._receive(timeout_s)
+        status, value = self.receive(timeout_s)
         if status == "err":
             raise value
         return value
 
-    def _receive(self, timeout_s: float | None = None) -> Any:
+    def receive(self, timeout_s: float | None = None) -> Any:
         """Rank 0's next message, failing fast if any rank process dies instead."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._conn.poll(0.1):
@@ -422,13 +429,54 @@ class RankGroup:
         except EOFError:
             raise RuntimeError("tensor-parallel rank 0 closed its pipe without answering (it exited)") from None
 
+    def close(self) -> None:
+        """Stop the ranks (a "close" call first, which ranks serving calls obey; then by force) and remove
+        the rendezvous file."""
+        if not self._procs:
+            return
+        if all(p.is_alive() for p in self._procs):
+            try:
+                self._conn.send(("close", (), {}))
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs = []
+        self._conn.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class RankGroup(RankProcesses):
+    """The rank processes of a tensor-parallel LLM (one GPU each, or CPU with gloo): rank 0 receives
+    each call from the user's process over a pipe and broadcasts it to the other ranks, so all of
+    them run the same engine steps in lockstep, and rank 0 sends the result back."""
+
+    def __init__(self, model: str | os.PathLike[str], args: EngineArgs, world_size: int,
+                 num_threads: int | None = None, startup_timeout_s: float = 600.0) -> None:
+        """num_threads: torch threads per rank; default: this process's, shared
+        out so the ranks do not oversubscribe the CPU."""
+        model_dir = resolve_model_dir(model)
+        config = read_json(model_dir / "config.json")
+        check_ranks(ModelConfig.from_hf(config, str(model_dir / "config.json")), world_size, args.device,
+                    fp8=bool(args.quantization) or "quantization_config" in config)  # before spawning anything
+        num_threads = num_threads or max(1, torch.get_num_threads() // world_size)
+        super().__init__(_rank_main, world_size, (str(model_dir), args, num_threads))
+        try:
+            self.inputs: ModelInputs = self.reply(startup_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Run `name` ("run": OfflineRunner.run, "metrics": Engine.metrics) on every rank in lockstep;
         rank 0's result."""
         if not self._procs:
             raise RuntimeError("the tensor-parallel ranks are closed")
         self._conn.send((name, args, kwargs))
-        return self._reply()
+        return self.reply()
 
     def serve(self, commands: Connection, reports: Connection) -> None:
         """Serve a server front's pipes (`blockspec serve`'s engine process): the ranks run the
@@ -447,25 +495,7 @@ class RankGroup:
                     return
 
         threading.Thread(target=forward, name="blockspec-tp-commands", daemon=True).start()
-        while not isinstance(report := self._receive(), tuple):  # the call's reply ends the serving
+        while not isinstance(report := self.receive(), tuple):  # the call's reply ends the serving
             reports.send(report)
         if report[0] == "err":
             raise report[1]
-
-    def close(self) -> None:
-        """Stop the ranks (politely, then by force) and remove the rendezvous file."""
-        if not self._procs:
-            return
-        if all(p.is_alive() for p in self._procs):
-            try:
-                self._conn.send(("close", (), {}))
-            except (BrokenPipeError, OSError):
-                pass
-        for p in self._procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        self._procs = []
-        self._conn.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
