@@ -38,16 +38,23 @@ def default_pair() -> tuple[Path, bool]:
     return CACHE, False
 
 
-def heldout_prompts(limit: int, lines: int = 4) -> list[str]:
-    """Openings of functions from stdlib packages that no training run saw: the model continues them."""
+def heldout_openings(lines: int = 4) -> list[str]:
+    """Every opening (`lines` lines from a `def`) of a function in the stdlib packages that no training run saw,
+    in package and file order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    prompts = []
+    openings = []
     for pkg in HELDOUT:
         for path in sorted((root / pkg).glob("*.py")):
             text = path.read_text(encoding="utf-8", errors="replace").splitlines()
-            for i, line in enumerate(text):
-                if line.lstrip().startswith("def ") and len(prompts) < limit * 8:
-                    prompts.append("\n".join(text[i : i + lines]) + "\n")
+            openings += ["\n".join(text[i : i + lines]) + "\n" for i, line in enumerate(text)
+                         if line.lstrip().startswith("def ")]
+    return openings
+
+
+def heldout_prompts(limit: int, lines: int = 4) -> list[str]:
+    """Openings of functions from stdlib packages that no training run saw, spread over the first limit x 8:
+    the model continues them."""
+    prompts = heldout_openings(lines)[: limit * 8]
     return prompts[:: max(1, len(prompts) // limit)][:limit]
 
 

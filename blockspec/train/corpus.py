@@ -440,18 +440,27 @@ def cut_pieces(tokens: np.ndarray, eos_id: int, max_bytes: int, preset: int) -> 
 def write_split_pieces(tokens: np.ndarray, split: str, out: Path, eos_id: int, vocab_size: int,
                        tokenizer_sha256: str, max_bytes: int, preset: int) -> list[dict[str, Any]]:
     """Write `split`'s pieces and their sidecars into `out`; returns the sidecars."""
-    sidecars = []
-    for index, (start, end, blob) in enumerate(cut_pieces(tokens, eos_id, max_bytes, preset)):
-        name = f"{split}-{index:05d}{PIECE_SUFFIX}"
-        sidecar = {"format": PIECE_FORMAT, "split": split, "index": index, "file": name, "dtype": "uint16",
-                   "byteorder": "little", "compression": "xz", "offset": start, "tokens": end - start,
-                   "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
-                   "tokens_sha256": hashlib.sha256(tokens[start:end].astype("<u2").tobytes()).hexdigest(),
-                   "eos_id": eos_id, "vocab_size": vocab_size, "tokenizer_sha256": tokenizer_sha256}
-        (out / name).write_bytes(blob)
-        (out / sidecar_name(name)).write_text(json.dumps(sidecar, indent=1) + "\n")
-        sidecars.append(sidecar)
-    return sidecars
+    return [write_piece(out, split, index, start, tokens[start:end], eos_id, vocab_size, tokenizer_sha256, blob=blob)
+            for index, (start, end, blob) in enumerate(cut_pieces(tokens, eos_id, max_bytes, preset))]
+
+
+def write_piece(out: Path, split: str, index: int, offset: int, tokens: np.ndarray, eos_id: int, vocab_size: int,
+                tokenizer_sha256: str, preset: int = 6, blob: bytes | None = None,
+                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write one piece `{split}-{index:05d}.u16.xz` (tokens[0] at `offset` of its split) and its sidecar into
+    `out`; `extra` fields go into the sidecar (a layout of fixed-length rows, say). Returns the sidecar."""
+    blob = compress_tokens(tokens, preset) if blob is None else blob
+    name = f"{split}-{index:05d}{PIECE_SUFFIX}"
+    sidecar = {"format": PIECE_FORMAT, "split": split, "index": index, "file": name, "dtype": "uint16",
+               "byteorder": "little", "compression": "xz", "offset": offset, "tokens": len(tokens),
+               "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
+               "tokens_sha256": hashlib.sha256(tokens.astype("<u2").tobytes()).hexdigest(),
+               "eos_id": eos_id, "vocab_size": vocab_size, "tokenizer_sha256": tokenizer_sha256, **(extra or {})}
+    tmp = out / (name + ".tmp")
+    tmp.write_bytes(blob)
+    tmp.replace(out / name)
+    (out / sidecar_name(name)).write_text(json.dumps(sidecar, indent=1) + "\n")
+    return sidecar
 
 
 def sidecar_name(piece_name: str) -> str:

@@ -119,6 +119,21 @@ def perplexity(model: CausalLM, examples: list[Example], pad_id: int, batch_size
     return math.exp(total / max(count, 1.0))
 
 
+def lm_step(model: CausalLM, opt: torch.optim.Optimizer, schedule: CosineSchedule, ids: Tensor, mask: Tensor,
+            grad_clip: float) -> Tensor:
+    """One optimiser step on a batch (mean next-token NLL over supervised labels, clipped gradients, bf16
+    autocast on CUDA); the schedule advances by one. Returns the detached loss."""
+    with autocast(ids.device):
+        nll, n = lm_nll(model, ids, mask)
+        loss = nll / n.clamp(min=1)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    schedule.step()
+    return loss.detach()
+
+
 def train_target(model: CausalLM, train: list[Example], heldout: list[Example], cfg: LMTrainConfig,
                  pad_id: int, valid: list[Example] | None = None) -> dict[str, Any]:
     """Pretrain `model` in place (AdamW, warm-up + cosine, clipping, bf16 autocast on CUDA); return metrics.
@@ -140,14 +155,7 @@ def train_target(model: CausalLM, train: list[Example], heldout: list[Example], 
         ids, mask = (t.to(device, non_blocking=True) for t in next(batches))
         schedule.plan(budget.total, step)
         lr = schedule.lr()
-        with autocast(device):
-            nll, n = lm_nll(model, ids, mask)
-            loss = nll / n.clamp(min=1)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        schedule.step()
+        loss = lm_step(model, opt, schedule, ids, mask, cfg.grad_clip)
         step += 1
         budget.after_step(step)
         if step % 10 == 0 or budget.done(step):
@@ -206,10 +214,12 @@ def hf_state_dict(model: CausalLM, dtype: torch.dtype | None = None) -> dict[str
 
 
 def save_hf_target(model: CausalLM, out_dir: str | Path, tokenizer: Any = None, dtype: str = "bfloat16",
-                   extra_config: dict[str, Any] | None = None) -> Path:
-    """Write config.json, model.safetensors, generation_config.json (and the tokenizer) to `out_dir`."""
-    from safetensors.torch import save_file
+                   extra_config: dict[str, Any] | None = None, max_shard_bytes: int | None = None) -> Path:
+    """Write config.json, model.safetensors, generation_config.json (and the tokenizer) to `out_dir`.
 
+    With max_shard_bytes the weights are split as transformers splits them (model-0000i-of-0000n.safetensors
+    and model.safetensors.index.json), each shard at most that size, so a GPU call can return them.
+    """
     from blockspec.train.data import save_tokenizer
 
     out = Path(out_dir)
@@ -221,7 +231,7 @@ def save_hf_target(model: CausalLM, out_dir: str | Path, tokenizer: Any = None, 
         hf["pad_token_id"] = tokenizer.pad_token_id
     hf.update(extra_config or {})
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    save_file(hf_state_dict(model, torch_dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_weights(hf_state_dict(model, torch_dtype), out, max_shard_bytes)
     gen: dict[str, Any] = {"eos_token_id": hf.get("eos_token_id")}
     if "pad_token_id" in hf:
         gen["pad_token_id"] = hf["pad_token_id"]
@@ -231,3 +241,33 @@ def save_hf_target(model: CausalLM, out_dir: str | Path, tokenizer: Any = None, 
     if tokenizer is not None:
         save_tokenizer(tokenizer, out)
     return out
+
+
+def save_weights(state: dict[str, Tensor], out: Path, max_shard_bytes: int | None = None) -> list[Path]:
+    """model.safetensors, or transformers' sharded layout when the weights exceed max_shard_bytes."""
+    from safetensors.torch import save_file
+
+    for old in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)
+    groups: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        if max_shard_bytes is not None and t.nbytes > max_shard_bytes - (1 << 16):
+            raise ValueError(f"{name}: {t.nbytes} bytes do not fit a shard of {max_shard_bytes} bytes")
+        if max_shard_bytes is not None and groups[-1] and size + t.nbytes > max_shard_bytes - (1 << 16):
+            groups.append({})
+            size = 0
+        groups[-1][name] = t
+        size += t.nbytes
+    if len(groups) == 1:
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return [out / "model.safetensors"]
+    files, weight_map = [], {}
+    for i, group in enumerate(groups, 1):
+        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        save_file(group, str(out / name), metadata={"format": "pt"})
+        files.append(out / name)
+        weight_map.update(dict.fromkeys(group, name))
+    index = {"metadata": {"total_size": sum(t.nbytes for t in state.values())}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return files

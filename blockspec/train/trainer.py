@@ -564,7 +564,10 @@ class DrafterTrainer:
     """Holds the frozen target, the drafter, the optimiser and the data stream; one `step` = one update."""
 
     def __init__(self, target: CausalLM, train: list[Example], cfg: DrafterTrainConfig, mask_token_id: int,
-                 pad_id: int, heldout: list[Example] | None = None, drafter: DraftModel | None = None) -> None:
+                 pad_id: int, heldout: list[Example] | None = None, drafter: DraftModel | None = None,
+                 batches: Any = None) -> None:
+        """`batches`: a source of (ids, loss_mask) batches with state_dict / load_state_dict, read instead of
+        `train` (the flagship's regenerated rows stream from pieces)."""
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.target = target.to(self.device).eval().requires_grad_(False)
@@ -581,7 +584,8 @@ class DrafterTrainer:
         self.drafter.check_target(target.config)
         self.opt = make_optimizer(self.drafter, cfg.lr, cfg.weight_decay)
         self.schedule = CosineSchedule(self.opt, cfg.warmup_frac, cfg.min_lr_ratio)
-        self.batches = Batches(self.train_examples, cfg.batch_size, pad_id, cfg.seed)
+        self.batches = batches if batches is not None else Batches(self.train_examples, cfg.batch_size, pad_id,
+                                                                   cfg.seed)
         self.anchor_gen = torch.Generator().manual_seed(cfg.seed + 17)
         self.step_num = 0
         self.meter = AcceptanceMeter(self.drafter.num_draft_slots)
@@ -678,17 +682,26 @@ class DrafterTrainer:
         directory = Path(directory)
         weights, state_path = directory / CHECKPOINT_WEIGHTS, directory / CHECKPOINT_STATE
         state = torch.load(state_path, map_location="cpu", weights_only=True)
-        if state.get("format_version") != CHECKPOINT_VERSION:
-            raise ConfigError(f"{state_path}: checkpoint format {state.get('format_version')!r}, this blockspec "
-                              f"reads format {CHECKPOINT_VERSION}")
-        if state["drafter_config"] != dataclasses.asdict(self.drafter.config):
-            raise ConfigError(f"{directory}: checkpoint drafter shape differs from this run's configuration")
+        self.check_state(state, state_path)
         with safe_open(str(weights), "pt") as f:
             saved_step = (f.metadata() or {}).get("step")
         if saved_step != str(state["step"]):
             raise ConfigError(f"{directory}: {CHECKPOINT_WEIGHTS} is from step {saved_step}, {CHECKPOINT_STATE} "
                               f"from step {state['step']} (a save was cut short)")
         load_model(self.drafter, str(weights), device=str(self.device))
+        self.restore_state(state)
+
+    def check_state(self, state: dict[str, Any], where: str | Path) -> None:
+        """Refuse a `checkpoint_state()` dict of another format version or drafter shape."""
+        if state.get("format_version") != CHECKPOINT_VERSION:
+            raise ConfigError(f"{where}: checkpoint format {state.get('format_version')!r}, this blockspec "
+                              f"reads format {CHECKPOINT_VERSION}")
+        if state["drafter_config"] != dataclasses.asdict(self.drafter.config):
+            raise ConfigError(f"{where}: checkpoint drafter shape differs from this run's configuration")
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """Optimiser, step, schedule, data position, anchor and global RNG from a `checkpoint_state()` dict (the
+        drafter's weights are loaded apart)."""
         self.opt.load_state_dict(state["optimizer"])
         self.step_num = int(state["step"])
         self.schedule.load_state_dict(state["schedule"], self.step_num)
@@ -874,13 +887,15 @@ def _plain_greedy(target: CausalLM, prompt: list[int], max_new_tokens: int, eos:
 
 
 def engine_acceptance(target_dir: str | Path, method: str, drafter_dir: str | Path, prompts: list[list[int]],
-                      max_new_tokens: int, device: str = "auto") -> dict[str, Any]:
-    """Greedy acceptance measured through blockspec's engine (``LLM`` with a speculative_config)."""
+                      max_new_tokens: int, device: str = "auto",
+                      spec_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Greedy acceptance measured through blockspec's engine (``LLM`` with a speculative_config, plus
+    `spec_options`: ``{"adaptive_draft_length": False}`` verifies the drafter's whole block every step)."""
     from blockspec.llm import LLM
     from blockspec.sampling_params import SamplingParams
 
     llm = LLM(str(target_dir), device=device, seed=0,
-              speculative_config={"method": method, "model": str(drafter_dir)})
+              speculative_config={"method": method, "model": str(drafter_dir), **(spec_options or {})})
     llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_new_tokens),
                  use_tqdm=False)
     m = llm.get_stats()

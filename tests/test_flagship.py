@@ -1,0 +1,183 @@
+"""The flagship recipe's stages on a tiny corpus (CPU): sliced pretraining equals one run bit for bit, state
+files stay under their size cap, regeneration writes pieces the corpus reader reads, a drafter stage resumes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from blockspec.train.corpus import load_piece, load_split, write_split_pieces
+from blockspec.train.data import (
+    encode_texts,
+    read_texts,
+    save_tokenizer,
+    stdlib_split,
+    train_tokenizer,
+)
+from blockspec.train.drafter_stage import DrafterStageConfig, drafter_slice, export_best
+from blockspec.train.pretrain import PretrainConfig, pretrain_slice, resume_run
+from blockspec.train.regen import RegenConfig, make_prompts, regen_slice
+from blockspec.train.state import MAX_FILE_BYTES, load_state, save_state, state_files
+from blockspec.train.stream import load_rows
+from blockspec.train.target_lm import TargetShape, save_hf_target
+
+CAP = 24 * 1024  # a small shard cap, so that the tiny model's tensors are cut and packed as the real ones are
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A tokenizer and three train pieces (plus a validation piece) cut from stdlib sources, with a manifest."""
+    root = tmp_path_factory.mktemp("corpus")
+    texts = read_texts(stdlib_split().train[:40])
+    tok = train_tokenizer(texts[:20], vocab_size=300, max_len=512)
+    save_tokenizer(tok, root / "tokenizer")
+    eos = np.array([tok.eos_token_id], dtype=np.uint16)
+    stream = np.concatenate([part for ids in encode_texts(texts, tok) for part in (np.array(ids, np.uint16), eos)])
+    train, valid = stream[:30000], stream[30000:34000]
+    pieces = root / "pieces"
+    pieces.mkdir()
+    sidecars = write_split_pieces(train, "train", pieces, tok.eos_token_id, len(tok), "t", 9000, 1)
+    write_split_pieces(valid, "validation", pieces, tok.eos_token_id, len(tok), "t", 1 << 20, 1)
+    (root / "manifest.json").write_text(json.dumps({"splits": {"train": {"pieces": sidecars}}}))
+    assert len(sidecars) >= 3
+    return root, tok
+
+
+def tiny_config(vocab: int) -> PretrainConfig:
+    shape = TargetShape(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                        num_kv_heads=1, head_dim=16, max_position_embeddings=512)
+    return PretrainConfig(shape=shape, seq_len=64, batch_size=8, lr=5e-3, warmup_frac=0.1, epochs=2.0,
+                          eval_windows=4, eval_batch_size=4)
+
+
+def slice_args(corpus):
+    root, tok = corpus
+    return dict(cfg=tiny_config(len(tok)), manifest=root / "manifest.json", tokenizer=tok, device="cpu",
+                validation=root / "pieces" / "validation-00000.u16.xz", max_file_bytes=CAP)
+
+
+@pytest.fixture(scope="module")
+def pretrained(corpus, tmp_path_factory):
+    """One uninterrupted run past every piece, and the same steps in two slices, the second starting
+    where a piece was missing; the tiny target exported."""
+    root, tok = corpus
+    base = tmp_path_factory.mktemp("pretrain")
+    whole = pretrain_slice(base / "whole", root / "pieces", max_steps=60, **slice_args(corpus))
+    hand = base / "on-hand"  # a call that carried only the first piece
+    hand.mkdir()
+    for f in (root / "pieces").glob("train-00000.*"):
+        shutil.copy(f, hand)
+    first = pretrain_slice(base / "sliced", hand, max_steps=60, **slice_args(corpus))
+    for f in (root / "pieces").glob("train-*"):
+        shutil.copy(f, hand)
+    second = pretrain_slice(base / "sliced", hand, max_steps=60 - first["steps"], device="cpu", max_file_bytes=CAP,
+                            validation=root / "pieces" / "validation-00000.u16.xz")
+    target = save_hf_target(resume_run(base / "whole", root / "pieces", torch.device("cpu")).model, base / "target",
+                            tok, dtype="float32")
+    return base, whole, first, second, target
+
+
+def test_two_resumed_slices_equal_one_run_bit_for_bit(pretrained, corpus):
+    base, whole, first, second, _ = pretrained
+    assert first["stop"] == "piece" and first["next_piece"] == "train-00001.u16.xz"
+    assert 0 < first["steps"] < 60 and second["to_step"] == whole["to_step"] == 60 and second["exact_resume"]
+    a, b = load_state(base / "whole"), load_state(base / "sliced")
+    assert a["run"]["position"] == b["run"]["position"] and a["run"]["position"]["epoch"] == 1  # past every piece
+    for name, t in a["model"].items():
+        assert torch.equal(t, b["model"][name]), name
+    for i, moments in a["optimizer"]["state"].items():
+        for key, t in moments.items():
+            assert torch.equal(t, b["optimizer"]["state"][i][key]), (i, key)
+    assert whole["valid_perplexity"] < tiny_config(len(corpus[1])).shape.vocab_size
+    assert b["run"]["history"][-1]["valid_perplexity"] == whole["valid_perplexity"]
+
+
+def test_state_files_stay_under_the_cap_and_without_moments_resume_from_weights(pretrained, corpus, tmp_path):
+    base, *_ = pretrained
+    files = state_files(base / "sliced")
+    assert len(files) > 3 and all(f.stat().st_size <= CAP for f in files)
+    copy = tmp_path / "weights-only"
+    copy.mkdir()
+    for f in state_files(base / "sliced", ["model", "run"]):
+        shutil.copy(f, copy)
+    resumed = pretrain_slice(copy, corpus[0] / "pieces", max_steps=2, device="cpu", max_file_bytes=CAP)
+    assert resumed["to_step"] == 62 and not resumed["exact_resume"]
+    big = {"model": {"w": torch.arange(5_000_000, dtype=torch.float32).reshape(1000, 5000)}, "run": {"step": 1}}
+    written = save_state(tmp_path / "big", big)  # the default cap: 16 MiB
+    assert all(f.stat().st_size <= MAX_FILE_BYTES for f in written) and len(written) == 3
+    assert torch.equal(load_state(tmp_path / "big")["model"]["w"], big["model"]["w"])
+
+
+@pytest.fixture(scope="module")
+def regenerated(pretrained, corpus, tmp_path_factory):
+    """Prompts from the pieces, continued by the tiny target in two slices (greedy and T = 0.7 in turn)."""
+    root, tok = corpus
+    *_, target = pretrained
+    base = tmp_path_factory.mktemp("regen")
+    pieces = sorted((root / "pieces").glob("train-*.u16.xz"))
+    make_prompts(pieces, tok, count=12, prompt_tokens=8, seed=0, out=base / "prompts")
+    cfg = RegenConfig(new_tokens=24, batch_size=8, chunk_prompts=4, max_piece_bytes=300)
+    first = regen_slice(target, base / "prompts", base / "out1", cfg=cfg, max_prompts=8, device="cpu")
+    second = regen_slice(target, base / "prompts", base / "rows", state_path=base / "out1" / "regen_state.json",
+                         device="cpu")
+    for f in (base / "out1").glob("regen-*"):
+        shutil.copy(f, base / "rows")
+    return base, first, second
+
+
+def test_regeneration_writes_pieces_the_corpus_reader_reads(regenerated, pretrained, corpus):
+    from blockspec.models.loader import load_target
+    from blockspec.train.trainer import _plain_greedy
+
+    base, first, second = regenerated
+    assert first["prompts"] == [0, 8] and second["prompts"] == [8, 12] and second["prompts_left"] == 0
+    names = first["pieces"] + second["pieces"]  # indices run on across slices; each piece under its cap
+    assert len(first["pieces"]) >= 2 and names == [f"regen-{i:05d}.u16.xz" for i in range(len(names))]
+    for name in names:
+        assert len(load_piece(base / "rows" / name)) % 32 == 0 and (base / "rows" / name).stat().st_size <= 300
+    rows = load_rows(base / "rows")
+    prompts = load_rows(base / "prompts", "prompts").tokens
+    assert rows.tokens.shape == (12, 32) and np.array_equal(rows.tokens[:, :8], prompts)
+    assert len(load_split(base / "rows", "regen")) == 12 * 32
+    mask = rows.loss_mask()
+    assert not mask[:, :8].any() and mask.sum() == first["generated_tokens"] + second["generated_tokens"]
+    state = json.loads((base / "rows" / "regen_state.json").read_text())
+    assert state["next_prompt"] == 12 and state["pieces"] == len(names) and state["tokens"] == 12 * 32
+    target, _ = load_target(pretrained[-1], "float32", "cpu")
+    for i in (0, 2, 10):  # even prompts are greedy: the row is the target's plain greedy continuation
+        n = rows.continuation_lengths()[i]
+        assert rows.tokens[i, 8 : 8 + n].tolist() == _plain_greedy(target, prompts[i].tolist(), 24,
+                                                                   {corpus[1].eos_token_id})[:n]
+
+
+def test_drafter_stage_resumes_and_exports_the_best(regenerated, pretrained, tmp_path):
+    from blockspec.drafters import load_dspark
+
+    base, *_ = regenerated
+    *_, target = pretrained
+    cfg = DrafterStageConfig(train=dict(method="dspark", num_layers=1, block_size=4, markov_rank=8, max_len=32,
+                                        batch_size=4, num_anchors=4, lr=3e-3),
+                             epochs=4.0, eval_every_steps=2, eval_prompts=2, eval_new_tokens=8)
+    whole = drafter_slice(target, base / "rows", tmp_path / "whole", cfg=cfg, max_steps=4, device="cpu",
+                          max_file_bytes=CAP)
+    first = drafter_slice(target, base / "rows", tmp_path / "sliced", cfg=cfg, max_steps=2, device="cpu",
+                          max_file_bytes=CAP)
+    second = drafter_slice(target, base / "rows", tmp_path / "sliced", max_steps=2, device="cpu", max_file_bytes=CAP)
+    assert (first["to_step"], second["from_step"], second["to_step"]) == (2, 2, 4) and whole["total_steps"] == 12
+    a, b = load_state(tmp_path / "whole"), load_state(tmp_path / "sliced")
+    for name, t in a["drafter"].items():
+        assert torch.equal(t, b["drafter"][name]), name
+    assert [e["step"] for e in b["run"]["evals"]] == [2, 4] and b["run"]["best"]["step"] in (2, 4)
+    assert second["exact_resume"] and b["run"]["evals"] == a["run"]["evals"]
+    assert all(f.stat().st_size <= CAP for f in state_files(tmp_path / "sliced"))
+    for f in state_files(tmp_path / "sliced", ["optimizer"])[1:]:  # the moments left on the machine
+        f.unlink()
+    third = drafter_slice(target, base / "rows", tmp_path / "sliced", max_steps=1, device="cpu", max_file_bytes=CAP)
+    assert third["to_step"] == 5 and not third["exact_resume"]
+    exported = export_best(tmp_path / "sliced", target, tmp_path / "dspark")
+    drafter = load_dspark(exported, device="cpu", dtype="float32")
+    assert drafter.block_size == 4 and drafter.has_confidence
