@@ -276,35 +276,36 @@ def collate(examples: Sequence[Example], pad_id: int, length: int | None = None)
     return ids, mask
 
 
-class Batches:
-    """Endless seeded epochs of shuffled batches, with a state_dict so a resume continues the exact order."""
+class ShuffledEpochs:
+    """Endless seeded epochs of shuffled index batches (the ragged tail dropped: static batch shapes),
+    with a state_dict so a resume continues the exact order. Subclasses turn indices into tensors."""
 
-    def __init__(self, examples: list[Example], batch_size: int, pad_id: int, seed: int) -> None:
-        if not examples:
-            raise DataError("no training examples")
-        self.examples = examples
-        self.batch_size = min(batch_size, len(examples))
-        self.pad_id = pad_id
+    def __init__(self, size: int, batch_size: int, seed: int) -> None:
+        self.size = size
+        self.batch_size = min(batch_size, size)
         self.seed = seed
         self.epoch = 0
         self.pos = 0
         self._perm = self._permutation()
 
+    def __len__(self) -> int:
+        return self.size
+
     def _permutation(self) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return torch.randperm(len(self.examples), generator=g).tolist()
+        return torch.randperm(self.size, generator=g).tolist()
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         return self
 
-    def __next__(self) -> tuple[Tensor, Tensor]:
-        if self.pos + self.batch_size > len(self._perm):  # drop the ragged tail: static batch shapes
+    def next_indices(self) -> list[int]:
+        if self.pos + self.batch_size > len(self._perm):
             self.epoch += 1
             self.pos = 0
             self._perm = self._permutation()
         idx = self._perm[self.pos : self.pos + self.batch_size]
         self.pos += self.batch_size
-        return collate([self.examples[i] for i in idx], self.pad_id)
+        return idx
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "pos": self.pos}
@@ -313,3 +314,17 @@ class Batches:
         self.epoch = int(state["epoch"])
         self.pos = int(state["pos"])
         self._perm = self._permutation()
+
+
+class Batches(ShuffledEpochs):
+    """(ids, loss_mask) batches of examples, padded with `pad_id`."""
+
+    def __init__(self, examples: list[Example], batch_size: int, pad_id: int, seed: int) -> None:
+        if not examples:
+            raise DataError("no training examples")
+        self.examples = examples
+        self.pad_id = pad_id
+        super().__init__(len(examples), batch_size, seed)
+
+    def __next__(self) -> tuple[Tensor, Tensor]:
+        return collate([self.examples[i] for i in self.next_indices()], self.pad_id)

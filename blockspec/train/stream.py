@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from blockspec.train.corpus import PIECE_SUFFIX, load_piece, load_split, sidecar_name
-from blockspec.train.data import DataError, Example
+from blockspec.train.data import DataError, Example, ShuffledEpochs
 
 REGEN_SPLIT = "regen"
 
@@ -199,42 +199,16 @@ def load_rows(pieces_dir: str | Path, split: str = REGEN_SPLIT) -> Rows:
     return Rows(tokens.reshape(-1, width), int(meta["prompt_tokens"]), int(meta["pad_id"]))
 
 
-class RowBatches:
-    """Endless seeded epochs of (ids, loss_mask) batches of rows, with data.Batches' state_dict."""
+class RowBatches(ShuffledEpochs):
+    """(ids, loss_mask) batches of regenerated rows, in data.Batches' epochs and state_dict."""
 
     def __init__(self, rows: Rows, batch_size: int, seed: int) -> None:
         if len(rows.tokens) < 1:
             raise DataError("no regenerated rows")
         self.tokens = rows.tokens
         self.mask = rows.loss_mask()
-        self.batch_size = min(batch_size, len(rows.tokens))
-        self.seed = seed
-        self.epoch = self.pos = 0
-        self._perm = self._permutation()
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def _permutation(self) -> np.ndarray:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return torch.randperm(len(self.tokens), generator=g).numpy()
-
-    def __iter__(self) -> RowBatches:
-        return self
+        super().__init__(len(rows.tokens), batch_size, seed)
 
     def __next__(self) -> tuple[Tensor, Tensor]:
-        if self.pos + self.batch_size > len(self._perm):
-            self.epoch += 1
-            self.pos = 0
-            self._perm = self._permutation()
-        idx = np.sort(self._perm[self.pos : self.pos + self.batch_size])
-        self.pos += self.batch_size
+        idx = np.sort(np.asarray(self.next_indices()))
         return (torch.from_numpy(self.tokens[idx].astype(np.int64)), torch.from_numpy(self.mask[idx].astype(np.int64)))
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch = int(state["epoch"])
-        self.pos = int(state["pos"])
-        self._perm = self._permutation()
