@@ -1,4 +1,5 @@
-"""Where a step's time goes on the GPU, for the Qwen3-8B shape at batch 1:
+"""Where a step's time goes on the GPU, for a random-weight target of a bench shape (`--arch`, Qwen3-8B by
+default), with FP8 weights or an FP8 KV cache when asked:
 
 - per-kernel CUDA time of one eager target forward (decode and a 512-token prefill), every kernel visible;
 - per-kernel CUDA time of engine steps (CUDA graphs), plain, DFlash and DSpark (`--batch`, `--k`);
@@ -6,6 +7,7 @@
   and the host's hottest Python functions (cProfile) over the same steps.
 
     PYTHONPATH=.:benchmarks python benchmarks/profile_step.py --out profile.txt
+    PYTHONPATH=.:benchmarks python benchmarks/profile_step.py --arch qwen3-30b-a3b --methods plain --skip-eager
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_spec import drafters
-from blockspec.bench.arch import QWEN3_8B, random_target
+from blockspec.bench.arch import ARCHS, get_arch, random_drafter, random_target
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
+from blockspec.models.quant import quantize_model
 from blockspec.models.runner import ModelRunner
 from blockspec.sampling_params import SamplingParams
 
@@ -129,18 +131,32 @@ def main() -> None:
     ap.add_argument("--skip-eager", action="store_true", help="engine steps only")
     ap.add_argument("--batch", type=int, default=1, help="requests per engine step")
     ap.add_argument("--k", type=int, default=None, help="drafts per speculative step (default: the block's)")
+    ap.add_argument("--arch", default="qwen3-8b", choices=list(ARCHS))
+    ap.add_argument("--methods", default="plain,dflash,dspark", help="comma list of plain, dflash, dspark")
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="the target's weights in FP8 (per channel)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    target = random_target(QWEN3_8B, args.context + 2048)
+    arch = get_arch(args.arch)
+    methods = args.methods.split(",")
+    target = random_target(arch.target, args.context + 2048)
+    if args.quantization:
+        quantize_model(target, args.quantization)
     out = [] if args.skip_eager else eager_forwards(target, args.context, args.steps)
-    for method, drafter in drafters().items():
+    for method, cfg in (("dflash", arch.dflash), ("dspark", arch.dspark())):
+        wanted = [(False, "plain")] if method == "dflash" and "plain" in methods else []
+        wanted += [(True, method)] if method in methods else []
+        if not wanted:
+            continue
+        drafter = random_drafter(cfg, heads=arch.dspark_heads if method == "dspark" else None)
         spec = SpeculativeConfig(method=method, model="(random)", adaptive_draft_length=False,
                                  num_speculative_tokens=args.k and min(args.k, drafter.num_draft_slots))
         engine = Engine(target, None, EngineConfig(max_model_len=args.context + 1024, max_num_seqs=args.batch,
-                                                   attention_backend=args.attention_backend), spec, drafter)
+                                                   attention_backend=args.attention_backend,
+                                                   kv_cache_dtype=args.kv_cache_dtype), spec, drafter)
         engine.warmup()
-        runs = [(False, "plain")] if method == "dflash" else []
-        for speculate, name in runs + [(True, f"{method} K={engine.proposer.num_speculative_tokens}")]:
+        for speculate, name in wanted:
+            name = f"{name} K={engine.proposer.num_speculative_tokens}" if speculate else name
             out += engine_steps(engine, name, args.context, args.steps, speculate, args.batch)
             print("\n\n".join(out[-3:]), flush=True)
         del engine
