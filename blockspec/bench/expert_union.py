@@ -5,14 +5,18 @@ A plain decode step of one request reads its token's top-k experts; a verify ste
 the union of the Q rows' experts, up to the whole layer. That union, not the row count, prices a
 verify step on an MoE target, and it depends on how local routing is:
 
-- "uniform": the random-weight model's own routing. Each row's top-k is a nearly uniform draw, close
-  to independent of its neighbours' (the worst case for verification: 16 independent rows of top-8
-  of 128 reach ~82 experts; the table's uniform expectation is that independent count).
-- "local": a locality-aware model. The router logits of the rows a request verifies together are
-  made equicorrelated with correlation LOCAL_RHO (`SparseMoE.router_logits`), so consecutive rows
-  share about half their experts, as a trained router's consecutive tokens tend to.
+- "own": the random-weight model's own routing. Across requests it is a near-uniform draw, but a deep
+  random model's hidden states are nearly alike across one sequence's positions, so a request's rows
+  mostly pick the same experts (compare adjacent_rows_share with top_k / experts): a best case that
+  says nothing of a trained router.
+- "uniform": each row of a step picks its experts independently and uniformly (`RoutingModel` with
+  rho 0): the worst case for verification (16 rows of top-8 of 128 reach ~82 experts; the table's
+  uniform expectation is that count).
+- "local": a locality-aware model. The uniform rows' router logits are made equicorrelated within
+  each request with correlation LOCAL_RHO, so consecutive rows share part of their experts, as a
+  trained router's consecutive tokens tend to.
 
-Both are routing models on random weights, not measurements of a trained router: every result says
+All three are routing on random weights, not measurements of a trained router: every result says
 which it used. The rows' hidden states come from one forward of the random target over random tokens
 (the router inputs of every MoE layer), and each (requests, rows) point averages over random windows.
 """
@@ -31,28 +35,38 @@ from blockspec.bench.arch import get_arch, random_target, step_bytes
 from blockspec.drafters import DFlashDraft
 from blockspec.models.kv_cache import dense_causal_meta
 from blockspec.models.llama import CausalLM
-from blockspec.models.moe import SparseMoE, route
+from blockspec.models.moe import RoutingModel, SparseMoE, route
 
 LOCAL_RHO = 0.8
-ROUTING_MODELS = {"uniform": 0.0, "local": LOCAL_RHO}
+ROUTING_MODELS = {"own": None, "uniform": 0.0, "local": LOCAL_RHO}  # name -> rho of the RoutingModel
 ROUTING_NOTE = {
-    "uniform": "random weights' own routing: each row's top-k a near-uniform draw, close to independent of its "
-               "neighbours' (compare adjacent_rows_share with top_k / experts); the worst case",
-    "local": f"locality-aware model: a request's rows in one step have router logits equicorrelated with "
-             f"rho={LOCAL_RHO} (consecutive rows share about half their experts); a model, not a trained router",
+    "own": "random weights' own routing: across requests a near-uniform draw, but a request's rows mostly share "
+           "their experts (a deep random model's positions look alike; see adjacent_rows_share); a best case",
+    "uniform": "each row of a step routes independently and uniformly (its own fixed random expert order); "
+               "the worst case",
+    "local": f"locality-aware model: the uniform rows' router logits equicorrelated within each request with "
+             f"rho={LOCAL_RHO}; a model, not a trained router",
 }
+ORDERS = 64  # the distinct per-row expert orders (verify blocks are at most 16 rows; longer runs repeat them)
 
 
 def moe_blocks(model: CausalLM) -> list[SparseMoE]:
     return [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
 
 
-def set_routing(model: CausalLM, routing: str) -> CausalLM:
-    """Route `model`'s MoE layers by the named routing model (in place; the model is returned)."""
+def set_routing(model: CausalLM, routing: str, seed: int = 0) -> CausalLM:
+    """Route `model`'s MoE layers by the named routing model (in place; the model is returned). Each layer
+    draws its own row orders, so a row's choices are independent across layers too."""
     if routing not in ROUTING_MODELS:
         raise ValueError(f"routing model {routing!r} unknown; allowed: {', '.join(ROUTING_MODELS)}")
+    rho = ROUTING_MODELS[routing]
+    g = torch.Generator().manual_seed(seed)
     for block in moe_blocks(model):
-        block.routing_locality = ROUTING_MODELS[routing]
+        if rho is None:
+            block.routing = None
+            continue
+        perms = torch.stack([torch.randperm(block.num_experts, generator=g) for _ in range(ORDERS)])
+        block.routing = RoutingModel(perms.to(block.gate.weight.device), rho)
     return model
 
 
@@ -99,7 +113,7 @@ def union_sizes(model: CausalLM, inputs: list[Tensor], requests: int, rows: int,
 
 
 def measure(model: CausalLM, requests: tuple[int, ...] = (1, 4, 16, 64), rows: tuple[int, ...] = (1, 2, 4, 8, 16),
-            routing: tuple[str, ...] = ("uniform", "local"), length: int = 64, samples: int = 8,
+            routing: tuple[str, ...] = ("own", "uniform", "local"), length: int = 64, samples: int = 8,
             bandwidth: float | None = None, drafter_bytes: int = 0, seed: int = 0) -> dict[str, Any]:
     """The union table for each routing model, with each point's weight bytes and, given a bandwidth
     (bytes/s), its floor; `vs_plain` is a verify step's bytes over a plain step's at the same batch
@@ -108,8 +122,8 @@ def measure(model: CausalLM, requests: tuple[int, ...] = (1, 4, 16, 64), rows: t
     blocks = moe_blocks(model)
     if not blocks:
         raise ValueError("the model has no mixture-of-experts layer")
-    old = [b.routing_locality for b in blocks]
-    set_routing(model, "uniform")
+    old = [b.routing for b in blocks]
+    set_routing(model, "own")
     inputs = router_inputs(model, max(requests), max(max(rows) * 2, length), seed)
     out: dict[str, Any] = {"experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok, "moe_layers": len(blocks),
                            "routing_models": {r: ROUTING_NOTE[r] for r in routing}, "points": []}
@@ -134,8 +148,8 @@ def measure(model: CausalLM, requests: tuple[int, ...] = (1, 4, 16, 64), rows: t
                         point["floor_ms"] = 1e3 * nbytes / bandwidth
                     out["points"].append(point)
     finally:
-        for b, rho in zip(blocks, old):
-            b.routing_locality = rho
+        for b, routing in zip(blocks, old):
+            b.routing = routing
     return out
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,30 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
 
+@dataclass(frozen=True)
+class RoutingModel:
+    """A benchmark's model of how a request's rows in one step route (random weights route as their own
+    hidden states do, which a deep random model makes nearly alike across a sequence's positions).
+
+    Row j of every request first sees the experts in its own fixed random order (`perms[j % P]`), which
+    makes the rows' choices independent and uniform; then, with rho > 0, each request's Q rows of logits
+    are split into their mean m and deviations d and recombined as sqrt(1 - rho) d + sqrt(1 + (Q - 1) rho) m
+    (in fp32): independent rows of equal variance become equicorrelated by rho with the same variance."""
+
+    perms: Tensor  # [P, E] int64: row j's expert order
+    rho: float
+
+    def apply(self, logits: Tensor) -> Tensor:
+        """logits [R, Q, E] -> the modelled logits [R, Q, E] (fp32)."""
+        r, q, e = logits.shape
+        order = self.perms if q <= self.perms.shape[0] else self.perms.repeat(-(-q // self.perms.shape[0]), 1)
+        z = logits.float().gather(-1, order[:q].unsqueeze(0).expand(r, q, e))
+        if self.rho:
+            m = z.mean(dim=1, keepdim=True)
+            z = (1 - self.rho) ** 0.5 * (z - m) + (1 + (q - 1) * self.rho) ** 0.5 * m
+        return z
+
+
 class SparseMoE(nn.Module):
     """Router + experts (+ the gated shared expert where the config has one), a drop-in for GatedMLP."""
 
@@ -75,23 +100,17 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared else None
         # tensor parallelism sets this: the sum over ranks of the block's partial outputs
         self.all_reduce: Callable[[Tensor], None] | None = None
-        # benchmark-only routing model (bench/expert_union.py): the router logits of a request's rows in
-        # one step made equicorrelated with this correlation (variance kept); 0 is the model's own routing
-        self.routing_locality = 0.0
+        # benchmark-only routing model (bench/expert_union.py); None routes by the model's own logits
+        self.routing: RoutingModel | None = None
         # called with each forward's expert ids [rows, k] where set (measurements; eager runs only)
         self.observe: Callable[[Tensor], None] | None = None
 
     def router_logits(self, h: Tensor) -> Tensor:
-        """h [..., H] -> logits [rows, E]. Under the benchmark's locality model (h [R, Q, H]: Q rows of
-        each of R requests) each request's logits are split into their mean m over its rows and the
-        deviations d, and recombined as sqrt(1 - rho) d + sqrt(1 + (Q - 1) rho) m (in fp32): rows that
-        were independent with equal variances become correlated by rho with the same variances."""
+        """h [..., H] -> logits [rows, E], through the benchmark's routing model where one is set (h [R, Q, H]:
+        Q rows of each of R requests)."""
         logits = F.linear(h, self.gate.weight)
-        rho, q = self.routing_locality, h.shape[1] if h.dim() == 3 else 1
-        if rho and q > 1:
-            z = logits.float()
-            m = z.mean(dim=1, keepdim=True)
-            logits = (1 - rho) ** 0.5 * (z - m) + (1 + (q - 1) * rho) ** 0.5 * m
+        if self.routing is not None and h.dim() == 3 and h.shape[1] > 1:
+            logits = self.routing.apply(logits)
         return logits.reshape(-1, self.num_experts)
 
     def forward(self, x: Tensor | PreNormed, norm: RMSNorm | None = None, residual: Tensor | None = None,
