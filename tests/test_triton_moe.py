@@ -62,16 +62,17 @@ def test_route_matches_reference(dtype, renorm, num_experts, k):
     assert not torch.allclose(other.float(), want_w.float(), atol=1e-3)
 
 
+@pytest.mark.parametrize("chunk", [8, 64])  # passes of a few pairs (decode) and of many
 @pytest.mark.parametrize("pairs,num_experts,block_m", [(1, 8, 16), (30, 6, 16), (140, 16, 16), (600, 16, 64),
                                                        (600, 128, 16)])
-def test_align_kernel_equals_the_sort(pairs, num_experts, block_m):
+def test_align_kernel_equals_the_sort(pairs, num_experts, block_m, chunk):
     """The one-program counting sort and tile table against the stable torch sort, tile by tile."""
     ids = torch.randint(0, num_experts, (pairs,), generator=torch.Generator().manual_seed(pairs)).to(DEVICE,
                                                                                                    torch.int32)
     tiles = K.num_tiles(pairs, 1, num_experts, block_m)
     got = K.Schedule(*(torch.full((n,), -7, dtype=torch.int32, device=DEVICE) for n in (pairs, tiles, tiles, tiles)))
     K._moe_align[(1,)](ids, got.sorted_pairs, got.tile_expert, got.tile_lo, got.tile_hi, pairs, num_experts, tiles,
-                       BLOCK_M=block_m, E_BLOCK=K.triton.next_power_of_2(num_experts), CHUNK=64)
+                       BLOCK_M=block_m, E_BLOCK=K.triton.next_power_of_2(num_experts), CHUNK=chunk)
     want = K.align_torch(ids, num_experts, block_m, tiles)
     used = want.tile_expert >= 0
     assert torch.equal(got.sorted_pairs, want.sorted_pairs) and torch.equal(got.tile_expert, want.tile_expert)

@@ -266,9 +266,15 @@ def align(ids: Tensor, num_experts: int, block_m: int, tiles: int) -> Schedule:
     out = Schedule(torch.empty(pairs, dtype=torch.int32, device=dev), *(torch.empty(tiles, dtype=torch.int32,
                                                                                        device=dev) for _ in range(3)))
     _moe_align[(1,)](ids, out.sorted_pairs, out.tile_expert, out.tile_lo, out.tile_hi, pairs, num_experts, tiles,
-                     BLOCK_M=block_m, E_BLOCK=triton.next_power_of_2(num_experts), CHUNK=64,
+                     BLOCK_M=block_m, E_BLOCK=triton.next_power_of_2(num_experts), CHUNK=align_chunk(pairs, tiles),
                      num_warps=4 if num_experts <= 128 else 8)
     return out
+
+
+def align_chunk(pairs: int, tiles: int) -> int:
+    """Pairs (and tiles) `_moe_align` takes per loop pass: each pass works on a [chunk, experts] grid, so
+    a decode step's few pairs take a small grid rather than a 64-row one that is mostly masked."""
+    return min(64, max(8, triton.next_power_of_2(max(pairs, tiles))))
 
 
 def align_torch(ids: Tensor, num_experts: int, block_m: int, tiles: int) -> Schedule:
