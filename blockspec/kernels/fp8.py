@@ -12,10 +12,10 @@ On CUDA the product is chosen by row count (`fp8_linear`):
 - up to `SKINNY_MAX_ROWS` (decode, verify and draft steps of small batches): `ops.skinny_linear`
   streams the e4m3 weight and dequantizes in registers, with the same fused prologues and epilogues
   as for bf16 (`layers.dense` calls it directly);
-- up to `TILE_MAX_ROWS` (wider verify batches): the same kernel with 64-row tiles, tensor-core dots
+- up to `TILE_MAX_ROWS` (wider verify batches): the same kernel with one 64-row tile, tensor-core dots
   of the e4m3 tiles converted to the input's dtype (exact) and scaled per K block;
-- above (prefill): the weight dequantized to the input's dtype in one pass (`dequantize`), then
-  cuBLAS; or, with LARGE_PRODUCT = "scaled_mm", FP8 tensor cores (`torch._scaled_mm`: per-token
+- above (prefill, wider verify batches): the weight dequantized to the input's dtype in one pass
+  (`dequantize`), then cuBLAS; or, with LARGE_PRODUCT = "scaled_mm", FP8 tensor cores (`torch._scaled_mm`: per-token
   activation scales for per-channel weights, 1 x 128 groups for 128 x 128 blocks), which quantizes
   the activations too, so it is not the same model: opt in, measured in benchmarks/bench_fp8_gemm.py.
 
@@ -34,9 +34,11 @@ from blockspec.kernels.ops import SKINNY_MAX_ROWS, SkinnyConfig, skinny_linear, 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8 = torch.float8_e4m3fn
 
-TILE_MAX_ROWS = 256
-"""Above SKINNY_MAX_ROWS and up to this many rows, FP8 products run as 64-row tiles of the streaming
-kernel; above it the weight is dequantized for cuBLAS (benchmarks/bench_fp8_gemm.py measures both)."""
+TILE_MAX_ROWS = 64
+"""Above SKINNY_MAX_ROWS and up to this many rows, FP8 products run as one pass of 64-row tiles of the
+streaming kernel; above it the weight is dequantized for cuBLAS. Each further 64 rows of tiles streams
+and converts the weight again: on the H200 the Qwen3-8B products took 240.6 us (tiles) against 285 us
+(dequantize + cuBLAS) at 64 rows, and 479 us against 318 us at 256 (benchmarks/bench_fp8_gemm.py)."""
 TILE_CONFIG = SkinnyConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
 LARGE_PRODUCT = "dequantize"  # or "scaled_mm": FP8 tensor cores for per-channel weights, bf16 inputs
 
