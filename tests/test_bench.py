@@ -80,7 +80,7 @@ def test_outputs_written(result, tmp_path):
     data = json.loads(paths["json"].read_text())
     assert data["runs"] == json.loads(json.dumps(result["runs"]))
     md = paths["markdown"].read_text()
-    assert "| method | batch | T | output tok/s" in md and "Per-position acceptance" in md
+    assert "| method | batch | T | input | output tok/s" in md and "Per-position acceptance" in md
     assert "SYNTHETIC" not in md
     for key in ("plot_speedup", "plot_throughput", "plot_acceptance"):
         with Image.open(paths[key]) as img:
@@ -319,7 +319,7 @@ def test_a_speculative_run_that_never_drafted_says_no_drafts(tmp_path):
     md = markdown(res)
     assert "| dflash | 2 | 0.0 |" in md and "| no drafts | 0% |" in md and "no drafts: the draft-length policy" in md
     assert res["checks"]["vs_plain"]["dflash"][0]["verdict"] == "no drafts"
-    assert "- dflash: b2/T0.0 no drafts" in md
+    assert "- dflash: in8 b2 T0.0 no drafts" in md
 
 
 def test_preset_default_benchmarks_the_embedded_pair_with_real_acceptance(tmp_path, capsys):
@@ -341,6 +341,156 @@ def test_preset_default_benchmarks_the_embedded_pair_with_real_acceptance(tmp_pa
     runs = json.loads((out / "bench.json").read_text())["runs"]
     assert {r["method"] for r in runs} == {"plain", "dflash", "dspark"}
     assert all(r["prefix_match_plain"] == 1.0 for r in runs if r["method"] != "plain")
+
+
+# ------------------------------------------------------------------------------------------- workload presets
+def test_workload_presets_fill_what_the_user_left_unset():
+    """--preset concurrency / long-context: random weights of --arch, the three methods, synthetic acceptance
+    6.5 at T = 0 over 3 rounds, and each workload's lengths and concurrencies; an option the user gives wins,
+    even one equal to the default without a preset (--output-len 256, --batch-sizes 1)."""
+    cfg = BenchConfig(preset="concurrency")
+    cfg.apply_preset()
+    assert cfg.random_weights and cfg.arch == "qwen3-8b" and cfg.model is None
+    assert cfg.selected_methods() == ("plain", "dflash", "dspark") and cfg.synthetic_acceptance == "6.5"
+    assert (cfg.input_len, cfg.output_len, cfg.batch_sizes) == ((512,), 1024, (1, 4, 8, 16, 32, 64))
+    assert cfg.temperatures == (0.0,) and cfg.repeats >= 3
+    cfg = BenchConfig(preset="long-context")
+    assert (cfg.input_len, cfg.output_len, cfg.batch_sizes) == ((8192, 32768), 256, (1, 16))
+    assert cfg.synthetic_acceptance == "6.5" and cfg.temperatures == (0.0,) and cfg.repeats >= 3
+
+    mine = BenchConfig(preset="concurrency", arch="tiny", batch_sizes=(1,), output_len=256, repeats=5,
+                       synthetic_acceptance="4.5", temperatures=(0.0, 0.7))
+    mine.apply_preset()
+    assert (mine.arch, mine.batch_sizes, mine.output_len, mine.repeats) == ("tiny", (1,), 256, 5)
+    assert mine.synthetic_acceptance == "4.5" and mine.temperatures == (0.0, 0.7) and mine.input_len == (512,)
+    plain = BenchConfig(preset="concurrency", methods=("plain",))  # no speculative method: no synthetic profile
+    plain.apply_preset()
+    plain.validate()
+    assert plain.synthetic_acceptance is None
+    bare = BenchConfig(random_weights=True)  # without a preset, the defaults as before
+    assert (bare.batch_sizes, bare.temperatures, bare.input_len, bare.output_len, bare.repeats) == (
+        (1,), (0.0,), (512,), 256, 3)
+    assert bare.synthetic_acceptance is None and bare.selected_methods() == ("plain", "dflash", "dspark")
+    with pytest.raises(ConfigError, match="unknown; allowed: default, concurrency, long-context"):
+        BenchConfig(preset="serving").apply_preset()
+
+
+@pytest.mark.parametrize("given", [dict(model="m"), dict(dflash_model="d"), dict(prompts="builtin")])
+def test_a_workload_preset_refuses_a_conflicting_option_in_one_line(given):
+    with pytest.raises(ConfigError) as exc:
+        BenchConfig(preset="long-context", **given).apply_preset()
+    assert "--preset long-context runs random weights" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_cli_presets_run_small_on_the_cpu_with_overrides(tmp_path, capsys):
+    """The presets as a user runs them on the CPU: --arch tiny and short lengths override the workload,
+    the rest (methods, T, synthetic acceptance) is the preset's; long-context's prompt lengths are separate
+    points, each reported with its length in the table and the JSON."""
+    out = tmp_path / "conc"
+    assert main(["bench", "--preset", "concurrency", "--arch", "tiny", "--device", "cpu", "--batch-sizes", "1",
+                 "--input-len", "8", "--output-len", "8", "--repeats", "1", "--no-plots", "--out", str(out)]) == 0
+    data = json.loads((out / "bench.json").read_text())
+    assert data["synthetic"] and data["config"]["random_weights"] and data["config"]["batch_sizes"] == [1]
+    assert {(r["method"], r["batch"], r["temperature"]) for r in data["runs"]} == {
+        (m, 1, 0.0) for m in ("plain", "dflash", "dspark")}
+    out = tmp_path / "long"
+    assert main(["bench", "--preset", "long-context", "--arch", "tiny", "--device", "cpu", "--input-len", "8,24",
+                 "--batch-sizes", "2", "--output-len", "8", "--repeats", "1", "--methods", "plain,dflash",
+                 "--no-plots", "--out", str(out)]) == 0
+    runs = json.loads((out / "bench.json").read_text())["runs"]
+    assert [(r["method"], r["input_len"], r["prompt_tokens_mean"]) for r in runs] == [
+        ("plain", 8, 8), ("dflash", 8, 8), ("plain", 24, 24), ("dflash", 24, 24)]
+    assert all(r["vs_plain"]["output_tok_s_ratio"] > 0 for r in runs if r["method"] == "dflash")
+    md = (out / "bench.md").read_text()
+    assert "8/24-token prompts" in md.splitlines()[0]
+    assert "| dflash (synthetic) | 2 | 0.0 | 8 |" in md and "| dflash (synthetic) | 2 | 0.0 | 24 |" in md
+    assert "in24 b2 T0.0" in md
+    capsys.readouterr()
+    assert main(["bench", "--preset", "concurrency", "--model", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "--preset concurrency runs random weights" in err and len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------- fixed-K sweep
+def _run(decode_rounds, output=100.0, **fields):
+    """A hand-made run record with the fields the K sweep reads."""
+    med = sorted(decode_rounds)[len(decode_rounds) // 2]
+    return {"method": "dflash", "input_len": 512, "batch": 4, "temperature": 0.0, "synthetic": True,
+            "output_tok_s": {"median": output}, "decode_tok_s": {"median": med},
+            "rounds": {"decode_tok_s": list(decode_rounds)}, "acceptance": {"mean_draft_length": 5.0},
+            "steps_by_draft_length": {"0": {"steps": 1}, "5": {"steps": 3}}, **fields}
+
+
+def test_k_sweep_verdict_within_and_missing_on_hand_made_numbers():
+    """The best fixed K is the one with the highest median decode tok/s (not output tok/s); the policy's
+    decode tok/s over it is the median of the rounds' ratios; within 5 % passes, more than that misses."""
+    from blockspec.bench.ksweep import sweep_lines, sweep_point, sweep_report, verdict
+
+    fixed = [_run([100.0, 100.0, 100.0], output=80.0, fixed_k=4), _run([90.0, 95.0, 92.0], output=99.0, fixed_k=8)]
+    close = sweep_point(_run([96.0, 100.0, 98.0]), fixed)
+    assert close["best_k"] == 4 and close["best_decode_tok_s"] == 100.0
+    assert close["policy_over_best"] == pytest.approx(0.98) and close["policy_over_best_range"] == pytest.approx(
+        [0.96, 1.0])
+    assert close["within"] and close["verdict"] == "within 5 %"
+    assert close["policy_drafting_share"] == 0.75 and [r["fixed_k"] for r in close["fixed"]] == [4, 8]
+    far = sweep_point(_run([90.0, 88.0, 92.0]), fixed)
+    assert far["policy_over_best"] == pytest.approx(0.90) and not far["within"]
+    assert far["verdict"] == "misses by 10.0 %"
+    assert verdict(0.951) == "within 5 %" and verdict(0.949) == "misses by 5.1 %" and verdict(1.2) == "within 5 %"
+
+    report = sweep_report((4, 8, 15), {"dflash": 8}, [close, far])
+    assert report["methods"] == {"dflash": {"capacity": 8, "k": [4, 8]}} and not report["all_within"]
+    assert report["notes"] == ["dflash: its block holds 8 drafts (K in 1-8); K=15 run as K=8"]
+    md = "\n".join(sweep_lines(report))
+    assert "| dflash (synthetic) | 4 | 0.0 | 512 | 80.0 / 100.0 | 99.0 / 92.0 | 4 | 98.0 | 5.0 (75%) " \
+           "| 0.98 [0.96-1.00] | within 5 % |" in md
+    assert "| 0.90 [0.88-0.92] | **misses by 10.0 %** |" in md
+    assert "at every point: no: dflash in512 b4 T0.0 (misses by 10.0 %)" in md
+    assert sweep_report((4,), {"dflash": 8}, [close])["all_within"]
+
+
+def test_k_sweep_runs_each_fixed_k_in_the_same_rounds_and_reports_the_policy_against_the_best(tmp_path):
+    """--k-sweep 2,15 on the tiny drafters (DFlash block 8: 7 drafts; DSpark anchor-first: 8): each method
+    also runs at K = 2 and at its block's size (15 clipped, said so), no step of a fixed run drafting more
+    than K; the JSON and the markdown give each K's figures, the best K and the policy's ratio and verdict,
+    and the fixed runs stay out of the main table."""
+    cfg = BenchConfig(**{**TINY_RUN, "speculative_config": {}, "repeats": 2}, batch_sizes=(2,), output_len=12,
+                      synthetic_acceptance="6.5", k_sweep=(2, 15))
+    res = run_bench(cfg)
+    assert [(r["method"], r["batch"]) for r in res["runs"]] == [("plain", 2), ("dflash", 2), ("dspark", 2)]
+    sweep = json.loads(json.dumps(res))["k_sweep"]
+    assert sweep["methods"] == {"dflash": {"capacity": 7, "k": [2, 7]}, "dspark": {"capacity": 8, "k": [2, 8]}}
+    assert "dflash: its block holds 7 drafts (K in 1-7); K=15 run as K=7" in sweep["notes"]
+    assert [(p["method"], p["input_len"], p["batch"]) for p in sweep["points"]] == [("dflash", 8, 2), ("dspark", 8, 2)]
+    for p in sweep["points"]:
+        policy = next(r for r in res["runs"] if r["method"] == p["method"])
+        assert p["policy_decode_tok_s"] == policy["decode_tok_s"]["median"]
+        by_k = {r["fixed_k"]: r for r in p["fixed"]}
+        assert set(by_k) == set(sweep["methods"][p["method"]]["k"])
+        for k, run in by_k.items():
+            assert run["acceptance"]["num_speculative_tokens"] == k and run["acceptance"]["num_drafts"] > 0
+            assert max(map(int, run["steps_by_draft_length"])) == k  # fixed: no step drafts more than K
+            assert len(run["rounds"]["decode_tok_s"]) == 2 and run["decode_tok_s"]["median"] > 0
+        best = max(by_k.values(), key=lambda r: r["decode_tok_s"]["median"])
+        assert p["best_k"] == best["fixed_k"]
+        ratios = [a / b for a, b in zip(policy["rounds"]["decode_tok_s"], best["rounds"]["decode_tok_s"])]
+        assert p["policy_over_best"] == pytest.approx(sum(ratios) / 2)  # median of two rounds
+        assert p["within"] == (p["policy_over_best"] >= 0.95) and p["verdict"].startswith(
+            "within" if p["within"] else "misses by")
+    md = write_outputs(res, tmp_path, plots=False)["markdown"].read_text()
+    assert "Fixed-K sweep (`--k-sweep 2,15`)" in md and "| K=2 | K=7 | K=8 | best K |" in md
+    section = md.split("Fixed-K sweep")[1]
+    row = next(line for line in section.splitlines() if line.startswith("| dspark (synthetic) | 2 | 0.0 | 8 | "))
+    assert row.count(" / ") == 2 and sweep["points"][1]["verdict"] in row
+    assert "the policy within 5 % of the best fixed K at every point: " in md
+
+
+def test_k_sweep_refuses_what_it_cannot_check():
+    for given, match in ((dict(k_sweep=(0, 4)), "draft lengths K >= 1"),
+                         (dict(k_sweep=(4,), methods=("plain",)), "none is selected"),
+                         (dict(k_sweep=(4,)), "leave adaptive_draft_length on")):  # TINY_RUN pins the draft length
+        with pytest.raises(ConfigError, match=match):
+            run_bench(BenchConfig(**TINY_RUN, **given))
 
 
 # ------------------------------------------------------------------------------------------- real checkpoints
@@ -433,3 +583,47 @@ def test_load_test_summary_gives_the_geometric_mean_and_a_bootstrap_interval():
     assert rows[0]["on_over_off"] == [0.9, 1.1] and rows[1]["on_over_off"] == [0.8]
     assert rows[2]["geomean_on_over_off"][0] == pytest.approx((0.9 * 1.1 * 0.8) ** (1 / 3), abs=1e-3)
     assert "| all | all | - | - | (pooled) |" in lt.markdown(cells, "t")
+
+
+def test_engines_that_take_turns_share_one_kv_store():
+    """An engine's n-th cache built under a SharedKVStore takes the tensors an earlier engine's n-th cache
+    of the same shape took, zeroed; another shape, or a cache built outside, gets its own; layers never share."""
+    from blockspec.models.kv_cache import KVCache, SharedKVStore
+
+    store = SharedKVStore()
+    with store.engine():
+        a_draft, a_target = KVCache(1, 2, 8, 32, torch.float32, "cpu", 2), KVCache(2, 2, 8, 32, torch.float32, "cpu", 2)
+        a_twin = KVCache(2, 2, 8, 32, torch.float32, "cpu", 2)  # the same shape twice in one engine: its own
+    a_target.k[0].fill_(3.0)
+    with store.engine():  # built in another order, as a plain engine (no drafter) builds its target's first
+        b_target, b_draft = KVCache(2, 2, 8, 32, torch.float32, "cpu", 2), KVCache(1, 4, 8, 32, torch.float32, "cpu", 2)
+    assert a_twin.k[0].data_ptr() != a_target.k[0].data_ptr()
+    assert [t.data_ptr() for t in b_target.k + b_target.v] == [t.data_ptr() for t in a_target.k + a_target.v]
+    assert not a_target.k[0].any()  # zeroed for its new owner, as a new cache's tensors are
+    assert len({t.data_ptr() for t in a_target.k + a_target.v}) == 4
+    assert b_draft.k[0].data_ptr() != a_draft.k[0].data_ptr()  # another shape: its own
+    assert KVCache(2, 2, 8, 32, torch.float32, "cpu", 2).k[0].data_ptr() != a_target.k[0].data_ptr()
+    assert store.bytes == a_target.bytes + a_twin.bytes + a_draft.bytes + b_draft.bytes
+
+
+def test_a_points_engines_hold_one_engines_kv_memory(monkeypatch):
+    """The bench builds a point's engines (plain, DFlash, DSpark and the fixed-K ones) on one SharedKVStore
+    with one page count, so the point holds the KV memory of its largest engine, not of every engine; the
+    speculative outputs still equal plain decoding's."""
+    from blockspec.bench import harness
+    from blockspec.models.kv_cache import SharedKVStore
+
+    stores: list[SharedKVStore] = []
+
+    class Recorded(SharedKVStore):
+        def __init__(self) -> None:
+            super().__init__()
+            stores.append(self)
+
+    monkeypatch.setattr(harness, "SharedKVStore", Recorded)
+    res = run_bench(BenchConfig(**{**TINY_RUN, "speculative_config": {}}, batch_sizes=(2,), output_len=8, k_sweep=(2,)))
+    assert len(stores) == 1
+    runs = {r["method"]: r for r in res["runs"]}
+    assert runs["dflash"]["prefix_match_plain"] == 1.0 and runs["dspark"]["prefix_match_plain"] == 1.0
+    kv = [r["memory_gb"]["target_kv"] + r["memory_gb"].get("draft_kv", 0.0) for r in res["runs"]]
+    assert stores[0].bytes / 1e9 == pytest.approx(max(kv), rel=1e-9) and max(kv) < sum(kv)

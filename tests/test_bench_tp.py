@@ -54,7 +54,7 @@ def test_tp2_gives_tp1_tokens_and_the_report_compares_them(tp2, tmp_path):
     paths = write_outputs(tp2, tmp_path, plots=False)
     md = paths["markdown"].read_text()
     assert ", TP=2:" in md.splitlines()[0] and "- tensor parallel: 2 rank processes" in md
-    assert "| method | batch | T | step ms rank 0 | step ms max |" in md
+    assert "| method | batch | T | input | step ms rank 0 | step ms max |" in md
     assert "| plain | 2 | 0.0 | " in md.split("TP=2 against TP=1")[1]
     assert "| dflash (synthetic) | 2 | 0.0 | " in md.split("TP=2 against TP=1")[1]
     assert json.loads(paths["json"].read_text())["compare_tp1"]["rows"][0]["tokens_match_tp1"] == 1.0

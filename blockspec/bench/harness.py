@@ -1,14 +1,26 @@
 """`blockspec bench`: plain vs DFlash vs DSpark (and transformers peers) on the same weights and device.
 
-One run sweeps methods x batch sizes (concurrency: requests decoded together) x temperatures. At each
-point every method's engine is warmed up (CUDA graphs captured, kernels compiled), then the methods are
-timed in `repeats` rounds of one pass each, interleaved (plain, DFlash, DSpark, then the next round in
-a rotated order): a pass's speed drifts with the host and the device, by tens of per cent on a small
-model, and a drift must fall on every method alike. A speculative row's speedup is the median of its
-rounds' ratios to the plain pass of the same round, with their min and max. Token ids go in and come
-out (no detokenisation is timed). A run's memory is what it holds alone, counted from its objects (the
-target's and drafter's weights, their KV caches) plus the most one of its passes allocated on top (GPU),
-since the engines of a point are alive together.
+One run sweeps methods x prompt lengths (random-token prompts) x batch sizes (concurrency: requests
+decoded together) x temperatures. At each point every method's engine is warmed up (CUDA graphs captured,
+kernels compiled), then the methods are timed in `repeats` rounds of one pass each, interleaved (plain,
+DFlash, DSpark, then the next round in a rotated order): a pass's speed drifts with the host and the
+device, by tens of per cent on a small model, and a drift must fall on every method alike. A speculative
+row's speedup is the median of its rounds' ratios to the plain pass of the same round, with their min and
+max. Token ids go in and come out (no detokenisation is timed). A point's engines take turns, so their
+KV caches share one store (`SharedKVStore`, every engine with the pages its largest member needs): the
+point holds one engine's KV memory. A run's memory is what it would hold alone, counted from its objects
+(the target's and drafter's weights, their KV caches) plus the most one of its passes allocated on top
+(GPU).
+
+Presets (`--preset`) fill what the user did not set: `default` is the embedded model pair on held-out code
+(real acceptance); `concurrency` and `long-context` are the serving workloads compared with peer engines,
+on random weights of `--arch` with synthetic acceptance 6.5 (geometric over the drafter's whole block),
+T = 0 and 3 rounds: `concurrency` 512-token prompts and 1024 output tokens at 1, 4, 8, 16, 32 and 64
+concurrent requests; `long-context` 8192- and 32768-token prompts and 256 output tokens at 1 and 16.
+
+With `k_sweep` (`--k-sweep 2,4,8,15`) every speculative method also runs at each fixed draft length K in
+the same interleaved rounds, and the report checks the draft-length policy against the best fixed K
+(`ksweep`).
 
 With `synthetic_acceptance` the speculative runs use SyntheticProposer (real draft and verify
 forwards, drawn acceptance): their tokens are not the target's, and the report says so everywhere.
@@ -32,7 +44,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from functools import partial
 from multiprocessing.connection import Connection
@@ -45,7 +57,9 @@ import torch
 from blockspec.bench.arch import get_arch, param_bytes, random_drafter, random_target, step_bytes
 from blockspec.models.quant import is_quantized, quantize_model
 from blockspec.bench.drafts import NO_DRAFTS_WHY, StepLog, acceptance, drafted, drafting_share
+from blockspec.bench.ksweep import clip, clip_note, sweep_line, sweep_lines, sweep_point, sweep_report
 from blockspec.bench.plots import title, write_plots
+from blockspec.bench.points import Point, RunKey, input_cell, point, point_name
 from blockspec.bench.tp_report import add_rank_figures, compare_tp, rank_figures, tp_header, tp_sections
 from blockspec.bench.timing import (
     allocated_bytes,
@@ -58,6 +72,8 @@ from blockspec.bench.timing import (
 )
 from blockspec.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
+from blockspec.engine.memory import cache_extent
+from blockspec.models.kv_cache import PageTable, SharedKVStore, kv_storage_dtype
 from blockspec.models.llama import CausalLM
 from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.synthetic import AcceptanceProfile, SyntheticProposer
@@ -66,8 +82,18 @@ METHODS = ("plain", "dflash", "dspark")
 SYNTHETIC_NOTE = ("SYNTHETIC ACCEPTANCE: speculative runs draw their accepted counts from a set profile; their "
                   "timings are real, their output tokens are NOT the target's")
 NO_DRAFTS = NO_DRAFTS_WHY + "; --speculative-config '{\"adaptive_draft_length\": false}' pins the draft length"
-# --preset NAME: models and workload of a named pair
-PRESETS = ("default",)
+# the workload fields a preset fills where the user left them unset (None), and their values without one
+BASE_WORKLOAD: dict[str, Any] = {"batch_sizes": (1,), "temperatures": (0.0,), "input_len": (512,), "output_len": 256,
+                                 "repeats": 3}
+# --preset NAME on random weights of --arch: the serving workloads compared with peer engines
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "concurrency": {"methods": METHODS, "input_len": (512,), "output_len": 1024, "batch_sizes": (1, 4, 8, 16, 32, 64),
+                    "temperatures": (0.0,), "repeats": 3, "synthetic_acceptance": "6.5"},
+    "long-context": {"methods": METHODS, "input_len": (8192, 32768), "output_len": 256, "batch_sizes": (1, 16),
+                     "temperatures": (0.0,), "repeats": 3, "synthetic_acceptance": "6.5"},
+}
+# --preset NAME: "default" names the embedded model pair, the others a workload
+PRESETS = ("default", *WORKLOADS)
 BUILTIN_PROMPTS = (
     "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring and tests.",
     "Explain step by step how to compute 17 * 23 - 144 / 12, then give the final answer.",
@@ -93,15 +119,18 @@ class BenchConfig:
     model: str | None = None  # a real target (HF directory or hub id)
     dflash_model: str | None = None
     dspark_model: str | None = None
-    methods: tuple[str, ...] | None = None  # None: plain + every drafter available
-    batch_sizes: tuple[int, ...] = (1,)
-    temperatures: tuple[float, ...] = (0.0,)
-    preset: str | None = None  # "default": the embedded pair on held-out stdlib code (real acceptance)
+    # the BASE_WORKLOAD fields (batch_sizes, temperatures, input_len, output_len, repeats) are None only until
+    # __post_init__ fills them: None is "not given", so a preset's value, else the base one
+    methods: tuple[str, ...] | None = None  # None: the preset's, else plain + every drafter available
+    batch_sizes: tuple[int, ...] | None = None
+    temperatures: tuple[float, ...] | None = None
+    preset: str | None = None  # one of PRESETS: "default" names the embedded pair, the others a workload (WORKLOADS)
     prompts: str | None = None  # jsonl ("prompt" or "prompt_token_ids") | "builtin" | "heldout" | None: random tokens
-    input_len: tuple[int, ...] = (512,)  # random-token prompt lengths (cycled over requests)
-    output_len: int = 256
+    input_len: tuple[int, ...] | None = None  # random-token prompt lengths: one point each
+    output_len: int | None = None
     waves: int = 1  # requests per point = batch x waves (finished slots are refilled: continuous batching)
-    repeats: int = 3
+    repeats: int | None = None
+    k_sweep: tuple[int, ...] = ()  # fixed draft lengths each speculative method also runs at (ksweep)
     num_speculative_tokens: int | None = None
     speculative_config: dict[str, Any] = field(default_factory=dict)  # extra SpeculativeConfig fields
     synthetic_acceptance: str | None = None
@@ -124,14 +153,33 @@ class BenchConfig:
     compare_tp1: bool = False  # with N > 1: TP = 1 in this process first, and the report compares them
     command: str | None = None
 
+    def __post_init__(self) -> None:
+        """Fill the workload fields left unset (None) from the workload preset, else BASE_WORKLOAD: a preset
+        gives what the user did not set, whatever value the user set (a default's too) wins. A preset's
+        synthetic acceptance applies only where a speculative method runs."""
+        fill = {**BASE_WORKLOAD, **WORKLOADS.get(self.preset or "", {})}
+        profile = fill.pop("synthetic_acceptance", None)
+        for name, value in fill.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if self.synthetic_acceptance is None and set(self.methods or ()) - {"plain"}:
+            self.synthetic_acceptance = profile
+
     def apply_preset(self) -> None:
         """Fill in the models and prompts `preset` names: "default" is the embedded target with its DFlash
         and DSpark drafters, on openings of held-out stdlib functions as plain text (the code model's own
-        input), so its acceptance is real."""
+        input), so its acceptance is real; a workload preset runs random weights of --arch on random-token
+        prompts (its workload is filled at construction)."""
         if self.preset is None:
             return
         if self.preset not in PRESETS:
             raise ConfigError(f"--preset {self.preset!r} unknown; allowed: {', '.join(PRESETS)}")
+        if self.preset in WORKLOADS:
+            if self.model or self.dflash_model or self.dspark_model or self.prompts:
+                raise ConfigError(f"--preset {self.preset} runs random weights of --arch on random-token prompts: "
+                                  "leave out --model, --dflash-model, --dspark-model and --prompts")
+            self.random_weights = True
+            return
         if self.random_weights or self.model or self.dflash_model or self.dspark_model:
             raise ConfigError(f"--preset {self.preset} names the models itself: leave out --random-weights, --model, "
                               "--dflash-model and --dspark-model")
@@ -171,6 +219,7 @@ class BenchConfig:
             if self.selected_methods() == ("plain",):
                 raise ConfigError("--synthetic-acceptance applies to speculative methods (dflash, dspark); "
                                   "none is selected")
+        self._validate_k_sweep()
         bad = sorted(set(self.peers) - set(PEERS))
         if bad:
             raise ConfigError(f"peers {bad} unknown; allowed: {', '.join(PEERS)}")
@@ -179,6 +228,20 @@ class BenchConfig:
                               "--random-weights use random-token prompts (--input-len) or a jsonl with "
                               "prompt_token_ids")
         self._validate_ranks()
+
+    def _validate_k_sweep(self) -> None:
+        """The fixed-K sweep compares speculative runs at fixed draft lengths with the adaptive policy: it
+        needs a speculative method and the policy on (a K above a drafter's block is clipped when it is built)."""
+        if not self.k_sweep:
+            return
+        if any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in self.k_sweep):
+            raise ConfigError(f"--k-sweep takes draft lengths K >= 1, got {self.k_sweep!r}")
+        if self.selected_methods() == ("plain",):
+            raise ConfigError("--k-sweep runs speculative methods (dflash, dspark) at fixed draft lengths; none is "
+                              "selected")
+        if self.speculative_config.get("adaptive_draft_length") is False:
+            raise ConfigError("--k-sweep checks the adaptive draft-length policy against fixed draft lengths: leave "
+                              "adaptive_draft_length on")
 
     def _validate_ranks(self) -> None:
         """The tensor-parallel options: shapes that split, no FP8 weights, no more ranks than GPUs, no peers
@@ -230,12 +293,13 @@ class Rank:
 
 @dataclass
 class Setup:
-    """The loaded target, the prompts, and how to build each drafter (only when its runs start)."""
+    """The loaded target, the prompts by length (None: from a file or set), the positions the longest
+    request needs, and how to build each drafter (only when its runs start)."""
 
     target: CausalLM
     device: torch.device
     eos_ids: list[int]
-    prompts: list[list[int]]
+    prompts: dict[int | None, list[list[int]]]
     max_len: int
     hf_dir: Path | None
     make_drafter: Callable[[str], Any]
@@ -252,12 +316,13 @@ def _tokenize(text: str, tokenizer: Any, chat: bool) -> list[int]:
     return tokenizer.encode(text)
 
 
-def load_prompts(cfg: BenchConfig, tokenizer: Any, vocab_size: int, count: int) -> list[list[int]]:
-    """`count` prompts as token ids: from a jsonl file, the built-in set, or random tokens (seeded)."""
+def load_prompts(cfg: BenchConfig, tokenizer: Any, vocab_size: int, count: int) -> dict[int | None, list[list[int]]]:
+    """`count` prompts as token ids: random tokens (seeded) of each input length, keyed by it; or, under
+    None, from a jsonl file or a built-in set."""
     if cfg.prompts is None:
         g = torch.Generator().manual_seed(cfg.seed)
-        return [torch.randint(0, vocab_size, (cfg.input_len[i % len(cfg.input_len)],), generator=g).tolist()
-                for i in range(count)]
+        return {n: [torch.randint(0, vocab_size, (n,), generator=g).tolist() for _ in range(count)]
+                for n in cfg.input_len}
     if cfg.prompts == "builtin":
         items: list[Any] = list(BUILTIN_PROMPTS)
     elif cfg.prompts == "heldout":
@@ -281,7 +346,12 @@ def load_prompts(cfg: BenchConfig, tokenizer: Any, vocab_size: int, count: int) 
             raise ConfigError(f"{cfg.prompts} line {i + 1}: expected an object with 'prompt' or 'prompt_token_ids'")
     if not out:
         raise ConfigError(f"{cfg.prompts}: no prompts")
-    return [out[i % len(out)] for i in range(count)]
+    return {None: [out[i % len(out)] for i in range(count)]}
+
+
+def context_len(prompts: list[list[int]], output_len: int) -> int:
+    """Positions a request of `prompts` needs at most: the longest prompt, the output and a margin."""
+    return max(map(len, prompts)) + output_len + 8
 
 
 def _describe(dcfg: Any, heads: Any) -> str:
@@ -308,7 +378,7 @@ def _prepare_random(cfg: BenchConfig, device: torch.device, rank: Rank | None) -
     arch = get_arch(cfg.arch)
     dtype = resolve_dtype(cfg.dtype, "bfloat16", device)
     prompts = load_prompts(cfg, None, arch.target.vocab_size, max(cfg.batch_sizes) * cfg.waves)
-    max_len = max(len(p) for p in prompts) + cfg.output_len + 8
+    max_len = context_len([p for group in prompts.values() for p in group], cfg.output_len)
     target = random_target(arch.target, max_len + 64, device, dtype, arch.init_std, cfg.seed)
     if rank is not None:  # every rank builds the same seeded weights and keeps its slices
         shard_model(target, rank.rank, rank.world_size)
@@ -337,7 +407,7 @@ def _prepare_checkpoints(cfg: BenchConfig, device: torch.device, rank: Rank | No
     tokenizer = load_tokenizer(model_dir)
     vocab = int(read_json(model_dir / "config.json")["vocab_size"])
     prompts = load_prompts(cfg, tokenizer, vocab, max(cfg.batch_sizes) * cfg.waves)
-    max_len = max(len(p) for p in prompts) + cfg.output_len + 8
+    max_len = context_len([p for group in prompts.values() for p in group], cfg.output_len)
     load = load_target if rank is None else shard_loader(rank.rank, rank.world_size)
     target, model_dir = load(model_dir, cfg.dtype, device, max_len + 64, cfg.quantization)
     weight = target.embed_tokens.weight
@@ -352,25 +422,63 @@ def _prepare_checkpoints(cfg: BenchConfig, device: torch.device, rank: Rank | No
                   "drafters": sources})
 
 
+def _spec(cfg: BenchConfig, setup: Setup, method: str, fixed_k: int | None) -> tuple[SpeculativeConfig | None, Any]:
+    """A method's speculative config (None for plain) and proposer class (None: the engine's own); with
+    `fixed_k` it verifies K drafts at every step (the draft-length policy off)."""
+    if method == "plain":
+        return None, None
+    values = {"method": method, "model": setup.drafter_source[method], **cfg.speculative_config}
+    if cfg.num_speculative_tokens is not None:
+        values["num_speculative_tokens"] = cfg.num_speculative_tokens
+    if fixed_k is not None:
+        values.update(num_speculative_tokens=fixed_k, adaptive_draft_length=False)
+    proposer = partial(SyntheticProposer, profile=AcceptanceProfile(cfg.synthetic_acceptance),
+                       seed=cfg.synthetic_seed) if cfg.synthetic else None
+    return SpeculativeConfig.from_user(values), proposer
+
+
+def _engine_config(cfg: BenchConfig, batch: int, max_len: int, num_kv_pages: int | None = None) -> EngineConfig:
+    return EngineConfig(max_model_len=max_len, max_num_seqs=batch, max_prefill_tokens=cfg.max_prefill_tokens,
+                        seed=cfg.seed, attention_backend=cfg.attention_backend, kv_cache_dtype=cfg.kv_cache_dtype,
+                        num_kv_pages=num_kv_pages)
+
+
+def point_pages(cfg: BenchConfig, setup: Setup, keys: list[tuple[str, int | None]], drafters: dict[str, Any],
+                batch: int, max_len: int) -> int:
+    """KV pages every engine of a point gets: the most any of them needs for `batch` requests of `max_len`
+    positions (speculative ones reach past it by their drafts), so their caches have one shape and share
+    one `SharedKVStore`."""
+    base = _engine_config(cfg, batch, max_len)
+    return max(batch * PageTable.columns_for(cache_extent(base, _spec(cfg, setup, m, k)[0], drafters.get(m))[1],
+                                             base.kv_page_size) for m, k in keys)
+
+
+def check_point_memory(cfg: BenchConfig, setup: Setup, drafters: dict[str, Any], pages: int, what: str) -> None:
+    """Refuses, with the numbers, a point whose shared KV store cannot fit in the GPU's free memory (the
+    store's pools: the target's, and the largest drafter's), before any engine allocates."""
+    if setup.device.type != "cuda":
+        return
+    kv = kv_storage_dtype(cfg.kv_cache_dtype, setup.target.embed_tokens.weight.dtype)
+    size = EngineConfig.kv_page_size
+    per_page = setup.target.page_bytes(size, kv) + max((d.page_bytes(size, kv) for d in drafters.values()), default=0)
+    need, free = (pages + 1) * per_page, torch.cuda.mem_get_info(setup.device)[0]
+    if need > 0.9 * free:
+        raise ConfigError(f"{what}: the KV caches need {need / 1e9:.1f} GB ({pages} pages of {per_page / 1e6:.2f} MB) "
+                          f"and {free / 1e9:.1f} GB of the GPU is free; take a smaller --batch-sizes or --input-len, "
+                          "or --kv-cache-dtype fp8")
+
+
 def build_engine(cfg: BenchConfig, setup: Setup, method: str, drafter: Any, batch: int,
-                 rank: Rank | None = None) -> Engine:
-    """One method's engine at one batch size, warmed up; on a tensor-parallel rank its KV pages and
-    draft-length decisions are the ones every rank takes."""
+                 rank: Rank | None = None, *, max_len: int | None = None, fixed_k: int | None = None,
+                 num_kv_pages: int | None = None) -> Engine:
+    """One method's engine at one batch size for requests of `max_len` positions (None: the longest any
+    point needs), warmed up; `fixed_k` and `num_kv_pages` as in `_spec` and EngineConfig. On a
+    tensor-parallel rank its KV pages and draft-length decisions are the ones every rank takes."""
     from blockspec.engine.build import agree_on_draft_length, agreed_pages
     from blockspec.parallel.tp import fewest, rank0_decides
 
-    spec = proposer = None
-    if method != "plain":
-        values = {"method": method, "model": setup.drafter_source[method], **cfg.speculative_config}
-        if cfg.num_speculative_tokens is not None:
-            values["num_speculative_tokens"] = cfg.num_speculative_tokens
-        spec = SpeculativeConfig.from_user(values)
-        if cfg.synthetic:
-            proposer = partial(SyntheticProposer, profile=AcceptanceProfile(cfg.synthetic_acceptance),
-                               seed=cfg.synthetic_seed)
-    engine_cfg = EngineConfig(max_model_len=setup.max_len, max_num_seqs=batch,
-                              max_prefill_tokens=cfg.max_prefill_tokens, seed=cfg.seed,
-                              attention_backend=cfg.attention_backend, kv_cache_dtype=cfg.kv_cache_dtype)
+    spec, proposer = _spec(cfg, setup, method, fixed_k)
+    engine_cfg = _engine_config(cfg, batch, max_len or setup.max_len, num_kv_pages)
     if rank is not None:
         engine_cfg = agreed_pages(engine_cfg, setup.target, drafter, spec, partial(fewest, group=rank.control))
     engine = Engine(setup.target, None, engine_cfg, spec, drafter, setup.eos_ids, proposer_cls=proposer)
@@ -395,6 +503,7 @@ class Pass:
     ttft_s: list[float]
     tpot_s: list[float]
     outputs: list[list[int]]
+    preemptions: int = 0  # requests the engine preempted (its KV pool ran short): their prefill ran again
 
 
 _ids = itertools.count()
@@ -411,6 +520,7 @@ def drive(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
     """
     dev = engine.device
     log: StepLog = engine.spec_totals
+    preempted = engine.num_preemptions
     synchronize(dev)
     t0 = time.perf_counter()
     reqs = [engine.add_request(f"bench-{next(_ids)}", None, p, sp)[0] for p, sp in zip(prompts, params)]
@@ -437,33 +547,34 @@ def drive(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
     return Pass(wall, sum(len(r.output_ids) for r in reqs), decode_s, decode_tokens, step_s, drafts,
                 [r.first_token_time - r.arrival_time for r in reqs],
                 [(r.finish_time - r.first_token_time) / (len(r.output_ids) - 1) for r in reqs if len(r.output_ids) > 1],
-                [list(r.output_ids) for r in reqs])
+                [list(r.output_ids) for r in reqs], engine.num_preemptions - preempted)
 
 
-def measure_point(engines: dict[str, Engine], prompts: list[list[int]], params: list[SamplingParams],
-                  repeats: int, held: dict[str, float]) -> dict[str, tuple[dict[str, Any], list[list[int]]]]:
-    """Each engine's warm-up pass, then `repeats` rounds of one timed pass per method, interleaved, the
-    order rotated each round (see the module docstring). `held`: GB each method holds besides its passes
-    (weights, KV caches). Returns each method's run record, with its per-round figures under "rounds",
-    and the output tokens of its last pass."""
+def measure_point(engines: dict[Hashable, Engine], prompts: list[list[int]], params: list[SamplingParams],
+                  repeats: int, held: dict[Hashable, float]
+                  ) -> dict[Hashable, tuple[dict[str, Any], list[list[int]]]]:
+    """Each engine's warm-up pass, then `repeats` rounds of one timed pass per engine (a method, or a
+    method at a fixed draft length), interleaved, the order rotated each round (see the module docstring).
+    `held`: GB each engine holds besides its passes (weights, KV caches). Returns each engine's run record,
+    with its per-round figures under "rounds", and the output tokens of its last pass."""
     device = next(iter(engines.values())).device
     for engine in engines.values():
         drive(engine, prompts, params)  # CUDA graphs captured, kernels compiled, the draft policy primed
-    before = {m: dict(e.timer.totals) for m, e in engines.items()}
-    passes: dict[str, list[Pass]] = {m: [] for m in engines}
+    before = {key: dict(e.timer.totals) for key, e in engines.items()}
+    passes: dict[Hashable, list[Pass]] = {key: [] for key in engines}
     transient = dict.fromkeys(engines, 0)
     order = list(engines)
     for r in range(repeats):
-        for method in order[r % len(order):] + order[: r % len(order)]:
+        for key in order[r % len(order):] + order[: r % len(order)]:
             reset_peak_memory(device)
             start = allocated_bytes(device)
-            passes[method].append(drive(engines[method], prompts, params))
-            transient[method] = max(transient[method], peak_allocated_bytes(device) - start)
+            passes[key].append(drive(engines[key], prompts, params))
+            transient[key] = max(transient[key], peak_allocated_bytes(device) - start)
     out = {}
-    for method, engine in engines.items():
-        run = summarize(engine, passes[method], prompts, before[method])
-        run["memory_gb_total"] = held[method] + transient[method] / 1e9
-        out[method] = (run, passes[method][-1].outputs)
+    for key, engine in engines.items():
+        run = summarize(engine, passes[key], prompts, before[key])
+        run["memory_gb_total"] = held[key] + transient[key] / 1e9
+        out[key] = (run, passes[key][-1].outputs)
     return out
 
 
@@ -492,6 +603,7 @@ def summarize(engine: Engine, passes: list[Pass], prompts: list[list[int]], befo
         "tpot_ms": {"p50": 1e3 * float(np.percentile(tpot, 50)), "p90": 1e3 * float(np.percentile(tpot, 90))}
         if tpot else None,
         "ttft_ms": {"p50": 1e3 * float(np.percentile(ttft, 50)), "p90": 1e3 * float(np.percentile(ttft, 90))},
+        "preemptions": sum(p.preemptions for p in passes),
         "time_split_s_per_pass": {k[:-2]: (v - before.get(k, 0.0)) / len(passes)
                                   for k, v in engine.timer.totals.items()},
     }
@@ -573,9 +685,10 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
 
 
 def measure_sweep(cfg: BenchConfig, device: torch.device, log: Callable[[str], None], rank: Rank | None = None
-                  ) -> tuple[dict[str, Any], dict[tuple[str, int, float], list[list[int]]]]:
+                  ) -> tuple[dict[str, Any], dict[RunKey, list[list[int]]]]:
     """This process's sweep (a tensor-parallel rank's with `rank`): the report, and the output tokens of
-    each (method, batch, temperature)'s last pass."""
+    each method's last pass at each point. A point's engines (with `k_sweep`, the fixed-K ones too) are
+    built for its prompts and timed together."""
     result: dict[str, Any] = {"benchmark": "blockspec bench", "synthetic": cfg.synthetic,
                               "synthetic_acceptance": None, **_environment(cfg, device),
                               "config": dataclasses.asdict(cfg),
@@ -595,31 +708,57 @@ def measure_sweep(cfg: BenchConfig, device: torch.device, log: Callable[[str], N
                            "tok_s_batch1": 1 / floor_s}
     methods = cfg.selected_methods()
     drafters = {m: setup.make_drafter(m) for m in methods if m != "plain"}
+    capacities = {m: d.num_draft_slots for m, d in drafters.items()} if cfg.k_sweep else {}
+    for method, capacity in capacities.items():
+        if note := clip_note(method, cfg.k_sweep, capacity):
+            log(note)
+    # an engine per method (k None: its draft-length policy), and per method and fixed K of the sweep
+    keys = [(m, None) for m in methods] + [(m, k) for m, c in capacities.items() for k in clip(cfg.k_sweep, c)]
     runs: list[dict[str, Any]] = []
-    plain_outputs: dict[tuple[int, float], list[list[int]]] = {}
-    last_outputs: dict[tuple[str, int, float], list[list[int]]] = {}
-    for batch in cfg.batch_sizes:
-        engines = {m: build_engine(cfg, setup, m, drafters.get(m), batch, rank) for m in methods}
-        memory = {m: _memory(engine, drafters.get(m)) for m, engine in engines.items()}
-        held = {m: sum(parts.values()) for m, parts in memory.items()}
-        n = batch * cfg.waves
-        for temp in cfg.temperatures:
-            params = [SamplingParams(temperature=temp, top_p=1.0, top_k=0, max_tokens=cfg.output_len,
-                                     ignore_eos=True, seed=cfg.seed + i) for i in range(n)]
-            measured = measure_point(engines, setup.prompts[:n], params, cfg.repeats, held)
-            if "plain" in measured:
-                plain_outputs[(batch, temp)] = measured["plain"][1]
-            for method, (run, outputs) in measured.items():
-                last_outputs[(method, batch, temp)] = outputs
-                run = {"method": method, "batch": batch, "temperature": temp,
-                       "synthetic": cfg.synthetic and method != "plain", "output_len": cfg.output_len, **run,
-                       "memory_gb": memory[method]}
-                if method != "plain" and (batch, temp) in plain_outputs and not run["synthetic"]:
-                    run["prefix_match_plain"] = prefix_match(outputs, plain_outputs[(batch, temp)])
-                runs.append(run)
-                log(summary_line(run))
-        del engines
-        free_memory(device)
+    sweep: list[dict[str, Any]] = []
+    plain_outputs: dict[Point, list[list[int]]] = {}
+    last_outputs: dict[RunKey, list[list[int]]] = {}
+    for input_len, prompts in setup.prompts.items():
+        for batch in cfg.batch_sizes:
+            n = batch * cfg.waves
+            max_len = context_len(prompts[:n], cfg.output_len)
+            # the point's engines take turns, so their KV caches share one store of one shape
+            pages = point_pages(cfg, setup, keys, drafters, batch, max_len)
+            check_point_memory(cfg, setup, drafters, pages, f"{'in' + str(input_len) + ' ' if input_len else ''}b{batch}")
+            store, engines = SharedKVStore(), {}
+            for m, k in keys:
+                with store.engine():
+                    engines[(m, k)] = build_engine(cfg, setup, m, drafters.get(m), batch, rank, max_len=max_len,
+                                                   fixed_k=k, num_kv_pages=pages)
+            memory = {key: _memory(engine, drafters.get(key[0])) for key, engine in engines.items()}
+            held = {key: sum(parts.values()) for key, parts in memory.items()}
+            for temp in cfg.temperatures:
+                params = [SamplingParams(temperature=temp, top_p=1.0, top_k=0, max_tokens=cfg.output_len,
+                                         ignore_eos=True, seed=cfg.seed + i) for i in range(n)]
+                measured = measure_point(engines, prompts[:n], params, cfg.repeats, held)
+                at = (input_len, batch, temp)
+                policy: dict[str, dict[str, Any]] = {}
+                fixed: dict[str, list[dict[str, Any]]] = {}
+                for (method, k), (run, outputs) in measured.items():
+                    run = {"method": method, "input_len": input_len, "batch": batch, "temperature": temp,
+                           "synthetic": cfg.synthetic and method != "plain", "output_len": cfg.output_len, **run,
+                           "memory_gb": memory[(method, k)]}
+                    if k is not None:
+                        fixed.setdefault(method, []).append({**run, "fixed_k": k})
+                        continue
+                    last_outputs[(method, *at)] = outputs
+                    if method == "plain":
+                        plain_outputs[at] = outputs
+                    elif at in plain_outputs and not run["synthetic"]:
+                        run["prefix_match_plain"] = prefix_match(outputs, plain_outputs[at])
+                    policy[method] = run
+                    runs.append(run)
+                    log(summary_line(run))
+                for method, group in fixed.items():
+                    sweep.append(sweep_point(policy[method], group))
+                    log(sweep_line(sweep[-1]))
+            del engines
+            free_memory(device)
     del drafters
     free_memory(device)
     if cfg.peers:
@@ -627,11 +766,13 @@ def measure_sweep(cfg: BenchConfig, device: torch.device, log: Callable[[str], N
     compare_to_plain(runs)
     result["runs"] = runs
     result["checks"] = checks(result)
+    if capacities:
+        result["k_sweep"] = sweep_report(cfg.k_sweep, capacities, sweep)
     return result, last_outputs
 
 
 def _on_ranks(cfg: BenchConfig, log: Callable[[str], None]
-              ) -> tuple[dict[str, Any], dict[tuple[str, int, float], list[list[int]]]]:
+              ) -> tuple[dict[str, Any], dict[RunKey, list[list[int]]]]:
     """The sweep on `cfg.tensor_parallel_size` spawned ranks: rank 0's report, with every rank's step
     figures, and its output tokens; rank 0's log lines come through here as they are written."""
     from blockspec.parallel.tp import RankProcesses
@@ -678,7 +819,7 @@ def _sweep_rank(rank: int, world_size: int, init_file: str, conn: Connection | N
         dist.destroy_process_group()
 
 
-def run_peers(cfg: BenchConfig, setup: Setup, plain_outputs: dict[tuple[int, float], list[list[int]]],
+def run_peers(cfg: BenchConfig, setup: Setup, plain_outputs: dict[Point, list[list[int]]],
               log: Callable[[str], None]) -> list[dict[str, Any]]:
     """transformers generate (and assisted generation where it applies) on the very same weights."""
     from blockspec.bench.peers import (
@@ -697,12 +838,12 @@ def run_peers(cfg: BenchConfig, setup: Setup, plain_outputs: dict[tuple[int, flo
     max_new = cfg.peer_output_len or cfg.output_len
     no_assistant = ASSISTED_NEEDS_REAL if cfg.random_weights else ASSISTED_NEEDS_DRAFT
     runs = []
-    for batch in cfg.peer_batch_sizes or cfg.batch_sizes:
-        prompts = setup.prompts[:batch]
+    for (input_len, group), batch in itertools.product(setup.prompts.items(), cfg.peer_batch_sizes or cfg.batch_sizes):
+        prompts = group[:batch]
         for temp in cfg.peer_temperatures:
             for name, helper in (("hf-generate", None), ("hf-assisted", assistant)):
-                base = {"method": name, "batch": batch, "temperature": temp, "synthetic": False,
-                        "output_len": max_new}
+                base = {"method": name, "input_len": input_len, "batch": batch, "temperature": temp,
+                        "synthetic": False, "output_len": max_new}
                 reason = None
                 if name == "hf-assisted":
                     reason = no_assistant if helper is None else ASSISTED_BATCH_ONE if batch > 1 else None
@@ -711,7 +852,7 @@ def run_peers(cfg: BenchConfig, setup: Setup, plain_outputs: dict[tuple[int, flo
                 else:
                     stats, outputs = measure_generate(hf, prompts, temp, max_new, cfg.repeats, cfg.seed, helper)
                     run = {**base, **stats}
-                    plain = plain_outputs.get((batch, temp))
+                    plain = plain_outputs.get(point(run))
                     if temp == 0 and plain is not None:
                         run["prefix_match_plain"] = prefix_match(outputs, [o[:max_new] for o in plain])
                 runs.append(run)
@@ -722,12 +863,12 @@ def run_peers(cfg: BenchConfig, setup: Setup, plain_outputs: dict[tuple[int, flo
 
 
 def compare_to_plain(runs: list[dict[str, Any]]) -> None:
-    """Add each run's ratios to blockspec plain decoding at the same batch and temperature: the median of
-    the rounds' ratios and their min-max where the two were timed in interleaved rounds, else the ratio
-    of the medians (peers, timed apart)."""
-    plain = {(r["batch"], r["temperature"]): r for r in runs if r["method"] == "plain"}
+    """Add each run's ratios to blockspec plain decoding at the same point (prompt length, batch and
+    temperature): the median of the rounds' ratios and their min-max where the two were timed in interleaved
+    rounds, else the ratio of the medians (peers, timed apart)."""
+    plain = {point(r): r for r in runs if r["method"] == "plain"}
     for r in runs:
-        p = plain.get((r["batch"], r["temperature"]))
+        p = plain.get(point(r))
         if r["method"] == "plain" or p is None or r["status"] != "ok":
             continue
         vs: dict[str, Any] = {}
@@ -763,25 +904,31 @@ def verdict(run: dict[str, Any]) -> str:
 
 def checks(result: dict[str, Any]) -> dict[str, Any]:
     """The headline figures, taken from the runs: plain decode against the bandwidth floor at batch 1, each
-    method's batch-1 T = 0 step and speedup, and its speedup at every point with the rounds' spread."""
+    method's batch-1 T = 0 step and speedup (at its shortest prompts), and its speedup at every point with
+    the rounds' spread."""
     runs = [r for r in result["runs"] if r["status"] == "ok"]
     spec = [r for r in runs if r["method"] in ("dflash", "dspark") and "vs_plain" in r]
     out: dict[str, Any] = {}
     plain1 = next((r for r in runs if r["method"] == "plain" and r["batch"] == 1 and r["temperature"] == 0), None)
     if plain1 and isinstance(result["floor"], dict):
         out["plain_batch1_floor_ratio"] = plain1["decode_tok_s"]["median"] / result["floor"]["tok_s_batch1"]
-    out["batch1_T0"] = {r["method"]: {"step_over_plain": r["vs_plain"].get("step_ratio"),
-                                      "draft_length": r["vs_plain"].get("step_ratio_draft_length"),
-                                      "speedup": r["vs_plain"]["output_tok_s_ratio"] if drafted(r) else None,
-                                      "mean_acceptance_length": r["acceptance"]["mean_acceptance_length"]}
-                        for r in spec if r["batch"] == 1 and r["temperature"] == 0}
-    out["vs_plain"] = {method: [{"batch": r["batch"], "temperature": r["temperature"], "verdict": verdict(r),
+    batch1: dict[str, dict[str, Any]] = {}
+    for r in spec:  # a method's first run at batch 1, T = 0: the runs go by prompt length, shortest first
+        if r["batch"] == 1 and r["temperature"] == 0:
+            batch1.setdefault(r["method"], r)
+    out["batch1_T0"] = {m: {"input_len": r.get("input_len"), "step_over_plain": r["vs_plain"].get("step_ratio"),
+                            "draft_length": r["vs_plain"].get("step_ratio_draft_length"),
+                            "speedup": r["vs_plain"]["output_tok_s_ratio"] if drafted(r) else None,
+                            "mean_acceptance_length": r["acceptance"]["mean_acceptance_length"]}
+                        for m, r in batch1.items()}
+    out["vs_plain"] = {method: [{"input_len": r.get("input_len"), "batch": r["batch"],
+                                 "temperature": r["temperature"], "verdict": verdict(r),
                                  "speedup": r["vs_plain"]["output_tok_s_ratio"],
                                  "range": r["vs_plain"].get("output_tok_s_ratio_range")}
                                 for r in spec if r["method"] == method]
                        for method in sorted({r["method"] for r in spec})}
-    out["memory_overhead_gb"] = {f"{r['method']} b{r['batch']} T{r['temperature']}": r["vs_plain"].get(
-        "memory_overhead_gb", "n/a") for r in spec}
+    out["memory_overhead_gb"] = {f"{r['method']} {point_name(r)}": r["vs_plain"].get("memory_overhead_gb", "n/a")
+                                 for r in spec}
     return out
 
 
@@ -790,14 +937,20 @@ def _f(x: Any, fmt: str = ".1f") -> str:
     return format(x, fmt) if isinstance(x, (int, float)) else "n/a"
 
 
+def _prompts(check: dict[str, Any]) -> str:
+    """", 512-token prompts" where a check's run had random prompts of one length."""
+    return f", {check['input_len']}-token prompts" if check.get("input_len") else ""
+
+
 def summary_line(run: dict[str, Any]) -> str:
-    head = f"{run['method']:>11} b{run['batch']:<3} T{run['temperature']:<4}"
+    head = f"{run['method']:>11} {point_name(run):<22}"
     if run["status"] != "ok":
         return f"{head} n/a: {run['reason']}"
     acc = run.get("acceptance")
     return (f"{head} {run['output_tok_s']['median']:9.1f} tok/s  decode {run['decode_tok_s']['median']:9.1f} tok/s"
             + ((f"  acc.len {_f(acc['mean_acceptance_length'], '.2f')}" if drafted(run) else "  no drafts")
                if acc else "")
+            + (f"  preempted {run['preemptions']}x" if run.get("preemptions") else "")
             + ("  [synthetic]" if run["synthetic"] else ""))
 
 
@@ -844,22 +997,25 @@ def markdown(result: dict[str, Any]) -> str:
     lines.append(f"- {cfg['repeats']} timed rounds after a warm-up, each running every method once (the order "
                  "rotated each round); figures are medians over the rounds (min-max in brackets); 'vs plain' is the "
                  "median of each round's ratio to that round's plain pass; output "
-                 f"{cfg['output_len']} tokens per request; TPOT and step exclude prefill steps; 'steps drafting': "
+                 f"{cfg['output_len']} tokens per request; 'input': prompt tokens per request (inN in the lists); "
+                 "TPOT and step exclude prefill steps; 'steps drafting': "
                  "share of decode steps that verified drafts; 'tokens = plain': share of each output equal to plain "
                  "decoding's before the first difference; 'memory GB': weights and KV caches, plus on a GPU the most a "
                  "pass allocated on top")
-    columns = ("method", "batch", "T", "output tok/s", "decode tok/s", "vs plain", "steps drafting", "step ms",
-               "TPOT p50/p90 ms", "TTFT p50/p90 ms", "acc. len", "memory GB", "spec +GB", "tokens = plain")
+    columns = ("method", "batch", "T", "input", "output tok/s", "decode tok/s", "vs plain", "steps drafting",
+               "step ms", "TPOT p50/p90 ms", "TTFT p50/p90 ms", "acc. len", "memory GB", "spec +GB", "tokens = plain")
     lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in result["runs"]:
         name = r["method"] + (" (synthetic)" if r["synthetic"] else "")
         if r["status"] != "ok":
-            lines.append(f"| {name} | {r['batch']} | {r['temperature']} | n/a: {r['reason']} |" + "|" * 10)
+            lines.append(f"| {name} | {r['batch']} | {r['temperature']} | {input_cell(r)} | n/a: {r['reason']} |"
+                         + "|" * 10)
             continue
         o, vs, acc = r["output_tok_s"], r.get("vs_plain", {}), r.get("acceptance")
         tpot = r.get("tpot_ms") or {}
         lines.append(
-            f"| {name} | {r['batch']} | {r['temperature']} | {o['median']:.1f} ({o['min']:.1f}-{o['max']:.1f}) "
+            f"| {name} | {r['batch']} | {r['temperature']} | {input_cell(r)} "
+            f"| {o['median']:.1f} ({o['min']:.1f}-{o['max']:.1f}) "
             f"| {r['decode_tok_s']['median']:.1f} | {speedup_cell(r)} | {_f(drafting_share(r), '.0%') if acc else ''} "
             f"| {_f(r.get('step_ms', {}).get('median'), '.2f')} "
             f"| {_f(tpot.get('p50'), '.2f')} / {_f(tpot.get('p90'), '.2f')} "
@@ -867,6 +1023,10 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {_f(acc['mean_acceptance_length'], '.2f') if acc else ''} | {_f(r.get('memory_gb_total'), '.3g')} "
             f"| {_f(vs.get('memory_overhead_gb'), '+.3g') if 'memory_overhead_gb' in vs else ''} "
             f"| {_f(r.get('prefix_match_plain'), '.0%') if 'prefix_match_plain' in r else ''} |")
+    preempted = [f"{r['method']} {point_name(r)} ({r['preemptions']}x)" for r in result["runs"] if r.get("preemptions")]
+    if preempted:
+        lines += ["", "**KV pool short: these runs preempted requests (their prefill ran again, and is in their "
+                      "timings): " + ", ".join(preempted) + ".**"]
     spec_runs = [r for r in result["runs"] if r.get("acceptance")]
     if any(not drafted(r) for r in spec_runs):
         lines += ["", f"{NO_DRAFTS}."]
@@ -874,33 +1034,35 @@ def markdown(result: dict[str, Any]) -> str:
         k = max(len(r["acceptance"]["per_position"]) for r in spec_runs)
         lines += ["", ("Per-position acceptance (of the steps that drafted position i, the share that accepted "
                        "it; - = never drafted):"), "",
-                  "| method | batch | T | " + " | ".join(f"p{i + 1}" for i in range(k)) + " |",
-                  "|---|---|---|" + "---|" * k]
+                  "| method | batch | T | input | " + " | ".join(f"p{i + 1}" for i in range(k)) + " |",
+                  "|---|---|---|---|" + "---|" * k]
         for r in spec_runs:
             per = r["acceptance"]["per_position"]
             cells = " | ".join([_f(x, ".2f").replace("n/a", "-") for x in per] + [""] * (k - len(per)))
             name = r["method"] + (" (synthetic)" if r["synthetic"] else "")
-            lines.append(f"| {name} | {r['batch']} | {r['temperature']} | {cells} |")
+            lines.append(f"| {name} | {r['batch']} | {r['temperature']} | {input_cell(r)} | {cells} |")
         lines += ["", "Draft length the engine chose per decode step (0 = plain step): steps, median step time:", ""]
         for r in spec_runs:
             parts = [f"K={k}: {v['steps']} x {v['ms_median']:.2f} ms" for k, v in r["steps_by_draft_length"].items()]
-            lines.append(f"- {r['method']} b{r['batch']} T{r['temperature']}: " + "; ".join(parts))
+            lines.append(f"- {r['method']} {point_name(r)}: " + "; ".join(parts))
     lines += ["", "Against plain decoding:", ""]
     c = result["checks"]
     if "plain_batch1_floor_ratio" in c:
         lines.append(f"- plain decode at batch 1: {c['plain_batch1_floor_ratio']:.1%} of the bandwidth floor")
     for method, v in c["batch1_T0"].items():
         if v["speedup"] is None:
-            lines.append(f"- {method} at batch 1, T=0: no drafts")
+            lines.append(f"- {method} at batch 1, T=0{_prompts(v)}: no drafts")
             continue
-        lines.append(f"- {method} at batch 1, T=0: a step with {v['draft_length']} draft(s) takes "
+        lines.append(f"- {method} at batch 1, T=0{_prompts(v)}: a step with {v['draft_length']} draft(s) takes "
                      f"{_f(v['step_over_plain'], '.2f')}x a plain step; end-to-end {v['speedup']:.2f}x plain at "
                      f"acceptance length {_f(v['mean_acceptance_length'], '.2f')}"
                      + (" (synthetic)" if result["synthetic"] else ""))
     for method, points in c["vs_plain"].items():
-        pts = ", ".join(f"b{p['batch']}/T{p['temperature']} " + ("no drafts" if p["verdict"] == "no drafts" else
+        pts = ", ".join(f"{point_name(p)} " + ("no drafts" if p["verdict"] == "no drafts" else
                         f"{_f(p['speedup'], '.2f')}x ({p['verdict']})") for p in points)
         lines.append(f"- {method}: {pts}")
+    if "k_sweep" in result:
+        lines += sweep_lines(result["k_sweep"])
     lines += tp_sections(result)
     return "\n".join(lines) + "\n"
 
@@ -921,6 +1083,12 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path, plots: bool = Tru
 BENCH_EXAMPLES = """examples:
   # the embedded default pair (a small code model and its drafters) on held-out stdlib code: real acceptance
   blockspec bench --preset default --batch-sizes 1,4
+  # the serving workloads compared with peer engines (Qwen3-8B shapes, random weights, synthetic acceptance 6.5),
+  # with the draft-length policy checked against fixed draft lengths
+  blockspec bench --preset concurrency --k-sweep 2,4,8,15 --out out/conc
+  blockspec bench --preset long-context --k-sweep 2,4,8,15 --out out/long
+  # the same workload shape on the CPU, small: a preset's fields give way to the options given
+  blockspec bench --preset concurrency --arch tiny --device cpu --batch-sizes 1,4 --output-len 32 --input-len 16
   # real shapes without downloads: Qwen3-8B target + DFlash b16 + DSpark b7 drafters, random bf16 weights
   blockspec bench --random-weights --arch qwen3-8b --batch-sizes 1,4,16,64 --temperatures 0,0.7 \\
       --synthetic-acceptance 6.5 --peers transformers --peer-output-len 32
@@ -953,7 +1121,12 @@ def add_bench_parser(sub: Any) -> None:
     m = p.add_argument_group("models")
     m.add_argument("--preset", default=None, choices=PRESETS,
                    help="default: the embedded target with its DFlash and DSpark drafters, on openings of held-out "
-                        "stdlib functions (real acceptance); replaces --model and the drafter flags")
+                        "stdlib functions (real acceptance); replaces --model and the drafter flags. concurrency: "
+                        "random weights of --arch, plain,dflash,dspark, 512-token prompts, 1024 output tokens, "
+                        "concurrency 1,4,8,16,32,64, T=0, synthetic acceptance 6.5, 3 rounds. long-context: the "
+                        "same with 8192- and 32768-token prompts, 256 output tokens, concurrency 1,16. A workload "
+                        "preset fills only the options not given (e.g. --batch-sizes 1,4 or --arch tiny win) and "
+                        "refuses --model, the drafter flags and --prompts")
     m.add_argument("--random-weights", action="store_true", help="build random weights of --arch in memory")
     m.add_argument("--arch", default="qwen3-8b", help="random-weights shape: qwen3-8b | tiny (default qwen3-8b)")
     m.add_argument("--model", default=None, help="a real target: HF directory or hub id")
@@ -978,24 +1151,33 @@ def add_bench_parser(sub: Any) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--methods", type=_list(str), default=None, help="comma list of plain,dflash,dspark "
                    "(default: plain and every drafter available)")
-    w.add_argument("--batch-sizes", "--concurrency", dest="batch_sizes", type=_list(int), default=(1,),
-                   help="comma list of concurrent requests per point, e.g. 1,4,16,64 (default 1)")
-    w.add_argument("--temperatures", type=_list(float), default=(0.0,), help="comma list, e.g. 0,0.7 (default 0)")
+    w.add_argument("--batch-sizes", "--concurrency", dest="batch_sizes", type=_list(int), default=None,
+                   help="comma list of concurrent requests per point, e.g. 1,4,16,64 (default 1, or the preset's)")
+    w.add_argument("--temperatures", type=_list(float), default=None,
+                   help="comma list, e.g. 0,0.7 (default 0, or the preset's)")
     w.add_argument("--prompts", default=None, help="jsonl with 'prompt' or 'prompt_token_ids', 'builtin' (chat "
                    "questions) or 'heldout' (openings of stdlib functions no embedded model saw) (default: "
                    "random-token prompts of --input-len)")
-    w.add_argument("--input-len", type=_list(int), default=(512,),
-                   help="random prompt length(s), comma list (default 512)")
-    w.add_argument("--output-len", type=int, default=256, help="tokens generated per request (EOS ignored)")
+    w.add_argument("--input-len", type=_list(int), default=None,
+                   help="random prompt length(s), comma list: each length is its own point, e.g. 8192,32768 "
+                        "(default 512, or the preset's)")
+    w.add_argument("--output-len", type=int, default=None,
+                   help="tokens generated per request, EOS ignored (default 256, or the preset's)")
     w.add_argument("--waves", type=int, default=1, help="requests per point = batch x waves (default 1)")
-    w.add_argument("--repeats", type=int, default=3, help="timed rounds per point after the warm-up, each running "
-                   "every method once (default 3)")
+    w.add_argument("--repeats", type=int, default=None, help="timed rounds per point after the warm-up, each running "
+                   "every method once (default 3, or the preset's)")
     w.add_argument("--no-chat-template", dest="chat_template", action="store_false",
                    help="tokenize text prompts as they are (default: with the tokenizer's chat template)")
     w.add_argument("--max-prefill-tokens", type=int, default=4096, help="prompt tokens one step prefills at most")
     w.add_argument("--seed", type=int, default=0, help="seed of the random prompts, weights and sampling")
     s = p.add_argument_group("speculation")
     s.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts verified per step")
+    s.add_argument("--k-sweep", type=_list(int), default=(), metavar="K,K,...",
+                   help="comma list of fixed draft lengths, e.g. 2,4,8,15: at every point each speculative method "
+                        "also runs at each K (num_speculative_tokens K, adaptive_draft_length off) in the same "
+                        "interleaved rounds; the report gives each K's output and decode tok/s, the best K, and "
+                        "the policy's decode tok/s over the best K's ('within 5 %%' or 'misses by X %%'); a K above "
+                        "a drafter's block runs as the block's size (default: no sweep)")
     s.add_argument("--speculative-config", type=json.loads, default={},
                    help="extra speculative_config fields as JSON, e.g. '{\"max_batch_for_speculation\": 16}'")
     s.add_argument("--synthetic-acceptance", default=None, metavar="PROFILE",

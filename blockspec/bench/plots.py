@@ -1,7 +1,8 @@
 """PNG plots of a bench report: the speedup over plain decoding by batch size (the one to read first),
 output throughput by method, and per-position acceptance.
 
-One colour per method and one line style per temperature in every plot. Every title says what was
+One colour per method and one line style per temperature in every plot (and, where a sweep has several
+prompt lengths, one marker per length, named in the legend). Every title says what was
 measured: target, dtype, device, prompt and output lengths, and real or synthetic acceptance; synthetic
 reports lead the title (and the PNG's Title metadata) with the label, so a figure cannot leave the report
 without it.
@@ -27,20 +28,35 @@ def title(result: dict[str, Any]) -> str:
     acceptance is real or synthetic (then first, in capitals)."""
     m = result["model"]
     runs = [r for r in result["runs"] if r["status"] == "ok" and "prompt_tokens_mean" in r]
+    lengths = _lengths(result)
     prompt = sum(r["prompt_tokens_mean"] for r in runs) / len(runs) if runs else float("nan")
     ranks = result.get("tensor_parallel_size", 1)
     text = (f"{m['target']} ({m['dtype']}) on {result['device']}{f', TP={ranks}' if ranks > 1 else ''}: "
-            f"{prompt:.0f}-token prompts, {result['config']['output_len']} output tokens")
+            f"{'/'.join(map(str, lengths)) if lengths else format(prompt, '.0f')}-token prompts, "
+            f"{result['config']['output_len']} output tokens")
     if result["synthetic"]:
         return f"SYNTHETIC ACCEPTANCE {result['synthetic_acceptance']['profile']}: {text}"
     return f"{text}, real acceptance"
 
 
+def _lengths(result: dict[str, Any]) -> list[int]:
+    """The random prompts' lengths of the sweep (none for prompts from a file or set)."""
+    return sorted({r["input_len"] for r in result["runs"] if r.get("input_len")})
+
+
 def _style(result: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
-    """The run's method colour and temperature line style."""
+    """The run's method colour, temperature line style and prompt-length marker."""
     temps = sorted({r["temperature"] for r in result["runs"]})
+    lengths = _lengths(result) or [None]
     return {"color": COLORS.get(run["method"], "tab:gray"),
-            "linestyle": LINE_STYLES[temps.index(run["temperature"]) % len(LINE_STYLES)]}
+            "linestyle": LINE_STYLES[temps.index(run["temperature"]) % len(LINE_STYLES)],
+            "marker": MARKERS[lengths.index(run.get("input_len")) % len(MARKERS)]}
+
+
+def _label(result: dict[str, Any], run: dict[str, Any]) -> str:
+    """"dflash, T=0.0", with the prompt length where the sweep has several."""
+    several = len(_lengths(result)) > 1
+    return f"{run['method']}, T={run['temperature']}" + (f", {run['input_len']}-token prompts" if several else "")
 
 
 def _batch_axis(ax: Any, batches: list[int]) -> None:
@@ -54,12 +70,13 @@ def _batch_axis(ax: Any, batches: list[int]) -> None:
     ax.set_xlabel("batch size (concurrent requests)")
 
 
-def _series(result: dict[str, Any], runs: list[dict[str, Any]]) -> dict[tuple[str, float], list[dict[str, Any]]]:
-    """Runs grouped by (method, temperature), each group sorted by batch size."""
-    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+def _series(result: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Runs grouped by their label (method, temperature and, where several, prompt length), each group
+    sorted by batch size."""
+    groups: dict[tuple[str, float, int], list[dict[str, Any]]] = {}
     for r in runs:
-        groups.setdefault((r["method"], r["temperature"]), []).append(r)
-    return {key: sorted(group, key=lambda r: r["batch"]) for key, group in sorted(groups.items())}
+        groups.setdefault((r["method"], r["temperature"], r.get("input_len") or 0), []).append(r)
+    return {_label(result, group[0]): sorted(group, key=lambda r: r["batch"]) for _, group in sorted(groups.items())}
 
 
 def no_drafts(group: list[dict[str, Any]]) -> list[int]:
@@ -76,15 +93,14 @@ def speedup_figure(result: dict[str, Any]) -> tuple[Any, str]:
     runs = [r for r in result["runs"] if r["status"] == "ok" and (r.get("vs_plain") or {}).get("output_tok_s_ratio")]
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     ax.axhline(1.0, color=COLORS["plain"], linewidth=1, label="plain decoding")
-    for (method, temp), group in _series(result, runs).items():
+    for label, group in _series(result, runs).items():
         style = _style(result, group[0])
         shown = [r for r in group if drafted(r) or not r.get("acceptance")]
         if shown:
             ratios = [r["vs_plain"]["output_tok_s_ratio"] for r in shown]
             spans = [r["vs_plain"].get("output_tok_s_ratio_range") or [x, x] for r, x in zip(shown, ratios)]
             err = [[x - lo for x, (lo, _) in zip(ratios, spans)], [hi - x for x, (_, hi) in zip(ratios, spans)]]
-            ax.errorbar([r["batch"] for r in shown], ratios, yerr=err, capsize=3, marker="o",
-                        label=f"{method}, T={temp}", **style)
+            ax.errorbar([r["batch"] for r in shown], ratios, yerr=err, capsize=3, label=label, **style)
             for r, x in zip(shown, ratios):
                 share = drafting_share(r)
                 if share is not None and share < 0.5:  # mostly plain steps: the ratio is mostly plain vs plain
@@ -94,9 +110,9 @@ def speedup_figure(result: dict[str, Any]) -> tuple[Any, str]:
         if missing:
             ax.plot(missing, [1.0] * len(missing), marker="x", markersize=9, color=style["color"], linestyle="none")
     undrafted: dict[int, list[str]] = {}
-    for (method, temp), group in _series(result, runs).items():
+    for label, group in _series(result, runs).items():
         for batch in no_drafts(group):
-            undrafted.setdefault(batch, []).append(f"{method}, T={temp}")
+            undrafted.setdefault(batch, []).append(label)
     for batch, names in sorted(undrafted.items()):
         ax.annotate("no drafts:\n" + "\n".join(names), (batch, 1.0), textcoords="offset points", xytext=(5, -8),
                     va="top", fontsize=7)
@@ -114,14 +130,14 @@ def throughput_figure(result: dict[str, Any]) -> tuple[Any, str]:
 
     runs = [r for r in result["runs"] if r["status"] == "ok"]
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for (method, temp), group in _series(result, runs).items():
+    for label, group in _series(result, runs).items():
         med = [r["output_tok_s"]["median"] for r in group]
         err = [[x - r["output_tok_s"]["min"] for x, r in zip(med, group)],
                [r["output_tok_s"]["max"] - x for x, r in zip(med, group)]]
         missing = no_drafts(group)
         note = f" (no drafts at batch {', '.join(map(str, missing))})" if missing else ""
-        ax.errorbar([r["batch"] for r in group], med, yerr=err, marker="o", capsize=3,
-                    label=f"{method}, T={temp}{note}", **_style(result, group[0]))
+        ax.errorbar([r["batch"] for r in group], med, yerr=err, capsize=3, label=f"{label}{note}",
+                    **_style(result, group[0]))
     _batch_axis(ax, [r["batch"] for r in runs] or [1])
     ax.set_yscale("log")
     ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
@@ -149,11 +165,10 @@ def acceptance_figure(result: dict[str, Any]) -> tuple[Any, str] | None:
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     never_drafted = False
     for r in (r for r in runs if drafted(r)):
-        style = _style(result, r)
+        style = {**_style(result, r), "marker": MARKERS[batches.index(r["batch"]) % len(MARKERS)]}
         per = r["acceptance"]["per_position"]
         positions = range(1, len(per) + 1)
-        ax.plot(positions, [float("nan") if x is None else x for x in per], markersize=4,
-                marker=MARKERS[batches.index(r["batch"]) % len(MARKERS)], **style)
+        ax.plot(positions, [float("nan") if x is None else x for x in per], markersize=4, **style)
         never = [i for i, x in zip(positions, per) if x is None]
         ax.plot(never, [0.0] * len(never), marker="x", linestyle="none", color=style["color"], clip_on=False)
         never_drafted = never_drafted or bool(never)

@@ -1,5 +1,5 @@
 """What a tensor-parallel bench adds to the report: each rank's step figures beside rank 0's timings, and
-TP = N against TP = 1 per method, batch and temperature.
+TP = N against TP = 1 per method and point (prompt length, batch and temperature).
 
 Rank 0 times the passes; the other ranks run the same steps in lockstep, so a rank slower than rank 0
 (its drafter, its share of the weights, its all-reduces) shows in its own step time, recorded here with
@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from blockspec.bench.drafts import drafted
+from blockspec.bench.points import RunKey, input_cell, point
 
 COMPARE_NOTE = ("TP = 1 ran in the same call, in the calling process, before TP = N; the two are timed one after "
                 "the other (each interleaves its own methods), so a drift of the machine between them falls on "
@@ -23,11 +24,9 @@ SYNTHETIC_TOKENS = ("a synthetic run's tokens are its drafts up to drawn counts,
                     "lengths an adaptive policy picks from each run's own clock: they are TP=1's only with a fixed "
                     "draft length")
 
-RunKey = tuple[str, int, float]
-
 
 def _key(run: dict[str, Any]) -> RunKey:
-    return run["method"], run["batch"], run["temperature"]
+    return run["method"], *point(run)
 
 
 def draft_share(run: dict[str, Any]) -> float | None:
@@ -69,7 +68,7 @@ def _speedup(run: dict[str, Any]) -> float | None:
 
 
 def compare_tp(result: dict[str, Any], one: dict[str, Any], tokens_match: dict[RunKey, float]) -> dict[str, Any]:
-    """TP = N's runs (`result`) against TP = 1's (`one`) at the same method, batch and temperature: the
+    """TP = N's runs (`result`) against TP = 1's (`one`) at the same method and point: the
     output and decode tok/s ratios, each speculative run's speedup over plain at both sizes and their
     ratio (speculation's gain kept under TP), and `tokens_match` (the share of each output equal to TP =
     1's before the first difference)."""
@@ -81,7 +80,8 @@ def compare_tp(result: dict[str, Any], one: dict[str, Any], tokens_match: dict[R
             continue
         tp1_speedup, tp_speedup = _speedup(b), _speedup(r)
         rows.append({
-            "method": r["method"], "batch": r["batch"], "temperature": r["temperature"], "synthetic": r["synthetic"],
+            "method": r["method"], "input_len": r.get("input_len"), "prompt_tokens_mean": r.get("prompt_tokens_mean"),
+            "batch": r["batch"], "temperature": r["temperature"], "synthetic": r["synthetic"],
             "tp1_output_tok_s": b["output_tok_s"]["median"], "tp_output_tok_s": r["output_tok_s"]["median"],
             "tp_over_tp1": _ratio(r["output_tok_s"]["median"], b["output_tok_s"]["median"]),
             "tp_over_tp1_decode": _ratio(r["decode_tok_s"]["median"], b["decode_tok_s"]["median"]),
@@ -117,11 +117,13 @@ def tp_sections(result: dict[str, Any]) -> list[str]:
     if ranked:
         lines += ["", f"Per rank (TP={n}): median decode step, and the drafter's share of the step phases the "
                       "engine timed (draft / verify / rest), rank 0's and the most of any rank:", "",
-                  "| method | batch | T | step ms rank 0 | step ms max | drafter share rank 0 | drafter share max |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| method | batch | T | input | step ms rank 0 | step ms max | drafter share rank 0 "
+                  "| drafter share max |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in ranked:
             k = r["ranks"]
-            lines.append(f"| {r['method']} | {r['batch']} | {r['temperature']} | {_f(k['step_ms'][0], '.2f')} "
+            lines.append(f"| {r['method']} | {r['batch']} | {r['temperature']} | {input_cell(r)} "
+                         f"| {_f(k['step_ms'][0], '.2f')} "
                          f"| {_f(k['step_ms_max'], '.2f')} | {_f(k['draft_share'][0], '.0%')} "
                          f"| {_f(k['draft_share_max'], '.0%')} |")
     compare = result.get("compare_tp1")
@@ -131,16 +133,17 @@ def tp_sections(result: dict[str, Any]) -> list[str]:
                       f"plain decoding's at that TP; 'kept': TP={n}'s speedup over TP=1's; 'tokens = TP=1': share of "
                       "each output equal to TP=1's before the first difference"
                       + (f" ({SYNTHETIC_TOKENS})" if synthetic else "") + ":", "",
-                  f"| method | batch | T | TP=1 tok/s | TP={n} tok/s | TP={n} / TP=1 | decode TP={n} / TP=1 "
-                  f"| vs plain TP=1 | vs plain TP={n} | kept | tokens = TP=1 |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"| method | batch | T | input | TP=1 tok/s | TP={n} tok/s | TP={n} / TP=1 "
+                  f"| decode TP={n} / TP=1 | vs plain TP=1 | vs plain TP={n} | kept | tokens = TP=1 |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in compare["rows"]:
             name = row["method"] + (" (synthetic)" if row["synthetic"] else "")
             spec = row["method"] != "plain"
             speedups = [(_times(row[k]) if row[k] is not None else "no drafts") if spec else ""
                         for k in ("tp1_vs_plain", "tp_vs_plain")]
             lines.append(
-                f"| {name} | {row['batch']} | {row['temperature']} | {_f(row['tp1_output_tok_s'], '.1f')} "
+                f"| {name} | {row['batch']} | {row['temperature']} | {input_cell(row)} "
+                f"| {_f(row['tp1_output_tok_s'], '.1f')} "
                 f"| {_f(row['tp_output_tok_s'], '.1f')} | {_times(row['tp_over_tp1'])} "
                 f"| {_times(row['tp_over_tp1_decode'])} | {speedups[0]} | {speedups[1]} "
                 f"| {_f(row['vs_plain_kept'], '.2f') if row['vs_plain_kept'] is not None else ''} "

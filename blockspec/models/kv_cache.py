@@ -18,6 +18,10 @@ loads (the kernels) or after the gather (`gather`, the reference); the model's d
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -147,6 +151,49 @@ class PageTable:
         self.table[idx[0], idx[1]] = idx[2].to(torch.int32)
 
 
+class SharedKVStore:
+    """K/V tensors that the caches of engines taking turns reuse: a benchmark point's engines run one at
+    a time and each of their passes ends with no request holding a page, so none reads another's
+    entries, and the point needs one engine's KV memory, not one per engine. Under `engine()`, an
+    engine's n-th cache of a given layer count, shape, dtype and device takes the tensors an earlier
+    engine's n-th cache of the same took (zeroed, as a new cache's are); anything else gets its own."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[tuple, tuple[list[Tensor], list[Tensor]]] = {}
+        self._made: Counter[tuple] = Counter()  # this engine's caches so far, by kind
+
+    @contextlib.contextmanager
+    def engine(self) -> Iterator[None]:
+        """Build one engine's caches inside: they draw on this store, counted from the first."""
+        self._made = Counter()
+        token = _SHARED.set(self)
+        try:
+            yield
+        finally:
+            _SHARED.reset(token)
+
+    def take(self, layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+             ) -> tuple[list[Tensor], list[Tensor]]:
+        kind = (layers, shape, dtype, device)
+        key = (*kind, self._made[kind])
+        self._made[kind] += 1
+        if key in self.tensors:
+            k, v = self.tensors[key]
+            for t in k + v:
+                t.zero_()
+        else:
+            k, v = ([torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)] for _ in range(2))
+            self.tensors[key] = (k, v)
+        return list(k), list(v)
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for k, v in self.tensors.values() for t in k + v)
+
+
+_SHARED: ContextVar[SharedKVStore | None] = ContextVar("shared_kv_store", default=None)
+
+
 class KVCache:
     """One model's K/V pools over a shared `PageTable`; `max_len` is this cache's positions per slot
     (the trash position), at most the table's. An int `table` is a number of slots that hold all their
@@ -164,8 +211,12 @@ class KVCache:
         store = kv_dtype or dtype
         if store not in (dtype, FP8):
             raise ValueError(f"a KV cache stores the model's dtype or float8_e4m3fn, not {store}")
-        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        shared = _SHARED.get()
+        if shared is None:
+            self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+            self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        else:
+            self.k, self.v = shared.take(num_layers, shape, store, torch.device(device))
         self.dtype = dtype  # what attention computes in
         self.quantized = store == FP8
         self.k_scale, self.v_scale = (k_scale, v_scale) if self.quantized else (1.0, 1.0)

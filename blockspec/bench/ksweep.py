@@ -1,0 +1,118 @@
+"""The fixed-K sweep (`--k-sweep`): a check on the engine's draft-length policy.
+
+At every point each speculative method also runs at each fixed draft length K (num_speculative_tokens = K,
+adaptive_draft_length off) in the same interleaved rounds as its policy run, so a drift of the machine
+falls on all of them alike. The report gives each K's output and decode tok/s, the best fixed K (highest
+median decode tok/s) and the policy's decode tok/s over that K's: the median of the rounds' ratios, as
+'vs plain' is, with their min-max. The policy passes a point when it lands within TOLERANCE of the best
+fixed K (above it passes too); a K above a drafter's block runs as the block's size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from blockspec.bench.drafts import drafting_share
+from blockspec.bench.points import input_cell, point_name
+from blockspec.bench.timing import spread
+
+TOLERANCE = 0.05  # the policy's decode tok/s may trail the best fixed K's by at most this share
+
+
+def clip(requested: tuple[int, ...], capacity: int) -> list[int]:
+    """The Ks a drafter with `capacity` draft slots runs: each requested K, capped at `capacity`, once."""
+    return sorted({min(k, capacity) for k in requested})
+
+
+def clip_note(method: str, requested: tuple[int, ...], capacity: int) -> str | None:
+    """What `clip` changed for `method`, naming the range its block allows; None when nothing."""
+    above = [k for k in requested if k > capacity]
+    if not above:
+        return None
+    return (f"{method}: its block holds {capacity} drafts (K in 1-{capacity}); K={', '.join(map(str, above))} "
+            f"run as K={capacity}")
+
+
+def within(ratio: float | None) -> bool:
+    """Whether the policy passes a point, given its decode tok/s over the best fixed K's."""
+    return ratio is not None and ratio >= 1 - TOLERANCE
+
+
+def verdict(ratio: float | None) -> str:
+    """The policy's verdict at a point, from its decode tok/s over the best fixed K's."""
+    if ratio is None:
+        return "n/a: no decode steps"
+    return f"within {100 * TOLERANCE:g} %" if within(ratio) else f"misses by {100 * (1 - ratio):.1f} %"
+
+
+def sweep_point(policy: dict[str, Any], fixed: list[dict[str, Any]]) -> dict[str, Any]:
+    """The policy's run against the fixed-K runs (`fixed_k` set) of its method at its point: the best K,
+    the policy's decode tok/s over that K's per round (median, min-max) and the verdict; the fixed runs
+    are kept whole."""
+    best = max(fixed, key=lambda r: r["decode_tok_s"]["median"])
+    ratios = [a / b for a, b in zip(policy["rounds"]["decode_tok_s"], best["rounds"]["decode_tok_s"]) if b]
+    ratio = spread(ratios)["median"] if ratios else None
+    acc = policy.get("acceptance") or {}
+    return {"method": policy["method"], "input_len": policy.get("input_len"), "batch": policy["batch"],
+            "temperature": policy["temperature"], "synthetic": policy["synthetic"],
+            "policy_output_tok_s": policy["output_tok_s"]["median"],
+            "policy_decode_tok_s": policy["decode_tok_s"]["median"],
+            "policy_mean_draft_length": acc.get("mean_draft_length"), "policy_drafting_share": drafting_share(policy),
+            "best_k": best["fixed_k"], "best_decode_tok_s": best["decode_tok_s"]["median"],
+            "policy_over_best": ratio, "policy_over_best_range": [min(ratios), max(ratios)] if ratios else None,
+            "within": within(ratio), "verdict": verdict(ratio),
+            "fixed": sorted(fixed, key=lambda r: r["fixed_k"])}
+
+
+def sweep_report(requested: tuple[int, ...], capacities: dict[str, int], points: list[dict[str, Any]]
+                 ) -> dict[str, Any]:
+    """The report's `k_sweep`: what was asked, what each method ran, every point, and the verdict overall."""
+    notes = [clip_note(m, requested, c) for m, c in capacities.items()]
+    return {"requested": list(requested), "tolerance": TOLERANCE,
+            "methods": {m: {"capacity": c, "k": clip(requested, c)} for m, c in capacities.items()},
+            "notes": [n for n in notes if n], "points": points,
+            "all_within": all(p["within"] for p in points)}
+
+
+def _cell(x: float | None, fmt: str) -> str:
+    return format(x, fmt) if x is not None else "n/a"
+
+
+def sweep_line(entry: dict[str, Any]) -> str:
+    """A point's log line: each K's decode tok/s, the best K and the policy against it."""
+    ks = ", ".join(f"K={r['fixed_k']} {r['decode_tok_s']['median']:.1f}" for r in entry["fixed"])
+    return (f"{entry['method']:>11} {point_name(entry):<22} K sweep, decode tok/s: {ks}; policy "
+            f"{entry['policy_decode_tok_s']:.1f}, {_cell(entry['policy_over_best'], '.2f')}x the best "
+            f"(K={entry['best_k']}): {entry['verdict']}")
+
+
+def sweep_lines(sweep: dict[str, Any]) -> list[str]:
+    """The report's section: one row per method and point, a column per K (output / decode tok/s)."""
+    ks = sorted({r["fixed_k"] for p in sweep["points"] for r in p["fixed"]})
+    tol = f"{100 * sweep['tolerance']:g} %"
+    lines = ["", f"Fixed-K sweep (`--k-sweep {','.join(map(str, sweep['requested']))}`): each speculative method "
+                 "also ran at each fixed draft length K (adaptive_draft_length off) in the same interleaved rounds; "
+                 "K cells: output / decode tok/s (medians over the rounds); 'policy K': the policy's mean draft "
+                 "length over the steps that drafted (share of decode steps drafting); 'policy / best K': the "
+                 "policy's decode tok/s over the best fixed K's, median of the rounds' ratios (min-max); the "
+                 f"policy should land within {tol} of the best fixed K at every point:", "",
+             "| method | batch | T | input | " + " | ".join(f"K={k}" for k in ks)
+             + " | best K | policy decode tok/s | policy K | policy / best K | verdict |",
+             "|---|---|---|---|" + "---|" * (len(ks) + 5)]
+    for p in sweep["points"]:
+        by_k = {r["fixed_k"]: r for r in p["fixed"]}
+        cells = [f"{by_k[k]['output_tok_s']['median']:.1f} / {by_k[k]['decode_tok_s']['median']:.1f}"
+                 if k in by_k else "" for k in ks]
+        span = p["policy_over_best_range"]
+        ratio = _cell(p["policy_over_best"], ".2f") + (f" [{span[0]:.2f}-{span[1]:.2f}]" if span else "")
+        share = p["policy_drafting_share"]
+        name = p["method"] + (" (synthetic)" if p["synthetic"] else "")
+        lines.append(f"| {name} | {p['batch']} | {p['temperature']} | {input_cell(p)} | {' | '.join(cells)} "
+                     f"| {p['best_k']} | {p['policy_decode_tok_s']:.1f} "
+                     f"| {_cell(p['policy_mean_draft_length'], '.1f')} ({_cell(share, '.0%')}) | {ratio} "
+                     f"| {p['verdict'] if p['within'] else '**' + p['verdict'] + '**'} |")
+    lines += [""] + [f"- {note}" for note in sweep["notes"]]
+    missed = [f"{p['method']} {point_name(p)} ({p['verdict']})" for p in sweep["points"] if not p["within"]]
+    lines.append(f"- the policy within {tol} of the best fixed K at every point: "
+                 + ("yes" if not missed else "no: " + "; ".join(missed)))
+    return lines
