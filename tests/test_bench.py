@@ -627,3 +627,25 @@ def test_a_points_engines_hold_one_engines_kv_memory(monkeypatch):
     assert runs["dflash"]["prefix_match_plain"] == 1.0 and runs["dspark"]["prefix_match_plain"] == 1.0
     kv = [r["memory_gb"]["target_kv"] + r["memory_gb"].get("draft_kv", 0.0) for r in res["runs"]]
     assert stores[0].bytes / 1e9 == pytest.approx(max(kv), rel=1e-9) and max(kv) < sum(kv)
+
+
+def test_moe_routing_models_a_random_moe_targets_verify_rows():
+    """--moe-routing sets the expert_union routing model on a random MoE target and says so in the report;
+    it is refused for a dense arch, and without synthetic acceptance (its verify rows route unlike decode)."""
+    from blockspec.bench import harness
+
+    used: list[str] = []
+    base = dict(random_weights=True, arch="tiny-moe", input_len=(8,), repeats=1, device="cpu", batch_sizes=(1,),
+                output_len=6, synthetic_acceptance="6.5")
+    real = harness.set_routing
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(harness, "set_routing", lambda model, name: used.append(name) or real(model, name))
+        res = run_bench(BenchConfig(**base, moe_routing="uniform"))
+    assert used == ["uniform"] and "uniform routing" in res["model"]["target"]
+    assert all(r["status"] == "ok" for r in res["runs"])
+    with pytest.raises(ConfigError, match="--moe-routing local .* MoE --arch"):
+        BenchConfig(**{**base, "arch": "tiny"}, moe_routing="local").validate()
+    with pytest.raises(ConfigError, match="give --synthetic-acceptance"):
+        BenchConfig(**{**base, "synthetic_acceptance": None}, moe_routing="uniform").validate()
+    with pytest.raises(ConfigError, match="allowed: own, uniform, local"):
+        BenchConfig(**base, moe_routing="random").validate()

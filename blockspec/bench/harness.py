@@ -54,8 +54,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from blockspec.bench.arch import get_arch, param_bytes, random_drafter, random_target, step_bytes
+from blockspec.bench.arch import ARCHS, get_arch, param_bytes, random_drafter, random_target, step_bytes
 from blockspec.models.quant import is_quantized, quantize_model
+from blockspec.bench.expert_union import ROUTING_MODELS, set_routing
 from blockspec.bench.drafts import NO_DRAFTS_WHY, StepLog, acceptance, drafted, drafting_share
 from blockspec.bench.ksweep import clip, clip_note, sweep_line, sweep_lines, sweep_point, sweep_report
 from blockspec.bench.plots import title, write_plots
@@ -145,6 +146,7 @@ class BenchConfig:
     device: str = "auto"
     dtype: str = "auto"
     quantization: str | None = None  # "fp8": the target's decoder weights in FP8, per channel (drafters stay in dtype)
+    moe_routing: str = "own"  # random MoE targets: the routing model of bench.expert_union (own, uniform, local)
     kv_cache_dtype: str = "auto"  # "fp8": the target's and the drafters' KV caches in e4m3
     seed: int = 0
     max_prefill_tokens: int = 4096
@@ -195,6 +197,14 @@ class BenchConfig:
 
         if self.random_weights == (self.model is not None):
             raise ConfigError("give exactly one of --random-weights (with --arch) or --model")
+        if self.moe_routing not in ROUTING_MODELS:
+            raise ConfigError(f"--moe-routing {self.moe_routing!r} unknown; allowed: {', '.join(ROUTING_MODELS)}")
+        if self.moe_routing != "own" and not (self.random_weights and get_arch(self.arch).target.is_moe):
+            raise ConfigError(f"--moe-routing {self.moe_routing} models the routing of a random mixture-of-experts "
+                              "target: it needs --random-weights and an MoE --arch (qwen3-30b-a3b, tiny-moe)")
+        if self.moe_routing != "own" and self.synthetic_acceptance is None and self.selected_methods() != ("plain",):
+            raise ConfigError(f"--moe-routing {self.moe_routing} routes a verify step's rows unlike decode steps, so "
+                              "speculative tokens are not plain decoding's: give --synthetic-acceptance")
         if self.random_weights:
             get_arch(self.arch)
             if self.dflash_model or self.dspark_model:
@@ -384,13 +394,14 @@ def _prepare_random(cfg: BenchConfig, device: torch.device, rank: Rank | None) -
         shard_model(target, rank.rank, rank.world_size)
     if cfg.quantization:
         quantize_model(target, cfg.quantization)  # on the device, layer by layer
+    set_routing(target, cfg.moe_routing)
     shapes = {"dflash": (arch.dflash, None, 1), "dspark": (arch.dspark(cfg.dspark_block_size), arch.dspark_heads, 2)}
 
     def make_drafter(method: str) -> Any:
         dcfg, heads, seed = shapes[method]
         return random_drafter(dcfg, device, dtype, arch.init_std, cfg.seed + seed, heads)
 
-    source = f"random weights, {arch.name} shape"
+    source = f"random weights, {arch.name} shape" + (f", {cfg.moe_routing} routing" if arch.target.is_moe else "")
     drafters = {m: f"{source}: {_describe(*shapes[m][:2])}" for m in cfg.selected_methods() if m != "plain"}
     return Setup(target, device, list(arch.target.eos_token_ids), prompts, max_len, None, make_drafter,
                  {m: f"random-{arch.name}-{m}" for m in shapes},
@@ -1128,7 +1139,7 @@ def add_bench_parser(sub: Any) -> None:
                         "preset fills only the options not given (e.g. --batch-sizes 1,4 or --arch tiny win) and "
                         "refuses --model, the drafter flags and --prompts")
     m.add_argument("--random-weights", action="store_true", help="build random weights of --arch in memory")
-    m.add_argument("--arch", default="qwen3-8b", help="random-weights shape: qwen3-8b | tiny (default qwen3-8b)")
+    m.add_argument("--arch", default="qwen3-8b", help="random-weights shape: " + " | ".join(ARCHS) + " (default qwen3-8b)")
     m.add_argument("--model", default=None, help="a real target: HF directory or hub id")
     m.add_argument("--dflash-model", default=None, help="DFlash drafter directory or hub id (real target)")
     m.add_argument("--dspark-model", default=None, help="DSpark drafter directory or hub id (real target)")
@@ -1140,6 +1151,10 @@ def add_bench_parser(sub: Any) -> None:
     m.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: the target's decoder weights quantized to FP8 (per-channel scales) at load, random "
                         "weights on the device; drafters stay in --dtype (default: none)")
+    m.add_argument("--moe-routing", default="own", choices=list(ROUTING_MODELS),
+                   help="random mixture-of-experts targets: own (the random model's routing, whose rows of one "
+                        "request mostly share experts: a best case), uniform (each verified row routes "
+                        "independently: the worst case) or local (rows correlated within a request) (default: own)")
     m.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="the KV caches (target's and drafters'): auto (the model's dtype) or fp8 (e4m3)")
     m.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
