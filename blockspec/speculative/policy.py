@@ -4,7 +4,8 @@ Expected tokens per step with K drafts is 1 + sum_{k<=K} P(first k drafts accept
 measured time of a step with K drafts at this batch size (K = 0 is the plain step). The policy picks
 the K with the most tokens per second. Acceptance is counted per position from recent steps and step
 times are measured. An unmeasured K is scored at the least it can cost (the time of a shorter measured
-K) and tried only if even then it would be best, so drafts that cannot pay are never timed. Measured
+K) and with acceptance at the upper end of what the trials so far allow, and tried only if even then
+it would be best, so drafts that cannot pay are never timed. Measured
 candidates are re-tried now and then, so the choice follows the workload: the worse a candidate
 scored, and the more re-tries in a row found it still losing, the rarer. The choice is made before
 drafting and never looks at the drafts, so it cannot affect what is emitted: exactness does not
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 
 PRIOR_TRIALS = 2.0  # pseudo-trials a position's acceptance rate borrows from the position before it
+EXPLORE_Z = 1.0  # standard errors above its acceptance estimate at which an unmeasured K is scored
 NEAR_TIE = 0.02  # scores within this fraction of the best count as a tie, which the longer K takes
 PARK_TURNOVERS = 2  # the first park of a batch bucket where plain wins covers this many times its size in arrivals
 MAX_PARK_DOUBLINGS = 6  # each park whose re-tries find plain still best doubles the next, up to 64x
@@ -106,19 +108,24 @@ class DraftLengthPolicy:
             self._settled = None
 
     # ---------------------------------------------------------------- decision
-    def prefix_acceptance(self) -> list[float]:
+    def prefix_acceptance(self, optimism: float = 0.0) -> list[float]:
         """P(first k drafts accepted), k = 1..k_max.
 
         Each position's conditional rate borrows PRIOR_TRIALS pseudo-trials at the rate of the
         position before it (the first: at one half), so an unseen position extrapolates the last
         rate and a rarely offered one moves from it only as evidence comes. Shrunk towards one half
         instead, the few trials deep positions get while short drafts are explored would read as a
-        collapse (0 of 2 accepted gives 0.17), and longer drafts would never look worth trying."""
+        collapse (0 of 2 accepted gives 0.17), and longer drafts would never look worth trying.
+        With `optimism` z each rate counts z standard errors above its estimate (at most 1): the most
+        its trials allow, which an unmeasured K is scored at (the next position still borrows the
+        estimate itself)."""
         out, survive, rate = [], 1.0, 0.5
         for i in range(self.k_max):
             reached = self.accepted[i - 1] if i else self.offered[0]
-            rate = (self.accepted[i] + PRIOR_TRIALS * rate) / (min(reached, self.offered[i]) + PRIOR_TRIALS)
-            survive *= min(rate, 1.0)
+            trials = min(reached, self.offered[i]) + PRIOR_TRIALS
+            rate = (self.accepted[i] + PRIOR_TRIALS * rate) / trials
+            bound = rate + optimism * math.sqrt(max(rate * (1 - rate), 0.0) / trials)
+            survive *= min(bound, 1.0)
             out.append(survive)
         return out
 
@@ -193,11 +200,14 @@ class DraftLengthPolicy:
             lost = self._retried[1] != best
             self.confirmed_losses[self._retried] = self.confirmed_losses.get(self._retried, 0) + 1 if lost else 0
         self._retried = None
+        hope = self.prefix_acceptance(EXPLORE_Z)
         for k in self.candidates:
             # Optimism under uncertainty, shortest first: an unmeasured K is scored at the least it can
-            # cost and measured only if even so it would beat the best measured one (its time then
-            # bounds the longer ones); a K that cannot win is never paid for.
-            if measured[k] is None and score[k] > score[best]:
+            # cost and at the most its positions' trials allow it to yield, and measured only if even
+            # so it would beat the best measured one (its time then bounds the longer ones); a K that
+            # cannot win is never paid for, and a few unlucky trials of a short K do not condemn the
+            # longer ones (where one draft costs what the whole block does, only they can win).
+            if measured[k] is None and self.expected_tokens(k, hope) / costs[k] > score[best]:
                 self.last_tried[(bucket, k)] = self.steps
                 return k
         due = math.inf  # the first step at which a re-try is due
