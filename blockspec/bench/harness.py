@@ -768,7 +768,7 @@ def measure_sweep(cfg: BenchConfig, device: torch.device, log: Callable[[str], N
                 for method, group in fixed.items():
                     sweep.append(sweep_point(policy[method], group))
                     log(sweep_line(sweep[-1]))
-            del engines
+            del engines, store  # the next point's memory check must see this one's caches freed
             free_memory(device)
     del drafters
     free_memory(device)
