@@ -262,6 +262,7 @@ class SpeculativeConfig:
     markov_top_k: int = 0  # DSpark: restrict each Markov step to the top-k base logits (0 = whole vocabulary)
     adaptive_draft_length: bool = True  # pick per step the draft length with the most tokens/s (0 = plain)
     max_batch_for_speculation: int | None = None
+    quantization: str | None = None  # the drafter's: "fp8" quantizes its decoder products at load (per channel)
 
     @staticmethod
     def from_user(value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":
@@ -302,6 +303,9 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config.markov_top_k must be an integer >= 0, got {self.markov_top_k!r}")
         if self.max_batch_for_speculation is not None and self.max_batch_for_speculation < 1:
             raise ConfigError("speculative_config.max_batch_for_speculation must be >= 1 or None")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"speculative_config.quantization {self.quantization!r} is not supported; supported: "
+                              f"{', '.join(QUANTIZATIONS)} or None")
 
 
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa")

@@ -649,3 +649,16 @@ def test_moe_routing_models_a_random_moe_targets_verify_rows():
         BenchConfig(**{**base, "synthetic_acceptance": None}, moe_routing="uniform").validate()
     with pytest.raises(ConfigError, match="allowed: own, uniform, local"):
         BenchConfig(**base, moe_routing="random").validate()
+
+
+def test_an_fp8_drafter_runs_in_the_bench_and_says_so():
+    """--speculative-config '{"quantization": "fp8"}' quantizes the random drafters (their weight bytes
+    shrink) and the report's dtype names them."""
+    base = dict(random_weights=True, arch="tiny", input_len=(8,), repeats=1, device="cpu", batch_sizes=(1,),
+                output_len=6, synthetic_acceptance="6.5", methods=("plain", "dflash"))
+    plain = run_bench(BenchConfig(**base))
+    fp8 = run_bench(BenchConfig(**base, speculative_config={"quantization": "fp8"}))
+    assert "fp8 drafters" in fp8["model"]["dtype"] and "fp8 drafters" not in plain["model"]["dtype"]
+    weights = [next(r for r in res["runs"] if r["method"] == "dflash")["memory_gb"]["drafter_weights"]
+               for res in (plain, fp8)]
+    assert weights[1] < weights[0]

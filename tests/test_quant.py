@@ -20,7 +20,7 @@ from blockspec.errors import ModelLoadError
 from blockspec.kernels import fp8
 from blockspec.models.kv_cache import causal_meta
 from blockspec.models.loader import load_target
-from blockspec.models.quant import Fp8Linear, Fp8Weight, concat_fp8
+from blockspec.models.quant import Fp8Linear, Fp8Weight, concat_fp8, is_quantized
 from factories import save_drafter_target
 from test_spec import FIXTURES, add_oracle, prompts, run
 
@@ -300,3 +300,21 @@ def test_speculation_on_an_fp8_checkpoint_is_exact(target, tmp_path):
               speculative_config={"method": "dflash", "model": str(FIXTURES / "dflash"), "adaptive_draft_length": False})
     add_oracle(llm, {tuple(p["prompt_token_ids"]): e for p, e in zip(ps, expected)}, corrupt=0.2)
     assert run(llm, ps, GREEDY) == expected
+
+
+@pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
+def test_an_fp8_drafter_drafts_from_e4m3_weights_and_decoding_stays_exact(target, unquantized, method, fixture):
+    """speculative_config quantization="fp8" (vLLM's field) quantizes the drafter's decoder products at
+    load; the target is untouched, and greedy and seeded sampling stay the target's plain decoding. A
+    method that is not supported is refused naming the field."""
+    ps = prompts(4, seed=5)
+    spec = {"method": method, "model": str(FIXTURES / fixture), "adaptive_draft_length": False}
+    llm = LLM(str(target), device="cpu", max_model_len=160, speculative_config={**spec, "quantization": "fp8"})
+    drafter = llm.engine.context.drafter
+    assert isinstance(drafter.layers[0].mlp.down_proj, Fp8Linear) and not is_quantized(llm.engine.model)
+    assert run(llm, ps, GREEDY) == run(unquantized, ps, GREEDY)
+    assert llm.get_stats()["num_drafts"] > 0
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=20, ignore_eos=True)
+    assert run(llm, ps, sampled) == run(unquantized, ps, sampled)
+    with pytest.raises(ConfigError, match="speculative_config.quantization 'int4' is not supported; supported: fp8"):
+        LLM(str(target), device="cpu", max_model_len=160, speculative_config={**spec, "quantization": "int4"})

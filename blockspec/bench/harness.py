@@ -370,9 +370,10 @@ def _describe(dcfg: Any, heads: Any) -> str:
 
 
 def _quantized(cfg: BenchConfig, target: Any = None) -> str:
-    """What the report's dtype adds for FP8 weights and an FP8 KV cache."""
+    """What the report's dtype adds for FP8 weights (the target's, the drafters') and an FP8 KV cache."""
     weights = ", fp8 weights" if cfg.quantization or (target is not None and is_quantized(target)) else ""
-    return weights + (", fp8 KV cache" if cfg.kv_cache_dtype != "auto" else "")
+    drafters = ", fp8 drafters" if cfg.speculative_config.get("quantization") else ""
+    return weights + drafters + (", fp8 KV cache" if cfg.kv_cache_dtype != "auto" else "")
 
 
 def prepare(cfg: BenchConfig, device: torch.device, rank: Rank | None = None) -> Setup:

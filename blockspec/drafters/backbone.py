@@ -28,7 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockspec.config import ConfigError, ModelConfig
@@ -37,6 +36,7 @@ from blockspec.kernels.attention import block_attention
 from blockspec.kernels.ops import qkv_rope_store
 from blockspec.models.kv_cache import AttnMeta, KVCache, PageTable, range_mask
 from blockspec.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attention, dense
+from blockspec.models.quant import linear_rows
 from blockspec.sample import RowParams, sample_draft
 from blockspec.transfer import to_device
 
@@ -72,9 +72,7 @@ class DraftAttention(nn.Module):
 
     def _context_kv_proj(self, ctx: Tensor) -> Tensor:
         """[k | v] of the context rows: the k and v slices of the fused projection."""
-        w = self.qkv_proj.weight[self.q_size:]
-        b = self.qkv_proj.bias[self.q_size:] if self.qkv_proj.bias is not None else None
-        return F.linear(ctx, w, b)
+        return linear_rows(self.qkv_proj, ctx, self.q_size)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor) -> Tensor:
         """Reference: keys are the gathered context K/V [R, kv_heads, C, hd] followed by the block's own."""

@@ -33,6 +33,7 @@ from blockspec.errors import RequestError
 from blockspec.kernels.attention import resolve_backend
 from blockspec.models.kv_cache import PageTable, kv_storage_dtype
 from blockspec.models.llama import CausalLM
+from blockspec.models.quant import is_quantized, quantize_model
 from blockspec.models.runner import BATCH_BUCKETS, CAPTURES, ModelRunner, bucket
 from blockspec.request import IncrementalDetokenizer, Logprob, Request, SpecStats, Status
 from blockspec.sampling_params import SamplingParams
@@ -73,6 +74,8 @@ class Engine:
         if drafter is not None:
             drafter.attention_backend = self.attention_backend
             drafter.kv_cache_dtype = model.kv_cache_dtype
+            if spec_config.quantization and not is_quantized(drafter):
+                quantize_model(drafter, spec_config.quantization)  # in place: engines sharing it share this
         margin, table_len = memory.cache_extent(config, spec_config, drafter)
         self.pages = PageTable(config.max_num_seqs, table_len, config.kv_page_size,
                                memory.plan_pages(model, drafter, config, table_len), self.device)

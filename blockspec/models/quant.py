@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockspec.config import QUANTIZATIONS, ConfigError
@@ -59,6 +60,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias)
 
+
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Fp8Linear:
         held = {name: self._parameters.pop(name) for name in ("weight", "weight_scale")}
         try:
@@ -75,6 +77,18 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"scale_block={self.block}")
+
+
+def linear_rows(proj: nn.Linear | Fp8Linear, x: Tensor, lo: int) -> Tensor:
+    """x @ W[lo:]^T + b[lo:]: the outputs of `proj` from row `lo` on (e.g. k and v of a fused qkv), for a
+    linear or an FP8 one, whose scale blocks must then start at `lo`."""
+    b = proj.bias[lo:] if proj.bias is not None else None
+    if not isinstance(proj, Fp8Linear):
+        return F.linear(x, proj.weight[lo:], b)
+    rows = proj.block[0]
+    if lo % rows:
+        raise ValueError(f"linear_rows: row {lo} falls inside a scale block of {rows} rows")
+    return fp8_linear(x, proj.weight[lo:], proj.weight_scale[lo // rows:], proj.block, b)
 
 
 @dataclass
