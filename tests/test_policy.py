@@ -36,6 +36,29 @@ def drive(policy: DraftLengthPolicy, steps: int, step_time: dict[int, float], ac
     return chosen
 
 
+def whole_block_shares(k_max: int, step_ms: dict[int, float], accept: float, runs: int, settle: int,
+                       steps: int = 150) -> list[float]:
+    """Per seeded run of `steps` steps, the share of steps after the first `settle` that took the whole
+    block. Each step costs step_ms[K] and accepts consecutive drafts with probability `accept` each; as in
+    the engine, each choice is made before the last step's acceptance is seen."""
+    shares = []
+    for seed in range(runs):
+        rng = random.Random(seed)
+        policy, chosen, seen = DraftLengthPolicy(k_max), [], None
+        for _ in range(steps):
+            k = policy.choose(1)
+            if seen is not None:
+                policy.observe_acceptance(*seen)
+            chosen.append(k)
+            policy.observe_time(1, k, step_ms[k] / 1e3)
+            accepted = 0
+            while accepted < k and rng.random() < accept:
+                accepted += 1
+            seen = ([k], [accepted]) if k else None
+        shares.append(chosen[settle:].count(k_max) / len(chosen[settle:]))
+    return shares
+
+
 def test_good_drafter_cheap_verify_takes_the_whole_block():
     policy = DraftLengthPolicy(15)
     feed(policy, [0.95] * 15, {0: 1.0, 1: 1.1, 2: 1.1, 4: 1.15, 8: 1.2, 15: 1.25})
@@ -150,21 +173,7 @@ def test_a_strong_drafter_reaches_its_whole_block_while_short_drafts_are_explore
     at a shorter K. As in the engine, each choice is made before the last step's acceptance is seen
     (seeded draws: consecutive acceptances at 0.86 each; 60 runs of 150 steps)."""
     step_ms = {0: 4.46, 1: 5.97, 2: 6.01, 4: 6.24, 8: 6.26, 15: 6.33}  # H200, Qwen3-8B shape, DFlash, batch 1
-    shares = []
-    for seed in range(60):
-        rng = random.Random(seed)
-        policy, chosen, seen = DraftLengthPolicy(15), [], None
-        for _ in range(150):
-            k = policy.choose(1)
-            if seen is not None:
-                policy.observe_acceptance(*seen)
-            chosen.append(k)
-            policy.observe_time(1, k, step_ms[k] / 1e3)
-            accepted = 0
-            while accepted < k and rng.random() < 0.86:
-                accepted += 1
-            seen = ([k], [accepted]) if k else None
-        shares.append(chosen[40:].count(15) / len(chosen[40:]))
+    shares = whole_block_shares(15, step_ms, 0.86, runs=60, settle=40)
     assert sum(s < 0.9 for s in shares) <= 1 and sum(shares) / len(shares) > 0.95, [round(s, 2) for s in shares]
 
 
@@ -322,19 +331,5 @@ def test_a_strong_drafter_is_found_where_one_draft_costs_more_than_it_yields():
     scored with its positions' acceptance at the upper end of what their few trials allow, tried, and
     kept (seeded draws, 40 runs of 150 steps; the choice made before the last step's acceptance is seen)."""
     step_ms = {0: 1.08, 1: 2.72, 2: 2.75, 4: 2.80, 7: 2.86}  # 2-core CPU, tiny shape, DFlash block 8, batch 1
-    late = []
-    for seed in range(40):
-        rng = random.Random(seed)
-        policy, chosen, seen = DraftLengthPolicy(7), [], None
-        for _ in range(150):
-            k = policy.choose(1)
-            if seen is not None:
-                policy.observe_acceptance(*seen)
-            chosen.append(k)
-            policy.observe_time(1, k, step_ms[k] / 1e3)
-            accepted = 0
-            while accepted < k and rng.random() < 0.95:
-                accepted += 1
-            seen = ([k], [accepted]) if k else None
-        late.append(chosen[30:].count(7) / len(chosen[30:]))
-    assert sum(s < 0.9 for s in late) <= 1 and sum(late) / len(late) > 0.95, [round(s, 2) for s in late]
+    shares = whole_block_shares(7, step_ms, 0.95, runs=40, settle=30)
+    assert sum(s < 0.9 for s in shares) <= 1 and sum(shares) / len(shares) > 0.95, [round(s, 2) for s in shares]
