@@ -233,6 +233,18 @@ def test_qwen3_30b_a3b_shape_and_the_weights_a_step_reads():
     assert arch.dflash.target_layer_ids == (1, 12, 23, 34, 45) and arch.dflash.block_size == 16
 
 
+def test_the_dense_baseline_reads_what_a_plain_moe_step_reads():
+    """qwen3-30b-a3b-dense, the MoE's batch baseline: no experts, an MLP as wide as the 8 routed experts,
+    so a decode step reads the MoE plain step's bytes (its router aside, 0.4 %)."""
+    from blockspec.bench.arch import get_arch, step_bytes
+    from blockspec.models.llama import CausalLM
+
+    with torch.device("meta"):
+        moe, dense = (CausalLM(get_arch(a).target, 256) for a in ("qwen3-30b-a3b", "qwen3-30b-a3b-dense"))
+    assert not dense.config.is_moe and dense.config.intermediate_size == 8 * 768
+    assert 0.99 < step_bytes(dense) / step_bytes(moe) < 1.0
+
+
 def test_expert_union_grows_with_rows_and_shrinks_with_locality():
     from blockspec.bench.arch import get_arch, random_target
     from blockspec.bench.expert_union import measure

@@ -41,6 +41,13 @@ QWEN3_30B_A3B = ModelConfig(model_type="qwen3_moe", vocab_size=151936, hidden_si
                             num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
                             moe_layers=tuple(range(48)))
 
+# the dense model that reads per decode step what QWEN3_30B_A3B's plain step does: its attention, and one
+# SwiGLU MLP as wide as the 8 experts a row routes to (the router's 0.4 % aside); the MoE's batch baseline
+QWEN3_30B_A3B_DENSE = dataclasses.replace(
+    QWEN3_30B_A3B, model_type="qwen3", intermediate_size=QWEN3_30B_A3B.num_experts_per_tok
+    * QWEN3_30B_A3B.moe_intermediate_size, num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
+    norm_topk_prob=False, moe_layers=())
+
 # z-lab/Qwen3-Coder-30B-A3B-DFlash (the public drafter of this family): a Qwen3 backbone of the target's
 # width with a dense MLP of the target's intermediate_size (RoPE theta 1e7 there, for the Coder target's
 # context; it does not change a step's cost)
@@ -83,6 +90,8 @@ ARCHS = {
     # wider weights at toy size, so greedy choices are not near-ties (the transformers cross-check is exact)
     "tiny": Arch("tiny", TINY, TINY_DFLASH, 8, DSparkHeads(markov_rank=16), 0.08),
     "qwen3-30b-a3b": Arch("qwen3-30b-a3b", QWEN3_30B_A3B, QWEN3_30B_A3B_DFLASH, 7, DSparkHeads(markov_rank=256), 0.02),
+    "qwen3-30b-a3b-dense": Arch("qwen3-30b-a3b-dense", QWEN3_30B_A3B_DENSE, QWEN3_30B_A3B_DFLASH, 7,
+                                DSparkHeads(markov_rank=256), 0.02),
     "tiny-moe": Arch("tiny-moe", TINY_MOE, TINY_DFLASH, 8, DSparkHeads(markov_rank=16), 0.08),
 }
 
