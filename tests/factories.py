@@ -1,8 +1,12 @@
 """Tiny randomly initialised Hugging Face checkpoints of each supported family, written by transformers,
-and an LLM with injected faults for the server's tests."""
+an LLM with injected faults for the server's tests, and the Triton checks every kernel test shares."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -171,3 +175,39 @@ def llm_with_faults(step_delay: float = 0.0, **llm_kwargs):
     runner.forward_ids = failing(runner.forward_ids, 3)  # forward_ids(ids, query_lens, starts, slots, ...)
     engine.step = slow_step
     return llm
+
+
+FRONT_END = """
+import importlib, json, sys
+from triton._C.libtriton import ir
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.compiler import ASTSource
+
+module = importlib.import_module(sys.argv[1])
+target = GPUTarget("cuda", 90, 32)
+backend = CUDABackend(target)
+options = backend.parse_options({})
+for kernel, signature, constexprs in json.loads(sys.argv[2]):
+    fn = getattr(module, kernel)
+    names = fn.arg_names
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    source = ASTSource(fn=fn, signature={n: signature.get(n, "constexpr" if n in constexprs else "i32") for n in names},
+                       constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    source.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
+"""
+
+
+def compile_for_sm90(module: str, cases: list[tuple[str, dict[str, str], dict[str, object]]]) -> None:
+    """Triton's front end (AST -> TTIR) for sm_90 over each (kernel, signature, constexprs) of `module`:
+    it needs no GPU and type-checks what the interpreter does not. Arguments not in the signature are
+    i32. Run in a fresh interpreter, since TRITON_INTERPRET replaces the language the front end compiles."""
+    import pytest
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", FRONT_END, module, json.dumps(cases)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]

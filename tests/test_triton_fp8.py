@@ -4,18 +4,13 @@ inputs), on a GPU also bf16, the row-count dispatch, CUDA-graph capture and torc
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from blockspec.kernels import fp8
 from blockspec.kernels import ops as triton_ops
-from factories import TRITON_SKIP_REASON, triton_interpretable
+from factories import TRITON_SKIP_REASON, compile_for_sm90, triton_interpretable
 
 pytestmark = pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
 CUDA = torch.cuda.is_available()
@@ -222,34 +217,9 @@ def test_scaled_mm_blockwise_is_close_to_the_weight_only_product():
     assert (wrong.double() - want).norm() / want.norm() > 0.05
 
 
-FRONT_END = """
-import json, sys
-from triton._C.libtriton import ir
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import CUDABackend
-from triton.compiler import ASTSource
-from blockspec.kernels import ops
-
-target = GPUTarget("cuda", 90, 32)
-backend = CUDABackend(target)
-options = backend.parse_options({})
-for kernel, signature, constexprs in json.loads(sys.argv[1]):
-    fn = getattr(ops, kernel)
-    names = fn.arg_names
-    context = ir.context()
-    ir.load_dialects(context)
-    backend.load_dialects(context)
-    source = ASTSource(fn=fn, signature={n: signature.get(n, "constexpr" if n in constexprs else "i32") for n in names},
-                       constexprs={(names.index(n),): v for n, v in constexprs.items()})
-    source.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
-"""
-
-
 def test_the_kv_store_compiles_for_the_gpu():
-    """Triton's front end (AST -> TTIR) for sm_90 needs no GPU and type-checks what the interpreter does
-    not: `_qkv_rope_store` writes q rows and cache pages of another type (e4m3) in two branches. Run in a
-    fresh interpreter, since TRITON_INTERPRET replaces the language the front end compiles."""
-    pytest.importorskip("triton.backends.nvidia.compiler")
+    """Through Triton's front end for sm_90 (`compile_for_sm90`): `_qkv_rope_store` writes q rows and
+    cache pages of another type (e4m3) in two branches, which the interpreter does not type-check."""
     cases = []
     for dtype, cache in (("fp32", "*fp32"), ("bf16", "*bf16"), ("fp32", "*fp8e4nv"), ("bf16", "*fp8e4nv")):
         signature = {**{n: f"*{dtype}" for n in ("QKV", "QW", "KW", "QOut")}, "Cos": "*fp32", "Sin": "*fp32",
@@ -258,10 +228,7 @@ def test_the_kv_store_compiles_for_the_gpu():
         constexprs = {"Q_HEADS": 4, "KV_HEADS": 2, "HEAD_DIM": 128, "HALF_BLOCK": 64, "QK_NORM": True, "PAGE": 16,
                       "KV_FP8": cache == "*fp8e4nv"}
         cases.append(("_qkv_rope_store", signature, constexprs))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", FRONT_END, json.dumps(cases)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+    compile_for_sm90("blockspec.kernels.ops", cases)
 
 
 @gpu

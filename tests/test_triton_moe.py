@@ -9,7 +9,7 @@ import torch
 
 from blockspec.kernels import moe as K
 from blockspec.models import moe as M
-from factories import TRITON_SKIP_REASON, triton_interpretable
+from factories import TRITON_SKIP_REASON, compile_for_sm90, triton_interpretable
 
 pytestmark = pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -191,3 +191,25 @@ def test_bf16_steps_replay_in_a_cuda_graph(rows):
         assert torch.equal(out, fused(x, gate_up, down, logits, 8, True))
         assert_close(out, reference(x, gate_up, down, logits, 8, True), dtype)
 
+
+
+def test_the_moe_kernels_compile_for_the_gpu():
+    """Through Triton's front end for sm_90 (`compile_for_sm90`), which type-checks what the interpreter
+    does not: route, align, both grouped products (K blocks that divide the width and ones that do not)
+    and the combine, in bf16 and fp32."""
+    cases = []
+    for dtype in ("bf16", "fp32"):
+        t = f"*{dtype}"
+        ints = {"Ids": "*i32", "Sorted": "*i32", "TileExpert": "*i32", "TileLo": "*i32", "TileHi": "*i32"}
+        cases.append(("_moe_route", {"Logits": t, "Weights": t, "Ids": "*i32"},
+                      {"TOP_K": 8, "K_BLOCK": 8, "E_BLOCK": 128, "RENORM": True}))
+        cases.append(("_moe_align", ints, {"BLOCK_M": 16, "E_BLOCK": 128, "CHUNK": 8}))
+        for even in (True, False):
+            cases.append(("_moe_gate_up", {"X": t, "W": t, "Out": t, **ints},
+                          {"TOP_K": 8, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "EVEN_K": even,
+                           "IEEE": dtype == "fp32"}))
+            cases.append(("_moe_down", {"H": t, "W": t, "RouteW": t, "Y": "*fp32", **ints},
+                          {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "EVEN_K": even, "IEEE": dtype == "fp32"}))
+        cases.append(("_moe_combine", {"Y": "*fp32", "Res": t, "Out": t},
+                      {"TOP_K": 8, "HAS_RES": True, "BLOCK": 1024}))
+    compile_for_sm90("blockspec.kernels.moe", cases)

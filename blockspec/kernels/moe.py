@@ -103,6 +103,23 @@ if triton is not None:
         return tl.dot(a, tl.trans(b), acc)
 
     @triton.jit
+    def _tile_rows(TileLo, TileHi, t, BLOCK_M: tl.constexpr):
+        """Tile t's sorted positions (BLOCK_M from its first) and which of them it holds."""
+        m = tl.load(TileLo + t) + tl.arange(0, BLOCK_M)
+        return m, m < tl.load(TileHi + t)
+
+    @triton.jit
+    def _k_masks(m_ok, c_ok, kk, k, EVEN_K: tl.constexpr):
+        """The row and weight masks of the K block kk: the tile's rows and columns, and K's end unless
+        the blocks divide it."""
+        a_ok = m_ok[:, None]
+        w_ok = c_ok[:, None]
+        if not EVEN_K:
+            a_ok = a_ok & (kk < k)[None, :]
+            w_ok = w_ok & (kk < k)[None, :]
+        return a_ok, w_ok
+
+    @triton.jit
     def _moe_gate_up(X, W, Sorted, TileExpert, TileLo, TileHi, Out, stride_x, stride_we, stride_wn, stride_o,
                      inter, hidden, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
@@ -112,10 +129,7 @@ if triton is not None:
         t = tl.program_id(0)
         expert = tl.load(TileExpert + t)
         if expert >= 0:
-            lo = tl.load(TileLo + t)
-            hi = tl.load(TileHi + t)
-            m = lo + tl.arange(0, BLOCK_M)
-            m_ok = m < hi
+            m, m_ok = _tile_rows(TileLo, TileHi, t, BLOCK_M)
             row = (tl.load(Sorted + m, mask=m_ok, other=0) // TOP_K).to(tl.int64)
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             c_ok = cols < inter
@@ -127,12 +141,7 @@ if triton is not None:
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(0, hidden, BLOCK_K):
                 kk = k0 + offs
-                if EVEN_K:
-                    x_ok = m_ok[:, None]
-                    w_ok = c_ok[:, None]
-                else:
-                    x_ok = m_ok[:, None] & (kk < hidden)[None, :]
-                    w_ok = c_ok[:, None] & (kk < hidden)[None, :]
+                x_ok, w_ok = _k_masks(m_ok, c_ok, kk, hidden, EVEN_K)
                 xv = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0)
                 acc_g = _mma(acc_g, xv, tl.load(w_gate + kk[None, :], mask=w_ok, other=0.0), IEEE)
                 acc_u = _mma(acc_u, xv, tl.load(w_up + kk[None, :], mask=w_ok, other=0.0), IEEE)
@@ -152,10 +161,7 @@ if triton is not None:
         t = tl.program_id(0)
         expert = tl.load(TileExpert + t)
         if expert >= 0:
-            lo = tl.load(TileLo + t)
-            hi = tl.load(TileHi + t)
-            m = lo + tl.arange(0, BLOCK_M)
-            m_ok = m < hi
+            m, m_ok = _tile_rows(TileLo, TileHi, t, BLOCK_M)
             pair = tl.load(Sorted + m, mask=m_ok, other=0).to(tl.int64)
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             c_ok = cols < hidden
@@ -165,12 +171,7 @@ if triton is not None:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(0, inter, BLOCK_K):
                 kk = k0 + offs
-                if EVEN_K:
-                    h_ok = m_ok[:, None]
-                    w_ok = c_ok[:, None]
-                else:
-                    h_ok = m_ok[:, None] & (kk < inter)[None, :]
-                    w_ok = c_ok[:, None] & (kk < inter)[None, :]
+                h_ok, w_ok = _k_masks(m_ok, c_ok, kk, inter, EVEN_K)
                 acc = _mma(acc, tl.load(h_rows + kk[None, :], mask=h_ok, other=0.0),
                            tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0), IEEE)
             weight = tl.load(RouteW + pair, mask=m_ok, other=0.0).to(tl.float32)
