@@ -211,3 +211,22 @@ def compile_for_sm90(module: str, cases: list[tuple[str, dict[str, str], dict[st
     done = subprocess.run([sys.executable, "-c", FRONT_END, module, json.dumps(cases)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def assert_incremental_matches_full(model, length: int, chunks: tuple[int, ...], vocab: int = 96) -> None:
+    """A cache written in chunks of different sizes (one-row decode steps among them) gives the logits
+    of one pass over the same ids."""
+    from blockspec.models.kv_cache import causal_meta
+
+    assert sum(chunks) == length
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(1))
+    cache = model.new_cache(3, 64)
+    types = model.config.layer_types
+    full = model.compute_logits(model(ids, causal_meta([0], [0], [length], length, cache.trash, "cpu",
+                                                       layer_types=types), cache)[0])
+    pieces, start = [], 0
+    for n in chunks:
+        meta = causal_meta([2], [start], [n], n, cache.trash, "cpu", layer_types=types)
+        pieces.append(model.compute_logits(model(ids[:, start: start + n], meta, cache)[0]))
+        start += n
+    assert (torch.cat(pieces, 1) - full).abs().max() < 1e-4

@@ -4,8 +4,6 @@ follow drafts is what keeps it out; a control without the drafts in that ban let
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from blockspec import LLM, SamplingError, SamplingParams
@@ -13,18 +11,9 @@ from blockspec.bad_words import banned_tokens, word_sequences
 from blockspec.engine import batch
 from factories import save_drafter_target, save_tiny_tokenizer
 from test_spec import add_oracle, spec_llm
+from test_structured import plain, target  # noqa: F401  (fixtures: the tokenized tiny target, plain LLM)
 
 K = 3  # drafts per step: with every draft accepted, output index i is a draft where i % (K + 1) != 0
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory) -> Path:
-    return save_drafter_target(tmp_path_factory.mktemp("target"), tokenizer=True)
-
-
-@pytest.fixture(scope="module")
-def plain(target) -> LLM:
-    return LLM(str(target), device="cpu", max_model_len=160)
 
 
 PROMPTS = ["def main():", "import os\n", "class A:"]

@@ -12,7 +12,7 @@ from blockspec.config import ConfigError
 from blockspec.models.kv_cache import causal_meta
 from blockspec.models.loader import load_target
 from blockspec.errors import ModelLoadError
-from factories import FAMILIES, save_tiny
+from factories import FAMILIES, assert_incremental_matches_full, save_tiny
 
 CASES = [(fam, tie) for fam in FAMILIES for tie in (False, True)]
 
@@ -45,16 +45,7 @@ def test_prefill_logits_and_taps_match_transformers(pair):
 def test_incremental_decode_matches_full_forward(pair):
     """Cache written in chunks of different sizes gives the same logits as one pass."""
     _, ours = pair
-    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(1))
-    cache = ours.new_cache(3, 64)
-    full_meta = causal_meta([0], [0], [20], 20, cache.trash, "cpu", layer_types=ours.config.layer_types)
-    full = ours.compute_logits(ours(ids, full_meta, cache)[0])
-    pieces, start = [], 0
-    for n in (7, 1, 5, 1, 6):
-        meta = causal_meta([2], [start], [n], n, cache.trash, "cpu", layer_types=ours.config.layer_types)
-        pieces.append(ours.compute_logits(ours(ids[:, start : start + n], meta, cache)[0]))
-        start += n
-    assert (torch.cat(pieces, 1) - full).abs().max() < 1e-4
+    assert_incremental_matches_full(ours, 20, (7, 1, 5, 1, 6))
 
 
 def test_batched_padded_rows_equal_single(pair):

@@ -17,7 +17,7 @@ from blockspec.errors import ModelLoadError
 from blockspec.models.kv_cache import causal_meta
 from blockspec.models.loader import load_target
 from blockspec.models.moe import SparseMoE, experts_reference, route
-from factories import save_tiny
+from factories import assert_incremental_matches_full, save_tiny
 
 # (family, tied, stacked experts on disk, extra config): dense layers between sparse ones both ways
 CASES = {
@@ -78,16 +78,7 @@ def test_prefill_logits_and_taps_match_transformers(pair):
 def test_incremental_decode_matches_full_forward(pair):
     """The cache written in chunks of different sizes (1-row decode steps among them) gives one pass's logits."""
     _, ours, _ = pair
-    ids = torch.randint(0, 96, (1, 14), generator=torch.Generator().manual_seed(1))
-    cache = ours.new_cache(3, 64)
-    full_meta = causal_meta([0], [0], [14], 14, cache.trash, "cpu", layer_types=ours.config.layer_types)
-    full = ours.compute_logits(ours(ids, full_meta, cache)[0])
-    pieces, start = [], 0
-    for n in (6, 1, 4, 1, 2):
-        meta = causal_meta([2], [start], [n], n, cache.trash, "cpu", layer_types=ours.config.layer_types)
-        pieces.append(ours.compute_logits(ours(ids[:, start: start + n], meta, cache)[0]))
-        start += n
-    assert (torch.cat(pieces, 1) - full).abs().max() < 1e-4
+    assert_incremental_matches_full(ours, 14, (6, 1, 4, 1, 2))
 
 
 def test_reference_experts_equal_every_expert_on_every_row():
