@@ -1,4 +1,5 @@
-"""The attention kernel at Qwen3-8B's heads (32 query, 8 KV, head_dim 128, bf16): decode (one row),
+"""The attention kernel at Qwen3-8B's heads (32 query, 8 KV, head_dim 128, bf16 queries; bf16 or FP8 e4m3
+K/V pages, `--kv-dtype`): decode (one row),
 verify (16 causal rows) and draft (16 rows over the context and the block) at several batches,
 contexts and cache extents, for launch shapes (`AttentionTiles`, `--variants`), on shuffled pages
 of `--page-size` positions and on one page a slot (the layout before paging), next to the bytes
@@ -48,7 +49,11 @@ VARIANTS = {
     "per-key from 8 splits": AttentionTiles(per_key_splits=8),
     "per-key from 16 splits": AttentionTiles(per_key_splits=16),
     "per-key never": AttentionTiles(per_key_splits=1 << 30),
+    # an FP8 tile of 64 keys moves half a bf16 tile's bytes per iteration
+    "key tile 32": AttentionTiles(block_n=32),
+    "key tile 128": AttentionTiles(block_n=128),
 }
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 CACHE_BUDGET = 48 << 30  # bytes of K/V caches one case may allocate
 
 
@@ -61,12 +66,12 @@ def bounds(kind: str, batch: int, context: int) -> tuple[torch.Tensor, torch.Ten
     return torch.zeros_like(hi), hi, rows
 
 
-def shuffled_pages(batch: int, keys: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+def shuffled_pages(batch: int, keys: int, page: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A K or V pool of `batch` slots of `keys` positions in pages of `page`, the pages in random order
     (as a busy engine leaves them), and the table that finds them."""
     cols = -(-keys // page)
     table = torch.randperm(batch * cols, device="cuda").view(batch, cols).to(torch.int32)
-    pool = torch.randn(batch * cols, KV_HEADS, page, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    pool = torch.randn(batch * cols, KV_HEADS, page, HEAD_DIM, device="cuda", dtype=torch.bfloat16).to(dtype)
     return pool, table
 
 
@@ -81,27 +86,29 @@ def run(args: argparse.Namespace) -> dict:
         sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
         spec.loader.exec_module(module)
         baselines[Path(path).stem] = module.block_attention
+    kv = KV_DTYPES[args.kv_dtype]
+    size = kv.itemsize
     results = []
     for batch in args.batches:
         for context in args.contexts:
             for extent in args.extents:
                 keys = max(extent, context + BLOCK + 1) + 1
-                per_layer = 2 * 2 * batch * KV_HEADS * keys * HEAD_DIM * 2  # one page a slot, and paged
-                read = 2 * batch * KV_HEADS * (context + BLOCK) * HEAD_DIM * 2
+                per_layer = 2 * 2 * batch * KV_HEADS * keys * HEAD_DIM * size  # one page a slot, and paged
+                read = 2 * batch * KV_HEADS * (context + BLOCK) * HEAD_DIM * size
                 copies = max(2, min(LAYERS, -(-(256 << 20) // read)))
                 if copies * per_layer > CACHE_BUDGET:
                     print(f"skip batch {batch} context {context} extent {keys}: {copies * per_layer / 2**30:.0f} GiB")
                     continue
                 # one page a slot (the layout before paging, which --baseline reads), and shuffled pages
-                slot_layout = [shuffled_pages(batch, keys, keys) + shuffled_pages(batch, keys, keys)[:1]
+                slot_layout = [shuffled_pages(batch, keys, keys, kv) + shuffled_pages(batch, keys, keys, kv)[:1]
                                for _ in range(copies)]
-                paged = [shuffled_pages(batch, keys, args.page_size) + shuffled_pages(batch, keys, args.page_size)[:1]
-                         for _ in range(copies)]
+                paged = [shuffled_pages(batch, keys, args.page_size, kv)
+                         + shuffled_pages(batch, keys, args.page_size, kv)[:1] for _ in range(copies)]
                 slots = torch.arange(batch, device="cuda")
                 for kind in args.kinds:
                     lo, hi, rows = bounds(kind, batch, context)
                     q = torch.randn(batch, rows, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-                    nbytes = 2 * batch * KV_HEADS * (int(hi.max()) + 1) * HEAD_DIM * 2 + 2 * q.numel() * 2
+                    nbytes = 2 * batch * KV_HEADS * (int(hi.max()) + 1) * HEAD_DIM * size + 2 * q.numel() * 2
                     floor_us = nbytes / bandwidth * 1e6
                     row = dict(kind=kind, batch=batch, context=context, extent=keys, floor_us=floor_us, times={})
                     cases = {}
@@ -128,12 +135,14 @@ def run(args: argparse.Namespace) -> dict:
                 del slot_layout, paged
                 torch.cuda.empty_cache()
     return dict(bandwidth_gb_s=bandwidth / 1e9, device=torch.cuda.get_device_name(), page_size=args.page_size,
+                kv_dtype=args.kv_dtype,
                 variants={n: asdict(VARIANTS[n]) for n in args.variants}, results=results)
 
 
 def markdown(result: dict) -> str:
     names = list(result["results"][0]["times"])
-    lines = [f"{result['device']}, copy bandwidth {result['bandwidth_gb_s']:.0f} GB/s; us per call (floor ratio)", "",
+    lines = [f"{result['device']}, copy bandwidth {result['bandwidth_gb_s']:.0f} GB/s, {result['kv_dtype']} pages; us per "
+             "call (floor ratio)", "",
              "| kind | batch | context | extent | floor us | " + " | ".join(names) + " |",
              "|---" * (5 + len(names)) + "|"]
     for row in result["results"]:
@@ -156,8 +165,11 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16, help="positions a KV page holds")
     ap.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS),
                     help="launch shapes to time")
+    ap.add_argument("--kv-dtype", default="bf16", choices=list(KV_DTYPES), help="the K/V pages' dtype")
     ap.add_argument("--out", help="JSON file; a markdown table is written beside it")
     args = ap.parse_args()
+    if args.baseline and args.kv_dtype != "bf16":
+        ap.error("--baseline kernels read bf16 pages only")
     result = run(args)
     table = markdown(result)
     print(table)

@@ -100,6 +100,17 @@ def test_decode_split_over_many_programs_looks_each_key_page_up(programs, monkey
     check_kernel(q, k, v, slots, lo, hi, 64**-0.5, 700, torch.float32, True)
 
 
+@pytest.mark.parametrize("block_n", [32, 128])
+@pytest.mark.parametrize("page_size", [16, 64])  # tiles over several pages, and pages over several tiles
+@pytest.mark.parametrize("shape", [(1, 1, 8, 2, 64, 300), (2, 16, 4, 2, 32, 200)])  # decode, verify
+def test_other_key_tiles_match_reference(shape, page_size, block_n, monkeypatch):
+    """The key tiles `benchmarks/bench_attention.py` times beside the default (`AttentionTiles.block_n`)."""
+    monkeypatch.setattr(triton_attention, "TILES", triton_attention.AttentionTiles(block_n=block_n))
+    r, nq, hq, hkv, hd, length = shape
+    q, k, v, slots, lo, hi = case(r, nq, hq, hkv, hd, length, torch.float32)
+    check_kernel(q, k, v, slots, lo, hi, hd**-0.5, length, torch.float32, True, page_size)
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 8, 2, 64, 600), (1, 16, 8, 2, 32, 1200)])  # decode, verify
 def test_short_context_in_a_long_cache(shape):
     """CUDA graphs launch over the whole cache; the rows' real keys (here a tenth of it) are divided
