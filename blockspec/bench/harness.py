@@ -201,7 +201,8 @@ class BenchConfig:
             raise ConfigError(f"--moe-routing {self.moe_routing!r} unknown; allowed: {', '.join(ROUTING_MODELS)}")
         if self.moe_routing != "own" and not (self.random_weights and get_arch(self.arch).target.is_moe):
             raise ConfigError(f"--moe-routing {self.moe_routing} models the routing of a random mixture-of-experts "
-                              "target: it needs --random-weights and an MoE --arch (qwen3-30b-a3b, tiny-moe)")
+                              "target: it needs --random-weights and an MoE --arch ("
+                              + ", ".join(name for name, a in ARCHS.items() if a.target.is_moe) + ")")
         if self.moe_routing != "own" and self.synthetic_acceptance is None and self.selected_methods() != ("plain",):
             raise ConfigError(f"--moe-routing {self.moe_routing} routes a verify step's rows unlike decode steps, so "
                               "speculative tokens are not plain decoding's: give --synthetic-acceptance")
