@@ -4,6 +4,7 @@ and transformers agree with plain decoding token for token; synthetic acceptance
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -24,6 +25,7 @@ from blockspec.sampling_params import SamplingParams
 from blockspec.models.runner import ModelRunner
 from blockspec.speculative.context import DraftContext
 from blockspec.speculative.proposer import draft_length
+from blockspec.sample.rng import STREAM_SYNTHETIC, row_key
 from blockspec.speculative.synthetic import AcceptanceProfile, SyntheticProposer, geometric_rate, mean_length
 from factories import save_drafter_target, save_tiny, save_tiny_model_with_tokenizer
 
@@ -173,14 +175,41 @@ def test_draws_follow_the_profile():
     profile = AcceptanceProfile("0.9,0.8,0.7,0.6,0.5,0.4,0.3")
     context = DraftContext(drafter, 2, 128, draft_length(spec, drafter), 2, torch.float32, torch.device("cpu"))
     prop = SyntheticProposer(drafter, target, ModelRunner(target, 2, 128), spec, context, profile=profile, seed=1)
-    draws = prop.draw(torch.full((20000,), 7)).tolist()
+    keys = row_key(torch.full((20000,), 5), torch.arange(20000), STREAM_SYNTHETIC, None)  # distinct rows
+    draws = prop.draw(torch.full((20000,), 7), keys).tolist()
     assert 1 + sum(draws) / len(draws) == pytest.approx(profile.expected_length(7), abs=0.05)
     for i, rate in enumerate(profile.rates(7)):  # conditional acceptance per position
         reached = sum(a >= i for a in draws)
         assert sum(a > i for a in draws) / reached == pytest.approx(rate, abs=0.03)
-    capped = prop.draw(torch.tensor([2, 0, 5] * 1000)).view(-1, 3)
+    capped = prop.draw(torch.tensor([2, 0, 5] * 1000), keys[:3000]).view(-1, 3)
     assert capped[:, 0].max() == 2 and capped[:, 1].max() == 0  # never past each request's draft budget
     assert capped[:, 2].max() == 5
+
+
+def test_draws_are_keyed_by_request_and_position_not_by_engine():
+    """Engines that verify a request from the same position draw the same count, whatever else their
+    batch holds and however many draws came before; another position, request or seed draws afresh."""
+    from blockspec.engine.engine import Engine
+
+    target, drafter, _ = _proposer_parts()
+    spec = SpeculativeConfig(method="dflash", model="random", adaptive_draft_length=False)
+    profile = AcceptanceProfile("4.0")
+
+    def counts(prompts: list[list[int]], seed: int = 1) -> list[tuple]:
+        """Each request's drafts, accepted drafts and accepted drafts per position."""
+        engine = Engine(target, None, EngineConfig(max_model_len=128, max_num_seqs=len(prompts)), spec, drafter,
+                        proposer_cls=functools.partial(SyntheticProposer, profile=profile, seed=seed))
+        reqs = [engine.add_request(f"r{i}", None, p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                                    seed=100 + i))[0] for i, p in enumerate(prompts)]
+        while engine.has_unfinished():
+            engine.step()
+        return [(r.spec.num_drafts, r.spec.num_accepted_tokens,
+                 tuple(r.spec.num_accepted_tokens_per_pos)) for r in reqs]
+
+    a, b = [1, 2, 3, 4, 5], [9, 8, 7]
+    alone, together = counts([a]), counts([a, b])
+    assert alone[0] == together[0]  # request a's draws do not depend on b sharing its steps
+    assert counts([a], seed=2)[0] != alone[0]  # negative control: another seed draws otherwise
 
 
 def test_a_mean_length_profile_is_the_whole_blocks_and_fewer_drafts_truncate_it():

@@ -31,7 +31,7 @@ STREAM_TARGET = 0
 STREAM_DRAFT = 1
 STREAM_ACCEPT = 2
 STREAM_RESIDUAL = 3
-
+STREAM_SYNTHETIC = 4  # the benchmarks' drawn acceptance (`speculative.synthetic`)
 
 
 def _srl(x: Tensor, s: int) -> Tensor:

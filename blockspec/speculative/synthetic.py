@@ -5,6 +5,10 @@ agrees with a random target). To measure what the engine would do with a trained
 runs the real draft forward and the real verify forward (so every kernel of the step is timed) and then
 replaces each request's accepted count by a seeded draw from a per-position acceptance profile.
 
+The draws are keyed noise (`sample.rng`), by the request (its sampling seed, else its prompt) and the
+position of its block's anchor, not a stream per engine: engines that verify a request from the same
+position draw the same counts, so a bench compares their step costs and choices, not their luck.
+
 The emitted tokens are then the drafts themselves up to the drawn count, plus one more token: they are
 NOT what the target would produce. The caches stay consistent (the committed rows are exactly the rows
 the verify forward ran), so the following steps cost what they would with real acceptance. Anything
@@ -14,7 +18,7 @@ measured with this proposer must be labelled synthetic; it refuses to run withou
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -26,7 +30,9 @@ from blockspec.sample import RowParams
 from blockspec.request import Request
 from blockspec.models.llama import CausalLM
 from blockspec.speculative.context import DraftContext
+from blockspec.sample.rng import STREAM_SYNTHETIC, row_key, uniform_from_keys
 from blockspec.speculative.proposer import DraftBlock, Proposer
+from blockspec.transfer import to_device
 
 __all__ = ["AcceptanceProfile", "SyntheticProposer", "geometric_rate", "mean_length"]
 
@@ -106,8 +112,15 @@ class AcceptanceProfile:
         return mean_length(self.rates(k))
 
 
+@dataclass
+class KeyedBlock(DraftBlock):
+    """A draft block with the key of each row's drawn acceptance."""
+
+    keys: Tensor | None = None  # [R] int64 (`rng.row_key`)
+
+
 class SyntheticProposer(Proposer):
-    """Proposer whose accepted counts are seeded draws from an AcceptanceProfile (benchmarks only)."""
+    """Proposer whose accepted counts are keyed draws from an AcceptanceProfile (benchmarks only)."""
 
     def __init__(self, drafter: DraftModel, target: CausalLM, runner: ModelRunner, cfg: SpeculativeConfig,
                  context: DraftContext, profile: AcceptanceProfile | None = None, seed: int = 0) -> None:
@@ -118,20 +131,45 @@ class SyntheticProposer(Proposer):
         super().__init__(drafter, target, runner, cfg, context)
         self.profile = profile
         self.rates = profile.rates(drafter.num_draft_slots)[: self.num_speculative_tokens]
-        device = target.embed_tokens.weight.device
-        self.rates_t = torch.tensor(self.rates, dtype=torch.float64, device=device)
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        self.rates_t = torch.tensor(self.rates, dtype=torch.float64, device=target.embed_tokens.weight.device)
+        self.seed = seed
+        self._prompt_keys: dict[str, int] = {}  # request id -> key, for requests without a sampling seed
 
     def expected_length(self, drafts: int) -> float:
         """Expected tokens per verify step (bonus included) for a request drafting `drafts` tokens."""
         return mean_length(self.rates[:drafts])
 
-    def draw(self, lens: Tensor) -> Tensor:
+    def propose(self, reqs: list[Request], budgets: list[int], last_tokens: list[int] | None = None,
+                draft_params: RowParams | None = None) -> DraftBlock:
+        block = super().propose(reqs, budgets, last_tokens, draft_params)
+        return self._keyed(block, reqs, to_device([r.num_cached for r in reqs], torch.int64, block.tokens.device))
+
+    def propose_after(self, reqs: list[Request], result: Tensor, feats: Tensor, k: int,
+                      left: list[int]) -> tuple[DraftBlock, Tensor]:
+        block, starts = super().propose_after(reqs, result, feats, k, left)
+        return self._keyed(block, reqs, starts), starts
+
+    def _keyed(self, block: DraftBlock, reqs: list[Request], anchors_at: Tensor) -> KeyedBlock:
+        """`block` with its rows' draw keys: the request and the position of its block's anchor (a new
+        position each verify round, so no drawn value is used twice)."""
+        requests = to_device([self.request_key(r) for r in reqs], torch.int64, anchors_at.device)
+        keys = row_key(requests, anchors_at, STREAM_SYNTHETIC, None)
+        return KeyedBlock(**{f.name: getattr(block, f.name) for f in fields(DraftBlock)}, keys=keys)
+
+    def request_key(self, req: Request) -> int:
+        """The same request in every engine of a bench: its sampling seed, else its prompt (hashed once);
+        and the proposer's seed."""
+        if req.params.seed is not None:
+            return hash((self.seed, req.params.seed)) & ((1 << 62) - 1)
+        if req.request_id not in self._prompt_keys:
+            self._prompt_keys[req.request_id] = hash((self.seed, tuple(req.prompt_token_ids))) & ((1 << 62) - 1)
+        return self._prompt_keys[req.request_id]
+
+    def draw(self, lens: Tensor, keys: Tensor) -> Tensor:
         """Accepted drafts per request, drawn on the device (so a step can be launched from them before
         the host reads them): consecutive successes, position i passing with rates[i], at most lens[r]."""
         width = int(self.rates_t.shape[0])
-        u = torch.rand(lens.shape[0], width, dtype=torch.float64, device=lens.device, generator=self.generator)
+        u = uniform_from_keys(keys, width)
         passed = (u < self.rates_t) & (torch.arange(width, device=lens.device)[None, :] < lens[:, None])
         return passed.long().cumprod(1).sum(1)
 
@@ -146,7 +184,7 @@ class SyntheticProposer(Proposer):
         its drafts up to the count and one more token, the target's own wherever the count is within
         the real acceptance. A row whose target logits were bad (-1) keeps failing its request."""
         width = block.tokens.shape[1]
-        drawn = self.draw(block.lens_t)
+        drawn = self.draw(block.lens_t, block.keys)
         # out[i] == drafts[i] for i < real count, so the last token is the target's whenever drawn <= real
         last = out.gather(1, torch.minimum(drawn, num_acc.clamp(min=0))[:, None])
         cols = torch.arange(width + 1, device=out.device)[None, :]
