@@ -60,7 +60,6 @@ class Fp8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias)
 
-
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Fp8Linear:
         held = {name: self._parameters.pop(name) for name in ("weight", "weight_scale")}
         try:

@@ -4,9 +4,8 @@ Expected tokens per step with K drafts is 1 + sum_{k<=K} P(first k drafts accept
 measured time of a step with K drafts at this batch size (K = 0 is the plain step). The policy picks
 the K with the most tokens per second. Acceptance is counted per position from recent steps and step
 times are measured. An unmeasured K is scored at the least it can cost (the time of a shorter measured
-K) and with acceptance at the upper end of what the trials so far allow, and tried only if even then
-it would be best, so drafts that cannot pay are never timed. Measured
-candidates are re-tried now and then, so the choice follows the workload: the worse a candidate
+K) and at the most acceptance its trials so far allow, and tried only if even then it would be best, so
+drafts that cannot pay are never timed. Measured candidates are re-tried now and then, so the choice follows the workload: the worse a candidate
 scored, and the more re-tries in a row found it still losing, the rarer. The choice is made before
 drafting and never looks at the drafts, so it cannot affect what is emitted: exactness does not
 depend on it.
@@ -200,7 +199,7 @@ class DraftLengthPolicy:
             lost = self._retried[1] != best
             self.confirmed_losses[self._retried] = self.confirmed_losses.get(self._retried, 0) + 1 if lost else 0
         self._retried = None
-        hope = self.prefix_acceptance(EXPLORE_Z)
+        hope = self.prefix_acceptance(EXPLORE_Z) if None in measured.values() else []
         for k in self.candidates:
             # Optimism under uncertainty, shortest first: an unmeasured K is scored at the least it can
             # cost and at the most its positions' trials allow it to yield, and measured only if even

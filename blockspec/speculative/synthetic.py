@@ -133,7 +133,6 @@ class SyntheticProposer(Proposer):
         self.rates = profile.rates(drafter.num_draft_slots)[: self.num_speculative_tokens]
         self.rates_t = torch.tensor(self.rates, dtype=torch.float64, device=target.embed_tokens.weight.device)
         self.seed = seed
-        self._prompt_keys: dict[str, int] = {}  # request id -> key, for requests without a sampling seed
 
     def expected_length(self, drafts: int) -> float:
         """Expected tokens per verify step (bonus included) for a request drafting `drafts` tokens."""
@@ -157,13 +156,10 @@ class SyntheticProposer(Proposer):
         return KeyedBlock(**{f.name: getattr(block, f.name) for f in fields(DraftBlock)}, keys=keys)
 
     def request_key(self, req: Request) -> int:
-        """The same request in every engine of a bench: its sampling seed, else its prompt (hashed once);
-        and the proposer's seed."""
-        if req.params.seed is not None:
-            return hash((self.seed, req.params.seed)) & ((1 << 62) - 1)
-        if req.request_id not in self._prompt_keys:
-            self._prompt_keys[req.request_id] = hash((self.seed, tuple(req.prompt_token_ids))) & ((1 << 62) - 1)
-        return self._prompt_keys[req.request_id]
+        """The same request in every engine of a bench: its sampling seed (the bench sets one), else its
+        prompt; and the proposer's seed."""
+        base = req.params.seed if req.params.seed is not None else tuple(req.prompt_token_ids)
+        return hash((self.seed, base)) & ((1 << 62) - 1)
 
     def draw(self, lens: Tensor, keys: Tensor) -> Tensor:
         """Accepted drafts per request, drawn on the device (so a step can be launched from them before
