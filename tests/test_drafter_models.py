@@ -583,3 +583,25 @@ def test_draft_rows_are_one_contiguous_block(name):
         first = 0 if model.anchor_first else 1
         width = model.num_draft_slots if k is None else k
         assert rows.is_contiguous() and torch.equal(rows, hidden[:, first : first + width])
+
+
+def test_recorded_acceptance_is_read_beside_the_weights_and_starts_the_policy(tmp_path):
+    """A checkpoint's acceptance.json (written by the trainer's export) reaches the draft-length policy;
+    one that is not a non-increasing list of probabilities is refused with its path and the rule."""
+    from blockspec import LLM
+    from blockspec.drafters.formats import ACCEPTANCE_FILE, write_recorded_acceptance
+
+    from factories import save_drafter_target
+
+    drafter = tmp_path / "dflash"
+    shutil.copytree(FIX / "dflash", drafter)
+    assert load_dflash(drafter, device="cpu").recorded_acceptance is None
+    write_recorded_acceptance(drafter, [0.8, 0.4, 0.1], "test")
+    assert load_dflash(drafter, device="cpu").recorded_acceptance == (0.8, 0.4, 0.1)
+    target = save_drafter_target(tmp_path / "target")
+    llm = LLM(str(target), device="cpu", speculative_config={"method": "dflash", "model": str(drafter)})
+    assert llm.engine.policy.recorded_rates == [0.8, 0.5, 0.25]
+    for bad in ([0.4, 0.8], [1.5], [], "0.8"):
+        (drafter / ACCEPTANCE_FILE).write_text(json.dumps({"prefix_acceptance": bad}))
+        with pytest.raises(ModelLoadError, match="acceptance.json: prefix_acceptance must be a non-increasing"):
+            load_dflash(drafter, device="cpu")

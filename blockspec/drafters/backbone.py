@@ -143,6 +143,9 @@ class DraftModel(nn.Module):
     """
 
     source_format: str = "zlab"
+    # P(first k drafts accepted), k = 1.., measured for this checkpoint (its acceptance.json): the
+    # draft-length policy's starting belief
+    recorded_acceptance: tuple[float, ...] | None = None
 
     def __init__(self, cfg: DrafterConfig, embed_rows: int | None = None, head_rows: int | None = None,
                  has_d2t: bool = False) -> None:

@@ -5,6 +5,7 @@ read by one loader (`load_drafter`, keyed by method and the config's format) and
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -249,6 +250,7 @@ def load_drafter(method: str, path_or_id: str | os.PathLike[str], device: str | 
     model = _build(cfg, heads, **kw)
     model.source_format = fmt
     model = _finish(model, state, str(model_dir), device, dtype)
+    model.recorded_acceptance = read_recorded_acceptance(model_dir, model.block_size)
     if not use_own_embedding:
         model.use_own_embedding = False
     if not use_own_head and model.lm_head is not None:
@@ -256,6 +258,32 @@ def load_drafter(method: str, path_or_id: str | os.PathLike[str], device: str | 
             raise ModelLoadError(f"{source}: reduced draft vocabulary: the drafter's own lm_head must be used")
         model.use_own_head = False
     return model
+
+
+ACCEPTANCE_FILE = "acceptance.json"
+
+
+def read_recorded_acceptance(model_dir: Path, block_size: int) -> tuple[float, ...] | None:
+    """The checkpoint's measured P(first k drafts accepted), k = 1.., from its optional acceptance.json:
+    where the draft-length policy starts, instead of knowing nothing about the drafter."""
+    path = model_dir / ACCEPTANCE_FILE
+    if not path.is_file():
+        return None
+    prefix = read_json(path).get("prefix_acceptance")
+    if (not isinstance(prefix, list) or not 0 < len(prefix) <= block_size
+            or not all(isinstance(p, (int, float)) and 0.0 <= p <= 1.0 for p in prefix)
+            or any(b > a for a, b in zip(prefix, prefix[1:]))):
+        raise ModelLoadError(f"{path}: prefix_acceptance must be a non-increasing list of 1 to {block_size} "
+                             f"probabilities in [0, 1]")
+    return tuple(float(p) for p in prefix)
+
+
+def write_recorded_acceptance(model_dir: Path, prefix: list[float], measured_on: str) -> Path:
+    """Record a drafter's measured acceptance beside its weights (see read_recorded_acceptance)."""
+    path = Path(model_dir) / ACCEPTANCE_FILE
+    path.write_text(json.dumps({"prefix_acceptance": [round(float(p), 4) for p in prefix],
+                                "measured_on": measured_on}, indent=1) + "\n")
+    return path
 
 
 def load_dflash(path_or_id: str | os.PathLike[str], device: str | torch.device = "auto",

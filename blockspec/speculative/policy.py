@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
 PRIOR_TRIALS = 2.0  # pseudo-trials a position's acceptance rate borrows from the position before it
+RECORDED_TRIALS = 8.0  # pseudo-trials a position's rate borrows from the drafter's recorded acceptance
 EXPLORE_Z = 1.0  # standard errors above its acceptance estimate at which an unmeasured K is scored
 NEAR_TIE = 0.02  # scores within this fraction of the best count as a tie, which the longer K takes
 PARK_TURNOVERS = 2  # the first park of a batch bucket where plain wins covers this many times its size in arrivals
@@ -53,13 +55,26 @@ class PolicyView:
     parked_joins: int
 
 
+def conditional_rates(prefix: Sequence[float]) -> list[float]:
+    """P(draft k accepted | drafts before it accepted) from P(first k drafts accepted)."""
+    rates, before = [], 1.0
+    for p in prefix:
+        rates.append(min(1.0, p / before) if before > 0 else 0.0)
+        before = p
+    return rates
+
+
 def batch_bucket(batch: int) -> int:
     return 1 << max(0, math.ceil(math.log2(batch)))
 
 
 class DraftLengthPolicy:
-    def __init__(self, k_max: int, adaptive: bool = True, retry_every: int = 64, decay: float = 0.99) -> None:
+    def __init__(self, k_max: int, adaptive: bool = True, retry_every: int = 64, decay: float = 0.99,
+                 recorded: Sequence[float] | None = None) -> None:
+        """`recorded`: the drafter's measured P(first k drafts accepted), k = 1.. (its checkpoint's
+        `acceptance.json`), which the first steps' few trials are weighed against."""
         self.k_max = k_max
+        self.recorded_rates = conditional_rates(recorded) if recorded else []
         self.adaptive = adaptive
         self.retry_every = retry_every
         self.decay = decay
@@ -110,9 +125,10 @@ class DraftLengthPolicy:
     def prefix_acceptance(self, optimism: float = 0.0) -> list[float]:
         """P(first k drafts accepted), k = 1..k_max.
 
-        Each position's conditional rate borrows PRIOR_TRIALS pseudo-trials at the rate of the
-        position before it (the first: at one half), so an unseen position extrapolates the last
-        rate and a rarely offered one moves from it only as evidence comes. Shrunk towards one half
+        Each position's conditional rate borrows RECORDED_TRIALS pseudo-trials at the drafter's recorded
+        rate where it has one, else PRIOR_TRIALS at the rate of the position before it (the first: at
+        one half), so an unseen position extrapolates the last rate and a rarely offered one moves
+        from it only as evidence comes: two unlucky first drafts of a good drafter do not condemn it. Shrunk towards one half
         instead, the few trials deep positions get while short drafts are explored would read as a
         collapse (0 of 2 accepted gives 0.17), and longer drafts would never look worth trying.
         With `optimism` z each rate counts z standard errors above its estimate (at most 1): the most
@@ -121,8 +137,10 @@ class DraftLengthPolicy:
         out, survive, rate = [], 1.0, 0.5
         for i in range(self.k_max):
             reached = self.accepted[i - 1] if i else self.offered[0]
-            trials = min(reached, self.offered[i]) + PRIOR_TRIALS
-            rate = (self.accepted[i] + PRIOR_TRIALS * rate) / trials
+            base, weight = (self.recorded_rates[i], RECORDED_TRIALS) if i < len(self.recorded_rates) \
+                else (rate, PRIOR_TRIALS)
+            trials = min(reached, self.offered[i]) + weight
+            rate = (self.accepted[i] + weight * base) / trials
             bound = rate + optimism * math.sqrt(max(rate * (1 - rate), 0.0) / trials)
             survive *= min(bound, 1.0)
             out.append(survive)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from blockspec.drafters.formats import write_recorded_acceptance
 from blockspec.models.loader import load_target, resolve_device
 from blockspec.train.data import DataError
 from blockspec.train.state import MAX_FILE_BYTES, has_state, load_state, save_state
@@ -218,4 +219,9 @@ def export_best(state_dir: Path, target_dir: Path, out_dir: Path, device: str = 
     trainer.drafter.load_state_dict({k: v.float() for k, v in state["best"].items()})
     if out_dir.exists():
         shutil.rmtree(out_dir)
-    return trainer.export(out_dir)
+    exported = trainer.export(out_dir)
+    best = next(e for e in run["evals"] if e["step"] == run["best"]["step"])
+    write_recorded_acceptance(exported, best["per_position"],
+                              f"greedy, whole block verified, {best['drafts']} drafts on held-out openings "
+                              f"(train step {best['step']})")
+    return exported
