@@ -168,8 +168,8 @@ def add_demo_parser(sub: Any) -> None:
 
     p = sub.add_parser("demo", help="speculative vs plain decoding on the embedded default model",
                        description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--method", default="dflash", choices=["dflash", "dspark"],
-                   help="the embedded drafter to use (default: dflash)")
+    p.add_argument("--method", default="dspark", choices=["dflash", "dspark"],
+                   help="the embedded drafter to use (default: dspark, the pair's higher acceptance)")
     p.add_argument("--target", default=None, help="target directory (default: the embedded model)")
     p.add_argument("--drafter", default=None, help="drafter directory (default: the embedded one for --method)")
     p.add_argument("--prompt", action="append", default=None,
@@ -178,9 +178,10 @@ def add_demo_parser(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default: 128)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="drafts verified per step at most (default: the drafter's block)")
-    p.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction, default=False,
                    help="each step verifies the number of drafts with the most measured tokens per second, down to "
-                        "none (default: on); --no-adaptive-draft-length drafts every step")
+                        "none, as the engine does by default (default here: off, every step drafts the whole "
+                        "block, so the demo shows what block drafting does)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     p.add_argument("--color", action=argparse.BooleanOptionalAction, default=True,

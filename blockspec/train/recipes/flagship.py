@@ -143,6 +143,7 @@ import torch
 from blockspec.train.corpus import MIB, load_piece, write_split_pieces
 from blockspec.train.data import DataError
 from blockspec.train.drafter_stage import DrafterStageConfig, drafter_slice, export_best
+from blockspec.train.recipes.flagship_cards import assemble
 from blockspec.train.pretrain import (
     PretrainConfig,
     heldout_examples,
@@ -565,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--ship", default="drafter,trainer,run,best")
     d.add_argument("--minutes", type=float, default=None)
     d.add_argument("--max-steps", type=int, default=None)
+    d.add_argument("--epochs", type=float, default=None, help="passes over the rows (default: the plan's); "
+                   "a state keeps the epochs it started with")
     d.add_argument("--device", default="auto")
 
     x = sub.add_parser("export-drafter", help="the best drafter of a state in its reference format")
@@ -581,6 +584,10 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("collect", help="merge a call's returned files into the local run directory")
     c.add_argument("returned", type=Path, help="the folder the call's files came back in")
     c.add_argument("--into", type=Path, default=Path("out/flagship"))
+
+    a = sub.add_parser("assemble", help="the shipped pair (exports, cards, metrics.json) from a finished run")
+    a.add_argument("--run", type=Path, default=Path("out/flagship"))
+    a.add_argument("--out", type=Path, default=Path("blockspec/assets/default"))
 
     y = sub.add_parser("carry", help="the size of a call carrying these paths (with the working tree)")
     y.add_argument("paths", nargs="*", type=Path)
@@ -647,7 +654,9 @@ def run_command(args: argparse.Namespace) -> int:
             print(f"warning: {len(files)} files in {args.out}, more than a call returns; return the pieces in "
                   f"several calls", file=sys.stderr)
     elif args.command == "drafter":
-        metrics = drafter_slice(args.target, args.rows, args.state, cfg=plan.drafters[args.method], minutes=args.minutes,
+        cfg = plan.drafters[args.method]
+        cfg = dataclasses.replace(cfg, epochs=args.epochs) if args.epochs else cfg
+        metrics = drafter_slice(args.target, args.rows, args.state, cfg=cfg, minutes=args.minutes,
                                 max_steps=args.max_steps, device=args.device)
         if args.out is not None and groups_arg(args.ship):
             ship(state_files(args.state, groups_arg(args.ship)), args.out / args.state.name, RETURN_FILES - 1)
@@ -658,6 +667,8 @@ def run_command(args: argparse.Namespace) -> int:
         write_metrics(None, "", {"out": str(exported), "best": best})
     elif args.command == "collect":
         write_metrics(None, "", {"collected": collect(args.returned, args.into)})
+    elif args.command == "assemble":
+        write_metrics(None, "", assemble(args.run, args.out))
     elif args.command == "carry":
         write_metrics(None, "", carry_bytes(args.paths))
     elif args.command == "ship":

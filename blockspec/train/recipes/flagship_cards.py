@@ -1,0 +1,137 @@
+"""The shipped flagship pair from a finished run directory: its exports, model cards and metrics.json.
+
+Everything a card states is read from the run's own records (the corpus manifest, the target's and
+drafters' state indexes, the last regeneration metrics), so a card cannot drift from what was trained.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+from blockspec.train.state import read_index
+
+PAIR = ("target", "dflash", "dspark")
+
+
+def _params(model_dir: Path) -> int:
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+def run_record(run_dir: Path) -> dict[str, Any]:
+    """What the run did, from its records: corpus, target training, regeneration, each drafter's best."""
+    manifest = json.loads((run_dir / "corpus" / "manifest.json").read_text())
+    target_run = read_index(run_dir / "target-state")["state"]["run"]
+    regen = json.loads((run_dir / "regen" / "regen_metrics.json").read_text())
+    drafters = {}
+    for method in PAIR[1:]:
+        run = read_index(run_dir / f"{method}-state")["state"]["run"]
+        best = next(e for e in run["evals"] if e["step"] == run["best"]["step"])
+        drafters[method] = {"config": run["config"], "best": best, "total_steps": run["total"],
+                            "train_seconds": sum(h.get("train_seconds", 0.0) for h in run["history"])}
+    train = manifest["splits"]["train"]
+    return {
+        "corpus": {"train_files": train["files"], "train_tokens": train["tokens"],
+                   "projects": sum(a["name"] != "python-stdlib" for a in manifest["archives"]), "stdlib": manifest["stdlib"],
+                   "heldout": manifest["heldout"]["packages"], "dedup": manifest["dedup"],
+                   "tokenizer": manifest["tokenizer"], "licenses": manifest["licenses"]},
+        "target": {"config": target_run["config"], "history": target_run["history"]},
+        "regen": {"total_generated_tokens": regen["total_generated_tokens"],
+                  "greedy_repeated_line_share_96": regen["greedy_repeated_line_share_96"],
+                  "generated_tokens_per_s": regen["generated_tokens_per_s"]},
+        "drafters": drafters,
+    }
+
+
+def target_card(rec: dict[str, Any], params: int, size: int) -> str:
+    cfg, last = rec["target"]["config"], rec["target"]["history"][-1]
+    shape, c = cfg["shape"], rec["corpus"]
+    tokens = sum(h["tokens"] for h in rec["target"]["history"])
+    seconds = sum(h["seconds"] for h in rec["target"]["history"])
+    licenses = "; ".join(f"{name}: {', '.join(projects)}" for name, projects in sorted(c["licenses"].items()))
+    return f"""# blockspec flagship target (Qwen3 architecture, Python code)
+
+A small causal LM pretrained from scratch by `python -m blockspec.train.recipes.flagship` so that
+blockspec can show block speculation on a real pair without downloads. It continues Python code;
+it is not an assistant.
+
+- **Architecture**: Qwen3 (q/k-norm, SwiGLU, GQA, RoPE theta {shape['rope_theta']:g}), hidden {shape['hidden_size']},
+  {shape['num_layers']} layers, {shape['num_heads']} heads / {shape['num_kv_heads']} KV heads of dim {shape['head_dim']},
+  MLP {shape['intermediate_size']}, vocab {shape['vocab_size']}, tied embeddings, max positions
+  {shape['max_position_embeddings']}.
+- **Parameters**: {params:,} ({size / 1e6:.1f} MB on disk, bf16; blockspec loads it as fp32 on a CPU).
+- **Data**: {c['train_tokens']:,} tokens ({c['train_files']:,} files) of Python source: {c['projects']} pinned
+  source distributions from the package index (`blockspec/train/recipes/python_sources.json`; name,
+  version and sha256 of every archive in `corpus_manifest.json` beside this card) and the CPython
+  {c['stdlib']['python']} standard library, files deduplicated ({c['dedup']['duplicates_dropped']} dropped). The stdlib
+  packages {', '.join(c['heldout'])} are held out of everything (target, tokenizer, drafters) and used
+  only for evaluation.
+- **Licenses**: the corpus projects' own licenses (as declared in their metadata): {licenses}.
+- **Tokenizer**: byte-level BPE trained on a sample of the training files, vocab {c['tokenizer']['vocab_size']};
+  special tokens {', '.join(f'`{t}`' for t in c['tokenizer']['special_tokens'])} (`<|endoftext|>` is EOS,
+  `<|mask|>` the drafters' mask token).
+- **Training**: {last['to_step']} steps of {cfg['batch_size']} x {cfg['seq_len']} tokens ({last['epoch']:g} epochs, {tokens:,}
+  tokens) in {seconds / 60:.1f} minutes on one H200 ({last['tokens_per_s']:,} tokens/s), AdamW lr {cfg['lr']:g},
+  warm-up + cosine to {cfg['min_lr_ratio']:g}x, weight decay {cfg['weight_decay']:g}, clip {cfg['grad_clip']:g}.
+- **Perplexity**: held-out stdlib packages {last['heldout_perplexity']:.2f}; validation projects {last['valid_perplexity']:.2f}.
+- **Greedy repetition**: {rec['regen']['greedy_repeated_line_share_96']:.1%} of the lines of its 96-token greedy
+  continuations (of openings of the training corpus) repeat an earlier line of the same continuation.
+
+Loads with `blockspec` (`LLM("target")`) and with `transformers.AutoModelForCausalLM`.
+"""
+
+
+def drafter_card(rec: dict[str, Any], method: str, params: int, size: int) -> str:
+    d = rec["drafters"][method]
+    t, best = d["config"]["train"], d["best"]
+    fmt = ("z-lab DFlash (`DFlashDraftModel`, no embedding or head: it shares the target's)" if method == "dflash"
+           else "DeepSpec DSpark (`Qwen3DSparkModel`, with copies of the target's embedding and head)")
+    heads = (f"Markov head ({t['markov_head_type']}, rank {t['markov_rank']}) and confidence head; "
+             if method == "dspark" else "")
+    per_pos = " ".join(f"{p:.2f}" for p in best["per_position"])
+    return f"""# blockspec flagship {'DFlash' if method == 'dflash' else 'DSpark'} drafter
+
+The drafter of the flagship target (`../target`), trained by `python -m blockspec.train.recipes.flagship`.
+
+- **Format**: {fmt}; loads with blockspec (`speculative_config={{"method": "{method}", "model": ...}}`) and
+  with the reference code.
+- **Shape**: {t['num_layers']} layers, MLP {t['intermediate_size']}, block {t['block_size']}; {heads}target
+  features from layers {', '.join(map(str, t['target_layer_ids']))}. {params:,} parameters ({size / 1e6:.1f} MB, bf16).
+- **Data**: the target's own continuations (greedy and T = 0.7, 448 tokens each) of 64-token openings
+  of the training corpus: {rec['regen']['total_generated_tokens']:,} generated tokens.
+- **Training**: the reference objective (random anchors, position-decayed loss), {d['total_steps']} steps of
+  {t['batch_size']} rows of {t['max_len']} tokens ({d['config']['epochs']:g} epochs, {d['train_seconds'] / 60:.1f} minutes on one H200),
+  {t['num_anchors']} anchors a row, AdamW lr {t['lr']:g}; the weights of the evaluation with the best acceptance
+  are kept.
+- **Acceptance** (greedy, whole block verified, held-out openings outside the demo's prompts, through
+  the engine): {best['acceptance']:.2f} tokens per verify step; P(first k drafts accepted): {per_pos}.
+  `acceptance.json` records this for the engine's draft-length policy.
+"""
+
+
+def assemble(run_dir: Path, out: Path) -> dict[str, Any]:
+    """Copy the run's exports (run_dir/{target,dflash,dspark}) to `out` with their cards and metrics.json."""
+    rec = run_record(run_dir)
+    for name in PAIR:
+        if not (run_dir / name / "config.json").is_file():
+            raise FileNotFoundError(f"{run_dir / name}: no export (run local.sh export-target / export-drafters)")
+    if out.exists():
+        shutil.rmtree(out)
+    sizes = {}
+    for name in PAIR:
+        shutil.copytree(run_dir / name, out / name)
+        params = _params(out / name)
+        size = (out / name / "model.safetensors").stat().st_size
+        sizes[name] = {"parameters": params, "bytes": size}
+        card = target_card(rec, params, size) if name == "target" else drafter_card(rec, name, params, size)
+        (out / name / "README.md").write_text(card)
+    shutil.copy2(run_dir / "corpus" / "manifest.json", out / "target" / "corpus_manifest.json")
+    rec["assets"] = sizes | {"total_bytes": sum(f.stat().st_size for f in out.rglob("*") if f.is_file())}
+    (out / "metrics.json").write_text(json.dumps(rec, indent=1) + "\n")
+    return rec["assets"]
