@@ -128,7 +128,7 @@ def run_demo(args: argparse.Namespace) -> int:
     spec = {"method": args.method, "model": str(drafter), "adaptive_draft_length": args.adaptive_draft_length}
     if args.num_speculative_tokens:
         spec["num_speculative_tokens"] = args.num_speculative_tokens
-    llm = LLM(str(target), device=args.device, speculative_config=spec, seed=0, max_num_seqs=1)
+    llm = LLM(str(target), device=args.device, dtype=args.dtype, speculative_config=spec, seed=0, max_num_seqs=1)
     engine = llm.engine
     base_params = dict(temperature=args.temperature, seed=0, max_tokens=args.max_tokens)
     modes = {"plain": SamplingParams(**base_params, use_speculation=False), "spec": SamplingParams(**base_params)}
@@ -138,7 +138,8 @@ def run_demo(args: argparse.Namespace) -> int:
     engine.spec_totals = log = StepLog()  # what each speculative step drafted and accepted
     color = use_color(args.color)
     dim, bold, reset = ("\033[2m", "\033[1m", "\033[0m") if color else ("", "", "")
-    print(f"target {target}, drafter {args.method} ({drafter}), device {engine.device}, temperature "
+    dtype = str(engine.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    print(f"target {target}, drafter {args.method} ({drafter}), device {engine.device}, {dtype}, temperature "
           f"{args.temperature}; {len(prompts)} prompts, one request at a time (batch 1)")
     if not shipped:
         print("note: this is the quick CPU-built pair (trained for seconds), not the GPU-trained default: its "
@@ -184,6 +185,10 @@ def add_demo_parser(sub: Any) -> None:
                         "block, so the demo shows what block drafting does)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="weights and activations (default: auto, the engine's: the checkpoint's bf16 on a GPU, "
+                        "float32 on a CPU, where bf16 products can round a verify step's rows differently from "
+                        "a plain step's; on a CPU with native bf16 products, bfloat16 makes both runs faster)")
     p.add_argument("--color", action=argparse.BooleanOptionalAction, default=True,
                    help="colour the code on a terminal (never into a pipe or a file, nor with NO_COLOR set)")
     p.set_defaults(func=run_demo)
