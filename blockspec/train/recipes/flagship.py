@@ -101,25 +101,22 @@ call  carries                                      runs                         
 16    -                                            DSpark again, until ``stopped``             drafter state, metrics
 ====  ===========================================  ==========================================  ============================
 
-Then locally: ``local.sh export-drafters`` (z-lab DFlash, DeepSpec DSpark from each state's best).
+Then locally: ``local.sh export-drafters`` (z-lab DFlash, DeepSpec DSpark from each state's best),
+and ``python -m blockspec.train.recipes.flagship assemble``: the exports with their model cards and
+metrics.json into ``blockspec/assets/default``.
 
-Device minutes, an estimate
----------------------------
-Measured on the CPU (2 threads, fp32): a target step of 2 x 1024 tokens 1.19 s (0.12 TFLOP/s at
-70 MFLOP a token); a drafter step of 2 x 512 tokens 0.87 s (DFlash), 1.28 s (DSpark). Assumed: the
-H200 trains these models at an effective 60 TFLOP/s (a tenth of its bf16 peak; about 500 x the
-CPU), decodes at batch 512 at 6 ms a step (a small model's step is host-bound), starts in 1.5
-minutes, and spends half a minute a call on the transfer, imports, evaluation and save. Then:
+Longer drafter runs, once the pair is shipped (the target is then the shipped one): 21 carries
+out/flagship/regen and starts a DFlash run of ``FLAGSHIP_EPOCHS`` (default 10) in a new state; 22 a
+DSpark run of 8 epochs (repeat it until its metrics say ``stopped``); 23 runs the demo and the bench
+preset on the device.
 
-* target, 3 epochs of 136.7 M tokens: 8.0 min of steps, 10 min in calls 05-06;
-* regeneration, 20 M generated tokens: 3.9 min of decoding, 5 min in call 07;
-* DFlash, 2 epochs of about 23 M row tokens: 1.3 min of steps, DSpark 1.9 min; with the
-  evaluations (an engine built and 24 prompts decoded, about 0.5 min each) about 3.5 min each.
-
-Session 1: 1.5 start + 2 stash + 10 target + 5 regeneration = 18.5 min. Session 2: 1.5 start + 1
-stash + 7 drafters = 9.5 min. These are estimates, not measurements: the first target call's
-``tokens_per_s`` and the first regeneration call's ``generated_tokens_per_s`` replace the
-assumptions; repeat calls 06 and 08 as they say (each stage resumes wherever a call stopped).
+Device minutes, measured (H200, 2026-12-01)
+-------------------------------------------
+Calls 01-04 took 0.2-0.6 min each, the first with the machine's start; the target's 3 epochs 6.7
+min of steps at 1.01 M tokens/s (the CPU-based estimate said 8.0); regeneration 36.8-43.8 k tokens/s
+(5.0 min for the first 10.9 M tokens, 4.1 min for the next 10.9 M: the estimate assumed twice that
+rate); DFlash 2 epochs 73 s of steps, DSpark 124 s, plus 10-25 s for the evaluation and save. Session 1
+and the drafters fit one session of 30 minutes: 28.9 minutes in 10 calls.
 ``FLAGSHIP_SMOKE=1 FLAGSHIP_MINUTES=0.1 OUT=... FLAGSHIP_DEV=...`` runs the same scripts on a CPU
 at toy sizes, to check a change before it spends device time.
 """
