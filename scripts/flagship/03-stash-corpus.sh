@@ -1,0 +1,8 @@
+# Session 1, call 03 (about 0.5 min): train piece 2.
+# carry: ["out/flagship/corpus/pieces/train-00002.u16.xz",
+#         "out/flagship/corpus/pieces/train-00002.json"]
+# runs: the copy into DEV and a read-back of every piece there
+# returns: nothing
+source scripts/flagship/common.sh
+sync_in
+check_pieces "$DEV/corpus/pieces"

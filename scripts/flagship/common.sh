@@ -1,0 +1,59 @@
+# Sourced by every call script of the flagship run (see blockspec/train/recipes/flagship.py's docstring).
+# DEV is the run's home on the device machine: it lives while the machine stays warm (30 s after a call).
+# What a call carried under out/flagship lands in DEV without replacing anything there: within a lease
+# DEV holds the newest state, and an older carried copy (still in the device's checkout) never wins.
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+DEV=${FLAGSHIP_DEV:-/tmp/flagship}
+: "${OUT:?run on the device machine, where OUT is set}"
+mkdir -p "$DEV"
+# a device machine without a package index gets blockspec's dependencies it lacks (llguidance) as wheels
+# downloaded here into .devcarry/whl (git-ignored) and carried with every call
+WHEELS=${FLAGSHIP_WHEELS:-.devcarry/whl}
+if [ ! -d /tmp/site/llguidance ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEELS"/*.whl
+fi
+export PYTHONPATH=$PWD:/tmp/site
+
+sync_in() {
+  if [ -d out/flagship ]; then cp -rn out/flagship/. "$DEV/"; fi
+  echo "== DEV after sync:"; (cd "$DEV" && find . -maxdepth 3 -type f -printf '%8k KiB  %p\n' | sort -k3 | head -60)
+}
+
+flagship() { python -m blockspec.train.recipes.flagship "$@"; }
+
+# every piece that is here is read back and its hashes checked, so a broken transfer fails now
+check_pieces() {
+  python - "$@" <<'PY'
+import sys
+from pathlib import Path
+from blockspec.train.corpus import load_piece
+for d in sys.argv[1:]:
+    for p in sorted(Path(d).glob("*.u16.xz")):
+        print(f"ok {p.name}: {len(load_piece(p)):,} tokens")
+PY
+}
+
+device_info() {
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+  python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+}
+
+target_slice() {  # $1: minutes of training; the target's bf16 export is refreshed in DEV/target each call
+  flagship target --pieces "$DEV/corpus/pieces" --state "$DEV/target-state" --minutes "$1" \
+    --export "$DEV/target" --out "$OUT"
+}
+
+regen_slice() {  # $1: minutes of generation; this slice's pieces and the state go to OUT/regen and DEV/regen
+  mkdir -p "$DEV/regen"
+  flagship regen --target "$DEV/target" --prompts "$DEV/prompts" --state "$DEV/regen/regen_state.json" \
+    --minutes "$1" --out "$OUT/regen"
+  cp "$OUT"/regen/* "$DEV/regen/"
+}
+
+drafter_slice() {  # $1: dflash | dspark, $2: minutes; FLAGSHIP_EPOCHS (a new state only), FLAGSHIP_STATE (its name)
+  local state="${FLAGSHIP_STATE:-$1-state}"
+  [ -d "$DEV/target" ] || cp -r blockspec/assets/default/target "$DEV/target"  # the shipped target, once it is
+  flagship drafter --method "$1" --target "$DEV/target" --rows "$DEV/regen" --state "$DEV/$state" \
+    --minutes "$2" --out "$OUT" ${FLAGSHIP_EPOCHS:+--epochs "$FLAGSHIP_EPOCHS"}
+}
