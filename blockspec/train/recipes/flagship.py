@@ -105,8 +105,9 @@ Then locally: ``local.sh export-drafters`` (z-lab DFlash, DeepSpec DSpark from e
 and ``python -m blockspec.train.recipes.flagship assemble``: the exports with their model cards and
 metrics.json into ``blockspec/assets/default``.
 
-Longer drafter runs, once the pair is shipped (the target is then the shipped one): 21 carries
-out/flagship/regen and starts a DFlash run of ``FLAGSHIP_EPOCHS`` (default 10) in a new state; 22 a
+Longer drafter runs, once the pair is shipped (the target is then the shipped one): 20 and 21 carry
+the two regenerated pieces (the tree is 54 MiB with the pair) and 21 starts a DFlash run of
+``FLAGSHIP_EPOCHS`` (default 10) in a new state; 22 a
 DSpark run of 8 epochs (repeat it until its metrics say ``stopped``); 23 runs the demo and the bench
 preset on the device.
 

@@ -1,0 +1,9 @@
+# Longer drafter runs, call 20 (about 2 min with the machine's start): the first regenerated piece and the
+# wheels (with the shipped pair the tree is 54 MiB, so the two pieces travel in two calls).
+# carry: [".devcarry/whl", "out/flagship/regen/regen-00000.u16.xz", "out/flagship/regen/regen-00000.json"]
+# runs: the copy into DEV, a read-back of the piece, the device's versions
+# returns: nothing
+source scripts/flagship/common.sh
+device_info
+sync_in
+check_pieces "$DEV/regen"
