@@ -26,6 +26,7 @@ from blockspec.drafters import (
     save_dflash,
     save_dspark,
 )
+from blockspec.drafters.backbone import DraftModel
 from factories import DRAFTER_TARGET_KW, TRITON_SKIP_REASON, hf_config, triton_interpretable
 
 FIX = Path(__file__).parent / "fixtures" / "drafters"
@@ -605,3 +606,42 @@ def test_recorded_acceptance_is_read_beside_the_weights_and_starts_the_policy(tm
         (drafter / ACCEPTANCE_FILE).write_text(json.dumps({"prefix_acceptance": bad}))
         with pytest.raises(ModelLoadError, match="acceptance.json: prefix_acceptance must be a non-increasing"):
             load_dflash(drafter, device="cpu")
+
+
+def test_a_drafter_carrying_copies_of_the_target_vocab_shares_them_with_the_same_drafts(tmp_path):
+    """DeepSpec exports carry copies of the target's embedding and LM head. Bitwise copies are dropped for
+    the target's own (one copy in memory) and the greedy drafts and outputs stay the same; a copy that
+    differs in one element is kept."""
+    from safetensors.torch import save_file as save
+
+    from blockspec import LLM, SamplingParams
+    from factories import save_drafter_target
+
+    target = save_drafter_target(tmp_path / "target")
+    tw = load_file(str(target / "model.safetensors"))
+    drafter = tmp_path / "dspark"
+    shutil.copytree(FIX / "dspark_vanilla", drafter)
+    weights = load_file(str(drafter / "model.safetensors"))
+    weights["embed_tokens.weight"] = tw["model.embed_tokens.weight"].clone()
+    weights["lm_head.weight"] = tw.get("lm_head.weight", tw["model.embed_tokens.weight"]).clone()
+    save(weights, str(drafter / "model.safetensors"))
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    spec = {"method": "dspark", "model": str(drafter), "adaptive_draft_length": False}
+
+    def run() -> tuple[bool, list[int], list[int]]:
+        llm = LLM(str(target), device="cpu", dtype="float32", seed=0, speculative_config=spec)
+        ids = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)[0].outputs[0].token_ids
+        return llm.engine.proposer.drafter.use_own_head, list(ids), llm.get_stats()["num_accepted_tokens_per_pos"]
+
+    own, shared_ids, shared_acc = run()
+    assert not own
+    keep = DraftModel.share_target_copies
+    DraftModel.share_target_copies = lambda self, target: None  # the control: the drafter keeps its copies
+    try:
+        assert run() == (True, shared_ids, shared_acc)
+    finally:
+        DraftModel.share_target_copies = keep
+    weights["lm_head.weight"][3, 2] += 1.0
+    save(weights, str(drafter / "model.safetensors"))
+    d = LLM(str(target), device="cpu", dtype="float32", seed=0, speculative_config=spec).engine.proposer.drafter
+    assert d.use_own_head and not d.use_own_embedding

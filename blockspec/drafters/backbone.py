@@ -237,6 +237,24 @@ class DraftModel(nn.Module):
         """Remember the target whose embedding / LM head are shared (not registered as a submodule)."""
         object.__setattr__(self, "_target", target)
 
+    def share_target_copies(self, target: nn.Module) -> None:
+        """Use the target's embedding / LM head where this checkpoint's own are bitwise copies of them
+        (DeepSpec's exports carry such copies): the same numbers from one copy in memory, whose weights a
+        step then streams once for the drafts and the verify rows instead of twice. Inference only: a
+        trainer keeps the modules its export writes."""
+        def same(own: nn.Module | None, theirs: nn.Module | None) -> bool:
+            a, b = getattr(own, "weight", None), getattr(theirs, "weight", None)
+            return (a is not None and b is not None and a.shape == b.shape and a.dtype == b.dtype
+                    and a.device == b.device and bool(torch.equal(a, b)))
+
+        if self.d2t is not None:
+            return
+        if self.use_own_embedding and same(self.embed_tokens, getattr(target, "embed_tokens", None)):
+            self.use_own_embedding, self.embed_tokens = False, None
+        if (self.use_own_head and self.config.logit_scale == 1.0
+                and same(self.lm_head, getattr(target, "lm_head", None))):
+            self.use_own_head, self.lm_head = False, None
+
     def _rope(self, positions: Tensor, max_pos: int) -> tuple[Tensor, Tensor]:
         if max_pos >= self.rotary.cos.shape[0]:  # host-side check; positions are known on the host
             self.rotary = Rotary(self.config.rope, self.config.head_dim, max(2 * max_pos, 64)).to(self.device)

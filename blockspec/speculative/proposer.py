@@ -90,6 +90,7 @@ class Proposer:
                  context: DraftContext) -> None:
         drafter.check_target(target.config)
         drafter.bind_target(target)
+        drafter.share_target_copies(target)
         self.drafter = drafter
         self.target = target
         self.runner = runner
