@@ -181,3 +181,52 @@ def test_drafter_stage_resumes_and_exports_the_best(regenerated, pretrained, tmp
     exported = export_best(tmp_path / "sliced", target, tmp_path / "dspark")
     drafter = load_dspark(exported, device="cpu", dtype="float32")
     assert drafter.block_size == 4 and drafter.has_confidence
+
+
+def test_assemble_writes_the_pair_with_cards_read_from_the_run(regenerated, pretrained, corpus, tmp_path):
+    """The shipped directory: the three exports, each with a card whose figures are the run's own records
+    (perplexity, licenses, best acceptance), the drafters' recorded acceptance, and metrics.json; a run
+    without its exports is refused with the missing path."""
+    from safetensors import safe_open
+
+    from blockspec.drafters import load_drafter
+    from blockspec.train.recipes.flagship_cards import assemble
+
+    _, tok = corpus
+    rows, _, second = regenerated
+    pbase, *_, target = pretrained
+    run = tmp_path / "run"
+    (run / "corpus").mkdir(parents=True)
+    manifest = {"splits": {"train": {"files": 40, "tokens": 30000}},
+                "archives": [{"name": "python-stdlib"}, {"name": "demo-project"}],
+                "stdlib": {"python": "3.11.7"}, "heldout": {"packages": ["json", "asyncio", "email"]},
+                "dedup": {"duplicates_dropped": 3},
+                "tokenizer": {"vocab_size": len(tok), "special_tokens": ["<|endoftext|>", "<|mask|>"]},
+                "licenses": {"MIT": ["demo-project"], "PSF-2.0": ["python-stdlib"]}}
+    (run / "corpus" / "manifest.json").write_text(json.dumps(manifest))
+    shutil.copytree(pbase / "whole", run / "target-state")
+    (run / "regen").mkdir()
+    (run / "regen" / "regen_metrics.json").write_text(json.dumps(second))
+    with pytest.raises(FileNotFoundError, match="run/target: no export"):
+        assemble(run, tmp_path / "pair")
+    shutil.copytree(target, run / "target")
+    train = dict(num_layers=1, max_len=32, batch_size=4, num_anchors=4, lr=3e-3)
+    for method, extra in (("dflash", dict(block_size=4)), ("dspark", dict(block_size=4, markov_rank=8))):
+        cfg = DrafterStageConfig(train=dict(method=method, **train, **extra), epochs=1.0, eval_every_steps=2,
+                                 eval_prompts=2, eval_new_tokens=8)
+        drafter_slice(target, rows / "rows", run / f"{method}-state", cfg=cfg, max_steps=2, device="cpu")
+        export_best(run / f"{method}-state", target, run / method)
+    assets = assemble(run, tmp_path / "pair")
+    pair = tmp_path / "pair"
+    last = load_state(run / "target-state", groups=["run"])["run"]["history"][-1]
+    card = (pair / "target" / "README.md").read_text()
+    assert f"validation projects {last['valid_perplexity']:.2f}" in card and "MIT: demo-project" in card
+    assert "1 pinned" in card and (pair / "target" / "corpus_manifest.json").is_file()
+    for method in ("dflash", "dspark"):
+        best = load_state(run / f"{method}-state", groups=["run"])["run"]["best"]
+        assert f"{best['acceptance']:.2f} tokens per verify step" in (pair / method / "README.md").read_text()
+        assert load_drafter(method, pair / method, device="cpu").recorded_acceptance is not None
+    with safe_open(str(pair / "target" / "model.safetensors"), "pt") as f:
+        params = sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())
+    assert assets["target"]["parameters"] == params
+    assert json.loads((pair / "metrics.json").read_text())["assets"] == assets

@@ -6,6 +6,7 @@ drafters' state indexes, the last regeneration metrics), so a card cannot drift 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -14,6 +15,9 @@ from typing import Any
 
 from safetensors import safe_open
 
+from blockspec.drafters import load_drafter
+from blockspec.drafters.config import DrafterConfig
+from blockspec.train.drafter_stage import DrafterStageConfig
 from blockspec.train.state import read_index
 
 PAIR = ("target", "dflash", "dspark")
@@ -54,6 +58,9 @@ def target_card(rec: dict[str, Any], params: int, size: int) -> str:
     shape, c = cfg["shape"], rec["corpus"]
     tokens = sum(h["tokens"] for h in rec["target"]["history"])
     seconds = sum(h["seconds"] for h in rec["target"]["history"])
+    perplexity = "; ".join(f"{label} {last[key]:.2f}" for key, label in (
+        ("heldout_perplexity", "held-out stdlib packages"), ("valid_perplexity", "validation projects"))
+        if last.get(key) is not None) or "not measured"
     licenses = "; ".join(f"{name}: {', '.join(projects)}" for name, projects in sorted(c["licenses"].items()))
     return f"""# blockspec flagship target (Qwen3 architecture, Python code)
 
@@ -79,7 +86,7 @@ it is not an assistant.
 - **Training**: {last['to_step']} steps of {cfg['batch_size']} x {cfg['seq_len']} tokens ({last['epoch']:g} epochs, {tokens:,}
   tokens) in {seconds / 60:.1f} minutes on one H200 ({last['tokens_per_s']:,} tokens/s), AdamW lr {cfg['lr']:g},
   warm-up + cosine to {cfg['min_lr_ratio']:g}x, weight decay {cfg['weight_decay']:g}, clip {cfg['grad_clip']:g}.
-- **Perplexity**: held-out stdlib packages {last['heldout_perplexity']:.2f}; validation projects {last['valid_perplexity']:.2f}.
+- **Perplexity**: {perplexity}.
 - **Greedy repetition**: {rec['regen']['greedy_repeated_line_share_96']:.1%} of the lines of its 96-token greedy
   continuations (of openings of the training corpus) repeat an earlier line of the same continuation.
 
@@ -87,9 +94,10 @@ Loads with `blockspec` (`LLM("target")`) and with `transformers.AutoModelForCaus
 """
 
 
-def drafter_card(rec: dict[str, Any], method: str, params: int, size: int) -> str:
+def drafter_card(rec: dict[str, Any], method: str, shape: DrafterConfig, params: int, size: int) -> str:
     d = rec["drafters"][method]
-    t, best = d["config"]["train"], d["best"]
+    t = dataclasses.asdict(DrafterStageConfig(**d["config"]).train_config("cpu"))  # the trainer's defaults filled in
+    best = d["best"]
     fmt = ("z-lab DFlash (`DFlashDraftModel`, no embedding or head: it shares the target's)" if method == "dflash"
            else "DeepSpec DSpark (`Qwen3DSparkModel`, with copies of the target's embedding and head)")
     heads = (f"Markov head ({t['markov_head_type']}, rank {t['markov_rank']}) and confidence head; "
@@ -101,8 +109,8 @@ The drafter of the flagship target (`../target`), trained by `python -m blockspe
 
 - **Format**: {fmt}; loads with blockspec (`speculative_config={{"method": "{method}", "model": ...}}`) and
   with the reference code.
-- **Shape**: {t['num_layers']} layers, MLP {t['intermediate_size']}, block {t['block_size']}; {heads}target
-  features from layers {', '.join(map(str, t['target_layer_ids']))}. {params:,} parameters ({size / 1e6:.1f} MB, bf16).
+- **Shape**: {shape.num_layers} layers, MLP {shape.intermediate_size}, block {shape.block_size}; {heads}target
+  features from layers {', '.join(map(str, shape.target_layer_ids))}. {params:,} parameters ({size / 1e6:.1f} MB, bf16).
 - **Data**: the target's own continuations (greedy and T = 0.7, 448 tokens each) of 64-token openings
   of the training corpus: {rec['regen']['total_generated_tokens']:,} generated tokens.
 - **Training**: the reference objective (random anchors, position-decayed loss), {d['total_steps']} steps of
@@ -117,10 +125,10 @@ The drafter of the flagship target (`../target`), trained by `python -m blockspe
 
 def assemble(run_dir: Path, out: Path) -> dict[str, Any]:
     """Copy the run's exports (run_dir/{target,dflash,dspark}) to `out` with their cards and metrics.json."""
-    rec = run_record(run_dir)
     for name in PAIR:
         if not (run_dir / name / "config.json").is_file():
             raise FileNotFoundError(f"{run_dir / name}: no export (run local.sh export-target / export-drafters)")
+    rec = run_record(run_dir)
     if out.exists():
         shutil.rmtree(out)
     sizes = {}
@@ -129,7 +137,8 @@ def assemble(run_dir: Path, out: Path) -> dict[str, Any]:
         params = _params(out / name)
         size = (out / name / "model.safetensors").stat().st_size
         sizes[name] = {"parameters": params, "bytes": size}
-        card = target_card(rec, params, size) if name == "target" else drafter_card(rec, name, params, size)
+        card = (target_card(rec, params, size) if name == "target"
+                else drafter_card(rec, name, load_drafter(name, out / name, device="cpu").config, params, size))
         (out / name / "README.md").write_text(card)
     shutil.copy2(run_dir / "corpus" / "manifest.json", out / "target" / "corpus_manifest.json")
     rec["assets"] = sizes | {"total_bytes": sum(f.stat().st_size for f in out.rglob("*") if f.is_file())}
