@@ -4,4 +4,4 @@
 # returns: dspark_metrics.json, dspark-e8-state/{state.json, drafter-*, trainer-*, best-*}
 source scripts/flagship/common.sh
 sync_in
-FLAGSHIP_EPOCHS=${FLAGSHIP_EPOCHS:-8} FLAGSHIP_STATE=dspark-e8-state drafter_slice dspark "${FLAGSHIP_MINUTES:-8.5}"
+FLAGSHIP_EPOCHS=${FLAGSHIP_EPOCHS:-8} FLAGSHIP_STATE=${FLAGSHIP_STATE:-dspark-e8-state} drafter_slice dspark "${FLAGSHIP_MINUTES:-8.5}"

@@ -51,9 +51,9 @@ regen_slice() {  # $1: minutes of generation; this slice's pieces and the state 
   cp "$OUT"/regen/* "$DEV/regen/"
 }
 
-drafter_slice() {  # $1: dflash | dspark, $2: minutes; FLAGSHIP_EPOCHS (a new state only), FLAGSHIP_STATE (its name)
+drafter_slice() {  # $1: dflash | dspark, $2: minutes; FLAGSHIP_EPOCHS, FLAGSHIP_LAYERS (a new state only), FLAGSHIP_STATE
   local state="${FLAGSHIP_STATE:-$1-state}"
   [ -d "$DEV/target" ] || cp -r blockspec/assets/default/target "$DEV/target"  # the shipped target, once it is
   flagship drafter --method "$1" --target "$DEV/target" --rows "$DEV/regen" --state "$DEV/$state" \
-    --minutes "$2" --out "$OUT" ${FLAGSHIP_EPOCHS:+--epochs "$FLAGSHIP_EPOCHS"}
+    --minutes "$2" --out "$OUT" ${FLAGSHIP_EPOCHS:+--epochs "$FLAGSHIP_EPOCHS"} ${FLAGSHIP_LAYERS:+--layers "$FLAGSHIP_LAYERS"}
 }

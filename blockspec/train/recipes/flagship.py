@@ -566,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--max-steps", type=int, default=None)
     d.add_argument("--epochs", type=float, default=None, help="passes over the rows (default: the plan's); "
                    "a state keeps the epochs it started with")
+    d.add_argument("--layers", type=int, default=None, help="drafter decoder layers (default: the plan's); "
+                   "a state keeps the shape it started with")
     d.add_argument("--device", default="auto")
 
     x = sub.add_parser("export-drafter", help="the best drafter of a state in its reference format")
@@ -654,6 +656,7 @@ def run_command(args: argparse.Namespace) -> int:
     elif args.command == "drafter":
         cfg = plan.drafters[args.method]
         cfg = dataclasses.replace(cfg, epochs=args.epochs) if args.epochs else cfg
+        cfg = dataclasses.replace(cfg, train=cfg.train | {"num_layers": args.layers}) if args.layers else cfg
         metrics = drafter_slice(args.target, args.rows, args.state, cfg=cfg, minutes=args.minutes,
                                 max_steps=args.max_steps, device=args.device)
         if args.out is not None and groups_arg(args.ship):
