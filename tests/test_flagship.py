@@ -211,19 +211,20 @@ def test_assemble_writes_the_pair_with_cards_read_from_the_run(regenerated, pret
         assemble(run, tmp_path / "pair")
     shutil.copytree(target, run / "target")
     train = dict(num_layers=1, max_len=32, batch_size=4, num_anchors=4, lr=3e-3)
+    states = {"dflash": "dflash-state", "dspark": "dspark-longer"}  # a state not named METHOD-state, as --states
     for method, extra in (("dflash", dict(block_size=4)), ("dspark", dict(block_size=4, markov_rank=8))):
         cfg = DrafterStageConfig(train=dict(method=method, **train, **extra), epochs=1.0, eval_every_steps=2,
                                  eval_prompts=2, eval_new_tokens=8)
-        drafter_slice(target, rows / "rows", run / f"{method}-state", cfg=cfg, max_steps=2, device="cpu")
-        export_best(run / f"{method}-state", target, run / method)
-    assets = assemble(run, tmp_path / "pair")
+        drafter_slice(target, rows / "rows", run / states[method], cfg=cfg, max_steps=2, device="cpu")
+        export_best(run / states[method], target, run / method)
+    assets = assemble(run, tmp_path / "pair", {"dspark": "dspark-longer"})
     pair = tmp_path / "pair"
     last = load_state(run / "target-state", groups=["run"])["run"]["history"][-1]
     card = (pair / "target" / "README.md").read_text()
     assert f"validation projects {last['valid_perplexity']:.2f}" in card and "MIT: demo-project" in card
     assert "1 pinned" in card and (pair / "target" / "corpus_manifest.json").is_file()
     for method in ("dflash", "dspark"):
-        best = load_state(run / f"{method}-state", groups=["run"])["run"]["best"]
+        best = load_state(run / states[method], groups=["run"])["run"]["best"]
         assert f"{best['acceptance']:.2f} tokens per verify step" in (pair / method / "README.md").read_text()
         assert load_drafter(method, pair / method, device="cpu").recorded_acceptance is not None
     with safe_open(str(pair / "target" / "model.safetensors"), "pt") as f:

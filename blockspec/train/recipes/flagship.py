@@ -103,7 +103,8 @@ call  carries                                      runs                         
 
 Then locally: ``local.sh export-drafters`` (z-lab DFlash, DeepSpec DSpark from each state's best),
 and ``python -m blockspec.train.recipes.flagship assemble``: the exports with their model cards and
-metrics.json into ``blockspec/assets/default``.
+metrics.json into ``blockspec/assets/default`` (``--states dflash=DIR``: a drafter exported from a state
+not named ``dflash-state``).
 
 Longer drafter runs, once the pair is shipped (the target is then the shipped one): 20 and 21 carry
 the two regenerated pieces (the tree is 54 MiB with the pair) and 21 starts a DFlash run of
@@ -588,6 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("assemble", help="the shipped pair (exports, cards, metrics.json) from a finished run")
     a.add_argument("--run", type=Path, default=Path("out/flagship"))
     a.add_argument("--out", type=Path, default=Path("blockspec/assets/default"))
+    a.add_argument("--states", nargs="*", default=[], metavar="METHOD=DIR", type=method_state,
+                   help="a drafter's state directory under --run, where not METHOD-state (e.g. dflash=dflash-e10-state)")
 
     y = sub.add_parser("carry", help="the size of a call carrying these paths (with the working tree)")
     y.add_argument("paths", nargs="*", type=Path)
@@ -598,6 +601,13 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def method_state(text: str) -> tuple[str, str]:
+    method, sep, state = text.partition("=")
+    if not sep or method not in DRAFTERS or not state:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected METHOD=DIR with METHOD one of {', '.join(DRAFTERS)}")
+    return method, state
 
 
 def groups_arg(text: str | None) -> list[str] | None:
@@ -669,7 +679,7 @@ def run_command(args: argparse.Namespace) -> int:
     elif args.command == "collect":
         write_metrics(None, "", {"collected": collect(args.returned, args.into)})
     elif args.command == "assemble":
-        write_metrics(None, "", assemble(args.run, args.out))
+        write_metrics(None, "", assemble(args.run, args.out, dict(args.states)))
     elif args.command == "carry":
         write_metrics(None, "", carry_bytes(args.paths))
     elif args.command == "ship":

@@ -28,14 +28,15 @@ def _params(model_dir: Path) -> int:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
-def run_record(run_dir: Path) -> dict[str, Any]:
-    """What the run did, from its records: corpus, target training, regeneration, each drafter's best."""
+def run_record(run_dir: Path, states: dict[str, str] | None = None) -> dict[str, Any]:
+    """What the run did, from its records: corpus, target training, regeneration, each drafter's best (from
+    run_dir/<method>-state, or the state directory `states` names for the method)."""
     manifest = json.loads((run_dir / "corpus" / "manifest.json").read_text())
     target_run = read_index(run_dir / "target-state")["state"]["run"]
     regen = json.loads((run_dir / "regen" / "regen_metrics.json").read_text())
     drafters = {}
     for method in PAIR[1:]:
-        run = read_index(run_dir / f"{method}-state")["state"]["run"]
+        run = read_index(run_dir / (states or {}).get(method, f"{method}-state"))["state"]["run"]
         best = next(e for e in run["evals"] if e["step"] == run["best"]["step"])
         drafters[method] = {"config": run["config"], "best": best, "total_steps": run["total"],
                             "train_seconds": sum(h.get("train_seconds", 0.0) for h in run["history"])}
@@ -123,12 +124,13 @@ The drafter of the flagship target (`../target`), trained by `python -m blockspe
 """
 
 
-def assemble(run_dir: Path, out: Path) -> dict[str, Any]:
-    """Copy the run's exports (run_dir/{target,dflash,dspark}) to `out` with their cards and metrics.json."""
+def assemble(run_dir: Path, out: Path, states: dict[str, str] | None = None) -> dict[str, Any]:
+    """Copy the run's exports (run_dir/{target,dflash,dspark}) to `out` with their cards and metrics.json;
+    `states`: the drafter state directories the exports came from, where not <method>-state."""
     for name in PAIR:
         if not (run_dir / name / "config.json").is_file():
             raise FileNotFoundError(f"{run_dir / name}: no export (run local.sh export-target / export-drafters)")
-    rec = run_record(run_dir)
+    rec = run_record(run_dir, states)
     if out.exists():
         shutil.rmtree(out)
     sizes = {}
