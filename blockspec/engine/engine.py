@@ -95,7 +95,8 @@ class Engine:
             weight = model.embed_tokens.weight
             self.context = DraftContext(drafter, self.pages, config.max_model_len, k, config.max_num_seqs,
                                         weight.dtype, weight.device)
-            self.policy = DraftLengthPolicy(k, spec_config.adaptive_draft_length, recorded=drafter.recorded_acceptance)
+            self.policy = DraftLengthPolicy(k, spec_config.adaptive_draft_length,
+                                            recorded=drafter.recorded_acceptance)
             widths = [1 + c for c in self.policy.candidates]
         context = self.context
         self.runner = ModelRunner(model, self.pages, config.max_model_len + margin,

@@ -126,11 +126,12 @@ class DraftLengthPolicy:
         """P(first k drafts accepted), k = 1..k_max.
 
         Each position's conditional rate borrows RECORDED_TRIALS pseudo-trials at the drafter's recorded
-        rate where it has one, else PRIOR_TRIALS at the rate of the position before it (the first: at
-        one half), so an unseen position extrapolates the last rate and a rarely offered one moves
-        from it only as evidence comes: two unlucky first drafts of a good drafter do not condemn it. Shrunk towards one half
-        instead, the few trials deep positions get while short drafts are explored would read as a
-        collapse (0 of 2 accepted gives 0.17), and longer drafts would never look worth trying.
+        rate where it has one (so two unlucky first drafts of a good drafter do not condemn it), else
+        PRIOR_TRIALS at the rate of the position before it (the first: at one half), so an unseen
+        position extrapolates the last rate and a rarely offered one moves from it only as evidence
+        comes. Shrunk towards one half instead, the few trials deep positions get while short drafts
+        are explored would read as a collapse (0 of 2 accepted gives 0.17), and longer drafts would
+        never look worth trying.
         With `optimism` z each rate counts z standard errors above its estimate (at most 1): the most
         its trials allow, which an unmeasured K is scored at (the next position still borrows the
         estimate itself)."""

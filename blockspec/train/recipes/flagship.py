@@ -59,15 +59,14 @@ layers 1-4; z-lab format, no embedding) 3.7 MB; DSpark (2 layers, MLP 768, block
 1.1 MB: 49.6 MB = 47.3 MiB. The tree's other files are 6.6 MiB, so the tree becomes 53.9 MiB (under
 55; the asset column prices every candidate's drafters at 3 x hidden MLPs).
 
-The calls
----------
-Scripts in ``scripts/flagship`` (they travel with the tree); each names in its header what it carries
-(the ``carry`` list to pass, besides the wheels of dependencies the device lacks: ``common.sh``), what
-it runs and what it returns. Locally, once: ``bash scripts/flagship/local.sh prepare``: the train pieces re-cut to at most 20
-MiB (4 pieces, the largest 19.6 MiB, so a call carrying one has 5.8 MiB to spare where the corpus's
-23.7 MiB piece left 1.8), and 64,000 prompts of 64 tokens (3.2 MiB). After every call: ``local.sh
-collect FILES_AT``. Run every call with timeout_s 600. The drafters' early stopping decodes 24
-held-out openings that are not among the demo's prompts (`drafter_stage.selection_prompt_ids`).
+The calls --------- Scripts in ``scripts/flagship`` (they travel with the tree); each names in its
+header what it carries (the ``carry`` list to pass, besides the wheels of dependencies the device
+lacks: ``common.sh``), what it runs and what it returns. Locally, once: ``bash
+scripts/flagship/local.sh prepare``: the train pieces re-cut to at most 20 MiB (4 pieces, the
+largest 19.6 MiB, so a call carrying one has 5.8 MiB to spare where the corpus's 23.7 MiB piece left
+1.8), and 64,000 prompts of 64 tokens (3.2 MiB). After every call: ``local.sh collect FILES_AT``.
+Run every call with timeout_s 600. The drafters' early stopping decodes 24 held-out openings that
+are not among the demo's prompts (`drafter_stage.selection_prompt_ids`).
 
 Session 1: target pretraining and regeneration.
 
@@ -590,7 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--run", type=Path, default=Path("out/flagship"))
     a.add_argument("--out", type=Path, default=Path("blockspec/assets/default"))
     a.add_argument("--states", nargs="*", default=[], metavar="METHOD=DIR", type=method_state,
-                   help="a drafter's state directory under --run, where not METHOD-state (e.g. dflash=dflash-e10-state)")
+                   help="a drafter's state directory under --run, where not METHOD-state "
+                        "(e.g. dflash=dflash-e10-state)")
 
     y = sub.add_parser("carry", help="the size of a call carrying these paths (with the working tree)")
     y.add_argument("paths", nargs="*", type=Path)
