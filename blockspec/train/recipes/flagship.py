@@ -59,7 +59,9 @@ layers 1-4; z-lab format, no embedding) 3.7 MB; DSpark (2 layers, MLP 768, block
 1.1 MB: 49.6 MB = 47.3 MiB. The tree's other files are 6.6 MiB, so the tree becomes 53.9 MiB (under
 55; the asset column prices every candidate's drafters at 3 x hidden MLPs).
 
-The calls --------- Scripts in ``scripts/flagship`` (they travel with the tree); each names in its
+The calls
+---------
+Scripts in ``scripts/flagship`` (they travel with the tree); each names in its
 header what it carries (the ``carry`` list to pass, besides the wheels of dependencies the device
 lacks: ``common.sh``), what it runs and what it returns. Locally, once: ``bash
 scripts/flagship/local.sh prepare``: the train pieces re-cut to at most 20 MiB (4 pieces, the
