@@ -73,3 +73,17 @@ def test_the_cpu_engine_decodes_through_onednn_as_through_the_reference(tmp_path
         if type(m) is OneDNNLinear:
             m.__class__ = nn.Linear
     assert llm.generate(["hello world"], params, use_tqdm=False)[0].outputs[0].token_ids == fast
+
+
+@needs_onednn
+def test_a_switched_linear_still_trains():
+    """oneDNN's product has no backward: a switched module that autograd records must give the reference's
+    gradients, not none."""
+    gen = torch.Generator().manual_seed(2)
+    ref, lin = nn.Linear(32, 8), nn.Linear(32, 8)
+    lin.load_state_dict(ref.state_dict())
+    use_onednn_linears(lin)
+    x = torch.randn(5, 32, generator=gen)
+    ref(x).square().sum().backward()
+    lin(x).square().sum().backward()
+    assert lin.weight.grad is not None and torch.allclose(lin.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)

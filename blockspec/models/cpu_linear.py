@@ -21,9 +21,12 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 class OneDNNLinear(nn.Linear):
-    """An `nn.Linear` whose product runs in oneDNN; its parameters (and any tie to them) are unchanged."""
+    """An `nn.Linear` whose product runs in oneDNN; its parameters (and any tie to them) are unchanged.
+    oneDNN's op has no backward, so a forward that autograd records takes `F.linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return F.linear(x, self.weight, self.bias)
         return _onednn_linear(x, self.weight, self.bias)
 
 
