@@ -148,6 +148,17 @@ class DSparkDraft(DraftModel):
     def has_confidence(self) -> bool:
         return self.confidence_head is not None
 
+    def block_confidence(self, h: Tensor, anchors: Tensor, tokens: Tensor) -> Tensor | None:
+        """c_k of every drafted position at once, [R, K] (None without a confidence head): position k's
+        previous token is the anchor for k = 0, else draft k - 1. One product after the left-to-right
+        loop, since no confidence feeds back into the drafts."""
+        if self.confidence_head is None:
+            return None
+        if tokens.shape[1] == 0:
+            return h.new_zeros(tokens.shape, dtype=torch.float32)
+        prev = torch.cat([anchors.long()[:, None], tokens[:, :-1].clamp(min=0)], dim=1)
+        return self.confidence(h[:, : tokens.shape[1]], prev)
+
     def greedy_drafts(self, slot_hidden: Tensor, anchors: Tensor, top_k: int = 0,
                       head_argmax: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
         return self.draft_greedy(self.logits(slot_hidden), slot_hidden, anchors, top_k)
@@ -161,19 +172,17 @@ class DSparkDraft(DraftModel):
         r, k = slot_hidden.shape[:2]
         base = self.logits(slot_hidden)
         prev, state = anchors, None
-        tokens, qs, confs = [], [], []
+        tokens, qs = [], []
         for i in range(k):
             rows = torch.arange(r, device=slot_hidden.device) * k + i
-            if self.has_confidence:
-                confs.append(self.confidence(slot_hidden[:, i], prev))
             logits_i, state = self._markov_logits(i, base[:, i], slot_hidden[:, i], prev, state, top_k)
             logits_i = self.scatter_to_target(logits_i, vocab, float("-inf"))
             tok, q = sample_draft(logits_i[:, None], params.take(rows), round_)
             prev = tok[:, 0].clamp(min=0)
             tokens.append(tok[:, 0])
             qs.append(q[:, 0])
-        conf = torch.stack(confs, 1) if confs else None
-        return torch.stack(tokens, 1), torch.stack(qs, 1), conf
+        drafts = torch.stack(tokens, 1)
+        return drafts, torch.stack(qs, 1), self.block_confidence(slot_hidden, anchors, drafts)
 
     def _markov_logits(self, i: int, base: Tensor, h: Tensor, prev: Tensor, state: Tensor | None,
                        top_k: int) -> tuple[Tensor, Tensor | None]:
@@ -198,12 +207,10 @@ class DSparkDraft(DraftModel):
         r, k_total, v = base_logits.shape
         prev = anchor_ids.long()
         state = None
-        tokens, confs = [], []
+        tokens = []
         use_topk = self.markov_head is not None and 0 < top_k < v
         for k in range(k_total):
             h_k = h[:, k]
-            if self.confidence_head is not None:
-                confs.append(self.confidence(h_k, prev))
             base_k = base_logits[:, k].float()
             if self.markov_head is None:
                 draft = base_k.argmax(dim=-1)
@@ -218,5 +225,4 @@ class DSparkDraft(DraftModel):
             prev = self.draft_to_target(draft)
             tokens.append(prev)
         toks = torch.stack(tokens, dim=1) if tokens else base_logits.new_zeros((r, 0), dtype=torch.int64)
-        conf = torch.stack(confs, dim=1) if confs else None
-        return toks, conf
+        return toks, self.block_confidence(h, anchor_ids, toks)
