@@ -104,11 +104,12 @@ def summary(rounds: list[Round], acc: dict[str, Any]) -> list[str]:
         return lines + [f"{NO_DRAFTS_WHY}; the speculative runs decoded as the plain ones did, so there is no "
                         "speedup to report (--no-adaptive-draft-length drafts every step); " + agree]
     ratios = [r.speedup for r in rounds]
-    low, high = min(ratios), max(ratios)
-    # as the bench's verdict: a median inside a spread that crosses 1 is no measured speedup
-    verdict = "" if low > 1 or high < 1 else ": within the rounds' spread, no measurable difference"
-    return lines + [f"speedup {statistics.median(ratios):.2f}x (median of {len(ratios)} interleaved rounds, min "
-                    f"{low:.2f}x, max {high:.2f}x{verdict}); {agree}"]
+    # each round is another prompt, so the spread is the prompts' (how well each drafts) as much as timing
+    # noise: the count of faster rounds says how general the speedup is
+    faster = sum(x > 1 for x in ratios)
+    return lines + [f"speedup {statistics.median(ratios):.2f}x (median of {len(ratios)} interleaved rounds, one "
+                    f"prompt each, min {min(ratios):.2f}x, max {max(ratios):.2f}x; {faster} of {len(ratios)} "
+                    f"faster); {agree}"]
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -185,10 +186,11 @@ def add_demo_parser(sub: Any) -> None:
                         "block, so the demo shows what block drafting does)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="weights and activations (default: auto, the engine's: the checkpoint's bf16 on a GPU, "
-                        "float32 on a CPU, where bf16 products can round a verify step's rows differently from "
-                        "a plain step's; on a CPU with native bf16 products, bfloat16 makes both runs faster)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights and activations (default: float32 on every device, since bf16 products can "
+                        "round a verify step's rows differently from a plain step's and so flip near-tied "
+                        "greedy tokens of this small model, and the demo checks that the outputs are identical; "
+                        "bfloat16 makes both runs faster where products are native bf16)")
     p.add_argument("--color", action=argparse.BooleanOptionalAction, default=True,
                    help="colour the code on a terminal (never into a pipe or a file, nor with NO_COLOR set)")
     p.set_defaults(func=run_demo)
