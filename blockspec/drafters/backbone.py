@@ -175,10 +175,6 @@ class DraftModel(nn.Module):
         # the engine sets float8_e4m3fn for an FP8 cache (on the kernel path the block's own K/V are
         # read back from it too; the reference keeps them in the model's dtype)
         self.kv_cache_dtype: torch.dtype | None = None
-        # the vocabulary head's product in another precision, for drafting only (the engine sets a bf16
-        # one on CPUs with native bf16, where the drafts' many-row head product is compute-bound):
-        # drafts may differ from the stored precision's on near ties, what is emitted cannot
-        self.head_for_drafts: nn.Module | None = None
 
     has_confidence = False  # a confidence head (DSpark) gives each draft a survival probability
 
@@ -186,8 +182,7 @@ class DraftModel(nn.Module):
     def plain_target_head(self) -> bool:
         """The drafter's logits are exactly the target LM head's (no own head, scale or softcap)."""
         c = self.config
-        return (not self.use_own_head and self.head_for_drafts is None and c.output_multiplier == 1.0
-                and not c.final_logit_softcapping)
+        return not self.use_own_head and c.output_multiplier == 1.0 and not c.final_logit_softcapping
 
     @property
     def feature_width(self) -> int:
@@ -463,11 +458,7 @@ class DraftModel(nn.Module):
     def logits(self, hidden: Tensor, target: nn.Module | None = None) -> Tensor:
         """fp32 logits over the draft vocabulary (own LM head) or the target vocabulary (shared head)."""
         c = self.config
-        if self.head_for_drafts is not None:
-            out = self.head_for_drafts(hidden).float()
-            if self.use_own_head and c.logit_scale != 1.0:
-                out = out * c.logit_scale
-        elif self.use_own_head:
+        if self.use_own_head:
             out = self.lm_head(hidden).float()
             if c.logit_scale != 1.0:
                 out = out * c.logit_scale
