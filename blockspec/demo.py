@@ -78,9 +78,10 @@ class Round:
         return (self.spec_tokens / self.spec_s) / (self.plain_tokens / self.plain_s)
 
 
-def summary(rounds: list[Round], acc: dict[str, Any]) -> list[str]:
+def summary(rounds: list[Round], acc: dict[str, Any], adaptive: bool = True) -> list[str]:
     """The closing lines: acceptance, tok/s of both runs, and the speedup with its spread; or, when no step
-    drafted, that the policy chose plain decoding, and no speedup."""
+    drafted, that the policy chose plain decoding, and no speedup. `adaptive`: the draft-length policy
+    chose each step's drafts (else a step drafts unless no draft fits before the token limit)."""
     from blockspec.bench.drafts import NO_DRAFTS_WHY
 
     plain_n, plain_s = sum(r.plain_tokens for r in rounds), sum(r.plain_s for r in rounds)
@@ -94,7 +95,8 @@ def summary(rounds: list[Round], acc: dict[str, Any]) -> list[str]:
                   f"bonus included) over {acc['num_drafts']} verify step(s) of {acc['mean_draft_length']:.1f} "
                   f"drafts on average; {acc['num_drafts']} of {steps} decode steps drafted"
                   + ("" if acc["num_drafts"] >= steps else " (the draft-length policy chose plain decoding for the "
-                     "others; --no-adaptive-draft-length drafts every step)"),
+                     "others; --no-adaptive-draft-length drafts every step)" if adaptive else
+                     " (the others had no room for a draft before the token limit)"),
                   f"  per-position acceptance (of the steps drafting position i, the share accepting it; - = never "
                   f"drafted): {per}"]
     lines += [f"plain:       {plain_n} tokens in {plain_s:.2f} s = {plain_n / plain_s:.1f} tok/s",
@@ -145,7 +147,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if not shipped:
         print("note: this is the quick CPU-built pair (trained for seconds), not the GPU-trained default: its "
               "text is barely trained (often repetitive), so its acceptance figures say little about real drafting")
-    rounds = []
+    rounds, drafted = [], []
     for i, prompt in enumerate(prompts):
         timed = {}
         for mode in (("plain", "spec") if i % 2 == 0 else ("spec", "plain")):
@@ -155,13 +157,16 @@ def run_demo(args: argparse.Namespace) -> int:
         (plain, plain_s), (fast, spec_s) = timed["plain"], timed["spec"]
         rounds.append(Round(len(plain.token_ids), plain_s, len(fast.token_ids), spec_s,
                             list(plain.token_ids) == list(fast.token_ids)))
+        steps = log.drain()  # this round's verify steps: (drafts, accepted) each
+        drafted += steps
+        length = f", acceptance length {1 + sum(a for _, a in steps) / len(steps):.2f}" if steps else ", no drafts"
         print(f"\n=== prompt {i + 1} of {len(prompts)} ===\n{dim}{prompt}{reset}{bold}{fast.text}{reset}")
         print(f"--- plain {rounds[-1].plain_tokens / plain_s:.1f} tok/s, speculative "
-              f"{rounds[-1].spec_tokens / spec_s:.1f} tok/s ({rounds[-1].speedup:.2f}x)"
+              f"{rounds[-1].spec_tokens / spec_s:.1f} tok/s ({rounds[-1].speedup:.2f}x){length}"
               + ("" if rounds[-1].same else "; the outputs differ"))
-    acc = acceptance(log.drain(), engine.proposer.num_speculative_tokens)
+    acc = acceptance(drafted, engine.proposer.num_speculative_tokens)
     print("=" * 60)
-    print("\n".join(summary(rounds, acc)))
+    print("\n".join(summary(rounds, acc, args.adaptive_draft_length)))
     return 0 if all(r.same for r in rounds) or args.temperature > 0 else 1
 
 

@@ -96,6 +96,7 @@ def test_demo_runs_one_request_at_a_time_in_alternating_rounds(monkeypatch, caps
     assert calls == [(1, "plain"), (1, "spec"), (1, "plain"), (1, "spec"), (1, "spec"), (1, "plain")]
     out = capsys.readouterr().out
     assert "plain:       16 tokens in" in out and "speculative: 16 tokens in" in out
+    assert out.count("x), acceptance length ") + out.count("x), no drafts") == 2  # each round's own
     assert "interleaved rounds, one prompt each, min" in out or "no drafts: the draft-length policy" in out
 
 
@@ -108,6 +109,8 @@ def test_demo_summary_gives_the_speedup_spread_or_says_no_drafts():
     lines = summary(rounds, drafted)
     assert "4 of 192 decode steps drafted (the draft-length policy chose plain decoding for the others" in lines[0]
     assert "per-position acceptance" in lines[1] and lines[1].endswith("0.75 0.50 -")
+    assert "4 of 192 decode steps drafted (the others had no room for a draft before the token limit)" in \
+        summary(rounds, drafted, adaptive=False)[0]
     assert lines[-1] == ("speedup 1.15x (median of 2 interleaved rounds, one prompt each, min 1.10x, max 1.20x; "
                          "2 of 2 faster); outputs identical to plain decoding: yes")
     mixed = summary([rounds[0], Round(100, 1.0, 100, 1.0 / 0.9, False)], drafted)
