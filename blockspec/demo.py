@@ -105,13 +105,18 @@ def summary(rounds: list[Round], acc: dict[str, Any], adaptive: bool = True) -> 
     if not acc["num_drafts"]:
         return lines + [f"{NO_DRAFTS_WHY}; the speculative runs decoded as the plain ones did, so there is no "
                         "speedup to report (--no-adaptive-draft-length drafts every step); " + agree]
-    ratios = [r.speedup for r in rounds]
+    # a prompt whose output ended at its first token timed its prefill only: no decoding to compare
+    ratios = [r.speedup for r in rounds if r.plain_tokens > 1]
+    left_out = len(rounds) - len(ratios)
+    skipped = f"; {left_out} prompt(s) ended at their first token (prefill only) and are left out" if left_out else ""
+    if not ratios:
+        return lines + [f"no round decoded past its first token, so there is no speedup to report{skipped}; {agree}"]
     # each round is another prompt, so the spread is the prompts' (how well each drafts) as much as timing
     # noise: the count of faster rounds says how general the speedup is
     faster = sum(x > 1 for x in ratios)
     return lines + [f"speedup {statistics.median(ratios):.2f}x (median of {len(ratios)} interleaved rounds, one "
                     f"prompt each, min {min(ratios):.2f}x, max {max(ratios):.2f}x; {faster} of {len(ratios)} "
-                    f"faster); {agree}"]
+                    f"faster{skipped}); {agree}"]
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -116,6 +116,10 @@ def test_demo_summary_gives_the_speedup_spread_or_says_no_drafts():
     mixed = summary([rounds[0], Round(100, 1.0, 100, 1.0 / 0.9, False)], drafted)
     assert mixed[-1] == ("speedup 1.00x (median of 2 interleaved rounds, one prompt each, min 0.90x, max 1.10x; "
                          "1 of 2 faster); outputs identical to plain decoding: NO")
+    ended = summary(rounds + [Round(1, 0.1, 1, 0.2, True)], drafted)  # a prompt that stopped at its first token
+    assert ended[-1] == ("speedup 1.15x (median of 2 interleaved rounds, one prompt each, min 1.10x, max 1.20x; "
+                         "2 of 2 faster; 1 prompt(s) ended at their first token (prefill only) and are left out); "
+                         "outputs identical to plain decoding: yes")
     idle = summary(rounds, {"num_drafts": 0, "per_position": [None] * 3})
     assert idle[-1].startswith("no drafts: the draft-length policy chose plain decoding at every step")
     assert "speedup 1" not in "\n".join(idle) and "no speedup to report" in idle[-1]
