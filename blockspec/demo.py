@@ -58,6 +58,16 @@ def heldout_prompts(limit: int, lines: int = 4) -> list[str]:
     return prompts[:: max(1, len(prompts) // limit)][:limit]
 
 
+def continued_prompts(llm: Any, candidates: list[str], limit: int) -> list[str]:
+    """The first `limit` candidates that the target continues past their first token when greedy: a prompt
+    it ends at once would show no code, and its round would time a prefill and no decoding."""
+    from blockspec.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=2, use_speculation=False)
+    outs = llm.generate(candidates, params, use_tqdm=False)
+    return [p for p, o in zip(candidates, outs) if len(o.outputs[0].token_ids) > 1][:limit]
+
+
 def use_color(enabled: bool) -> bool:
     """Colours only on a terminal, and never with NO_COLOR set (https://no-color.org)."""
     return enabled and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
@@ -132,12 +142,12 @@ def run_demo(args: argparse.Namespace) -> int:
     for p in (target, drafter):
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"{p}: not a model directory (no config.json)")
-    prompts = args.prompt or heldout_prompts(args.num_prompts)
     spec = {"method": args.method, "model": str(drafter), "adaptive_draft_length": args.adaptive_draft_length}
     if args.num_speculative_tokens:
         spec["num_speculative_tokens"] = args.num_speculative_tokens
     llm = LLM(str(target), device=args.device, dtype=args.dtype, speculative_config=spec, seed=0, max_num_seqs=1)
     engine = llm.engine
+    prompts = args.prompt or continued_prompts(llm, heldout_prompts(2 * args.num_prompts), args.num_prompts)
     base_params = dict(temperature=args.temperature, seed=0, max_tokens=args.max_tokens)
     modes = {"plain": SamplingParams(**base_params, use_speculation=False), "spec": SamplingParams(**base_params)}
     for use in (False, True):  # warm-up of both paths

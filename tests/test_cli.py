@@ -78,9 +78,9 @@ def test_demo_colours_only_a_terminal_without_no_color(monkeypatch, capsys):
 
 @needs_pair
 def test_demo_runs_one_request_at_a_time_in_alternating_rounds(monkeypatch, capsys):
-    """Each generate call carries one prompt (batch 1); after a warm-up of each path, round 1 runs plain
-    then speculative, round 2 speculative then plain; the summary gives both tok/s and the speedup's
-    spread or says there were no drafts."""
+    """Each timed generate call carries one prompt (batch 1); after the choice of prompts and a warm-up of
+    each path, round 1 runs plain then speculative, round 2 speculative then plain; the summary gives
+    both tok/s and the speedup's spread or says there were no drafts."""
     from blockspec.llm import LLM
 
     calls = []
@@ -88,16 +88,35 @@ def test_demo_runs_one_request_at_a_time_in_alternating_rounds(monkeypatch, caps
 
     def generate(self, prompts, params, use_tqdm=True):
         calls.append((len(prompts), "spec" if params.use_speculation else "plain"))
-        assert self.engine.config.max_num_seqs == 1
+        assert self.engine.config.max_num_seqs == 1  # the engine serves one request at a time
         return real(self, prompts, params, use_tqdm=use_tqdm)
 
     monkeypatch.setattr(LLM, "generate", generate)
     assert main(DEMO) == 0
-    assert calls == [(1, "plain"), (1, "spec"), (1, "plain"), (1, "spec"), (1, "spec"), (1, "plain")]
+    # the choice of prompts the target continues (one greedy token past the first, plain), the warm-up, the rounds
+    assert calls == [(4, "plain"), (1, "plain"), (1, "spec"), (1, "plain"), (1, "spec"), (1, "spec"), (1, "plain")]
     out = capsys.readouterr().out
     assert "plain:       16 tokens in" in out and "speculative: 16 tokens in" in out
     assert out.count("x), acceptance length ") + out.count("x), no drafts") == 2  # each round's own
     assert "interleaved rounds, one prompt each, min" in out or "no drafts: the draft-length policy" in out
+
+
+def test_the_demo_takes_prompts_the_target_continues(tmp_path):
+    """A candidate that the target ends at its first token is passed over, in order."""
+    from blockspec.demo import continued_prompts
+    from blockspec.llm import LLM
+    from blockspec.sampling_params import SamplingParams
+
+    path = save_tiny_model_with_tokenizer(tmp_path / "m")
+    llm = LLM(str(path), device="cpu", seed=0, max_num_seqs=1)
+    candidates = ["def f(x):", "import os", "class A:", "x = 1"]
+    first = [o.outputs[0].token_ids[0] for o in llm.generate(candidates, SamplingParams(temperature=0, max_tokens=1),
+                                                             use_tqdm=False)]
+    llm.engine.output.eos_ids = [first[1]]  # the second candidate (and any that starts alike) now ends at once
+    kept = continued_prompts(llm, candidates, 3)
+    assert len(set(first)) > 1  # the check below has candidates to keep
+    assert candidates[1] not in kept and kept == [c for c, t in zip(candidates, first) if t != first[1]][:3]
+    assert kept
 
 
 def test_demo_summary_gives_the_speedup_spread_or_says_no_drafts():
