@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from blockspec.kernels.accept import accept_matching as accept_kernel
+from blockspec.kernels.ops import use_kernels
 from blockspec.sample.processors import CHUNK_ELEMS, RowParams, bad_rows, row_chunks
 from blockspec.sample.rng import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TARGET, keyed_uniform, row_key
 from blockspec.sample.sampler import greedy_ids, gumbel_argmax, sample_processed
@@ -42,9 +44,8 @@ def verify_greedy(target: Tensor, drafts: Tensor, draft_lens: Tensor) -> tuple[T
     (ids of -1 mark bad rows)."""
     if target.is_floating_point():
         r, k1, vocab = target.shape
-        return _verify_ids(greedy_ids(target.reshape(r * k1, vocab)).view(r, k1), drafts,
-                           _draft_lengths(drafts, draft_lens, vocab))
-    return _verify_ids(target, drafts, _draft_lengths(drafts, draft_lens, None))
+        return accept_matching(greedy_ids(target.reshape(r * k1, vocab)).view(r, k1), drafts, draft_lens, vocab)
+    return accept_matching(target, drafts, draft_lens, None)
 
 
 def verify_sample_and_match(target: Tensor, drafts: Tensor, draft_lens: Tensor,
@@ -57,7 +58,7 @@ def verify_sample_and_match(target: Tensor, drafts: Tensor, draft_lens: Tensor,
     one-hot drafts it has the law of token-wise rejection sampling."""
     r, k1, vocab = target.shape
     ids = sample_processed(target.reshape(r * k1, vocab), params).view(r, k1)
-    return _verify_ids(ids, drafts, _draft_lengths(drafts, draft_lens, vocab))
+    return accept_matching(ids, drafts, draft_lens, vocab)
 
 
 def verify_standard(target: Tensor, q_probs: Tensor | None, drafts: Tensor, draft_lens: Tensor,
@@ -114,6 +115,15 @@ def verify_block(target: Tensor, q_probs: Tensor | None, drafts: Tensor, draft_l
     nxt = _next_token(target, q_probs, drafts, tau, lens, log_rho_t.gather(1, tau.unsqueeze(1)).squeeze(1),
                       params, round_, chunk_elems)
     return _finish(tau, nxt, drafts, row_bad, lens, greedy_req, greedy_out)
+
+
+def accept_matching(ids: Tensor, drafts: Tensor, draft_lens: Tensor, vocab: int | None) -> tuple[Tensor, Tensor]:
+    """Accept while draft == the row's token id ([R, K + 1] ids, -1 for a bad row), drafts cut at their
+    length and at the first id outside [0, vocab). One Triton program per request on the GPU
+    (`kernels.accept`), these torch ops elsewhere: the same result."""
+    if use_kernels(ids):
+        return accept_kernel(ids.contiguous(), drafts.contiguous(), draft_lens.contiguous(), vocab)
+    return _verify_ids(ids, drafts, _draft_lengths(drafts, draft_lens, vocab))
 
 
 def _draft_lengths(drafts: Tensor, draft_lens: Tensor, vocab: int | None) -> Tensor:
