@@ -230,7 +230,7 @@ def test_llm_config_errors(tmp_path):
 
 def test_nonfinite_logits_fail_one_request_on_the_greedy_ids_path(llm, monkeypatch):
     model = llm.engine.runner.model
-    real = model.compute_logits
+    real = model.head_logits  # compute_logits goes through it too
 
     def poisoned(hidden):
         out = real(hidden)
@@ -238,7 +238,7 @@ def test_nonfinite_logits_fail_one_request_on_the_greedy_ids_path(llm, monkeypat
             out[0, 5] = float("nan")
         return out
 
-    monkeypatch.setattr(model, "compute_logits", poisoned)
+    monkeypatch.setattr(model, "head_logits", poisoned)
     outs = llm.generate(["aa", "bb"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert outs[0].error and "non-finite" in outs[0].error
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 3
@@ -577,7 +577,7 @@ def test_pipeline_survives_aborts_arrivals_and_nonfinite_rows(llm, pipelined, mo
     assert len(launches) > 10
     # a non-finite row fails its request alone (its -1 id must not be fed to the next launch)
     model = engine.runner.model
-    real = model.compute_logits
+    real = model.head_logits  # compute_logits goes through it too
 
     def poisoned(hidden):
         out = real(hidden)
@@ -585,7 +585,7 @@ def test_pipeline_survives_aborts_arrivals_and_nonfinite_rows(llm, pipelined, mo
             out[0, 5] = float("nan")
         return out
 
-    monkeypatch.setattr(model, "compute_logits", poisoned)
+    monkeypatch.setattr(model, "head_logits", poisoned)
     reqs["dd"] = engine.add_request("dd", None, llm.tokenizer.encode("aa"), params)[0]
     reqs["ee"] = engine.add_request("ee", None, llm.tokenizer.encode("cc"), params)[0]
     while engine.has_unfinished():

@@ -175,6 +175,11 @@ class CausalLM(nn.Module):
         features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         return x, features
 
+    def head_logits(self, hidden: Tensor) -> Tensor:
+        """Logits in the head's own dtype: what an argmax needs, since the fp32 copy that `compute_logits`
+        makes keeps every value, so every maximum and its lowest id (a [rows, vocab] pass saved)."""
+        return self.lm_head(hidden)
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Logits in fp32 for the given final hidden rows."""
-        return self.lm_head(hidden).float()
+        return self.head_logits(hidden).float()

@@ -290,12 +290,13 @@ class ModelRunner:
     def logits(self, hidden: Tensor) -> Tensor:
         return self.model.compute_logits(hidden)
 
-    def greedy_ids(self, hidden: Tensor, max_logits: int = 1 << 26) -> Tensor:
-        """Argmax token per row (-1 for a non-finite row), holding at most `max_logits` fp32 logits at
-        once (256 MB). Chunks stay large: each one reads the whole LM head."""
+    def greedy_ids(self, hidden: Tensor, max_bytes: int = 1 << 28) -> Tensor:
+        """Argmax token per row (-1 for a non-finite row) of the head's own-dtype logits, holding at most
+        `max_bytes` of them at once. Chunks stay large: each one reads the whole LM head."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         out = torch.empty(flat.shape[0], dtype=torch.int64, device=flat.device)
-        chunk_rows = max(1, max_logits // self.model.config.vocab_size)
+        row_bytes = self.model.config.vocab_size * flat.element_size()
+        chunk_rows = max(1, max_bytes // row_bytes)
         for i in range(0, flat.shape[0], chunk_rows):
-            out[i : i + chunk_rows] = greedy_ids(self.model.compute_logits(flat[i : i + chunk_rows]))
+            out[i : i + chunk_rows] = greedy_ids(self.model.head_logits(flat[i : i + chunk_rows]))
         return out.view(hidden.shape[:-1])
