@@ -129,10 +129,9 @@ class DraftGraphs:
         slots, starts, counts, anchors = control[0], control[1], control[2], control[3]
         d.append_context_tensors(self.cache, slots, starts, counts, self.pending[slots], kv + self.rows)
         hidden = d.block_hidden_tensors(self.cache, slots, starts + counts, anchors, kv, self.target.embed)
-        # where the drafter's logits are the target's, the argmax of the head's own-dtype logits (= that
-        # of their fp32 copy)
+        # where the drafter's logits are the target's, the argmax of the head's own-dtype logits
         return d.greedy_drafts(d.slot_hidden(hidden, self.k), anchors, self.markov_top_k,
-                               head_argmax=lambda h: self.target.lm_head(h).argmax(-1))
+                               head_argmax=lambda h: self.target.head_logits(h).argmax(-1))
 
     def _new_control(self, rows: int, b: int) -> Tensor:
         control = torch.zeros(rows, b, dtype=torch.int64, device=self.pending.device)
