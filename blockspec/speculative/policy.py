@@ -80,6 +80,7 @@ class DraftLengthPolicy:
         self.decay = decay
         self.candidates = sorted({0, k_max} | {1 << i for i in range(k_max.bit_length()) if 1 << i < k_max})
         self.offered = [0.0] * k_max  # decayed count of steps that drafted at least k+1 tokens
+        self.reached = [0.0] * k_max  # ... and had the first k accepted: the trials of draft k+1's rate
         self.accepted = [0.0] * k_max  # ... and had the first k+1 accepted
         # (batch bucket, K) -> recent step seconds; estimates use the minimum, since interference (a slow
         # first call, a noisy neighbour, the garbage collector) only ever adds time
@@ -103,10 +104,12 @@ class DraftLengthPolicy:
     def observe_acceptance(self, lens: list[int], accepted: list[int]) -> None:
         for i in range(self.k_max):
             self.offered[i] *= self.decay
+            self.reached[i] *= self.decay
             self.accepted[i] *= self.decay
         for n, a in zip(lens, accepted):
             for i in range(min(n, self.k_max)):
                 self.offered[i] += 1
+                self.reached[i] += i <= a
                 self.accepted[i] += i < a
         self._settled = None
 
@@ -137,10 +140,9 @@ class DraftLengthPolicy:
         estimate itself)."""
         out, survive, rate = [], 1.0, 0.5
         for i in range(self.k_max):
-            reached = self.accepted[i - 1] if i else self.offered[0]
             base, weight = (self.recorded_rates[i], RECORDED_TRIALS) if i < len(self.recorded_rates) \
                 else (rate, PRIOR_TRIALS)
-            trials = min(reached, self.offered[i]) + weight
+            trials = self.reached[i] + weight
             rate = (self.accepted[i] + weight * base) / trials
             bound = rate + optimism * math.sqrt(max(rate * (1 - rate), 0.0) / trials)
             survive *= min(bound, 1.0)
