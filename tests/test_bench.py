@@ -330,10 +330,12 @@ def test_speedup_is_the_median_of_the_rounds_ratios_with_their_range():
                 "acceptance": {"num_drafts": 5} if method != "plain" else None}
 
     plain, spec = run("plain", [100.0, 50.0]), run("dflash", [110.0, 60.0])
+    spec["rounds"]["decode_tok_s"] = [130.0, 70.0]  # decode rates apart from output rates: 1.3 and 1.4
     compare_to_plain([plain, spec])
     assert spec["vs_plain"]["output_tok_s_ratio"] == pytest.approx(1.15)
     assert spec["vs_plain"]["output_tok_s_ratio_range"] == pytest.approx([1.1, 1.2])
     assert speedup_cell(spec) == "1.15x [1.10-1.20]"
+    assert speedup_cell(spec, "decode") == "1.35x [1.30-1.40]"
 
 
 def test_a_speculative_run_that_never_drafted_says_no_drafts(tmp_path):

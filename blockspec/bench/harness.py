@@ -937,7 +937,8 @@ def checks(result: dict[str, Any]) -> dict[str, Any]:
     out["vs_plain"] = {method: [{"input_len": r.get("input_len"), "batch": r["batch"],
                                  "temperature": r["temperature"], "verdict": verdict(r),
                                  "speedup": r["vs_plain"]["output_tok_s_ratio"],
-                                 "range": r["vs_plain"].get("output_tok_s_ratio_range")}
+                                 "range": r["vs_plain"].get("output_tok_s_ratio_range"),
+                                 "decode_speedup": r["vs_plain"].get("decode_tok_s_ratio")}
                                 for r in spec if r["method"] == method]
                        for method in sorted({r["method"] for r in spec})}
     out["memory_overhead_gb"] = {f"{r['method']} {point_name(r)}": r["vs_plain"].get("memory_overhead_gb", "n/a")
@@ -967,18 +968,19 @@ def summary_line(run: dict[str, Any]) -> str:
             + ("  [synthetic]" if run["synthetic"] else ""))
 
 
-def speedup_cell(run: dict[str, Any]) -> str:
-    """The vs-plain cell: "no drafts", or the speedup with the rounds' min-max, in bold when every round was
-    slower, marked when the rounds fall on both sides of 1."""
+def speedup_cell(run: dict[str, Any], rate: str = "output") -> str:
+    """A vs-plain cell of `rate` ("output" or "decode" tok/s): "no drafts", or the speedup with the rounds'
+    min-max, in bold when every round was slower, marked when the rounds fall on both sides of 1. An
+    output ratio that cannot be taken (outputs of other lengths) falls back to the decode one, so marked."""
     vs = run.get("vs_plain", {})
     if run.get("acceptance") and not drafted(run):
         return "no drafts"
-    ratio, what = vs.get("output_tok_s_ratio"), ""
-    if ratio is None and vs.get("decode_tok_s_ratio") is not None:
-        ratio, what = vs["decode_tok_s_ratio"], " decode"
+    ratio, what = vs.get(f"{rate}_tok_s_ratio"), ""
+    if ratio is None and rate == "output" and vs.get("decode_tok_s_ratio") is not None:
+        ratio, what, rate = vs["decode_tok_s_ratio"], " decode", "decode"
     if ratio is None:
         return ""
-    span = vs.get(f"{'decode' if what else 'output'}_tok_s_ratio_range")
+    span = vs.get(f"{rate}_tok_s_ratio_range")
     text = f"{ratio:.2f}x{what}" + (f" [{span[0]:.2f}-{span[1]:.2f}]" if span else "")
     if (span[1] if span else ratio) < 1:
         return f"**{text} (slower)**"
@@ -1009,27 +1011,30 @@ def markdown(result: dict[str, Any]) -> str:
     cfg = result["config"]
     lines.append(f"- {cfg['repeats']} timed rounds after a warm-up, each running every method once (the order "
                  "rotated each round); figures are medians over the rounds (min-max in brackets); 'vs plain' is the "
-                 "median of each round's ratio to that round's plain pass; output "
+                 "median of each round's ratio to that round's plain pass, of output tok/s (prefill included) and "
+                 "of decode tok/s (TTFT excluded); output "
                  f"{cfg['output_len']} tokens per request; 'input': prompt tokens per request (inN in the lists); "
                  "TPOT and step exclude prefill steps; 'steps drafting': "
                  "share of decode steps that verified drafts; 'tokens = plain': share of each output equal to plain "
                  "decoding's before the first difference; 'memory GB': weights and KV caches, plus on a GPU the most a "
                  "pass allocated on top")
-    columns = ("method", "batch", "T", "input", "output tok/s", "decode tok/s", "vs plain", "steps drafting",
+    columns = ("method", "batch", "T", "input", "output tok/s", "decode tok/s", "vs plain", "decode vs plain",
+               "steps drafting",
                "step ms", "TPOT p50/p90 ms", "TTFT p50/p90 ms", "acc. len", "memory GB", "spec +GB", "tokens = plain")
     lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in result["runs"]:
         name = r["method"] + (" (synthetic)" if r["synthetic"] else "")
         if r["status"] != "ok":
             lines.append(f"| {name} | {r['batch']} | {r['temperature']} | {input_cell(r)} | n/a: {r['reason']} |"
-                         + "|" * 10)
+                         + "|" * (len(columns) - 5))
             continue
         o, vs, acc = r["output_tok_s"], r.get("vs_plain", {}), r.get("acceptance")
         tpot = r.get("tpot_ms") or {}
         lines.append(
             f"| {name} | {r['batch']} | {r['temperature']} | {input_cell(r)} "
             f"| {o['median']:.1f} ({o['min']:.1f}-{o['max']:.1f}) "
-            f"| {r['decode_tok_s']['median']:.1f} | {speedup_cell(r)} | {_f(drafting_share(r), '.0%') if acc else ''} "
+            f"| {r['decode_tok_s']['median']:.1f} | {speedup_cell(r)} | {speedup_cell(r, 'decode')} "
+            f"| {_f(drafting_share(r), '.0%') if acc else ''} "
             f"| {_f(r.get('step_ms', {}).get('median'), '.2f')} "
             f"| {_f(tpot.get('p50'), '.2f')} / {_f(tpot.get('p90'), '.2f')} "
             f"| {_f(r['ttft_ms']['p50'], '.1f')} / {_f(r['ttft_ms']['p90'], '.1f')} "
@@ -1072,7 +1077,8 @@ def markdown(result: dict[str, Any]) -> str:
                      + (" (synthetic)" if result["synthetic"] else ""))
     for method, points in c["vs_plain"].items():
         pts = ", ".join(f"{point_name(p)} " + ("no drafts" if p["verdict"] == "no drafts" else
-                        f"{_f(p['speedup'], '.2f')}x ({p['verdict']})") for p in points)
+                        f"{_f(p['speedup'], '.2f')}x ({p['verdict']}; decode {_f(p.get('decode_speedup'), '.2f')}x)")
+                        for p in points)
         lines.append(f"- {method}: {pts}")
     if "k_sweep" in result:
         lines += sweep_lines(result["k_sweep"])
