@@ -2,7 +2,9 @@
 
 A decode-time draft step appends at most K+1 context rows per request (the rows committed last
 step), so a graph with K+1 feature rows per request, bucketed by batch size (and, under SDPA, key
-length), covers every step after prefill. Padded requests read and write only the scratch slot. The eager path
+length), covers every step after prefill. The block is always whole (its positions attend to each
+other), but only the drafts a step verifies go through the heads: a graph per head width (powers of
+two up to K), so a step verifying 8 of 15 drafts does not pay 15 rows of the vocabulary product. Padded requests read and write only the scratch slot. The eager path
 (`Proposer`) stays the reference and handles the rest (prefill-sized context, sampled drafts).
 
 Its inputs are device tensors, so a step can be launched from counts the GPU has computed and the
@@ -51,7 +53,7 @@ class DraftGraphs:
         self.pending = pending
         self.k = num_drafts
         self.rows = num_drafts + 1  # context rows appended per request per step
-        self.graphs: dict[tuple[int, int], CapturedDraft] = {}
+        self.graphs: dict[tuple[int, int, int], CapturedDraft] = {}  # (batch bucket, key extent, head width)
         self.appends: dict[int, CapturedAppend] = {}
         self._pool = None
 
@@ -59,12 +61,17 @@ class DraftGraphs:
     def whole_cache(self) -> bool:
         return self.drafter.attention_backend == "triton"
 
+    def width(self, k: int) -> int:
+        """The head width of a step verifying up to k drafts: the next power of two, at most K."""
+        return min(self.k, 1 << max(k - 1, 0).bit_length())
+
     def capture_all(self, batch_sizes: list[int]) -> None:
-        """Capture the draft step of these batch buckets at every key extent, and their context append."""
+        """Capture the whole-width draft step of these batch buckets at every key extent, and their
+        context append (narrower head widths are captured when a step first uses them)."""
         for b in batch_sizes:
             for kv in kv_extents(self.cache.max_len - self.rows, self.whole_cache):
-                if (b, kv) not in self.graphs:
-                    self._capture(b, kv)
+                if (b, kv, self.k) not in self.graphs:
+                    self._capture(b, kv, self.k)
             if b not in self.appends:
                 self._capture_append(b)
 
@@ -73,17 +80,18 @@ class DraftGraphs:
         return b is not None and max(pending_rows) <= self.rows and max_ctx + self.rows <= self.cache.max_len
 
     def run(self, slots: list[int], starts: list[int], counts: list[int] | Tensor, anchors: Tensor,
-            ctx_end: int | None = None) -> tuple[Tensor, Tensor | None]:
+            ctx_end: int | None = None, k: int | None = None) -> tuple[Tensor, Tensor | None]:
         """Append each slot's first counts[r] held rows at starts[r]..., then draft from the block at
-        starts[r] + counts[r]. `counts` may be a device tensor; `ctx_end` then bounds every block's
-        start on the host."""
+        starts[r] + counts[r]: at least the first k drafts (all K by default), [R, width(k)].
+        `counts` may be a device tensor; `ctx_end` then bounds every block's start on the host."""
         if ctx_end is None:
             ctx_end = max(s + c for s, c in zip(starts, counts))
+        width = self.width(self.k if k is None else k)
         if not self.use_graphs:
-            return self._step(self._control(slots, starts, counts, anchors), ctx_end)
+            return self._step(self._control(slots, starts, counts, anchors), ctx_end, width)
         b = bucket(len(slots), BATCH_BUCKETS)
         kv = kv_extent(ctx_end, self.cache.max_len - self.rows, self.whole_cache)
-        cap = self.graphs.get((b, kv)) or self._capture(b, kv)
+        cap = self.graphs.get((b, kv, width)) or self._capture(b, kv, width)
         self._fill(cap.control, slots, starts, counts, anchors)
         cap.graph.replay()
         r = len(slots)
@@ -122,15 +130,15 @@ class DraftGraphs:
         slots, starts, counts = control[0], control[1], control[2]
         self.drafter.append_context_tensors(self.cache, slots, starts, counts, self.pending[slots], self.cache.max_len)
 
-    def _step(self, control: Tensor, kv: int) -> tuple[Tensor, Tensor | None]:
+    def _step(self, control: Tensor, kv: int, width: int) -> tuple[Tensor, Tensor | None]:
         """The draft step's tensor code: control rows are slots, context starts, context rows, anchors;
-        `kv` bounds every block's start."""
+        `kv` bounds every block's start; the first `width` drafts are taken."""
         d = self.drafter
         slots, starts, counts, anchors = control[0], control[1], control[2], control[3]
         d.append_context_tensors(self.cache, slots, starts, counts, self.pending[slots], kv + self.rows)
         hidden = d.block_hidden_tensors(self.cache, slots, starts + counts, anchors, kv, self.target.embed)
         # where the drafter's logits are the target's, the argmax of the head's own-dtype logits
-        return d.greedy_drafts(d.slot_hidden(hidden, self.k), anchors, self.markov_top_k,
+        return d.greedy_drafts(d.slot_hidden(hidden, width), anchors, self.markov_top_k,
                                head_argmax=lambda h: self.target.head_logits(h).argmax(-1))
 
     def _new_control(self, rows: int, b: int) -> Tensor:
@@ -140,11 +148,11 @@ class DraftGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         return control
 
-    def _capture(self, b: int, kv: int) -> CapturedDraft:
+    def _capture(self, b: int, kv: int, width: int) -> CapturedDraft:
         control = self._new_control(4, b)
-        graph, (tokens, conf) = capture(lambda: self._step(control, kv), self._pool)
+        graph, (tokens, conf) = capture(lambda: self._step(control, kv, width), self._pool)
         cap = CapturedDraft(graph, control, tokens, conf)
-        self.graphs[(b, kv)] = cap
+        self.graphs[(b, kv, width)] = cap
         return cap
 
     def _capture_append(self, b: int) -> CapturedAppend:

@@ -182,9 +182,9 @@ class Proposer:
         else:
             anchors = to_device([max(t, 0) for t in last], torch.int64, device)
             if self._graphable(reqs):
-                tokens, confidence = self._graphed_draft(reqs, anchors)
+                tokens, confidence = self._graphed_draft(reqs, anchors, max(budgets, default=0))
             else:
-                tokens, q_probs, confidence = self._eager_draft(reqs, anchors, draft_params)
+                tokens, q_probs, confidence = self._eager_draft(reqs, anchors, draft_params, max(budgets, default=0))
         lens = list(budgets)
         if confidence is not None:
             lens = self._confident_lengths(confidence, lens)
@@ -209,7 +209,7 @@ class Proposer:
         starts = [r.num_cached for r in reqs]
         slots = [r.slot for r in reqs]
         self.context.stage(slots, feats)
-        tokens, confidence = self.graphs.run(slots, starts, counts, anchors, max(starts) + feats.shape[1])
+        tokens, confidence = self.graphs.run(slots, starts, counts, anchors, max(starts) + feats.shape[1], k)
         lens = (to_device(left, torch.int64, device) - counts - 1).clamp(0, k)
         self.ahead_stats[0] += 1  # launched ahead of the commit, and taken by the step it was launched for
         self.ahead_stats[1] += 1
@@ -224,17 +224,18 @@ class Proposer:
             self._record_calibration(confidence, lens_t)
         return DraftBlock(tokens[:, :width].masked_fill(cut, -1), lens, lens_t, anchors, None, confidence)
 
-    def _graphed_draft(self, reqs: list[Request], anchors: Tensor) -> tuple[Tensor, Tensor | None]:
-        """Context append + block + greedy drafts replayed as one CUDA graph (decode-time steps)."""
+    def _graphed_draft(self, reqs: list[Request], anchors: Tensor, k: int | None = None) -> tuple[Tensor, Tensor | None]:
+        """Context append + block + the first k greedy drafts (all by default) replayed as one CUDA
+        graph (decode-time steps)."""
         counts, starts = self.context.take(reqs)
         for r in reqs:
             assert r.num_draft_ctx == r.num_cached, (r.request_id, r.num_draft_ctx, r.num_cached)
-        return self.graphs.run([r.slot for r in reqs], starts, counts, anchors)
+        return self.graphs.run([r.slot for r in reqs], starts, counts, anchors, k=k)
 
-    def _eager_draft(self, reqs: list[Request], anchors: Tensor,
-                     draft_params: RowParams | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """The reference draft path: flush context, block forward, then greedy drafts, or drafts sampled
-        with `draft_params`."""
+    def _eager_draft(self, reqs: list[Request], anchors: Tensor, draft_params: RowParams | None,
+                     k: int | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The reference draft path: flush context, block forward, then the first k greedy drafts (all
+        by default; heads as wide as the draft graph's), or drafts sampled with `draft_params`."""
         counts, starts = self.context.take(reqs)
         if any(counts):  # one append for every request's new context rows
             self.graphs.append([r.slot for r in reqs], starts, counts)
@@ -242,7 +243,8 @@ class Proposer:
             assert r.num_draft_ctx == r.num_cached, (r.request_id, r.num_draft_ctx, r.num_cached)
         hidden = self.drafter.block_hidden(self.context.cache, [r.slot for r in reqs], [r.num_cached for r in reqs], anchors,
                                            self.target.embed)
-        slot_hidden = self.drafter.slot_hidden(hidden, self.num_speculative_tokens)
+        width = self.graphs.width(self.num_speculative_tokens if k is None else k)
+        slot_hidden = self.drafter.slot_hidden(hidden, width)
         if draft_params is not None:
             round_ = to_device([req.length for req in reqs], torch.int64, slot_hidden.device)
             return self.drafter.sample_drafts(slot_hidden, anchors, draft_params, round_,
