@@ -361,7 +361,10 @@ def test_preset_default_benchmarks_the_embedded_pair_with_real_acceptance(tmp_pa
     cfg = BenchConfig(preset="default")
     cfg.apply_preset()
     assert cfg.model == str(ASSETS / "target") and cfg.dspark_model == str(ASSETS / "dspark")
-    assert cfg.prompts == "heldout" and cfg.chat_template is False
+    assert cfg.prompts == "heldout" and cfg.chat_template is False and cfg.dtype == "float32"
+    given = BenchConfig(preset="default", dtype="bfloat16")
+    given.apply_preset()
+    assert given.dtype == "bfloat16"  # a given --dtype stays
     with pytest.raises(ConfigError, match="names the models itself"):
         BenchConfig(preset="default", model="x").apply_preset()
     out = tmp_path / "out"

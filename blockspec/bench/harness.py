@@ -169,8 +169,8 @@ class BenchConfig:
 
     def apply_preset(self) -> None:
         """Fill in the models and prompts `preset` names: "default" is the embedded target with its DFlash
-        and DSpark drafters, on openings of held-out stdlib functions as plain text (the code model's own
-        input), so its acceptance is real; a workload preset runs random weights of --arch on random-token
+        and DSpark drafters in float32 (unless --dtype says otherwise), on openings of held-out stdlib
+        functions as plain text (the code model's own input), so its acceptance is real; a workload preset runs random weights of --arch on random-token
         prompts (its workload is filled at construction)."""
         if self.preset is None:
             return
@@ -191,6 +191,9 @@ class BenchConfig:
         self.model, self.dflash_model, self.dspark_model = (str(base / d) for d in ("target", "dflash", "dspark"))
         self.prompts = self.prompts or "heldout"
         self.chat_template = False
+        # float32 on every device, as the demo: in bf16 a verify's multi-row products round unlike a plain
+        # step's one-row ones, and this small model's near-tied greedy tokens flip (outputs then differ)
+        self.dtype = "float32" if self.dtype == "auto" else self.dtype
 
     def validate(self) -> None:
         from blockspec.bench.peers import PEERS
