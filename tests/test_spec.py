@@ -879,8 +879,9 @@ def test_a_step_returns_every_request_it_emitted_for(target, plain):
 @pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
 def test_a_step_verifying_fewer_drafts_takes_only_those_through_the_heads(target, plain, method, fixture):
     """The policy verifying 1 or 2 of the block's drafts: the drafter runs the whole block but its
-    heads only over the next power of two of drafts (DSpark's Markov chain stops there too), and those
-    drafts are the whole-width heads' first ones on the same block; outputs equal plain decoding."""
+    heads only over the narrower head width that holds them (DSpark's Markov chain stops there too),
+    and those drafts are the whole-width heads' first ones on the same block; outputs equal plain
+    decoding."""
     ps = prompts(3, seed=21)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in plain.generate(ps, params, use_tqdm=False)]
@@ -908,4 +909,16 @@ def test_a_step_verifying_fewer_drafts_takes_only_those_through_the_heads(target
     drafter.slot_hidden, drafter.greedy_drafts = slot_hidden, greedy_drafts
     out = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
     assert out == expected
-    assert {1, 2, k_max} <= set(widths) and proposer.graphs.width(3) == min(k_max, 4)
+    graphs = proposer.graphs
+    assert set(widths) == set(graphs.widths) and len(graphs.widths) == 2 and graphs.width(1) < k_max
+
+
+def test_draft_head_widths_are_the_block_and_the_largest_power_of_two_below_it():
+    """Two head widths, both captured at start (a width captured mid-run would stall its step): K = 15
+    gives 8 and 15, and a step verifying up to 8 drafts takes the 8-wide heads, one of 9 the whole."""
+    from blockspec.speculative.draft_graph import DraftGraphs
+
+    for k, widths in ((1, [1]), (2, [1, 2]), (3, [2, 3]), (7, [4, 7]), (8, [4, 8]), (15, [8, 15])):
+        assert DraftGraphs(None, None, None, None, k, use_graphs=False).widths == widths
+    graphs = DraftGraphs(None, None, None, None, 15, use_graphs=False)
+    assert [graphs.width(k) for k in (0, 1, 8, 9, 15, 20)] == [8, 8, 8, 15, 15, 15]

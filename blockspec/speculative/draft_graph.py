@@ -3,8 +3,10 @@
 A decode-time draft step appends at most K+1 context rows per request (the rows committed last
 step), so a graph with K+1 feature rows per request, bucketed by batch size (and, under SDPA, key
 length), covers every step after prefill. The block is always whole (its positions attend to each
-other), but only the drafts a step verifies go through the heads: a graph per head width (powers of
-two up to K), so a step verifying 8 of 15 drafts does not pay 15 rows of the vocabulary product. Padded requests read and write only the scratch slot. The eager path
+other), but only the drafts a step verifies go through the heads: graphs of two head widths, K and
+the largest power of two below it, so a step verifying 8 of 15 drafts (the draft length the policy
+settles on when a large batch's verify is compute-bound) does not pay 15 rows of the vocabulary
+product. Both are captured at start: a width first captured mid-run would stall its step. Padded requests read and write only the scratch slot. The eager path
 (`Proposer`) stays the reference and handles the rest (prefill-sized context, sampled drafts).
 
 Its inputs are device tensors, so a step can be launched from counts the GPU has computed and the
@@ -53,6 +55,7 @@ class DraftGraphs:
         self.pending = pending
         self.k = num_drafts
         self.rows = num_drafts + 1  # context rows appended per request per step
+        self.widths = sorted({num_drafts, 1 << max(num_drafts - 1, 1).bit_length() - 1})  # head widths
         self.graphs: dict[tuple[int, int, int], CapturedDraft] = {}  # (batch bucket, key extent, head width)
         self.appends: dict[int, CapturedAppend] = {}
         self._pool = None
@@ -62,16 +65,17 @@ class DraftGraphs:
         return self.drafter.attention_backend == "triton"
 
     def width(self, k: int) -> int:
-        """The head width of a step verifying up to k drafts: the next power of two, at most K."""
-        return min(self.k, 1 << max(k - 1, 0).bit_length())
+        """The head width of a step verifying up to k drafts: the narrowest of `widths` that holds them."""
+        return next(w for w in self.widths if w >= min(k, self.k))
 
     def capture_all(self, batch_sizes: list[int]) -> None:
-        """Capture the whole-width draft step of these batch buckets at every key extent, and their
-        context append (narrower head widths are captured when a step first uses them)."""
+        """Capture the draft step of these batch buckets at every key extent and head width, and their
+        context append."""
         for b in batch_sizes:
             for kv in kv_extents(self.cache.max_len - self.rows, self.whole_cache):
-                if (b, kv, self.k) not in self.graphs:
-                    self._capture(b, kv, self.k)
+                for width in self.widths:
+                    if (b, kv, width) not in self.graphs:
+                        self._capture(b, kv, width)
             if b not in self.appends:
                 self._capture_append(b)
 
