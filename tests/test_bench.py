@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -565,6 +566,42 @@ def test_passes_do_not_sync_the_device_between_steps(monkeypatch):
                                                                         ignore_eos=True)] * 2)
     assert engine.num_steps >= 20 and result.tokens == 40
     assert len(syncs) == 2
+
+
+def test_a_call_that_only_launches_is_priced_in_the_next_commit(monkeypatch):
+    """A pipelined plain step's first call launches and commits nothing; its time belongs to the step
+    the next call commits, not to a short step of its own. Scripted calls: a launch-only call of 1 s,
+    then a plain commit of 3 s; a speculative commit (K = 4) of 5 s; a plain commit of 2 s."""
+    from blockspec.bench import harness
+
+    clock = [0.0]
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(harness, "synchronize", lambda device: None)
+    script = [(1.0, 0, []), (3.0, 1, []), (5.0, 3, [(4, 2)]), (2.0, 1, [])]  # seconds, tokens, (drafts, accepted)
+
+    class Scripted:
+        device, waiting, running, num_preemptions, num_generated = torch.device("cpu"), [], [], 0, 0
+
+        def __init__(self):
+            self.spec_totals, self.left = harness.StepLog(), list(script)
+
+        def add_request(self, *args):
+            return [types.SimpleNamespace(error=None, output_ids=[1, 2, 3, 4, 5], first_token_time=0.0,
+                                          arrival_time=0.0, finish_time=11.0)]
+
+        def has_unfinished(self):
+            return bool(self.left)
+
+        def step(self):
+            seconds, tokens, spec = self.left.pop(0)
+            clock[0] += seconds
+            self.num_generated += tokens
+            for n, a in spec:
+                self.spec_totals.record(n, a)
+
+    result = harness.drive(Scripted(), [[1]], [SamplingParams()])
+    assert result.step_s == {0: [4.0, 2.0], 4: [5.0]}
+    assert result.decode_s == 11.0 and result.decode_tokens == 5
 
 
 def test_kernel_benchmark_records_keep_every_run(monkeypatch, capsys):

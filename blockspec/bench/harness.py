@@ -532,7 +532,9 @@ def drive(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
     the wall time covers everything from submission to the last token. A step is timed as its
     `step()` call, which ends once the tokens it commits are read back: the device is not synced
     between steps, since the engine launches the next step before it commits this one, as it does
-    serving (a sync there would idle the GPU for every step's host work and price it in).
+    serving (a sync there would idle the GPU for every step's host work and price it in). A call that
+    commits nothing (a pipelined plain step's first launch) is priced in the next call that commits,
+    so the per-draft-length step times are each step's launch-to-commit cost, not a launch alone.
     """
     dev = engine.device
     log: StepLog = engine.spec_totals
@@ -540,7 +542,7 @@ def drive(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
     synchronize(dev)
     t0 = time.perf_counter()
     reqs = [engine.add_request(f"bench-{next(_ids)}", None, p, sp)[0] for p, sp in zip(prompts, params)]
-    decode_s, decode_tokens = 0.0, 0
+    decode_s, decode_tokens, launched_s = 0.0, 0, 0.0
     step_s: dict[int, list[float]] = {}
     drafts: list[tuple[int, int]] = []
     while engine.has_unfinished():
@@ -550,11 +552,16 @@ def drive(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
         engine.step()
         dt = time.perf_counter() - ts
         step = log.drain()
-        if not prefill:
-            decode_s += dt
-            decode_tokens += engine.num_generated - n0
-            step_s.setdefault(max((n for n, _ in step), default=0), []).append(dt)
-            drafts += step
+        if prefill:
+            launched_s = 0.0  # what a launch-only call started, a prefill step commits
+            continue
+        decode_s += dt
+        decode_tokens += engine.num_generated - n0
+        drafts += step
+        launched_s += dt
+        if engine.num_generated > n0 or step:
+            step_s.setdefault(max((n for n, _ in step), default=0), []).append(launched_s)
+            launched_s = 0.0
     synchronize(dev)  # a step launched ahead for requests that then stopped is still the pass's work
     wall = time.perf_counter() - t0
     failed = [r.error for r in reqs if r.error]
