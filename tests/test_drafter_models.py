@@ -199,6 +199,36 @@ def test_draft_greedy_top_k():
         prev = pick
 
 
+def test_vanilla_markov_bias_rows_are_remembered_exactly(monkeypatch):
+    """On the CPU a vanilla head's bias B(t) = W2 W1[t] is remembered per previous token t: a row found
+    again is the one a one-row step computes, bit for bit; several rows equal the batched product
+    within fp32 rounding; an in-place change of W2 drops every row; the least recently used row goes
+    first when the rows fill their memory."""
+    import blockspec.drafters.dspark as dspark
+
+    model = load("dspark_vanilla")
+    head, rows = model.markov_head, model.bias_rows
+
+    def computed(ids):  # the product a step computes for its rows
+        return head.markov_w2(head.markov_w1(torch.tensor(ids))).float()
+
+    first, _ = model.markov_step(0, None, torch.tensor([5]), None)
+    again, _ = model.markov_step(3, None, torch.tensor([5]), None)
+    assert torch.equal(first, computed([5])) and again.data_ptr() == first.data_ptr()  # found, not recomputed
+    batch, _ = model.markov_step(0, None, torch.tensor([7, 5, 9]), None)
+    assert torch.allclose(batch, computed([7, 5, 9]), atol=1e-6) and torch.equal(batch[1], first[0])
+    head.markov_w2.weight.mul_(2.0)  # an update in place (a training step) is seen
+    doubled, _ = model.markov_step(0, None, torch.tensor([5]), None)
+    assert torch.equal(doubled, computed([5])) and not torch.equal(doubled, first)
+    monkeypatch.setattr(dspark, "BIAS_ROWS_BYTES", 2 * 4 * head.markov_w2.weight.shape[0])  # room for two rows
+    for t in (1, 2, 1, 3):
+        model.markov_step(0, None, torch.tensor([t]), None)
+    assert list(rows.rows) == [1, 3]
+    with torch.enable_grad():  # training computes the bias through autograd, never from the rows
+        bias, _ = model.markov_step(0, None, torch.tensor([4]), None)
+    assert 4 not in rows.rows
+
+
 # ------------------------------------------------------------------------------ batching and cache
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["dflash_swa", "dspark_rnn"])

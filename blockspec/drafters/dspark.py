@@ -19,6 +19,7 @@ engine's sampled path both call them.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -60,6 +61,44 @@ class MarkovHead(nn.Module):
         return torch.tanh(out_raw), new_state
 
 
+BIAS_ROWS_BYTES = 64 << 20  # the memory a vanilla Markov head's remembered bias rows may take (CPU)
+
+
+class BiasRows:
+    """A vanilla Markov head's bias rows B(t) = W2 W1[t] for the previous tokens t seen last (CPU
+    inference). The bias depends on the previous token alone, and each one read all of W2 (rank x
+    draft vocabulary): on the CPU, eight of them were the largest part of a draft step's heads. Drafts
+    repeat tokens (a code model's indentation, brackets, names), so most rows are found here. Each
+    row is computed on its own, exactly as a one-row step computes it, so a row is the same whichever
+    batch first asked for it; the rows are dropped when W1 or W2 change (their version counters)."""
+
+    def __init__(self) -> None:
+        self.rows: OrderedDict[int, Tensor] = OrderedDict()  # least recently used first
+        self.key: tuple[int, ...] | None = None
+
+    def take(self, head: MarkovHead, prev_ids: Tensor, scale: float) -> Tensor:
+        """[R, V_draft] fp32 bias rows for the previous tokens `prev_ids` [R]."""
+        w1, w2 = head.markov_w1.weight, head.markov_w2.weight
+        key = (w1.data_ptr(), w1._version, w2.data_ptr(), w2._version)
+        if key != self.key:
+            self.rows.clear()
+            self.key = key
+        capacity = max(1, BIAS_ROWS_BYTES // (4 * w2.shape[0]))
+        out = []
+        for t in prev_ids.tolist():
+            row = self.rows.get(t)
+            if row is None:
+                row = head.markov_w2(head.markov_w1(prev_ids.new_tensor([t]))).float()[0]
+                row = row * scale if scale != 1.0 else row
+                self.rows[t] = row
+                if len(self.rows) > capacity:
+                    self.rows.popitem(last=False)
+            else:
+                self.rows.move_to_end(t)
+            out.append(row)
+        return out[0][None] if len(out) == 1 else torch.stack(out)
+
+
 class ConfidenceHead(nn.Module):
     def __init__(self, input_dim: int) -> None:
         super().__init__()
@@ -78,6 +117,7 @@ class DSparkDraft(DraftModel):
         draft_vocab = head_rows or cfg.vocab_size
         self.markov_head = (MarkovHead(cfg.vocab_size, draft_vocab, heads.markov_rank, cfg.hidden_size,
                                        heads.markov_head_type) if heads.markov_rank > 0 else None)
+        self.bias_rows = BiasRows()
         self.confidence_head = None
         if heads.enable_confidence_head:
             dim = cfg.hidden_size + (heads.markov_rank if heads.confidence_head_with_markov else 0)
@@ -117,6 +157,9 @@ class DSparkDraft(DraftModel):
         del k  # every DeepSpec head is position-agnostic; kept in the signature for future heads
         if self.markov_head is None:
             return None, None
+        if (self.markov_head.head_type == "vanilla" and prev_ids.device.type == "cpu"
+                and not torch.is_grad_enabled()):
+            return self.bias_rows.take(self.markov_head, prev_ids, self.config.logit_scale), None
         latent, state = self.markov_head.latent(h_k, prev_ids, state)
         bias = self.markov_head.markov_w2(latent).float()
         if self.config.logit_scale != 1.0:
