@@ -170,8 +170,9 @@ class BenchConfig:
     def apply_preset(self) -> None:
         """Fill in the models and prompts `preset` names: "default" is the embedded target with its DFlash
         and DSpark drafters in float32 (unless --dtype says otherwise), on openings of held-out stdlib
-        functions as plain text (the code model's own input), so its acceptance is real; a workload preset runs random weights of --arch on random-token
-        prompts (its workload is filled at construction)."""
+        functions as plain text (the code model's own input), so its acceptance is real; a workload
+        preset runs random weights of --arch on random-token prompts (its workload is filled at
+        construction)."""
         if self.preset is None:
             return
         if self.preset not in PRESETS:

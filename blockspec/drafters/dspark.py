@@ -66,11 +66,12 @@ BIAS_ROWS_BYTES = 64 << 20  # the memory a vanilla Markov head's remembered bias
 
 class BiasRows:
     """A vanilla Markov head's bias rows B(t) = W2 W1[t] for the previous tokens t seen last (CPU
-    inference). The bias depends on the previous token alone, and each one read all of W2 (rank x
-    draft vocabulary): on the CPU, eight of them were the largest part of a draft step's heads. Drafts
-    repeat tokens (a code model's indentation, brackets, names), so most rows are found here. Each
-    row is computed on its own, exactly as a one-row step computes it, so a row is the same whichever
-    batch first asked for it; the rows are dropped when W1 or W2 change (their version counters)."""
+    inference). The bias depends on the previous token alone, and computing one reads all of W2 (rank
+    x draft vocabulary): on the CPU a step's eight of them are the largest part of its draft heads.
+    Drafts repeat tokens (a code model's indentation, brackets, names), so most rows are found here.
+    Each row is computed on its own, exactly as a one-row step computes it, so a row is the same
+    whichever batch first asked for it; the rows are dropped when W1 or W2 change (their version
+    counters)."""
 
     def __init__(self) -> None:
         self.rows: OrderedDict[int, Tensor] = OrderedDict()  # least recently used first

@@ -2,12 +2,15 @@
 
 A decode-time draft step appends at most K+1 context rows per request (the rows committed last
 step), so a graph with K+1 feature rows per request, bucketed by batch size (and, under SDPA, key
-length), covers every step after prefill. The block is always whole (its positions attend to each
-other), but only the drafts a step verifies go through the heads: graphs of two head widths, K and
-the largest power of two below it, so a step verifying 8 of 15 drafts (the draft length the policy
-settles on when a large batch's verify is compute-bound) does not pay 15 rows of the vocabulary
-product. Both are captured at start: a width first captured mid-run would stall its step. Padded requests read and write only the scratch slot. The eager path
-(`Proposer`) stays the reference and handles the rest (prefill-sized context, sampled drafts).
+length), covers every step after prefill. Padded requests read and write only the scratch slot. The
+eager path (`Proposer`) stays the reference and handles the rest (prefill-sized context, sampled
+drafts).
+
+The block is always whole (its positions attend to each other), but only the drafts a step verifies
+go through the heads: graphs of two head widths, K and the largest power of two below it, so a step
+verifying 8 of 15 drafts (the draft length the policy settles on when a large batch's verify is
+compute-bound) does not pay 15 rows of the vocabulary product. Both are captured at start: a width
+first captured mid-run would stall its step.
 
 Its inputs are device tensors, so a step can be launched from counts the GPU has computed and the
 host not read yet. Without CUDA graphs (the CPU) the same tensor code runs eagerly.
