@@ -461,8 +461,10 @@ def test_k_sweep_verdict_within_and_missing_on_hand_made_numbers():
     decode tok/s over it is the median of the rounds' ratios; within 5 % passes, more than that misses."""
     from blockspec.bench.ksweep import sweep_lines, sweep_point, sweep_report, verdict
 
-    fixed = [_run([100.0, 100.0, 100.0], output=80.0, fixed_k=4), _run([90.0, 95.0, 92.0], output=99.0, fixed_k=8)]
+    fixed = [_run([100.0, 100.0, 100.0], output=80.0, fixed_k=4, acceptance={"mean_acceptance_length": 4.5}),
+             _run([90.0, 95.0, 92.0], output=99.0, fixed_k=8)]
     close = sweep_point(_run([96.0, 100.0, 98.0]), fixed)
+    assert close["best_acceptance_length"] == 4.5 and close["policy_acceptance_length"] is None
     assert close["best_k"] == 4 and close["best_decode_tok_s"] == 100.0
     assert close["policy_over_best"] == pytest.approx(0.98) and close["policy_over_best_range"] == pytest.approx(
         [0.96, 1.0])
@@ -478,7 +480,7 @@ def test_k_sweep_verdict_within_and_missing_on_hand_made_numbers():
     assert report["notes"] == ["dflash: its block holds 8 drafts (K in 1-8); K=15 run as K=8"]
     md = "\n".join(sweep_lines(report))
     assert "| dflash (synthetic) | 4 | 0.0 | 512 | 80.0 / 100.0 | 99.0 / 92.0 | 4 | 98.0 | 5.0 (75%) " \
-           "| 0.98 [0.96-1.00] | within 5 % |" in md
+           "| n/a / 4.50 | 0.98 [0.96-1.00] | within 5 % |" in md
     assert "| 0.90 [0.88-0.92] | **misses by 10.0 %** |" in md
     assert "at every point: no: dflash in512 b4 T0.0 (misses by 10.0 %)" in md
     assert sweep_report((4,), {"dflash": 8}, [close])["all_within"]
@@ -516,7 +518,9 @@ def test_k_sweep_runs_each_fixed_k_in_the_same_rounds_and_reports_the_policy_aga
     assert "Fixed-K sweep (`--k-sweep 2,15`)" in md and "| K=2 | K=7 | K=8 | best K |" in md
     section = md.split("Fixed-K sweep")[1]
     row = next(line for line in section.splitlines() if line.startswith("| dspark (synthetic) | 2 | 0.0 | 8 | "))
-    assert row.count(" / ") == 2 and sweep["points"][1]["verdict"] in row
+    assert row.count(" / ") == 3 and sweep["points"][1]["verdict"] in row  # two K cells, the acceptance cell
+    point = sweep["points"][1]
+    assert f"| {point['policy_acceptance_length']:.2f} / {point['best_acceptance_length']:.2f} |" in row
     assert "the policy within 5 % of the best fixed K at every point: " in md
 
 

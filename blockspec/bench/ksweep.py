@@ -58,7 +58,9 @@ def sweep_point(policy: dict[str, Any], fixed: list[dict[str, Any]]) -> dict[str
             "policy_output_tok_s": policy["output_tok_s"]["median"],
             "policy_decode_tok_s": policy["decode_tok_s"]["median"],
             "policy_mean_draft_length": acc.get("mean_draft_length"), "policy_drafting_share": drafting_share(policy),
+            "policy_acceptance_length": acc.get("mean_acceptance_length"),
             "best_k": best["fixed_k"], "best_decode_tok_s": best["decode_tok_s"]["median"],
+            "best_acceptance_length": (best.get("acceptance") or {}).get("mean_acceptance_length"),
             "policy_over_best": ratio, "policy_over_best_range": [min(ratios), max(ratios)] if ratios else None,
             "within": within(ratio), "verdict": verdict(ratio),
             "fixed": sorted(fixed, key=lambda r: r["fixed_k"])}
@@ -93,12 +95,14 @@ def sweep_lines(sweep: dict[str, Any]) -> list[str]:
     lines = ["", f"Fixed-K sweep (`--k-sweep {','.join(map(str, sweep['requested']))}`): each speculative method "
                  "also ran at each fixed draft length K (adaptive_draft_length off) in the same interleaved rounds; "
                  "K cells: output / decode tok/s (medians over the rounds); 'policy K': the policy's mean draft "
-                 "length over the steps that drafted (share of decode steps drafting); 'policy / best K': the "
-                 "policy's decode tok/s over the best fixed K's, median of the rounds' ratios (min-max); the "
-                 f"policy should land within {tol} of the best fixed K at every point:", "",
+                 "length over the steps that drafted (share of decode steps drafting); 'acc. len': the mean "
+                 "acceptance length of the policy's run and of the best K's (with synthetic acceptance, runs "
+                 "whose draft lengths differ draw differently: a gap here is luck of the draws, not the choice); "
+                 "'policy / best K': the policy's decode tok/s over the best fixed K's, median of the rounds' "
+                 f"ratios (min-max); the policy should land within {tol} of the best fixed K at every point:", "",
              "| method | batch | T | input | " + " | ".join(f"K={k}" for k in ks)
-             + " | best K | policy decode tok/s | policy K | policy / best K | verdict |",
-             "|---|---|---|---|" + "---|" * (len(ks) + 5)]
+             + " | best K | policy decode tok/s | policy K | acc. len policy / best K | policy / best K | verdict |",
+             "|---|---|---|---|" + "---|" * (len(ks) + 6)]
     for p in sweep["points"]:
         by_k = {r["fixed_k"]: r for r in p["fixed"]}
         cells = [f"{by_k[k]['output_tok_s']['median']:.1f} / {by_k[k]['decode_tok_s']['median']:.1f}"
@@ -106,10 +110,12 @@ def sweep_lines(sweep: dict[str, Any]) -> list[str]:
         span = p["policy_over_best_range"]
         ratio = _cell(p["policy_over_best"], ".2f") + (f" [{span[0]:.2f}-{span[1]:.2f}]" if span else "")
         share = p["policy_drafting_share"]
+        acc = " / ".join(_cell(p.get(f"{run}_acceptance_length"), ".2f") for run in ("policy", "best"))
         name = p["method"] + (" (synthetic)" if p["synthetic"] else "")
         lines.append(f"| {name} | {p['batch']} | {p['temperature']} | {input_cell(p)} | {' | '.join(cells)} "
                      f"| {p['best_k']} | {p['policy_decode_tok_s']:.1f} "
-                     f"| {_cell(p['policy_mean_draft_length'], '.1f')} ({_cell(share, '.0%')}) | {ratio} "
+                     f"| {_cell(p['policy_mean_draft_length'], '.1f')} ({_cell(share, '.0%')}) "
+                     f"| {acc} | {ratio} "
                      f"| {p['verdict'] if p['within'] else '**' + p['verdict'] + '**'} |")
     lines += [""] + [f"- {note}" for note in sweep["notes"]]
     missed = [f"{p['method']} {point_name(p)} ({p['verdict']})" for p in sweep["points"] if not p["within"]]
