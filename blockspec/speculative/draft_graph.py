@@ -58,7 +58,7 @@ class DraftGraphs:
         self.pending = pending
         self.k = num_drafts
         self.rows = num_drafts + 1  # context rows appended per request per step
-        self.widths = sorted({num_drafts, 1 << max(num_drafts - 1, 1).bit_length() - 1})  # head widths
+        self.widths = sorted({num_drafts, 1 << (max(num_drafts - 1, 1).bit_length() - 1)})  # head widths
         self.graphs: dict[tuple[int, int, int], CapturedDraft] = {}  # (batch bucket, key extent, head width)
         self.appends: dict[int, CapturedAppend] = {}
         self._pool = None
@@ -67,9 +67,10 @@ class DraftGraphs:
     def whole_cache(self) -> bool:
         return self.drafter.attention_backend == "triton"
 
-    def width(self, k: int) -> int:
-        """The head width of a step verifying up to k drafts: the narrowest of `widths` that holds them."""
-        return next(w for w in self.widths if w >= min(k, self.k))
+    def width(self, k: int | None = None) -> int:
+        """The head width of a step verifying up to k drafts (all K by default): the narrowest of
+        `widths` that holds them."""
+        return next(w for w in self.widths if w >= min(self.k if k is None else k, self.k))
 
     def capture_all(self, batch_sizes: list[int]) -> None:
         """Capture the draft step of these batch buckets at every key extent and head width, and their
@@ -93,7 +94,7 @@ class DraftGraphs:
         `counts` may be a device tensor; `ctx_end` then bounds every block's start on the host."""
         if ctx_end is None:
             ctx_end = max(s + c for s, c in zip(starts, counts))
-        width = self.width(self.k if k is None else k)
+        width = self.width(k)
         if not self.use_graphs:
             return self._step(self._control(slots, starts, counts, anchors), ctx_end, width)
         b = bucket(len(slots), BATCH_BUCKETS)

@@ -181,10 +181,11 @@ class Proposer:
             self.ahead_stats[1] += 1
         else:
             anchors = to_device([max(t, 0) for t in last], torch.int64, device)
+            widest = max(budgets, default=0)
             if self._graphable(reqs):
-                tokens, confidence = self._graphed_draft(reqs, anchors, max(budgets, default=0))
+                tokens, confidence = self._graphed_draft(reqs, anchors, widest)
             else:
-                tokens, q_probs, confidence = self._eager_draft(reqs, anchors, draft_params, max(budgets, default=0))
+                tokens, q_probs, confidence = self._eager_draft(reqs, anchors, draft_params, widest)
         lens = list(budgets)
         if confidence is not None:
             lens = self._confident_lengths(confidence, lens)
@@ -224,7 +225,8 @@ class Proposer:
             self._record_calibration(confidence, lens_t)
         return DraftBlock(tokens[:, :width].masked_fill(cut, -1), lens, lens_t, anchors, None, confidence)
 
-    def _graphed_draft(self, reqs: list[Request], anchors: Tensor, k: int | None = None) -> tuple[Tensor, Tensor | None]:
+    def _graphed_draft(self, reqs: list[Request], anchors: Tensor,
+                       k: int | None = None) -> tuple[Tensor, Tensor | None]:
         """Context append + block + the first k greedy drafts (all by default) replayed as one CUDA
         graph (decode-time steps)."""
         counts, starts = self.context.take(reqs)
@@ -243,8 +245,7 @@ class Proposer:
             assert r.num_draft_ctx == r.num_cached, (r.request_id, r.num_draft_ctx, r.num_cached)
         hidden = self.drafter.block_hidden(self.context.cache, [r.slot for r in reqs], [r.num_cached for r in reqs], anchors,
                                            self.target.embed)
-        width = self.graphs.width(self.num_speculative_tokens if k is None else k)
-        slot_hidden = self.drafter.slot_hidden(hidden, width)
+        slot_hidden = self.drafter.slot_hidden(hidden, self.graphs.width(k))
         if draft_params is not None:
             round_ = to_device([req.length for req in reqs], torch.int64, slot_hidden.device)
             return self.drafter.sample_drafts(slot_hidden, anchors, draft_params, round_,
