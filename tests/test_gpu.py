@@ -122,7 +122,9 @@ def test_cuda_graph_draft_step_equals_eager(tmp_path, method, fixture):
     graphed = LLM(str(target), device="cuda", dtype="float32", max_model_len=256, speculative_config=spec)
     eager = LLM(str(target), device="cuda", dtype="float32", max_model_len=256, speculative_config=spec)
     eager.engine.proposer.graphs.use_graphs = False  # the same tensor code, run eagerly
+    eager.engine.proposer.steps.use_graphs = False
     plain = LLM(str(target), device="cuda", dtype="float32", max_model_len=256)
+    replays = (graphed.engine.proposer.steps.replays, eager.engine.proposer.steps.replays)  # warm-up's
     a = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     c = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
@@ -130,6 +132,9 @@ def test_cuda_graph_draft_step_equals_eager(tmp_path, method, fixture):
     ga, ea = graphed.get_stats(), eager.get_stats()
     assert ga["num_accepted_tokens_per_pos"] == ea["num_accepted_tokens_per_pos"]
     assert ga["num_spec_steps_chained"] > 0  # graphed steps launched from device results ran too
+    # each chained step one graph replay; the eager engine's ran its tensor code
+    assert graphed.engine.proposer.steps.replays - replays[0] == ga["num_spec_steps_chained"]
+    assert eager.engine.proposer.steps.replays == replays[1] and ea["num_spec_steps_chained"] > 0
 
 
 @pytest.mark.gpu

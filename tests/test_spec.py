@@ -367,6 +367,29 @@ def test_confidence_pruning_stays_exact(target, plain, spec):
         assert m["verify_budget_mean"] >= 0
 
 
+@pytest.mark.parametrize("spec", [{}, {"adaptive_verification": True}], ids=["chained", "cost-table"])
+def test_a_dropped_llm_is_freed_at_once(target, spec):
+    """Dropping a speculating LLM frees its engine at once, after chained steps or the verify cost
+    table's profiling: a reference cycle would hold the model, caches and (on a GPU) CUDA graphs until
+    the cyclic collector runs, which may be inside another engine's graph capture, where freeing a
+    graph invalidates the capture."""
+    import gc
+    import weakref
+
+    llm = spec_llm(target, "dspark", "dspark_vanilla", **spec)
+    llm.engine.async_scheduling = True
+    run(llm, prompts(2), GREEDY)
+    engine = llm.engine
+    assert engine.proposer.cost_table is not None if spec else engine.num_spec_steps_chained > 0
+    refs = [weakref.ref(x) for x in (engine, engine.proposer, engine.proposer.steps, engine.runner, engine.model)]
+    gc.disable()
+    try:
+        del llm, engine
+        assert [r() is None for r in refs] == [True] * len(refs)
+    finally:
+        gc.enable()
+
+
 def test_confidence_threshold_prunes_drafts(target):
     full = spec_llm(target, "dspark", "dspark_vanilla")
     pruned = spec_llm(target, "dspark", "dspark_vanilla", confidence_threshold=0.9)
@@ -707,7 +730,7 @@ def add_device_oracle(llm: LLM, expected: dict[tuple, list[int]]) -> dict[tuple,
     Returns the drafter's own drafts by (prompt, output index), filled as the run goes: they
     depend on the draft context, which the oracle's tokens would hide."""
     engine, proposer = llm.engine, llm.engine.proposer
-    real_propose, real_step, real_eager = proposer.propose, proposer.graphs._step, proposer._eager_draft
+    real_propose, real_step, real_eager = proposer.propose, proposer.graphs.step, proposer._eager_draft
     drafted: dict[tuple, list[int]] = {}
 
     def propose(reqs, budgets, last_tokens=None, draft_params=None):
@@ -724,11 +747,11 @@ def add_device_oracle(llm: LLM, expected: dict[tuple, list[int]]) -> dict[tuple,
             drafted[(tuple(req.prompt_token_ids), req.num_cached + 1 - len(req.prompt_token_ids))] = tokens[r].tolist()
         return tokens, q, confidence
 
-    def step(control, kv, width):
-        tokens, confidence = real_step(control, kv, width)
+    def step(slots, starts, counts, anchors, kv, width):
+        tokens, confidence = real_step(slots, starts, counts, anchors, kv, width)
         by_slot = {r.slot: r for r in engine.running}
         tokens = tokens.clone()
-        for r, (slot, start, count) in enumerate(control[:3].t().tolist()):
+        for r, (slot, start, count) in enumerate(zip(slots.tolist(), starts.tolist(), counts.tolist())):
             req = by_slot[slot]
             n = start + count + 1 - len(req.prompt_token_ids)
             drafted[(tuple(req.prompt_token_ids), n)] = tokens[r].tolist()
@@ -737,7 +760,7 @@ def add_device_oracle(llm: LLM, expected: dict[tuple, list[int]]) -> dict[tuple,
 
     proposer.propose, proposer._eager_draft = propose, eager
     if not proposer.graphs.use_graphs:  # a captured step cannot read its inputs on the host
-        proposer.graphs._step = step
+        proposer.graphs.step = step
     return drafted
 
 

@@ -159,6 +159,8 @@ class Engine:
         self.runner.capture_all(sizes, tapped=self.proposer is not None, untapped=True)
         if self.proposer is not None and self.proposer.graphs.use_graphs:
             self.proposer.graphs.capture_all(sizes)
+            if self.async_scheduling and self.proposer.chains:
+                self.proposer.capture_steps(sizes, self.policy.candidates[1:])
         prompt_len = min(40, self.config.max_model_len - 10)
         for params in (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                        SamplingParams(temperature=1.0, seed=0, max_tokens=8, ignore_eos=True)):  # sampling kernels
@@ -583,26 +585,24 @@ class Engine:
         has not read: this step is launched from them (see `_launch_chained`)."""
         captures = CAPTURES[0]
         self.timer.mark("draft")
-        kv_len = None
-        if after is None:
-            ahead = ahead or [0] * len(reqs)
-            budgets = [min(k, self._draft_budget(r, a)) for r, a in zip(reqs, ahead)]
-            draft_params = None
-            if self.proposer.probabilistic(reqs):
-                k_max = self.proposer.num_speculative_tokens
-                draft_params = self.sampling.params(reqs, [k_max] * len(reqs), constrained=False)
-            block = self.proposer.propose(reqs, budgets, anchors, draft_params)
-            starts, q_lens = [r.num_cached for r in reqs], [1 + n for n in block.lens]
-        else:
-            budgets = None
-            block, starts = self.proposer.propose_after(reqs, *after, k, [self._tokens_left(r) for r in reqs])
-            q_lens = block.lens_t + 1
+        if after is not None:  # draft, verify and acceptance in one
             # the host's bound: every request emitted all its rows before, and verifies k + 1 rows now
             kv_len = min(max(r.num_cached for r in reqs) + after[1].shape[1] + k + 1, self.runner.cache.max_len + 1)
+            block, result, feats = self.proposer.step_after(reqs, *after, k, [self._tokens_left(r) for r in reqs],
+                                                            kv_len)
+            self.timer.mark("rest")
+            return SpecLaunch(reqs, k, None, block, None, feats, result, *self._copy_back(result), captures)
+        ahead = ahead or [0] * len(reqs)
+        budgets = [min(k, self._draft_budget(r, a)) for r, a in zip(reqs, ahead)]
+        draft_params = None
+        if self.proposer.probabilistic(reqs):
+            k_max = self.proposer.num_speculative_tokens
+            draft_params = self.sampling.params(reqs, [k_max] * len(reqs), constrained=False)
+        block = self.proposer.propose(reqs, budgets, anchors, draft_params)
         self.timer.mark("verify")
         ids = torch.cat([block.anchors[:, None], block.tokens.clamp(min=0)], dim=1)
-        hidden, feats = self.runner.forward_ids(ids, q_lens, starts, [r.slot for r in reqs], with_taps=True,
-                                                kv_len=kv_len)
+        hidden, feats = self.runner.forward_ids(ids, [1 + n for n in block.lens], [r.num_cached for r in reqs],
+                                                [r.slot for r in reqs], with_taps=True)
         self.timer.mark("rest")
         result = host = ready = None
         if not needs_processing(reqs):

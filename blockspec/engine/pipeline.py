@@ -40,7 +40,7 @@ class SpecLaunch:
     k: int
     budgets: list[int] | None  # drafts asked per request (None: known on the device only, = the block's lengths)
     block: DraftBlock
-    hidden: Tensor  # verify rows' final hidden states (sampled verification reads them at the finish)
+    hidden: Tensor | None  # verify rows' final hidden states (sampled verification reads them; None: chained)
     feats: Tensor  # verify rows' tap features, for the drafter's context
     result: Tensor | None  # greedy rows: [R, 2 + W] accepted count, draft length, emitted tokens (Proposer.pack)
     host: Tensor | None  # pinned copy of `result`, valid once `ready`

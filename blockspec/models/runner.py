@@ -11,6 +11,7 @@ reference the graph path is tested against.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -67,8 +68,16 @@ def capture(fn: Callable[[], T], pool: object) -> tuple["torch.cuda.CUDAGraph", 
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    # no cyclic garbage collection while capturing: freeing a dead engine's graphs or memory there (a
+    # reference cycle in the caller's objects) would invalidate the capture
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, out
 
 
@@ -132,42 +141,41 @@ class ModelRunner:
         return self.forward_ids(ids, [len(r) for r in runs], starts, slots, with_taps, hold=hold, context=context)
 
     def forward_ids(
-        self, ids: Tensor, q_lens: Sequence[int] | Tensor, starts: Sequence[int] | Tensor, slots: Sequence[int],
-        with_taps: bool = False, kv_len: int | None = None, hold: tuple[list[int], list[int]] | None = None,
+        self, ids: Tensor, q_lens: Sequence[int], starts: Sequence[int], slots: Sequence[int],
+        with_taps: bool = False, hold: tuple[list[int], list[int]] | None = None,
         context: tuple[list[int], list[int], list[int]] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Same as `forward` with the ids already a padded device tensor [R, Q] (e.g. anchors + drafts).
 
-        `starts` and `q_lens` may be device tensors, computed by the GPU from a step the host has not
-        read yet; `kv_len` then bounds every request's last key (the host's worst case).
         `hold` = (sink slots, sink columns) per request: first-row taps go to `tap_sink` there (the
         scratch slot for a request that keeps none) and no taps are returned."""
         if hold is not None:
             assert with_taps and self.tap_sink is not None, "hold needs taps and a tap sink"
         r, q = ids.shape
-        on_device = isinstance(starts, Tensor) or isinstance(q_lens, Tensor)
-        if kv_len is None:
-            assert not on_device, "starts / q_lens on the device need a host bound kv_len"
-            kv_len = max(s + n for s, n in zip(starts, q_lens))
+        kv_len = max(s + n for s, n in zip(starts, q_lens))
         key = self.graph_key(r, q, kv_len, with_taps)
         if key is not None and context is None and self.sinks_context(key):
             key = None  # that graph would hand the taps to the drafter, and this caller wants them back
         if key is not None:
             return self._replay(ids, q_lens, starts, slots, with_taps, key, hold, context)
         cfg = self.model.config
-        if on_device:
-            as_t = lambda v: v if isinstance(v, Tensor) else to_device(v, torch.int64, self.device)  # noqa: E731
-            meta = meta_from_tensors(as_t(list(slots)), as_t(starts), as_t(q_lens), q, kv_len, self.cache.trash,
-                                     cfg.sliding_window, cfg.layer_types)
-        else:
-            meta = causal_meta(list(slots), list(starts), list(q_lens), q, self.cache.trash, self.device,
-                               cfg.sliding_window, cfg.layer_types, kv_len)
+        meta = causal_meta(list(slots), list(starts), list(q_lens), q, self.cache.trash, self.device,
+                           cfg.sliding_window, cfg.layer_types, kv_len)
         hidden, features = self.model(ids, meta, self.cache, self.taps if with_taps else ())
         if hold is None:
             return hidden, features
         sink = to_device(list(hold), torch.int64, self.device)
         self._sink(features, sink[0], sink[1])
         return hidden, None
+
+    def forward_tensors(self, ids: Tensor, slots: Tensor, starts: Tensor, q_lens: Tensor, kv_len: int,
+                        with_taps: bool = True) -> tuple[Tensor, Tensor | None]:
+        """The eager forward with every argument on the device (capturable: the chained step's verify):
+        rows ids[r, :q_lens[r]] at positions starts[r]..., keys up to `kv_len`."""
+        cfg = self.model.config
+        meta = meta_from_tensors(slots, starts, q_lens, ids.shape[1], kv_len, self.cache.trash, cfg.sliding_window,
+                                 cfg.layer_types)
+        return self.model(ids, meta, self.cache, self.taps if with_taps else ())
 
     def _sink(self, features: Tensor, slots: Tensor, columns: Tensor) -> None:
         """Each request's first-row taps into tap_sink[slots[r], columns[r]] (one scatter)."""
@@ -219,24 +227,20 @@ class ModelRunner:
             if key not in self.graphs:
                 self._capture(key)
 
-    def _replay(self, ids: Tensor, q_lens: Sequence[int] | Tensor, starts: Sequence[int] | Tensor, slots: Sequence[int],
+    def _replay(self, ids: Tensor, q_lens: Sequence[int], starts: Sequence[int], slots: Sequence[int],
                 with_taps: bool, key: tuple[int, int, int, bool], hold: tuple[list[int], list[int]] | None = None,
                 context: tuple[list[int], list[int], list[int]] | None = None) -> tuple[Tensor, Tensor | None]:
         r, q = ids.shape
         b = key[0]
         cap = self.graphs.get(key) or self._capture(key)
-        host = lambda v: [0] * r if isinstance(v, Tensor) else list(v)  # noqa: E731
         pad, scratch = b - r, self.cache.scratch_slot
         sink_slots, sink_cols = hold if hold is not None else ([scratch] * r, [0] * r)
         sunk = self.sinks_context(key)
         ctx_slots, ctx_starts, ctx_rows = context if sunk else ([scratch] * r, [0] * r, [0] * r)
-        cap.control.copy_(to_device([list(slots) + [scratch] * pad, host(starts) + [0] * pad, host(q_lens) + [0] * pad,
+        cap.control.copy_(to_device([list(slots) + [scratch] * pad, list(starts) + [0] * pad, list(q_lens) + [0] * pad,
                                      list(sink_slots) + [scratch] * pad, list(sink_cols) + [0] * pad,
                                      list(ctx_slots) + [scratch] * pad, list(ctx_starts) + [0] * pad,
                                      list(ctx_rows) + [0] * pad], torch.int64, self.device))
-        for row, values in ((1, starts), (2, q_lens)):
-            if isinstance(values, Tensor):
-                cap.control[row, :r].copy_(values)
         cap.ids[:r, :q].copy_(ids)
         cap.graph.replay()
         if hold is not None or sunk:

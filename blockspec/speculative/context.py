@@ -101,10 +101,10 @@ class DraftContext:
             idx = to_device([src_row, src_col, slot, col], torch.int64, features.device)
             self.pending[idx[2], idx[3]] = features[idx[0], idx[1]].to(self.pending.dtype)
 
-    def stage(self, slots: list[int], features: Tensor) -> None:
+    def stage(self, slots: Tensor, features: Tensor) -> None:
         """Put a verify's rows [R, W + 1, F] in the slots' held rows, on the device, for a draft launched
         before the host knows how many of them were accepted (rows past each count are never read)."""
-        self.pending[to_device(slots, torch.int64, features.device), : features.shape[1]] = features
+        self.pending[slots, : features.shape[1]] = features
 
     def take(self, reqs: list[Request]) -> tuple[list[int], list[int]]:
         """Each request's held rows and where they start in the draft cache; marks them consumed (the

@@ -12,8 +12,8 @@ verifying 8 of 15 drafts (the draft length the policy settles on when a large ba
 compute-bound) does not pay 15 rows of the vocabulary product. Both are captured at start: a width
 first captured mid-run would stall its step.
 
-Its inputs are device tensors, so a step can be launched from counts the GPU has computed and the
-host not read yet. Without CUDA graphs (the CPU) the same tensor code runs eagerly.
+Its tensor code (`step`) takes device tensors only: the chained step (`StepGraphs`) runs it on counts
+the GPU has computed and the host not read yet. Without CUDA graphs (the CPU) it runs eagerly.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class DraftGraphs:
         """Capture the draft step of these batch buckets at every key extent and head width, and their
         context append."""
         for b in batch_sizes:
-            for kv in kv_extents(self.cache.max_len - self.rows, self.whole_cache):
+            for kv in kv_extents(self.max_ctx, self.whole_cache):
                 for width in self.widths:
                     if (b, kv, width) not in self.graphs:
                         self._capture(b, kv, width)
@@ -85,25 +85,28 @@ class DraftGraphs:
 
     def fits(self, batch: int, pending_rows: list[int], max_ctx: int) -> bool:
         b = bucket(batch, BATCH_BUCKETS)
-        return b is not None and max(pending_rows) <= self.rows and max_ctx + self.rows <= self.cache.max_len
+        return b is not None and max(pending_rows) <= self.rows and max_ctx <= self.max_ctx
 
-    def run(self, slots: list[int], starts: list[int], counts: list[int] | Tensor, anchors: Tensor,
-            ctx_end: int | None = None, k: int | None = None) -> tuple[Tensor, Tensor | None]:
+    def run(self, slots: list[int], starts: list[int], counts: list[int], anchors: Tensor,
+            k: int | None = None) -> tuple[Tensor, Tensor | None]:
         """Append each slot's first counts[r] held rows at starts[r]..., then draft from the block at
-        starts[r] + counts[r]: at least the first k drafts (all K by default), [R, width(k)].
-        `counts` may be a device tensor; `ctx_end` then bounds every block's start on the host."""
-        if ctx_end is None:
-            ctx_end = max(s + c for s, c in zip(starts, counts))
+        starts[r] + counts[r]: at least the first k drafts (all K by default), [R, width(k)]."""
+        ctx_end = max(s + c for s, c in zip(starts, counts))
         width = self.width(k)
         if not self.use_graphs:
             return self._step(self._control(slots, starts, counts, anchors), ctx_end, width)
         b = bucket(len(slots), BATCH_BUCKETS)
-        kv = kv_extent(ctx_end, self.cache.max_len - self.rows, self.whole_cache)
+        kv = kv_extent(ctx_end, self.max_ctx, self.whole_cache)
         cap = self.graphs.get((b, kv, width)) or self._capture(b, kv, width)
         self._fill(cap.control, slots, starts, counts, anchors)
         cap.graph.replay()
         r = len(slots)
         return cap.tokens[:r], cap.confidence[:r] if cap.confidence is not None else None
+
+    @property
+    def max_ctx(self) -> int:
+        """The largest key extent of a draft step: room for its context rows after it."""
+        return self.cache.max_len - self.rows
 
     def append(self, slots: list[int], starts: list[int], counts: list[int]) -> None:
         """Append each slot's first counts[r] held rows to the draft cache at starts[r]... (no block)."""
@@ -115,22 +118,18 @@ class DraftGraphs:
         self._fill(cap.control, slots, starts, counts)
         cap.graph.replay()
 
-    def _control(self, slots: list[int], starts: list[int], counts: list[int] | Tensor,
+    def _control(self, slots: list[int], starts: list[int], counts: list[int],
                  anchors: Tensor | None = None) -> Tensor:
         """The control rows of an eager step: slots, starts, counts (and anchors)."""
-        device = self.pending.device
-        as_t = lambda v: v if isinstance(v, Tensor) else to_device(v, torch.int64, device)  # noqa: E731
-        return torch.stack([as_t(v) for v in (slots, starts, counts, anchors) if v is not None])
+        rows = to_device([slots, starts, counts], torch.int64, self.pending.device)
+        return rows if anchors is None else torch.cat([rows, anchors[None]])
 
-    def _fill(self, control: Tensor, slots: list[int], starts: list[int], counts: list[int] | Tensor,
+    def _fill(self, control: Tensor, slots: list[int], starts: list[int], counts: list[int],
               anchors: Tensor | None = None) -> None:
         """Write a captured step's control rows: padding rows read and write only the scratch slot."""
         r, pad = len(slots), control.shape[1] - len(slots)
-        host_counts = [0] * r if isinstance(counts, Tensor) else list(counts)
         control[:3].copy_(to_device([slots + [self.cache.scratch_slot] * pad, starts + [0] * pad,
-                                     host_counts + [0] * pad], torch.int64, control.device))
-        if isinstance(counts, Tensor):
-            control[2, :r].copy_(counts)
+                                     counts + [0] * pad], torch.int64, control.device))
         if anchors is not None:
             control[3, :r].copy_(anchors)
 
@@ -139,10 +138,14 @@ class DraftGraphs:
         self.drafter.append_context_tensors(self.cache, slots, starts, counts, self.pending[slots], self.cache.max_len)
 
     def _step(self, control: Tensor, kv: int, width: int) -> tuple[Tensor, Tensor | None]:
-        """The draft step's tensor code: control rows are slots, context starts, context rows, anchors;
-        `kv` bounds every block's start; the first `width` drafts are taken."""
+        return self.step(control[0], control[1], control[2], control[3], kv, width)
+
+    def step(self, slots: Tensor, starts: Tensor, counts: Tensor, anchors: Tensor, kv: int,
+             width: int) -> tuple[Tensor, Tensor | None]:
+        """The draft step's tensor code: append each slot's counts[r] held rows at starts[r]..., run the
+        block at starts[r] + counts[r] from anchors[r] and take the first `width` drafts; `kv` bounds
+        every block's start."""
         d = self.drafter
-        slots, starts, counts, anchors = control[0], control[1], control[2], control[3]
         d.append_context_tensors(self.cache, slots, starts, counts, self.pending[slots], kv + self.rows)
         hidden = d.block_hidden_tensors(self.cache, slots, starts + counts, anchors, kv, self.target.embed)
         # where the drafter's logits are the target's, the argmax of the head's own-dtype logits

@@ -5,6 +5,7 @@ every speculating request in one forward, and accept on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -12,11 +13,12 @@ from torch import Tensor
 
 from blockspec.config import ConfigError, SpeculativeConfig
 from blockspec.drafters import DraftModel
-from blockspec.models.runner import ModelRunner
+from blockspec.models.runner import ModelRunner, kv_extents
 from blockspec.request import Request
 from blockspec.models.llama import CausalLM
 from blockspec.speculative.context import DraftContext
 from blockspec.speculative.draft_graph import DraftGraphs
+from blockspec.speculative.step_graph import StepGraphs
 from blockspec.speculative.confidence import VerifyCostTable, schedule_prefixes, threshold_lengths, timed
 from blockspec.sample import (
     RowParams,
@@ -71,6 +73,15 @@ class DraftLaunch:
         return self.anchor_ids[rows], self.tokens[rows], conf
 
 
+def profile_verify(runner: ModelRunner, batch: int, rows: int) -> float:
+    """Seconds of one verify forward of `batch` requests x `rows` rows (scratch slot, no real KV touched)."""
+    cache = runner.cache
+    start = min(256, cache.max_len - rows - 1)
+    ids = torch.zeros(batch, rows, dtype=torch.int64, device=cache.k[0].device)
+    return timed(lambda: runner.forward_ids(ids, [rows] * batch, [start] * batch, [cache.scratch_slot] * batch,
+                                            with_taps=True), ids.device)
+
+
 def draft_length(cfg: SpeculativeConfig, drafter: DraftModel) -> int:
     """Drafts verified per step at most (K): `num_speculative_tokens`, or the drafter's whole block."""
     slots = drafter.num_draft_slots
@@ -104,24 +115,31 @@ class Proposer:
             raise ConfigError("speculative_config.confidence_threshold / adaptive_verification need a DSpark drafter "
                               f"with a confidence head; {type(drafter).__name__} has none")
         self.has_confidence = has_conf
+        self.calibration: Tensor | None = None
         self.reset_stats()
         self.graphs = DraftGraphs(drafter, target, self.context.cache, self.context.pending, k, cfg.markov_top_k,
                                   use_graphs=runner.use_graphs)  # graphed where the target's forwards are
+        self.steps = StepGraphs(k, self.context.pending, runner.cache.scratch_slot, use_graphs=runner.use_graphs)
         self.ahead: DraftLaunch | None = None
 
     def reset_stats(self) -> None:
         """Calibration and budget statistics start from zero (after the engine's warm-up)."""
         k = self.num_speculative_tokens
-        # rows: predicted survival summed, positions verified (device); realised counts on the host
-        self.calibration = (torch.zeros(2, k, dtype=torch.float64, device=self.target.embed_tokens.weight.device)
-                            if self.has_confidence else None)
+        # rows: predicted survival summed, positions verified (device; zeroed in place, as captured steps
+        # add to it); realised counts on the host
+        if not self.has_confidence:
+            self.calibration = None
+        elif self.calibration is None:
+            self.calibration = torch.zeros(2, k, dtype=torch.float64, device=self.target.embed_tokens.weight.device)
+        else:
+            self.calibration.zero_()
         self.realised = [0] * k
         self.budget_history: list[int] = []
         self.ahead_stats = [0, 0]  # drafts launched ahead of their step's commit, and taken by the next step
 
     @property
     def chains(self) -> bool:
-        """Whether a step can be launched from the last one's device results (`propose_after`): not when
+        """Whether a step can be launched from the last one's device results (`step_after`): not when
         drafts are pruned by confidences read on the host."""
         return self.cfg.confidence_threshold == 0 and not self.cfg.adaptive_verification
 
@@ -193,28 +211,54 @@ class Proposer:
         block.q_probs = q_probs[:, : max(lens)] if q_probs is not None else None
         return block
 
-    def propose_after(self, reqs: list[Request], result: Tensor, feats: Tensor, k: int,
-                      left: list[int]) -> tuple[DraftBlock, Tensor]:
-        """The next greedy draft of `reqs`, launched from a verify's results on the device before the
-        host reads them: `result` [R, 2 + W] as `pack` made it, `feats` [R, W + 1, F] that verify's
-        taps, `left` the tokens each request may still emit (committed state, before that verify).
-
-        The verify's emitted tokens go into the draft context (a + 1 rows at each request's cache
-        count), its last token anchors the block, and each request drafts min(k, left - (a + 1) - 1)
-        tokens, never past its limits. Returns the block (lengths on the device only) and where each
-        request's verify starts (its cache count after the commit)."""
-        device = result.device
-        accepted = result[:, 0].clamp(min=0)  # a failed row (-1) fails its request at the commit
-        counts = accepted + 1
-        anchors = result[:, 2:].gather(1, accepted[:, None])[:, 0].clamp(min=0)
-        starts = [r.num_cached for r in reqs]
-        slots = [r.slot for r in reqs]
-        self.context.stage(slots, feats)
-        tokens, confidence = self.graphs.run(slots, starts, counts, anchors, max(starts) + feats.shape[1], k)
-        lens = (to_device(left, torch.int64, device) - counts - 1).clamp(0, k)
+    def step_after(self, reqs: list[Request], result: Tensor, taps: Tensor, k: int, left: list[int],
+                   kv_len: int) -> tuple[DraftBlock, Tensor, Tensor]:
+        """The next greedy step of `reqs` (draft, verify, acceptance) launched from a verify's results on
+        the device before the host reads them: `result` [R, 2 + W] as `pack` made it, `taps`
+        [R, W + 1, F] that verify's, `left` the tokens each request may still emit (committed state,
+        before that verify), `kv_len` the host's bound on every verify row's last key. One graph on
+        CUDA (`StepGraphs`). Returns the block (lengths on the device only), the packed result and
+        the verify's taps."""
+        rows = [[r.slot for r in reqs], [r.num_cached for r in reqs], list(left), [self.request_key(r) for r in reqs]]
         self.ahead_stats[0] += 1  # launched ahead of the commit, and taken by the step it was launched for
         self.ahead_stats[1] += 1
-        return self._cut(tokens, None, lens, k, anchors, confidence), to_device(starts, torch.int64, device) + counts
+        kv_len = self.runner.kv_extent(kv_len) if self.steps.use_graphs else kv_len
+        return self.steps.run(self.chained_step, rows, result, taps, k, kv_len)
+
+    def capture_steps(self, batch_sizes: list[int], ks: list[int]) -> None:
+        """Capture the chained step of these batch buckets and draft lengths at every key extent."""
+        extents = kv_extents(self.runner.cache.max_len + 1, self.runner.whole_cache_graphs)
+        self.steps.capture_all(self.chained_step, batch_sizes, ks, extents)
+
+    def chained_step(self, control: Tensor, result: Tensor, taps: Tensor, k: int,
+                     kv_len: int) -> tuple[DraftBlock, Tensor, Tensor]:
+        """`step_after`'s tensor code (captured by `StepGraphs`). control: slots, committed cache counts,
+        tokens left, request keys. The verify's a + 1 emitted rows go into the draft context at each
+        request's cache count, its last emitted token anchors the block, and each request drafts
+        min(k, left - (a + 1) - 1) tokens, never past its limits; the verify starts after them. Every
+        block starts before `kv_len`, the bound of the verify's keys."""
+        slots, starts, left, keys = control
+        ctx_end = min(kv_len, self.graphs.max_ctx)
+        accepted = result[:, 0].clamp(0, result.shape[1] - 3)  # a failed row (-1) fails its request at the commit
+        counts = accepted + 1
+        anchors = result[:, 2:].gather(1, accepted[:, None])[:, 0].clamp(min=0)
+        self.context.stage(slots, taps)
+        tokens, confidence = self.graphs.step(slots, starts, counts, anchors, ctx_end, self.graphs.width(k))
+        lens = (left - counts - 1).clamp(0, k)
+        verify_at = starts + counts
+        block = self.keyed(self._cut(tokens, None, lens, k, anchors, confidence), keys, verify_at)
+        ids = torch.cat([anchors[:, None], block.tokens.clamp(min=0)], dim=1)
+        hidden, verify_taps = self.runner.forward_tensors(ids, slots, verify_at, lens + 1, kv_len)
+        return block, self.accept_greedy(block, hidden), verify_taps
+
+    def request_key(self, req: Request) -> int:
+        """A request's key in a step's control rows (what `keyed` marks its draws with): none here."""
+        return 0
+
+    def keyed(self, block: DraftBlock, keys: Tensor, anchors_at: Tensor) -> DraftBlock:
+        """`block` as verification needs it, given each request's key and its anchor's position: as it is
+        (the synthetic proposer of the benchmarks keys its drawn acceptance by them)."""
+        return block
 
     def _cut(self, tokens: Tensor, lens: list[int] | None, lens_t: Tensor, width: int, anchors: Tensor,
              confidence: Tensor | None) -> DraftBlock:
@@ -264,21 +308,12 @@ class Proposer:
             lens = threshold_lengths(confidence, lens, self.cfg.confidence_threshold)
         if self.cfg.adaptive_verification:
             if self.cost_table is None:
-                self.cost_table = VerifyCostTable(self._profile_verify,
-                                                  self.num_speculative_tokens + 1)
+                # a function of the runner, not of the proposer, which would then reference itself
+                self.cost_table = VerifyCostTable(partial(profile_verify, self.runner), self.num_speculative_tokens + 1)
             survival = torch.cumprod(confidence.float(), dim=1).tolist()
             lens = schedule_prefixes(survival, lens, self.cost_table)
             self.budget_history.append(sum(lens))
         return lens
-
-    def _profile_verify(self, batch: int, rows: int) -> float:
-        """Seconds of one verify forward of `batch` requests x `rows` rows (scratch slot, no real KV touched)."""
-        cache = self.runner.cache
-        start = min(256, cache.max_len - rows - 1)
-        ids = torch.zeros(batch, rows, dtype=torch.int64, device=cache.k[0].device)
-        return timed(lambda: self.runner.forward_ids(ids, [rows] * batch, [start] * batch,
-                                                      [cache.scratch_slot] * batch, with_taps=True),
-                     ids.device)
 
     def _record_calibration(self, confidence: Tensor, lens: Tensor) -> None:
         """Predicted prefix survival of every verified draft position (device sums, read only for metrics)."""
@@ -351,7 +386,7 @@ class Proposer:
 
     def pack(self, num_acc: Tensor, out: Tensor, block: DraftBlock) -> Tensor:
         """[R, 2 + W]: each request's accepted count, its draft length, then its emitted tokens (what
-        `unpack` reads on the host and `propose_after` on the device)."""
+        `unpack` reads on the host and `chained_step` on the device)."""
         num_acc, out = self.outcome(num_acc, out, block)
         return torch.cat([num_acc[:, None], block.lens_t[:, None], out], dim=1)
 

@@ -141,19 +141,15 @@ class SyntheticProposer(Proposer):
     def propose(self, reqs: list[Request], budgets: list[int], last_tokens: list[int] | None = None,
                 draft_params: RowParams | None = None) -> DraftBlock:
         block = super().propose(reqs, budgets, last_tokens, draft_params)
-        return self._keyed(block, reqs, to_device([r.num_cached for r in reqs], torch.int64, block.tokens.device))
+        device = block.tokens.device
+        keys = to_device([self.request_key(r) for r in reqs], torch.int64, device)
+        return self.keyed(block, keys, to_device([r.num_cached for r in reqs], torch.int64, device))
 
-    def propose_after(self, reqs: list[Request], result: Tensor, feats: Tensor, k: int,
-                      left: list[int]) -> tuple[DraftBlock, Tensor]:
-        block, starts = super().propose_after(reqs, result, feats, k, left)
-        return self._keyed(block, reqs, starts), starts
-
-    def _keyed(self, block: DraftBlock, reqs: list[Request], anchors_at: Tensor) -> KeyedBlock:
+    def keyed(self, block: DraftBlock, keys: Tensor, anchors_at: Tensor) -> KeyedBlock:
         """`block` with its rows' draw keys: the request and the position of its block's anchor (a new
         position each verify round, so no drawn value is used twice)."""
-        requests = to_device([self.request_key(r) for r in reqs], torch.int64, anchors_at.device)
-        keys = row_key(requests, anchors_at, STREAM_SYNTHETIC, None)
-        return KeyedBlock(**{f.name: getattr(block, f.name) for f in fields(DraftBlock)}, keys=keys)
+        draws = row_key(keys, anchors_at, STREAM_SYNTHETIC, None)
+        return KeyedBlock(**{f.name: getattr(block, f.name) for f in fields(DraftBlock)}, keys=draws)
 
     def request_key(self, req: Request) -> int:
         """The same request in every engine of a bench: its sampling seed (the bench sets one), else its
