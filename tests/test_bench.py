@@ -737,3 +737,51 @@ def test_an_fp8_drafter_runs_in_the_bench_and_says_so():
     weights = [next(r for r in res["runs"] if r["method"] == "dflash")["memory_gb"]["drafter_weights"]
                for res in (plain, fp8)]
     assert weights[1] < weights[0]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_row_flops_count_every_product_a_verify_row_makes(tmp_path, family):
+    """`row_flops`' products are what torch's FLOP counter sees in a 3-row verify forward and its LM head,
+    dense and mixture-of-experts (a row multiplies its top-k experts' weights, not the layer's)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from blockspec.bench.arch import row_flops
+    from blockspec.models.kv_cache import causal_meta
+    from blockspec.models.loader import load_target
+    from factories import save_moe_target
+
+    path = save_tiny(tmp_path / "t", family) if family == "qwen3" else save_moe_target(tmp_path / "t", family)
+    model, _ = load_target(str(path), device="cpu", dtype="float32")
+    cfg, ctx, rows = model.config, 37, 3
+    cache = model.new_cache(1, 64)
+    prefill = causal_meta([0], [0], [ctx], ctx, cache.trash, "cpu", cfg.sliding_window, cfg.layer_types, ctx)
+    model(torch.arange(ctx)[None] % cfg.vocab_size, prefill, cache, ())
+    verify = causal_meta([0], [ctx], [rows], rows, cache.trash, "cpu", cfg.sliding_window, cfg.layer_types, ctx + rows)
+    with FlopCounterMode(display=False) as counter:
+        hidden, _ = model(torch.ones(1, rows, dtype=torch.int64), verify, cache, ())
+        model.compute_logits(hidden)
+    products, per_key = row_flops(model)
+    assert counter.get_total_flops() == rows * products
+    assert per_key == 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+
+
+def test_a_step_floor_is_its_weights_until_its_rows_fill_the_products():
+    """A step's floor is its weight bytes at the copy bandwidth while it has few rows, then its FLOPs at the
+    product rate; each run's step times by draft length get the floor of a whole-batch step."""
+    from blockspec.bench.harness import add_step_floors, step_floor
+
+    # 16 GB a step at 4 TB/s: 4 ms; a row 16 GFLOP at 800 TFLOP/s: 0.02 ms, so 200 rows cross over
+    model = {"weight_bytes_per_step_gb": 16.0, "row_gflops": 16.0, "attention_flops_per_key": 0.0}
+    floor = {"copy_bandwidth_TBps": 4.0, "matmul_TFLOPs": 800.0}
+    assert step_floor(model, floor, 1, 0) == pytest.approx((4e-3, "bandwidth"))
+    assert step_floor(model, floor, 199, 0)[1] == "bandwidth"
+    assert step_floor(model, floor, 400, 0) == pytest.approx((8e-3, "compute"))
+    run = {"status": "ok", "batch": 64, "prompt_tokens_mean": 512, "output_len": 1024,
+           "steps_by_draft_length": {"0": {"steps": 5, "ms_median": 7.7}, "8": {"steps": 9, "ms_median": 23.3}}}
+    add_step_floors([run], model, floor)
+    steps = run["steps_by_draft_length"]
+    assert steps["0"]["floor_bound"] == "bandwidth" and steps["0"]["floor_ms"] == pytest.approx(4.0)
+    assert steps["8"]["floor_bound"] == "compute" and steps["8"]["floor_ms"] == pytest.approx(64 * 9 * 0.02)
+    bare = {**run, "steps_by_draft_length": {"8": {"steps": 9, "ms_median": 23.3}}}
+    add_step_floors([bare], model, "n/a (GPU only)")  # no measured rates (the CPU): no floor
+    assert bare["steps_by_draft_length"]["8"] == {"steps": 9, "ms_median": 23.3}

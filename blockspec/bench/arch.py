@@ -161,5 +161,24 @@ def step_bytes(model: nn.Module, experts_read: float | None = None) -> int:
     return int(total) + (emb.numel() * emb.element_size() if model.config.tie_word_embeddings else 0)
 
 
+def row_flops(model: CausalLM) -> tuple[float, float]:
+    """FLOPs of one token row through `model`, as (its products, its attention per key of context):
+    2 a multiply-add of every weight the row multiplies (the embedding is a lookup unless it is the
+    tied head; of a mixture-of-experts layer the row's top-k experts), and QK plus PV over every head.
+    Sliding windows are not counted: for such a model the attention term is an upper bound."""
+    cfg = model.config
+    emb = model.embed_tokens.weight
+    stacked = {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
+    products = 0.0
+    for p in model.parameters():
+        if p.dim() < 2 or p is emb:
+            continue
+        share = min(cfg.num_experts_per_tok, p.shape[0]) / p.shape[0] if id(p) in stacked else 1.0
+        products += 2 * p.numel() * share
+    if cfg.tie_word_embeddings:
+        products += 2 * emb.numel()
+    return products, 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+
+
 def param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())

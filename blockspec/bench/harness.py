@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from blockspec.bench.arch import ARCHS, get_arch, param_bytes, random_drafter, random_target, step_bytes
+from blockspec.bench.arch import ARCHS, get_arch, param_bytes, random_drafter, random_target, row_flops, step_bytes
 from blockspec.models.quant import is_quantized, quantize_model
 from blockspec.bench.expert_union import ROUTING_MODELS, set_routing
 from blockspec.bench.drafts import NO_DRAFTS_WHY, StepLog, acceptance, drafted, drafting_share
@@ -66,6 +66,7 @@ from blockspec.bench.timing import (
     allocated_bytes,
     copy_bandwidth,
     free_memory,
+    matmul_rate,
     peak_allocated_bytes,
     reset_peak_memory,
     spread,
@@ -722,14 +723,17 @@ def measure_sweep(cfg: BenchConfig, device: torch.device, log: Callable[[str], N
                                           "note": SYNTHETIC_NOTE}
     bandwidth = copy_bandwidth() if device.type == "cuda" else None  # before the models: needs 4 GB free
     setup = prepare(cfg, device, rank)
+    products, per_key = row_flops(setup.target)
     model = dict(setup.description, target_gb=param_bytes(setup.target) / 1e9,
-                 weight_bytes_per_step_gb=step_bytes(setup.target) / 1e9)
+                 weight_bytes_per_step_gb=step_bytes(setup.target) / 1e9, row_gflops=products / 1e9,
+                 attention_flops_per_key=per_key)
     result["model"] = model
     result["floor"] = "n/a (GPU only)"
     if bandwidth:
         floor_s = step_bytes(setup.target) / bandwidth
         result["floor"] = {"copy_bandwidth_TBps": bandwidth / 1e12, "step_ms_batch1": 1e3 * floor_s,
-                           "tok_s_batch1": 1 / floor_s}
+                           "tok_s_batch1": 1 / floor_s,
+                           "matmul_TFLOPs": matmul_rate(setup.target.embed_tokens.weight.dtype) / 1e12}
     methods = cfg.selected_methods()
     drafters = {m: setup.make_drafter(m) for m in methods if m != "plain"}
     capacities = {m: d.num_draft_slots for m, d in drafters.items()} if cfg.k_sweep else {}
@@ -788,6 +792,7 @@ def measure_sweep(cfg: BenchConfig, device: torch.device, log: Callable[[str], N
     if cfg.peers:
         runs += run_peers(cfg, setup, plain_outputs, log)
     compare_to_plain(runs)
+    add_step_floors(runs, result["model"], result["floor"])
     result["runs"] = runs
     result["checks"] = checks(result)
     if capacities:
@@ -926,6 +931,29 @@ def verdict(run: dict[str, Any]) -> str:
     return "faster" if low > 1 else "slower" if high < 1 else "within the rounds' spread"
 
 
+def step_floor(model: dict[str, Any], floor: dict[str, Any], rows: int, context: float) -> tuple[float, str]:
+    """The least time of a target forward over `rows` rows at `context` keys each, and what bounds it: its
+    weight bytes at the copy bandwidth, or its FLOPs (`row_flops`) at the measured product rate."""
+    reads = model["weight_bytes_per_step_gb"] / floor["copy_bandwidth_TBps"] * 1e-3
+    flops = rows * (model["row_gflops"] * 1e9 + model["attention_flops_per_key"] * context)
+    computes = flops / (floor["matmul_TFLOPs"] * 1e12)
+    return max(reads, computes), "compute" if computes > reads else "bandwidth"
+
+
+def add_step_floors(runs: list[dict[str, Any]], model: dict[str, Any], floor: dict[str, Any] | str) -> None:
+    """Each run's step times by draft length get the floor of a step of its whole batch verifying K drafts
+    (the target's forward alone, at the run's mean context: the drafter's work comes on top)."""
+    if not isinstance(floor, dict) or "matmul_TFLOPs" not in floor:
+        return
+    for run in runs:
+        if run.get("status") != "ok":
+            continue
+        context = run["prompt_tokens_mean"] + run["output_len"] / 2
+        for k, entry in run.get("steps_by_draft_length", {}).items():
+            seconds, bound = step_floor(model, floor, run["batch"] * (int(k) + 1), context)
+            entry["floor_ms"], entry["floor_bound"] = 1e3 * seconds, bound
+
+
 def checks(result: dict[str, Any]) -> dict[str, Any]:
     """The headline figures, taken from the runs: plain decode against the bandwidth floor at batch 1, each
     method's batch-1 T = 0 step and speedup (at its shortest prompts), and its speedup at every point with
@@ -1016,7 +1044,9 @@ def markdown(result: dict[str, Any]) -> str:
     floor = result["floor"]
     if isinstance(floor, dict):
         lines.append(f"- floor: {floor['tok_s_batch1']:.1f} tok/s at batch 1 ({floor['step_ms_batch1']:.2f} ms/step, "
-                     f"copy bandwidth {floor['copy_bandwidth_TBps']:.2f} TB/s)")
+                     f"copy bandwidth {floor['copy_bandwidth_TBps']:.2f} TB/s); products "
+                     f"{_f(floor.get('matmul_TFLOPs'))} TFLOP/s measured in the target's dtype, a row "
+                     f"{_f(result['model'].get('row_gflops'), '.3f')} GFLOP plus attention")
     else:
         lines.append(f"- floor: {floor}")
     cfg = result["config"]
@@ -1070,9 +1100,13 @@ def markdown(result: dict[str, Any]) -> str:
             cells = " | ".join([_f(x, ".2f").replace("n/a", "-") for x in per] + [""] * (k - len(per)))
             name = r["method"] + (" (synthetic)" if r["synthetic"] else "")
             lines.append(f"| {name} | {r['batch']} | {r['temperature']} | {input_cell(r)} | {cells} |")
-        lines += ["", "Draft length the engine chose per decode step (0 = plain step): steps, median step time:", ""]
+        lines += ["", "Draft length the engine chose per decode step (0 = plain step): steps, median step time (where "
+                  "measured, the floor of a step of the whole batch: the target's forward over its verify rows, its "
+                  "weights at the copy bandwidth or its FLOPs at the measured product rate, whichever is longer):", ""]
         for r in spec_runs:
-            parts = [f"K={k}: {v['steps']} x {v['ms_median']:.2f} ms" for k, v in r["steps_by_draft_length"].items()]
+            parts = [f"K={k}: {v['steps']} x {v['ms_median']:.2f} ms"
+                     + (f" (floor {v['floor_ms']:.2f} ms, {v['floor_bound']})" if "floor_ms" in v else "")
+                     for k, v in r["steps_by_draft_length"].items()]
             lines.append(f"- {r['method']} {point_name(r)}: " + "; ".join(parts))
     lines += ["", "Against plain decoding:", ""]
     c = result["checks"]

@@ -59,6 +59,15 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / med  # the buffers are freed on return
 
 
+def matmul_rate(dtype: torch.dtype, n: int = 8192) -> float:
+    """Dense product rate in FLOP/s of an n x n by n x n product in `dtype` on the GPU: the ceiling of the
+    products a many-row verify step is made of (the compute floor's rate)."""
+    a = torch.randn(n, n, dtype=dtype, device="cuda")
+    b = torch.randn(n, n, dtype=dtype, device="cuda")
+    med, _, _ = cuda_time(lambda: a @ b, iters=10, repeats=5)
+    return 2 * n**3 / med  # the operands are freed on return
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device, so a host clock read after it covers all queued work."""
     if device.type == "cuda":
