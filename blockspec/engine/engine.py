@@ -517,7 +517,7 @@ class Engine:
         ready = None
         if cuda:
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(self.timer.stream)
         return host, ready
 
     def _commit_plain(self, launch: PlainLaunch) -> list[Request]:
