@@ -28,7 +28,7 @@ from blockspec.speculative.context import DraftContext
 from blockspec.speculative.proposer import draft_length
 from blockspec.sample.rng import STREAM_SYNTHETIC, row_key
 from blockspec.speculative.synthetic import AcceptanceProfile, SyntheticProposer, geometric_rate, mean_length
-from factories import save_drafter_target, save_tiny, save_tiny_model_with_tokenizer
+from factories import save_drafter_target, save_moe_target, save_tiny, save_tiny_model_with_tokenizer
 
 # Random drafters are never accepted, so the engine's draft-length policy would rightly stop drafting; these
 # tests hold the draft length at the drafter's block to exercise the speculative path.
@@ -748,7 +748,6 @@ def test_row_flops_count_every_product_a_verify_row_makes(tmp_path, family):
     from blockspec.bench.arch import row_flops
     from blockspec.models.kv_cache import causal_meta
     from blockspec.models.loader import load_target
-    from factories import save_moe_target
 
     path = save_tiny(tmp_path / "t", family) if family == "qwen3" else save_moe_target(tmp_path / "t", family)
     model, _ = load_target(str(path), device="cpu", dtype="float32")

@@ -1100,9 +1100,10 @@ def markdown(result: dict[str, Any]) -> str:
             cells = " | ".join([_f(x, ".2f").replace("n/a", "-") for x in per] + [""] * (k - len(per)))
             name = r["method"] + (" (synthetic)" if r["synthetic"] else "")
             lines.append(f"| {name} | {r['batch']} | {r['temperature']} | {input_cell(r)} | {cells} |")
-        lines += ["", "Draft length the engine chose per decode step (0 = plain step): steps, median step time (where "
-                  "measured, the floor of a step of the whole batch: the target's forward over its verify rows, its "
-                  "weights at the copy bandwidth or its FLOPs at the measured product rate, whichever is longer):", ""]
+        lines += ["", ("Draft length the engine chose per decode step (0 = plain step): steps, median step time "
+                       "(where measured, the floor of a step of the whole batch: the target's forward over its verify "
+                       "rows, its weights at the copy bandwidth or its FLOPs at the measured product rate, whichever "
+                       "is longer):"), ""]
         for r in spec_runs:
             parts = [f"K={k}: {v['steps']} x {v['ms_median']:.2f} ms"
                      + (f" (floor {v['floor_ms']:.2f} ms, {v['floor_bound']})" if "floor_ms" in v else "")

@@ -39,7 +39,7 @@ class StepIO:
 
 @dataclass
 class CapturedStep:
-    graph: "torch.cuda.CUDAGraph"
+    graph: torch.cuda.CUDAGraph
     block: object  # the step's draft block (static tensors of the graph)
 
 
