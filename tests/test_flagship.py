@@ -3,6 +3,7 @@ files stay under their size cap, regeneration writes pieces the corpus reader re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -181,6 +182,35 @@ def test_drafter_stage_resumes_and_exports_the_best(regenerated, pretrained, tmp
     exported = export_best(tmp_path / "sliced", target, tmp_path / "dspark")
     drafter = load_dspark(exported, device="cpu", dtype="float32")
     assert drafter.block_size == 4 and drafter.has_confidence
+
+
+def test_a_new_drafter_run_starts_from_an_export(regenerated, pretrained, tmp_path):
+    """A run started from another run's export (`init`) holds its weights at step 0: its first evaluation
+    (nothing trained yet) gives the exported drafter's per-position acceptance exactly, and it trains
+    on from there. An export of another shape is refused, naming the tensor."""
+    from blockspec.drafters import load_dflash
+    from blockspec.train.data import DataError
+
+    base, *_ = regenerated
+    *_, target = pretrained
+    train = dict(method="dflash", num_layers=1, block_size=4, max_len=32, batch_size=4, num_anchors=4, lr=3e-3)
+    cfg = DrafterStageConfig(train=train, epochs=4.0, eval_every_steps=3, eval_prompts=2, eval_new_tokens=8)
+    drafter_slice(target, base / "rows", tmp_path / "first", cfg=cfg, max_steps=3, device="cpu")
+    exported = export_best(tmp_path / "first", target, tmp_path / "export")
+    source = load_state(tmp_path / "first", groups=["run"])["run"]
+    warm = dataclasses.replace(cfg, init=str(exported))
+    start = drafter_slice(target, base / "rows", tmp_path / "warm", cfg=warm, max_steps=0, device="cpu")
+    best = next(e for e in source["evals"] if e["step"] == source["best"]["step"])
+    assert start["to_step"] == 0 and start["evals"][0]["per_position"] == best["per_position"]
+    state = load_state(tmp_path / "warm", groups=["run", "drafter"])
+    assert state["run"]["config"]["init"] == str(exported)
+    theirs = load_dflash(exported, device="cpu", dtype="float32").state_dict()
+    assert all(torch.equal(t, theirs[name]) for name, t in state["drafter"].items())
+    more = drafter_slice(target, base / "rows", tmp_path / "warm", max_steps=2, device="cpu")
+    assert (more["from_step"], more["to_step"]) == (0, 2)
+    wider = dataclasses.replace(warm, train=train | {"num_layers": 2})
+    with pytest.raises(DataError, match=r"layers\.1\..*missing.*--layers"):
+        drafter_slice(target, base / "rows", tmp_path / "wider", cfg=wider, max_steps=0, device="cpu")
 
 
 def test_assemble_writes_the_pair_with_cards_read_from_the_run(regenerated, pretrained, corpus, tmp_path):

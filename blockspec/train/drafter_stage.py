@@ -8,7 +8,8 @@ best step, ``best``: the best drafter's weights in bf16) to the next. At every e
 is exported and its greedy acceptance length measured through blockspec's engine on openings of
 held-out stdlib functions (json, asyncio, email; not the ones the demo and its test decode), the
 whole block verified every step; the best weights are kept, and the run stops after `patience`
-evaluations without a gain of `min_gain`, or at its planned steps. A state without its
+evaluations without a gain of `min_gain`, or at its planned steps. A new run may start from another
+run's exported drafter (`init`: its weights, fresh optimiser moments and schedule). A state without its
 ``optimizer`` shards resumes with fresh AdamW moments and says so. `export_best` writes the best
 drafter in its reference format (z-lab DFlash, DeepSpec DSpark) on any machine, from the state and
 the target.
@@ -53,6 +54,7 @@ class DrafterStageConfig:
     min_gain: float = 0.02
     eval_prompts: int = 24
     eval_new_tokens: int = 128
+    init: str | None = None  # a drafter export (its reference format) whose weights a new run starts from
 
     def train_config(self, device: str) -> DrafterTrainConfig:
         return DrafterTrainConfig(**{**self.train, "device": device, "progress": False})
@@ -106,6 +108,8 @@ def open_stage(target: Any, tokenizer: Any, rows_dir: Path, state_dir: Path, cfg
     train_cfg.max_steps = total
     mask_id = state["run"]["mask_token_id"] if state else resolve_mask_token_id(train_cfg, tokenizer, target.config)
     trainer = DrafterTrainer(target, [], train_cfg, mask_id, rows.pad_id, batches=batches)
+    if state is None and cfg.init is not None:
+        trainer.drafter.load_state_dict(init_weights(Path(cfg.init), trainer.drafter, train_cfg.method, mask_id))
     stage = Stage(cfg, trainer, total)
     if state is not None:
         trainer.check_state(state["trainer"], state_dir)
@@ -121,6 +125,23 @@ def open_stage(target: Any, tokenizer: Any, rows_dir: Path, state_dir: Path, cfg
         stage.evals, stage.best, stage.stopped, stage.history = run["evals"], run["best"], run["stopped"], run["history"]
         stage.best_weights = state.get("best")
     return stage
+
+
+def init_weights(export: Path, drafter: Any, method: str, mask_id: int) -> dict[str, torch.Tensor]:
+    """The weights of a drafter export for a new run's drafter (float32): another run's best, trained on
+    with a fresh optimiser and schedule. Its shape and mask token must be the plan's."""
+    from blockspec.drafters import load_drafter
+
+    loaded = load_drafter(method, export, device="cpu", dtype="float32")
+    if loaded.config.mask_token_id != mask_id:
+        raise DataError(f"{export}: mask_token_id {loaded.config.mask_token_id}, the run's is {mask_id}")
+    theirs, ours = loaded.state_dict(), drafter.state_dict()
+    for name, t in ours.items():
+        if name not in theirs or theirs[name].shape != t.shape:
+            got = tuple(theirs[name].shape) if name in theirs else "missing"
+            raise DataError(f"{export}: {name} is {got}, the planned drafter's is {tuple(t.shape)} "
+                            "(--layers and the plan must match the export's shape)")
+    return {name: theirs[name] for name in ours}
 
 
 def save_stage(stage: Stage, state_dir: Path, max_file_bytes: int = MAX_FILE_BYTES) -> list[Path]:

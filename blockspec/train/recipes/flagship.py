@@ -570,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
                    "a state keeps the epochs it started with")
     d.add_argument("--layers", type=int, default=None, help="drafter decoder layers (default: the plan's); "
                    "a state keeps the shape it started with")
+    d.add_argument("--init", type=Path, default=None, help="a new run starts from this drafter export's weights "
+                   "(e.g. the shipped one), with a fresh optimiser and schedule")
     d.add_argument("--device", default="auto")
 
     x = sub.add_parser("export-drafter", help="the best drafter of a state in its reference format")
@@ -669,6 +671,7 @@ def run_command(args: argparse.Namespace) -> int:
         cfg = plan.drafters[args.method]
         cfg = dataclasses.replace(cfg, epochs=args.epochs) if args.epochs else cfg
         cfg = dataclasses.replace(cfg, train=cfg.train | {"num_layers": args.layers}) if args.layers else cfg
+        cfg = dataclasses.replace(cfg, init=str(args.init)) if args.init else cfg
         metrics = drafter_slice(args.target, args.rows, args.state, cfg=cfg, minutes=args.minutes,
                                 max_steps=args.max_steps, device=args.device)
         if args.out is not None and groups_arg(args.ship):
