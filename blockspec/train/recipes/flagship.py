@@ -111,7 +111,8 @@ Longer drafter runs, once the pair is shipped (the target is then the shipped on
 the two regenerated pieces (the tree is 54 MiB with the pair) and 21 starts a DFlash run of
 ``FLAGSHIP_EPOCHS`` (default 10) in a new state; 22 a
 DSpark run of 8 epochs (repeat it until its metrics say ``stopped``); 23 runs the demo and the bench
-preset on the device.
+preset on the device. 24 (after 20, instead of 21) trains a drafter on from the shipped one
+(``--init``: its weights, a fresh optimiser and schedule; ``FLAGSHIP_METHOD``, default dflash).
 
 Device minutes, measured (H200, 2026-12-01)
 -------------------------------------------
