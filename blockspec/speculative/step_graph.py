@@ -6,8 +6,9 @@ host reads them. Replayed back to back, each graph reads what the one before wro
 bucket's buffers (`StepIO`), so a step costs the host one control copy and one replay instead of a
 draft graph, a verify graph and the few dozen small launches between them, which at batch 1 on a
 small model cost more than the GPU's work. Graphs are keyed by batch bucket, K and key extent (one
-with Triton attention, SDPA's lengths in steps), all captured at start. The body is the proposer's tensor code (`Proposer.chained_step`); where there are no
-graphs (the CPU) it runs eagerly, the reference path.
+with Triton attention, SDPA's lengths in steps), all captured at start. The body is the proposer's
+tensor code (`Proposer.chained_step`); where there are no graphs (the CPU) it runs eagerly, the
+reference path.
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ class StepGraphs:
 
     def run(self, body: StepBody, rows: list[list[int]], result: Tensor, taps: Tensor, k: int,
             kv_len: int) -> tuple[Block, Tensor, Tensor]:
-        """One chained step of len(rows[0]) requests through `body`: `rows` are the control rows (slots, committed cache
-        counts, tokens left, request keys), `result` and `taps` the last step's (possibly this bucket's
-        buffers, which the last replay wrote); `kv_len` bounds the keys (a captured extent on CUDA)."""
+        """One chained step of len(rows[0]) requests through `body`: `rows` are the control rows (slots,
+        committed cache counts, tokens left, request keys), `result` and `taps` the last step's (possibly
+        this bucket's buffers, which the last replay wrote); `kv_len` bounds the keys (a captured extent
+        on CUDA)."""
         r = len(rows[0])
         if not self.use_graphs:
             return body(to_device(rows, torch.int64, result.device), result, taps, k, kv_len)
