@@ -694,8 +694,8 @@ def test_steps_launched_ahead_of_the_commit_are_the_synchronous_steps(target, pl
     assert launched["num_drafts"] == sync["num_drafts"] and launched["num_steps"] == sync["num_steps"]
     assert sync["num_spec_steps_launched_ahead"] == 0
     # every decode step but the first was launched ahead (one step prefilled all four prompts), each
-    # with the draft launched first for it
-    assert launched["num_spec_steps_launched_ahead"] == launched["num_steps"] - 2 > 5
+    # with the draft launched first for it, and one more after the last request's last step (dropped)
+    assert launched["num_spec_steps_launched_ahead"] == launched["num_steps"] - 1 > 5
     assert launched["num_drafts_launched_ahead_taken"] == launched["num_spec_steps_launched_ahead"]
 
 

@@ -669,19 +669,19 @@ class Engine:
 
         Only when the next step is this one again: the same requests decoding (a request that
         arrives meanwhile joins through `_launch_ahead` at the step after), all greedy and
-        speculating, at least one sure to go on, no draft pruned on the host's reading of
-        confidences, K > 0. The device caps each request's drafts to the tokens it has left after
-        this step's; rows of requests that this step ends (a stop token, their token limit) are
-        dropped at the next finish. Returns whether it launched."""
+        speculating, no draft pruned on the host's reading of confidences, K > 0. The device caps
+        each request's drafts to the tokens it has left after this step's; rows of requests that
+        this step ends (a stop token, their token limit) are dropped at the next finish, and a step
+        all of whose requests ended is dropped whole: a wasted step on the device, where the path
+        that waits for the read-back would cost the host several times more at every request's
+        last steps. Returns whether it launched."""
         reqs = [launch.reqs[j] for j in live]
         proposer = self.proposer
         if not (self.async_scheduling and launch.result is not None and reqs and proposer.chains):
             return False
         decoding = {id(r) for r in self.scheduler.running if r.num_cached >= r.prefill_len}
         emitted = launch.result.shape[1] - 2  # rows the step may emit per request (drafts + 1)
-        # a batch that may all end in this step is left to `_launch_ahead`, which knows
-        if (decoding != {id(r) for r in reqs} or not any(self._has_room(r, launch.k + 1) for r in reqs)
-                or len(self._speculating(reqs)) < len(reqs)
+        if (decoding != {id(r) for r in reqs} or len(self._speculating(reqs)) < len(reqs)
                 or any(r.num_pending or r.num_draft_ctx != r.num_cached for r in reqs)
                 or not proposer.graphs.fits(len(reqs), [emitted], max(r.num_cached for r in reqs) + emitted)):
             return False
