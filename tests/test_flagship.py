@@ -193,7 +193,8 @@ def test_a_new_drafter_run_starts_from_an_export(regenerated, pretrained, tmp_pa
 
     base, *_ = regenerated
     *_, target = pretrained
-    train = dict(method="dflash", num_layers=1, block_size=4, max_len=32, batch_size=4, num_anchors=4, lr=3e-3)
+    train = {"method": "dflash", "num_layers": 1, "block_size": 4, "max_len": 32, "batch_size": 4, "num_anchors": 4,
+             "lr": 3e-3}
     cfg = DrafterStageConfig(train=train, epochs=4.0, eval_every_steps=3, eval_prompts=2, eval_new_tokens=8)
     drafter_slice(target, base / "rows", tmp_path / "first", cfg=cfg, max_steps=3, device="cpu")
     exported = export_best(tmp_path / "first", target, tmp_path / "export")
