@@ -39,6 +39,7 @@ def print_summary(llm: LLM, ntok: int, seconds: float) -> None:
     if llm.speculative_config is not None:
         print(format_spec_metrics(m), file=sys.stderr)
         print(f"  time split: draft {m.get('draft_s', 0):.3f} s, verify {m.get('verify_s', 0):.3f} s, "
+              f"chained (draft, verify and acceptance in one graph) {m.get('chained_s', 0):.3f} s, "
               f"rest {m.get('rest_s', 0):.3f} s", file=sys.stderr)
 
 

@@ -798,6 +798,7 @@ def test_steps_launched_from_device_results_are_the_synchronous_steps(target, pl
     # every step launched ahead is launched from device results, through the requests' token limits too
     # (the device caps each one's drafts; rows of a request that ended are dropped)
     assert chain["num_spec_steps_chained"] == chain["num_spec_steps_launched_ahead"] > 3
+    assert chain["chained_s"] > 0 and sync["chained_s"] == 0  # one interval of the time split a chained step
 
 
 def test_steps_launched_ahead_survive_stops_aborts_and_arrivals(target, plain):

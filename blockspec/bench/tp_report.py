@@ -30,7 +30,8 @@ def _key(run: dict[str, Any]) -> RunKey:
 
 
 def draft_share(run: dict[str, Any]) -> float | None:
-    """The drafter's share of a run's timed step phases (draft / (draft + verify + rest)); None untimed."""
+    """The drafter's share of a run's timed step phases (draft / all of them; a chained step, draft and
+    verify in one graph, counts in the whole only); None untimed."""
     split = run.get("time_split_s_per_pass") or {}
     total = sum(split.values())
     return split.get("draft", 0.0) / total if total > 0 else None

@@ -584,14 +584,15 @@ class Engine:
         `after`: the (packed results, taps) on the device of the greedy step before, which the host
         has not read: this step is launched from them (see `_launch_chained`)."""
         captures = CAPTURES[0]
-        self.timer.mark("draft")
-        if after is not None:  # draft, verify and acceptance in one
+        if after is not None:  # draft, verify and acceptance in one: one interval of the time split
+            self.timer.mark("chained")
             # the host's bound: every request emitted all its rows before, and verifies k + 1 rows now
             kv_len = min(max(r.num_cached for r in reqs) + after[1].shape[1] + k + 1, self.runner.cache.max_len + 1)
             block, result, feats = self.proposer.step_after(reqs, *after, k, [self._tokens_left(r) for r in reqs],
                                                             kv_len)
             self.timer.mark("rest")
             return SpecLaunch(reqs, k, None, block, None, feats, result, *self._copy_back(result), captures)
+        self.timer.mark("draft")
         ahead = ahead or [0] * len(reqs)
         budgets = [min(k, self._draft_budget(r, a)) for r, a in zip(reqs, ahead)]
         draft_params = None

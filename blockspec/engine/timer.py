@@ -13,15 +13,16 @@ from blockspec.models.runner import CAPTURES
 
 
 class StepTimer:
-    """Splits step time into draft / verify / rest with CUDA events, read once they have passed (a
-    step may close while the GPU still runs it: the next step is launched before its read-back)."""
+    """Splits step time into draft / verify / rest (a chained step, one graph: chained) with CUDA events,
+    read once they have passed (a step may close while the GPU still runs it: the next step is
+    launched before its read-back)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         # the stream the engine's work goes to, looked up once: `Event.record()` without one looks up the
         # current stream, several Python calls, at every mark
         self.stream = torch.cuda.current_stream(device) if self.cuda else None
-        self._totals = {"draft_s": 0.0, "verify_s": 0.0, "rest_s": 0.0}
+        self._totals = {"draft_s": 0.0, "verify_s": 0.0, "chained_s": 0.0, "rest_s": 0.0}
         self._marks: list[tuple[str, Any]] = []
         self._closed: deque[list[tuple[str, Any]]] = deque()  # closed steps whose events are not read yet
         self._captures_at_start = 0
