@@ -588,10 +588,9 @@ class Engine:
             self.timer.mark("chained")
             # the host's bound: every request emitted all its rows before, and verifies k + 1 rows now
             kv_len = min(max(r.num_cached for r in reqs) + after[1].shape[1] + k + 1, self.runner.cache.max_len + 1)
-            block, result, feats = self.proposer.step_after(reqs, *after, k, [self._tokens_left(r) for r in reqs],
-                                                            kv_len)
+            result, feats = self.proposer.step_after(reqs, *after, k, [self._tokens_left(r) for r in reqs], kv_len)
             self.timer.mark("rest")
-            return SpecLaunch(reqs, k, None, block, None, feats, result, *self._copy_back(result), captures)
+            return SpecLaunch(reqs, k, None, None, None, feats, result, *self._copy_back(result), captures)
         self.timer.mark("draft")
         ahead = ahead or [0] * len(reqs)
         budgets = [min(k, self._draft_budget(r, a)) for r, a in zip(reqs, ahead)]

@@ -39,7 +39,7 @@ class SpecLaunch:
     reqs: list[Request]
     k: int
     budgets: list[int] | None  # drafts asked per request (None: known on the device only, = the block's lengths)
-    block: DraftBlock
+    block: DraftBlock | None  # None: chained (the host reads its packed result only)
     hidden: Tensor | None  # verify rows' final hidden states (sampled verification reads them; None: chained)
     feats: Tensor  # verify rows' tap features, for the drafter's context
     result: Tensor | None  # greedy rows: [R, 2 + W] accepted count, draft length, emitted tokens (Proposer.pack)

@@ -212,13 +212,12 @@ class Proposer:
         return block
 
     def step_after(self, reqs: list[Request], result: Tensor, taps: Tensor, k: int, left: list[int],
-                   kv_len: int) -> tuple[DraftBlock, Tensor, Tensor]:
+                   kv_len: int) -> tuple[Tensor, Tensor]:
         """The next greedy step of `reqs` (draft, verify, acceptance) launched from a verify's results on
         the device before the host reads them: `result` [R, 2 + W] as `pack` made it, `taps`
         [R, W + 1, F] that verify's, `left` the tokens each request may still emit (committed state,
         before that verify), `kv_len` the host's bound on every verify row's last key. One graph on
-        CUDA (`StepGraphs`). Returns the block (lengths on the device only), the packed result and
-        the verify's taps."""
+        CUDA (`StepGraphs`). Returns the packed result and the verify's taps."""
         rows = [[r.slot for r in reqs], [r.num_cached for r in reqs], list(left), [self.request_key(r) for r in reqs]]
         self.ahead_stats[0] += 1  # launched ahead of the commit, and taken by the step it was launched for
         self.ahead_stats[1] += 1

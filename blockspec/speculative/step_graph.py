@@ -14,8 +14,7 @@ reference path.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
-from typing import TypeVar
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -23,10 +22,9 @@ from torch import Tensor
 from blockspec.models.runner import BATCH_BUCKETS, bucket, capture
 from blockspec.transfer import to_device
 
-Block = TypeVar("Block")
 # (control [4, B], result [B, 2 + W], taps [B, W + 1, F], k, key extent)
-#   -> (the draft block, result [B, 3 + k], taps [B, k + 1, F])
-StepBody = Callable[[Tensor, Tensor, Tensor, int, int], tuple[Block, Tensor, Tensor]]
+#   -> (the draft block, result [B, 3 + k], taps [B, k + 1, F]); the host reads only the result
+StepBody = Callable[[Tensor, Tensor, Tensor, int, int], tuple[object, Tensor, Tensor]]
 
 
 @dataclass
@@ -41,13 +39,7 @@ class StepIO:
 @dataclass
 class CapturedStep:
     graph: torch.cuda.CUDAGraph
-    block: object  # the step's draft block (static tensors of the graph)
-
-
-def block_rows(block: Block, rows: int) -> Block:
-    """`block` (a dataclass of tensors and host values) cut to its first `rows` requests."""
-    return replace(block, **{f.name: v[:rows] for f in fields(block)
-                             if isinstance(v := getattr(block, f.name), Tensor)})
+    block: object  # the step's draft block: static tensors of the graph, kept as long as it is
 
 
 class StepGraphs:
@@ -66,14 +58,14 @@ class StepGraphs:
         self._pool = None
 
     def run(self, body: StepBody, rows: list[list[int]], result: Tensor, taps: Tensor, k: int,
-            kv_len: int) -> tuple[Block, Tensor, Tensor]:
+            kv_len: int) -> tuple[Tensor, Tensor]:
         """One chained step of len(rows[0]) requests through `body`: `rows` are the control rows (slots,
         committed cache counts, tokens left, request keys), `result` and `taps` the last step's (possibly
         this bucket's buffers, which the last replay wrote); `kv_len` bounds the keys (a captured extent
-        on CUDA)."""
+        on CUDA). Returns the packed result and the verify's taps."""
         r = len(rows[0])
         if not self.use_graphs:
-            return body(to_device(rows, torch.int64, result.device), result, taps, k, kv_len)
+            return body(to_device(rows, torch.int64, result.device), result, taps, k, kv_len)[1:]
         b = bucket(r, BATCH_BUCKETS)
         key = (b, k, kv_len)
         if key not in self.graphs:  # its warm-up overwrites the buffers: keep the inputs first
@@ -89,7 +81,7 @@ class StepGraphs:
         cap = self.graphs[key]
         cap.graph.replay()
         self.replays += 1
-        return block_rows(cap.block, r), io.result[:r, : 3 + k], io.taps[:r, : k + 1]
+        return io.result[:r, : 3 + k], io.taps[:r, : k + 1]
 
     def capture_all(self, body: StepBody, batch_sizes: list[int], ks: list[int], extents: list[int]) -> None:
         """Capture the step of these batch buckets, draft lengths and key extents."""
