@@ -181,6 +181,30 @@ def test_prenormed_rows_norm_the_next_product(dtype, rows, glu):
     assert not torch.allclose(broken.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("fusion", ["norm", "swiglu", "residual"])
+def test_fp32_rows_are_computed_as_one_row_is(fusion):
+    """At fp32 every row count takes the one-row tiles, so a verify step's row equals the plain step's
+    product of that row alone, bit for bit (greedy equality then never hangs on a near tie rounding
+    differently). Negative control: the tensor-core row blocks the half-precision dtypes take do
+    not give this."""
+    rows, k, n = 9, 256, 96
+    x = rand(rows, 2 * k if fusion == "swiglu" else k, dtype=torch.float32)
+    w = rand(n, k, dtype=torch.float32, seed=1) / k**0.5
+    nw = rand(k, dtype=torch.float32, seed=3) if fusion == "norm" else None
+    res = rand(rows, n, dtype=torch.float32, seed=4) if fusion == "residual" else None
+    args = dict(norm_weight=nw, eps=1e-6, swiglu=fusion == "swiglu")
+
+    def run(lo: int, hi: int, config: triton_ops.SkinnyConfig | None = None) -> torch.Tensor:
+        return triton_ops.skinny_linear(x[lo:hi], w, residual=None if res is None else res[lo:hi], config=config,
+                                        **args)
+
+    assert triton_ops.skinny_config(rows, n, k, itemsize=4).block_m == 1
+    alone = torch.cat([run(i, i + 1) for i in range(rows)])
+    assert torch.equal(run(0, rows), alone)
+    blocks = triton_ops.SkinnyConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2)
+    assert not torch.equal(run(0, rows, blocks), alone)
+
+
 def test_skinny_linear_rejects_mismatched_width():
     w = rand(8, 32, dtype=torch.float32)
     with pytest.raises(ValueError, match="swiglu takes 2K"):

@@ -236,7 +236,10 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, 
     rows = nq * group
     # Two row-block sizes and the split count decided here: every shape after start-up reuses a
     # variant the engine's warm-up compiled, so no request waits for a compilation.
-    block_m = 16 if rows <= 16 else t.wide_block_m
+    # fp32 takes 16-row blocks at any width: its exact ("ieee") dots are multiply-adds, which cost the
+    # block's rows times its keys, so a wide block's padding is paid in full
+    ieee = q.dtype == torch.float32
+    block_m = 16 if rows <= 16 or ieee else t.wide_block_m
     m_blocks = triton.cdiv(rows, block_m)
     programs = r * hkv * m_blocks
     splits = max(1, min(triton.cdiv(max_keys, t.block_n), t.target_programs // programs))
@@ -259,7 +262,7 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, 
         # new split count never compiles a variant
         BLOCK_M=block_m, BLOCK_N=t.block_n, MIN_TILES=1 if block_m == 16 else t.min_tiles_wide,
         MAX_USED=t.target_programs if block_m == 16 else t.max_used_wide,
-        MERGE_UNROLL=t.merge_unroll, IEEE=q.dtype == torch.float32, PAGE=k_cache.shape[2],
+        MERGE_UNROLL=t.merge_unroll, IEEE=ieee, PAGE=k_cache.shape[2],
         PER_KEY=block_m == 16 and splits >= t.per_key_splits,
         num_warps=t.num_warps, **consts,
     )

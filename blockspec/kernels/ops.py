@@ -175,8 +175,10 @@ if triton is not None:
         scale per output row (WScale [n_rows, 1]) applied to the product; WSCALE 2, scales over
         (SCALE_BR x SCALE_BC) blocks (WScale [rows / BR, k / BC]) applied per K tile, which lies in
         one K block (BLOCK_K divides SCALE_BC)."""
-        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        # row blocks vary fastest over the grid: the programs that run together share their weight tiles,
+        # so rows past the first read them from L2
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < m
         col_ok = cols < n
         offs = tl.arange(0, BLOCK_K)
@@ -252,7 +254,7 @@ if triton is not None:
         tl.store(Out + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], y, mask=ok)
         if EMIT:
             y32 = tl.where(ok, y.to(tl.float32), 0.0)
-            tl.store(Sums + tl.program_id(0).to(tl.int64) * m + rows, tl.sum(y32 * y32, 1), mask=row_ok)
+            tl.store(Sums + tl.program_id(1).to(tl.int64) * m + rows, tl.sum(y32 * y32, 1), mask=row_ok)
             nw = tl.load(NormW + cols, mask=col_ok, other=0.0).to(tl.float32)
             tl.store(Scaled + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], (y32 * nw[None, :]).to(dtype),
                      mask=ok)
@@ -363,9 +365,13 @@ SKINNY_TILES = {
 
 def skinny_config(m: int, n: int, k: int, prologue: int = 0, itemsize: int = 2) -> SkinnyConfig:
     """Tile sizes for `skinny_linear` (prologue 1: norm, 2: SwiGLU), from SKINNY_TILES. Wider elements
-    take shorter K tiles, so the pipeline's buffers fit in shared memory."""
-    shape = "swiglu" if m == 1 and prologue == 2 else "wide" if n >= 4 * k else "qkv" if n > k else "tall"
-    cfg = SkinnyConfig(*SKINNY_TILES["one" if m == 1 else "few", shape])
+    take shorter K tiles, so the pipeline's buffers fit in shared memory. fp32 rows take the one-row
+    tiles at every row count: a tensor-core dot in exact fp32 ("ieee") runs several times slower than
+    a multiply-add stream per row, and this way every row's product is computed as a decode row's is,
+    bit for bit, whatever the step's row count (a verify row equals the plain step's)."""
+    one = m == 1 or itemsize >= 4
+    shape = "swiglu" if one and prologue == 2 else "wide" if n >= 4 * k else "qkv" if n > k else "tall"
+    cfg = SkinnyConfig(*SKINNY_TILES["one" if one else "few", shape])
     return replace(cfg, block_k=max(32, cfg.block_k * 2 // itemsize))
 
 
@@ -436,12 +442,12 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm
         n, block_n = n // 2, max(16, block_n // 2)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res = _rows(residual) if residual is not None else out
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, cfg.block_m))
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, block_n))
     if prenormed is not None:
         rows, sums = _rows(prenormed.scaled), prenormed.sums
         norm_weight = prenormed.weight
     elif emit_norm is not None:
-        sums, norm_weight = torch.empty(grid[0], m, dtype=torch.float32, device=x.device), emit_norm
+        sums, norm_weight = torch.empty(grid[1], m, dtype=torch.float32, device=x.device), emit_norm
     else:
         sums = out
     scaled = torch.empty_like(out) if emit_norm is not None else out
