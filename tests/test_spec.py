@@ -801,6 +801,43 @@ def test_steps_launched_from_device_results_are_the_synchronous_steps(target, pl
     assert chain["chained_s"] > 0 and sync["chained_s"] == 0  # one interval of the time split a chained step
 
 
+@pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
+def test_requests_that_arrive_join_the_chained_step(target, plain, method, fixture):
+    """A request whose prefill ends while a chained step is in flight joins the next step launched from
+    the device results (its block anchored at its committed first token, nothing appended to its
+    draft context), so every step launched ahead is chained, arrivals included. With oracle drafts,
+    outputs, the drafter's drafts and per-position acceptance equal the synchronous run's, requests
+    arriving at three different steps."""
+    ps = prompts(4, seed=16)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (34, 25, 20, 12)]
+    expected = [o.outputs[0].token_ids for o in plain.generate(ps, params, use_tqdm=False)]
+    table = {tuple(p["prompt_token_ids"]): e for p, e in zip(ps, expected)}
+    arrivals = {0: [0, 1], 3: [2], 6: [3]}  # engine step -> requests added before it
+    runs = {}
+    for chained in (False, True):
+        llm = spec_llm(target, method, fixture, num_speculative_tokens=3)
+        engine = llm.engine
+        engine.async_scheduling = chained
+        engine.policy.choose = lambda batch: 3
+        drafted = add_device_oracle(llm, table)
+        reqs, step = {}, 0
+        while step <= max(arrivals) or engine.has_unfinished():
+            for i in arrivals.get(step, []):
+                reqs[i] = engine.add_request(str(i), None, ps[i]["prompt_token_ids"], params[i])[0]
+            engine.step()
+            step += 1
+        runs[chained] = ([reqs[i].output_ids for i in range(4)], engine.metrics(), drafted)
+    (sync_out, sync, sync_drafts), (out, chain, chain_drafts) = runs[False], runs[True]
+    assert out == sync_out == expected
+    assert all(key in chain_drafts for key in sync_drafts) and len(sync_drafts) > 10
+    common = {key: min(len(d), len(chain_drafts[key])) for key, d in sync_drafts.items()}
+    assert {key: chain_drafts[key][: common[key]] for key in sync_drafts} == \
+        {key: d[: common[key]] for key, d in sync_drafts.items()}
+    assert chain["num_accepted_tokens_per_pos"] == sync["num_accepted_tokens_per_pos"]
+    assert chain["num_drafts"] == sync["num_drafts"] and chain["num_steps"] == sync["num_steps"]
+    assert chain["num_spec_steps_chained"] == chain["num_spec_steps_launched_ahead"] > 5
+
+
 def test_steps_launched_ahead_survive_stops_aborts_and_arrivals(target, plain):
     """Launched before the commit, a step carries rows of requests that the commit then stops (a stop
     token inside the accepted block), that are aborted while it is in flight, and misses requests

@@ -667,9 +667,10 @@ class Engine:
         """Launch the next greedy step from `launch`'s accepted counts and tokens on the device, before
         the host reads them, so the GPU goes from one step to the next without waiting for the host.
 
-        Only when the next step is this one again: the same requests decoding (a request that
-        arrives meanwhile joins through `_launch_ahead` at the step after), all greedy and
-        speculating, no draft pruned on the host's reading of confidences, K > 0. The device caps
+        Only when the next step is this one's requests, and any that started decoding since its
+        launch (a prefill just finished) join it from their committed state (`Proposer.with_joining`):
+        all greedy and speculating, each drafter context holding its whole cache, no draft pruned on
+        the host's reading of confidences, K > 0. The device caps
         each request's drafts to the tokens it has left after this step's; rows of requests that
         this step ends (a stop token, their token limit) are dropped at the next finish, and a step
         all of whose requests ended is dropped whole: a wasted step on the device, where the path
@@ -679,22 +680,29 @@ class Engine:
         proposer = self.proposer
         if not (self.async_scheduling and launch.result is not None and reqs and proposer.chains):
             return False
-        decoding = {id(r) for r in self.scheduler.running if r.num_cached >= r.prefill_len}
+        carried = {id(r) for r in reqs}
+        decoding = [r for r in self.scheduler.running if r.num_cached >= r.prefill_len]
+        # a joining request has nothing in flight: its last token is committed and not in the cache yet
+        joining = [r for r in decoding if id(r) not in carried]
+        batch = reqs + joining
         emitted = launch.result.shape[1] - 2  # rows the step may emit per request (drafts + 1)
-        if (decoding != {id(r) for r in reqs} or len(self._speculating(reqs)) < len(reqs)
-                or any(r.num_pending or r.num_draft_ctx != r.num_cached for r in reqs)
-                or not proposer.graphs.fits(len(reqs), [emitted], max(r.num_cached for r in reqs) + emitted)):
+        if (len(decoding) != len(batch) or len(self._speculating(batch)) < len(batch)
+                or needs_processing(joining) or any(r.num_cached != r.length - 1 for r in joining)
+                or any(r.num_pending or r.num_draft_ctx != r.num_cached for r in batch)
+                or not proposer.graphs.fits(len(batch), [emitted], max(r.num_cached for r in batch) + emitted)):
             return False
-        k = self._choose(len(reqs))
+        k = self._choose(len(batch))
         if not k:
-            self.pipeline.choice = (len(reqs), 0)  # taken by the plain path, not chosen again
+            self.pipeline.choice = (len(batch), 0)  # taken by the plain path, not chosen again
             return False
         result, feats = launch.result, launch.feats
         if len(live) != len(launch.reqs):
             rows = to_device(live, torch.int64, result.device)
             result, feats = result[rows], feats[rows]
+        if joining:
+            result, feats = proposer.with_joining(result, feats, [r.output_ids[-1] for r in joining])
         self.timer.close()  # this step's marks end here; the next step's begin
-        self.pipeline.inflight = self._launch_spec(reqs, k, after=(result, feats))
+        self.pipeline.inflight = self._launch_spec(batch, k, after=(result, feats))
         self.num_steps_launched_ahead += 1
         self.num_spec_steps_chained += 1
         return True

@@ -30,6 +30,8 @@ from blockspec.sample import (
 )
 from blockspec.transfer import to_device
 
+JOINING = -2  # the accepted count of a packed row that stands for a request joining a chained step
+
 
 @dataclass
 class DraftBlock:
@@ -224,6 +226,15 @@ class Proposer:
         kv_len = self.runner.kv_extent(kv_len) if self.steps.use_graphs else kv_len
         return self.steps.run(self.chained_step, rows, result, taps, k, kv_len)
 
+    @staticmethod
+    def with_joining(result: Tensor, taps: Tensor, last_tokens: list[int]) -> tuple[Tensor, Tensor]:
+        """`result` and `taps` with a row for each request that joins the chained step launched from
+        them: its last token (committed, not yet in the cache) anchors its block, and its draft context
+        holds its whole cache already, so nothing is appended for it (accepted count `JOINING`)."""
+        width = result.shape[1]
+        rows = to_device([[JOINING, 0, t] + [0] * (width - 3) for t in last_tokens], result.dtype, result.device)
+        return torch.cat([result, rows]), torch.cat([taps, taps.new_zeros(len(last_tokens), *taps.shape[1:])])
+
     def capture_steps(self, batch_sizes: list[int], ks: list[int]) -> None:
         """Capture the chained step of these batch buckets and draft lengths at every key extent."""
         extents = kv_extents(self.runner.cache.max_len + 1, self.runner.whole_cache_graphs)
@@ -234,12 +245,13 @@ class Proposer:
         """`step_after`'s tensor code (captured by `StepGraphs`). control: slots, committed cache counts,
         tokens left, request keys. The verify's a + 1 emitted rows go into the draft context at each
         request's cache count, its last emitted token anchors the block, and each request drafts
-        min(k, left - (a + 1) - 1) tokens, never past its limits; the verify starts after them. Every
-        block starts before `kv_len`, the bound of the verify's keys."""
+        min(k, left - (a + 1) - 1) tokens, never past its limits; the verify starts after them. A row
+        of a request joining the chain (`with_joining`) appends nothing and drafts min(k, left - 1).
+        Every block starts before `kv_len`, the bound of the verify's keys."""
         slots, starts, left, keys = control
         ctx_end = min(kv_len, self.graphs.max_ctx)
         accepted = result[:, 0].clamp(0, result.shape[1] - 3)  # a failed row (-1) fails its request at the commit
-        counts = accepted + 1
+        counts = torch.where(result[:, 0] == JOINING, 0, accepted + 1)  # a joining row appends nothing
         anchors = result[:, 2:].gather(1, accepted[:, None])[:, 0].clamp(min=0)
         self.context.stage(slots, taps)
         tokens, confidence = self.graphs.step(slots, starts, counts, anchors, ctx_end, self.graphs.width(k))
