@@ -183,10 +183,9 @@ def test_prenormed_rows_norm_the_next_product(dtype, rows, glu):
 
 @pytest.mark.parametrize("fusion", ["norm", "swiglu", "residual"])
 def test_fp32_rows_are_computed_as_one_row_is(fusion):
-    """At fp32 every row count takes the one-row tiles, so a verify step's row equals the plain step's
-    product of that row alone, bit for bit (greedy equality then never hangs on a near tie rounding
-    differently). Negative control: the tensor-core row blocks the half-precision dtypes take do
-    not give this."""
+    """At fp32 every row count takes the one-row tiles: nine rows at once give each row's product
+    alone, bit for bit. Negative control: the tensor-core row blocks of the half-precision dtypes do
+    not."""
     rows, k, n = 9, 256, 96
     x = rand(rows, 2 * k if fusion == "swiglu" else k, dtype=torch.float32)
     w = rand(n, k, dtype=torch.float32, seed=1) / k**0.5
@@ -203,6 +202,36 @@ def test_fp32_rows_are_computed_as_one_row_is(fusion):
     assert torch.equal(run(0, rows), alone)
     blocks = triton_ops.SkinnyConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2)
     assert not torch.equal(run(0, rows, blocks), alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_float32_layer_computes_each_row_as_a_single_row(monkeypatch, dtype):
+    """A decoder block's products, norms and SwiGLU in float32 (pre-norm q/k/v, the output product into
+    the residual stream, the MLP) take the one-row fusions at any row count of the skinny path, so
+    nine rows at once equal each row alone, bit for bit: a verify row is computed as a decode row is.
+    Half precision (tensor-core row blocks, the norm from the product before) is the negative
+    control."""
+    monkeypatch.setattr(layers, "use_kernels", lambda *tensors: True)  # the kernels, interpreted on a CPU
+    hidden, inter, rows = 64, 96, 9
+    qkv, o = (torch.nn.Linear(hidden, hidden, bias=False) for _ in range(2))
+    mlp = layers.GatedMLP(hidden, inter)
+    norms = [layers.RMSNorm(hidden) for _ in range(3)]
+    for module in (qkv, o, mlp, *norms):
+        module.to(DEVICE, dtype)
+    with torch.no_grad():
+        for i, n in enumerate(norms):
+            n.weight.copy_(rand(hidden, dtype=dtype, seed=10 + i))
+    x = rand(rows, hidden, dtype=dtype)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        h = layers.dense(layers.dense(x, qkv, norm=norms[0]), o, residual=x, next_norm=norms[1])
+        return layers.stream(mlp(h, norm=norms[1], residual=layers.stream(h), next_norm=norms[2]))
+
+    with torch.no_grad():
+        together = block(x)
+        alone = torch.cat([block(x[i : i + 1]) for i in range(rows)])
+    assert torch.equal(together, alone) == (dtype == torch.float32)
+    assert layers.one_row_fusions(x) == (dtype == torch.float32)
 
 
 def test_skinny_linear_rejects_mismatched_width():

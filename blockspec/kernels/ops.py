@@ -363,13 +363,17 @@ SKINNY_TILES = {
 }
 
 
+def streams_per_row(m: int, itemsize: int) -> bool:
+    """Whether `skinny_linear` streams each of m rows on its own (the one-row tiles): at one row, and at
+    every row count in float32, where an exact tensor-core dot ("ieee") runs several times slower than
+    a multiply-add stream per row. A row's product then does not depend on the call's row count."""
+    return m == 1 or itemsize >= 4
+
+
 def skinny_config(m: int, n: int, k: int, prologue: int = 0, itemsize: int = 2) -> SkinnyConfig:
     """Tile sizes for `skinny_linear` (prologue 1: norm, 2: SwiGLU), from SKINNY_TILES. Wider elements
-    take shorter K tiles, so the pipeline's buffers fit in shared memory. fp32 rows take the one-row
-    tiles at every row count: a tensor-core dot in exact fp32 ("ieee") runs several times slower than
-    a multiply-add stream per row, and this way every row's product is computed as a decode row's is,
-    bit for bit, whatever the step's row count (a verify row equals the plain step's)."""
-    one = m == 1 or itemsize >= 4
+    take shorter K tiles, so the pipeline's buffers fit in shared memory."""
+    one = streams_per_row(m, itemsize)
     shape = "swiglu" if one and prologue == 2 else "wide" if n >= 4 * k else "qkv" if n > k else "tall"
     cfg = SkinnyConfig(*SKINNY_TILES["one" if one else "few", shape])
     return replace(cfg, block_k=max(32, cfg.block_k * 2 // itemsize))

@@ -108,6 +108,15 @@ def few_rows(x: Tensor) -> bool:
     return x.numel() <= triton_ops.SKINNY_MAX_ROWS * x.shape[-1] and use_kernels(x)
 
 
+def one_row_fusions(rows: Tensor) -> bool:
+    """Whether `dense` fuses as it does at one row (the norm and SwiGLU in the product's prologue, no
+    PreNormed rows): at one row, and where the skinny kernel streams every row on its own
+    (`streams_per_row`: float32), which pays no tensor-core penalty for a prologue and so computes
+    each row as a single row is computed, bit for bit (a verify row's products are a decode row's)."""
+    m = rows.numel() // rows.shape[-1]
+    return m == 1 or (few_rows(rows) and triton_ops.streams_per_row(m, rows.element_size()))
+
+
 def stream(x: Tensor | PreNormed) -> Tensor:
     """The residual-stream rows of a layer's output (see `dense`'s `next_norm`)."""
     return x.rows if isinstance(x, PreNormed) else x
@@ -119,7 +128,8 @@ def dense(x: Tensor | PreNormed, proj: nn.Linear, *, norm: RMSNorm | None = None
     same SwiGLU over the product's halves (`glu`).
 
     With few rows the product is a weight stream (`triton_ops.skinny_linear`) with g and the residual
-    add inside it, and at one row f too. Above one row a prologue is slow on the tensor-core path:
+    add inside it, and at one row (or rows streamed one by one, `one_row_fusions`) f too. Above one row
+    a prologue is slow on the tensor-core path:
     SwiGLU runs first (`GatedMLP` puts it in gate_up's epilogue instead), and the norm takes its
     statistics from the product before, which returns PreNormed rows when given `next_norm` (the
     norm that comes next on the residual stream); without them the norm is a kernel of its own.
@@ -129,7 +139,7 @@ def dense(x: Tensor | PreNormed, proj: nn.Linear, *, norm: RMSNorm | None = None
     rows = stream(x)
     fp8 = type(proj) is Fp8Linear
     if few_rows(rows) and (fp8 or type(proj) is nn.Linear):  # a parallel layer's own forward reduces across ranks
-        many = rows.numel() > rows.shape[-1]
+        many = not one_row_fusions(rows)
         prenormed = x if isinstance(x, PreNormed) and norm is not None and x.weight is norm.weight else None
         if many and prenormed is None:
             rows = rms_norm(rows, norm.weight, norm.eps) if norm is not None else silu_mul(rows) if swiglu else rows
@@ -163,10 +173,10 @@ class GatedMLP(nn.Module):
     def forward(self, x: Tensor | PreNormed, norm: RMSNorm | None = None, residual: Tensor | None = None,
                 next_norm: RMSNorm | None = None) -> Tensor | PreNormed:
         """residual + mlp(norm(x)); both optional (`next_norm`: see `dense`). SwiGLU runs where it
-        streams fastest: at one row in down's prologue, above it in gate_up's epilogue
-        (benchmarks/bench_gemv.py)."""
+        streams fastest: at one row (and rows streamed one by one) in down's prologue, above it in
+        gate_up's epilogue (benchmarks/bench_gemv.py)."""
         rows = stream(x)
-        one_row = rows.numel() == rows.shape[-1]
+        one_row = one_row_fusions(rows)
         h = dense(x, self.gate_up_proj, norm=norm, glu=not one_row)
         return dense(h, self.down_proj, swiglu=one_row, residual=residual, next_norm=next_norm)
 
