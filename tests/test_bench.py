@@ -486,6 +486,31 @@ def test_k_sweep_verdict_within_and_missing_on_hand_made_numbers():
     assert sweep_report((4,), {"dflash": 8}, [close])["all_within"]
 
 
+def test_k_sweep_sets_the_policys_final_estimates_beside_the_fixed_runs_measurements():
+    """Each point keeps, per fixed K, the policy's step ms at the point's batch bucket and its expected
+    tokens a step, beside the fixed run's median whole-block step and acceptance length; the report
+    gives both as tokens per ms. A K the policy never timed reads n/a."""
+    from blockspec.bench.ksweep import policy_record, sweep_lines, sweep_point, sweep_report
+    from blockspec.speculative.policy import PolicyView
+
+    view = PolicyView({8: 3, 15: 5}, {(4, 8): 0.0086, (4, 15): 0.0102, (2, 8): 0.0050}, {8: 5.3, 15: 6.4}, [], 0)
+    policy = _run([95.0, 96.0, 97.0], batch=3, policy_view=policy_record(view))  # batch 3: bucket 4
+    fixed = [_run([100.0] * 3, fixed_k=k, acceptance={"mean_acceptance_length": acc},
+                  steps_by_draft_length={str(k): {"steps": 9, "ms_median": ms}, "1": {"steps": 1, "ms_median": 1.0}})
+             for k, ms, acc in ((8, 8.75, 5.26), (15, 10.9, 6.1), (4, 7.0, 4.0))]
+    point = sweep_point(policy, fixed)
+    assert point["beliefs"] == [
+        {"k": 4, "believed_ms": None, "believed_tokens": None, "measured_ms": 7.0, "measured_tokens": 4.0},
+        {"k": 8, "believed_ms": pytest.approx(8.6), "believed_tokens": 5.3, "measured_ms": 8.75, "measured_tokens": 5.26},
+        {"k": 15, "believed_ms": pytest.approx(10.2), "believed_tokens": 6.4, "measured_ms": 10.9,
+         "measured_tokens": 6.1}]
+    md = "\n".join(sweep_lines(sweep_report((4, 8, 15), {"dflash": 15}, [point])))
+    assert ("- dflash in512 b3 T0.0, the policy's final estimates against the fixed runs (step ms x tokens a step "
+            "= tokens per ms): K=4 believed n/a ms x n/a = n/a, measured 7.00 ms x 4.00 = 0.571; K=8 believed "
+            "8.60 ms x 5.30 = 0.616, measured 8.75 ms x 5.26 = 0.601; K=15 believed 10.20 ms x 6.40 = 0.627, "
+            "measured 10.90 ms x 6.10 = 0.560") in md
+
+
 def test_k_sweep_runs_each_fixed_k_in_the_same_rounds_and_reports_the_policy_against_the_best(tmp_path):
     """--k-sweep 2,15 on the tiny drafters (DFlash block 8: 7 drafts; DSpark anchor-first: 8): each method
     also runs at K = 2 and at its block's size (15 clipped, said so), no step of a fixed run drafting more
@@ -522,6 +547,11 @@ def test_k_sweep_runs_each_fixed_k_in_the_same_rounds_and_reports_the_policy_aga
     point = sweep["points"][1]
     assert f"| {point['policy_acceptance_length']:.2f} / {point['best_acceptance_length']:.2f} |" in row
     assert "the policy within 5 % of the best fixed K at every point: " in md
+    for p in sweep["points"]:  # the policy's own estimates of the Ks it timed at this batch, beside each fixed run's
+        assert [b["k"] for b in p["beliefs"]] == sweep["methods"][p["method"]]["k"]
+        assert all(b["measured_ms"] > 0 and b["measured_tokens"] >= 1 for b in p["beliefs"])
+        assert any(b["believed_ms"] and b["believed_tokens"] >= 1 for b in p["beliefs"])
+    assert "the policy's final estimates against the fixed runs" in md
 
 
 def test_k_sweep_refuses_what_it_cannot_check():

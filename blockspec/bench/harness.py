@@ -58,7 +58,7 @@ from blockspec.bench.arch import ARCHS, get_arch, param_bytes, random_drafter, r
 from blockspec.models.quant import is_quantized, quantize_model
 from blockspec.bench.expert_union import ROUTING_MODELS, set_routing
 from blockspec.bench.drafts import NO_DRAFTS_WHY, StepLog, acceptance, drafted, drafting_share
-from blockspec.bench.ksweep import clip, clip_note, sweep_line, sweep_lines, sweep_point, sweep_report
+from blockspec.bench.ksweep import clip, clip_note, policy_record, sweep_line, sweep_lines, sweep_point, sweep_report
 from blockspec.bench.plots import title, write_plots
 from blockspec.bench.points import Point, RunKey, input_cell, point, point_name
 from blockspec.bench.tp_report import add_rank_figures, compare_tp, rank_figures, tp_header, tp_sections
@@ -635,6 +635,8 @@ def summarize(engine: Engine, passes: list[Pass], prompts: list[list[int]], befo
     if engine.proposer is not None:
         drafts = [x for p in passes for x in p.drafts]
         run["acceptance"] = acceptance(drafts, engine.proposer.num_speculative_tokens)
+        if engine.policy.adaptive:
+            run["policy_view"] = policy_record(engine.policy.view())
         if isinstance(engine.proposer, SyntheticProposer):
             prop = engine.proposer
             run["acceptance"]["synthetic_rates"] = prop.rates

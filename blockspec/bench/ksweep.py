@@ -15,6 +15,7 @@ from typing import Any
 from blockspec.bench.drafts import drafting_share
 from blockspec.bench.points import input_cell, point_name
 from blockspec.bench.timing import spread
+from blockspec.speculative.policy import PolicyView, batch_bucket
 
 TOLERANCE = 0.05  # the policy's decode tok/s may trail the best fixed K's by at most this share
 
@@ -45,6 +46,30 @@ def verdict(ratio: float | None) -> str:
     return f"within {100 * TOLERANCE:g} %" if within(ratio) else f"misses by {100 * (1 - ratio):.1f} %"
 
 
+def policy_record(view: PolicyView) -> dict[str, Any]:
+    """What a policy run's record keeps of the policy's beliefs at its end: step ms per "bucket:K" and
+    expected tokens a step per K (`PolicyView`)."""
+    return {"step_ms": {f"{b}:{k}": 1e3 * s for (b, k), s in sorted(view.step_seconds.items())},
+            "expected_tokens": {str(k): e for k, e in sorted(view.expected_tokens.items())}}
+
+
+def beliefs(policy: dict[str, Any], fixed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per fixed K: the policy's final estimates at the point's batch bucket (step ms, tokens a step)
+    beside what the fixed run measured (its median whole-block step, its acceptance length), so a miss
+    shows whether a step time or an acceptance estimate misled the choice; None where either has none."""
+    view = policy.get("policy_view") or {}
+    bucket = batch_bucket(policy["batch"])
+    out = []
+    for run in sorted(fixed, key=lambda r: r["fixed_k"]):
+        k = run["fixed_k"]
+        step = run["steps_by_draft_length"].get(str(k)) or {}
+        out.append({"k": k, "believed_ms": view.get("step_ms", {}).get(f"{bucket}:{k}"),
+                    "believed_tokens": view.get("expected_tokens", {}).get(str(k)),
+                    "measured_ms": step.get("ms_median"),
+                    "measured_tokens": (run.get("acceptance") or {}).get("mean_acceptance_length")})
+    return out
+
+
 def sweep_point(policy: dict[str, Any], fixed: list[dict[str, Any]]) -> dict[str, Any]:
     """The policy's run against the fixed-K runs (`fixed_k` set) of its method at its point: the best K,
     the policy's decode tok/s over that K's per round (median, min-max) and the verdict; the fixed runs
@@ -62,7 +87,7 @@ def sweep_point(policy: dict[str, Any], fixed: list[dict[str, Any]]) -> dict[str
             "best_k": best["fixed_k"], "best_decode_tok_s": best["decode_tok_s"]["median"],
             "best_acceptance_length": (best.get("acceptance") or {}).get("mean_acceptance_length"),
             "policy_over_best": ratio, "policy_over_best_range": [min(ratios), max(ratios)] if ratios else None,
-            "within": within(ratio), "verdict": verdict(ratio),
+            "within": within(ratio), "verdict": verdict(ratio), "beliefs": beliefs(policy, fixed),
             "fixed": sorted(fixed, key=lambda r: r["fixed_k"])}
 
 
@@ -78,6 +103,15 @@ def sweep_report(requested: tuple[int, ...], capacities: dict[str, int], points:
 
 def _cell(x: float | None, fmt: str) -> str:
     return format(x, fmt) if x is not None else "n/a"
+
+
+def _belief(b: dict[str, Any]) -> str:
+    """One K of `beliefs`: believed and measured step ms, tokens a step and their ratio."""
+    def part(ms: float | None, tokens: float | None) -> str:
+        rate = _cell(tokens / ms, ".3f") if ms and tokens is not None else "n/a"
+        return f"{_cell(ms, '.2f')} ms x {_cell(tokens, '.2f')} = {rate}"
+    return (f"K={b['k']} believed {part(b['believed_ms'], b['believed_tokens'])}, "
+            f"measured {part(b['measured_ms'], b['measured_tokens'])}")
 
 
 def sweep_line(entry: dict[str, Any]) -> str:
@@ -118,6 +152,9 @@ def sweep_lines(sweep: dict[str, Any]) -> list[str]:
                      f"| {acc} | {ratio} "
                      f"| {p['verdict'] if p['within'] else '**' + p['verdict'] + '**'} |")
     lines += [""] + [f"- {note}" for note in sweep["notes"]]
+    lines += [f"- {p['method']} {point_name(p)}, the policy's final estimates against the fixed runs (step ms x "
+              f"tokens a step = tokens per ms): " + "; ".join(_belief(b) for b in p["beliefs"])
+              for p in sweep["points"] if p.get("beliefs")]
     missed = [f"{p['method']} {point_name(p)} ({p['verdict']})" for p in sweep["points"] if not p["within"]]
     lines.append(f"- the policy within {tol} of the best fixed K at every point: "
                  + ("yes" if not missed else "no: " + "; ".join(missed)))
