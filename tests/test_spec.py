@@ -764,6 +764,49 @@ def add_device_oracle(llm: LLM, expected: dict[tuple, list[int]]) -> dict[tuple,
     return drafted
 
 
+def oracle_run(target, method, fixture, ps, params, table, chained, arrivals=None):
+    """Outputs, stats and the drafter's drafts of a speculative engine drafting 3 tokens a step with oracle
+    drafts, steps launched from device results (`chained`) or waiting for the read-back. `arrivals`: the
+    engine step before which each request is added (default: all at once)."""
+    llm = spec_llm(target, method, fixture, num_speculative_tokens=3)
+    engine = llm.engine
+    engine.async_scheduling = chained
+    engine.policy.choose = lambda batch: 3
+    drafted = add_device_oracle(llm, table)
+    arrivals = arrivals or {0: list(range(len(ps)))}
+    reqs, step = {}, 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        for i in arrivals.get(step, []):
+            reqs[i] = engine.add_request(str(i), None, ps[i]["prompt_token_ids"], params[i])[0]
+        engine.step()
+        step += 1
+    return [reqs[i].output_ids for i in range(len(ps))], engine.metrics(), drafted
+
+
+def assert_steps_alike(sync_run, chain_run, expected):
+    """A chained run's outputs are plain decoding's, and its drafter drafted and the target accepted at
+    every position what the synchronous run's did (a draft launched ahead for a request that then
+    stopped is extra; near a request's token limit one path may take fewer drafts through the heads:
+    their common ones count)."""
+    (sync_out, sync, sync_drafts), (out, chain, chain_drafts) = sync_run, chain_run
+    assert out == sync_out == expected
+    assert all(key in chain_drafts for key in sync_drafts) and len(sync_drafts) > 10
+    common = {key: min(len(d), len(chain_drafts[key])) for key, d in sync_drafts.items()}
+    assert {key: chain_drafts[key][: common[key]] for key in sync_drafts} == \
+        {key: d[: common[key]] for key, d in sync_drafts.items()}
+    assert chain["num_accepted_tokens_per_pos"] == sync["num_accepted_tokens_per_pos"]
+    assert chain["num_drafts"] == sync["num_drafts"] and chain["num_steps"] == sync["num_steps"]
+    assert sync["mean_acceptance_length"] > 1.8  # the oracle's drafts really are accepted, at varying lengths
+
+
+def oracle_case(plain, seed, max_tokens):
+    """Prompts, greedy parameters of these token limits, plain decoding's outputs and their table."""
+    ps = prompts(len(max_tokens), seed=seed)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    expected = [o.outputs[0].token_ids for o in plain.generate(ps, params, use_tqdm=False)]
+    return ps, params, expected, {tuple(p["prompt_token_ids"]): e for p, e in zip(ps, expected)}
+
+
 @pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
 def test_steps_launched_from_device_results_are_the_synchronous_steps(target, plain, method, fixture):
     """A greedy step launched from the last step's accepted counts and tokens on the device, before
@@ -772,29 +815,10 @@ def test_steps_launched_from_device_results_are_the_synchronous_steps(target, pl
     decoding, the drafter drafts and the target accepts at every position what they do in the
     synchronous run, and every step after the first is launched that way, the four requests ending
     at their token limits at different steps."""
-    ps = prompts(4, seed=15)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (37, 9, 22, 30)]
-    expected = [o.outputs[0].token_ids for o in plain.generate(ps, params, use_tqdm=False)]
-    table = {tuple(p["prompt_token_ids"]): e for p, e in zip(ps, expected)}
-    runs = {}
-    for chained in (False, True):
-        llm = spec_llm(target, method, fixture, num_speculative_tokens=3)
-        llm.engine.async_scheduling = chained
-        llm.engine.policy.choose = lambda batch: 3
-        drafted = add_device_oracle(llm, table)
-        runs[chained] = ([o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)],
-                         llm.get_stats(), drafted)
-    (sync_out, sync, sync_drafts), (out, chain, chain_drafts) = runs[False], runs[True]
-    assert out == sync_out == expected
-    # the drafter saw the same context (a draft launched ahead for a request that then stopped is extra;
-    # near a request's token limit one path may take fewer drafts through the heads: their common ones)
-    assert all(key in chain_drafts for key in sync_drafts) and len(sync_drafts) > 10
-    common = {key: min(len(d), len(chain_drafts[key])) for key, d in sync_drafts.items()}
-    assert {key: chain_drafts[key][: common[key]] for key in sync_drafts} == \
-        {key: d[: common[key]] for key, d in sync_drafts.items()}
-    assert chain["num_accepted_tokens_per_pos"] == sync["num_accepted_tokens_per_pos"]
-    assert chain["num_drafts"] == sync["num_drafts"] and chain["num_steps"] == sync["num_steps"]
-    assert sync["mean_acceptance_length"] > 1.8  # the oracle's drafts really are accepted, at varying lengths
+    ps, params, expected, table = oracle_case(plain, 15, (37, 9, 22, 30))
+    sync_run, chain_run = (oracle_run(target, method, fixture, ps, params, table, c) for c in (False, True))
+    assert_steps_alike(sync_run, chain_run, expected)
+    sync, chain = sync_run[1], chain_run[1]
     # every step launched ahead is launched from device results, through the requests' token limits too
     # (the device caps each one's drafts; rows of a request that ended are dropped)
     assert chain["num_spec_steps_chained"] == chain["num_spec_steps_launched_ahead"] > 3
@@ -808,33 +832,11 @@ def test_requests_that_arrive_join_the_chained_step(target, plain, method, fixtu
     draft context), so every step launched ahead is chained, arrivals included. With oracle drafts,
     outputs, the drafter's drafts and per-position acceptance equal the synchronous run's, requests
     arriving at three different steps."""
-    ps = prompts(4, seed=16)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (34, 25, 20, 12)]
-    expected = [o.outputs[0].token_ids for o in plain.generate(ps, params, use_tqdm=False)]
-    table = {tuple(p["prompt_token_ids"]): e for p, e in zip(ps, expected)}
+    ps, params, expected, table = oracle_case(plain, 16, (34, 25, 20, 12))
     arrivals = {0: [0, 1], 3: [2], 6: [3]}  # engine step -> requests added before it
-    runs = {}
-    for chained in (False, True):
-        llm = spec_llm(target, method, fixture, num_speculative_tokens=3)
-        engine = llm.engine
-        engine.async_scheduling = chained
-        engine.policy.choose = lambda batch: 3
-        drafted = add_device_oracle(llm, table)
-        reqs, step = {}, 0
-        while step <= max(arrivals) or engine.has_unfinished():
-            for i in arrivals.get(step, []):
-                reqs[i] = engine.add_request(str(i), None, ps[i]["prompt_token_ids"], params[i])[0]
-            engine.step()
-            step += 1
-        runs[chained] = ([reqs[i].output_ids for i in range(4)], engine.metrics(), drafted)
-    (sync_out, sync, sync_drafts), (out, chain, chain_drafts) = runs[False], runs[True]
-    assert out == sync_out == expected
-    assert all(key in chain_drafts for key in sync_drafts) and len(sync_drafts) > 10
-    common = {key: min(len(d), len(chain_drafts[key])) for key, d in sync_drafts.items()}
-    assert {key: chain_drafts[key][: common[key]] for key in sync_drafts} == \
-        {key: d[: common[key]] for key, d in sync_drafts.items()}
-    assert chain["num_accepted_tokens_per_pos"] == sync["num_accepted_tokens_per_pos"]
-    assert chain["num_drafts"] == sync["num_drafts"] and chain["num_steps"] == sync["num_steps"]
+    sync_run, chain_run = (oracle_run(target, method, fixture, ps, params, table, c, arrivals) for c in (False, True))
+    assert_steps_alike(sync_run, chain_run, expected)
+    chain = chain_run[1]
     assert chain["num_spec_steps_chained"] == chain["num_spec_steps_launched_ahead"] > 5
 
 
