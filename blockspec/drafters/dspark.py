@@ -28,6 +28,8 @@ from torch import Tensor, nn
 
 from blockspec.config import ConfigError, ModelConfig
 from blockspec.drafters.backbone import DraftModel
+from blockspec.kernels.markov import markov_greedy
+from blockspec.kernels.ops import use_kernels
 from blockspec.drafters.config import DrafterConfig, DSparkHeads
 from blockspec.sample import RowParams, sample_draft
 
@@ -253,6 +255,13 @@ class DSparkDraft(DraftModel):
         state = None
         tokens = []
         use_topk = self.markov_head is not None and 0 < top_k < v
+        head = self.markov_head
+        if head is not None and head.head_type == "vanilla" and not use_topk and use_kernels(
+                base_logits, head.markov_w1.weight, head.markov_w2.weight):  # one launch a position
+            d2t = self.d2t if self.use_own_head else None
+            toks = markov_greedy(base_logits.float(), head.markov_w1.weight, head.markov_w2.weight, prev, d2t,
+                                 self.config.logit_scale)
+            return toks, self.block_confidence(h, anchor_ids, toks)
         for k in range(k_total):
             h_k = h[:, k]
             base_k = base_logits[:, k].float()

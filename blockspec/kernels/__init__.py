@@ -1,6 +1,6 @@
 """Every Triton kernel of blockspec, each with a PyTorch reference its tests hold it to: the decoder's
 ops (`ops`), paged attention (`attention`), Gumbel-max sampling (`gumbel`), acceptance by token match
-(`accept`) and the mixture-of-experts MLP (`moe`).
+(`accept`), DSpark's greedy Markov drafting (`markov`) and the mixture-of-experts MLP (`moe`).
 
 Without the triton package (CPU-only installs) `triton` is None and callers take the references.
 """
