@@ -110,8 +110,10 @@ def test_a_prefill_graph_appends_the_draft_context_the_eager_path_does(tmp_path,
 @pytest.mark.gpu
 @pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
 def test_cuda_graph_draft_step_equals_eager(tmp_path, method, fixture):
-    """Graphed draft steps (context append + block + drafts) give the eager path's drafts: same
-    acceptance counts, and output equal to plain decoding."""
+    """Graphed steps give the eager path's drafts: same acceptance counts, and output equal to plain
+    decoding, for the chained step's graph (asynchronous scheduling: every step, the first from
+    committed state) and for the draft graph (context append + block + drafts) that a synchronous
+    engine's steps replay before their verify graph."""
     from pathlib import Path
 
     target = save_drafter_target(tmp_path / "t")
@@ -132,9 +134,19 @@ def test_cuda_graph_draft_step_equals_eager(tmp_path, method, fixture):
     ga, ea = graphed.get_stats(), eager.get_stats()
     assert ga["num_accepted_tokens_per_pos"] == ea["num_accepted_tokens_per_pos"]
     assert ga["num_spec_steps_chained"] > 0  # graphed steps launched from device results ran too
-    # each chained step one graph replay; the eager engine's ran its tensor code
-    assert graphed.engine.proposer.steps.replays - replays[0] == ga["num_spec_steps_chained"]
+    # each chained step and each batch's first step one graph replay; the eager engine's ran its tensor code
+    assert graphed.engine.proposer.steps.replays - replays[0] == \
+        ga["num_spec_steps_chained"] + ga["num_spec_steps_from_committed"]
+    assert ga["num_spec_steps_from_committed"] >= 1
     assert eager.engine.proposer.steps.replays == replays[1] and ea["num_spec_steps_chained"] > 0
+    synced = LLM(str(target), device="cuda", dtype="float32", max_model_len=256, speculative_config=spec)
+    synced.engine.async_scheduling = False
+    drafted = []
+    run = synced.engine.proposer.graphs.run
+    synced.engine.proposer.graphs.run = lambda *args, **kw: drafted.append(1) or run(*args, **kw)
+    d = [o.outputs[0].token_ids for o in synced.generate(prompts, params, use_tqdm=False)]
+    assert d == c and drafted
+    assert synced.get_stats()["num_accepted_tokens_per_pos"] == ga["num_accepted_tokens_per_pos"]
 
 
 @pytest.mark.gpu

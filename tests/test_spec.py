@@ -773,6 +773,10 @@ def oracle_run(target, method, fixture, ps, params, table, chained, arrivals=Non
     engine.async_scheduling = chained
     engine.policy.choose = lambda batch: 3
     drafted = add_device_oracle(llm, table)
+    host_drafts = []  # drafts launched on the reference path (after a read-back, or a batch's first step)
+    for name in ("propose", "launch_next"):
+        method_ = getattr(engine.proposer, name)
+        setattr(engine.proposer, name, lambda *a, _m=method_, _n=name, **kw: host_drafts.append(_n) or _m(*a, **kw))
     arrivals = arrivals or {0: list(range(len(ps)))}
     reqs, step = {}, 0
     while step <= max(arrivals) or engine.has_unfinished():
@@ -780,7 +784,7 @@ def oracle_run(target, method, fixture, ps, params, table, chained, arrivals=Non
             reqs[i] = engine.add_request(str(i), None, ps[i]["prompt_token_ids"], params[i])[0]
         engine.step()
         step += 1
-    return [reqs[i].output_ids for i in range(len(ps))], engine.metrics(), drafted
+    return [reqs[i].output_ids for i in range(len(ps))], {**engine.metrics(), "host_drafts": len(host_drafts)}, drafted
 
 
 def assert_steps_alike(sync_run, chain_run, expected):
@@ -823,6 +827,9 @@ def test_steps_launched_from_device_results_are_the_synchronous_steps(target, pl
     # (the device caps each one's drafts; rows of a request that ended are dropped)
     assert chain["num_spec_steps_chained"] == chain["num_spec_steps_launched_ahead"] > 3
     assert chain["chained_s"] > 0 and sync["chained_s"] == 0  # one interval of the time split a chained step
+    # the batch's first step too: its requests join a chained step from their committed state
+    assert chain["host_drafts"] == 0 and sync["host_drafts"] > 3
+    assert chain["num_spec_steps_from_committed"] == 1 and sync["num_spec_steps_from_committed"] == 0
 
 
 @pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
@@ -838,6 +845,7 @@ def test_requests_that_arrive_join_the_chained_step(target, plain, method, fixtu
     assert_steps_alike(sync_run, chain_run, expected)
     chain = chain_run[1]
     assert chain["num_spec_steps_chained"] == chain["num_spec_steps_launched_ahead"] > 5
+    assert chain["host_drafts"] == 0  # the first step too (`Engine._from_committed`)
 
 
 def test_steps_launched_ahead_survive_stops_aborts_and_arrivals(target, plain):

@@ -88,7 +88,7 @@ def test_the_drafter_takes_the_kernel_and_drafts_as_its_reference(monkeypatch):
     anchors = torch.randint(0, drafter.config.vocab_size, (r,), generator=g)
     want = drafter.draft_greedy(base, hidden, anchors)
     calls = []
-    import blockspec.drafters.dspark as dspark
+    from blockspec.drafters import dspark
 
     def spy(*args):
         calls.append(args)

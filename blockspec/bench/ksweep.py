@@ -152,8 +152,8 @@ def sweep_lines(sweep: dict[str, Any]) -> list[str]:
                      f"| {acc} | {ratio} "
                      f"| {p['verdict'] if p['within'] else '**' + p['verdict'] + '**'} |")
     lines += [""] + [f"- {note}" for note in sweep["notes"]]
-    lines += [f"- {p['method']} {point_name(p)}, the policy's final estimates against the fixed runs (step ms x "
-              f"tokens a step = tokens per ms): " + "; ".join(_belief(b) for b in p["beliefs"])
+    lines += [(f"- {p['method']} {point_name(p)}, the policy's final estimates against the fixed runs (step ms x "
+               "tokens a step = tokens per ms): ") + "; ".join(_belief(b) for b in p["beliefs"])
               for p in sweep["points"] if p.get("beliefs")]
     missed = [f"{p['method']} {point_name(p)} ({p['verdict']})" for p in sweep["points"] if not p["within"]]
     lines.append(f"- the policy within {tol} of the best fixed K at every point: "

@@ -118,6 +118,7 @@ class Engine:
         self.num_steps = 0
         self.num_steps_launched_ahead = 0
         self.num_spec_steps_chained = 0
+        self.num_spec_steps_from_committed = 0  # a batch's first steps run as the chained step's body
         use_async = config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if use_async is None else use_async
         # The draft-length policy decides from measured wall times, which differ between processes: the
@@ -189,6 +190,7 @@ class Engine:
         self.output.num_generated = 0
         self.num_steps_launched_ahead = 0
         self.num_spec_steps_chained = 0
+        self.num_spec_steps_from_committed = 0
         self.scheduler.num_preemptions = 0
         if self.proposer is not None:
             self.proposer.reset_stats()
@@ -455,7 +457,7 @@ class Engine:
         start = self.pipeline.step_end
         if k:
             t0 = time.perf_counter() if start is None else start
-            touched += self._finish_spec(self._launch_spec(spec, k))
+            touched += self._finish_spec(self._launch_spec(spec, k, after=self._from_committed(spec)))
             self._observe_time(len(spec), k, time.perf_counter() - t0)
             self.pipeline.last_commit = ("spec", time.perf_counter())
         if plain:
@@ -582,7 +584,8 @@ class Engine:
         device and copied back without waiting. `ahead`/`anchors`: tokens each request has verified
         but not committed yet, and its last one (the step is launched before that commit).
         `after`: the (packed results, taps) on the device of the greedy step before, which the host
-        has not read: this step is launched from them (see `_launch_chained`)."""
+        has not read, with rows for requests joining from their committed state (or only those: a
+        batch's first step): this step is launched from them (see `_launch_chained`, `_from_committed`)."""
         captures = CAPTURES[0]
         if after is not None:  # draft, verify and acceptance in one: one interval of the time split
             self.timer.mark("chained")
@@ -682,13 +685,11 @@ class Engine:
             return False
         carried = {id(r) for r in reqs}
         decoding = [r for r in self.scheduler.running if r.num_cached >= r.prefill_len]
-        # a joining request has nothing in flight: its last token is committed and not in the cache yet
         joining = [r for r in decoding if id(r) not in carried]
         batch = reqs + joining
         emitted = launch.result.shape[1] - 2  # rows the step may emit per request (drafts + 1)
-        if (len(decoding) != len(batch) or len(self._speculating(batch)) < len(batch)
-                or needs_processing(joining) or any(r.num_cached != r.length - 1 for r in joining)
-                or any(r.num_pending or r.num_draft_ctx != r.num_cached for r in batch)
+        if (len(decoding) != len(batch) or len(self._speculating(batch)) < len(batch) or not self._joinable(joining)
+                or any(r.num_pending or r.num_draft_ctx != r.num_cached for r in reqs)
                 or not proposer.graphs.fits(len(batch), [emitted], max(r.num_cached for r in batch) + emitted)):
             return False
         k = self._choose(len(batch))
@@ -706,6 +707,24 @@ class Engine:
         self.num_steps_launched_ahead += 1
         self.num_spec_steps_chained += 1
         return True
+
+    def _joinable(self, reqs: list[Request]) -> bool:
+        """Whether these requests can join a chained step from their committed state: greedy, nothing of
+        theirs in flight (the last token committed and not yet in the cache), and a drafter context that
+        holds their whole cache."""
+        return not needs_processing(reqs) and all(
+            r.num_cached == r.length - 1 and not r.num_pending and r.num_draft_ctx == r.num_cached for r in reqs)
+
+    def _from_committed(self, reqs: list[Request]) -> tuple[Tensor, Tensor] | None:
+        """What a speculative step of `reqs` with nothing in flight (a batch's first step) is launched from
+        with asynchronous scheduling: rows joining the chained step (`Proposer.joining`), so it is the
+        step graph's one replay, not a draft graph, a verify graph and the launches between them, and
+        the next step chains from it. None where they cannot join: the step takes the reference path."""
+        if not (self.async_scheduling and self.proposer.chains and self._joinable(reqs)
+                and self.proposer.graphs.fits(len(reqs), [1], max(r.num_cached for r in reqs) + 1)):
+            return None
+        self.num_spec_steps_from_committed += 1
+        return self.proposer.joining([r.output_ids[-1] for r in reqs])
 
     def _launch_ahead(self, verified: list[Request], emitted: list[int], last: list[int]) -> None:
         """Launch the next speculative step before committing this one: its draft first (a draft
@@ -784,9 +803,12 @@ class Engine:
         out.update(self.timer.totals)
         if self.proposer is not None:
             out.update(self.proposer.calibration_metrics())
-            out["num_drafts_launched_ahead"], out["num_drafts_launched_ahead_taken"] = self.proposer.ahead_stats
+            launched, taken = self.proposer.ahead_stats  # and each chained step's draft, launched and taken
+            out["num_drafts_launched_ahead"] = launched + self.num_spec_steps_chained
+            out["num_drafts_launched_ahead_taken"] = taken + self.num_spec_steps_chained
             out["num_spec_steps_launched_ahead"] = self.num_steps_launched_ahead
             out["num_spec_steps_chained"] = self.num_spec_steps_chained
+            out["num_spec_steps_from_committed"] = self.num_spec_steps_from_committed
             out["num_speculative_tokens"] = self.proposer.num_speculative_tokens
             out["policy_steps"] = dict(self.policy.chosen)  # decode steps by the K chosen (0: plain)
             out["num_parked_requests"] = self.policy.parked_joins

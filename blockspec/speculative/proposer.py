@@ -137,7 +137,9 @@ class Proposer:
             self.calibration.zero_()
         self.realised = [0] * k
         self.budget_history: list[int] = []
-        self.ahead_stats = [0, 0]  # drafts launched ahead of their step's commit, and taken by the next step
+        # drafts launched ahead of their step's commit and taken by the next step, on their own (a chained
+        # step's draft, launched and taken with it, is counted by the engine)
+        self.ahead_stats = [0, 0]
 
     @property
     def chains(self) -> bool:
@@ -221,19 +223,23 @@ class Proposer:
         before that verify), `kv_len` the host's bound on every verify row's last key. One graph on
         CUDA (`StepGraphs`). Returns the packed result and the verify's taps."""
         rows = [[r.slot for r in reqs], [r.num_cached for r in reqs], list(left), [self.request_key(r) for r in reqs]]
-        self.ahead_stats[0] += 1  # launched ahead of the commit, and taken by the step it was launched for
-        self.ahead_stats[1] += 1
         kv_len = self.runner.kv_extent(kv_len) if self.steps.use_graphs else kv_len
         return self.steps.run(self.chained_step, rows, result, taps, k, kv_len)
 
-    @staticmethod
-    def with_joining(result: Tensor, taps: Tensor, last_tokens: list[int]) -> tuple[Tensor, Tensor]:
-        """`result` and `taps` with a row for each request that joins the chained step launched from
-        them: its last token (committed, not yet in the cache) anchors its block, and its draft context
-        holds its whole cache already, so nothing is appended for it (accepted count `JOINING`)."""
-        width = result.shape[1]
-        rows = to_device([[JOINING, 0, t] + [0] * (width - 3) for t in last_tokens], result.dtype, result.device)
-        return torch.cat([result, rows]), torch.cat([taps, taps.new_zeros(len(last_tokens), *taps.shape[1:])])
+    def joining(self, last_tokens: list[int], width: int = 3) -> tuple[Tensor, Tensor]:
+        """Packed rows [R, width] and taps [R, width - 2, F] that stand for requests joining a chained
+        step from their committed state: each one's last token (not yet in the cache) anchors its block,
+        and its draft context holds its whole cache already, so nothing is appended for it (accepted
+        count `JOINING`)."""
+        pending = self.context.pending
+        rows = to_device([[JOINING, 0, t] + [0] * (width - 3) for t in last_tokens], torch.int64, pending.device)
+        return rows, pending.new_zeros(len(last_tokens), width - 2, pending.shape[-1])
+
+    def with_joining(self, result: Tensor, taps: Tensor, last_tokens: list[int]) -> tuple[Tensor, Tensor]:
+        """`result` and `taps` of a step with rows for requests that join the chained step launched from
+        them (`joining`)."""
+        rows, zeros = self.joining(last_tokens, result.shape[1])
+        return torch.cat([result, rows]), torch.cat([taps, zeros.to(taps.dtype)])
 
     def capture_steps(self, batch_sizes: list[int], ks: list[int]) -> None:
         """Capture the chained step of these batch buckets and draft lengths at every key extent."""
