@@ -56,6 +56,9 @@ def test_every_method_batch_and_temperature_reports(result):
                 assert r["num_requests"] == b and r["output_tok_s"]["median"] > 0
                 assert r["tpot_ms"]["p50"] > 0 and r["ttft_ms"]["p90"] >= r["ttft_ms"]["p50"]
                 assert r["memory_gb_total"] == pytest.approx(sum(r["memory_gb"].values()))  # CPU: no pass peak
+                # the drafter's held taps: a verify's rows and a plain step's per slot, target taps wide
+                parts = r["memory_gb"]
+                assert ("draft_pending" in parts) == (method != "plain") and not any(p.startswith("graphs") for p in parts)
                 if method != "plain":
                     acc = r["acceptance"]
                     assert acc["mean_acceptance_length"] >= 1 and len(acc["per_position"]) == acc[

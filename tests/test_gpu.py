@@ -163,6 +163,9 @@ def test_warmup_captures_every_graph_serving_needs(tmp_path, backend):
     llm = LLM(str(target), device="cuda", dtype="float32", max_model_len=300, max_num_seqs=8,
               speculative_config=spec, attention_backend=backend)
     assert llm.engine.num_steps == 0 and llm.engine.num_generated == 0  # warm-up left no trace
+    # what each kind of graph holds (the bench's memory breakdown): every kind captured, each in its own pool
+    assert set(llm.engine.graph_bytes) == {"target", "draft", "step"}
+    assert all(n > 0 for n in llm.engine.graph_bytes.values())
     before = CAPTURES[0]
     compiled = triton_compiled()
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -119,6 +119,7 @@ class Engine:
         self.num_steps_launched_ahead = 0
         self.num_spec_steps_chained = 0
         self.num_spec_steps_from_committed = 0  # a batch's first steps run as the chained step's body
+        self.graph_bytes: dict[str, int] = {}  # what the warm-up's captures added to the reserved memory, by kind
         use_async = config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if use_async is None else use_async
         # The draft-length policy decides from measured wall times, which differ between processes: the
@@ -150,18 +151,28 @@ class Engine:
         then run short requests end to end, greedy and sampled (each Triton kernel variant prefill,
         decode, the drafter and sampling use, the eager draft path). Counters and the draft-length
         policy start afresh afterwards, so no request and no policy estimate pays for a capture or
-        a compilation. Returns what it did."""
+        a compilation. Returns what it did; `graph_bytes` keeps the memory each kind of graph holds."""
         if self.device.type != "cuda" or not self.runner.use_graphs:
             return {"graphs": 0, "seconds": 0.0}
         t0 = time.perf_counter()
         captured = CAPTURES[0]
         top = bucket(self.config.max_num_seqs, BATCH_BUCKETS) or self.config.max_num_seqs
         sizes = [b for b in BATCH_BUCKETS if b <= top]
+        reserved = torch.cuda.memory_reserved(self.device)
+
+        def held_by(kind: str) -> None:  # what a kind of graph holds: its pool, its static buffers
+            nonlocal reserved
+            self.graph_bytes[kind] = torch.cuda.memory_reserved(self.device) - reserved
+            reserved += self.graph_bytes[kind]
+
         self.runner.capture_all(sizes, tapped=self.proposer is not None, untapped=True)
+        held_by("target")
         if self.proposer is not None and self.proposer.graphs.use_graphs:
             self.proposer.graphs.capture_all(sizes)
+            held_by("draft")
             if self.async_scheduling and self.proposer.chains:
                 self.proposer.capture_steps(sizes, self.policy.candidates[1:])
+                held_by("step")
         prompt_len = min(40, self.config.max_model_len - 10)
         for params in (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                        SamplingParams(temperature=1.0, seed=0, max_tokens=8, ignore_eos=True)):  # sampling kernels
