@@ -19,6 +19,7 @@ from PIL import Image
 from blockspec.bench import BenchConfig, markdown, run_bench, write_outputs
 from blockspec.bench.arch import TINY, TINY_DFLASH, random_drafter, random_target
 from blockspec.bench.harness import summary_line
+from blockspec.bench.points import point_name
 from blockspec.cli import main
 from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
@@ -88,6 +89,10 @@ def test_outputs_written(result, tmp_path):
     md = paths["markdown"].read_text()
     assert "| method | batch | T | input | output tok/s" in md and "Per-position acceptance" in md
     assert "SYNTHETIC" not in md
+    run = next(r for r in result["runs"] if r["method"] == "dspark" and r["batch"] == 2 and r["temperature"] == 0)
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.3g}" for k, v in run["memory_gb"].items())
+    assert f"- dspark {point_name(run)}: {parts}" in md.split("What a speculative run holds, by part")[1]
+    assert "draft pending" in parts and "drafter weights" in parts
     for key in ("plot_speedup", "plot_throughput", "plot_acceptance"):
         with Image.open(paths[key]) as img:
             assert img.format == "PNG" and "SYNTHETIC" not in img.info["Title"]

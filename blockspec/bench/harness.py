@@ -1117,6 +1117,10 @@ def markdown(result: dict[str, Any]) -> str:
                      + (f" (floor {v['floor_ms']:.2f} ms, {v['floor_bound']})" if "floor_ms" in v else "")
                      for k, v in r["steps_by_draft_length"].items()]
             lines.append(f"- {r['method']} {point_name(r)}: " + "; ".join(parts))
+        lines += ["", "What a speculative run holds, by part (GB; the graphs: what their captures added to the "
+                      "allocator's reservation):", ""]
+        lines += [f"- {r['method']} {point_name(r)}: " + ", ".join(f"{part.replace('_', ' ')} {gb:.3g}" for part, gb
+                                                                 in r["memory_gb"].items()) for r in spec_runs]
     lines += ["", "Against plain decoding:", ""]
     c = result["checks"]
     if "plain_batch1_floor_ratio" in c:
