@@ -28,9 +28,9 @@ from torch import Tensor, nn
 
 from blockspec.config import ConfigError, ModelConfig
 from blockspec.drafters.backbone import DraftModel
+from blockspec.drafters.config import DrafterConfig, DSparkHeads
 from blockspec.kernels.markov import markov_greedy
 from blockspec.kernels.ops import use_kernels
-from blockspec.drafters.config import DrafterConfig, DSparkHeads
 from blockspec.sample import RowParams, sample_draft
 
 
