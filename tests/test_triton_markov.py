@@ -77,16 +77,15 @@ def test_ties_go_to_the_lowest_id_across_blocks():
 
 
 def test_the_drafter_takes_the_kernel_and_drafts_as_its_reference(monkeypatch):
-    """`DSparkDraft.draft_greedy` with kernels on (interpreted here) returns what its reference loop
-    returns on the same logits, confidences included."""
+    """`DSparkDraft.draft_greedy` with kernels on (interpreted without a GPU) returns what its reference
+    loop returns on the same logits, confidences included."""
     arch = ARCHS["tiny"]
-    drafter = random_drafter(arch.dspark(), "cpu", torch.float32, arch.init_std, 5, arch.dspark_heads)
+    drafter = random_drafter(arch.dspark(), DEVICE, torch.float32, arch.init_std, 5, arch.dspark_heads)
     g = torch.Generator().manual_seed(4)
     r, k, h = 3, drafter.config.block_size, drafter.config.hidden_size
-    base = torch.randn(r, k, drafter.config.vocab_size, generator=g) * 2
-    hidden = torch.randn(r, k, h, generator=g)
-    anchors = torch.randint(0, drafter.config.vocab_size, (r,), generator=g)
-    want = drafter.draft_greedy(base, hidden, anchors)
+    base = (torch.randn(r, k, drafter.config.vocab_size, generator=g) * 2).to(DEVICE)
+    hidden = torch.randn(r, k, h, generator=g).to(DEVICE)
+    anchors = torch.randint(0, drafter.config.vocab_size, (r,), generator=g).to(DEVICE)
     calls = []
     from blockspec.drafters import dspark
 
@@ -94,6 +93,8 @@ def test_the_drafter_takes_the_kernel_and_drafts_as_its_reference(monkeypatch):
         calls.append(args)
         return markov_greedy(*args)
 
+    monkeypatch.setattr(dspark, "use_kernels", lambda *tensors: False)
+    want = drafter.draft_greedy(base, hidden, anchors)
     monkeypatch.setattr(dspark, "use_kernels", lambda *tensors: True)
     monkeypatch.setattr(dspark, "markov_greedy", spy)
     got = drafter.draft_greedy(base, hidden, anchors)

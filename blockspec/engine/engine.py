@@ -35,7 +35,7 @@ from blockspec.models.cpu_linear import use_onednn_linears
 from blockspec.models.kv_cache import PageTable, kv_storage_dtype
 from blockspec.models.llama import CausalLM
 from blockspec.models.quant import is_quantized, quantize_model
-from blockspec.models.runner import BATCH_BUCKETS, CAPTURES, ModelRunner, bucket
+from blockspec.models.runner import BATCH_BUCKETS, CAPTURES, ModelRunner, bucket, pool_bytes
 from blockspec.request import IncrementalDetokenizer, Logprob, Request, SpecStats, Status
 from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.context import DraftContext
@@ -119,7 +119,7 @@ class Engine:
         self.num_steps_launched_ahead = 0
         self.num_spec_steps_chained = 0
         self.num_spec_steps_from_committed = 0  # a batch's first steps run as the chained step's body
-        self.graph_bytes: dict[str, int] = {}  # what the warm-up's captures added to the reserved memory, by kind
+        self.graph_bytes: dict[str, int] = {}  # what each kind of graph's memory pool holds after warm-up
         use_async = config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if use_async is None else use_async
         # The draft-length policy decides from measured wall times, which differ between processes: the
@@ -151,28 +151,22 @@ class Engine:
         then run short requests end to end, greedy and sampled (each Triton kernel variant prefill,
         decode, the drafter and sampling use, the eager draft path). Counters and the draft-length
         policy start afresh afterwards, so no request and no policy estimate pays for a capture or
-        a compilation. Returns what it did; `graph_bytes` keeps the memory each kind of graph holds."""
+        a compilation. Returns what it did; `graph_bytes` keeps what each kind of graph's memory pool holds."""
         if self.device.type != "cuda" or not self.runner.use_graphs:
             return {"graphs": 0, "seconds": 0.0}
         t0 = time.perf_counter()
         captured = CAPTURES[0]
         top = bucket(self.config.max_num_seqs, BATCH_BUCKETS) or self.config.max_num_seqs
         sizes = [b for b in BATCH_BUCKETS if b <= top]
-        reserved = torch.cuda.memory_reserved(self.device)
-
-        def held_by(kind: str) -> None:  # what a kind of graph holds: its pool, its static buffers
-            nonlocal reserved
-            self.graph_bytes[kind] = torch.cuda.memory_reserved(self.device) - reserved
-            reserved += self.graph_bytes[kind]
-
         self.runner.capture_all(sizes, tapped=self.proposer is not None, untapped=True)
-        held_by("target")
+        pools = {"target": self.runner.pool}
         if self.proposer is not None and self.proposer.graphs.use_graphs:
             self.proposer.graphs.capture_all(sizes)
-            held_by("draft")
+            pools["draft"] = self.proposer.graphs.pool
             if self.async_scheduling and self.proposer.chains:
                 self.proposer.capture_steps(sizes, self.policy.candidates[1:])
-                held_by("step")
+                pools["step"] = self.proposer.steps.pool
+        self.graph_bytes = {kind: pool_bytes(pool) for kind, pool in pools.items()}
         prompt_len = min(40, self.config.max_model_len - 10)
         for params in (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                        SamplingParams(temperature=1.0, seed=0, max_tokens=8, ignore_eos=True)):  # sampling kernels

@@ -81,6 +81,14 @@ def capture(fn: Callable[[], T], pool: object) -> tuple["torch.cuda.CUDAGraph", 
     return graph, out
 
 
+def pool_bytes(pool: object | None) -> int:
+    """What the caching allocator holds in a graph memory pool (its segments; 0 before a capture).
+    Read from the pool itself, not from the reservation's growth, which other engines' frees blur."""
+    if pool is None:
+        return 0
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == tuple(pool))
+
+
 @dataclass
 class CapturedForward:
     graph: "torch.cuda.CUDAGraph"
@@ -125,7 +133,7 @@ class ModelRunner:
         self.context_sink = context_sink
         # (hidden [N, H], taps [N, F]) that every prefill graph writes
         self._prefill_out: tuple[Tensor, Tensor] | None = None
-        self._pool = None
+        self.pool = None  # the memory pool every graph of this model shares (made at its first capture)
 
     def forward(
         self, runs: Sequence[Sequence[int]], starts: Sequence[int], slots: Sequence[int], with_taps: bool = False,
@@ -273,9 +281,9 @@ class ModelRunner:
                     features = shared[1][: b * q].view(b, q, -1).copy_(features)
             return hidden, features
 
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph, (hidden, features) = capture(run, self._pool)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph, (hidden, features) = capture(run, self.pool)
         cap = CapturedForward(graph, ids, control, hidden, features)
         self.graphs[key] = cap
         return cap

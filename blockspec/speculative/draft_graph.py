@@ -61,7 +61,7 @@ class DraftGraphs:
         self.widths = sorted({num_drafts, 1 << (max(num_drafts - 1, 1).bit_length() - 1)})  # head widths
         self.graphs: dict[tuple[int, int, int], CapturedDraft] = {}  # (batch bucket, key extent, head width)
         self.appends: dict[int, CapturedAppend] = {}
-        self._pool = None
+        self.pool = None
 
     @property
     def whole_cache(self) -> bool:
@@ -155,20 +155,20 @@ class DraftGraphs:
     def _new_control(self, rows: int, b: int) -> Tensor:
         control = torch.zeros(rows, b, dtype=torch.int64, device=self.pending.device)
         control[0] = self.cache.scratch_slot  # warm-up and capture write only the scratch slot
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         return control
 
     def _capture(self, b: int, kv: int, width: int) -> CapturedDraft:
         control = self._new_control(4, b)
-        graph, (tokens, conf) = capture(lambda: self._step(control, kv, width), self._pool)
+        graph, (tokens, conf) = capture(lambda: self._step(control, kv, width), self.pool)
         cap = CapturedDraft(graph, control, tokens, conf)
         self.graphs[(b, kv, width)] = cap
         return cap
 
     def _capture_append(self, b: int) -> CapturedAppend:
         control = self._new_control(3, b)
-        graph, _ = capture(lambda: self._append(control), self._pool)
+        graph, _ = capture(lambda: self._append(control), self.pool)
         cap = CapturedAppend(graph, control)
         self.appends[b] = cap
         return cap

@@ -55,7 +55,7 @@ class StepGraphs:
         self.io: dict[int, StepIO] = {}
         self.graphs: dict[tuple[int, int, int], CapturedStep] = {}
         self.replays = 0
-        self._pool = None
+        self.pool = None
 
     def run(self, body: StepBody, rows: list[list[int]], result: Tensor, taps: Tensor, k: int,
             kv_len: int) -> tuple[Tensor, Tensor]:
@@ -109,8 +109,8 @@ class StepGraphs:
             io.taps[:, : k + 1].copy_(taps)
             return block
 
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph, block = capture(step, self._pool)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph, block = capture(step, self.pool)
         self.graphs[key] = CapturedStep(graph, block)
         return self.graphs[key]
