@@ -643,6 +643,30 @@ def test_policy_prices_a_step_from_the_end_of_the_one_before(target):
     # the first decode step follows the prefill, whose end prices nothing; every later one holds the gap
     assert seen[0][1] < gap and all(seconds >= gap for _, seconds in seen[1:]), seen
 
+def test_the_time_split_holds_steps_not_the_idle_time_between_requests(target):
+    """The last step of sampled requests launches a draft ahead for a next step that never comes; its
+    open marks must not span the idle time until the next request's first step (they did: seconds of
+    "draft" a bench pass on the GPU, more than the pass took). Every interval of the split lies inside
+    a generate() call."""
+    llm = spec_llm(target, "dflash", "dflash", num_speculative_tokens=3)
+    engine = llm.engine
+    engine.async_scheduling = True
+    engine.policy.choose = lambda batch: 3
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)
+
+    def generate() -> float:
+        t0 = clock.perf_counter()
+        llm.generate(prompts(2, seed=5), params, use_tqdm=False)
+        return clock.perf_counter() - t0
+
+    busy = generate()
+    first = sum(engine.timer.totals.values())
+    idle = 3 * busy + 0.5  # longer than the next call's work
+    clock.sleep(idle)
+    busy = generate()
+    assert 0 < sum(engine.timer.totals.values()) - first <= busy
+
+
 @pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
 def test_pipelined_plain_steps_between_speculative_ones_keep_output_exact(target, plain, method, fixture):
     """Plain steps launched ahead of their predecessor's commit (asynchronous scheduling, on by

@@ -281,6 +281,8 @@ class Engine:
         if decoding:
             touched += self._decode(decoding)
         self.pipeline.step_end = time.perf_counter() if decoding else None
+        if not self.scheduler.has_unfinished():  # idle: marks a draft launched ahead for requests that
+            self.timer.discard()  # have just finished opened would span the gap to the next request's step
         self.num_steps += 1
         return touched
 
