@@ -8,6 +8,7 @@ inside accepted blocks and bonus tokens are exercised too.
 from __future__ import annotations
 
 import gc
+import itertools
 import time as clock
 from pathlib import Path
 
@@ -605,9 +606,9 @@ def test_policy_prices_steps_by_wall_time_with_host_work(target):
     observe = engine.policy.observe_time
     before = [0]
 
-    def watch(batch, k, seconds):
+    def watch(batch, k, seconds, refill=False):
         seen.append((k, seconds, engine.num_generated - before[0]))
-        observe(batch, k, seconds)
+        observe(batch, k, seconds, refill)
 
     engine.policy.observe_time = watch
     engine.add_request("r", None, prompts(1, seed=4)[0]["prompt_token_ids"],
@@ -631,7 +632,8 @@ def test_policy_prices_a_step_from_the_end_of_the_one_before(target):
     engine.policy.choose = lambda batch: next(plan)
     seen: list[tuple[int, float]] = []
     observe = engine.policy.observe_time
-    engine.policy.observe_time = lambda batch, k, seconds: (seen.append((k, seconds)), observe(batch, k, seconds))
+    engine.policy.observe_time = lambda batch, k, seconds, refill=False: (seen.append((k, seconds)),
+                                                                          observe(batch, k, seconds, refill))
     gap = 0.1  # the caller's work between steps: several times a step of this model
     engine.add_request("r", None, prompts(1, seed=4)[0]["prompt_token_ids"],
                        SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True))
@@ -927,22 +929,26 @@ def test_pipelined_steps_are_priced_one_step_each_across_switches(target):
             clock.sleep(delay)
             return real(*args, **kw)
         setattr(engine, name, slow)
-    seen: list[tuple[int, float]] = []
+    seen: list[tuple[int, float, bool]] = []
     observe = engine.policy.observe_time
-    engine.policy.observe_time = lambda batch, k, seconds: (seen.append((k, seconds)), observe(batch, k, seconds))
+    engine.policy.observe_time = lambda batch, k, seconds, refill=False: (seen.append((k, seconds, refill)),
+                                                                          observe(batch, k, seconds, refill))
     gc.disable()  # after a long test session a full collection can take a good part of a delay
     try:
         llm.generate(prompts(1, seed=5), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
                      use_tqdm=False)
     finally:
         gc.enable()
-    plain = [s for k, s in seen if k == 0]
-    spec = [s for k, s in seen if k == 3]
+    plain = [s for k, s, _ in seen if k == 0]
+    spec = [s for k, s, _ in seen if k == 3]
     assert len(plain) >= 5 and len(spec) >= 5
     # a lone plain step between speculative ones is priced too (from the speculative commit before
     # it): per cycle of the plan the samples run 3 3 | 0 (lone) | 3 | 0 (run), so a single
     # speculative sample sits between two plain ones; without the lone sample it never does
-    ks = [k for k, _ in seen]
+    ks = [k for k, _, _ in seen]
+    # the speculative step after a plain one refills the pipeline (its excess is the plain step's price)
+    # and says so; a pipelined one does not
+    assert [r for _, _, r in seen[1:]] == [a == 0 and b == 3 for a, b in itertools.pairwise(ks)], seen
     assert any(ks[i - 1:i + 2] == [0, 3, 0] for i in range(1, len(ks) - 1)), ks
     assert all(delay <= s < 1.9 * delay for s in plain), plain  # two launches: 2 delays
     assert all(s >= delay for s in spec), spec

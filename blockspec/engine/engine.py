@@ -465,7 +465,7 @@ class Engine:
         if k:
             t0 = time.perf_counter() if start is None else start
             touched += self._finish_spec(self._launch_spec(spec, k, after=self._from_committed(spec)))
-            self._observe_time(len(spec), k, time.perf_counter() - t0)
+            self._observe_time(len(spec), k, time.perf_counter() - t0, refill=self.async_scheduling)
             self.pipeline.last_commit = ("spec", time.perf_counter())
         if plain:
             t0 = time.perf_counter() if start is None else start
@@ -483,10 +483,11 @@ class Engine:
             return chosen[1]
         return self.agree(self.policy.choose(batch))
 
-    def _observe_time(self, batch: int, k: int, seconds: float) -> None:
-        """Feed the policy a step time, unless the step paid a one-off cost (a graph capture)."""
+    def _observe_time(self, batch: int, k: int, seconds: float, refill: bool = False) -> None:
+        """Feed the policy a step time, unless the step paid a one-off cost (a graph capture). `refill`:
+        a step run start to finish where steps are pipelined (see `DraftLengthPolicy.observe_time`)."""
         if not self.timer.step_captured:
-            self.policy.observe_time(batch, k, seconds)
+            self.policy.observe_time(batch, k, seconds, refill)
 
     # ---------------------------------------------------------------- plain steps
     def _pipelines(self, reqs: list[Request], ahead: int) -> bool:

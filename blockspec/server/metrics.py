@@ -85,7 +85,7 @@ class ServerMetrics:
         self.policy_steps = own(Counter, "spec_decode_policy_steps",
                                 "Decode steps by the number of drafts the policy chose (0 = plain).", ("draft_length",))
         self.policy_step_seconds = own(Gauge, "spec_decode_policy_step_seconds",
-                                       "The policy's measured step time (minimum of recent samples).",
+                                       "The policy's measured step time (lower median of recent samples).",
                                        ("batch_bucket", "draft_length"))
         self.policy_expected_tokens = own(Gauge, "spec_decode_policy_expected_tokens",
                                           "Tokens per request and step the policy expects of each draft length.",

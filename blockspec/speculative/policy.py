@@ -3,7 +3,8 @@
 Expected tokens per step with K drafts is 1 + sum_{k<=K} P(first k drafts accepted); its cost is the
 measured time of a step with K drafts at this batch size (K = 0 is the plain step). The policy picks
 the K with the most tokens per second. Acceptance is counted per position from recent steps and step
-times are measured. An unmeasured K is scored at the least it can cost (the time of a shorter measured
+times are measured (the typical of recent steps; where steps are pipelined, the refill after a plain
+step is that plain step's price). An unmeasured K is scored at the least it can cost (the time of a shorter measured
 K) and at the most acceptance its trials so far allow, and tried only if even then it would be best, so
 drafts that cannot pay are never timed. Measured candidates are re-tried now and then, so the choice follows the workload: the worse a candidate
 scored, and the more re-tries in a row found it still losing, the rarer. The choice is made before
@@ -44,7 +45,7 @@ UNTIMED_PLAIN_PARKS = 32  # choices at a bucket whose plain step has no time yet
 @dataclass
 class PolicyView:
     """What the policy has chosen and believes, for metrics: how many steps took each K, the measured
-    step seconds per (batch bucket, K) (the minimum of recent samples), the expected tokens per
+    step seconds per (batch bucket, K) (the lower median of recent samples), the expected tokens per
     request and step of each K from the acceptance seen, the batch buckets parked now, and how many
     requests joined a parked batch (and so never fed the drafter)."""
 
@@ -62,6 +63,14 @@ def conditional_rates(prefix: Sequence[float]) -> list[float]:
         rates.append(min(1.0, p / before) if before > 0 else 0.0)
         before = p
     return rates
+
+
+def typical(samples: Sequence[float]) -> float:
+    """The lower median of recent step times: what a step costs. Not their minimum: a step is priced
+    commit to commit, so host work that delays one commit (a finishing request's bookkeeping, the
+    garbage collector) lengthens that interval and shortens the next, and the minimum of a window
+    takes the shortened one. A one-off cost (a slow first call) is outvoted from the third sample on."""
+    return sorted(samples)[(len(samples) - 1) // 2]
 
 
 def batch_bucket(batch: int) -> int:
@@ -82,13 +91,13 @@ class DraftLengthPolicy:
         self.offered = [0.0] * k_max  # decayed count of steps that drafted at least k+1 tokens
         self.reached = [0.0] * k_max  # ... and had the first k accepted: the trials of draft k+1's rate
         self.accepted = [0.0] * k_max  # ... and had the first k+1 accepted
-        # (batch bucket, K) -> recent step seconds; estimates use the minimum, since interference (a slow
-        # first call, a noisy neighbour, the garbage collector) only ever adds time
+        # (batch bucket, K) -> recent step seconds; estimates take their lower median (`typical`)
         self.samples: dict[tuple[int, int], deque[float]] = {}
         self.last_tried: dict[tuple[int, int], int] = {}
         # (batch bucket, K) -> re-tries in a row that found K still losing; each doubles K's interval
         self.confirmed_losses: dict[tuple[int, int], int] = {}
         self._retried: tuple[int, int] | None = None  # the re-try of the previous choose(), if any
+        self._last_timed: tuple[int, int] | None = None  # the (batch bucket, K) of the last step timed
         # (bucket, K, last step) of a choice that stands until a re-try is due or an observation could
         # change it: choose() then costs a few operations, not a re-scoring (it runs every step)
         self._settled: tuple[int, int, float] | None = None
@@ -113,15 +122,24 @@ class DraftLengthPolicy:
                 self.accepted[i] += i < a
         self._settled = None
 
-    def observe_time(self, batch: int, k: int, seconds: float) -> None:
+    def observe_time(self, batch: int, k: int, seconds: float, refill: bool = False) -> None:
         """A step's time. A new sample of the settled choice that does not raise its estimate leaves it
         standing: it only makes that K score better (other candidates' borrowed estimates scale with
-        it), and the re-try intervals only grow with the best score."""
+        it), and the re-try intervals only grow with the best score. `refill`: the step restarted a
+        pipeline of steps (launched from committed state, the host's work not hidden behind the device's)."""
         key = (batch_bucket(batch), self._candidate(k))
+        after, self._last_timed = self._last_timed, key
         window = self.samples.setdefault(key, deque(maxlen=5))
-        before = min(window) if len(window) >= 2 else None
+        before = typical(window) if len(window) >= 2 else None
+        plain = self.samples.get((key[0], 0))
+        if refill and k and after == (key[0], 0) and before is not None and seconds > before and plain:
+            # what a speculative step that refills the pipeline after a plain one costs over its usual is
+            # the plain step's price (a re-try of the plain path costs its own step and this refill)
+            plain[-1] += seconds - before
+            seconds = before
+            self._settled = None
         window.append(seconds)
-        if self._settled is not None and (key != self._settled[:2] or before is None or min(window) > before):
+        if self._settled is not None and (key != self._settled[:2] or before is None or typical(window) > before):
             self._settled = None
 
     # ---------------------------------------------------------------- decision
@@ -185,7 +203,7 @@ class DraftLengthPolicy:
 
     def view(self) -> PolicyView:
         prefix = self.prefix_acceptance()
-        return PolicyView(dict(self.chosen), {key: min(w) for key, w in self.samples.items() if w},
+        return PolicyView(dict(self.chosen), {key: typical(w) for key, w in self.samples.items() if w},
                           {k: self.expected_tokens(k, prefix) for k in self.candidates},
                           sorted(b for b, left in self.park_left.items() if left > 0), self.parked_joins)
 
@@ -285,7 +303,7 @@ class DraftLengthPolicy:
         a new batch size needs only its plain step measured before it can speculate."""
         own = self.samples.get((bucket, k), ())
         if len(own) >= 2:
-            return min(own)
+            return typical(own)
         plain = self.samples.get((bucket, 0), ())
         if k == 0 or len(plain) < 2:
             return None
@@ -294,7 +312,7 @@ class DraftLengthPolicy:
         if not others:
             return None
         near = min(others, key=lambda b: abs(math.log2(b) - math.log2(bucket)))
-        return min(plain) * min(self.samples[(near, k)]) / min(self.samples[(near, 0)])
+        return typical(plain) * typical(self.samples[(near, k)]) / typical(self.samples[(near, 0)])
 
     @staticmethod
     def _optimistic_costs(measured: dict[int, float | None]) -> dict[int, float]:
