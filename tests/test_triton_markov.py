@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.bench.arch import ARCHS, random_drafter
-from blockspec.kernels.markov import BLOCK_V, markov_greedy
+from blockspec.kernels.markov import BLOCK_V, MAX_ROWS, markov_greedy
 from factories import TRITON_SKIP_REASON, compile_for_sm90, triton_interpretable
 
 pytestmark = pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
@@ -76,13 +76,14 @@ def test_ties_go_to_the_lowest_id_across_blocks():
     assert got.tolist() == [[BLOCK_V + 5] * 2] * 2
 
 
-def test_the_drafter_takes_the_kernel_and_drafts_as_its_reference(monkeypatch):
+@pytest.mark.parametrize("r", [1, MAX_ROWS, MAX_ROWS + 1])
+def test_the_drafter_takes_the_kernel_and_drafts_as_its_reference(monkeypatch, r):
     """`DSparkDraft.draft_greedy` with kernels on (interpreted without a GPU) returns what its reference
-    loop returns on the same logits, confidences included."""
+    loop returns on the same logits, confidences included; past MAX_ROWS rows it keeps the reference."""
     arch = ARCHS["tiny"]
     drafter = random_drafter(arch.dspark(), DEVICE, torch.float32, arch.init_std, 5, arch.dspark_heads)
     g = torch.Generator().manual_seed(4)
-    r, k, h = 3, drafter.config.block_size, drafter.config.hidden_size
+    k, h = drafter.config.block_size, drafter.config.hidden_size
     base = (torch.randn(r, k, drafter.config.vocab_size, generator=g) * 2).to(DEVICE)
     hidden = torch.randn(r, k, h, generator=g).to(DEVICE)
     anchors = torch.randint(0, drafter.config.vocab_size, (r,), generator=g).to(DEVICE)
@@ -98,7 +99,7 @@ def test_the_drafter_takes_the_kernel_and_drafts_as_its_reference(monkeypatch):
     monkeypatch.setattr(dspark, "use_kernels", lambda *tensors: True)
     monkeypatch.setattr(dspark, "markov_greedy", spy)
     got = drafter.draft_greedy(base, hidden, anchors)
-    assert len(calls) == 1 and torch.equal(got[0], want[0])
+    assert len(calls) == (r <= MAX_ROWS) and torch.equal(got[0], want[0])
     assert (got[1] is None) == (want[1] is None) and (got[1] is None or torch.equal(got[1], want[1]))
 
 

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from blockspec.config import ConfigError, ModelConfig
 from blockspec.drafters.backbone import DraftModel
 from blockspec.drafters.config import DrafterConfig, DSparkHeads
-from blockspec.kernels.markov import markov_greedy
+from blockspec.kernels.markov import MAX_ROWS as MARKOV_KERNEL_ROWS, markov_greedy
 from blockspec.kernels.ops import use_kernels
 from blockspec.sample import RowParams, sample_draft
 
@@ -256,8 +256,8 @@ class DSparkDraft(DraftModel):
         tokens = []
         use_topk = self.markov_head is not None and 0 < top_k < v
         head = self.markov_head
-        if head is not None and head.head_type == "vanilla" and not use_topk and use_kernels(
-                base_logits, head.markov_w1.weight, head.markov_w2.weight):  # one launch a position
+        kernel = head is not None and head.head_type == "vanilla" and not use_topk and r <= MARKOV_KERNEL_ROWS
+        if kernel and use_kernels(base_logits, head.markov_w1.weight, head.markov_w2.weight):  # a launch a position
             d2t = self.d2t if self.use_own_head else None
             toks = markov_greedy(base_logits.float(), head.markov_w1.weight, head.markov_w2.weight, prev, d2t,
                                  self.config.logit_scale)
