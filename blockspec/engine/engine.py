@@ -465,7 +465,9 @@ class Engine:
         if k:
             t0 = time.perf_counter() if start is None else start
             touched += self._finish_spec(self._launch_spec(spec, k, after=self._from_committed(spec)))
-            self._observe_time(len(spec), k, time.perf_counter() - t0, refill=self.async_scheduling)
+            # after a decode step (not a prefill) this step refills a pipeline the steps before ran
+            refill = self.async_scheduling and start is not None
+            self._observe_time(len(spec), k, time.perf_counter() - t0, refill=refill)
             self.pipeline.last_commit = ("spec", time.perf_counter())
         if plain:
             t0 = time.perf_counter() if start is None else start
