@@ -187,6 +187,12 @@ class Engine:
         if self.proposer is not None:
             self.proposer.ahead = None
 
+    def _drop_launches_if_idle(self) -> None:
+        """With no request left, what was launched ahead for the last ones is dropped: no step of theirs
+        will take it, and its open timer marks would span the idle time until the next request's step."""
+        if not self.scheduler.has_unfinished():
+            self._drop_launches()
+
     def _reset_counters(self) -> None:
         self._drop_launches()  # warm-up requests are all finished: whatever is in flight is discarded
         self.spec_totals = SpecStats()
@@ -245,6 +251,7 @@ class Engine:
         with that message."""
         for req in self.scheduler.find(request_id):
             self._finish(req, "abort" if error is None else "error", error=error)
+        self._drop_launches_if_idle()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -281,8 +288,7 @@ class Engine:
         if decoding:
             touched += self._decode(decoding)
         self.pipeline.step_end = time.perf_counter() if decoding else None
-        if not self.scheduler.has_unfinished():  # idle: marks a draft launched ahead for requests that
-            self.timer.discard()  # have just finished opened would span the gap to the next request's step
+        self._drop_launches_if_idle()
         self.num_steps += 1
         return touched
 
@@ -748,7 +754,9 @@ class Engine:
 
         nxt = [r for r in self.scheduler.running if r.num_cached >= r.prefill_len
                and self._has_room(r, pending(r)[0])]  # the next step's decode set
-        whole = bool(nxt) and not needs_processing(nxt) and len(self._speculating(nxt)) == len(nxt)
+        if not nxt:  # every request this step verified ends with it: no step would take a draft
+            return
+        whole = not needs_processing(nxt) and len(self._speculating(nxt)) == len(nxt)
         reqs = nxt if whole else verified
         steps = [pending(r) for r in reqs]
         tokens = [t for _, t in steps]
