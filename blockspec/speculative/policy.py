@@ -4,12 +4,12 @@ Expected tokens per step with K drafts is 1 + sum_{k<=K} P(first k drafts accept
 measured time of a step with K drafts at this batch size (K = 0 is the plain step). The policy picks
 the K with the most tokens per second. Acceptance is counted per position from recent steps and step
 times are measured (the typical of recent steps; where steps are pipelined, the refill after a plain
-step is that plain step's price). An unmeasured K is scored at the least it can cost (the time of a shorter measured
-K) and at the most acceptance its trials so far allow, and tried only if even then it would be best, so
-drafts that cannot pay are never timed. Measured candidates are re-tried now and then, so the choice follows the workload: the worse a candidate
-scored, and the more re-tries in a row found it still losing, the rarer. The choice is made before
-drafting and never looks at the drafts, so it cannot affect what is emitted: exactness does not
-depend on it.
+step is that plain step's price). An unmeasured K is scored at the least it can cost (the time of a
+shorter measured K) and at the most acceptance its trials so far allow, and tried only if even then it
+would be best, so drafts that cannot pay are never timed. Measured candidates are re-tried now and
+then, so the choice follows the workload: the worse a candidate scored, and the more re-tries in a row
+found it still losing, the rarer. The choice is made before drafting and never looks at the drafts,
+so it cannot affect what is emitted: exactness does not depend on it.
 
 Choosing K = 0 is not all of the plain path: a request that may draft still feeds the drafter (its
 prompt's context at prefill, the taps of every step): launches on a GPU, compute on a CPU, paid whether
