@@ -570,6 +570,38 @@ def test_k_sweep_refuses_what_it_cannot_check():
             run_bench(BenchConfig(**TINY_RUN, **given))
 
 
+def test_trace_policy_writes_what_each_speculative_policy_saw_and_chose(tmp_path):
+    """--trace-policy: one trace per speculative engine of the point (the fixed-K sweep's too), over the timed
+    passes only (at least a choice per timed decode step; on the CPU each step's time right after its
+    choice, at the same batch and K), written to policy_trace.json and kept out of bench.json; refused
+    without a speculative method."""
+    cfg = BenchConfig(**{**TINY_RUN, "speculative_config": {}, "repeats": 2}, batch_sizes=(2,), output_len=12,
+                      synthetic_acceptance="6.5", k_sweep=(2,), trace_policy=True)
+    res = run_bench(cfg)
+    traces = res["policy_traces"]
+    assert [(t["method"], t["fixed_k"], t["batch"], t["temperature"]) for t in traces] == [
+        ("dflash", None, 2, 0.0), ("dspark", None, 2, 0.0), ("dflash", 2, 2, 0.0), ("dspark", 2, 2, 0.0)]
+    for t in traces:
+        kinds = [e[0] for e in t["events"]]
+        choices = [e[2] for e in t["events"] if e[0] == "choice"]
+        steps = sum(v["steps"] for r in res["runs"] + [f for p in res["k_sweep"]["points"] for f in p["fixed"]]
+                    if r["method"] == t["method"] and r.get("fixed_k") == t["fixed_k"]
+                    for v in r["steps_by_draft_length"].values())
+        assert len(choices) >= steps > 0 and "acceptance" in kinds
+        if t["fixed_k"] is not None:
+            assert set(choices) == {t["fixed_k"]}
+        steps_seen = [e for e in t["events"] if e[0] != "acceptance"]
+        assert all(before[0] == "choice" and before[1:3] == e[1:3]
+                   for before, e in zip(steps_seen, steps_seen[1:]) if e[0] == "time")
+    paths = write_outputs(res, tmp_path, plots=False)
+    assert json.loads(paths["policy_trace"].read_text()) == json.loads(json.dumps(traces))
+    assert "policy_traces" not in json.loads(paths["json"].read_text()) and "policy_traces" in res
+    plain = run_bench(BenchConfig(**TINY_RUN, batch_sizes=(2,), output_len=4, methods=("plain", "dflash")))
+    assert "policy_traces" not in plain and "policy_trace" not in write_outputs(plain, tmp_path / "b", plots=False)
+    with pytest.raises(ConfigError, match="none is selected"):
+        run_bench(BenchConfig(**TINY_RUN, methods=("plain",), trace_policy=True))
+
+
 # ------------------------------------------------------------------------------------------- real checkpoints
 def test_real_checkpoints_and_prompt_files(tmp_path):
     fixtures = Path(__file__).parent / "fixtures" / "drafters"

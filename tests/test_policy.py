@@ -454,3 +454,18 @@ def test_the_step_after_a_plain_re_try_charges_its_refill_to_the_plain_path():
     # a refill after a step of another speculative K is that K's own
     policy.observe_time(16, 8, 9e-3), policy.observe_time(16, 8, 9e-3), policy.observe_time(16, 15, 12e-3, refill=True)
     assert abs(policy.estimate(16, 8) - 9e-3) < 1e-9 and policy.samples[(16, 15)][-1] == 12e-3
+
+
+def test_the_trace_records_every_observation_and_choice_in_order():
+    """`trace`, when a list, holds what the policy saw and chose, in order (the bench's --trace-policy)."""
+    policy = DraftLengthPolicy(4)
+    policy.trace = []
+    k = policy.choose(2)
+    policy.observe_time(2, k, 0.01)
+    policy.observe_acceptance([4, 4], [1, 3])
+    policy.observe_time(2, 4, 0.02, refill=True)
+    assert policy.trace == [("choice", 2, k), ("time", 2, k, 0.01, False), ("acceptance", [4, 4], [1, 3]),
+                            ("time", 2, 4, 0.02, True)]
+    untraced = DraftLengthPolicy(4)
+    untraced.choose(2), untraced.observe_time(2, 0, 0.01)
+    assert untraced.trace is None

@@ -20,7 +20,8 @@ concurrent requests; `long-context` 8192- and 32768-token prompts and 256 output
 
 With `k_sweep` (`--k-sweep 2,4,8,15`) every speculative method also runs at each fixed draft length K in
 the same interleaved rounds, and the report checks the draft-length policy against the best fixed K
-(`ksweep`).
+(`ksweep`). With `trace_policy` (`--trace-policy`) each speculative engine's policy records what it saw
+and chose over the timed passes (policy_trace.json): where its estimates come from, step by step.
 
 With `synthetic_acceptance` the speculative runs use SyntheticProposer (real draft and verify
 forwards, drawn acceptance): their tokens are not the target's, and the report says so everywhere.
@@ -133,6 +134,7 @@ class BenchConfig:
     waves: int = 1  # requests per point = batch x waves (finished slots are refilled: continuous batching)
     repeats: int | None = None
     k_sweep: tuple[int, ...] = ()  # fixed draft lengths each speculative method also runs at (ksweep)
+    trace_policy: bool = False  # record each speculative engine's draft-length policy over the timed passes
     num_speculative_tokens: int | None = None
     speculative_config: dict[str, Any] = field(default_factory=dict)  # extra SpeculativeConfig fields
     synthetic_acceptance: str | None = None
@@ -236,6 +238,7 @@ class BenchConfig:
                 raise ConfigError("--synthetic-acceptance applies to speculative methods (dflash, dspark); "
                                   "none is selected")
         self._validate_k_sweep()
+        self._validate_trace()
         bad = sorted(set(self.peers) - set(PEERS))
         if bad:
             raise ConfigError(f"peers {bad} unknown; allowed: {', '.join(PEERS)}")
@@ -258,6 +261,11 @@ class BenchConfig:
         if self.speculative_config.get("adaptive_draft_length") is False:
             raise ConfigError("--k-sweep checks the adaptive draft-length policy against fixed draft lengths: leave "
                               "adaptive_draft_length on")
+
+    def _validate_trace(self) -> None:
+        if self.trace_policy and self.selected_methods() == ("plain",):
+            raise ConfigError("--trace-policy records the draft-length policy of speculative methods (dflash, "
+                              "dspark); none is selected")
 
     def _validate_ranks(self) -> None:
         """The tensor-parallel options: shapes that split, no FP8 weights, no more ranks than GPUs, no peers
@@ -576,15 +584,19 @@ def drive(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
 
 
 def measure_point(engines: dict[Hashable, Engine], prompts: list[list[int]], params: list[SamplingParams],
-                  repeats: int, held: dict[Hashable, float]
+                  repeats: int, held: dict[Hashable, float], trace: bool = False
                   ) -> dict[Hashable, tuple[dict[str, Any], list[list[int]]]]:
     """Each engine's warm-up pass, then `repeats` rounds of one timed pass per engine (a method, or a
     method at a fixed draft length), interleaved, the order rotated each round (see the module docstring).
     `held`: GB each engine holds besides its passes (weights, KV caches). Returns each engine's run record,
-    with its per-round figures under "rounds", and the output tokens of its last pass."""
+    with its per-round figures under "rounds", and the output tokens of its last pass; with `trace`, a
+    speculative engine's record holds what its draft-length policy saw and chose in the timed passes
+    under "policy_trace" (`DraftLengthPolicy.trace`)."""
     device = next(iter(engines.values())).device
     for engine in engines.values():
         drive(engine, prompts, params)  # CUDA graphs captured, kernels compiled, the draft policy primed
+        if trace and engine.proposer is not None:
+            engine.policy.trace = []
     before = {key: dict(e.timer.totals) for key, e in engines.items()}
     passes: dict[Hashable, list[Pass]] = {key: [] for key in engines}
     transient = dict.fromkeys(engines, 0)
@@ -599,6 +611,8 @@ def measure_point(engines: dict[Hashable, Engine], prompts: list[list[int]], par
     for key, engine in engines.items():
         run = summarize(engine, passes[key], prompts, before[key])
         run["memory_gb_total"] = held[key] + transient[key] / 1e9
+        if trace and engine.proposer is not None:
+            run["policy_trace"], engine.policy.trace = engine.policy.trace, None
         out[key] = (run, passes[key][-1].outputs)
     return out
 
@@ -752,6 +766,7 @@ def measure_sweep(cfg: BenchConfig, device: torch.device, log: Callable[[str], N
     keys = [(m, None) for m in methods] + [(m, k) for m, c in capacities.items() for k in clip(cfg.k_sweep, c)]
     runs: list[dict[str, Any]] = []
     sweep: list[dict[str, Any]] = []
+    traces: list[dict[str, Any]] = []
     plain_outputs: dict[Point, list[list[int]]] = {}
     last_outputs: dict[RunKey, list[list[int]]] = {}
     for input_len, prompts in setup.prompts.items():
@@ -771,11 +786,14 @@ def measure_sweep(cfg: BenchConfig, device: torch.device, log: Callable[[str], N
             for temp in cfg.temperatures:
                 params = [SamplingParams(temperature=temp, top_p=1.0, top_k=0, max_tokens=cfg.output_len,
                                          ignore_eos=True, seed=cfg.seed + i) for i in range(n)]
-                measured = measure_point(engines, prompts[:n], params, cfg.repeats, held)
+                measured = measure_point(engines, prompts[:n], params, cfg.repeats, held, cfg.trace_policy)
                 at = (input_len, batch, temp)
                 policy: dict[str, dict[str, Any]] = {}
                 fixed: dict[str, list[dict[str, Any]]] = {}
                 for (method, k), (run, outputs) in measured.items():
+                    if "policy_trace" in run:
+                        traces.append({"method": method, "fixed_k": k, "input_len": input_len, "batch": batch,
+                                       "temperature": temp, "events": run.pop("policy_trace")})
                     run = {"method": method, "input_len": input_len, "batch": batch, "temperature": temp,
                            "synthetic": cfg.synthetic and method != "plain", "output_len": cfg.output_len, **run,
                            "memory_gb": memory[(method, k)]}
@@ -805,6 +823,8 @@ def measure_sweep(cfg: BenchConfig, device: torch.device, log: Callable[[str], N
     result["checks"] = checks(result)
     if capacities:
         result["k_sweep"] = sweep_report(cfg.k_sweep, capacities, sweep)
+    if cfg.trace_policy:
+        result["policy_traces"] = traces
     return result, last_outputs
 
 
@@ -1145,10 +1165,15 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def write_outputs(result: dict[str, Any], out_dir: str | Path, plots: bool = True) -> dict[str, Path]:
-    """bench.json, bench.md and (with matplotlib) the PNG plots; returns their paths."""
+    """bench.json, bench.md, policy_trace.json (with --trace-policy) and (with matplotlib) the PNG plots;
+    returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "bench.json", "markdown": out / "bench.md"}
+    if "policy_traces" in result:
+        result = dict(result)
+        paths["policy_trace"] = out / "policy_trace.json"
+        paths["policy_trace"].write_text(json.dumps(result.pop("policy_traces")) + "\n")
     paths["json"].write_text(json.dumps(result, indent=1) + "\n")
     paths["markdown"].write_text(markdown(result))
     if plots:
@@ -1259,6 +1284,10 @@ def add_bench_parser(sub: Any) -> None:
                         "interleaved rounds; the report gives each K's output and decode tok/s, the best K, and "
                         "the policy's decode tok/s over the best K's ('within 5 %%' or 'misses by X %%'); a K above "
                         "a drafter's block runs as the block's size (default: no sweep)")
+    s.add_argument("--trace-policy", action="store_true",
+                   help="record what each speculative engine's draft-length policy saw and chose over the timed "
+                        "passes (every step time with its batch and K, every acceptance, every choice) in "
+                        "policy_trace.json beside bench.json")
     s.add_argument("--speculative-config", type=json.loads, default={},
                    help="extra speculative_config fields as JSON, e.g. '{\"max_batch_for_speculation\": 16}'")
     s.add_argument("--synthetic-acceptance", default=None, metavar="PROFILE",

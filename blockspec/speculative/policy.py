@@ -108,9 +108,14 @@ class DraftLengthPolicy:
         self.park_rounds: dict[int, int] = {}  # batch bucket -> parks in a row (each doubles the next)
         self.parked_joins = 0  # requests told not to feed the drafter
         self.untimed_plain: Counter[int] = Counter()  # bucket -> choices made there before plain had a time
+        # a list to record what the policy saw and chose, in order: ("time", batch, K, seconds, refill),
+        # ("acceptance", draft lengths, accepted counts), ("choice", batch, K) (`blockspec bench --trace-policy`)
+        self.trace: list[tuple] | None = None
 
     # ---------------------------------------------------------------- observations
     def observe_acceptance(self, lens: list[int], accepted: list[int]) -> None:
+        if self.trace is not None:
+            self.trace.append(("acceptance", list(lens), list(accepted)))
         for i in range(self.k_max):
             self.offered[i] *= self.decay
             self.reached[i] *= self.decay
@@ -127,6 +132,8 @@ class DraftLengthPolicy:
         standing: it only makes that K score better (other candidates' borrowed estimates scale with
         it), and the re-try intervals only grow with the best score. `refill`: the step restarted a
         pipeline of steps (launched from committed state, the host's work not hidden behind the device's)."""
+        if self.trace is not None:
+            self.trace.append(("time", batch, k, seconds, refill))
         key = (batch_bucket(batch), self._candidate(k))
         after, self._last_timed = self._last_timed, key
         window = self.samples.setdefault(key, deque(maxlen=5))
@@ -175,6 +182,8 @@ class DraftLengthPolicy:
         """Drafts to verify per request this step (0 = take the plain path)."""
         k = self._choose(batch)
         self.chosen[k] += 1
+        if self.trace is not None:
+            self.trace.append(("choice", batch, k))
         return k
 
     def feeds_drafter(self, batch: int, joining: int = 1) -> bool:
