@@ -261,6 +261,8 @@ class SpeculativeConfig:
     adaptive_verification: bool = False
     markov_top_k: int = 0  # DSpark: restrict each Markov step to the top-k base logits (0 = whole vocabulary)
     adaptive_draft_length: bool = True  # pick per step the draft length with the most tokens/s (0 = plain)
+    # the draft lengths that choice is among, besides 0 (plain) and the largest; None: the powers of two below it
+    draft_length_candidates: tuple[int, ...] | None = None
     max_batch_for_speculation: int | None = None
     quantization: str | None = None  # the drafter's: "fp8" quantizes its decoder products at load (per channel)
 
@@ -301,6 +303,11 @@ class SpeculativeConfig:
             )
         if not isinstance(self.markov_top_k, int) or self.markov_top_k < 0:
             raise ConfigError(f"speculative_config.markov_top_k must be an integer >= 0, got {self.markov_top_k!r}")
+        c = self.draft_length_candidates
+        if c is not None and (not isinstance(c, (list, tuple)) or not c
+                              or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in c)):
+            raise ConfigError(f"speculative_config.draft_length_candidates must be a non-empty list of draft lengths "
+                              f">= 1 (at most num_speculative_tokens), got {c!r}")
         if self.max_batch_for_speculation is not None and self.max_batch_for_speculation < 1:
             raise ConfigError("speculative_config.max_batch_for_speculation must be >= 1 or None")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

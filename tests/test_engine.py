@@ -222,6 +222,10 @@ def test_llm_config_errors(tmp_path):
         LLM(str(path), device="cpu", speculative_config={"method": "medusa", "model": "x"})
     with pytest.raises(ConfigError, match="unknown field"):
         LLM(str(path), device="cpu", speculative_config={"method": "dflash", "model": "x", "bogus": 1})
+    for bad in ([], [0, 4], [2.5], "4"):
+        with pytest.raises(ConfigError, match=r"draft_length_candidates must be a non-empty list of draft lengths"):
+            LLM(str(path), device="cpu", speculative_config={"method": "dflash", "model": "x",
+                                                              "draft_length_candidates": bad})
     with pytest.raises(ConfigError, match="async_scheduling must be true, false or None"):
         LLM(str(path), device="cpu", async_scheduling="yes")
     assert LLM(str(path), device="cpu", async_scheduling=True).engine.async_scheduling is True

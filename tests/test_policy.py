@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
+from blockspec.config import ConfigError
 from blockspec.speculative import policy as policy_module
 from blockspec.speculative.policy import PARK_TURNOVERS, UNTIMED_PLAIN_PARKS, DraftLengthPolicy
 
@@ -469,3 +472,20 @@ def test_the_trace_records_every_observation_and_choice_in_order():
     untraced = DraftLengthPolicy(4)
     untraced.choose(2), untraced.observe_time(2, 0, 0.01)
     assert untraced.trace is None
+
+
+def test_the_draft_lengths_to_choose_among_can_be_given_and_survive_a_fresh_start():
+    """By default the policy chooses among 0, the powers of two below K and K; `lengths` replaces the powers
+    of two (0 and K stay), each within 1..K; `fresh()` keeps these settings and forgets what was seen."""
+    assert DraftLengthPolicy(15).candidates == [0, 1, 2, 4, 8, 15]
+    policy = DraftLengthPolicy(15, recorded=[0.9, 0.8], lengths=[7, 11])
+    assert policy.candidates == [0, 7, 11, 15]
+    with pytest.raises(ConfigError, match=r"draft_length_candidates \[4, 16\]: each must be in 1..15"):
+        DraftLengthPolicy(15, lengths=[16, 4])
+    settle(policy, {0: 1.0, 7: 1.2, 11: 1.3, 15: 1.4}, 0.9, batch=4)
+    assert policy.chosen and set(policy.chosen) <= {0, 7, 11, 15}
+    again = policy.fresh()
+    assert (again.candidates, again.k_max, again.adaptive, again.recorded_rates) == (
+        policy.candidates, 15, True, policy.recorded_rates)
+    assert not again.chosen and not again.samples and again.prefix_acceptance() == DraftLengthPolicy(
+        15, recorded=[0.9, 0.8]).prefix_acceptance()

@@ -404,6 +404,21 @@ def test_confidence_options_need_a_confidence_head(target):
         spec_llm(target, "dflash", "dflash", confidence_threshold=0.5)
 
 
+def test_given_draft_lengths_are_the_only_ones_chosen_and_stay_exact(target, plain):
+    """With draft_length_candidates the adaptive policy chooses among those, 0 and K only, and greedy output
+    stays plain decoding's."""
+    ps = prompts(4, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    llm = spec_llm(target, "dflash", "dflash", adaptive_draft_length=True, draft_length_candidates=[2])
+    assert llm.engine.policy.candidates == [0, 2, 3]  # the fixture drafts 3: 1 is left out
+    out = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+    assert out == [o.outputs[0].token_ids for o in plain.generate(ps, params, use_tqdm=False)]
+    chosen = llm.engine.policy.chosen
+    assert sum(chosen.values()) > 0 and set(chosen) <= set(llm.engine.policy.candidates)
+    with pytest.raises(ConfigError, match="each must be in 1..3"):
+        spec_llm(target, "dflash", "dflash", adaptive_draft_length=True, draft_length_candidates=[2, 9])
+
+
 @pytest.mark.parametrize("draft_method", ["greedy", "probabilistic"])
 def test_markov_top_k_restriction_stays_exact(target, plain, draft_method):
     ps = prompts(3, seed=7)

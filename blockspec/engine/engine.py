@@ -95,8 +95,8 @@ class Engine:
             weight = model.embed_tokens.weight
             self.context = DraftContext(drafter, self.pages, config.max_model_len, k, config.max_num_seqs,
                                         weight.dtype, weight.device)
-            self.policy = DraftLengthPolicy(k, spec_config.adaptive_draft_length,
-                                            recorded=drafter.recorded_acceptance)
+            self.policy = DraftLengthPolicy(k, spec_config.adaptive_draft_length, recorded=drafter.recorded_acceptance,
+                                            lengths=spec_config.draft_length_candidates)
             widths = [1 + c for c in self.policy.candidates]
         context = self.context
         self.runner = ModelRunner(model, self.pages, config.max_model_len + margin,
@@ -205,8 +205,7 @@ class Engine:
         self.scheduler.num_preemptions = 0
         if self.proposer is not None:
             self.proposer.reset_stats()
-            self.policy = DraftLengthPolicy(self.proposer.num_speculative_tokens, self.policy.adaptive,
-                                            recorded=self.proposer.drafter.recorded_acceptance)
+            self.policy = self.policy.fresh()
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int],

@@ -32,6 +32,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from blockspec.config import ConfigError
 
 PRIOR_TRIALS = 2.0  # pseudo-trials a position's acceptance rate borrows from the position before it
 RECORDED_TRIALS = 8.0  # pseudo-trials a position's rate borrows from the drafter's recorded acceptance
@@ -79,15 +80,22 @@ def batch_bucket(batch: int) -> int:
 
 class DraftLengthPolicy:
     def __init__(self, k_max: int, adaptive: bool = True, retry_every: int = 64, decay: float = 0.99,
-                 recorded: Sequence[float] | None = None) -> None:
+                 recorded: Sequence[float] | None = None, lengths: Sequence[int] | None = None) -> None:
         """`recorded`: the drafter's measured P(first k drafts accepted), k = 1.. (its checkpoint's
-        `acceptance.json`), which the first steps' few trials are weighed against."""
+        `acceptance.json`), which the first steps' few trials are weighed against. `lengths`: the draft
+        lengths to choose among besides 0 and k_max (default: the powers of two below k_max)."""
         self.k_max = k_max
+        self.recorded = tuple(recorded) if recorded else ()
         self.recorded_rates = conditional_rates(recorded) if recorded else []
         self.adaptive = adaptive
         self.retry_every = retry_every
         self.decay = decay
-        self.candidates = sorted({0, k_max} | {1 << i for i in range(k_max.bit_length()) if 1 << i < k_max})
+        if lengths is None:
+            lengths = [1 << i for i in range(k_max.bit_length()) if 1 << i < k_max]
+        elif any(k < 1 or k > k_max for k in lengths):
+            raise ConfigError(f"speculative_config.draft_length_candidates {sorted(lengths)}: each must be in 1.."
+                              f"{k_max} (num_speculative_tokens)")
+        self.candidates = sorted({0, k_max, *lengths})
         self.offered = [0.0] * k_max  # decayed count of steps that drafted at least k+1 tokens
         self.reached = [0.0] * k_max  # ... and had the first k accepted: the trials of draft k+1's rate
         self.accepted = [0.0] * k_max  # ... and had the first k+1 accepted
@@ -111,6 +119,11 @@ class DraftLengthPolicy:
         # a list to record what the policy saw and chose, in order: ("time", batch, K, seconds, refill),
         # ("acceptance", draft lengths, accepted counts), ("choice", batch, K) (`blockspec bench --trace-policy`)
         self.trace: list[tuple] | None = None
+
+    def fresh(self) -> "DraftLengthPolicy":
+        """A policy of the same settings that has seen nothing (the engine's after its warm-up)."""
+        return DraftLengthPolicy(self.k_max, self.adaptive, self.retry_every, self.decay, self.recorded or None,
+                                 self.candidates[1:])
 
     # ---------------------------------------------------------------- observations
     def observe_acceptance(self, lens: list[int], accepted: list[int]) -> None:
