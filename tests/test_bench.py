@@ -574,9 +574,10 @@ def test_trace_policy_writes_what_each_speculative_policy_saw_and_chose(tmp_path
     """--trace-policy: one trace per speculative engine of the point (the fixed-K sweep's too), over the timed
     passes only (at least a choice per timed decode step; on the CPU each step's time right after its
     choice, at the same batch and K), written to policy_trace.json and kept out of bench.json; refused
-    without a speculative method."""
-    cfg = BenchConfig(**{**TINY_RUN, "speculative_config": {}, "repeats": 2}, batch_sizes=(2,), output_len=12,
-                      synthetic_acceptance="6.5", k_sweep=(2,), trace_policy=True)
+    without a speculative method. Given draft lengths (3 and 5) are the policy's: the fixed-K engines of the
+    sweep (K = 2, below them) run without them."""
+    cfg = BenchConfig(**{**TINY_RUN, "speculative_config": {"draft_length_candidates": [3, 5]}, "repeats": 2},
+                      batch_sizes=(2,), output_len=12, synthetic_acceptance="6.5", k_sweep=(2,), trace_policy=True)
     res = run_bench(cfg)
     traces = res["policy_traces"]
     assert [(t["method"], t["fixed_k"], t["batch"], t["temperature"]) for t in traces] == [
@@ -589,7 +590,9 @@ def test_trace_policy_writes_what_each_speculative_policy_saw_and_chose(tmp_path
                     for v in r["steps_by_draft_length"].values())
         assert len(choices) >= steps > 0 and "acceptance" in kinds
         if t["fixed_k"] is not None:
-            assert set(choices) == {t["fixed_k"]}
+            assert set(choices) == {t["fixed_k"]}  # the given draft lengths (up to 5) are the policy's alone
+        else:
+            assert set(choices) <= {0, 3, 5, 7, 8}
         steps_seen = [e for e in t["events"] if e[0] != "acceptance"]
         assert all(before[0] == "choice" and before[1:3] == e[1:3]
                    for before, e in zip(steps_seen, steps_seen[1:]) if e[0] == "time")

@@ -456,8 +456,8 @@ def _spec(cfg: BenchConfig, setup: Setup, method: str, fixed_k: int | None) -> t
     values = {"method": method, "model": setup.drafter_source[method], **cfg.speculative_config}
     if cfg.num_speculative_tokens is not None:
         values["num_speculative_tokens"] = cfg.num_speculative_tokens
-    if fixed_k is not None:
-        values.update(num_speculative_tokens=fixed_k, adaptive_draft_length=False)
+    if fixed_k is not None:  # no choice to make: the policy's draft lengths (which may exceed K) do not apply
+        values.update(num_speculative_tokens=fixed_k, adaptive_draft_length=False, draft_length_candidates=None)
     proposer = partial(SyntheticProposer, profile=AcceptanceProfile(cfg.synthetic_acceptance),
                        seed=cfg.synthetic_seed) if cfg.synthetic else None
     return SpeculativeConfig.from_user(values), proposer
