@@ -2,18 +2,9 @@
 # DEV is the run's home on the device machine: it lives while the machine stays warm (30 s after a call).
 # What a call carried under out/flagship lands in DEV without replacing anything there: within a lease
 # DEV holds the newest state, and an older carried copy (still in the device's checkout) never wins.
-set -euo pipefail
-export PYTHONUNBUFFERED=1
+source scripts/gpu/env.sh  # wheels, PYTHONPATH, OUT, device_info
 DEV=${FLAGSHIP_DEV:-/tmp/flagship}
-: "${OUT:?run on the device machine, where OUT is set}"
 mkdir -p "$DEV"
-# a device machine without a package index gets blockspec's dependencies it lacks (llguidance) as wheels
-# downloaded here into .devcarry/whl (git-ignored) and carried with every call
-WHEELS=${FLAGSHIP_WHEELS:-.devcarry/whl}
-if [ ! -d /tmp/site/llguidance ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEELS"/*.whl
-fi
-export PYTHONPATH=$PWD:/tmp/site
 
 sync_in() {
   if [ -d out/flagship ]; then cp -rn out/flagship/. "$DEV/"; fi
@@ -32,11 +23,6 @@ for d in sys.argv[1:]:
     for p in sorted(Path(d).glob("*.u16.xz")):
         print(f"ok {p.name}: {len(load_piece(p)):,} tokens")
 PY
-}
-
-device_info() {
-  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-  python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 }
 
 target_slice() {  # $1: minutes of training; the target's bf16 export is refreshed in DEV/target each call
