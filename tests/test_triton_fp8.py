@@ -221,12 +221,13 @@ def test_the_kv_store_compiles_for_the_gpu():
     """Through Triton's front end for sm_90 (`compile_for_sm90`): `_qkv_rope_store` writes q rows and
     cache pages of another type (e4m3) in two branches, which the interpreter does not type-check."""
     cases = []
-    for dtype, cache in (("fp32", "*fp32"), ("bf16", "*bf16"), ("fp32", "*fp8e4nv"), ("bf16", "*fp8e4nv")):
+    for dtype, cache, heads in (("fp32", "*fp32", 1), ("bf16", "*bf16", 2), ("fp32", "*fp8e4nv", 2),
+                                ("bf16", "*fp8e4nv", 1)):
         signature = {**{n: f"*{dtype}" for n in ("QKV", "QW", "KW", "QOut")}, "Cos": "*fp32", "Sin": "*fp32",
                      "Table": "*i32", "Slots": "*i32", "WritePos": "*i32", "KCache": cache, "VCache": cache,
                      "eps": "fp32", "k_inv": "fp32", "v_inv": "fp32"}
         constexprs = {"Q_HEADS": 4, "KV_HEADS": 2, "HEAD_DIM": 128, "HALF_BLOCK": 64, "QK_NORM": True, "PAGE": 16,
-                      "KV_FP8": cache == "*fp8e4nv"}
+                      "HEADS": heads, "KV_FP8": cache == "*fp8e4nv"}
         cases.append(("_qkv_rope_store", signature, constexprs))
     compile_for_sm90("blockspec.kernels.ops", cases)
 

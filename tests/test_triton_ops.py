@@ -68,7 +68,7 @@ def reference_store(qkv, hq, hkv, hd, qw, kw, cos, sin, cache, meta):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("hq,hkv,hd,qk_norm", [(4, 2, 16, True), (2, 2, 8, False), (0, 2, 16, True),
-                                               (6, 3, 12, True)])
+                                               (6, 3, 12, True), (16, 8, 16, True)])
 def test_qkv_rope_store_matches_reference(dtype, hq, hkv, hd, qk_norm):
     r, n, slots, length = 3, 4, 5, 40
     qkv = rand(r, n, (hq + 2 * hkv) * hd, dtype=dtype)
@@ -98,6 +98,27 @@ def test_qkv_rope_store_matches_reference(dtype, hq, hkv, hd, qk_norm):
     triton_ops.qkv_rope_store(qkv, hq, hkv, hd, qw, kw, 1e-6, cos1, sin1, caches[1].k[0], caches[1].v[0],
                               table.table, meta.slots, meta.write_pos)
     assert not close(caches[1].k[0], caches[0].k[0], dtype)
+
+
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (6, 3), (0, 4)])
+def test_qkv_rope_store_rows_do_not_depend_on_the_call(hq, hkv):
+    """A row's q and K/V are the same bit for bit whether it is stored alone or among many rows (plain
+    decode rows and verify rows must agree for greedy speculation to equal plain decoding)."""
+    hd, length = 16, 40
+    assert triton_ops.head_group(hq, hkv) == {(32, 8): 8, (6, 3): 1, (0, 4): 4}[(hq, hkv)]
+    qkv = rand(3, 4, (hq + 2 * hkv) * hd, dtype=torch.float32)
+    qw, kw = rand(hd, dtype=torch.float32, seed=3), rand(hd, dtype=torch.float32, seed=4)
+    meta = causal_meta([4, 0, 2], [7, 0, 30], [4, 4, 3], 4, length, DEVICE)
+    cos, sin = layers.Rotary(RopeConfig(theta=10000.0), hd, 64).to(DEVICE)(meta.positions, torch.float32)
+    table = PageTable.full(5, length, DEVICE, page_size=8)
+    many, alone = (KVCache(1, hkv, hd, length, torch.float32, DEVICE, table) for _ in range(2))
+    q_many = triton_ops.qkv_rope_store(qkv, hq, hkv, hd, qw if hq else None, kw, 1e-6, cos, sin, many.k[0],
+                                       many.v[0], table.table, meta.slots, meta.write_pos)
+    q_alone = triton_ops.qkv_rope_store(qkv[2:], hq, hkv, hd, qw if hq else None, kw, 1e-6, cos[2:], sin[2:],
+                                        alone.k[0], alone.v[0], table.table, meta.slots[2:], meta.write_pos[2:])
+    assert torch.equal(q_many[2:], q_alone)
+    for got, want in zip(alone.gather(0, meta.slots[2:], length), many.gather(0, meta.slots[2:], length)):
+        assert got.abs().sum() > 0 and torch.equal(got, want)
 
 
 def test_qkv_rope_store_names_a_bad_shape():

@@ -61,39 +61,42 @@ if triton is not None:
         stride_kp, stride_kh, stride_kl, stride_vp, stride_vh, stride_vl, stride_t,
         rows_per_req, eps, k_inv, v_inv,
         Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr,
-        QK_NORM: tl.constexpr, PAGE: tl.constexpr, KV_FP8: tl.constexpr = False,
+        HEADS: tl.constexpr, QK_NORM: tl.constexpr, PAGE: tl.constexpr, KV_FP8: tl.constexpr = False,
     ):
-        """One program per (row, head) of the fused projection [q heads | k heads | v heads]. KV_FP8:
-        K and V stored in e4m3, times k_inv / v_inv (1 / their scales) and saturated."""
+        """One program per (row, group of HEADS heads) of the fused projection [q heads | k heads | v heads].
+        HEADS divides both head counts, so a group is all q, all k or all v heads, and a row's page is
+        looked up once for its group. KV_FP8: K and V stored in e4m3, times k_inv / v_inv (1 / their
+        scales) and saturated."""
         row = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
+        first = tl.program_id(1) * HEADS  # the group's first head
         half = HEAD_DIM // 2
-        d = tl.arange(0, HALF_BLOCK)
-        ok = d < half
-        base = QKV + row * stride_x + head * HEAD_DIM
-        x1 = tl.load(base + d, mask=ok, other=0.0)
+        d = tl.arange(0, HALF_BLOCK)[None, :]
+        h = tl.arange(0, HEADS)[:, None]
+        ok = (d < half) & (h < HEADS)  # [HEADS, HALF_BLOCK], the tiles' shape
+        base = QKV + row * stride_x + (first + h) * HEAD_DIM
+        x1 = tl.load(base + d, mask=ok, other=0.0)  # [HEADS, HALF_BLOCK]
         x2 = tl.load(base + half + d, mask=ok, other=0.0)
-        is_v = head >= Q_HEADS + KV_HEADS
+        is_v = first >= Q_HEADS + KV_HEADS
         if not is_v:
             if QK_NORM:
                 a, b = x1.to(tl.float32), x2.to(tl.float32)
-                rstd = 1.0 / tl.sqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / HEAD_DIM + eps)
-                is_q = head < Q_HEADS
-                w1 = tl.where(is_q, tl.load(QW + d, mask=ok, other=0.0), tl.load(KW + d, mask=ok, other=0.0))
-                w2 = tl.where(is_q, tl.load(QW + half + d, mask=ok, other=0.0),
-                              tl.load(KW + half + d, mask=ok, other=0.0))
+                rstd = 1.0 / tl.sqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / HEAD_DIM + eps)[:, None]
+                is_q = first < Q_HEADS
+                w1 = tl.where(is_q, tl.load(QW + d, mask=d < half, other=0.0), tl.load(KW + d, mask=d < half, other=0.0))
+                w2 = tl.where(is_q, tl.load(QW + half + d, mask=d < half, other=0.0),
+                              tl.load(KW + half + d, mask=d < half, other=0.0))
                 w1, w2 = w1.to(tl.float32), w2.to(tl.float32)
                 x1 = (w1 * (a * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype)
                 x2 = (w2 * (b * rstd).to(x2.dtype).to(tl.float32)).to(x2.dtype)
-            c1 = tl.load(Cos + row * stride_cs + d, mask=ok, other=0.0).to(tl.float32)
-            c2 = tl.load(Cos + row * stride_cs + half + d, mask=ok, other=0.0).to(tl.float32)
-            s1 = tl.load(Sin + row * stride_cs + d, mask=ok, other=0.0).to(tl.float32)
-            s2 = tl.load(Sin + row * stride_cs + half + d, mask=ok, other=0.0).to(tl.float32)
+            c1 = tl.load(Cos + row * stride_cs + d, mask=d < half, other=0.0).to(tl.float32)
+            c2 = tl.load(Cos + row * stride_cs + half + d, mask=d < half, other=0.0).to(tl.float32)
+            s1 = tl.load(Sin + row * stride_cs + d, mask=d < half, other=0.0).to(tl.float32)
+            s2 = tl.load(Sin + row * stride_cs + half + d, mask=d < half, other=0.0).to(tl.float32)
             a, b = x1.to(tl.float32), x2.to(tl.float32)
             x1 = (a * c1 - b * s1).to(x1.dtype)
             x2 = (b * c2 + a * s2).to(x2.dtype)
-        if head < Q_HEADS:  # q_out and the cache pointer differ in type (fp8 pages): distinct names
-            q_out = QOut + row * stride_qo + head * stride_qh
+        if first < Q_HEADS:  # q_out and the cache pointer differ in type (fp8 pages): distinct names
+            q_out = QOut + row * stride_qo + (first + h) * stride_qh
             tl.store(q_out + d, x1, mask=ok)
             tl.store(q_out + half + d, x2, mask=ok)
         else:
@@ -102,9 +105,9 @@ if triton is not None:
             page = tl.load(Table + slot * stride_t + pos // PAGE).to(tl.int64)
             at = pos % PAGE
             if is_v:
-                out = VCache + page * stride_vp + (head - Q_HEADS - KV_HEADS) * stride_vh + at * stride_vl
+                out = VCache + page * stride_vp + (first - Q_HEADS - KV_HEADS + h) * stride_vh + at * stride_vl
             else:
-                out = KCache + page * stride_kp + (head - Q_HEADS) * stride_kh + at * stride_kl
+                out = KCache + page * stride_kp + (first - Q_HEADS + h) * stride_kh + at * stride_kl
             if KV_FP8:
                 inv = tl.where(is_v, v_inv, k_inv)
                 y1 = tl.minimum(tl.maximum(x1.to(tl.float32) * inv, -448.0), 448.0)
@@ -300,14 +303,15 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 
 def qkv_rope_store(qkv: Tensor, q_heads: int, kv_heads: int, head_dim: int, q_weight: Tensor | None,
                    k_weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                   table: Tensor, slots: Tensor, write_pos: Tensor, k_scale: float = 1.0, v_scale: float = 1.0
-                   ) -> Tensor:
+                   table: Tensor, slots: Tensor, write_pos: Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+                   group: int | None = None) -> Tensor:
     """qkv [R, Q, (q_heads + 2 kv_heads) * head_dim] -> q [R, Q, q_heads, head_dim] normed and rotated;
     k (normed, rotated) and v are stored at (slots[r], head, write_pos[r, i]) of the paged caches
     [pages, kv_heads, page_size, head_dim], the page found in `table` [S, columns] (see `PageTable`).
     cos/sin [R, Q, head_dim]. q_heads may be 0 (context K/V only); the q/k RMSNorm runs when
     k_weight is given (Qwen3), else only RoPE (Llama, Qwen2). Caches in float8_e4m3fn take K / k_scale
-    and V / v_scale, saturated (`kv_cache.quantize_kv`)."""
+    and V / v_scale, saturated (`kv_cache.quantize_kv`). `group`: heads a program (`head_group` by
+    default; benchmarks/bench_qkv_store.py sweeps it)."""
     r, nq, width = qkv.shape
     if width != (q_heads + 2 * kv_heads) * head_dim or qkv.stride(-1) != 1:
         raise ValueError(f"qkv_rope_store: qkv {tuple(qkv.shape)} is not [R, Q, ({q_heads} + 2 x {kv_heads}) x "
@@ -322,16 +326,30 @@ def qkv_rope_store(qkv: Tensor, q_heads: int, kv_heads: int, head_dim: int, q_we
     if qk_norm and q_heads and q_weight is None:
         raise ValueError("qkv_rope_store: q/k-norm needs both weights (q_weight is None)")
     write_pos = write_pos.reshape(r * nq)
-    _qkv_rope_store[(r * nq, q_heads + 2 * kv_heads)](
+    group = group or head_group(q_heads, kv_heads)
+    _qkv_rope_store[(r * nq, (q_heads + 2 * kv_heads) // group)](
         rows, q_weight if q_weight is not None else rows, k_weight if qk_norm else rows, cos, sin, table, slots,
         write_pos, q, k_cache, v_cache,
         rows.stride(0), cos.stride(0), q_heads * head_dim, head_dim,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), table.stride(0), nq, eps, 1.0 / k_scale, 1.0 / v_scale,
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF_BLOCK=triton.next_power_of_2(head_dim // 2),
-        QK_NORM=qk_norm, PAGE=k_cache.shape[2], KV_FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=1,
+        HEADS=group, QK_NORM=qk_norm, PAGE=k_cache.shape[2], KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        num_warps=group,  # a warp a head, as many threads per head as one head a program had
     )
     return q
+
+
+def head_group(q_heads: int, kv_heads: int, most: int = 8) -> int:
+    """Heads per program of `qkv_rope_store`: the largest power of two (at most `most`) dividing both
+    head counts. It depends on the model only, never on the row count, so each row is computed the
+    same way in a call of any size (plain and verify rows agree bit for bit). One head a program makes
+    a 576-row verify of Qwen3-8B 27,648 programs of 128 elements, launch-bound at several times its
+    bytes' time; a warp a head keeps a one-row call about as fast (benchmarks/RESULTS.md, Kernels)."""
+    group = 1
+    while group < most and q_heads % (2 * group) == 0 and kv_heads % (2 * group) == 0:
+        group *= 2
+    return group
 
 
 SKINNY_MAX_ROWS = 16
