@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from PIL import Image
 
 from blockspec.bench import BenchConfig, markdown, run_bench, write_outputs
@@ -434,6 +435,7 @@ def test_cli_presets_run_small_on_the_cpu_with_overrides(tmp_path, capsys):
                  "--input-len", "8", "--output-len", "8", "--repeats", "1", "--no-plots", "--out", str(out)]) == 0
     data = json.loads((out / "bench.json").read_text())
     assert data["synthetic"] and data["config"]["random_weights"] and data["config"]["batch_sizes"] == [1]
+    assert set(data["model"]["drafters"]) == {"dflash", "dspark"} and data["model"]["kv_bytes_per_token"] > 0
     assert {(r["method"], r["batch"], r["temperature"]) for r in data["runs"]} == {
         (m, 1, 0.0) for m in ("plain", "dflash", "dspark")}
     out = tmp_path / "long"
@@ -837,23 +839,59 @@ def test_row_flops_count_every_product_a_verify_row_makes(tmp_path, family):
     assert per_key == 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
 
 
+def test_draft_step_terms_count_the_drafters_products_and_the_head_it_streams():
+    """The draft phase of a step floor: every layer weight once a block row, the fc once a context row, the
+    LM head once a draft (the target's, which a shared head streams again), and bytes of layers, fc and head."""
+    from blockspec.bench.arch import draft_step_terms, get_arch, random_drafter, random_target
+
+    arch = get_arch("tiny")
+    target = random_target(arch.target, 64, device="cpu", dtype=torch.float32)
+    drafter = random_drafter(arch.dflash, device="cpu", dtype=torch.float32)
+    terms = draft_step_terms(drafter, target)
+    linears = sum(m.weight.numel() for layer in drafter.layers for m in layer.modules() if isinstance(m, nn.Linear))
+    assert terms["layer_gflops_per_row"] == pytest.approx(2 * linears / 1e9)
+    assert terms["fc_gflops_per_row"] == pytest.approx(2 * drafter.fc.weight.numel() / 1e9)
+    assert not drafter.use_own_head and terms["head_gflops_per_row"] == pytest.approx(2 * target.lm_head.weight.numel() / 1e9)
+    assert terms["head_bytes_gb"] == pytest.approx(target.lm_head.weight.numel() * 4 / 1e9)
+    assert terms["weight_bytes_gb"] == pytest.approx((linears + drafter.fc.weight.numel()) * 4 / 1e9)
+    assert terms["block_rows"] == drafter.block_size
+
+
 def test_a_step_floor_is_its_weights_until_its_rows_fill_the_products():
     """A step's floor is its weight bytes at the copy bandwidth while it has few rows, then its FLOPs at the
-    product rate; each run's step times by draft length get the floor of a whole-batch step."""
+    product rate; its attention (each request's K/V read once) and the draft's products and attention come
+    after, each at its own bound; each run's step times by draft length get the floor of a whole-batch step."""
     from blockspec.bench.harness import add_step_floors, step_floor
 
     # 16 GB a step at 4 TB/s: 4 ms; a row 16 GFLOP at 800 TFLOP/s: 0.02 ms, so 200 rows cross over
     model = {"weight_bytes_per_step_gb": 16.0, "row_gflops": 16.0, "attention_flops_per_key": 0.0}
     floor = {"copy_bandwidth_TBps": 4.0, "matmul_TFLOPs": 800.0}
-    assert step_floor(model, floor, 1, 0) == pytest.approx((4e-3, "bandwidth"))
-    assert step_floor(model, floor, 199, 0)[1] == "bandwidth"
-    assert step_floor(model, floor, 400, 0) == pytest.approx((8e-3, "compute"))
-    run = {"status": "ok", "batch": 64, "prompt_tokens_mean": 512, "output_len": 1024,
+    assert step_floor(model, floor, 1, 0, 0) == pytest.approx((4e-3, "products bandwidth"))
+    assert step_floor(model, floor, 199, 0, 0)[1] == "products bandwidth"
+    assert step_floor(model, floor, 400, 0, 0) == pytest.approx((8e-3, "products compute"))
+    # K/V read once a request: 64 x 1000 keys x 0.1 MB = 6.4 GB, 1.6 ms at 4 TB/s, after the products
+    model["kv_bytes_per_token"] = 1e5
+    assert step_floor(model, floor, 64, 0, 1000) == pytest.approx((5.6e-3, "products bandwidth, attention bandwidth"))
+    verify = 64 * 9 * 16e9 / 800e12 + 1.6e-3  # 576 rows of products, then the K/V
+    assert step_floor(model, floor, 64, 8, 1000) == pytest.approx((verify, "products compute, attention bandwidth"))
+    # the draft: 64 requests x (16 block rows x 2 GFLOP + 0.1 GFLOP fc + 8 drafts x 1.2 GFLOP of head) =
+    # 2.67 TFLOP, 3.34 ms, against 3.2 GB of weights (0.8 ms); its K/V 64 x 1000 x 10 kB, 0.16 ms
+    drafter = {"weight_bytes_gb": 2.0, "head_bytes_gb": 1.2, "block_rows": 16, "layer_gflops_per_row": 2.0,
+               "fc_gflops_per_row": 0.1, "head_gflops_per_row": 1.2, "attention_flops_per_key": 0.0,
+               "kv_bytes_per_token": 1e4}
+    spec = verify + 64 * 41.7e9 / 800e12 + 0.16e-3
+    assert step_floor(model, floor, 64, 8, 1000, drafter) == pytest.approx(
+        (spec, "products compute, attention bandwidth, draft products compute, draft attention bandwidth"))
+    assert step_floor(model, floor, 1, 1, 0, drafter) == pytest.approx(
+        (4e-3 + 0.8e-3, "products bandwidth, draft products bandwidth"))
+    model["drafters"] = {"dflash": drafter}
+    run = {"status": "ok", "method": "dflash", "batch": 64, "prompt_tokens_mean": 500, "output_len": 1000,
            "steps_by_draft_length": {"0": {"steps": 5, "ms_median": 7.7}, "8": {"steps": 9, "ms_median": 23.3}}}
     add_step_floors([run], model, floor)
     steps = run["steps_by_draft_length"]
-    assert steps["0"]["floor_bound"] == "bandwidth" and steps["0"]["floor_ms"] == pytest.approx(4.0)
-    assert steps["8"]["floor_bound"] == "compute" and steps["8"]["floor_ms"] == pytest.approx(64 * 9 * 0.02)
+    assert steps["0"]["floor_bound"] == "products bandwidth, attention bandwidth"
+    assert steps["0"]["floor_ms"] == pytest.approx(5.6)
+    assert steps["8"]["floor_ms"] == pytest.approx(1e3 * spec) and "draft products compute" in steps["8"]["floor_bound"]
     bare = {**run, "steps_by_draft_length": {"8": {"steps": 9, "ms_median": 23.3}}}
     add_step_floors([bare], model, "n/a (GPU only)")  # no measured rates (the CPU): no floor
     assert bare["steps_by_draft_length"]["8"] == {"steps": 9, "ms_median": 23.3}

@@ -55,7 +55,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from blockspec.bench.arch import ARCHS, get_arch, param_bytes, random_drafter, random_target, row_flops, step_bytes
+from blockspec.bench.arch import (ARCHS, draft_step_terms, get_arch, param_bytes, random_drafter, random_target,
+                                  row_flops, step_bytes)
 from blockspec.models.quant import is_quantized, quantize_model
 from blockspec.bench.expert_union import ROUTING_MODELS, set_routing
 from blockspec.bench.drafts import NO_DRAFTS_WHY, StepLog, acceptance, drafted, drafting_share
@@ -746,9 +747,10 @@ def measure_sweep(cfg: BenchConfig, device: torch.device, log: Callable[[str], N
     bandwidth = copy_bandwidth() if device.type == "cuda" else None  # before the models: needs 4 GB free
     setup = prepare(cfg, device, rank)
     products, per_key = row_flops(setup.target)
+    kv, page = kv_storage_dtype(cfg.kv_cache_dtype, setup.target.embed_tokens.weight.dtype), EngineConfig.kv_page_size
     model = dict(setup.description, target_gb=param_bytes(setup.target) / 1e9,
                  weight_bytes_per_step_gb=step_bytes(setup.target) / 1e9, row_gflops=products / 1e9,
-                 attention_flops_per_key=per_key)
+                 attention_flops_per_key=per_key, kv_bytes_per_token=setup.target.page_bytes(page, kv) / page)
     result["model"] = model
     result["floor"] = "n/a (GPU only)"
     if bandwidth:
@@ -758,6 +760,8 @@ def measure_sweep(cfg: BenchConfig, device: torch.device, log: Callable[[str], N
                            "matmul_TFLOPs": matmul_rate(setup.target.embed_tokens.weight.dtype) / 1e12}
     methods = cfg.selected_methods()
     drafters = {m: setup.make_drafter(m) for m in methods if m != "plain"}
+    model["drafters"] = {m: dict(draft_step_terms(d, setup.target), kv_bytes_per_token=d.page_bytes(page, kv) / page)
+                         for m, d in drafters.items()}
     capacities = {m: d.num_draft_slots for m, d in drafters.items()} if cfg.k_sweep else {}
     for method, capacity in capacities.items():
         if note := clip_note(method, cfg.k_sweep, capacity):
@@ -959,26 +963,42 @@ def verdict(run: dict[str, Any]) -> str:
     return "faster" if low > 1 else "slower" if high < 1 else "within the rounds' spread"
 
 
-def step_floor(model: dict[str, Any], floor: dict[str, Any], rows: int, context: float) -> tuple[float, str]:
-    """The least time of a target forward over `rows` rows at `context` keys each, and what bounds it: its
-    weight bytes at the copy bandwidth, or its FLOPs (`row_flops`) at the measured product rate."""
-    reads = model["weight_bytes_per_step_gb"] / floor["copy_bandwidth_TBps"] * 1e-3
-    flops = rows * (model["row_gflops"] * 1e9 + model["attention_flops_per_key"] * context)
-    computes = flops / (floor["matmul_TFLOPs"] * 1e12)
-    return max(reads, computes), "compute" if computes > reads else "bandwidth"
+def step_floor(model: dict[str, Any], floor: dict[str, Any], batch: int, k: int, context: float,
+               drafter: dict[str, float] | None = None) -> tuple[float, str]:
+    """The least time of a decode step of `batch` requests verifying k drafts each at `context` keys, and
+    what bounds each part. The parts run one after the other, so their times add: the target's products
+    over batch x (k + 1) rows and its attention (each request's K/V read once), then with k > 0 and
+    `drafter`'s terms (`arch.draft_step_terms`) the draft's products and attention; each part takes the
+    longer of its bytes at the copy bandwidth and its FLOPs at the measured product rate."""
+    bandwidth, rate = floor["copy_bandwidth_TBps"] * 1e12, floor["matmul_TFLOPs"] * 1e12
+    rows = batch * (k + 1)
+    parts = [("products", model["weight_bytes_per_step_gb"] * 1e9, rows * model["row_gflops"] * 1e9),
+             ("attention", batch * context * model.get("kv_bytes_per_token", 0.0),
+              rows * model["attention_flops_per_key"] * context)]
+    if k and drafter:
+        d = drafter
+        parts += [("draft products", (d["weight_bytes_gb"] + d["head_bytes_gb"]) * 1e9,
+                   batch * (d["block_rows"] * d["layer_gflops_per_row"] + d["fc_gflops_per_row"]
+                            + k * d["head_gflops_per_row"]) * 1e9),
+                  ("draft attention", batch * context * d["kv_bytes_per_token"],
+                   batch * d["block_rows"] * d["attention_flops_per_key"] * context)]
+    parts = [(name, reads / bandwidth, flops / rate) for name, reads, flops in parts if reads or flops]
+    bound = ", ".join(f"{name} {'compute' if flops > reads else 'bandwidth'}" for name, reads, flops in parts)
+    return sum(max(reads, flops) for _, reads, flops in parts), bound
 
 
 def add_step_floors(runs: list[dict[str, Any]], model: dict[str, Any], floor: dict[str, Any] | str) -> None:
     """Each run's step times by draft length get the floor of a step of its whole batch verifying K drafts
-    (the target's forward alone, at the run's mean context: the drafter's work comes on top)."""
+    (`step_floor`, at the run's mean context, with its drafter's work where the model record has it)."""
     if not isinstance(floor, dict) or "matmul_TFLOPs" not in floor:
         return
     for run in runs:
         if run.get("status") != "ok":
             continue
         context = run["prompt_tokens_mean"] + run["output_len"] / 2
+        drafter = model.get("drafters", {}).get(run["method"])
         for k, entry in run.get("steps_by_draft_length", {}).items():
-            seconds, bound = step_floor(model, floor, run["batch"] * (int(k) + 1), context)
+            seconds, bound = step_floor(model, floor, run["batch"], int(k), context, drafter)
             entry["floor_ms"], entry["floor_bound"] = 1e3 * seconds, bound
 
 
@@ -1129,9 +1149,9 @@ def markdown(result: dict[str, Any]) -> str:
             name = r["method"] + (" (synthetic)" if r["synthetic"] else "")
             lines.append(f"| {name} | {r['batch']} | {r['temperature']} | {input_cell(r)} | {cells} |")
         lines += ["", ("Draft length the engine chose per decode step (0 = plain step): steps, median step time "
-                       "(where measured, the floor of a step of the whole batch: the target's forward over its verify "
-                       "rows, its weights at the copy bandwidth or its FLOPs at the measured product rate, whichever "
-                       "is longer):"), ""]
+                       "(where measured, the floor of a step of the whole batch: the target's products over its verify "
+                       "rows and its attention, then the draft's, each at the longer of its bytes (weights, K/V) at "
+                       "the copy bandwidth and its FLOPs at the measured product rate):"), ""]
         for r in spec_runs:
             parts = [f"K={k}: {v['steps']} x {v['ms_median']:.2f} ms"
                      + (f" (floor {v['floor_ms']:.2f} ms, {v['floor_bound']})" if "floor_ms" in v else "")
