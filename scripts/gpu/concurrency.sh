@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The #28 serving workload at some concurrencies, with the fixed-K sweep beside the draft-length policy:
+# The serving workload at some concurrencies, with the fixed-K sweep beside the draft-length policy:
 #   BATCHES=16 KS=8,15 REPEATS=2 T=330 [EXTRA=--trace-policy] [NAME=bench_c16] bash scripts/gpu/concurrency.sh
 # T bounds the bench (seconds) so the call returns what it has; the rounds' lines are in NAME.log either way.
 # returns: NAME.log, NAME/{bench.json, bench.md, policy_trace.json.gz}
