@@ -117,6 +117,9 @@ def test_qkv_rope_store_rows_do_not_depend_on_the_call(hq, hkv):
     q_alone = triton_ops.qkv_rope_store(qkv[2:], hq, hkv, hd, qw if hq else None, kw, 1e-6, cos[2:], sin[2:],
                                         alone.k[0], alone.v[0], table.table, meta.slots[2:], meta.write_pos[2:])
     assert torch.equal(q_many[2:], q_alone)
+    with pytest.raises(ValueError, match="5 heads a program must divide both head counts"):
+        triton_ops.qkv_rope_store(qkv, hq, hkv, hd, qw if hq else None, kw, 1e-6, cos, sin, many.k[0], many.v[0],
+                                  table.table, meta.slots, meta.write_pos, group=5)
     for got, want in zip(alone.gather(0, meta.slots[2:], length), many.gather(0, meta.slots[2:], length)):
         assert got.abs().sum() > 0 and torch.equal(got, want)
 

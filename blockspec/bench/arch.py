@@ -187,13 +187,14 @@ def draft_step_terms(drafter: nn.Module, target: CausalLM) -> dict[str, float]:
     row, the head per draft; attention per key and block row. DSpark's Markov and confidence heads are left
     out, so the floor stays a lower bound."""
     cfg = drafter.config
-    layers = sum(p.numel() for layer in drafter.layers for p in layer.parameters() if p.dim() >= 2)
+    matrices = [p for layer in drafter.layers for p in layer.parameters() if p.dim() >= 2]
     head = drafter.lm_head.weight if drafter.use_own_head else target.lm_head.weight
     fc = drafter.fc.weight
-    return {"weight_bytes_gb": (layers * fc.element_size() + fc.numel() * fc.element_size()) / 1e9,
+    return {"weight_bytes_gb": sum(p.numel() * p.element_size() for p in [*matrices, fc]) / 1e9,
             "head_bytes_gb": head.numel() * head.element_size() / 1e9,
             "block_rows": drafter.block_size,
-            "layer_gflops_per_row": 2 * layers / 1e9, "fc_gflops_per_row": 2 * fc.numel() / 1e9,
+            "layer_gflops_per_row": 2 * sum(p.numel() for p in matrices) / 1e9,
+            "fc_gflops_per_row": 2 * fc.numel() / 1e9,
             "head_gflops_per_row": 2 * head.numel() / 1e9,
             "attention_flops_per_key": 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim}
 

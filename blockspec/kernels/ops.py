@@ -82,7 +82,8 @@ if triton is not None:
                 a, b = x1.to(tl.float32), x2.to(tl.float32)
                 rstd = 1.0 / tl.sqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / HEAD_DIM + eps)[:, None]
                 is_q = first < Q_HEADS
-                w1 = tl.where(is_q, tl.load(QW + d, mask=d < half, other=0.0), tl.load(KW + d, mask=d < half, other=0.0))
+                w1 = tl.where(is_q, tl.load(QW + d, mask=d < half, other=0.0),
+                              tl.load(KW + d, mask=d < half, other=0.0))
                 w2 = tl.where(is_q, tl.load(QW + half + d, mask=d < half, other=0.0),
                               tl.load(KW + half + d, mask=d < half, other=0.0))
                 w1, w2 = w1.to(tl.float32), w2.to(tl.float32)
@@ -327,6 +328,8 @@ def qkv_rope_store(qkv: Tensor, q_heads: int, kv_heads: int, head_dim: int, q_we
         raise ValueError("qkv_rope_store: q/k-norm needs both weights (q_weight is None)")
     write_pos = write_pos.reshape(r * nq)
     group = group or head_group(q_heads, kv_heads)
+    if q_heads % group or kv_heads % group:
+        raise ValueError(f"qkv_rope_store: {group} heads a program must divide both head counts ({q_heads}, {kv_heads})")
     _qkv_rope_store[(r * nq, (q_heads + 2 * kv_heads) // group)](
         rows, q_weight if q_weight is not None else rows, k_weight if qk_norm else rows, cos, sin, table, slots,
         write_pos, q, k_cache, v_cache,
