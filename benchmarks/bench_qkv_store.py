@@ -47,7 +47,8 @@ def main() -> None:
     for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
         for rows in (int(r) for r in args.rows.split(",")):
             call = inputs(rows, q_heads, kv_heads, head_dim, dtype)
-            floor = rows * (2 * q_heads + 3 * kv_heads) * head_dim * dtype.itemsize / bandwidth * 1e6
+            # qkv read (q + 2 kv heads), then q and the k, v heads written
+            floor = rows * (2 * q_heads + 4 * kv_heads) * head_dim * dtype.itemsize / bandwidth * 1e6
             cells = []
             for group in (int(g) for g in args.groups.split(",")):
                 us = [t * 1e6 for t in graph_seconds([lambda: qkv_rope_store(*call, group=group)] * 20)]
