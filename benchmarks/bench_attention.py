@@ -49,9 +49,13 @@ VARIANTS = {
     "per-key from 8 splits": AttentionTiles(per_key_splits=8),
     "per-key from 16 splits": AttentionTiles(per_key_splits=16),
     "per-key never": AttentionTiles(per_key_splits=1 << 30),
-    # an FP8 tile of 64 keys moves half a bf16 tile's bytes per iteration
+    # key tiles of bf16 pages (fp8 pages take fp8_block_n: 128 keys move a bf16 tile's bytes)
     "key tile 32": AttentionTiles(block_n=32),
     "key tile 128": AttentionTiles(block_n=128),
+    "fp8 key tile 64": AttentionTiles(fp8_block_n=64),
+    "programs 528": AttentionTiles(target_programs=528),
+    "programs 1056": AttentionTiles(target_programs=1056),
+    "warps 8": AttentionTiles(num_warps=8),
 }
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 CACHE_BUDGET = 48 << 30  # bytes of K/V caches one case may allocate

@@ -88,6 +88,26 @@ def test_skinny_linear_streams_fp8_weights(dtype, rows, fusion, layout):
     assert not close(wrong, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if not (CUDA and d == torch.float16)])
+@pytest.mark.parametrize("rows", [1, 17])
+def test_block_scales_keep_long_k_tiles(dtype, rows):
+    """A program's columns in one block row: K tiles of 128 span four 32-column scale blocks, each k
+    scaled by its own block (per-k scales), where a tile per scale block would cap K tiles at 32."""
+    n, k = 64, 200
+    assert triton_ops.scale_mode(32, 32, k, n, block_n=32, block_k=128) == (3, 128)
+    assert triton_ops.scale_mode(32, 32, k, n, block_n=64, block_k=128) == (2, 32)  # columns over two block rows
+    assert triton_ops.scale_mode(32, 32, k, 48, block_n=16, block_k=128, glu=True) == (2, 32)  # up rows straddle
+    assert triton_ops.scale_mode(1, k, k, n, block_n=64, block_k=128) == (1, 128)
+    cfg = triton_ops.SkinnyConfig(block_m=1 if rows == 1 else 16, block_n=32, block_k=128, num_warps=4, num_stages=2)
+    w, s, block = quantized(n, k, "block")
+    x = rand(rows, k, seed=2, dtype=dtype)
+    want = reference(x, w, s, block)
+    assert close(triton_ops.skinny_linear(x, w, config=cfg, weight_scale=s, scale_block=block), want, dtype)
+    # negative control: the K blocks' scales in reverse order
+    wrong = triton_ops.skinny_linear(x, w, config=cfg, weight_scale=s.flip(1).contiguous(), scale_block=block)
+    assert not close(wrong, want, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("glu", [False, True])
 def test_prenormed_rows_norm_an_fp8_product(dtype, glu):
@@ -307,11 +327,11 @@ def test_qkv_rope_store_into_an_fp8_cache(dtype, hq):
     assert (got.k[0].float()[kw_] == k_ref[kw_]).float().mean() < 0.5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1, 8, 2, 64, 300, 16), (2, 16, 4, 2, 32, 100, 64), (2, 40, 4, 1, 32, 130, 7)])
 def test_block_attention_reads_an_fp8_cache(dtype, shape):
-    """Decode (split over keys), verify and wide blocks over e4m3 pages: the reference is SDPA over the
-    dequantized keys and values."""
+    """Decode (split over keys), verify and wide blocks over e4m3 pages (16-bit queries: fp16 dots):
+    the reference is SDPA over the dequantized keys and values."""
     from test_triton_attention import case, paged, reference
 
     r, nq, hq, hkv, hd, length, page = shape
@@ -321,11 +341,28 @@ def test_block_attention_reads_an_fp8_cache(dtype, shape):
     (k_pool, table), (v_pool, _) = paged(kq, page), paged(vq, page)
     got = triton_attention_call(q, k_pool, v_pool, table[slots], lo, hi, hd**-0.5, length, *KV_SCALES)
     assert got.dtype == dtype
-    tol = 2e-5 if dtype == torch.float32 else 2e-3
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]  # bf16: the output's rounding
     assert torch.allclose(got.float(), want, atol=tol, rtol=tol)
     # negative control: the scales left out
     wrong = triton_attention_call(q, k_pool, v_pool, table[slots], lo, hi, hd**-0.5, length, 1.0, 1.0)
     assert not torch.allclose(wrong.float(), want, atol=tol, rtol=tol)
+
+
+@gpu
+@pytest.mark.gpu
+def test_bf16_queries_beyond_fp16_range_saturate():
+    """The fp16 dots of an FP8 cache saturate a bf16 query past 65504 instead of turning it into inf:
+    the scores stay finite and the softmax picks the same key (the one its huge component selects)."""
+    from test_triton_attention import case, paged, reference
+
+    q, k, v, slots, lo, hi = case(2, 1, 8, 2, 64, 200, torch.bfloat16)
+    q[..., 0] = 1e5
+    kq, vq = (fp8_kv(t, s) for t, s in zip((k, v), KV_SCALES))
+    want = reference(q, kq.float() * KV_SCALES[0], vq.float() * KV_SCALES[1], slots, lo, hi, 64**-0.5, 200)
+    (k_pool, table), (v_pool, _) = paged(kq, 64), paged(vq, 64)
+    got = triton_attention_call(q, k_pool, v_pool, table[slots], lo, hi, 64**-0.5, 200, *KV_SCALES)
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
 def fp8_kv(x: torch.Tensor, scale: float) -> torch.Tensor:

@@ -70,11 +70,12 @@ if triton is not None:
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, MAX_USED: tl.constexpr,
         MERGE_UNROLL: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr, PER_KEY: tl.constexpr,
+        F16_DOTS: tl.constexpr = False,
     ):
         """One program: BLOCK_M (query row, head-in-group) pairs of one (request, KV head), over one
         split of the key tiles those rows read. Online softmax in fp32 (base 2). Keys and values of
-        an FP8 cache are converted to q's dtype as they load (exact); K's scale is in scale_log2,
-        V's (v_scale) multiplies the output."""
+        an FP8 cache are converted as they load (exact) to q's dtype, or with F16_DOTS to fp16, q
+        and the probabilities too; K's scale is in scale_log2, V's (v_scale) multiplies the output."""
         pid_rh = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -88,6 +89,8 @@ if triton is not None:
         d_ok = d < HEAD_DIM
         q = tl.load(Q + r * stride_qr + qi[:, None] * stride_qq + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if F16_DOTS:  # saturated: a bf16 q beyond fp16's range would otherwise turn into inf
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         lo = tl.load(Lo + r * stride_br + qi, mask=row_ok, other=2147483647)
         hi = tl.load(Hi + r * stride_br + qi, mask=row_ok, other=-1)
         slot = tl.load(Slots + r)
@@ -202,6 +205,7 @@ class AttentionTiles:
     decode) and cost where splits hold more (`benchmarks/bench_attention.py` measures both)."""
 
     block_n: int = 64
+    fp8_block_n: int = 128  # an e4m3 tile of 128 keys moves a bf16 tile's bytes
     target_programs: int = 264
     wide_block_m: int = 64
     min_tiles_wide: int = 2
@@ -223,7 +227,10 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, 
     (inclusive; every key index < max_keys). Returns [R, Q, Hq, hd] in q's dtype.
 
     Shapes and `max_keys` fix the launch grid, so the call is CUDA-graph capturable. Caches in
-    float8_e4m3fn hold K / k_scale and V / v_scale (`kv_cache.quantize_kv`)."""
+    float8_e4m3fn hold K / k_scale and V / v_scale (`kv_cache.quantize_kv`); with 16-bit queries
+    their dots run in fp16: e4m3 converts to fp16 in one instruction per pair of values, to bf16
+    through a further slow conversion per value, which made an FP8 decode no faster than a bf16
+    one (benchmarks/bench_attention.py --kv-dtype fp8)."""
     t = tiles or TILES
     r, nq, hq, hd = q.shape
     hkv = k_cache.shape[1]
@@ -239,10 +246,12 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, 
     # fp32 takes 16-row blocks at any width: its exact ("ieee") dots are multiply-adds, which cost the
     # block's rows times its keys, so a wide block's padding is paid in full
     ieee = q.dtype == torch.float32
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    block_n = t.fp8_block_n if fp8 else t.block_n
     block_m = 16 if rows <= 16 or ieee else t.wide_block_m
     m_blocks = triton.cdiv(rows, block_m)
     programs = r * hkv * m_blocks
-    splits = max(1, min(triton.cdiv(max_keys, t.block_n), t.target_programs // programs))
+    splits = max(1, min(triton.cdiv(max_keys, block_n), t.target_programs // programs))
     block_d = max(16, triton.next_power_of_2(hd))  # tl.dot needs K >= 16
     n_part = r * hkv * splits * m_blocks * block_m if splits > 1 else 1  # unsplit: unused placeholders
     part_acc = torch.empty(n_part, block_d, dtype=torch.float32, device=q.device)
@@ -260,10 +269,11 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, 
         nq, scale * math.log2(math.e) * k_scale, v_scale,
         # decode blocks: no floor and no cap (splits <= target_programs), and fixed constants, so a
         # new split count never compiles a variant
-        BLOCK_M=block_m, BLOCK_N=t.block_n, MIN_TILES=1 if block_m == 16 else t.min_tiles_wide,
+        BLOCK_M=block_m, BLOCK_N=block_n, MIN_TILES=1 if block_m == 16 else t.min_tiles_wide,
         MAX_USED=t.target_programs if block_m == 16 else t.max_used_wide,
         MERGE_UNROLL=t.merge_unroll, IEEE=ieee, PAGE=k_cache.shape[2],
         PER_KEY=block_m == 16 and splits >= t.per_key_splits,
+        F16_DOTS=fp8 and not ieee,
         num_warps=t.num_warps, **consts,
     )
     return out

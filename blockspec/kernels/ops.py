@@ -122,16 +122,27 @@ if triton is not None:
     @triton.jit
     def _dot_step(acc, xv, wv, ws, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, KSCALED: tl.constexpr):
         """One K tile of the product: at one row a multiply-add kept per (column, k) and summed at the
-        end; above it a tensor-core dot. An FP8 weight tile is converted to the input's dtype (exact);
-        with KSCALED its columns' scales for this K block (`ws`) multiply it, or the tile's dot."""
+        end; above it a tensor-core dot. An FP8 weight tile is converted to the input's dtype (exact).
+        KSCALED 1: `ws` holds its columns' scales for this K block (the tile lies in one), which
+        multiply the tile, or the tile's dot; KSCALED 2: `ws` holds each k's scale (the program's
+        columns lie in one block row), which multiply the input at one row, else the weight before it
+        is rounded to the input's dtype (as `kernels.fp8.dequantize` rounds)."""
         if BLOCK_M == 1:
             w32 = wv.to(tl.float32)
-            if KSCALED:
+            if KSCALED == 1:
                 w32 = w32 * ws[:, None]
-            acc += w32 * xv.to(tl.float32)
+            if KSCALED == 2:
+                acc += w32 * (xv.to(tl.float32) * ws[None, :])
+            else:
+                acc += w32 * xv.to(tl.float32)
         else:
-            wv = wv.to(xv.dtype)
-            if KSCALED:
+            if KSCALED == 2:
+                wv = (wv.to(tl.float32) * ws[None, :]).to(xv.dtype)
+            elif wv.dtype == tl.float8e4nv:  # through fp32: e4m3 -> bf16 directly takes a slow conversion per value
+                wv = wv.to(tl.float32).to(xv.dtype)
+            else:
+                wv = wv.to(xv.dtype)
+            if KSCALED == 1:
                 if IEEE:
                     acc += tl.dot(xv, tl.trans(wv), input_precision="ieee") * ws[None, :]
                 else:
@@ -176,9 +187,10 @@ if triton is not None:
         product's halves (W = [gate | up], 2n rows). EMIT (with Res, the residual stream): also store
         what PROLOGUE 3 of the next product takes, Out * NormW in Scaled and each program's sums of
         squares in Sums[program]. An FP8 weight (W e4m3) is dequantized in registers: WSCALE 1, one
-        scale per output row (WScale [n_rows, 1]) applied to the product; WSCALE 2, scales over
-        (SCALE_BR x SCALE_BC) blocks (WScale [rows / BR, k / BC]) applied per K tile, which lies in
-        one K block (BLOCK_K divides SCALE_BC)."""
+        scale per output row (WScale [n_rows, 1]) applied to the product; WSCALE 2 and 3, scales over
+        (SCALE_BR x SCALE_BC) blocks (WScale [rows / BR, k / BC]): 2 applied per K tile, which lies in
+        one K block (BLOCK_K divides SCALE_BC); 3 per k, where a program's columns lie in one block
+        row (BLOCK_N divides SCALE_BR), so K tiles of any length stream (`scale_mode`)."""
         # row blocks vary fastest over the grid: the programs that run together share their weight tiles,
         # so rows past the first read them from L2
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -209,6 +221,7 @@ if triton is not None:
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros_like(acc)
+        block_row = (tl.program_id(1) * BLOCK_N // SCALE_BR).to(tl.int64)  # WSCALE 3: the columns' one block row
         for k0 in range(0, k, BLOCK_K):
             kk = k0 + offs
             if EVEN_K:
@@ -231,14 +244,19 @@ if triton is not None:
             if WSCALE == 2:  # this K block's scale of each column
                 ws = tl.load(WScale + (cols // SCALE_BR).to(tl.int64) * stride_s + k0 // SCALE_BC, mask=col_ok,
                              other=0.0)
+            if WSCALE == 3:  # each k's scale in the block row of the program's columns
+                ws = tl.load(WScale + block_row * stride_s + kk // SCALE_BC, mask=kk < k, other=0.0)
             acc = _dot_step(acc, xv, tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0), ws, BLOCK_M, IEEE,
-                            WSCALE == 2)
+                            WSCALE - 1 if WSCALE >= 2 else 0)
             if GLU:
                 if WSCALE == 2:
                     ws = tl.load(WScale + ((cols + n) // SCALE_BR).to(tl.int64) * stride_s + k0 // SCALE_BC,
                                  mask=col_ok, other=0.0)
+                if WSCALE == 3:
+                    ws = tl.load(WScale + (block_row + n // SCALE_BR) * stride_s + kk // SCALE_BC, mask=kk < k,
+                                 other=0.0)
                 acc_up = _dot_step(acc_up, xv, tl.load(u_rows + kk[None, :], mask=w_ok, other=0.0), ws, BLOCK_M,
-                                   IEEE, WSCALE == 2)
+                                   IEEE, WSCALE - 1 if WSCALE >= 2 else 0)
         cs = 1.0
         if WSCALE == 1:
             cs = tl.load(WScale + cols.to(tl.int64) * stride_s, mask=col_ok, other=0.0)
@@ -400,6 +418,22 @@ def skinny_config(m: int, n: int, k: int, prologue: int = 0, itemsize: int = 2) 
     return replace(cfg, block_k=max(32, cfg.block_k * 2 // itemsize))
 
 
+def scale_mode(br: int, bc: int, k: int, n: int, block_n: int, block_k: int, glu: bool = False) -> tuple[int, int]:
+    """(WSCALE, K tile) of an FP8 product over (br x bc) scale blocks (see `_skinny_linear`): per
+    channel (1) keeps any K tile; where each program's block_n columns (and with glu their up rows,
+    n below) lie in one block row, per-k scales (3) keep it too; else each K tile must lie in one
+    scale block (2), which caps it at the block's width (at 128 x 128 blocks a one-row stream of
+    128-column tiles runs at about half the speed of its per-channel twin)."""
+    if br == 1 and bc >= k:
+        return 1, block_k
+    if br % block_n == 0 and (not glu or n % br == 0):
+        return 3, block_k
+    capped = min(block_k, bc & -bc)
+    if capped < 16:
+        raise ValueError(f"skinny_linear: scale blocks of {bc} columns need K tiles of {capped} < 16")
+    return 2, capped
+
+
 @dataclass(frozen=True)
 class PreNormed:
     """Rows of the residual stream with what the RMSNorm after them needs, written by the product that
@@ -456,15 +490,12 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm
             raise ValueError(f"skinny_linear: weight_scale {tuple(weight_scale.shape)} does not cover weight "
                              f"{tuple(weight.shape)} in {br} x {bc} blocks")
         stride_s = weight_scale.stride(0)
-        wscale = 1 if br == 1 and bc >= k else 2
-        if wscale == 2:  # a K tile must lie in one scale block
-            block_k = min(cfg.block_k, bc & -bc)
-            if block_k < 16:
-                raise ValueError(f"skinny_linear: scale blocks of {bc} columns need K tiles of {block_k} < 16")
-            cfg = replace(cfg, block_k=block_k)
     block_n = cfg.block_n
     if glu:  # each program streams block_n weight rows: half gate, half up
         n, block_n = n // 2, max(16, block_n // 2)
+    if weight_scale is not None:
+        wscale, block_k = scale_mode(br, bc, k, n, block_n, cfg.block_k, glu)
+        cfg = replace(cfg, block_k=block_k)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res = _rows(residual) if residual is not None else out
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, block_n))
