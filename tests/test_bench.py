@@ -854,7 +854,10 @@ def test_draft_step_terms_count_the_drafters_products_and_the_head_it_streams():
     assert not drafter.use_own_head and terms["head_gflops_per_row"] == pytest.approx(2 * target.lm_head.weight.numel() / 1e9)
     assert terms["head_bytes_gb"] == pytest.approx(target.lm_head.weight.numel() * 4 / 1e9)
     assert terms["weight_bytes_gb"] == pytest.approx((linears + drafter.fc.weight.numel()) * 4 / 1e9)
-    assert terms["block_rows"] == drafter.block_size
+    assert terms["block_rows"] == drafter.block_size and terms["draft_row_offset"] == 1
+    last = drafter.layers[-1]
+    after_qkv = sum(m.weight.numel() for m in last.modules() if isinstance(m, nn.Linear)) - last.self_attn.qkv_proj.weight.numel()
+    assert terms["trimmed_gflops_per_row"] == pytest.approx(2 * after_qkv / 1e9)
 
 
 def test_a_step_floor_is_its_weights_until_its_rows_fill_the_products():
@@ -874,12 +877,13 @@ def test_a_step_floor_is_its_weights_until_its_rows_fill_the_products():
     assert step_floor(model, floor, 64, 0, 1000) == pytest.approx((5.6e-3, "products bandwidth, attention bandwidth"))
     verify = 64 * 9 * 16e9 / 800e12 + 1.6e-3  # 576 rows of products, then the K/V
     assert step_floor(model, floor, 64, 8, 1000) == pytest.approx((verify, "products compute, attention bandwidth"))
-    # the draft: 64 requests x (16 block rows x 2 GFLOP + 0.1 GFLOP fc + 8 drafts x 1.2 GFLOP of head) =
-    # 2.67 TFLOP, 3.34 ms, against 3.2 GB of weights (0.8 ms); its K/V 64 x 1000 x 10 kB, 0.16 ms
-    drafter = {"weight_bytes_gb": 2.0, "head_bytes_gb": 1.2, "block_rows": 16, "layer_gflops_per_row": 2.0,
-               "fc_gflops_per_row": 0.1, "head_gflops_per_row": 1.2, "attention_flops_per_key": 0.0,
-               "kv_bytes_per_token": 1e4}
-    spec = verify + 64 * 41.7e9 / 800e12 + 0.16e-3
+    # the draft: 64 requests x (16 block rows x 2 GFLOP - 7 rows past the 8 drafts' 9 x 0.3 GFLOP the last
+    # layer skips + 0.1 GFLOP fc + 8 drafts x 1.2 GFLOP of head) = 2.53 TFLOP, 3.17 ms, against 3.2 GB of
+    # weights (0.8 ms); its K/V 64 x 1000 x 10 kB, 0.16 ms
+    drafter = {"weight_bytes_gb": 2.0, "head_bytes_gb": 1.2, "block_rows": 16, "draft_row_offset": 1, "layers": 5,
+               "layer_gflops_per_row": 2.0, "trimmed_gflops_per_row": 0.3, "fc_gflops_per_row": 0.1,
+               "head_gflops_per_row": 1.2, "attention_flops_per_key": 0.0, "kv_bytes_per_token": 1e4}
+    spec = verify + 64 * (41.7e9 - 7 * 0.3e9) / 800e12 + 0.16e-3
     assert step_floor(model, floor, 64, 8, 1000, drafter) == pytest.approx(
         (spec, "products compute, attention bandwidth, draft products compute, draft attention bandwidth"))
     assert step_floor(model, floor, 1, 1, 0, drafter) == pytest.approx(

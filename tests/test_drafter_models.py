@@ -229,6 +229,38 @@ def test_vanilla_markov_bias_rows_are_remembered_exactly(monkeypatch):
     assert 4 not in rows.rows
 
 
+# ------------------------------------------------------------------------------ the rows a step verifies
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["dflash_swa_noncausal", "dspark_vanilla"])  # later rows are keys of earlier ones
+def test_a_step_computes_only_the_rows_it_verifies(name, backend):
+    """`rows` (the rows holding the drafts a step verifies) gives those rows of the whole block's
+    forward: the last layer's queries shrink, every row's K/V stays a key. Negative control: a block
+    of only those rows (the later rows' K/V left out) drafts differently."""
+    exp, meta = fixture(name)
+    model = load(name, backend=backend)
+    embed = StubTarget(exp["embed"], exp["lm_head"]).embed if "embed" in exp else None
+    feats, toks = exp["features"], exp["tokens"]
+    cache = model.new_cache(2, 64)
+    model.append_context(cache, [1, 0], [0, 0], [9, 6], torch.stack([feats[:9], torch.cat([feats[:6], feats[:3]])]))
+    anchors = toks[torch.tensor([9, 6])]
+    full = model.block_hidden(cache, [1, 0], [9, 6], anchors, embed)
+    for k in (1, 3, model.num_draft_slots - 1):
+        rows = model.block_rows(k)
+        assert rows == k + (0 if model.anchor_first else 1)
+        part = model.block_hidden(cache, [1, 0], [9, 6], anchors, embed, rows=rows)
+        assert part.shape == (2, rows, full.shape[-1])
+        assert (part - full[:, :rows]).abs().max() <= ATOL
+        assert model.slot_hidden(part, k).shape == model.slot_hidden(full, k).shape == (2, k, full.shape[-1])
+    rows = model.block_rows(1)
+    assert rows < meta["block_size"]
+    model.block_size = rows
+    try:
+        short = model.block_hidden(cache, [1, 0], [9, 6], anchors, embed)
+    finally:
+        model.block_size = meta["block_size"]
+    assert (short - full[:, :rows]).abs().max() > 1e-3
+
+
 # ------------------------------------------------------------------------------ batching and cache
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["dflash_swa", "dspark_rnn"])

@@ -183,17 +183,24 @@ def row_flops(model: CausalLM) -> tuple[float, float]:
 def draft_step_terms(drafter: nn.Module, target: CausalLM) -> dict[str, float]:
     """What a draft step must read and compute at the least, for its floor: the weights of its layers and
     fc, the LM head it multiplies (its own, or the target's it shares, streamed again), and FLOPs of 2 a
-    multiply-add: every layer weight per block row (each request runs its whole block), the fc per context
-    row, the head per draft; attention per key and block row. DSpark's Markov and confidence heads are left
-    out, so the floor stays a lower bound."""
+    multiply-add: every layer weight per block row (each request runs its whole block) less, per block row
+    past those holding the verified drafts (`DraftModel.block_rows`), the last layer's weights after its
+    qkv projection (`trimmed_gflops_per_row`); the fc per context row, the head per draft; attention per
+    key and querying block row. DSpark's Markov and confidence heads are left out, so the floor stays a
+    lower bound."""
     cfg = drafter.config
     matrices = [p for layer in drafter.layers for p in layer.parameters() if p.dim() >= 2]
+    last = drafter.layers[-1]
+    trimmed = [p for p in last.parameters() if p.dim() >= 2 and p is not last.self_attn.qkv_proj.weight]
     head = drafter.lm_head.weight if drafter.use_own_head else target.lm_head.weight
     fc = drafter.fc.weight
     return {"weight_bytes_gb": sum(p.numel() * p.element_size() for p in [*matrices, fc]) / 1e9,
             "head_bytes_gb": head.numel() * head.element_size() / 1e9,
             "block_rows": drafter.block_size,
+            "draft_row_offset": 0 if drafter.anchor_first else 1,
+            "layers": cfg.num_layers,
             "layer_gflops_per_row": 2 * sum(p.numel() for p in matrices) / 1e9,
+            "trimmed_gflops_per_row": 2 * sum(p.numel() for p in trimmed) / 1e9,
             "fc_gflops_per_row": 2 * fc.numel() / 1e9,
             "head_gflops_per_row": 2 * head.numel() / 1e9,
             "attention_flops_per_key": 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim}

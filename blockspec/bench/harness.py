@@ -977,11 +977,13 @@ def step_floor(model: dict[str, Any], floor: dict[str, Any], batch: int, k: int,
               rows * model["attention_flops_per_key"] * context)]
     if k and drafter:
         d = drafter
+        # block rows past those holding the k drafts skip the last layer after its qkv projection
+        skipped = d["block_rows"] - min(d["block_rows"], k + d["draft_row_offset"])
         parts += [("draft products", (d["weight_bytes_gb"] + d["head_bytes_gb"]) * 1e9,
-                   batch * (d["block_rows"] * d["layer_gflops_per_row"] + d["fc_gflops_per_row"]
-                            + k * d["head_gflops_per_row"]) * 1e9),
+                   batch * (d["block_rows"] * d["layer_gflops_per_row"] - skipped * d["trimmed_gflops_per_row"]
+                            + d["fc_gflops_per_row"] + k * d["head_gflops_per_row"]) * 1e9),
                   ("draft attention", batch * context * d["kv_bytes_per_token"],
-                   batch * d["block_rows"] * d["attention_flops_per_key"] * context)]
+                   batch * (d["block_rows"] - skipped / d["layers"]) * d["attention_flops_per_key"] * context)]
     parts = [(name, reads / bandwidth, flops / rate) for name, reads, flops in parts if reads or flops]
     bound = ", ".join(f"{name} {'compute' if flops > reads else 'bandwidth'}" for name, reads, flops in parts)
     return sum(max(reads, flops) for _, reads, flops in parts), bound

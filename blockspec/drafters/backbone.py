@@ -84,19 +84,21 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(r, n, self.q_size))
 
     def forward_cached(self, x: Tensor, cos: Tensor, sin: Tensor, block: "CachedBlock", layer: int,
-                       norm: RMSNorm, residual: Tensor) -> Tensor:
+                       norm: RMSNorm, residual: Tensor, rows: int | None = None) -> Tensor:
         """Kernel path of residual + attention(norm(x)): the block's K/V are written into the cache
         right after the context (columns the next context append overwrites) and the rows read keys
-        in place, within `block.bounds`; the norm and the residual add fold into the products."""
-        r, n, _ = x.shape
+        in place, within `block.bounds`; the norm and the residual add fold into the products. With
+        `rows`, only the first `rows` block rows query (every row's K/V is still a key)."""
         cache, meta = block.cache, block.meta
         q = qkv_rope_store(dense(x, self.qkv_proj, norm=norm), self.heads, self.kv_heads, self.head_dim,
                            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, cache.k[layer],
                            cache.v[layer], cache.table, meta.slots, meta.write_pos, cache.k_scale, cache.v_scale)
         lo, hi = block.bounds[layer]
+        if rows is not None:
+            q, lo, hi, residual = q[:, :rows], lo[:, :rows], hi[:, :rows], residual[:, :rows]
         out = block_attention(q, cache.k[layer], cache.v[layer], cache.table, meta.slots, lo, hi, self.scale,
                               meta.kv_len, k_scale=cache.k_scale, v_scale=cache.v_scale)
-        return dense(out.view(r, n, self.q_size), self.o_proj, residual=residual)
+        return dense(out.flatten(2), self.o_proj, residual=residual)
 
     def _block_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         r, n, _ = x.shape
@@ -128,8 +130,9 @@ class DraftLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_cached(self, x: Tensor, cos: Tensor, sin: Tensor, block: CachedBlock, layer: int) -> Tensor:
-        x = self.self_attn.forward_cached(x, cos, sin, block, layer, self.input_layernorm, x)
+    def forward_cached(self, x: Tensor, cos: Tensor, sin: Tensor, block: CachedBlock, layer: int,
+                       rows: int | None = None) -> Tensor:
+        x = self.self_attn.forward_cached(x, cos, sin, block, layer, self.input_layernorm, x, rows)
         return self.mlp(x, norm=self.post_attention_layernorm, residual=x)
 
 
@@ -406,8 +409,9 @@ class DraftModel(nn.Module):
                 for lo, hi in self._block_bounds(ctx_t, positions)]
 
     def block_hidden(self, cache: KVCache, slots: list[int], ctx_lens: list[int], anchor_ids: Tensor,
-                     embed: Callable[[Tensor], Tensor] | None = None) -> Tensor:
-        """Final-normed hidden states [R, block_size, H] of ``[anchor, MASK...]`` at positions ctx_lens[r]...
+                     embed: Callable[[Tensor], Tensor] | None = None, rows: int | None = None) -> Tensor:
+        """Final-normed hidden states [R, rows, H] (rows: block_size by default) of the first block rows
+        of ``[anchor, MASK...]`` at positions ctx_lens[r]...
 
         Queries are the block only; keys are the cached context [0, ctx_lens[r]) plus the block's own
         K/V, computed here and never written to the cache.
@@ -422,11 +426,18 @@ class DraftModel(nn.Module):
             raise ValueError(f"block_hidden: context length {kv_len} beyond the cache ({cache.max_len})")
         ctx_t = to_device(ctx_lens, torch.int64, dev)
         slot_t = to_device(slots, torch.int64, dev)
-        return self.block_hidden_tensors(cache, slot_t, ctx_t, anchor_ids, kv_len, embed)
+        return self.block_hidden_tensors(cache, slot_t, ctx_t, anchor_ids, kv_len, embed, rows)
 
     def block_hidden_tensors(self, cache: KVCache, slots: Tensor, ctx_lens: Tensor, anchor_ids: Tensor,
-                             kv_len: int, embed: Callable[[Tensor], Tensor] | None = None) -> Tensor:
-        """Device-only body of `block_hidden` (CUDA-graph capturable); kv_len >= every ctx_lens[r]."""
+                             kv_len: int, embed: Callable[[Tensor], Tensor] | None = None,
+                             rows: int | None = None) -> Tensor:
+        """Device-only body of `block_hidden` (CUDA-graph capturable); kv_len >= every ctx_lens[r].
+
+        With `rows` (`block_rows`: the rows that hold the drafts a step verifies) the kernel path's
+        last layer runs attention, o_proj and the MLP for those rows only: every row's K/V still
+        enters every layer, so the rows kept are the numbers of the whole block's forward, while a
+        step verifying 8 of DFlash's 15 drafts computes 7 fewer rows of that layer. The reference
+        path computes every row and returns the first `rows`."""
         r, b, dev = anchor_ids.shape[0], self.block_size, anchor_ids.device
         ids = torch.full((r, b), self.mask_token_id, dtype=torch.int64, device=dev)
         ids[:, 0] = anchor_ids
@@ -436,13 +447,18 @@ class DraftModel(nn.Module):
         if self.attention_backend == "triton":
             meta = AttnMeta(slots, positions, positions, kv_len + b, {})
             block = CachedBlock(cache, meta, self._block_bounds(ctx_lens, positions))
+            last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
-                x = layer.forward_cached(x, cos, sin, block, i)
+                x = layer.forward_cached(x, cos, sin, block, i, rows if i == last and rows and rows < b else None)
             return self.norm(x)
         masks = self._block_masks(ctx_lens, positions, kv_len)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, *cache.gather(i, slots, kv_len), masks[i])
-        return self.norm(x)
+        return self.norm(x[:, :rows])
+
+    def block_rows(self, k: int) -> int:
+        """Block rows whose hidden states hold the first k drafts (`slot_hidden`)."""
+        return min(self.block_size, k + (0 if self.anchor_first else 1))
 
     def slot_hidden(self, hidden: Tensor, k: int | None = None) -> Tensor:
         """[R, k, H] (k defaults to num_draft_slots): the block rows that propose the first k drafts,

@@ -147,7 +147,8 @@ class DraftGraphs:
         every block's start."""
         d = self.drafter
         d.append_context_tensors(self.cache, slots, starts, counts, self.pending[slots], kv + self.rows)
-        hidden = d.block_hidden_tensors(self.cache, slots, starts + counts, anchors, kv, self.target.embed)
+        hidden = d.block_hidden_tensors(self.cache, slots, starts + counts, anchors, kv, self.target.embed,
+                                        d.block_rows(width))
         # where the drafter's logits are the target's, the argmax of the head's own-dtype logits
         return d.greedy_drafts(d.slot_hidden(hidden, width), anchors, self.markov_top_k,
                                head_argmax=lambda h: self.target.head_logits(h).argmax(-1))

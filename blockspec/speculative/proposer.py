@@ -304,9 +304,10 @@ class Proposer:
             self.graphs.append([r.slot for r in reqs], starts, counts)
         for r in reqs:
             assert r.num_draft_ctx == r.num_cached, (r.request_id, r.num_draft_ctx, r.num_cached)
+        width = self.graphs.width(k)
         hidden = self.drafter.block_hidden(self.context.cache, [r.slot for r in reqs], [r.num_cached for r in reqs], anchors,
-                                           self.target.embed)
-        slot_hidden = self.drafter.slot_hidden(hidden, self.graphs.width(k))
+                                           self.target.embed, self.drafter.block_rows(width))
+        slot_hidden = self.drafter.slot_hidden(hidden, width)
         if draft_params is not None:
             round_ = to_device([req.length for req in reqs], torch.int64, slot_hidden.device)
             return self.drafter.sample_drafts(slot_hidden, anchors, draft_params, round_,
