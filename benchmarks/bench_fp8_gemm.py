@@ -6,7 +6,7 @@ through torch._scaled_mm: per-token activation scales for per-channel weights, 1
 
 Each figure is one product timed as a CUDA graph of calls over enough weight copies to defeat the L2
 cache, median of repeated replays; the floor is the FP8 weight bytes over the measured copy bandwidth.
-`--sweep` first times a few streaming tiles at 1 and 16 rows (the bf16 tiles were tuned for bf16).
+`--sweep` first times a few streaming tiles at `--sweep-rows` (the bf16 tiles were tuned for bf16).
 
     python benchmarks/bench_fp8_gemm.py --out fp8_gemm.json
 """
@@ -80,15 +80,18 @@ def sweep_space(m: int) -> list[SkinnyConfig]:
     """An e4m3 tile holds half a bf16 tile's bytes: K tiles up to twice the bf16 table's longest."""
     if m == 1:
         grid = itertools.product([1], [8, 16, 32], [512, 1024, 2048], [4, 8], [1, 3])
-    else:
+    elif m <= triton_ops.SKINNY_MAX_ROWS:
         grid = itertools.product([16], [32, 64], [256, 512, 1024], [4, 8], [2, 3])
+    else:  # the row tiles up to TILE_MAX_ROWS: narrower column tiles give o and down (n = 4096) more programs
+        grid = itertools.product([64], [16, 32, 64], [128, 256], [4, 8], [3, 4])
     return [SkinnyConfig(*c) for c in grid]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,16,64,256,2048")
-    ap.add_argument("--sweep", action="store_true", help="time streaming tiles at 1 and 16 rows first")
+    ap.add_argument("--sweep", action="store_true", help="time streaming tiles at --sweep-rows first")
+    ap.add_argument("--sweep-rows", default="1,16", help="row counts of the sweep (64: the row tiles)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -96,7 +99,7 @@ def main() -> None:
     result = kernel_record(bw, tile_max_rows=fp8.TILE_MAX_ROWS, tile_config=fp8.TILE_CONFIG.__dict__, sweep=[])
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}), flush=True)
     if args.sweep:
-        for m in (1, 16):
+        for m in (int(r) for r in args.sweep_rows.split(",")):
             cases = {name: Case(n, k, m, bf16=False) for name, (n, k) in SHAPES.items()}
             for cfg, kind in itertools.product(sweep_space(m), ("channel", "block")):
                 row = {"rows": m, "scales": kind, "config": cfg.__dict__}
