@@ -447,9 +447,10 @@ class DraftModel(nn.Module):
         if self.attention_backend == "triton":
             meta = AttnMeta(slots, positions, positions, kv_len + b, {})
             block = CachedBlock(cache, meta, self._block_bounds(ctx_lens, positions))
-            last = len(self.layers) - 1
-            for i, layer in enumerate(self.layers):
-                x = layer.forward_cached(x, cos, sin, block, i, rows if i == last and rows and rows < b else None)
+            *early, last = self.layers
+            for i, layer in enumerate(early):
+                x = layer.forward_cached(x, cos, sin, block, i)
+            x = last.forward_cached(x, cos, sin, block, len(early), rows if rows and rows < b else None)
             return self.norm(x)
         masks = self._block_masks(ctx_lens, positions, kv_len)
         for i, layer in enumerate(self.layers):
