@@ -120,29 +120,30 @@ if triton is not None:
                 tl.store(out + half + d, x2, mask=ok)
 
     @triton.jit
-    def _dot_step(acc, xv, wv, ws, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, KSCALED: tl.constexpr):
+    def _dot_step(acc, xv, wv, ws, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, WSCALE: tl.constexpr):
         """One K tile of the product: at one row a multiply-add kept per (column, k) and summed at the
         end; above it a tensor-core dot. An FP8 weight tile is converted to the input's dtype (exact).
-        KSCALED 1: `ws` holds its columns' scales for this K block (the tile lies in one), which
-        multiply the tile, or the tile's dot; KSCALED 2: `ws` holds each k's scale (the program's
+        WSCALE as in `_skinny_linear` (0 and 1: nothing here, a per-channel scale multiplies the
+        product); 2: `ws` holds its columns' scales for this K block (the tile lies in one), which
+        multiply the tile, or the tile's dot; WSCALE 3: `ws` holds each k's scale (the program's
         columns lie in one block row), which multiply the input at one row, else the weight before it
         is rounded to the input's dtype (as `kernels.fp8.dequantize` rounds)."""
         if BLOCK_M == 1:
             w32 = wv.to(tl.float32)
-            if KSCALED == 1:
+            if WSCALE == 2:
                 w32 = w32 * ws[:, None]
-            if KSCALED == 2:
+            if WSCALE == 3:
                 acc += w32 * (xv.to(tl.float32) * ws[None, :])
             else:
                 acc += w32 * xv.to(tl.float32)
         else:
-            if KSCALED == 2:
+            if WSCALE == 3:
                 wv = (wv.to(tl.float32) * ws[None, :]).to(xv.dtype)
             elif wv.dtype == tl.float8e4nv:  # through fp32: e4m3 -> bf16 directly takes a slow conversion per value
                 wv = wv.to(tl.float32).to(xv.dtype)
             else:
                 wv = wv.to(xv.dtype)
-            if KSCALED == 1:
+            if WSCALE == 2:
                 if IEEE:
                     acc += tl.dot(xv, tl.trans(wv), input_precision="ieee") * ws[None, :]
                 else:
@@ -246,8 +247,7 @@ if triton is not None:
                              other=0.0)
             if WSCALE == 3:  # each k's scale in the block row of the program's columns
                 ws = tl.load(WScale + block_row * stride_s + kk // SCALE_BC, mask=kk < k, other=0.0)
-            acc = _dot_step(acc, xv, tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0), ws, BLOCK_M, IEEE,
-                            WSCALE - 1 if WSCALE >= 2 else 0)
+            acc = _dot_step(acc, xv, tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0), ws, BLOCK_M, IEEE, WSCALE)
             if GLU:
                 if WSCALE == 2:
                     ws = tl.load(WScale + ((cols + n) // SCALE_BR).to(tl.int64) * stride_s + k0 // SCALE_BC,
@@ -256,7 +256,7 @@ if triton is not None:
                     ws = tl.load(WScale + (block_row + n // SCALE_BR) * stride_s + kk // SCALE_BC, mask=kk < k,
                                  other=0.0)
                 acc_up = _dot_step(acc_up, xv, tl.load(u_rows + kk[None, :], mask=w_ok, other=0.0), ws, BLOCK_M,
-                                   IEEE, WSCALE - 1 if WSCALE >= 2 else 0)
+                                   IEEE, WSCALE)
         cs = 1.0
         if WSCALE == 1:
             cs = tl.load(WScale + cols.to(tl.int64) * stride_s, mask=col_ok, other=0.0)
