@@ -1,14 +1,17 @@
 """FP8 weight products of a Qwen3-8B-shaped model against bf16, by row count: what `kernels.fp8`
-dispatches to (the streaming kernel up to 16 rows, 64-row tiles up to TILE_MAX_ROWS, dequantize +
-cuBLAS above) and the alternatives at each size (tiles, dequantize + cuBLAS, and FP8 tensor cores
-through torch._scaled_mm: per-token activation scales for per-channel weights, 1 x 128 groups for
+dispatches to (the streaming kernel up to 16 rows, its row tiles (ROW_TILES) up to ROW_TILE_MAX_ROWS,
+dequantize + cuBLAS above) and the alternatives at each size (tiles, dequantize + cuBLAS, and FP8 tensor
+cores through torch._scaled_mm: per-token activation scales for per-channel weights, 1 x 128 groups for
 128 x 128 blocks), per-channel and 128 x 128 block scales.
 
 Each figure is one product timed as a CUDA graph of calls over enough weight copies to defeat the L2
 cache, median of repeated replays; the floor is the FP8 weight bytes over the measured copy bandwidth.
-`--sweep` first times a few streaming tiles at `--sweep-rows` (the bf16 tiles were tuned for bf16).
+`--sweep` first times a few streaming tiles at `--sweep-rows` (the bf16 tiles were tuned for bf16); its
+kernels compile faster side by side:
 
-    python benchmarks/bench_fp8_gemm.py --out fp8_gemm.json
+    for i in $(seq 0 7); do python benchmarks/bench_fp8_gemm.py --sweep-rows 16,64 --compile-shard $i/8 & done
+    wait
+    python benchmarks/bench_fp8_gemm.py --sweep --sweep-rows 16,64 --out fp8_gemm.json
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ L2_DEFEAT_BYTES = 512 << 20
 class Case:
     """One product shape at one row count: bf16 weights and their FP8 copies (per channel, 128 x 128)."""
 
-    def __init__(self, n: int, k: int, m: int, bf16: bool = True) -> None:
+    def __init__(self, n: int, k: int, m: int, bf16: bool = True, copies: int | None = None) -> None:
         self.n, self.k, self.m = n, k, m
-        copies = max(1, -(-L2_DEFEAT_BYTES // (n * k)))
+        copies = copies or max(1, -(-L2_DEFEAT_BYTES // (n * k)))
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
         self.bf16 = [w.clone() for _ in range(max(1, copies // 2))] if bf16 else []
         q, s = fp8.quantize_per_channel(w)
@@ -47,6 +50,8 @@ class Case:
         self.x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 
     def calls(self, kind: str, path: str, cfg: SkinnyConfig | None = None) -> list[Callable[[], object]]:
+        """`path`: dispatch (what fp8_linear runs), skinny (cfg's tiles), tiles (the row tiles of
+        fp8.ROW_TILES at any row count), dequantize (+ cuBLAS), scaled_mm."""
         x = self.x
         if kind == "bf16":
             if path == "skinny":
@@ -59,8 +64,9 @@ class Case:
             return [lambda a=a: triton_ops.skinny_linear(x, a[0], weight_scale=a[1], scale_block=a[2], config=cfg)
                     for a in weights]
         if path == "tiles":
-            return [lambda a=a: triton_ops.skinny_linear(x, a[0], weight_scale=a[1], scale_block=a[2],
-                                                         config=fp8.TILE_CONFIG) for a in weights]
+            cfg = fp8.ROW_TILES[triton_ops.product_class(self.n, self.k)]
+            return [lambda a=a: triton_ops.skinny_linear(x, a[0], weight_scale=a[1], scale_block=a[2], config=cfg)
+                    for a in weights]
         if path == "dequantize":
             return [lambda a=a: F.linear(x, fp8.dequantize(*a, x.dtype)) for a in weights]
         if path == "scaled_mm":
@@ -77,39 +83,64 @@ def timed(calls: list[Callable[[], object]]) -> float | str:
 
 
 def sweep_space(m: int) -> list[SkinnyConfig]:
-    """An e4m3 tile holds half a bf16 tile's bytes: K tiles up to twice the bf16 table's longest."""
+    """Tiles to time at m rows. An e4m3 tile holds half a bf16 tile's bytes: K tiles up to twice the bf16
+    table's longest. Above 16 rows, tiles of 64 and 128 rows (a program converts its weight tile once
+    for all its rows) and column tiles from 32 (more programs for o and down, n = 4096) to 128."""
     if m == 1:
         grid = itertools.product([1], [8, 16, 32], [512, 1024, 2048], [4, 8], [1, 3])
     elif m <= triton_ops.SKINNY_MAX_ROWS:
-        grid = itertools.product([16], [32, 64], [256, 512, 1024], [4, 8], [2, 3])
-    else:  # the row tiles up to TILE_MAX_ROWS: narrower column tiles give o and down (n = 4096) more programs
-        grid = itertools.product([64], [16, 32, 64], [128, 256], [4, 8], [3, 4])
+        grid = itertools.product([16], [32, 64], [256, 512], [4], [2, 3])
+    else:
+        grid = itertools.product([64, 128], [32, 64, 128], [128, 256], [4, 8], [3])
     return [SkinnyConfig(*c) for c in grid]
+
+
+def sweep(result: dict, rows: list[int], bw: float, shard: tuple[int, int] | None = None) -> None:
+    """Each tile of the sweep space of each row count, per-channel and 128 x 128 scales, all four shapes:
+    us and the FP8 bytes' time over it. `shard` (i, n): only compile the i-th of n parts (one call each,
+    one weight copy), so that n processes fill Triton's cache side by side first."""
+    for m in rows:
+        cases = {name: Case(n, k, m, bf16=False, copies=1 if shard else None) for name, (n, k) in SHAPES.items()}
+        points = list(itertools.product(sweep_space(m), ("channel", "block")))
+        for cfg, kind in points[shard[0]::shard[1]] if shard else points:
+            if shard:
+                for case in cases.values():
+                    try:
+                        case.calls(kind, "skinny", cfg)[0]()
+                    except Exception:  # a tile that does not fit: the timed pass records it
+                        pass
+                continue
+            row = {"rows": m, "scales": kind, "config": cfg.__dict__}
+            for name, case in cases.items():
+                t = timed(case.calls(kind, "skinny", cfg))
+                row[name + "_us"] = t
+                row[name + "_floor_ratio"] = case.n * case.k / bw / (t * 1e-6) if isinstance(t, float) else t
+            result["sweep"].append(row)
+            print(json.dumps(row), flush=True)
+        del cases
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="1,16,64,256,2048")
+    ap.add_argument("--rows", default="1,16,64,144,256,2048")
     ap.add_argument("--sweep", action="store_true", help="time streaming tiles at --sweep-rows first")
-    ap.add_argument("--sweep-rows", default="1,16", help="row counts of the sweep (64: the row tiles)")
+    ap.add_argument("--sweep-rows", default="1,16", help="row counts of the sweep (above 16: the row tiles)")
+    ap.add_argument("--compile-shard", default=None, metavar="I/N",
+                    help="only compile part I of N of the sweep (run N of these side by side first)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.compile_shard:
+        i, n = (int(v) for v in args.compile_shard.split("/"))
+        sweep({}, [int(r) for r in args.sweep_rows.split(",")], 0.0, (i, n))
+        return
     bw = copy_bandwidth()
-    result = kernel_record(bw, tile_max_rows=fp8.TILE_MAX_ROWS, tile_config=fp8.TILE_CONFIG.__dict__, sweep=[])
+    result = kernel_record(bw, row_tile_max_rows=fp8.ROW_TILE_MAX_ROWS,
+                           row_tiles={c: cfg.__dict__ for c, cfg in fp8.ROW_TILES.items()}, sweep=[])
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}), flush=True)
     if args.sweep:
-        for m in (int(r) for r in args.sweep_rows.split(",")):
-            cases = {name: Case(n, k, m, bf16=False) for name, (n, k) in SHAPES.items()}
-            for cfg, kind in itertools.product(sweep_space(m), ("channel", "block")):
-                row = {"rows": m, "scales": kind, "config": cfg.__dict__}
-                for name, case in cases.items():
-                    t = timed(case.calls(kind, "skinny", cfg))
-                    row[name + "_floor_ratio"] = case.n * case.k / bw / (t * 1e-6) if isinstance(t, float) else t
-                result["sweep"].append(row)
-                print(json.dumps(row), flush=True)
-            del cases
-            torch.cuda.empty_cache()
+        sweep(result, [int(r) for r in args.sweep_rows.split(",")], bw)
     for m in (int(r) for r in args.rows.split(",")):
         for name, (n, k) in SHAPES.items():
             case = Case(n, k, m)
@@ -117,9 +148,10 @@ def main() -> None:
             run = {"rows": m, "layer": name, "n": n, "k": k, "fp8_floor_us": floor * 1e6,
                    "bf16_floor_us": 2 * floor * 1e6}
             run["bf16_us"] = timed(case.calls("bf16", "skinny" if m <= triton_ops.SKINNY_MAX_ROWS else "cublas"))
-            paths = ["dispatch"] + (["tiles", "dequantize"] if m > triton_ops.SKINNY_MAX_ROWS else [])
+            wide = m > triton_ops.SKINNY_MAX_ROWS
+            paths = ["dispatch"] + (["tiles", "dequantize"] if wide else [])
             for kind in ("channel", "block"):
-                for path in paths + (["scaled_mm"] if m > triton_ops.SKINNY_MAX_ROWS else []):
+                for path in paths + (["scaled_mm"] if wide else []):
                     t = timed(case.calls(kind, path))
                     run[f"{kind}_{path}_us"] = t
                     if isinstance(t, float) and isinstance(run["bf16_us"], float):

@@ -131,11 +131,13 @@ def test_prenormed_rows_norm_an_fp8_product(dtype, glu):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["channel", "block"])
 def test_wide_row_tiles_match_the_reference(dtype, layout):
-    """Above SKINNY_MAX_ROWS: the same kernel in fp8.TILE_CONFIG's 64-row tiles (two row tiles here)."""
+    """Above SKINNY_MAX_ROWS: the same kernel in each of fp8.ROW_TILES' row tiles (two row tiles here, the
+    second ragged)."""
     w, s, block = quantized(160, 256, layout)
     x = rand(70, 256, seed=2, dtype=dtype)
-    got = triton_ops.skinny_linear(x, w, config=fp8.TILE_CONFIG, weight_scale=s, scale_block=block)
-    assert close(got, reference(x, w, s, block), dtype)
+    for cfg in fp8.ROW_TILES.values():
+        got = triton_ops.skinny_linear(x, w, config=cfg, weight_scale=s, scale_block=block)
+        assert close(got, reference(x, w, s, block), dtype), cfg
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

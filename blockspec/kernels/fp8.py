@@ -12,7 +12,7 @@ On CUDA the product is chosen by row count (`fp8_linear`):
 - up to `SKINNY_MAX_ROWS` (decode, verify and draft steps of small batches): `ops.skinny_linear`
   streams the e4m3 weight and dequantizes in registers, with the same fused prologues and epilogues
   as for bf16 (`layers.dense` calls it directly);
-- up to `TILE_MAX_ROWS` (wider verify batches): the same kernel with one 64-row tile, tensor-core dots
+- up to `ROW_TILE_MAX_ROWS` (wider verify batches): the same kernel in 64-row tiles, tensor-core dots
   of the e4m3 tiles converted to the input's dtype (exact) and scaled per K block;
 - above (prefill, wider verify batches): the weight dequantized to the input's dtype in one pass
   (`dequantize`), then cuBLAS; or, with LARGE_PRODUCT = "scaled_mm", FP8 tensor cores (`torch._scaled_mm`: per-token
@@ -29,17 +29,23 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from blockspec.kernels import triton
-from blockspec.kernels.ops import SKINNY_MAX_ROWS, SkinnyConfig, skinny_linear, use_kernels
+from blockspec.kernels.ops import SKINNY_MAX_ROWS, SkinnyConfig, product_class, skinny_linear, use_kernels
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8 = torch.float8_e4m3fn
 
-TILE_MAX_ROWS = 64
-"""Above SKINNY_MAX_ROWS and up to this many rows, FP8 products run as one pass of 64-row tiles of the
-streaming kernel; above it the weight is dequantized for cuBLAS. Each further 64 rows of tiles streams
-and converts the weight again: on the H200 the Qwen3-8B products took 240.6 us (tiles) against 285 us
-(dequantize + cuBLAS) at 64 rows, and 479 us against 318 us at 256 (benchmarks/bench_fp8_gemm.py)."""
-TILE_CONFIG = SkinnyConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
+ROW_TILE_MAX_ROWS = 64
+"""Above SKINNY_MAX_ROWS and up to this many rows, FP8 products run the streaming kernel in ROW_TILES' row
+tiles; above it the weight is dequantized for cuBLAS. On the H200 at 144 and 256 rows every product
+streamed in tiles was slower than dequantize + cuBLAS (benchmarks/bench_fp8_gemm.py --sweep)."""
+ROW_TILES = {
+    "wide": SkinnyConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3),
+    "qkv": SkinnyConfig(block_m=64, block_n=64, block_k=256, num_warps=4, num_stages=3),
+    "tall": SkinnyConfig(block_m=64, block_n=32, block_k=256, num_warps=4, num_stages=3),
+}
+"""Tiles by `ops.product_class`: the best at 64 rows of a sweep of 24 tiles on the H200 for Qwen3-8B's
+products (per-channel and 128 x 128 scales); narrow column tiles give o and down (n = 4096) more
+programs."""
 LARGE_PRODUCT = "dequantize"  # or "scaled_mm": FP8 tensor cores for per-channel weights, bf16 inputs
 
 if triton is not None:
@@ -128,9 +134,8 @@ def fp8_linear(x: Tensor, w: Tensor, scale: Tensor, block: tuple[int, int], bias
     if not use_kernels(x):
         return F.linear(x, dequantize_reference(w, scale, block, x.dtype), bias)
     rows = x.numel() // x.shape[-1]
-    if rows <= TILE_MAX_ROWS:
-        return skinny_linear(x, w, bias, weight_scale=scale, scale_block=block,
-                             config=None if rows <= SKINNY_MAX_ROWS else TILE_CONFIG)
+    if rows <= ROW_TILE_MAX_ROWS:
+        return skinny_linear(x, w, bias, weight_scale=scale, scale_block=block, config=row_tiles(rows, *w.shape))
     if LARGE_PRODUCT == "scaled_mm" and x.dtype == torch.bfloat16:
         if block == (1, w.shape[1]):
             return scaled_mm_rowwise(x, w, scale, bias)
@@ -138,6 +143,14 @@ def fp8_linear(x: Tensor, w: Tensor, scale: Tensor, block: tuple[int, int], bias
             y = scaled_mm_blockwise(x, w, scale)
             return y if bias is None else y + bias
     return F.linear(x, dequantize(w, scale, block, x.dtype), bias)
+
+
+def row_tiles(rows: int, n: int, k: int) -> SkinnyConfig | None:
+    """The streaming kernel's tiles for an FP8 product of `rows` rows and an [n, k] weight: ROW_TILES above
+    SKINNY_MAX_ROWS, None at or below it (the kernel's own tiles) and above ROW_TILE_MAX_ROWS."""
+    if rows <= SKINNY_MAX_ROWS or rows > ROW_TILE_MAX_ROWS:
+        return None
+    return ROW_TILES[product_class(n, k)]
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:

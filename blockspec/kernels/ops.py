@@ -409,11 +409,17 @@ def streams_per_row(m: int, itemsize: int) -> bool:
     return m == 1 or itemsize >= 4
 
 
+def product_class(n: int, k: int) -> str:
+    """The tile tables' class of an [n, k] weight: wide (gate_up, n >= 4k), qkv (k < n < 4k), or tall
+    (o and down, n <= k)."""
+    return "wide" if n >= 4 * k else "qkv" if n > k else "tall"
+
+
 def skinny_config(m: int, n: int, k: int, prologue: int = 0, itemsize: int = 2) -> SkinnyConfig:
     """Tile sizes for `skinny_linear` (prologue 1: norm, 2: SwiGLU), from SKINNY_TILES. Wider elements
     take shorter K tiles, so the pipeline's buffers fit in shared memory."""
     one = streams_per_row(m, itemsize)
-    shape = "swiglu" if one and prologue == 2 else "wide" if n >= 4 * k else "qkv" if n > k else "tall"
+    shape = "swiglu" if one and prologue == 2 else product_class(n, k)
     cfg = SkinnyConfig(*SKINNY_TILES["one" if one else "few", shape])
     return replace(cfg, block_k=max(32, cfg.block_k * 2 // itemsize))
 
