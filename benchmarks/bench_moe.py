@@ -1,6 +1,8 @@
 """One mixture-of-experts layer of Qwen3-30B-A3B's shape (128 experts of width 768, top-8, hidden 2048,
 bf16): the fused kernels (route, align, grouped gate_up and down, combine) at decode / verify / prefill
-row counts, against the floor of the experts the rows actually select, and a tile sweep.
+row counts, against the floor of the experts the rows actually select, and a tile sweep; at one row
+also the whole block as a decode step runs it (router, route, experts), with a sweep of the router's
+tiles (--router-sweep).
 
 Each figure is one layer's call timed as a CUDA graph of calls over several layers' weights (so the
 selected experts stream from HBM, not L2), median of repeated replays. The floor of a call is the
@@ -9,7 +11,7 @@ router logits: "uniform" (rows independent), or "local" (each request's rows equ
 rho = 0.8, the locality model of blockspec.bench.expert_union; rows = requests x rows each). For
 scale, the dense SwiGLU MLP of the same active width (8 x 768) at the same rows.
 
-    python benchmarks/bench_moe.py --out moe.json [--sweep]
+    python benchmarks/bench_moe.py --out moe.json [--sweep] [--router-sweep]
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 from blockspec.bench.expert_union import LOCAL_RHO
 from blockspec.bench.timing import copy_bandwidth, graph_seconds
 from blockspec.kernels import moe as K
-from blockspec.models.layers import GatedMLP
+from blockspec.kernels.ops import SkinnyConfig, skinny_linear
+from blockspec.models.layers import GatedMLP, rms_norm
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 LAYERS = 6  # 6 x 1.2 GB of experts: a step's experts never sit in L2 from the call before
@@ -32,6 +35,10 @@ EXPERT_BYTES = 3 * HIDDEN * INTER * 2
 # (block_n_up, block_n_down, block_k, num_warps, num_stages) tried for few rows with --sweep
 SWEEP = [(16, 32, 128, 4, 3), (32, 64, 128, 4, 3), (32, 32, 256, 4, 2), (64, 64, 128, 4, 3), (32, 64, 64, 4, 4),
          (16, 64, 256, 4, 2), (32, 128, 128, 8, 3), (64, 128, 64, 4, 4)]
+
+# --router-sweep: the router's product at one row (block_m, block_n, block_k, num_warps, num_stages)
+ROUTER_SWEEP = [(1, 4, 2048, 8, 1), (1, 1, 2048, 4, 1), (1, 4, 512, 4, 3), (1, 8, 512, 4, 3), (1, 2, 1024, 4, 2),
+                (1, 2, 2048, 4, 1), (1, 8, 2048, 8, 1)]
 
 
 def router_logits(rows: int, per_request: int, rho: float, gen: torch.Generator) -> torch.Tensor:
@@ -50,6 +57,10 @@ class Layers:
                         * HIDDEN ** -0.5 for _ in range(LAYERS)]
         self.down = [torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", dtype=torch.bfloat16, generator=g)
                      * INTER ** -0.5 for _ in range(LAYERS)]
+        self.router = [torch.randn(EXPERTS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g) * HIDDEN ** -0.5
+                       for _ in range(LAYERS)]
+        self.norm = [1.0 + 0.1 * torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
+                     for _ in range(LAYERS)]
         with torch.device("cuda"):  # the dense SwiGLU MLP of the same active width (top-8 x 768 = 6144)
             self.dense = [GatedMLP(HIDDEN, TOP_K * INTER).to(torch.bfloat16).eval().requires_grad_(False)
                           for _ in range(LAYERS)]
@@ -64,10 +75,10 @@ def measure(layers: Layers, rows: int, per_request: int, rho: float, bandwidth: 
     union = statistics.mean(ids.unique().numel() for _, ids in routes)
     full = [lambda i=i: K.fused_experts(x, layers.gate_up[i], layers.down[i],
                                         *K.route(logits[i], TOP_K, True, x.dtype), config=cfg) for i in range(LAYERS)]
-    only_routing = [lambda i=i: K.align(K.route(logits[i], TOP_K, True, x.dtype)[1].view(-1), EXPERTS,
-                                        (cfg or K.moe_config(rows)).block_m,
-                                        K.num_tiles(rows, TOP_K, EXPERTS, (cfg or K.moe_config(rows)).block_m))
-                    for i in range(LAYERS)]
+    block_m = (cfg or K.moe_config(rows)).block_m
+    only_routing = [lambda i=i: K.route(logits[i], TOP_K, True, x.dtype) if rows == 1 else  # one row: no align
+                    K.align(K.route(logits[i], TOP_K, True, x.dtype)[1].view(-1), EXPERTS, block_m,
+                            K.num_tiles(rows, TOP_K, EXPERTS, block_m)) for i in range(LAYERS)]
     t = statistics.median(graph_seconds(full, replays))
     t_route = statistics.median(graph_seconds(only_routing, replays))
     floor = union * EXPERT_BYTES / bandwidth
@@ -83,10 +94,41 @@ def dense_us(layers: Layers, rows: int, replays: int = 20) -> float:
     return 1e6 * statistics.median(graph_seconds([lambda m=m: m(x) for m in layers.dense], replays))
 
 
+def one_row(layers: Layers, bandwidth: float, sweep: bool) -> dict:
+    """One row with the layer's norm and residual, as a decode step runs the block: the norm, the router's
+    streamed product (`K.ROUTER_TILE`), the route, the experts with each pair its own tile; with `sweep`,
+    the router's product over ROUTER_SWEEP's tiles."""
+    x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    eps = 1e-6
+
+    def router(i: int, cfg: SkinnyConfig | None = None) -> torch.Tensor:
+        return skinny_linear(x, layers.router[i], config=cfg or K.ROUTER_TILE)
+
+    def block(i: int) -> torch.Tensor:
+        h = rms_norm(x, layers.norm[i], eps)
+        weights, ids = K.route(skinny_linear(h, layers.router[i], config=K.ROUTER_TILE), TOP_K, True, x.dtype)
+        return K.fused_experts(h, layers.gate_up[i], layers.down[i], weights, ids, residual=res)
+
+    def us(fn) -> float:
+        return 1e6 * statistics.median(graph_seconds([lambda i=i: fn(i) for i in range(LAYERS)], 20))
+
+    floor = (TOP_K * EXPERT_BYTES + EXPERTS * HIDDEN * 2) / bandwidth
+    out = {"floor_us": 1e6 * floor, "block_us": us(block), "router_us": us(router), "router": []}
+    print(f"one row, norm to residual: {out['block_us']:.1f} us (router {out['router_us']:.1f} us); floor "
+          f"{out['floor_us']:.1f} us (8 experts and the router)")
+    for c in ROUTER_SWEEP if sweep else ():
+        out["router"].append({"tiles": c, "us": us(lambda i: router(i, SkinnyConfig(*c)))})
+        print(f"router {c}: {out['router'][-1]['us']:.1f} us")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="1,2,4,8,16,32,64,128,512,2048")
-    p.add_argument("--sweep", action="store_true", help="also try the SWEEP tiles at 1, 4, 16 and 64 rows")
+    p.add_argument("--sweep", action="store_true", help="also try the SWEEP tiles (at --sweep-rows)")
+    p.add_argument("--sweep-rows", default="1,4,16,64")
+    p.add_argument("--router-sweep", action="store_true", help="also try the ROUTER_SWEEP tiles at one row")
     p.add_argument("--out", default="moe.json")
     args = p.parse_args()
     bandwidth = copy_bandwidth()
@@ -105,9 +147,10 @@ def main() -> None:
             print(f"{rows:5d}  {run['routing']:7s}  {per_request:7d}  {run['union_experts']:5.1f}  {run['us']:7.1f}  "
                   f"{run['route_align_us']:13.1f}  {run['floor_us']:8.1f}  {run['of_floor']:8.0%}  "
                   f"{run.get('dense_same_active_us', float('nan')):8.1f}")
+    decode = one_row(layers, bandwidth, args.router_sweep)
     sweep = []
     if args.sweep:
-        for rows in (1, 4, 16, 64):
+        for rows in (int(r) for r in args.sweep_rows.split(",")):
             best = None
             for tiles in SWEEP:
                 cfg = K.MoeConfig(max(16, 1 << (rows - 1).bit_length()), *tiles)
@@ -122,7 +165,8 @@ def main() -> None:
                 print(f"rows {rows:3d} tiles {tiles}: {run['us']:.1f} us ({run['of_floor']:.0%} of floor)")
             if best is not None:
                 print(f"best at {rows} rows: {best['config']} {best['us']:.1f} us")
-    Path(args.out).write_text(json.dumps({"copy_bandwidth_TBps": bandwidth / 1e12, "runs": runs, "sweep": sweep},
+    Path(args.out).write_text(json.dumps({"copy_bandwidth_TBps": bandwidth / 1e12, "runs": runs, "sweep": sweep,
+                                          "one_row": decode},
                                          indent=1))
 
 

@@ -62,6 +62,7 @@ def test_route_matches_reference(dtype, renorm, num_experts, k):
     assert not torch.allclose(other.float(), want_w.float(), atol=1e-3)
 
 
+
 @pytest.mark.parametrize("chunk", [8, 64])  # passes of a few pairs (decode) and of many
 @pytest.mark.parametrize("pairs,num_experts,block_m", [(1, 8, 16), (30, 6, 16), (140, 16, 16), (600, 16, 64),
                                                        (600, 128, 16)])
@@ -84,9 +85,11 @@ def test_align_kernel_equals_the_sort(pairs, num_experts, block_m, chunk):
         assert bool((ids[want.sorted_pairs[a:b].long()] == e).all())
 
 
-# one row; a few; past one 16-row tile; past MOE_FEW_ROWS (64-pair tiles, several for an expert)
-@pytest.mark.parametrize("dtype,rows,num_experts,k", [(torch.float32, 1, 16, 4), (torch.float16, 5, 6, 2),
-                                                      (torch.float32, 17, 16, 4), (torch.float16, 70, 6, 2)])
+# one row (each pair its own tile, no alignment); a few; past one 16-row tile; past MOE_FEW_ROWS
+# (64-pair tiles, several for an expert)
+@pytest.mark.parametrize("dtype,rows,num_experts,k", [(torch.float32, 1, 16, 4), (torch.float16, 1, 6, 2),
+                                                      (torch.float16, 5, 6, 2), (torch.float32, 17, 16, 4),
+                                                      (torch.float16, 70, 6, 2)])
 def test_fused_experts_match_reference(dtype, rows, num_experts, k):
     hidden, inter = 64, 48  # a ragged last K block of the down projection (48 % 32)
     x = rand(rows, hidden, dtype=dtype)
@@ -113,9 +116,10 @@ def test_residual_is_added_as_the_unfused_add_rounds():
 def moe_block(cfg_kw: dict, dtype: torch.dtype) -> M.SparseMoE:
     from blockspec.config import ModelConfig
 
-    cfg = ModelConfig(model_type="qwen3_moe", vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
-                      num_attention_heads=1, num_key_value_heads=1, head_dim=8, num_experts=8, num_experts_per_tok=2,
-                      moe_intermediate_size=32, moe_layers=(0,), **cfg_kw)
+    cfg = ModelConfig(**{"model_type": "qwen3_moe", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8,
+                         "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 8,
+                         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "moe_layers": (0,),
+                         **cfg_kw})
     torch.manual_seed(0)
     block = M.SparseMoE(cfg)
     with torch.no_grad():
@@ -125,24 +129,33 @@ def moe_block(cfg_kw: dict, dtype: torch.dtype) -> M.SparseMoE:
 
 
 @pytest.mark.parametrize("shared", [0, 40], ids=["qwen3_moe", "shared-expert"])
-def test_block_takes_the_kernels_where_they_serve(monkeypatch, shared):
+@pytest.mark.parametrize("shape", [(2, 3), (1, 1)], ids=["rows", "one-row"])
+def test_block_takes_the_kernels_where_they_serve(monkeypatch, shared, shape):
     """The SparseMoE block with the kernels (forced on here, as on CUDA) against its reference path,
-    with the layer's pre-norm and residual folded in as the decoder layer passes them."""
+    with the layer's pre-norm and residual folded in as the decoder layer passes them (at one row the
+    router's product streams and the experts take no alignment)."""
+    block = moe_block({"norm_topk_prob": True, "shared_expert_intermediate_size": shared}, torch.float16)
+    assert_block_takes_the_kernels(monkeypatch, block, shape)
+
+
+def assert_block_takes_the_kernels(monkeypatch, block: M.SparseMoE, shape: tuple[int, int]) -> None:
     from blockspec.models.layers import RMSNorm
 
-    dtype = torch.float16
-    block = moe_block({"norm_topk_prob": True, "shared_expert_intermediate_size": shared}, dtype)
-    norm = RMSNorm(64).to(DEVICE, dtype)
-    x = rand(2, 3, 64, dtype=dtype)
-    res = rand(2, 3, 64, dtype=dtype, seed=5)
+    hidden, dtype = block.gate.weight.shape[1], block.gate.weight.dtype
+    norm = RMSNorm(hidden).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1.0 + rand(hidden, dtype=dtype, seed=6, scale=0.2))
+    x = rand(*shape, hidden, dtype=dtype)
+    res = rand(*shape, hidden, dtype=dtype, seed=5)
     monkeypatch.setattr(M, "use_kernels", lambda *t: False)
     want = block(x, norm=norm, residual=res)
     seen = []
     block.observe = seen.append
     monkeypatch.setattr(M, "use_kernels", lambda *t: True)
     got = block(x, norm=norm, residual=res)
-    assert got.shape == x.shape and len(seen) == 1 and seen[0].shape == (6, 2)
+    assert got.shape == x.shape and len(seen) == 1 and seen[0].shape == (shape[0] * shape[1], block.top_k)
     assert_close(got - res, want - res, dtype)
+    assert (block(x, residual=res) - want).abs().max() > 1e-2  # negative control: the pre-norm left out
 
 
 # ---------------------------------------------------------------------------------------- GPU, bf16
@@ -193,10 +206,21 @@ def test_bf16_steps_replay_in_a_cuda_graph(rows):
 
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_bf16_block_at_one_row_matches_its_reference(monkeypatch):
+    """A decode row through the block at Qwen3-30B-A3B's shapes: the router's streamed product and the
+    experts without alignment, against cuBLAS's router and the expert loop."""
+    block = moe_block({"norm_topk_prob": True, "hidden_size": 2048, "num_experts": 128, "num_experts_per_tok": 8,
+                       "moe_intermediate_size": 768}, torch.bfloat16)
+    assert_block_takes_the_kernels(monkeypatch, block, (1, 1))
+
+
 def test_the_moe_kernels_compile_for_the_gpu():
     """Through Triton's front end for sm_90 (`compile_for_sm90`), which type-checks what the interpreter
-    does not: route, align, both grouped products (K blocks that divide the width and ones that do not)
-    and the combine, in bf16 and fp32."""
+    does not: route, align, both grouped products (K blocks that divide
+    the width and ones that do not; tiles from the table and one row's pairs) and the combine, in bf16
+    and fp32."""
     cases = []
     for dtype in ("bf16", "fp32"):
         t = f"*{dtype}"
@@ -204,12 +228,13 @@ def test_the_moe_kernels_compile_for_the_gpu():
         cases.append(("_moe_route", {"Logits": t, "Weights": t, "Ids": "*i32"},
                       {"TOP_K": 8, "K_BLOCK": 8, "E_BLOCK": 128, "RENORM": True}))
         cases.append(("_moe_align", ints, {"BLOCK_M": 16, "E_BLOCK": 128, "CHUNK": 8}))
-        for even in (True, False):
+        for even in (True, False):  # the one-row tiles with the ragged K blocks
             cases.append(("_moe_gate_up", {"X": t, "W": t, "Out": t, **ints},
                           {"TOP_K": 8, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "EVEN_K": even,
-                           "IEEE": dtype == "fp32"}))
+                           "IEEE": dtype == "fp32", "ONE_ROW": not even}))
             cases.append(("_moe_down", {"H": t, "W": t, "RouteW": t, "Y": "*fp32", **ints},
-                          {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "EVEN_K": even, "IEEE": dtype == "fp32"}))
+                          {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "EVEN_K": even, "IEEE": dtype == "fp32",
+                           "ONE_ROW": not even}))
         cases.append(("_moe_combine", {"Y": "*fp32", "Res": t, "Out": t},
                       {"TOP_K": 8, "HAS_RES": True, "BLOCK": 1024}))
     compile_for_sm90("blockspec.kernels.moe", cases)

@@ -4,11 +4,13 @@ grouped product per projection that reads each selected expert's weights once, a
 A step of M rows routes each to k experts: P = M * k pairs, pair p = (row p // k, slot p % k).
 
 - `route`: softmax over the router logits in fp32, top-k, optional renormalisation (one program a row).
+  At one row the router's product before it streams through `ops.skinny_linear` (`ROUTER_TILE`).
 - `align`: the pairs sorted by expert (within an expert by pair index) and a table of tiles, each a
   run of at most BLOCK_M sorted pairs of one expert. With M <= BLOCK_M (decode, verify, draft: up to
   MOE_FEW_ROWS rows) an expert never has more pairs than rows, so it gets one tile and its weights are
   streamed once per step. Small steps align in one Triton program; large ones (prefill) by a stable
-  torch sort (`align_torch`, also the Triton version's oracle).
+  torch sort (`align_torch`, also the Triton version's oracle). A single row needs no alignment: its
+  k experts are distinct, so each pair is a tile (`ONE_ROW`).
 - `fused_experts`: gate_up over the tiles with SwiGLU in the epilogue, into a buffer in sorted order;
   down over the same tiles, each pair's output times its router weight; then per row the sum of its
   k pair outputs in fp32, rounded once (plus the residual, where given).
@@ -27,6 +29,7 @@ import torch
 from torch import Tensor
 
 from blockspec.kernels import triton
+from blockspec.kernels.ops import SkinnyConfig
 
 if triton is not None:
     import triton.language as tl
@@ -103,10 +106,25 @@ if triton is not None:
         return tl.dot(a, tl.trans(b), acc)
 
     @triton.jit
-    def _tile_rows(TileLo, TileHi, t, BLOCK_M: tl.constexpr):
-        """Tile t's sorted positions (BLOCK_M from its first) and which of them it holds."""
-        m = tl.load(TileLo + t) + tl.arange(0, BLOCK_M)
-        return m, m < tl.load(TileHi + t)
+    def _tile_rows(TileLo, TileHi, t, BLOCK_M: tl.constexpr, ONE_ROW: tl.constexpr):
+        """Tile t's sorted positions (BLOCK_M from its first) and which of them it holds. ONE_ROW: the
+        pairs of a single row, whose experts are distinct, each its own tile in pair order (no table)."""
+        if ONE_ROW:
+            m = t + tl.arange(0, BLOCK_M)
+            m_ok = tl.arange(0, BLOCK_M) < 1
+        else:
+            m = tl.load(TileLo + t) + tl.arange(0, BLOCK_M)
+            m_ok = m < tl.load(TileHi + t)
+        return m, m_ok
+
+    @triton.jit
+    def _tile_pairs(Sorted, m, m_ok, ONE_ROW: tl.constexpr):
+        """The pair indices at sorted positions m (with ONE_ROW the positions are the pairs)."""
+        if ONE_ROW:
+            pair = m
+        else:
+            pair = tl.load(Sorted + m, mask=m_ok, other=0)
+        return pair
 
     @triton.jit
     def _k_masks(m_ok, c_ok, kk, k, EVEN_K: tl.constexpr):
@@ -122,15 +140,15 @@ if triton is not None:
     @triton.jit
     def _moe_gate_up(X, W, Sorted, TileExpert, TileLo, TileHi, Out, stride_x, stride_we, stride_wn, stride_o,
                      inter, hidden, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, ONE_ROW: tl.constexpr):
         """Tile t, columns block n: silu(x W_gate^T) * (x W_up^T) for the tile's pairs' rows x, into
         Out at their sorted positions; each product rounded as a linear layer rounds, SwiGLU as the
         silu_mul kernel rounds."""
         t = tl.program_id(0)
         expert = tl.load(TileExpert + t)
         if expert >= 0:
-            m, m_ok = _tile_rows(TileLo, TileHi, t, BLOCK_M)
-            row = (tl.load(Sorted + m, mask=m_ok, other=0) // TOP_K).to(tl.int64)
+            m, m_ok = _tile_rows(TileLo, TileHi, t, BLOCK_M, ONE_ROW)
+            row = (_tile_pairs(Sorted, m, m_ok, ONE_ROW) // TOP_K).to(tl.int64)
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             c_ok = cols < inter
             offs = tl.arange(0, BLOCK_K)
@@ -154,15 +172,15 @@ if triton is not None:
     @triton.jit
     def _moe_down(H, W, Sorted, TileExpert, TileLo, TileHi, RouteW, Y, stride_h, stride_we, stride_wn, stride_y,
                   hidden, inter, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+                  EVEN_K: tl.constexpr, IEEE: tl.constexpr, ONE_ROW: tl.constexpr):
         """Tile t, columns block n: each pair's SwiGLU row (sorted position) times the expert's down
         projection, rounded to the model dtype, times the pair's router weight, into Y (fp32) at the
         pair's own index."""
         t = tl.program_id(0)
         expert = tl.load(TileExpert + t)
         if expert >= 0:
-            m, m_ok = _tile_rows(TileLo, TileHi, t, BLOCK_M)
-            pair = tl.load(Sorted + m, mask=m_ok, other=0).to(tl.int64)
+            m, m_ok = _tile_rows(TileLo, TileHi, t, BLOCK_M, ONE_ROW)
+            pair = _tile_pairs(Sorted, m, m_ok, ONE_ROW).to(tl.int64)
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             c_ok = cols < hidden
             offs = tl.arange(0, BLOCK_K)
@@ -195,6 +213,11 @@ if triton is not None:
             y = y.to(Out.dtype.element_ty)
         tl.store(Out + row * stride_o + cols, y, mask=ok)
 
+
+ROUTER_TILE = SkinnyConfig(1, 4, 2048, 8, 1)
+"""The router's product at one row ([E, H] with E of 64-256 experts) through `ops.skinny_linear`: so
+narrow a weight needs few columns a program for its stream to cover the GPU (benchmarks/bench_moe.py
+--router-sweep on an H200: 2.7 us, against 5.0 us for cuBLAS's product)."""
 
 MOE_FEW_ROWS = 64
 """Up to this many rows a step gives each expert one tile (BLOCK_M >= rows), so each selected expert's
@@ -308,22 +331,24 @@ def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, ids
         raise ValueError(f"fused_experts: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} are not "
                          f"[E, 2I, {hidden}] and [E, {hidden}, I] with contiguous rows")
     cfg = config or moe_config(m, x.element_size())
-    tiles = num_tiles(m, top_k, experts, cfg.block_m)
-    sched = align(ids.reshape(-1).to(torch.int32), experts, cfg.block_m, tiles)
+    one_row = m == 1  # each pair its own tile, in pair order: no alignment (ids stand in for the unread tables)
+    tiles = top_k if one_row else num_tiles(m, top_k, experts, cfg.block_m)
+    flat = ids.reshape(-1).to(torch.int32)
+    sched = Schedule(flat, flat, flat, flat) if one_row else align(flat, experts, cfg.block_m, tiles)
     ieee = x.dtype == torch.float32
     h = torch.empty(m * top_k, inter, dtype=x.dtype, device=x.device)
     _moe_gate_up[(tiles, triton.cdiv(inter, cfg.block_n_up))](
         x, gate_up, sched.sorted_pairs, sched.tile_expert, sched.tile_lo, sched.tile_hi, h,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), inter, hidden, TOP_K=top_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, EVEN_K=hidden % cfg.block_k == 0,
-        IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        IEEE=ieee, ONE_ROW=one_row, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     y = torch.empty(m * top_k, hidden, dtype=torch.float32, device=x.device)
     route_w = weights.reshape(-1)
     _moe_down[(tiles, triton.cdiv(hidden, cfg.block_n_down))](
         h, down, sched.sorted_pairs, sched.tile_expert, sched.tile_lo, sched.tile_hi, route_w, y,
         h.stride(0), down.stride(0), down.stride(1), y.stride(0), hidden, inter,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0,
-        IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        IEEE=ieee, ONE_ROW=one_row, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
     res = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
     block = min(1024, triton.next_power_of_2(hidden))

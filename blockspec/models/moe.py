@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from blockspec.config import ModelConfig
 from blockspec.errors import ModelLoadError
 from blockspec.kernels import moe as moe_kernels
-from blockspec.kernels.ops import PreNormed, use_kernels
+from blockspec.kernels.ops import PreNormed, skinny_linear, use_kernels
 from blockspec.models.layers import GatedMLP, RMSNorm, rms_norm, silu_mul, stream
 
 
@@ -105,12 +105,12 @@ class SparseMoE(nn.Module):
         # called with each forward's expert ids [rows, k] where set (measurements; eager runs only)
         self.observe: Callable[[Tensor], None] | None = None
 
-    def router_logits(self, h: Tensor) -> Tensor:
-        """h [..., H] -> logits [rows, E], through the benchmark's routing model where one is set (h [R, Q, H]:
-        Q rows of each of R requests)."""
-        logits = F.linear(h, self.gate.weight)
+    def router_logits(self, h: Tensor, logits: Tensor | None = None) -> Tensor:
+        """h [..., H] -> logits [rows, E] (`logits`: the router's product of h, where already made), through
+        the benchmark's routing model where one is set (h [R, Q, H]: Q rows of each of R requests)."""
+        logits = F.linear(h, self.gate.weight) if logits is None else logits
         if self.routing is not None and h.dim() == 3 and h.shape[1] > 1:
-            logits = self.routing.apply(logits)
+            logits = self.routing.apply(logits.view(*h.shape[:-1], -1))
         return logits.reshape(-1, self.num_experts)
 
     def forward(self, x: Tensor | PreNormed, norm: RMSNorm | None = None, residual: Tensor | None = None,
@@ -122,9 +122,11 @@ class SparseMoE(nn.Module):
             h = rms_norm(h, norm.weight, norm.eps)
         shape = h.shape
         rows = h.reshape(-1, shape[-1])
-        logits = self.router_logits(h)
         w = self.experts
         fused = use_kernels(rows, w.gate_up_proj)
+        one_row = fused and rows.shape[0] == 1  # a decode row: the router's narrow product streams (ROUTER_TILE)
+        logits = self.router_logits(h, skinny_linear(rows, self.gate.weight, config=moe_kernels.ROUTER_TILE)
+                                    if one_row else None)
         if fused:
             weights, ids = moe_kernels.route(logits, self.top_k, self.renorm, rows.dtype)
         else:
