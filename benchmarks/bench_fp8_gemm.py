@@ -83,11 +83,13 @@ def timed(calls: list[Callable[[], object]]) -> float | str:
 
 
 def sweep_space(m: int) -> list[SkinnyConfig]:
-    """Tiles to time at m rows. An e4m3 tile holds half a bf16 tile's bytes: K tiles up to twice the bf16
-    table's longest. Above 16 rows, tiles of 64 and 128 rows (a program converts its weight tile once
-    for all its rows) and column tiles from 32 (more programs for o and down, n = 4096) to 128."""
+    """Tiles to time at m rows. At one row, the bf16 table's best tiles and tiles of more columns and shorter
+    K (the fp32 partial sums a program holds, columns x K, stay at most 8k): a program then streams more
+    bytes past its fixed costs. Above 16 rows, tiles of 64 and 128 rows (a program converts its weight
+    tile once for all its rows) and column tiles from 32 (more programs for o and down, n = 4096) to 128."""
     if m == 1:
-        grid = itertools.product([1], [8, 16, 32], [512, 1024, 2048], [4, 8], [1, 3])
+        shapes = [(8, 512), (16, 512), (8, 1024), (16, 256), (32, 256), (32, 128), (64, 128), (64, 64), (128, 64)]
+        grid = ((1, n, k, w, s) for (n, k), w, s in itertools.product(shapes, [4, 8], [1, 3]))
     elif m <= triton_ops.SKINNY_MAX_ROWS:
         grid = itertools.product([16], [32, 64], [256, 512], [4], [2, 3])
     else:
