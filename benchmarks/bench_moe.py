@@ -102,12 +102,12 @@ def one_row(layers: Layers, bandwidth: float, sweep: bool) -> dict:
     res = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
     eps = 1e-6
 
-    def router(i: int, cfg: SkinnyConfig | None = None) -> torch.Tensor:
-        return skinny_linear(x, layers.router[i], config=cfg or K.ROUTER_TILE)
+    def router(i: int, rows: torch.Tensor = x, cfg: SkinnyConfig | None = None) -> torch.Tensor:
+        return skinny_linear(rows, layers.router[i], config=cfg or K.ROUTER_TILE)
 
     def block(i: int) -> torch.Tensor:
         h = rms_norm(x, layers.norm[i], eps)
-        weights, ids = K.route(skinny_linear(h, layers.router[i], config=K.ROUTER_TILE), TOP_K, True, x.dtype)
+        weights, ids = K.route(router(i, h), TOP_K, True, x.dtype)
         return K.fused_experts(h, layers.gate_up[i], layers.down[i], weights, ids, residual=res)
 
     def us(fn) -> float:
@@ -118,7 +118,7 @@ def one_row(layers: Layers, bandwidth: float, sweep: bool) -> dict:
     print(f"one row, norm to residual: {out['block_us']:.1f} us (router {out['router_us']:.1f} us); floor "
           f"{out['floor_us']:.1f} us (8 experts and the router)")
     for c in ROUTER_SWEEP if sweep else ():
-        out["router"].append({"tiles": c, "us": us(lambda i: router(i, SkinnyConfig(*c)))})
+        out["router"].append({"tiles": c, "us": us(lambda i: router(i, cfg=SkinnyConfig(*c)))})
         print(f"router {c}: {out['router'][-1]['us']:.1f} us")
     return out
 

@@ -110,7 +110,7 @@ class SparseMoE(nn.Module):
         the benchmark's routing model where one is set (h [R, Q, H]: Q rows of each of R requests)."""
         logits = F.linear(h, self.gate.weight) if logits is None else logits
         if self.routing is not None and h.dim() == 3 and h.shape[1] > 1:
-            logits = self.routing.apply(logits.view(*h.shape[:-1], -1))
+            logits = self.routing.apply(logits)
         return logits.reshape(-1, self.num_experts)
 
     def forward(self, x: Tensor | PreNormed, norm: RMSNorm | None = None, residual: Tensor | None = None,
