@@ -200,17 +200,46 @@ for kernel, signature, constexprs in json.loads(sys.argv[2]):
 """
 
 
-def compile_for_sm90(module: str, cases: list[tuple[str, dict[str, str], dict[str, object]]]) -> None:
-    """Triton's front end (AST -> TTIR) for sm_90 over each (kernel, signature, constexprs) of `module`:
-    it needs no GPU and type-checks what the interpreter does not. Arguments not in the signature are
-    i32. Run in a fresh interpreter, since TRITON_INTERPRET replaces the language the front end compiles."""
+TO_PTX = """
+import importlib, json, sys
+from triton import compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+module = importlib.import_module(sys.argv[1])
+ptx = []
+for kernel, signature, constexprs in json.loads(sys.argv[2]):
+    fn = getattr(module, kernel)
+    names = fn.arg_names
+    source = ASTSource(fn=fn, signature={n: signature.get(n, "constexpr" if n in constexprs else "i32") for n in names},
+                       constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    ptx.append(compile(source, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True}).asm["ptx"])
+print(json.dumps(ptx))
+"""
+
+
+def _sm90(script: str, module: str, cases: list[tuple[str, dict[str, str], dict[str, object]]]) -> str:
     import pytest
 
     pytest.importorskip("triton.backends.nvidia.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", FRONT_END, module, json.dumps(cases)], env=env,
+    done = subprocess.run([sys.executable, "-c", script, module, json.dumps(cases)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def compile_for_sm90(module: str, cases: list[tuple[str, dict[str, str], dict[str, object]]]) -> None:
+    """Triton's front end (AST -> TTIR) for sm_90 over each (kernel, signature, constexprs) of `module`:
+    it needs no GPU and type-checks what the interpreter does not. Arguments not in the signature are
+    i32. Run in a fresh interpreter, since TRITON_INTERPRET replaces the language the front end compiles."""
+    _sm90(FRONT_END, module, cases)
+
+
+def ptx_for_sm90(module: str, cases: list[tuple[str, dict[str, str], dict[str, object]]]) -> list[str]:
+    """Each case of `compile_for_sm90` compiled to PTX for sm_90, launched with programmatic dependent
+    launch (no GPU needed: Triton's LLVM and the bundled ptxas)."""
+    return json.loads(_sm90(TO_PTX, module, cases))
 
 
 def assert_incremental_matches_full(model, length: int, chunks: tuple[int, ...], vocab: int = 96) -> None:

@@ -3,11 +3,22 @@ ops (`ops`), paged attention (`attention`), Gumbel-max sampling (`gumbel`), acce
 (`accept`), DSpark's greedy Markov drafting (`markov`) and the mixture-of-experts MLP (`moe`).
 
 Without the triton package (CPU-only installs) `triton` is None and callers take the references.
+
+Kernels on the decode path launch with programmatic dependent launch on Hopper and later
+(`dependent_launch`, `ops.dependent_start`): the next kernel's programs are scheduled while this one
+drains, and wait (`griddepcontrol.wait`) before they read or write anything, so the gap between two
+launches and the tail of the first overlap the next one's start. The dense weight stream
+(`ops.skinny_linear`) lets the next kernel in after its main loop, and attention at its end: let in at
+their start, the dependents sit on the SMs these kernels still work on (a decode step 7 % slower on an
+H200). The others, shorter or one wave of programs at decode sizes, let it in at their start.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+
+import torch
 
 try:
     import triton
@@ -18,3 +29,20 @@ except ImportError:  # CPU-only installs: the reference paths are used
 @functools.cache
 def triton_available() -> bool:
     return triton is not None
+
+
+PDL = True
+"""Programmatic dependent launch for the kernels that take it (see the module's docstring); benchmarks
+turn it off to measure it (benchmarks/bench_pdl.py)."""
+
+
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9 and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def dependent_launch(t: torch.Tensor) -> dict[str, bool]:
+    """Launch arguments of a kernel with a `PDL` constexpr, on `t`'s device: PDL on (and Triton's
+    `launch_pdl`) on CUDA devices of compute capability 9.0 and up, else nothing (the kernel's default)."""
+    on = PDL and t.is_cuda and _pdl_capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return {"PDL": True, "launch_pdl": True} if on else {}

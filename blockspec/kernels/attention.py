@@ -27,10 +27,12 @@ from torch import Tensor
 
 from blockspec.config import ConfigError
 
-from blockspec.kernels import triton, triton_available
+from blockspec.kernels import dependent_launch, triton, triton_available
 
 if triton is not None:
     import triton.language as tl
+
+    from triton.language.extra.cuda import gdc_wait
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
@@ -70,12 +72,14 @@ if triton is not None:
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, MAX_USED: tl.constexpr,
         MERGE_UNROLL: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr, PER_KEY: tl.constexpr,
-        F16_DOTS: tl.constexpr = False,
+        F16_DOTS: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         """One program: BLOCK_M (query row, head-in-group) pairs of one (request, KV head), over one
         split of the key tiles those rows read. Online softmax in fp32 (base 2). Keys and values of
         an FP8 cache are converted as they load (exact) to q's dtype, or with F16_DOTS to fp16, q
         and the probabilities too; K's scale is in scale_log2, V's (v_scale) multiplies the output."""
+        if PDL:
+            gdc_wait()
         pid_rh = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -274,6 +278,6 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, 
         MERGE_UNROLL=t.merge_unroll, IEEE=ieee, PAGE=k_cache.shape[2],
         PER_KEY=block_m == 16 and splits >= t.per_key_splits,
         F16_DOTS=fp8 and not ieee,
-        num_warps=t.num_warps, **consts,
+        num_warps=t.num_warps, **consts, **dependent_launch(q),
     )
     return out

@@ -28,17 +28,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from blockspec.kernels import triton
+from blockspec.kernels import dependent_launch, triton
 from blockspec.kernels.ops import SkinnyConfig
 
 if triton is not None:
     import triton.language as tl
 
+    from blockspec.kernels.ops import dependent_start
+
     @triton.jit
     def _moe_route(Logits, Weights, Ids, stride_l, n_experts, TOP_K: tl.constexpr, K_BLOCK: tl.constexpr,
-                   E_BLOCK: tl.constexpr, RENORM: tl.constexpr):
+                   E_BLOCK: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
         """One row: softmax of its logits in fp32, the TOP_K largest (best first; ties to the lower id),
         renormalised to sum to 1 with RENORM."""
+        dependent_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, E_BLOCK)
         ok = e < n_experts
@@ -61,10 +64,11 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n_pairs", "n_tiles"])
     def _moe_align(Ids, Sorted, TileExpert, TileLo, TileHi, n_pairs, n_experts, n_tiles,
-                   BLOCK_M: tl.constexpr, E_BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+                   BLOCK_M: tl.constexpr, E_BLOCK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
         """One program: count the pairs of each expert, lay out the tiles (expert, first and end
         sorted position; expert -1 past the last), then place each pair at its expert's next slot
         (a counting sort: each chunk's pairs ranked among the chunk's earlier pairs of their expert)."""
+        dependent_start(PDL)
         e = tl.arange(0, E_BLOCK)
         q = tl.arange(0, CHUNK)
         counts = tl.zeros([E_BLOCK], tl.int32)
@@ -140,10 +144,12 @@ if triton is not None:
     @triton.jit
     def _moe_gate_up(X, W, Sorted, TileExpert, TileLo, TileHi, Out, stride_x, stride_we, stride_wn, stride_o,
                      inter, hidden, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, ONE_ROW: tl.constexpr):
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, ONE_ROW: tl.constexpr,
+                     PDL: tl.constexpr = False):
         """Tile t, columns block n: silu(x W_gate^T) * (x W_up^T) for the tile's pairs' rows x, into
         Out at their sorted positions; each product rounded as a linear layer rounds, SwiGLU as the
         silu_mul kernel rounds."""
+        dependent_start(PDL)
         t = tl.program_id(0)
         expert = tl.load(TileExpert + t)
         if expert >= 0:
@@ -172,10 +178,11 @@ if triton is not None:
     @triton.jit
     def _moe_down(H, W, Sorted, TileExpert, TileLo, TileHi, RouteW, Y, stride_h, stride_we, stride_wn, stride_y,
                   hidden, inter, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  EVEN_K: tl.constexpr, IEEE: tl.constexpr, ONE_ROW: tl.constexpr):
+                  EVEN_K: tl.constexpr, IEEE: tl.constexpr, ONE_ROW: tl.constexpr, PDL: tl.constexpr = False):
         """Tile t, columns block n: each pair's SwiGLU row (sorted position) times the expert's down
         projection, rounded to the model dtype, times the pair's router weight, into Y (fp32) at the
         pair's own index."""
+        dependent_start(PDL)
         t = tl.program_id(0)
         expert = tl.load(TileExpert + t)
         if expert >= 0:
@@ -198,9 +205,10 @@ if triton is not None:
 
     @triton.jit
     def _moe_combine(Y, Res, Out, stride_y, stride_r, stride_o, hidden, TOP_K: tl.constexpr, HAS_RES: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """Row m: the sum of its TOP_K pair outputs in fp32, rounded once; plus the residual (rounded as
         x + residual rounds)."""
+        dependent_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < hidden
@@ -268,7 +276,7 @@ def route(logits: Tensor, top_k: int, renorm: bool, dtype: torch.dtype) -> tuple
     block = triton.next_power_of_2(experts)
     _moe_route[(m,)](logits, weights, ids, logits.stride(0), experts, TOP_K=top_k,
                      K_BLOCK=triton.next_power_of_2(top_k), E_BLOCK=block, RENORM=renorm,
-                     num_warps=max(1, min(8, block // 128)))
+                     num_warps=max(1, min(8, block // 128)), **dependent_launch(logits))
     return weights, ids
 
 
@@ -292,7 +300,7 @@ def align(ids: Tensor, num_experts: int, block_m: int, tiles: int) -> Schedule:
                                                                                        device=dev) for _ in range(3)))
     _moe_align[(1,)](ids, out.sorted_pairs, out.tile_expert, out.tile_lo, out.tile_hi, pairs, num_experts, tiles,
                      BLOCK_M=block_m, E_BLOCK=triton.next_power_of_2(num_experts), CHUNK=align_chunk(pairs, tiles),
-                     num_warps=4 if num_experts <= 128 else 8)
+                     num_warps=4 if num_experts <= 128 else 8, **dependent_launch(ids))
     return out
 
 
@@ -342,18 +350,18 @@ def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, ids
         x, gate_up, sched.sorted_pairs, sched.tile_expert, sched.tile_lo, sched.tile_hi, h,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), inter, hidden, TOP_K=top_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, EVEN_K=hidden % cfg.block_k == 0,
-        IEEE=ieee, ONE_ROW=one_row, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        IEEE=ieee, ONE_ROW=one_row, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent_launch(x))
     y = torch.empty(m * top_k, hidden, dtype=torch.float32, device=x.device)
     route_w = weights.reshape(-1)
     _moe_down[(tiles, triton.cdiv(hidden, cfg.block_n_down))](
         h, down, sched.sorted_pairs, sched.tile_expert, sched.tile_lo, sched.tile_hi, route_w, y,
         h.stride(0), down.stride(0), down.stride(1), y.stride(0), hidden, inter,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0,
-        IEEE=ieee, ONE_ROW=one_row, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        IEEE=ieee, ONE_ROW=one_row, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent_launch(x))
     out = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
     res = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
     block = min(1024, triton.next_power_of_2(hidden))
     _moe_combine[(m, triton.cdiv(hidden, block))](
         y, res if res is not None else out, out, y.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
-        hidden, TOP_K=top_k, HAS_RES=res is not None, BLOCK=block, num_warps=4)
+        hidden, TOP_K=top_k, HAS_RES=res is not None, BLOCK=block, num_warps=4, **dependent_launch(x))
     return out

@@ -23,14 +23,25 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from blockspec.kernels import triton, triton_available
+from blockspec.kernels import dependent_launch, triton, triton_available
 
 if triton is not None:
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def dependent_start(PDL: tl.constexpr):
+        """A small kernel launched with programmatic dependent launch (`kernels.dependent_launch`): let the
+        next kernel's programs be scheduled once all of this one's are, then wait for the kernel before
+        (its writes visible). Nothing the step wrote may be read, and nothing written, before the wait."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
 
     @triton.jit
     def _rms_norm(X, Res, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                  HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                  HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        dependent_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -45,7 +56,8 @@ if triton is not None:
         tl.store(Out + row * stride_o + cols, (w * normed).to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _silu_mul(GateUp, Out, stride_g, stride_o, n_cols, BLOCK: tl.constexpr):
+    def _silu_mul(GateUp, Out, stride_g, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        dependent_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -62,11 +74,13 @@ if triton is not None:
         rows_per_req, eps, k_inv, v_inv,
         Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr,
         HEADS: tl.constexpr, QK_NORM: tl.constexpr, PAGE: tl.constexpr, KV_FP8: tl.constexpr = False,
+        PDL: tl.constexpr = False,
     ):
         """One program per (row, group of HEADS heads) of the fused projection [q heads | k heads | v heads].
         HEADS divides both head counts, so a group is all q, all k or all v heads, and a row's page is
         looked up once for its group. KV_FP8: K and V stored in e4m3, times k_inv / v_inv (1 / their
         scales) and saturated."""
+        dependent_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) * HEADS  # the group's first head
         half = HEAD_DIM // 2
@@ -178,6 +192,7 @@ if triton is not None:
         EMIT: tl.constexpr, SUMS_BLOCK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
         IEEE: tl.constexpr, WSCALE: tl.constexpr = 0, SCALE_BR: tl.constexpr = 1, SCALE_BC: tl.constexpr = 1,
+        PDL: tl.constexpr = False,
     ):
         """Out[m, n] = g(f(X)[m, :] @ W[n, :]^T (+ bias)) (+ Res), for few rows: one program per BLOCK_N
         output columns streams its weight rows once. f is the identity, the RMSNorm (PROLOGUE 1, with
@@ -202,6 +217,8 @@ if triton is not None:
         x_rows = X + rows.to(tl.int64)[:, None] * stride_x
         w_rows = W + cols.to(tl.int64)[:, None] * stride_w
         u_rows = W + (cols + n).to(tl.int64)[:, None] * stride_w  # GLU: the up rows, n below the gate rows
+        if PDL:
+            gdc_wait()
         dtype = Out.dtype.element_ty
         rstd = tl.full([BLOCK_M], 1.0, tl.float32)
         if PROLOGUE == 3:  # the producer's partial sums, read before the weight stream starts
@@ -257,6 +274,8 @@ if triton is not None:
                                  other=0.0)
                 acc_up = _dot_step(acc_up, xv, tl.load(u_rows + kk[None, :], mask=w_ok, other=0.0), ws, BLOCK_M,
                                    IEEE, WSCALE)
+        if PDL:  # the stream is done: the next kernel's programs may take the SMs as these drain
+            gdc_launch_dependents()
         cs = 1.0
         if WSCALE == 1:
             cs = tl.load(WScale + cols.to(tl.int64) * stride_s, mask=col_ok, other=0.0)
@@ -303,7 +322,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     block = triton.next_power_of_2(n)
     _rms_norm[(rows.shape[0],)](rows, res_in, weight, out, res_out, rows.stride(0), res_in.stride(0), out.stride(0),
                                 res_out.stride(0), n, eps, HAS_RES=residual is not None, BLOCK=block,
-                                num_warps=max(1, min(16, block // 256)))
+                                num_warps=max(1, min(16, block // 256)), **dependent_launch(x))
     if residual is None:
         return out.view(x.shape)
     return res_out.view(x.shape), out.view(x.shape)
@@ -316,7 +335,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     out = torch.empty(rows.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(n))
     _silu_mul[(rows.shape[0], triton.cdiv(n, block))](rows, out, rows.stride(0), out.stride(0), n, BLOCK=block,
-                                                      num_warps=4)
+                                                      num_warps=4, **dependent_launch(gate_up))
     return out.view(*gate_up.shape[:-1], n)
 
 
@@ -357,6 +376,7 @@ def qkv_rope_store(qkv: Tensor, q_heads: int, kv_heads: int, head_dim: int, q_we
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF_BLOCK=triton.next_power_of_2(head_dim // 2),
         HEADS=group, QK_NORM=qk_norm, PAGE=k_cache.shape[2], KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=group,  # a warp a head, as many threads per head as one head a program had
+        **dependent_launch(qkv),
     )
     return q
 
@@ -521,7 +541,7 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm
         EMIT=emit_norm is not None, SUMS_BLOCK=triton.next_power_of_2(sums.shape[0]) if prologue == 3 else 1,
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32, WSCALE=wscale, SCALE_BR=br, SCALE_BC=bc,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent_launch(x),
     )
     if emit_norm is not None:
         return PreNormed(out.view(*x.shape[:-1], n), scaled.view(*x.shape[:-1], n), sums, emit_norm)
