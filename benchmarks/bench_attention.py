@@ -56,6 +56,9 @@ VARIANTS = {
     "programs 528": AttentionTiles(target_programs=528),
     "programs 1056": AttentionTiles(target_programs=1056),
     "warps 8": AttentionTiles(num_warps=8),
+    "stages 1": AttentionTiles(num_stages=1),
+    "stages 2": AttentionTiles(num_stages=2),
+    "stages 4": AttentionTiles(num_stages=4),
 }
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 CACHE_BUDGET = 48 << 30  # bytes of K/V caches one case may allocate

@@ -217,6 +217,7 @@ class AttentionTiles:
     merge_unroll: int = 4
     per_key_splits: int = 32
     num_warps: int = 4
+    num_stages: int = 3  # key tiles in flight (Triton's software pipeline)
 
 
 TILES = AttentionTiles()
@@ -278,6 +279,6 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, 
         MERGE_UNROLL=t.merge_unroll, IEEE=ieee, PAGE=k_cache.shape[2],
         PER_KEY=block_m == 16 and splits >= t.per_key_splits,
         F16_DOTS=fp8 and not ieee,
-        num_warps=t.num_warps, **consts, **dependent_launch(q),
+        num_warps=t.num_warps, num_stages=t.num_stages, **consts, **dependent_launch(q),
     )
     return out
