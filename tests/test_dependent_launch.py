@@ -61,28 +61,31 @@ def test_every_kernel_waits_before_it_touches_memory():
     """Small kernels let the next one in at their start, then wait; the weight stream waits first and
     lets the next one in after its loop, before its stores; attention only waits. Negative control: the
     same stream compiled without PDL has no griddepcontrol at all."""
-    ops_cases = [("_rms_norm", {"X": BF16, "Res": BF16, "W": BF16, "Out": BF16, "ResOut": BF16, "eps": "fp32"},
-                  {"HAS_RES": True, "BLOCK": 4096, "PDL": True}),
-                 ("_silu_mul", {"GateUp": BF16, "Out": BF16}, {"BLOCK": 1024, "PDL": True}),
-                 ("_qkv_rope_store", *QKV_STORE), ("_skinny_linear", *SKINNY),
-                 ("_skinny_linear", SKINNY[0], {**SKINNY[1], "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256}),
-                 ("_skinny_linear", SKINNY[0], {**SKINNY[1], "PDL": False})]
-    compiled = dict(zip([f"ops.{c[0]}.{i}" for i, c in enumerate(ops_cases)], ptx_for_sm90("blockspec.kernels.ops", ops_cases)))
-    compiled["attention"] = ptx_for_sm90("blockspec.kernels.attention", [("_block_attention", *ATTENTION)])[0]
-    compiled.update(zip([f"moe.{c[0]}" for c in MOE], ptx_for_sm90("blockspec.kernels.moe", MOE)))
-    streams = {"ops._skinny_linear.3", "ops._skinny_linear.4"}
-    for name, ptx in compiled.items():
-        trigger, wait, access, store = order(ptx)
-        if name == "ops._skinny_linear.5":
-            assert "griddepcontrol" not in ptx, name
-            continue
-        assert wait is not None and access is not None and wait < access, name
-        if name in streams:
-            assert trigger is not None and access < trigger < store, name
-        elif name == "attention":
-            assert trigger is None, name
-        else:
-            assert trigger is not None and trigger < wait, name
+    # (module, kernel, signature, constexprs, expected order): "start", "stream", "wait only", "no PDL"
+    cases = [("ops", "_rms_norm", {"X": BF16, "Res": BF16, "W": BF16, "Out": BF16, "ResOut": BF16, "eps": "fp32"},
+              {"HAS_RES": True, "BLOCK": 4096, "PDL": True}, "start"),
+             ("ops", "_silu_mul", {"GateUp": BF16, "Out": BF16}, {"BLOCK": 1024, "PDL": True}, "start"),
+             ("ops", "_qkv_rope_store", *QKV_STORE, "start"),
+             ("ops", "_skinny_linear", *SKINNY, "stream"),
+             ("ops", "_skinny_linear", SKINNY[0], {**SKINNY[1], "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256}, "stream"),
+             ("ops", "_skinny_linear", SKINNY[0], {**SKINNY[1], "PDL": False}, "no PDL"),
+             ("attention", "_block_attention", *ATTENTION, "wait only"),
+             *(("moe", *case, "start") for case in MOE)]
+    for module in ("ops", "attention", "moe"):
+        mine = [c for c in cases if c[0] == module]
+        for (_, kernel, _, _, expected), ptx in zip(mine, ptx_for_sm90(f"blockspec.kernels.{module}",
+                                                                         [c[1:4] for c in mine])):
+            trigger, wait, access, store = order(ptx)
+            if expected == "no PDL":
+                assert "griddepcontrol" not in ptx, kernel
+                continue
+            assert wait is not None and access is not None and wait < access, kernel
+            if expected == "stream":
+                assert trigger is not None and access < trigger < store, kernel
+            elif expected == "wait only":
+                assert trigger is None, kernel
+            else:
+                assert trigger is not None and trigger < wait, kernel
 
 
 def test_off_the_gpu_kernels_launch_plainly():
