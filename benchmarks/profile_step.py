@@ -88,8 +88,8 @@ def engine_steps(engine: Engine, name: str, context: int, steps: int, speculate:
     params = SamplingParams(temperature=0, max_tokens=100000, ignore_eos=True, use_speculation=speculate)
     for i in range(batch):
         engine.add_request(f"{name}-{i}", None, torch.randint(0, 150000, (context,)).tolist(), params)
-    for _ in range(8):
-        engine.step()  # prefill, catch-up, policy, allocator
+    for _ in range(8 + -(-batch * context // engine.config.max_prefill_tokens)):
+        engine.step()  # prefill (in chunks of max_prefill_tokens), catch-up, policy, allocator
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
