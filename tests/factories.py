@@ -182,39 +182,28 @@ import importlib, json, sys
 from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
-from triton.compiler import ASTSource
+from blockspec.kernels.sm90 import source
 
 module = importlib.import_module(sys.argv[1])
 target = GPUTarget("cuda", 90, 32)
 backend = CUDABackend(target)
 options = backend.parse_options({})
 for kernel, signature, constexprs in json.loads(sys.argv[2]):
-    fn = getattr(module, kernel)
-    names = fn.arg_names
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)
-    source = ASTSource(fn=fn, signature={n: signature.get(n, "constexpr" if n in constexprs else "i32") for n in names},
-                       constexprs={(names.index(n),): v for n, v in constexprs.items()})
-    source.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
+    source(getattr(module, kernel), signature, constexprs).make_ir(
+        target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
 """
 
 
 TO_PTX = """
 import importlib, json, sys
-from triton import compile
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from blockspec.kernels.sm90 import compile_sm90
 
 module = importlib.import_module(sys.argv[1])
-ptx = []
-for kernel, signature, constexprs in json.loads(sys.argv[2]):
-    fn = getattr(module, kernel)
-    names = fn.arg_names
-    source = ASTSource(fn=fn, signature={n: signature.get(n, "constexpr" if n in constexprs else "i32") for n in names},
-                       constexprs={(names.index(n),): v for n, v in constexprs.items()})
-    ptx.append(compile(source, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True}).asm["ptx"])
-print(json.dumps(ptx))
+print(json.dumps([compile_sm90(getattr(module, kernel), signature, constexprs, {"launch_pdl": True}).asm["ptx"]
+                  for kernel, signature, constexprs in json.loads(sys.argv[2])]))
 """
 
 

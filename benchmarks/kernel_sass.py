@@ -1,0 +1,83 @@
+"""What a Triton kernel issues on sm_90, without a GPU: the kernel compiled offline (`kernels.sm90`, pointers
+and strides aligned as a launch specialises them), its SASS's instruction count, shared memory, and per loop
+the opcodes one iteration issues per thread. A kernel change can be read here before device time is spent
+on it; timings still come from the GPU. The SASS is this machine's Triton's (the device may run another).
+
+    python benchmarks/kernel_sass.py --preset attention-decode-fp8
+    python benchmarks/kernel_sass.py --preset attention-decode-fp8 --set BLOCK_N=64 --options num_stages=2
+    python benchmarks/kernel_sass.py --kernel blockspec.kernels.ops:_rms_norm --signature '{"X": "*bf16", ...}' \
+        --set BLOCK=1024 --dump rms.sass
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+
+_ATTENTION_SIGNATURE = {"Q": "*bf16", "K": "*{kv}", "V": "*{kv}", "Out": "*bf16", "Table": "*i32", "Slots": "*i32",
+                        "Lo": "*i32", "Hi": "*i32", "Counters": "*i32", "PartAcc": "*fp32", "PartMax": "*fp32",
+                        "PartSum": "*fp32", "scale_log2": "fp32", "v_scale": "fp32"}
+# decode blocks of 16 rows at Qwen3-8B's heads (32 query, 8 KV, head_dim 128), pages of 64, as the engine
+# launches them at 16 requests (no per-key page lookups); the FP8 cache's key tile and fp16 dots
+_ATTENTION_DECODE = {"KV_HEADS": 8, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 16, "MIN_TILES": 1,
+                     "MAX_USED": 264, "MERGE_UNROLL": 4, "IEEE": False, "PAGE": 64, "PER_KEY": False, "PDL": True}
+PRESETS = {
+    "attention-decode-bf16": ("blockspec.kernels.attention:_block_attention",
+                              {n: t.format(kv="bf16") for n, t in _ATTENTION_SIGNATURE.items()},
+                              {**_ATTENTION_DECODE, "BLOCK_N": 64, "F16_DOTS": False}),
+    "attention-decode-fp8": ("blockspec.kernels.attention:_block_attention",
+                             {n: t.format(kv="fp8e4nv") for n, t in _ATTENTION_SIGNATURE.items()},
+                             {**_ATTENTION_DECODE, "BLOCK_N": 128, "F16_DOTS": True}),
+}
+LAUNCH = {"num_warps": 4, "num_stages": 3, "launch_pdl": True}  # block_attention's defaults (AttentionTiles)
+
+
+def assignments(pairs: list[str]) -> dict[str, object]:
+    """NAME=VALUE pairs, each value read as JSON (numbers, true / false) or else kept as a string."""
+    out = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        try:
+            out[name] = json.loads(value)
+        except json.JSONDecodeError:
+            out[name] = value
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=list(PRESETS), help="a kernel and the arguments the engine launches it with")
+    ap.add_argument("--kernel", help="module:function of a @triton.jit kernel (instead of a preset)")
+    ap.add_argument("--signature", default="{}", help="JSON: argument -> Triton type (others i32), over the preset's")
+    ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE", help="constexpr arguments, over the preset's")
+    ap.add_argument("--options", nargs="*", default=[], metavar="NAME=VALUE",
+                    help=f"launch options over {LAUNCH} (num_warps, num_stages, launch_pdl)")
+    ap.add_argument("--top", type=int, default=30, help="opcodes shown per loop")
+    ap.add_argument("--dump", help="write the whole SASS here")
+    args = ap.parse_args()
+    if not args.preset and not args.kernel:
+        ap.error("give --preset or --kernel")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        ap.error("unset TRITON_INTERPRET: the interpreter replaces the language this compiles")
+    from blockspec.kernels import sm90
+
+    target, signature, constexprs = PRESETS[args.preset] if args.preset else (args.kernel, {}, {})
+    module, _, name = (args.kernel or target).partition(":")
+    kernel = sm90.compile_sm90(getattr(importlib.import_module(module), name),
+                               {**signature, **json.loads(args.signature)}, {**constexprs, **assignments(args.set)},
+                               {**LAUNCH, **assignments(args.options)}, aligned=True)
+    text = sm90.sass(kernel)
+    if args.dump:
+        with open(args.dump, "w") as f:
+            f.write(text)
+    total = sum(sm90.opcodes(text.splitlines()).values())
+    print(f"{module}:{name}: {total} instructions, {kernel.metadata.shared} bytes of shared memory")
+    for label, ops in sm90.loops(text):
+        print(f"loop {label}: {sum(ops.values())} instructions an iteration")
+        print("   " + " ".join(f"{op}:{n}" for op, n in ops.most_common(args.top)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Triton kernels compiled for sm_90 (H100 / H200) on a machine without a GPU: Triton's LLVM, its bundled
+ptxas and nvdisasm give the PTX and SASS the device would run. The tests check launch order in the PTX
+(tests/test_dependent_launch.py); `benchmarks/kernel_sass.py` counts what a kernel's loops issue before
+device time is spent on it. Run with TRITON_INTERPRET unset: the interpreter replaces the language these
+compile."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+from blockspec.kernels import triton
+
+
+def source(fn, signature: dict[str, str], constexprs: dict[str, object], aligned: bool = False):
+    """The ASTSource of `fn` (a `@triton.jit` function): `signature` maps arguments to Triton types ("*bf16",
+    "fp32"); an argument in neither it nor `constexprs` is an i32. `aligned` marks pointers and `stride*`
+    arguments divisible by 16, as a launch with aligned tensors specialises them (vector loads follow)."""
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    kinds = {n: signature.get(n, "constexpr" if n in constexprs else "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if aligned and (kinds[n].startswith("*") or n.startswith("stride"))}
+    return ASTSource(fn=fn, signature=kinds, constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                     attrs=attrs)
+
+
+def compile_sm90(fn, signature: dict[str, str], constexprs: dict[str, object], options: dict | None = None,
+                 aligned: bool = False):
+    """`fn` compiled for sm_90 (`source`'s arguments; `options` as a launch takes them: num_warps,
+    num_stages, launch_pdl): the CompiledKernel, whose `asm` holds "ptx" and "cubin"."""
+    if triton is None:
+        raise RuntimeError("compiling for sm_90 needs the triton package (pip install triton)")
+    from triton.backends.compiler import GPUTarget
+
+    return triton.compile(source(fn, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
+                          options=options or {})
+
+
+def sass(kernel) -> str:
+    """The SASS of a compiled kernel, through the nvdisasm Triton bundles."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        return subprocess.run([tool, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+
+
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+_LABEL = re.compile(r"^\s*\.(L_x_\d+):")
+_BACK_BRANCH = re.compile(r"\bBRA\s+`?\(?\.(L_x_\d+)")
+
+
+def opcodes(lines: list[str]) -> collections.Counter:
+    """Instructions by opcode with their modifiers (LDS.U8, HMMA.16816.F32, ...)."""
+    return collections.Counter(m.group(1) for line in lines if (m := _INSTRUCTION.search(line)))
+
+
+def loops(sass_text: str) -> list[tuple[str, collections.Counter]]:
+    """Each loop of the SASS (a label and the backward branch to it) with its body's opcodes: what one
+    iteration issues per thread."""
+    lines = sass_text.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
+    found = []
+    for i, line in enumerate(lines):
+        m = _BACK_BRANCH.search(line)
+        if m and labels.get(m.group(1), i) < i:
+            found.append((m.group(1), opcodes(lines[labels[m.group(1)]:i + 1])))
+    return found
