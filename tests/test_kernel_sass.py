@@ -37,6 +37,16 @@ def test_fp8_attention_loads_v_by_the_byte_and_bf16_by_ldmatrix():
     assert "LDS.U8" not in bf16 and "LDSM.16.MT88.4" in bf16 and "F2FP.F16.E4M3.UNPACK_B" not in bf16
 
 
+def test_staged_fp8_v_is_transposed_by_ldmatrix_in_fp16():
+    """`AttentionTiles.fp8_v_staged` (V_STAGED): V converted where loaded, then transposed in fp16; no byte
+    loads left, and fewer instructions an iteration than the 8-bit transpose."""
+    fp8 = main_loop("--preset", "attention-decode-fp8", "--set", "BLOCK_N=64")
+    staged = main_loop("--preset", "attention-decode-fp8", "--set", "BLOCK_N=64", "V_STAGED=true")
+    assert "LDS.U8" not in staged and "LDSM.16.MT88.4" in staged
+    assert staged["F2FP.F16.E4M3.UNPACK_B"] == fp8["F2FP.F16.E4M3.UNPACK_B"]  # each value converted once
+    assert sum(staged.values()) < 0.8 * sum(fp8.values())
+
+
 def test_the_tool_refuses_the_interpreter():
     done = subprocess.run([sys.executable, str(TOOL), "--preset", "attention-decode-bf16"], capture_output=True,
                           text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})

@@ -331,22 +331,31 @@ def test_qkv_rope_store_into_an_fp8_cache(dtype, hq):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1, 8, 2, 64, 300, 16), (2, 16, 4, 2, 32, 100, 64), (2, 40, 4, 1, 32, 130, 7)])
-def test_block_attention_reads_an_fp8_cache(dtype, shape):
-    """Decode (split over keys), verify and wide blocks over e4m3 pages (16-bit queries: fp16 dots):
-    the reference is SDPA over the dequantized keys and values."""
+@pytest.mark.parametrize("v_staged", [False, True])
+def test_block_attention_reads_an_fp8_cache(dtype, shape, v_staged):
+    """Decode (split over keys), verify and wide blocks over e4m3 pages (16-bit queries: fp16 dots), V
+    also staged in fp16 (`AttentionTiles.fp8_v_staged`: inline PTX, so on a GPU only): the reference is
+    SDPA over the dequantized keys and values."""
+    from blockspec.kernels.attention import AttentionTiles
     from test_triton_attention import case, paged, reference
 
+    if v_staged and not CUDA:
+        pytest.skip("staging V runs inline PTX, which Triton's interpreter lacks")
+    tiles = AttentionTiles(fp8_v_staged=v_staged)
     r, nq, hq, hkv, hd, length, page = shape
     q, k, v, slots, lo, hi = case(r, nq, hq, hkv, hd, length, dtype)
     kq, vq = (fp8_kv(t * 2, s) for t, s in zip((k, v), KV_SCALES))
     want = reference(q, kq.float() * KV_SCALES[0], vq.float() * KV_SCALES[1], slots, lo, hi, hd**-0.5, length)
     (k_pool, table), (v_pool, _) = paged(kq, page), paged(vq, page)
-    got = triton_attention_call(q, k_pool, v_pool, table[slots], lo, hi, hd**-0.5, length, *KV_SCALES)
+    got = triton_attention_call(q, k_pool, v_pool, table[slots], lo, hi, hd**-0.5, length, *KV_SCALES, tiles)
     assert got.dtype == dtype
     tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]  # bf16: the output's rounding
     assert torch.allclose(got.float(), want, atol=tol, rtol=tol)
+    if v_staged:  # the same conversions and products in another order of loads: the same bits
+        plain = triton_attention_call(q, k_pool, v_pool, table[slots], lo, hi, hd**-0.5, length, *KV_SCALES)
+        assert torch.equal(got, plain)
     # negative control: the scales left out
-    wrong = triton_attention_call(q, k_pool, v_pool, table[slots], lo, hi, hd**-0.5, length, 1.0, 1.0)
+    wrong = triton_attention_call(q, k_pool, v_pool, table[slots], lo, hi, hd**-0.5, length, 1.0, 1.0, tiles)
     assert not torch.allclose(wrong.float(), want, atol=tol, rtol=tol)
 
 
@@ -373,8 +382,9 @@ def fp8_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
     return quantize_kv(x, scale)
 
 
-def triton_attention_call(q, k_pool, v_pool, table, lo, hi, scale, length, k_scale, v_scale):
+def triton_attention_call(q, k_pool, v_pool, table, lo, hi, scale, length, k_scale, v_scale, tiles=None):
     from blockspec.kernels.attention import block_attention
 
     slots = torch.arange(table.shape[0], device=q.device)
-    return block_attention(q, k_pool, v_pool, table, slots, lo, hi, scale, length, k_scale=k_scale, v_scale=v_scale)
+    return block_attention(q, k_pool, v_pool, table, slots, lo, hi, scale, length, tiles, k_scale=k_scale,
+                           v_scale=v_scale)

@@ -36,9 +36,14 @@ PDL = True
 turn it off to measure it (benchmarks/bench_pdl.py)."""
 
 
+def interpreted() -> bool:
+    """Kernels run by Triton's interpreter (TRITON_INTERPRET=1, the CPU tests), which has no inline PTX."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @functools.cache
 def _pdl_capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9 and os.environ.get("TRITON_INTERPRET") != "1"
+    return torch.cuda.get_device_capability(index)[0] >= 9 and not interpreted()
 
 
 def dependent_launch(t: torch.Tensor) -> dict[str, bool]:

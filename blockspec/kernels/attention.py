@@ -27,7 +27,7 @@ from torch import Tensor
 
 from blockspec.config import ConfigError
 
-from blockspec.kernels import dependent_launch, triton, triton_available
+from blockspec.kernels import dependent_launch, interpreted, triton, triton_available
 
 if triton is not None:
     import triton.language as tl
@@ -72,12 +72,15 @@ if triton is not None:
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, MAX_USED: tl.constexpr,
         MERGE_UNROLL: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr, PER_KEY: tl.constexpr,
-        F16_DOTS: tl.constexpr = False, PDL: tl.constexpr = False,
+        F16_DOTS: tl.constexpr = False, V_STAGED: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         """One program: BLOCK_M (query row, head-in-group) pairs of one (request, KV head), over one
         split of the key tiles those rows read. Online softmax in fp32 (base 2). Keys and values of
         an FP8 cache are converted as they load (exact) to q's dtype, or with F16_DOTS to fp16, q
-        and the probabilities too; K's scale is in scale_log2, V's (v_scale) multiplies the output."""
+        and the probabilities too; K's scale is in scale_log2, V's (v_scale) multiplies the output.
+        V_STAGED (fp16 dots): V converted where it is loaded and transposed for the P.V product in fp16
+        (ldmatrix), behind an opaque copy: without it the compiler converts after transposing the 8-bit
+        tile, which it reads from shared memory a byte at a time."""
         if PDL:
             gdc_wait()
         pid_rh = tl.program_id(0)
@@ -139,6 +142,9 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + (tile_page * stride_vp + at * stride_vl)[:, None] + d[None, :],
                         mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
+            if V_STAGED:
+                v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=tl.float16, is_pure=False,
+                                              pack=2)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -210,6 +216,7 @@ class AttentionTiles:
 
     block_n: int = 64
     fp8_block_n: int = 128  # an e4m3 tile of 128 keys moves a bf16 tile's bytes
+    fp8_v_staged: bool = False  # `_block_attention`'s V_STAGED (bench_attention's "fp8 V staged")
     target_programs: int = 264
     wide_block_m: int = 64
     min_tiles_wide: int = 2
@@ -278,7 +285,7 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, 
         MAX_USED=t.target_programs if block_m == 16 else t.max_used_wide,
         MERGE_UNROLL=t.merge_unroll, IEEE=ieee, PAGE=k_cache.shape[2],
         PER_KEY=block_m == 16 and splits >= t.per_key_splits,
-        F16_DOTS=fp8 and not ieee,
+        F16_DOTS=fp8 and not ieee, V_STAGED=fp8 and not ieee and t.fp8_v_staged and not interpreted(),
         num_warps=t.num_warps, num_stages=t.num_stages, **consts, **dependent_launch(q),
     )
     return out

@@ -17,11 +17,13 @@ from blockspec.kernels import triton
 
 def source(fn, signature: dict[str, str], constexprs: dict[str, object], aligned: bool = False):
     """The ASTSource of `fn` (a `@triton.jit` function): `signature` maps arguments to Triton types ("*bf16",
-    "fp32"); an argument in neither it nor `constexprs` is an i32. `aligned` marks pointers and `stride*`
-    arguments divisible by 16, as a launch with aligned tensors specialises them (vector loads follow)."""
+    "fp32"); a constexpr argument not in `constexprs` takes its default, any other argument in neither is an
+    i32. `aligned` marks pointers and `stride*` arguments divisible by 16, as a launch with aligned tensors
+    specialises them (vector loads follow)."""
     from triton.compiler import ASTSource
 
     names = fn.arg_names
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     kinds = {n: signature.get(n, "constexpr" if n in constexprs else "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if aligned and (kinds[n].startswith("*") or n.startswith("stride"))}
