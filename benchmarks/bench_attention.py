@@ -58,8 +58,7 @@ VARIANTS = {
     "warps 8": AttentionTiles(num_warps=8),
     "stages 1": AttentionTiles(num_stages=1),
     "stages 2": AttentionTiles(num_stages=2),
-    "fp8 V staged": AttentionTiles(fp8_v_staged=True),
-    "fp8 V staged, key tile 64": AttentionTiles(fp8_v_staged=True, fp8_block_n=64),
+    "fp8 V bytes": AttentionTiles(fp8_v_staged=False),  # FP8 V transposed as 8-bit values (byte loads)
     "stages 4": AttentionTiles(num_stages=4),
 }
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
