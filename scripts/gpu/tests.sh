@@ -3,7 +3,7 @@
 #   bash scripts/gpu/tests.sh engine    # CUDA graphs, the engine and speculation on CUDA (about 3 minutes)
 #   bash scripts/gpu/tests.sh kernels   # every Triton kernel file (about 10 minutes: a call of its own)
 #   bash scripts/gpu/tests.sh FILE...   # these test files whole
-# returns: gpu_tests.txt
+# returns: gpu_tests.txt, triton-cache.tar.xz
 source scripts/gpu/env.sh
 device_info
 case "${1:-engine}" in
@@ -12,3 +12,4 @@ case "${1:-engine}" in
   *) args=("$@") ;;
 esac
 python3 -m pytest -q -p no:cacheprovider -rf "${args[@]}" 2>&1 | tee "$OUT/gpu_tests.txt" || true
+save_triton_cache
