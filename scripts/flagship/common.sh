@@ -30,9 +30,12 @@ target_slice() {  # $1: minutes of training; the target's bf16 export is refresh
     --export "$DEV/target" --out "$OUT"
 }
 
-regen_slice() {  # $1: minutes of generation; this slice's pieces and the state go to OUT/regen and DEV/regen
+regen_slice() {  # $1: minutes of generation; this slice's pieces and the state go to OUT/regen and DEV/regen;
+  # FLAGSHIP_PROMPTS: the prompts' folder under out/flagship (default prompts; prompts-seed1 gives rows that
+  # the shipped drafters never saw)
   mkdir -p "$DEV/regen"
-  flagship regen --target "$DEV/target" --prompts "$DEV/prompts" --state "$DEV/regen/regen_state.json" \
+  [ -d "$DEV/target" ] || cp -r blockspec/assets/default/target "$DEV/target"  # the shipped target, once it is
+  flagship regen --target "$DEV/target" --prompts "$DEV/${FLAGSHIP_PROMPTS:-prompts}" --state "$DEV/regen/regen_state.json" \
     --minutes "$1" --out "$OUT/regen"
   cp "$OUT"/regen/* "$DEV/regen/"
 }

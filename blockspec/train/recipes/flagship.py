@@ -113,6 +113,9 @@ the two regenerated pieces (the tree is 54 MiB with the pair) and 21 starts a DF
 DSpark run of 8 epochs (repeat it until its metrics say ``stopped``); 23 runs the demo and the bench
 preset on the device. 24 (after 20, instead of 21) trains a drafter on from the shipped one
 (``--init``: its weights, a fresh optimiser and schedule; ``FLAGSHIP_METHOD``, default dflash).
+Rows the shipped drafters never saw: ``flagship prompts --seed 1`` into ``out/flagship/prompts-seed1``,
+then 07 and 08 with ``FLAGSHIP_PROMPTS=prompts-seed1`` (07 carries that folder; with no exported target
+in DEV they continue the shipped one), then 24 for each drafter in the same lease.
 
 Device minutes, measured (H200, 2026-12-01)
 -------------------------------------------
