@@ -1,6 +1,7 @@
 # Sourced at the start of every device-machine call (see scripts/gpu/README.md).
 # The device machine has no package index: blockspec's dependencies it lacks (llguidance) travel as wheels,
-# downloaded here into .devcarry/whl (git-ignored) and carried with the call (carry: [".devcarry/whl"], by name: the tree leaves 7 MiB of the 64).
+# downloaded here into .devcarry/whl (git-ignored) and carried with the call by name (carry:
+# [".devcarry/whl"]: the tracked tree leaves 7 MiB of the 64 a call may take).
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 : "${OUT:?run on the device machine, where OUT is set}"
