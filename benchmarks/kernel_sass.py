@@ -5,6 +5,7 @@ on it; timings still come from the GPU. The SASS is this machine's Triton's (the
 
     python benchmarks/kernel_sass.py --preset attention-decode-fp8
     python benchmarks/kernel_sass.py --preset attention-decode-fp8 --set BLOCK_N=64 --options num_stages=2
+    python benchmarks/kernel_sass.py --preset linear-one-row-fp8
     python benchmarks/kernel_sass.py --kernel blockspec.kernels.ops:_rms_norm --signature '{"X": "*bf16", ...}' \
         --set BLOCK=1024 --dump rms.sass
 """
@@ -23,15 +24,36 @@ _ATTENTION_SIGNATURE = {"Q": "*bf16", "K": "*{kv}", "V": "*{kv}", "Out": "*bf16"
 # launches them at 16 requests (no per-key page lookups); the FP8 cache's key tile and fp16 dots
 _ATTENTION_DECODE = {"KV_HEADS": 8, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 16, "MIN_TILES": 1,
                      "MAX_USED": 264, "MERGE_UNROLL": 4, "IEEE": False, "PAGE": 64, "PER_KEY": False, "PDL": True}
-PRESETS = {
+ATTENTION_LAUNCH = {"num_warps": 4, "num_stages": 3, "launch_pdl": True}  # block_attention's (AttentionTiles)
+
+
+def one_row_linear(weight: str) -> tuple[str, dict[str, str], dict[str, object], dict[str, object]]:
+    """`_skinny_linear` as a decode step launches Qwen3-8B's qkv product (4096 -> 6144, one bf16 row, no
+    fused prologue), with the tiles `ops.skinny_config` picks for the weight's dtype; "fp8e4nv" weights take
+    per-channel scales (WSCALE 1)."""
+    from blockspec.kernels.ops import skinny_config
+
+    fp8 = weight == "fp8e4nv"
+    cfg = skinny_config(1, 6144, 4096, itemsize=1 if fp8 else 2)
+    signature = {"X": "*bf16", "W": f"*{weight}", "Bias": "*bf16", "NormW": "*bf16", "Res": "*bf16", "Out": "*bf16",
+                 "Sums": "*fp32", "Scaled": "*bf16", "WScale": "*fp32", "eps": "fp32"}
+    constexprs = {"PROLOGUE": 0, "GLU": False, "HAS_BIAS": False, "HAS_RES": False, "EMIT": False, "SUMS_BLOCK": 1,
+                  "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "EVEN_K": True,
+                  "IEEE": False, "WSCALE": 1 if fp8 else 0, "SCALE_BR": 1, "SCALE_BC": 4096 if fp8 else 1, "PDL": True}
+    launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "launch_pdl": True}
+    return "blockspec.kernels.ops:_skinny_linear", signature, constexprs, launch
+
+
+PRESETS = {  # name -> (module:kernel, argument types, constexprs, launch options)
     "attention-decode-bf16": ("blockspec.kernels.attention:_block_attention",
                               {n: t.format(kv="bf16") for n, t in _ATTENTION_SIGNATURE.items()},
-                              {**_ATTENTION_DECODE, "BLOCK_N": 64, "F16_DOTS": False}),
+                              {**_ATTENTION_DECODE, "BLOCK_N": 64, "F16_DOTS": False}, ATTENTION_LAUNCH),
     "attention-decode-fp8": ("blockspec.kernels.attention:_block_attention",
                              {n: t.format(kv="fp8e4nv") for n, t in _ATTENTION_SIGNATURE.items()},
-                             {**_ATTENTION_DECODE, "BLOCK_N": 128, "F16_DOTS": True}),
+                             {**_ATTENTION_DECODE, "BLOCK_N": 128, "F16_DOTS": True}, ATTENTION_LAUNCH),
+    "linear-one-row-bf16": one_row_linear("bf16"),
+    "linear-one-row-fp8": one_row_linear("fp8e4nv"),
 }
-LAUNCH = {"num_warps": 4, "num_stages": 3, "launch_pdl": True}  # block_attention's defaults (AttentionTiles)
 
 
 def assignments(pairs: list[str]) -> dict[str, object]:
@@ -53,7 +75,8 @@ def main() -> None:
     ap.add_argument("--signature", default="{}", help="JSON: argument -> Triton type (others i32), over the preset's")
     ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE", help="constexpr arguments, over the preset's")
     ap.add_argument("--options", nargs="*", default=[], metavar="NAME=VALUE",
-                    help=f"launch options over {LAUNCH} (num_warps, num_stages, launch_pdl)")
+                    help="launch options over the preset's (num_warps, num_stages, launch_pdl; without a preset "
+                         f"{ATTENTION_LAUNCH})")
     ap.add_argument("--top", type=int, default=30, help="opcodes shown per loop")
     ap.add_argument("--dump", help="write the whole SASS here")
     args = ap.parse_args()
@@ -63,11 +86,12 @@ def main() -> None:
         ap.error("unset TRITON_INTERPRET: the interpreter replaces the language this compiles")
     from blockspec.kernels import sm90
 
-    target, signature, constexprs = PRESETS[args.preset] if args.preset else (args.kernel, {}, {})
+    target, signature, constexprs, launch = PRESETS[args.preset] if args.preset else (args.kernel, {}, {},
+                                                                                       ATTENTION_LAUNCH)
     module, _, name = (args.kernel or target).partition(":")
     kernel = sm90.compile_sm90(getattr(importlib.import_module(module), name),
                                {**signature, **json.loads(args.signature)}, {**constexprs, **assignments(args.set)},
-                               {**LAUNCH, **assignments(args.options)}, aligned=True)
+                               {**launch, **assignments(args.options)}, aligned=True)
     text = sm90.sass(kernel)
     if args.dump:
         with open(args.dump, "w") as f:

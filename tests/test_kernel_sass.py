@@ -1,7 +1,8 @@
 """benchmarks/kernel_sass.py: a kernel compiled for sm_90 on a machine without a GPU, read as SASS per loop.
-Run as a user runs it (a subprocess without TRITON_INTERPRET); its reading of the attention kernel is the
-one RESULTS gives for FP8 decode: V's e4m3 tile reaches the P.V product through single-byte shared-memory
-loads, where a bf16 tile is transposed by ldmatrix."""
+Run as a user runs it (a subprocess without TRITON_INTERPRET); its readings are the ones RESULTS gives: for
+FP8 decode attention, V's e4m3 tile reaches the P.V product through single-byte shared-memory loads unless
+staged in fp16, where a bf16 tile is transposed by ldmatrix; for the one-row FP8 product, one conversion
+per pair and one per value beside each multiply-add."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import pytest
 TOOL = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_sass.py"
 
 
-def main_loop(*args: str) -> dict[str, int]:
-    """The opcodes of the kernel's loop that issues tensor-core products (the attention's key loop)."""
+def main_loop(*args: str, issuing: str = "HMMA") -> dict[str, int]:
+    """The opcodes of the kernel's one loop that issues `issuing` instructions (by default tensor-core
+    products: the attention's key loop)."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(TOOL), *args, "--top", "1000"], env=env, capture_output=True,
@@ -25,9 +27,9 @@ def main_loop(*args: str) -> dict[str, int]:
     assert done.returncode == 0, done.stderr[-2000:]
     loops = [dict((op, int(n)) for op, n in re.findall(r"(\S+):(\d+)", line))
              for line in done.stdout.splitlines() if line.startswith("   ")]
-    hmma = [ops for ops in loops if any(op.startswith("HMMA") for op in ops)]
-    assert len(hmma) == 1, done.stdout
-    return hmma[0]
+    found = [ops for ops in loops if any(op.startswith(issuing) for op in ops)]
+    assert len(found) == 1, done.stdout
+    return found[0]
 
 
 def test_fp8_attention_loads_v_by_the_byte_and_bf16_by_ldmatrix():
@@ -51,3 +53,14 @@ def test_the_tool_refuses_the_interpreter():
     done = subprocess.run([sys.executable, str(TOOL), "--preset", "attention-decode-bf16"], capture_output=True,
                           text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode != 0 and "TRITON_INTERPRET" in done.stderr
+
+
+def test_one_row_fp8_product_converts_each_weight_once():
+    """The one-row FP8 product as a decode step launches it (`skinny_config`'s tiles): each e4m3 pair to fp16
+    in one instruction, each value to fp32 in one add, one multiply-add a weight; no register spills and
+    no per-value conversion instruction (F2F), which is what RESULTS' account of its speed rests on."""
+    fp8 = main_loop("--preset", "linear-one-row-fp8", issuing="FFMA")
+    assert 2 * fp8["F2FP.F16.E4M3.UNPACK_B"] == fp8["HADD2.F32"] == fp8["FFMA"]
+    assert not [op for op in fp8 if op.startswith(("LDL", "STL", "F2F."))]
+    bf16 = main_loop("--preset", "linear-one-row-bf16", issuing="FFMA")
+    assert "F2FP.F16.E4M3.UNPACK_B" not in bf16 and "HADD2.F32" not in bf16
