@@ -351,10 +351,6 @@ def test_block_attention_reads_an_fp8_cache(dtype, shape, v_staged):
     assert got.dtype == dtype
     tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]  # bf16: the output's rounding
     assert torch.allclose(got.float(), want, atol=tol, rtol=tol)
-    if v_staged:  # the same conversions and products in another order of loads: the same bits
-        plain = triton_attention_call(q, k_pool, v_pool, table[slots], lo, hi, hd**-0.5, length, *KV_SCALES,
-                                      AttentionTiles(fp8_v_staged=False))
-        assert torch.equal(got, plain)
     # negative control: the scales left out
     wrong = triton_attention_call(q, k_pool, v_pool, table[slots], lo, hi, hd**-0.5, length, 1.0, 1.0, tiles)
     assert not torch.allclose(wrong.float(), want, atol=tol, rtol=tol)
