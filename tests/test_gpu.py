@@ -163,9 +163,17 @@ def test_warmup_captures_every_graph_serving_needs(tmp_path, backend):
     llm = LLM(str(target), device="cuda", dtype="float32", max_model_len=300, max_num_seqs=8,
               speculative_config=spec, attention_backend=backend)
     assert llm.engine.num_steps == 0 and llm.engine.num_generated == 0  # warm-up left no trace
-    # what each kind of graph holds (the bench's memory breakdown): every kind captured, each in its own pool
-    assert set(llm.engine.graph_bytes) == {"target", "draft", "step"}
-    assert all(n > 0 for n in llm.engine.graph_bytes.values())
+    # every kind captured, all in one memory pool; what each added to it is the bench's memory breakdown
+    engine = llm.engine
+    assert engine.runner.pool == engine.proposer.graphs.pool == engine.proposer.steps.pool is not None
+    assert set(engine.graph_bytes) == {"target", "draft", "step"}
+    assert engine.graph_bytes["target"] > 0 and all(n >= 0 for n in engine.graph_bytes.values())
+    # the draft graphs' outputs, read after the verify's replay, lie outside the pool the target's scratch is in
+    pool = [(s["address"], s["total_size"]) for s in torch.cuda.memory_snapshot()
+            if tuple(s["segment_pool_id"]) == tuple(engine.runner.pool)]
+    drafts = [t.data_ptr() for cap in engine.proposer.graphs.graphs.values() for t in (cap.tokens, cap.confidence)
+              if t is not None]
+    assert pool and drafts and not [p for p in drafts if any(a <= p < a + n for a, n in pool)]
     before = CAPTURES[0]
     compiled = triton_compiled()
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -119,7 +119,7 @@ class Engine:
         self.num_steps_launched_ahead = 0
         self.num_spec_steps_chained = 0
         self.num_spec_steps_from_committed = 0  # a batch's first steps run as the chained step's body
-        self.graph_bytes: dict[str, int] = {}  # what each kind of graph's memory pool holds after warm-up
+        self.graph_bytes: dict[str, int] = {}  # what each kind of graph added to the shared pool at warm-up
         use_async = config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if use_async is None else use_async
         # The draft-length policy decides from measured wall times, which differ between processes: the
@@ -151,7 +151,8 @@ class Engine:
         then run short requests end to end, greedy and sampled (each Triton kernel variant prefill,
         decode, the drafter and sampling use, the eager draft path). Counters and the draft-length
         policy start afresh afterwards, so no request and no policy estimate pays for a capture or
-        a compilation. Returns what it did; `graph_bytes` keeps what each kind of graph's memory pool holds."""
+        a compilation. Returns what it did; `graph_bytes` keeps what each kind of graph added to the graphs'
+        shared memory pool (in capture order: the target's, the draft step's, the chained step's)."""
         if self.device.type != "cuda" or not self.runner.use_graphs:
             return {"graphs": 0, "seconds": 0.0}
         t0 = time.perf_counter()
@@ -159,14 +160,20 @@ class Engine:
         top = bucket(self.config.max_num_seqs, BATCH_BUCKETS) or self.config.max_num_seqs
         sizes = [b for b in BATCH_BUCKETS if b <= top]
         self.runner.capture_all(sizes, tapped=self.proposer is not None, untapped=True)
-        pools = {"target": self.runner.pool}
+        pool = self.runner.pool
+        self.graph_bytes = {"target": pool_bytes(pool)}
         if self.proposer is not None and self.proposer.graphs.use_graphs:
+            # one memory pool for every graph: no two run at once (one stream), so one's scratch may lie
+            # where another's lay. The target's outputs, alive at the later captures, are safe from their
+            # scratch; what the later graphs hand on lies outside the pool (the draft's tokens, the chained
+            # step's StepIO), where an earlier graph's replay cannot overwrite it
+            self.proposer.graphs.pool = pool
             self.proposer.graphs.capture_all(sizes)
-            pools["draft"] = self.proposer.graphs.pool
+            self.graph_bytes["draft"] = pool_bytes(pool) - sum(self.graph_bytes.values())
             if self.async_scheduling and self.proposer.chains:
+                self.proposer.steps.pool = pool
                 self.proposer.capture_steps(sizes, self.policy.candidates[1:])
-                pools["step"] = self.proposer.steps.pool
-        self.graph_bytes = {kind: pool_bytes(pool) for kind, pool in pools.items()}
+                self.graph_bytes["step"] = pool_bytes(pool) - sum(self.graph_bytes.values())
         prompt_len = min(40, self.config.max_model_len - 10)
         for params in (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                        SamplingParams(temperature=1.0, seed=0, max_tokens=8, ignore_eos=True)):  # sampling kernels

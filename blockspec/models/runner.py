@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -57,16 +57,23 @@ def prefill_graph_widths(tokens: int) -> list[int]:
 CAPTURES = [0]  # graphs captured so far in this process (a step that captured is not a timing sample)
 
 
-def capture(fn: Callable[[], T], pool: object) -> tuple["torch.cuda.CUDAGraph", T]:
+def capture(fn: Callable[[], T], pool: object, outputs_outside: bool = False) -> tuple["torch.cuda.CUDAGraph", T]:
     """Warm `fn` up on a side stream (compilation, allocator, cuBLAS workspaces), then capture one call
-    into a CUDA graph drawing on the shared memory pool; returns the graph and its static outputs."""
+    into a CUDA graph drawing on the shared memory pool; returns the graph and its static outputs.
+
+    `outputs_outside`: `fn` returns a tuple of tensors (or None), which the graph copies into buffers
+    made outside the pool. A pool shared by graphs captured one after another is safe for what it
+    holds at each capture's end; memory an earlier graph used as scratch may become a later graph's
+    output, which the earlier graph's next replay overwrites. Outputs outside the pool cannot be."""
     CAPTURES[0] += 1
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
+        fn()
+        warm = fn()
     torch.cuda.current_stream().wait_stream(side)
+    run = _copying_into(fn, tuple(None if t is None else torch.empty_like(t) for t in warm)) if outputs_outside else fn
+    del warm
     graph = torch.cuda.CUDAGraph()
     # no cyclic garbage collection while capturing: freeing a dead engine's graphs or memory there (a
     # reference cycle in the caller's objects) would invalidate the capture
@@ -74,11 +81,21 @@ def capture(fn: Callable[[], T], pool: object) -> tuple["torch.cuda.CUDAGraph", 
     gc.disable()
     try:
         with torch.cuda.graph(graph, pool=pool):
-            out = fn()
+            out = run()
     finally:
         if collecting:
             gc.enable()
     return graph, out
+
+
+def _copying_into(fn: Callable[[], Any], buffers: tuple[Tensor | None, ...]) -> Callable[[], Any]:
+    """`fn`, its outputs copied into `buffers` (a None output stays None)."""
+    def run() -> tuple[Tensor | None, ...]:
+        for buf, t in zip(buffers, fn()):
+            if buf is not None:
+                buf.copy_(t)
+        return buffers
+    return run
 
 
 def pool_bytes(pool: object | None) -> int:

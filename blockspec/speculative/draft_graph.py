@@ -162,7 +162,8 @@ class DraftGraphs:
 
     def _capture(self, b: int, kv: int, width: int) -> CapturedDraft:
         control = self._new_control(4, b)
-        graph, (tokens, conf) = capture(lambda: self._step(control, kv, width), self.pool)
+        # its outputs are read after other graphs' replays (the verify's): outside the pool it may share
+        graph, (tokens, conf) = capture(lambda: self._step(control, kv, width), self.pool, outputs_outside=True)
         cap = CapturedDraft(graph, control, tokens, conf)
         self.graphs[(b, kv, width)] = cap
         return cap
