@@ -2,7 +2,8 @@
 
 Acceptance does not depend on the hardware, so this runs anywhere (tok/s printed beside it is only
 meaningful on an otherwise idle machine). Draft length is fixed (adaptive off) so that every
-position is measured.
+position is measured. Requests stop at the end-of-text token, as a user's do (and as the drafters'
+early stopping measures them); `--ignore-eos` drafts on past it, over text no user would be shown.
 
     python benchmarks/acceptance.py --out acceptance.json
 """
@@ -25,6 +26,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--temperatures", default="0,0.7,1.0")
+    ap.add_argument("--ignore-eos", action="store_true", help="decode max-tokens whatever the target emits")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     prompts = heldout_prompts(args.prompts)
@@ -38,7 +40,8 @@ def main() -> None:
                 if temp == 0 and draft_method != "greedy":
                     continue  # at T = 0 every method is greedy verification
                 before = llm.get_stats()
-                params = [SamplingParams(temperature=temp, seed=i, max_tokens=args.max_tokens, ignore_eos=True)
+                params = [SamplingParams(temperature=temp, seed=i, max_tokens=args.max_tokens,
+                                         ignore_eos=args.ignore_eos)
                           for i in range(len(prompts))]
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
@@ -51,7 +54,8 @@ def main() -> None:
                            for i, a in enumerate(after["num_accepted_tokens_per_pos"])]
                 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
                 row = {"drafter": drafter, "draft_sample_method": draft_method, "rejection_sample_method": rule,
-                       "temperature": temp, "prompts": len(prompts), "tokens": tokens, "steps": drafts,
+                       "temperature": temp, "prompts": len(prompts), "ignore_eos": args.ignore_eos,
+                       "tokens": tokens, "steps": drafts,
                        "mean_acceptance_length": 1 + accepted / max(drafts, 1),
                        "per_position": [round(n / max(drafts, 1), 3) for n in per_pos],
                        "tok_s_cpu": tokens / dt}
