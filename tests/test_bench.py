@@ -19,7 +19,7 @@ from PIL import Image
 
 from blockspec.bench import BenchConfig, markdown, run_bench, write_outputs
 from blockspec.bench.arch import TINY, TINY_DFLASH, random_drafter, random_target
-from blockspec.bench.harness import summary_line
+from blockspec.bench.report import summary_line
 from blockspec.bench.points import point_name
 from blockspec.cli import main
 from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
@@ -331,7 +331,7 @@ def test_methods_are_timed_in_interleaved_rounds(monkeypatch):
 def test_speedup_is_the_median_of_the_rounds_ratios_with_their_range():
     """Each round's speculative pass over the same round's plain pass: rounds of 100 / 50 plain tok/s and
     110 / 60 speculative give 1.1 and 1.2 (median 1.15), where the medians' ratio would be 85 / 75."""
-    from blockspec.bench.harness import compare_to_plain, speedup_cell
+    from blockspec.bench.report import compare_to_plain, speedup_cell
 
     def run(method, output):
         return {"method": method, "batch": 1, "temperature": 0.0, "status": "ok", "output_len": 8,
@@ -864,7 +864,7 @@ def test_a_step_floor_is_its_weights_until_its_rows_fill_the_products():
     """A step's floor is its weight bytes at the copy bandwidth while it has few rows, then its FLOPs at the
     product rate; its attention (each request's K/V read once) and the draft's products and attention come
     after, each at its own bound; each run's step times by draft length get the floor of a whole-batch step."""
-    from blockspec.bench.harness import add_step_floors, step_floor
+    from blockspec.bench.report import add_step_floors, step_floor
 
     # 16 GB a step at 4 TB/s: 4 ms; a row 16 GFLOP at 800 TFLOP/s: 0.02 ms, so 200 rows cross over
     model = {"weight_bytes_per_step_gb": 16.0, "row_gflops": 16.0, "attention_flops_per_key": 0.0}

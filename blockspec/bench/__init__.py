@@ -5,6 +5,7 @@
     write_outputs(result, "bench-results")   # bench.json, bench.md, PNG plots
 """
 
-from blockspec.bench.harness import BenchConfig, add_bench_parser, markdown, run_bench, write_outputs
+from blockspec.bench.harness import BenchConfig, add_bench_parser, run_bench
+from blockspec.bench.report import markdown, write_outputs
 
 __all__ = ["BenchConfig", "add_bench_parser", "markdown", "run_bench", "write_outputs"]
