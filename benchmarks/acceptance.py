@@ -23,7 +23,7 @@ METHODS = [("greedy", "standard"), ("probabilistic", "standard"), ("probabilisti
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--temperatures", default="0,0.7,1.0")
     ap.add_argument("--ignore-eos", action="store_true", help="decode max-tokens whatever the target emits")
