@@ -34,7 +34,7 @@ def one_row_linear(weight: str) -> tuple[str, dict[str, str], dict[str, object],
     from blockspec.kernels.ops import skinny_config
 
     fp8 = weight == "fp8e4nv"
-    cfg = skinny_config(1, 6144, 4096, itemsize=1 if fp8 else 2)
+    cfg = skinny_config(1, 6144, 4096, fp8=fp8)
     signature = {"X": "*bf16", "W": f"*{weight}", "Bias": "*bf16", "NormW": "*bf16", "Res": "*bf16", "Out": "*bf16",
                  "Sums": "*fp32", "Scaled": "*bf16", "WScale": "*fp32", "eps": "fp32"}
     constexprs = {"PROLOGUE": 0, "GLU": False, "HAS_BIAS": False, "HAS_RES": False, "EMIT": False, "SUMS_BLOCK": 1,

@@ -228,6 +228,16 @@ def test_fp32_rows_are_computed_as_one_row_is(fusion):
     assert not torch.equal(run(0, rows, blocks), alone)
 
 
+def test_fp8_weights_take_their_own_tiles_above_one_row():
+    """FP8_FEW_TILES serve an FP8 weight at 2-16 rows; one row (and float32 inputs) keep the one-row stream."""
+    for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)):
+        tiles = triton_ops.FP8_FEW_TILES[triton_ops.product_class(n, k)]
+        assert triton_ops.skinny_config(16, n, k, fp8=True) == triton_ops.SkinnyConfig(*tiles)
+        assert triton_ops.skinny_config(2, n, k, fp8=True) == triton_ops.SkinnyConfig(*tiles)
+        assert triton_ops.skinny_config(1, n, k, fp8=True) == triton_ops.skinny_config(1, n, k)
+        assert triton_ops.skinny_config(16, n, k, itemsize=4, fp8=True).block_m == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_float32_layer_computes_each_row_as_a_single_row(monkeypatch, dtype):
     """A decoder block's products, norms and SwiGLU in float32 (pre-norm q/k/v, the output product into
