@@ -11,7 +11,7 @@ On CUDA the product is chosen by row count (`fp8_linear`):
 
 - up to `SKINNY_MAX_ROWS` (decode, verify and draft steps of small batches): `ops.skinny_linear`
   streams the e4m3 weight and dequantizes in registers, with the same fused prologues and epilogues
-  as for bf16 (`layers.dense` calls it directly);
+  as for bf16 (`layers.dense` calls it directly), above one row on tiles of its own (`ops.FP8_FEW_TILES`);
 - up to `ROW_TILE_MAX_ROWS` (wider verify batches): the same kernel in 64-row tiles, tensor-core dots
   of the e4m3 tiles converted to the input's dtype (exact) and scaled per K block;
 - above (prefill, wider verify batches): the weight dequantized to the input's dtype in one pass
