@@ -262,3 +262,19 @@ def test_assemble_writes_the_pair_with_cards_read_from_the_run(regenerated, pret
         params = sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())
     assert assets["target"]["parameters"] == params
     assert json.loads((pair / "metrics.json").read_text())["assets"] == assets
+
+    # a drafter continued from the shipped one replaces it; the card and metrics.json keep both runs
+    from blockspec.train.recipes.flagship_cards import continue_drafter
+
+    with pytest.raises(ValueError, match="not a continued run"):
+        continue_drafter(pair, "dflash", run / "dflash-state", 999)
+    first = json.loads((pair / "metrics.json").read_text())["drafters"]["dflash"]
+    cfg = DrafterStageConfig(train=dict(method="dflash", block_size=4, **train), epochs=1.0, eval_every_steps=2,
+                             eval_prompts=2, eval_new_tokens=8, init=str(pair / "dflash"))
+    drafter_slice(pair / "target", rows / "rows", tmp_path / "warm", cfg=cfg, max_steps=2, device="cpu")
+    best = continue_drafter(pair, "dflash", tmp_path / "warm", 4321)
+    rec = json.loads((pair / "metrics.json").read_text())
+    assert rec["drafters"]["dflash"]["best"] == first["best"] and rec["drafters"]["dflash"]["continued"]["best"] == best
+    card = (pair / "dflash" / "README.md").read_text()
+    assert "4,321 more generated tokens" in card and f"{best['acceptance']:.2f} tokens per verify step" in card
+    assert load_drafter("dflash", pair / "dflash", device="cpu").recorded_acceptance == tuple(best["per_position"])

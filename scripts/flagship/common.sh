@@ -41,10 +41,11 @@ regen_slice() {  # $1: minutes of generation; this slice's pieces and the state 
 }
 
 drafter_slice() {  # $1: dflash | dspark, $2: minutes; FLAGSHIP_EPOCHS, FLAGSHIP_LAYERS, FLAGSHIP_INIT (a new state
-  # only: its epochs, depth, and the drafter export it starts from), FLAGSHIP_STATE
+  # only: its epochs, depth, and the drafter export it starts from), FLAGSHIP_STATE, FLAGSHIP_SHIP (the state
+  # groups returned; run,best is what an export needs)
   local state="${FLAGSHIP_STATE:-$1-state}"
   [ -d "$DEV/target" ] || cp -r blockspec/assets/default/target "$DEV/target"  # the shipped target, once it is
   flagship drafter --method "$1" --target "$DEV/target" --rows "$DEV/regen" --state "$DEV/$state" \
     --minutes "$2" --out "$OUT" ${FLAGSHIP_EPOCHS:+--epochs "$FLAGSHIP_EPOCHS"} ${FLAGSHIP_LAYERS:+--layers "$FLAGSHIP_LAYERS"} \
-    ${FLAGSHIP_INIT:+--init "$FLAGSHIP_INIT"}
+    ${FLAGSHIP_INIT:+--init "$FLAGSHIP_INIT"} ${FLAGSHIP_SHIP:+--ship "$FLAGSHIP_SHIP"}
 }

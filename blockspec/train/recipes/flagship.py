@@ -8,6 +8,7 @@
     python -m blockspec.train.recipes.flagship drafter --method dflash|dspark --target DIR --rows DIR --state DIR
                                                         --minutes M --out DIR
     python -m blockspec.train.recipes.flagship export-target | export-drafter | ship | collect | carry ...
+    python -m blockspec.train.recipes.flagship continue-drafter --method M --state DIR --regen-metrics FILE
 
 README
 ======
@@ -112,7 +113,9 @@ the two regenerated pieces (the tree is 54 MiB with the pair) and 21 starts a DF
 ``FLAGSHIP_EPOCHS`` (default 10) in a new state; 22 a
 DSpark run of 8 epochs (repeat it until its metrics say ``stopped``); 23 runs the demo and the bench
 preset on the device. 24 (after 20, instead of 21) trains a drafter on from the shipped one
-(``--init``: its weights, a fresh optimiser and schedule; ``FLAGSHIP_METHOD``, default dflash).
+(``--init``: its weights, a fresh optimiser and schedule; ``FLAGSHIP_METHODS``: default dflash, or
+"dflash dspark", both in one call); locally ``flagship continue-drafter`` then puts a continued run's best
+into the shipped pair, its card and metrics.json beside the first run's record.
 Rows the shipped drafters never saw: ``flagship prompts --seed 1`` into ``out/flagship/prompts-seed1``,
 then 07 and 08 with ``FLAGSHIP_PROMPTS=prompts-seed1`` (07 carries that folder; with no exported target
 in DEV they continue the shipped one), then 24 for each drafter in the same lease.
@@ -147,7 +150,7 @@ import torch
 from blockspec.train.corpus import MIB, load_piece, write_split_pieces
 from blockspec.train.data import DataError
 from blockspec.train.drafter_stage import DrafterStageConfig, drafter_slice, export_best
-from blockspec.train.recipes.flagship_cards import assemble
+from blockspec.train.recipes.flagship_cards import assemble, continue_drafter
 from blockspec.train.pretrain import (
     PretrainConfig,
     heldout_examples,
@@ -593,6 +596,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("returned", type=Path, help="the folder the call's files came back in")
     c.add_argument("--into", type=Path, default=Path("out/flagship"))
 
+    cd = sub.add_parser("continue-drafter", help="replace a shipped drafter by the best of a run continued from it")
+    cd.add_argument("--method", choices=sorted(DRAFTERS), required=True)
+    cd.add_argument("--state", type=Path, required=True, help="the continued run's state (--init)")
+    cd.add_argument("--regen-metrics", type=Path, required=True, help="regen_metrics.json of the rows it trained on")
+    cd.add_argument("--pair", type=Path, default=Path("blockspec/assets/default"))
+
     a = sub.add_parser("assemble", help="the shipped pair (exports, cards, metrics.json) from a finished run")
     a.add_argument("--run", type=Path, default=Path("out/flagship"))
     a.add_argument("--out", type=Path, default=Path("blockspec/assets/default"))
@@ -687,6 +696,9 @@ def run_command(args: argparse.Namespace) -> int:
         write_metrics(None, "", {"out": str(exported), "best": best})
     elif args.command == "collect":
         write_metrics(None, "", {"collected": collect(args.returned, args.into)})
+    elif args.command == "continue-drafter":
+        tokens = json.loads(args.regen_metrics.read_text())["total_generated_tokens"]
+        write_metrics(None, "", continue_drafter(args.pair, args.method, args.state, tokens))
     elif args.command == "assemble":
         write_metrics(None, "", assemble(args.run, args.out, dict(args.states)))
     elif args.command == "carry":

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from blockspec.drafters import load_drafter
 from blockspec.drafters.config import DrafterConfig
-from blockspec.train.drafter_stage import DrafterStageConfig
+from blockspec.train.drafter_stage import DrafterStageConfig, export_best
 from blockspec.train.state import read_index
 
 PAIR = ("target", "dflash", "dspark")
@@ -34,12 +34,7 @@ def run_record(run_dir: Path, states: dict[str, str] | None = None) -> dict[str,
     manifest = json.loads((run_dir / "corpus" / "manifest.json").read_text())
     target_run = read_index(run_dir / "target-state")["state"]["run"]
     regen = json.loads((run_dir / "regen" / "regen_metrics.json").read_text())
-    drafters = {}
-    for method in PAIR[1:]:
-        run = read_index(run_dir / (states or {}).get(method, f"{method}-state"))["state"]["run"]
-        best = next(e for e in run["evals"] if e["step"] == run["best"]["step"])
-        drafters[method] = {"config": run["config"], "best": best, "total_steps": run["total"],
-                            "train_seconds": sum(h.get("train_seconds", 0.0) for h in run["history"])}
+    drafters = {m: drafter_record(run_dir / (states or {}).get(m, f"{m}-state")) for m in PAIR[1:]}
     train = manifest["splits"]["train"]
     return {
         "corpus": {"train_files": train["files"], "train_tokens": train["tokens"],
@@ -95,10 +90,23 @@ Loads with `blockspec` (`LLM("target")`) and with `transformers.AutoModelForCaus
 """
 
 
+def drafter_record(state_dir: Path) -> dict[str, Any]:
+    """A drafter run's configuration, best evaluation, steps and training time, from its state index."""
+    run = read_index(state_dir)["state"]["run"]
+    best = next(e for e in run["evals"] if e["step"] == run["best"]["step"])
+    return {"config": run["config"], "best": best, "total_steps": run["total"],
+            "train_seconds": sum(h.get("train_seconds", 0.0) for h in run["history"])}
+
+
 def drafter_card(rec: dict[str, Any], method: str, shape: DrafterConfig, params: int, size: int) -> str:
     d = rec["drafters"][method]
     t = dataclasses.asdict(DrafterStageConfig(**d["config"]).train_config("cpu"))  # the trainer's defaults filled in
-    best = d["best"]
+    more = d.get("continued")
+    best = more["best"] if more else d["best"]
+    continued = "" if not more else f"""
+- **Continued** from those weights (fresh AdamW and cosine schedule, lr {more['config']['train']['lr']:g}) on
+  {more['rows_tokens']:,} more generated tokens, continuations of openings the first run never used:
+  {more['total_steps']} steps ({more['config']['epochs']:g} epochs, {more['train_seconds'] / 60:.1f} minutes on one H200)."""
     fmt = ("z-lab DFlash (`DFlashDraftModel`, no embedding or head: it shares the target's)" if method == "dflash"
            else "DeepSpec DSpark (`Qwen3DSparkModel`, with copies of the target's embedding and head)")
     heads = (f"Markov head ({t['markov_head_type']}, rank {t['markov_rank']}) and confidence head; "
@@ -117,7 +125,7 @@ The drafter of the flagship target (`../target`), trained by `python -m blockspe
 - **Training**: the reference objective (random anchors, position-decayed loss), {d['total_steps']} steps of
   {t['batch_size']} rows of {t['max_len']} tokens ({d['config']['epochs']:g} epochs, {d['train_seconds'] / 60:.1f} minutes on one H200),
   {t['num_anchors']} anchors a row, AdamW lr {t['lr']:g}; the weights of the evaluation with the best acceptance
-  are kept.
+  are kept.{continued}
 - **Acceptance** (greedy, whole block verified, held-out openings outside the demo's prompts, through
   the engine): {best['acceptance']:.2f} tokens per verify step; P(first k drafts accepted): {per_pos}.
   `acceptance.json` records this for the engine's draft-length policy.
@@ -146,3 +154,22 @@ def assemble(run_dir: Path, out: Path, states: dict[str, str] | None = None) -> 
     rec["assets"] = sizes | {"total_bytes": sum(f.stat().st_size for f in out.rglob("*") if f.is_file())}
     (out / "metrics.json").write_text(json.dumps(rec, indent=1) + "\n")
     return rec["assets"]
+
+
+def continue_drafter(pair: Path, method: str, state_dir: Path, rows_tokens: int) -> dict[str, Any]:
+    """Replace the shipped pair's `method` drafter by the best of a run that continued it (``--init``) on
+    `rows_tokens` more generated tokens: the export, its recorded acceptance, metrics.json (the first run's
+    record stays, the continuation beside it) and the card."""
+    record = drafter_record(state_dir)
+    if record["config"].get("init") is None:
+        raise ValueError(f"{state_dir}: not a continued run (its configuration has no init)")
+    export_best(state_dir, pair / "target", pair / method)
+    rec = json.loads((pair / "metrics.json").read_text())
+    rec["drafters"][method]["continued"] = record | {"rows_tokens": rows_tokens}
+    params, size = _params(pair / method), (pair / method / "model.safetensors").stat().st_size
+    rec["assets"][method] = {"parameters": params, "bytes": size}
+    rec["assets"]["total_bytes"] = sum(f.stat().st_size for f in pair.rglob("*") if f.is_file() and f.name != "metrics.json")
+    (pair / method / "README.md").write_text(
+        drafter_card(rec, method, load_drafter(method, pair / method, device="cpu").config, params, size))
+    (pair / "metrics.json").write_text(json.dumps(rec, indent=1) + "\n")
+    return rec["drafters"][method]["continued"]["best"]
