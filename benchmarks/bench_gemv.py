@@ -1,11 +1,13 @@
-"""The few-row linear layers of a Qwen3-8B-shaped model: `skinny_linear` (tile sweep, fused prologues)
-against cuBLAS, next to the copy bandwidth that bounds them.
+"""The few-row linear layers of a model shape (`--arch`, default Qwen3-8B): `skinny_linear` (tile sweep,
+fused prologues) against cuBLAS, next to the copy bandwidth that bounds them. A mixture-of-experts
+shape has only its attention products here (its experts: `benchmarks/bench_moe.py`).
 
 Each figure is one layer's product (and what is fused into it) timed as a CUDA graph of calls over
 enough weight copies to defeat the L2 cache, median of repeated replays. The floor of a call is its
 weight bytes over the measured copy bandwidth.
 
     python benchmarks/bench_gemv.py --out gemv.json
+    python benchmarks/bench_gemv.py --arch qwen3-30b-a3b --sweep --rows 1
 """
 
 from __future__ import annotations
@@ -20,17 +22,28 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from blockspec.bench.arch import get_arch
 from blockspec.bench.timing import add_run, copy_bandwidth, graph_seconds, kernel_record
 from blockspec.kernels import ops as triton_ops
 from blockspec.models import layers
 from blockspec.kernels.ops import SkinnyConfig
 
-HIDDEN, INTER, Q_KV, VOCAB = 4096, 12288, 6144, 151936
-# name: (n, k, fusion) of Qwen3-8B's products; the fusion is what the decoder layer folds into it
-# (SwiGLU: down's prologue at one row, gate_up's epilogue above it, as `GatedMLP` places it; above one
-# row the norm's statistics come from the product before, which writes them beside the residual stream)
-SHAPES = {"qkv": (Q_KV, HIDDEN, "norm"), "o": (HIDDEN, HIDDEN, "residual"),
-          "gate_up": (2 * INTER, HIDDEN, "norm+glu"), "down": (HIDDEN, INTER, "swiglu+residual")}
+
+def shapes(arch: str) -> dict[str, tuple[int, int, str]]:
+    """name: (n, k, fusion) of the arch's decoder-layer products; the fusion is what the decoder layer
+    folds into it (SwiGLU: down's prologue at one row, gate_up's epilogue above it, as `GatedMLP` places
+    it; above one row the norm's statistics come from the product before, which writes them beside the
+    residual stream)."""
+    cfg = get_arch(arch).target
+    heads = cfg.num_attention_heads * cfg.head_dim
+    qkv = heads + 2 * cfg.num_key_value_heads * cfg.head_dim
+    out = {"qkv": (qkv, cfg.hidden_size, "norm"), "o": (cfg.hidden_size, heads, "residual")}
+    if not cfg.num_experts:
+        out |= {"gate_up": (2 * cfg.intermediate_size, cfg.hidden_size, "norm+glu"),
+                "down": (cfg.hidden_size, cfg.intermediate_size, "swiglu+residual")}
+    return out
+
+
 L2_DEFEAT_BYTES = 512 << 20
 
 
@@ -82,7 +95,7 @@ class Case:
 
 def sweep_space(m: int) -> list[SkinnyConfig]:
     if m == 1:
-        grid = itertools.product([1], [8, 16, 32], [256, 512, 1024], [4, 8], [1, 3])
+        grid = itertools.product([1], [4, 8, 16, 32], [256, 512, 1024], [4, 8], [1, 3])
     else:
         grid = itertools.product([16], [16, 32, 64], [128, 256, 512], [4, 8], [2, 3, 4])
     return [SkinnyConfig(*c) for c in grid]
@@ -90,21 +103,27 @@ def sweep_space(m: int) -> list[SkinnyConfig]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", default="qwen3-8b", help="the model shape whose products are timed")
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
     ap.add_argument("--sweep", action="store_true",
-                    help="sweep tile sizes at 1 and 16 rows (bare, and with the fusions the engine runs) first")
+                    help="sweep tile sizes first (bare, and with the fusions the engine runs)")
+    ap.add_argument("--sweep-rows", default="1,16", help="the row counts of the sweep")
+    ap.add_argument("--sweep-kinds", default="bare,fused", help="the sweep's products: bare, fused (as the engine "
+                                                                 "runs them) or both; each tile of each compiles")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
+    products = shapes(args.arch)
     bw = copy_bandwidth()
-    result = kernel_record(bw, sweep=[])
+    result = kernel_record(bw, arch=args.arch, sweep=[])
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}), flush=True)
     if args.sweep:
-        for m in (1, 16):
-            cases = {name: Case(n, k, fusion, m) for name, (n, k, fusion) in SHAPES.items()}
+        kinds = [kind == "fused" for kind in args.sweep_kinds.split(",")]
+        for m in (int(r) for r in args.sweep_rows.split(",")):
+            cases = {name: Case(n, k, fusion, m) for name, (n, k, fusion) in products.items()}
             for cfg in sweep_space(m):
                 row = {"rows": m, "config": cfg.__dict__}
-                for (name, case), fused in itertools.product(cases.items(), (False, True)):
+                for (name, case), fused in itertools.product(cases.items(), kinds):
                     key = name + ("_fused" if fused else "")
                     try:
                         t = statistics.median(graph_seconds(case.skinny(cfg, fused=fused)))
@@ -117,7 +136,7 @@ def main() -> None:
             del cases
             torch.cuda.empty_cache()
     for m in (int(r) for r in args.rows.split(",")):
-        for name, (n, k, fusion) in SHAPES.items():
+        for name, (n, k, fusion) in products.items():
             case = Case(n, k, fusion, m)
             floor = case.weight_bytes / bw
             run = {"rows": m, "layer": name, "n": n, "k": k, "fusion": fusion, "floor_us": floor * 1e6}
