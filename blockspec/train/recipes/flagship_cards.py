@@ -28,6 +28,11 @@ def _params(model_dir: Path) -> int:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
+def _pair_bytes(pair: Path) -> int:
+    """Bytes of the shipped pair's files, metrics.json (which records this) aside."""
+    return sum(f.stat().st_size for f in pair.rglob("*") if f.is_file() and f.name != "metrics.json")
+
+
 def run_record(run_dir: Path, states: dict[str, str] | None = None) -> dict[str, Any]:
     """What the run did, from its records: corpus, target training, regeneration, each drafter's best (from
     run_dir/<method>-state, or the state directory `states` names for the method)."""
@@ -151,7 +156,7 @@ def assemble(run_dir: Path, out: Path, states: dict[str, str] | None = None) -> 
                 else drafter_card(rec, name, load_drafter(name, out / name, device="cpu").config, params, size))
         (out / name / "README.md").write_text(card)
     shutil.copy2(run_dir / "corpus" / "manifest.json", out / "target" / "corpus_manifest.json")
-    rec["assets"] = sizes | {"total_bytes": sum(f.stat().st_size for f in out.rglob("*") if f.is_file())}
+    rec["assets"] = sizes | {"total_bytes": _pair_bytes(out)}
     (out / "metrics.json").write_text(json.dumps(rec, indent=1) + "\n")
     return rec["assets"]
 
@@ -168,7 +173,7 @@ def continue_drafter(pair: Path, method: str, state_dir: Path, rows_tokens: int)
     rec["drafters"][method]["continued"] = record | {"rows_tokens": rows_tokens}
     params, size = _params(pair / method), (pair / method / "model.safetensors").stat().st_size
     rec["assets"][method] = {"parameters": params, "bytes": size}
-    rec["assets"]["total_bytes"] = sum(f.stat().st_size for f in pair.rglob("*") if f.is_file() and f.name != "metrics.json")
+    rec["assets"]["total_bytes"] = _pair_bytes(pair)
     (pair / method / "README.md").write_text(
         drafter_card(rec, method, load_drafter(method, pair / method, device="cpu").config, params, size))
     (pair / "metrics.json").write_text(json.dumps(rec, indent=1) + "\n")
