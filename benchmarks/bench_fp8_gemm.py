@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from blockspec.bench.timing import add_run, copy_bandwidth, graph_seconds, kernel_record
 from blockspec.kernels import fp8
 from blockspec.kernels import ops as triton_ops
-from blockspec.kernels.ops import SkinnyConfig
+from blockspec.kernels.ops import MultirowConfig, SkinnyConfig
+from bench_gemv import multirow_space
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 L2_DEFEAT_BYTES = 512 << 20
@@ -49,13 +50,20 @@ class Case:
         self.block = [(q.clone(), s, (128, 128)) for _ in range(copies)]
         self.x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 
-    def calls(self, kind: str, path: str, cfg: SkinnyConfig | None = None) -> list[Callable[[], object]]:
+    def tiles(self) -> MultirowConfig:
+        return MultirowConfig(*fp8.MULTIROW_TILES[triton_ops.product_class(self.n, self.k)])
+
+    def calls(self, kind: str, path: str, cfg: SkinnyConfig | MultirowConfig | None = None
+              ) -> list[Callable[[], object]]:
         """`path`: dispatch (what fp8_linear runs), skinny (cfg's tiles), tiles (the row tiles of
-        fp8.ROW_TILES at any row count), dequantize (+ cuBLAS), scaled_mm."""
+        fp8.ROW_TILES at any row count), multirow (`multirow_linear`, cfg's tiles or fp8.MULTIROW_TILES),
+        dequantize (+ cuBLAS), scaled_mm."""
         x = self.x
         if kind == "bf16":
             if path == "skinny":
                 return [lambda w=w: triton_ops.skinny_linear(x, w, config=cfg) for w in self.bf16]
+            if path == "multirow":
+                return [lambda w=w: triton_ops.multirow_linear(x, w, config=cfg or self.tiles()) for w in self.bf16]
             return [lambda w=w: F.linear(x, w) for w in self.bf16]
         weights = self.channel if kind == "channel" else self.block
         if path == "dispatch":
@@ -67,6 +75,9 @@ class Case:
             cfg = fp8.ROW_TILES[triton_ops.product_class(self.n, self.k)]
             return [lambda a=a: triton_ops.skinny_linear(x, a[0], weight_scale=a[1], scale_block=a[2], config=cfg)
                     for a in weights]
+        if path == "multirow":
+            return [lambda a=a: triton_ops.multirow_linear(x, a[0], weight_scale=a[1], scale_block=a[2],
+                                                           config=cfg or self.tiles()) for a in weights]
         if path == "dequantize":
             return [lambda a=a: F.linear(x, fp8.dequantize(*a, x.dtype)) for a in weights]
         if path == "scaled_mm":
@@ -130,6 +141,9 @@ def main() -> None:
     ap.add_argument("--sweep-rows", default="1,16", help="row counts of the sweep (above 16: the row tiles)")
     ap.add_argument("--compile-shard", default=None, metavar="I/N",
                     help="only compile part I of N of the sweep (run N of these side by side first)")
+    ap.add_argument("--multirow-rows", default="", help="row counts at which to sweep `multirow_linear`'s tiles "
+                                                         "(each compiles), e.g. 144,256")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="only these products, e.g. gate_up,down")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -143,15 +157,34 @@ def main() -> None:
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}), flush=True)
     if args.sweep:
         sweep(result, [int(r) for r in args.sweep_rows.split(",")], bw)
-    for m in (int(r) for r in args.rows.split(",")):
-        for name, (n, k) in SHAPES.items():
+    for m in (int(r) for r in args.multirow_rows.split(",") if r):
+        for name in args.shapes.split(","):
+            n, k = SHAPES[name]
+            case = Case(n, k, m, bf16=False)
+            for kind in ("channel", "block"):
+                row = {"rows": m, "layer": name, "scales": kind, "fp8_floor_us": n * k / bw * 1e6,
+                       "dispatch_us": timed(case.calls(kind, "dispatch"))}
+                for cfg in multirow_space(n // 2 if name == "gate_up" else n):
+                    row[",".join(str(v) for v in cfg.__dict__.values())] = timed(case.calls(kind, "multirow", cfg))
+                result["sweep"].append(row)
+                tiles = {key: v for key, v in row.items() if "," in key and isinstance(v, float)}
+                best = min(tiles, key=tiles.get)
+                print(json.dumps({key: row[key] for key in ("rows", "layer", "scales", "fp8_floor_us", "dispatch_us")}
+                                 | {"best": best, "best_us": tiles[best]}), flush=True)
+            del case
+            torch.cuda.empty_cache()
+    for m in (int(r) for r in args.rows.split(",") if r):
+        for name in args.shapes.split(","):
+            n, k = SHAPES[name]
             case = Case(n, k, m)
             floor = n * k / bw
             run = {"rows": m, "layer": name, "n": n, "k": k, "fp8_floor_us": floor * 1e6,
                    "bf16_floor_us": 2 * floor * 1e6}
             run["bf16_us"] = timed(case.calls("bf16", "skinny" if m <= triton_ops.SKINNY_MAX_ROWS else "cublas"))
             wide = m > triton_ops.SKINNY_MAX_ROWS
-            paths = ["dispatch"] + (["tiles", "dequantize"] if wide else [])
+            if wide:
+                run["bf16_multirow_us"] = timed(case.calls("bf16", "multirow"))
+            paths = ["dispatch"] + (["tiles", "multirow", "dequantize"] if wide else [])
             for kind in ("channel", "block"):
                 for path in paths + (["scaled_mm"] if wide else []):
                     t = timed(case.calls(kind, path))

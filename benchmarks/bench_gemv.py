@@ -8,6 +8,7 @@ weight bytes over the measured copy bandwidth.
 
     python benchmarks/bench_gemv.py --out gemv.json
     python benchmarks/bench_gemv.py --arch qwen3-30b-a3b --sweep --rows 1
+    python benchmarks/bench_gemv.py --rows "" --multirow-rows 144,288   # `multirow_linear` tiles against cuBLAS
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from blockspec.bench.arch import get_arch
 from blockspec.bench.timing import add_run, copy_bandwidth, graph_seconds, kernel_record
 from blockspec.kernels import ops as triton_ops
 from blockspec.models import layers
-from blockspec.kernels.ops import SkinnyConfig
+from blockspec.kernels.ops import MultirowConfig, SkinnyConfig
 
 
 def shapes(arch: str) -> dict[str, tuple[int, int, str]]:
@@ -92,6 +93,29 @@ class Case:
             return y + self.res if fused and self.res is not None else y
         return [lambda w=w: call(w) for w in self.weights]
 
+    def multirow(self, cfg: MultirowConfig) -> list[Callable[[], object]]:
+        """What `layers.dense` runs above SKINNY_MAX_ROWS: the product (gate_up with SwiGLU in its
+        epilogue) with the norm, SwiGLU's input and the residual add in kernels of their own."""
+        glu = "+glu" in self.fusion
+        x = self.x[:, :self.k]
+        return [lambda w=w: triton_ops.multirow_linear(x, w, glu=glu, config=cfg) for w in self.weights]
+
+    def cublas_product(self) -> list[Callable[[], object]]:
+        """cuBLAS's product, gate_up followed by the SwiGLU kernel: what `multirow` replaces."""
+        glu = "+glu" in self.fusion
+        x = self.x[:, :self.k]
+        return [lambda w=w: (layers.silu_mul(F.linear(x, w)) if glu else F.linear(x, w)) for w in self.weights]
+
+
+def multirow_space(n: int) -> list[MultirowConfig]:
+    """`multirow_linear`'s tiles for an n-column product: K cut so that there are 48 to 528 programs a
+    row group."""
+    out = []
+    for width, block_k, warps, split in itertools.product([64, 128], [64, 128], [4, 8], [1, 2, 4]):
+        if 48 <= -(-n // width) * split <= 528:
+            out.append(MultirowConfig(width, block_k, warps, 4, split))
+    return out
+
 
 def sweep_space(m: int) -> list[SkinnyConfig]:
     if m == 1:
@@ -110,13 +134,37 @@ def main() -> None:
     ap.add_argument("--sweep-rows", default="1,16", help="the row counts of the sweep")
     ap.add_argument("--sweep-kinds", default="bare,fused", help="the sweep's products: bare, fused (as the engine "
                                                                  "runs them) or both; each tile of each compiles")
+    ap.add_argument("--multirow-rows", default="", help="row counts at which to sweep `multirow_linear`'s tiles "
+                                                         "against cuBLAS (each tile compiles), e.g. 144,288")
+    ap.add_argument("--layers", default=None, help="only these products (comma-separated), e.g. gate_up,down")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
     products = shapes(args.arch)
+    if args.layers:
+        products = {name: products[name] for name in args.layers.split(",")}
     bw = copy_bandwidth()
     result = kernel_record(bw, arch=args.arch, sweep=[])
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}), flush=True)
+    for m in (int(r) for r in args.multirow_rows.split(",") if r):
+        for name, (n, k, fusion) in products.items():
+            case = Case(n, k, fusion, m)
+            floor = case.weight_bytes / bw
+            row = {"rows": m, "layer": name, "floor_us": floor * 1e6,
+                   "cublas_us": statistics.median(graph_seconds(case.cublas_product())) * 1e6}
+            for cfg in multirow_space(n // 2 if "+glu" in fusion else n):
+                key = ",".join(str(v) for v in cfg.__dict__.values())
+                try:
+                    row[key] = statistics.median(graph_seconds(case.multirow(cfg))) * 1e6
+                except Exception as exc:  # a tile that does not fit (shared memory, registers)
+                    row[key] = repr(exc)[:80]
+            result["multirow"] = result.get("multirow", []) + [row]
+            timed = {key: v for key, v in row.items() if isinstance(v, float) and key not in ("floor_us", "cublas_us")}
+            best = min(timed, key=timed.get)
+            print(json.dumps({"rows": m, "layer": name, "floor_us": row["floor_us"], "cublas_us": row["cublas_us"],
+                              "best": best, "best_us": timed[best]}), flush=True)
+            del case
+            torch.cuda.empty_cache()
     if args.sweep:
         kinds = [kind == "fused" for kind in args.sweep_kinds.split(",")]
         for m in (int(r) for r in args.sweep_rows.split(",")):
@@ -135,7 +183,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
             del cases
             torch.cuda.empty_cache()
-    for m in (int(r) for r in args.rows.split(",")):
+    for m in (int(r) for r in args.rows.split(",") if r):
         for name, (n, k, fusion) in products.items():
             case = Case(n, k, fusion, m)
             floor = case.weight_bytes / bw

@@ -207,6 +207,17 @@ print(json.dumps([compile_sm90(getattr(module, kernel), signature, constexprs, {
 """
 
 
+SHARED = """
+import importlib, json, sys
+from blockspec.kernels.sm90 import compile_sm90
+
+module = importlib.import_module(sys.argv[1])
+print(json.dumps([compile_sm90(getattr(module, kernel), signature, constexprs, options, aligned=True,
+                               divisible=tuple(divisible)).metadata.shared
+                  for kernel, signature, constexprs, options, divisible in json.loads(sys.argv[2])]))
+"""
+
+
 def _sm90(script: str, module: str, cases: list[tuple[str, dict[str, str], dict[str, object]]]) -> str:
     import pytest
 
@@ -223,6 +234,14 @@ def compile_for_sm90(module: str, cases: list[tuple[str, dict[str, str], dict[st
     it needs no GPU and type-checks what the interpreter does not. Arguments not in the signature are
     i32. Run in a fresh interpreter, since TRITON_INTERPRET replaces the language the front end compiles."""
     _sm90(FRONT_END, module, cases)
+
+
+def shared_for_sm90(module: str, cases: list[tuple[str, dict[str, str], dict[str, object], dict, list[str]]]
+                    ) -> list[int]:
+    """The shared memory (bytes) a program of each (kernel, signature, constexprs, launch options,
+    integer arguments divisible by 16) of `module` takes on sm_90, compiled as `compile_for_sm90` does;
+    pointers and strides aligned, as a launch with aligned tensors has them."""
+    return json.loads(_sm90(SHARED, module, cases))
 
 
 def ptx_for_sm90(module: str, cases: list[tuple[str, dict[str, str], dict[str, object]]]) -> list[str]:

@@ -43,6 +43,11 @@ ATTENTION = ({"Q": BF16, "K": BF16, "V": BF16, "Out": BF16, "Table": "*i32", "Sl
              {"KV_HEADS": 8, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 16, "BLOCK_N": 64,
               "MIN_TILES": 1, "MAX_USED": 264, "MERGE_UNROLL": 4, "IEEE": False, "PAGE": 64, "PER_KEY": True,
               "F16_DOTS": False, "PDL": True})
+MULTIROW = ({"X": BF16, "W": "*fp8e4nv", "Bias": BF16, "WScale": "*fp32", "Out": BF16, "Part": "*fp32"},
+            {"ROWS_A": 128, "ROWS_B": 16, "HAS_B": True, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT": 1, "GLU": True,
+             "HAS_BIAS": False, "WSCALE": 1, "SCALE_BR": 1, "SCALE_BC": 4096, "EVEN_K": True, "PDL": True})
+MULTIROW_REDUCE = ({"Part": "*fp32", "Bias": BF16, "WScale": "*fp32", "Out": BF16},
+                   {"SPLIT": 4, "BLOCK": 1024, "GLU": False, "HAS_BIAS": False, "WSCALE": 1, "PDL": True})
 MOE_INTS = {"Ids": "*i32", "Sorted": "*i32", "TileExpert": "*i32", "TileLo": "*i32", "TileHi": "*i32"}
 MOE = [
     ("_moe_route", {"Logits": BF16, "Weights": BF16, "Ids": "*i32"},
@@ -69,6 +74,9 @@ def test_every_kernel_waits_before_it_touches_memory():
              ("ops", "_skinny_linear", *SKINNY, "stream"),
              ("ops", "_skinny_linear", SKINNY[0], {**SKINNY[1], "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256}, "stream"),
              ("ops", "_skinny_linear", SKINNY[0], {**SKINNY[1], "PDL": False}, "no PDL"),
+             ("ops", "_multirow_linear", *MULTIROW, "stream"),
+             ("ops", "_multirow_linear", MULTIROW[0], {**MULTIROW[1], "SPLIT": 4, "GLU": False}, "stream"),
+             ("ops", "_multirow_reduce", *MULTIROW_REDUCE, "start"),
              ("attention", "_block_attention", *ATTENTION, "wait only"),
              *(("moe", *case, "start") for case in MOE)]
     for module in ("ops", "attention", "moe"):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from blockspec.kernels import fp8
 from blockspec.kernels import ops as triton_ops
-from factories import TRITON_SKIP_REASON, compile_for_sm90, triton_interpretable
+from factories import TRITON_SKIP_REASON, compile_for_sm90, shared_for_sm90, triton_interpretable
 
 pytestmark = pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
 CUDA = torch.cuda.is_available()
@@ -86,6 +86,47 @@ def test_skinny_linear_streams_fp8_weights(dtype, rows, fusion, layout):
     wrong = triton_ops.skinny_linear(x, w, b, eps=1e-6, config=cfg, weight_scale=s.flip(0).contiguous(),
                                      scale_block=block, **kw)
     assert not close(wrong, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])  # 16-bit inputs only
+@pytest.mark.parametrize("rows", [17, 144, 300])
+@pytest.mark.parametrize("fusion, layout", [("bias", "channel"), ("bias", "block"), ("glu", "channel"),
+                                            ("glu", "rows"), ("glu", "block")])
+@pytest.mark.parametrize("split", [1, 2])
+def test_multirow_linear_streams_fp8_weights(dtype, rows, fusion, layout, split):
+    n, k = 48, 80
+    glu = fusion == "glu"
+    cfg = triton_ops.MultirowConfig(block_n=32, block_k=64, num_warps=4, num_stages=2, split=split)
+    w, s, block = quantized(2 * n if glu else n, k, layout)
+    x = rand(rows, k, seed=2, dtype=dtype)
+    b = rand(w.shape[0], seed=3, dtype=dtype) if fusion == "bias" else None
+    got = triton_ops.multirow_linear(x, w, b, glu=glu, config=cfg, weight_scale=s, scale_block=block)
+    want = reference(x, w, s, block, b, glu=glu)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert close(got, want, dtype)
+    # negative control: the scales of other rows (a misaligned layout) give another product
+    wrong = triton_ops.multirow_linear(x, w, b, glu=glu, config=cfg, weight_scale=s.flip(0).contiguous(),
+                                       scale_block=block)
+    assert not close(wrong, want, dtype)
+
+
+def test_multirow_tiles_fit_in_shared_memory():
+    """Each FP8 class's tiles with SwiGLU's second weight tile, at the largest row group (128 + 32 rows),
+    compiled for sm_90 with the stages `multirow_stages` gives them, fit in an H200 program's 227 KB;
+    the tall tiles' own 4 stages would not (a launch fails with OutOfResources)."""
+    sig = {"X": "*bf16", "W": "*fp8e4nv", "Bias": "*bf16", "WScale": "*fp32", "Out": "*bf16", "Part": "*fp32"}
+    cases = []
+    for cls, tiles in [*fp8.MULTIROW_TILES.items(), ("tall, its own stages", fp8.MULTIROW_TILES["tall"])]:
+        cfg = triton_ops.MultirowConfig(*tiles)
+        stages = cfg.num_stages if "own" in cls else triton_ops.multirow_stages(
+            cfg.num_stages, cfg.block_n, cfg.block_k, 160, True, 1, 2)
+        const = dict(ROWS_A=128, ROWS_B=32, HAS_B=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
+                     GLU=True, HAS_BIAS=False, WSCALE=1, SCALE_BR=1, SCALE_BC=4096, EVEN_K=True, PDL=True)
+        cases.append(("_multirow_linear", sig, const, {"num_warps": cfg.num_warps, "num_stages": stages,
+                                                       "launch_pdl": True}, ["n", "k", "k_split"]))
+    *fitted, own = shared_for_sm90("blockspec.kernels.ops", cases)
+    assert all(b <= 227 << 10 for b in fitted), fitted
+    assert own > 227 << 10  # negative control: without the cap this tile cannot launch
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if not (CUDA and d == torch.float16)])
@@ -179,19 +220,28 @@ def test_skinny_linear_names_a_bad_scale():
 # ---------------------------------------------------------------- GPU: dispatch, bf16, graphs, _scaled_mm
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 16, 64, 300])  # skinny, skinny, row tiles, dequantize + cuBLAS
+@pytest.mark.parametrize("rows", [1, 16, 64, 144, 400])  # skinny, skinny, row tiles, multirow, dequantize + cuBLAS
 @pytest.mark.parametrize("layout", ["channel", "block"])
-def test_fp8_linear_by_row_count_matches_the_reference(rows, layout):
+@pytest.mark.parametrize("glu", [False, True])
+def test_fp8_linear_by_row_count_matches_the_reference(rows, layout, glu):
     w, s, block = quantized(384, 512, layout)
     x = rand(rows, 512, seed=2, dtype=torch.bfloat16)
     b = rand(384, seed=3, dtype=torch.bfloat16)
-    got = fp8.fp8_linear(x, w, s, block, b)
-    assert got.dtype == torch.bfloat16 and close(got, reference(x, w, s, block, b), torch.bfloat16)
+    got = fp8.fp8_linear(x, w, s, block, b, glu=glu)
+    want = reference(x, w, s, block, b)
+    slack = 1.0
+    if glu:  # an error in either half comes out scaled by the other: silu(gate) reaches 10 here
+        gate, up = want.chunk(2, dim=-1)
+        want, slack = F.silu(gate) * up, 1.0 + F.silu(gate).abs() + up.abs()
+    tol = TOL[torch.bfloat16]
+    assert got.dtype == torch.bfloat16 and ((got.double() - want).abs() <= tol * (slack + want.abs())).all()
+    if glu:  # negative control: the halves swapped (up activated instead of gate) is outside that slack
+        assert not ((F.silu(up) * gate - want).abs() <= tol * (slack + want.abs())).all()
 
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 16, 64, 300])
+@pytest.mark.parametrize("rows", [1, 16, 64, 144, 400])
 def test_fp8_linear_replays_in_a_cuda_graph(rows):
     w, s, block = quantized(384, 512, "block")
     x = rand(rows, 512, seed=2, dtype=torch.bfloat16)

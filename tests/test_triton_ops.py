@@ -176,6 +176,41 @@ def test_skinny_linear_matches_reference(dtype, rows, fusion, k):
         assert not torch.allclose(swapped.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("rows", [17, 40, 144, 300])  # chunks 16 + 16, 32 + 16, 128 + 16; two groups of 150
+@pytest.mark.parametrize("fusion", ["none", "bias", "glu", "bias+glu"])
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("k", [80, 128])  # a ragged and an even last K block
+def test_multirow_linear_matches_reference(rows, fusion, split, k):
+    n, dtype = 48, torch.float16  # 48 columns: a ragged column block of 32
+    glu = "glu" in fusion
+    cfg = triton_ops.MultirowConfig(block_n=32, block_k=32, num_warps=4, num_stages=2, split=split)
+    x = rand(rows, k, dtype=dtype)
+    w = rand(2 * n if glu else n, k, dtype=dtype, seed=1) / k**0.5
+    b = rand(w.shape[0], dtype=dtype, seed=2) if "bias" in fusion else None
+    want = reference_linear(x, w, b, None, False, None, glu)
+    got = triton_ops.multirow_linear(x, w, b, glu=glu, config=cfg)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert torch.allclose(got.float(), want.float(), atol=2e-3, rtol=2e-3)
+    # negative controls: the second chunk's rows read from the first chunk's place, and with glu the
+    # halves swapped (up activated instead of gate)
+    first = triton_ops.row_groups(rows)[1]
+    assert not torch.allclose(got[first:].float(), want[:rows - first].float(), atol=2e-3, rtol=2e-3)
+    if glu:
+        swapped = reference_linear(x, torch.cat(w.chunk(2)[::-1]), None if b is None else torch.cat(b.chunk(2)[::-1]),
+                                   None, False, None, True)
+        assert not torch.allclose(swapped.float(), want.float(), atol=2e-3, rtol=2e-3)
+
+
+def test_multirow_row_groups():
+    """Rows split into equal groups of at most MULTIROW_GROUP_MAX, each a power-of-two chunk and a
+    remainder rounded up: 144 verify rows compute as 128 + 16, not 256; 256 as two groups of 128."""
+    assert [triton_ops.row_groups(m) for m in (17, 32, 40, 144, 160, 256, 288, 300, 576)] == [
+        (17, 16, 16), (32, 32, 0), (40, 32, 16), (144, 128, 16), (160, 128, 32), (128, 128, 0), (144, 128, 16),
+        (150, 128, 32), (144, 128, 16)]
+    with pytest.raises(ValueError, match="0 rows"):
+        triton_ops.row_groups(0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [3, 17])
 @pytest.mark.parametrize("glu", [False, True])

@@ -45,7 +45,7 @@ def plan_pages(model: CausalLM, drafter: Any, config: EngineConfig, table_len: i
     # a prefill chunk's activations (residual, norms, qkv, MLP), greedy logits, graph pools and cuBLAS,
     # the outputs the prefill graphs share (hidden rows and taps), the drafter's held taps
     reserve = config.max_prefill_tokens * (8 * mc.hidden_size + 3 * mc.intermediate_size) * itemsize + (3 << 29)
-    # an FP8 product over more rows than kernels.fp8.ROW_TILE_MAX_ROWS dequantizes its weight first
+    # an FP8 product over more rows than kernels.fp8.MULTIROW_MAX_ROWS dequantizes its weight first
     reserve += max((m.weight.numel() * itemsize for m in model.modules() if isinstance(m, Fp8Linear)), default=0)
     tap_width = drafter.feature_width if drafter is not None else 0
     reserve += min(config.graph_prefill_tokens, config.max_prefill_tokens) * (mc.hidden_size + tap_width) * itemsize

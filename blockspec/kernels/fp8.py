@@ -14,7 +14,9 @@ On CUDA the product is chosen by row count (`fp8_linear`):
   as for bf16 (`layers.dense` calls it directly), above one row on tiles of its own (`ops.FP8_FEW_TILES`);
 - up to `ROW_TILE_MAX_ROWS` (wider verify batches): the same kernel in 64-row tiles, tensor-core dots
   of the e4m3 tiles converted to the input's dtype (exact) and scaled per K block;
-- above (prefill, wider verify batches): the weight dequantized to the input's dtype in one pass
+- up to `MULTIROW_MAX_ROWS` (verify and draft steps of batches): `ops.multirow_linear`, which converts
+  each weight tile once for up to 160 rows (`ops.row_groups`);
+- above (prefill): the weight dequantized to the input's dtype in one pass
   (`dequantize`), then cuBLAS; or, with LARGE_PRODUCT = "scaled_mm", FP8 tensor cores (`torch._scaled_mm`: per-token
   activation scales for per-channel weights, 1 x 128 groups for 128 x 128 blocks), which quantizes
   the activations too, so it is not the same model: opt in, measured in benchmarks/bench_fp8_gemm.py.
@@ -29,15 +31,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from blockspec.kernels import triton
-from blockspec.kernels.ops import SKINNY_MAX_ROWS, SkinnyConfig, product_class, skinny_linear, use_kernels
+from blockspec.kernels.ops import (SKINNY_MAX_ROWS, MultirowConfig, SkinnyConfig, multirow_linear, product_class,
+                                   silu_mul, skinny_linear, use_kernels)
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8 = torch.float8_e4m3fn
 
 ROW_TILE_MAX_ROWS = 64
 """Above SKINNY_MAX_ROWS and up to this many rows, FP8 products run the streaming kernel in ROW_TILES' row
-tiles; above it the weight is dequantized for cuBLAS. On the H200 at 144 and 256 rows every product
-streamed in tiles was slower than dequantize + cuBLAS (benchmarks/bench_fp8_gemm.py --sweep)."""
+tiles (on the H200 at 144 and 256 rows every product streamed in these tiles was slower than dequantize +
+cuBLAS, and `multirow_linear` faster than both: benchmarks/bench_fp8_gemm.py)."""
 ROW_TILES = {
     "wide": SkinnyConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3),
     "qkv": SkinnyConfig(block_m=64, block_n=64, block_k=256, num_warps=4, num_stages=3),
@@ -46,6 +49,15 @@ ROW_TILES = {
 """Tiles by `ops.product_class`: the best at 64 rows of a sweep of 24 tiles on the H200 for Qwen3-8B's
 products (per-channel and 128 x 128 scales); narrow column tiles give o and down (n = 4096) more
 programs."""
+MULTIROW_MAX_ROWS = 320
+"""Up to this many rows (16-bit inputs) an FP8 product runs `ops.multirow_linear`; above, the weight is
+dequantized for cuBLAS. On the H200 at 144 rows a Qwen3-8B layer's four products take 0.67x (per
+channel) and 0.70x (128 x 128 blocks) of dequantize + cuBLAS's time (benchmarks/bench_fp8_gemm.py
+--multirow-rows 144,256)."""
+MULTIROW_TILES = {"wide": (64, 64, 4, 4, 1), "qkv": (64, 64, 4, 4, 1), "tall": (128, 128, 8, 4, 4)}
+"""`ops.MultirowConfig` fields by `product_class`, for FP8 weights: of a sweep on the H200 (Qwen3-8B's
+products, 144 and 256 rows, per-channel and 128 x 128 scales), the tiles with the least mean time over
+each class's cases relative to the best tile of each."""
 LARGE_PRODUCT = "dequantize"  # or "scaled_mm": FP8 tensor cores for per-channel weights, bf16 inputs
 
 if triton is not None:
@@ -129,20 +141,30 @@ def quantize_blocks(w: Tensor, block: tuple[int, int] = (128, 128)) -> tuple[Ten
     return q.view(nb * br, kb * bc)[:n, :k].contiguous(), scale
 
 
-def fp8_linear(x: Tensor, w: Tensor, scale: Tensor, block: tuple[int, int], bias: Tensor | None = None) -> Tensor:
-    """x @ dequantized(w)^T + bias, by row count (see the module's docstring); CUDA-graph capturable."""
+def fp8_linear(x: Tensor, w: Tensor, scale: Tensor, block: tuple[int, int], bias: Tensor | None = None,
+               glu: bool = False) -> Tensor:
+    """x @ dequantized(w)^T + bias, by row count (see the module's docstring); CUDA-graph capturable.
+    `glu`: silu(gate) * up of the product's halves (w = [gate | up]), fused where the kernel takes it."""
     if not use_kernels(x):
-        return F.linear(x, dequantize_reference(w, scale, block, x.dtype), bias)
+        y = F.linear(x, dequantize_reference(w, scale, block, x.dtype), bias)
+        return y if not glu else F.silu(y[..., :y.shape[-1] // 2]) * y[..., y.shape[-1] // 2:]
     rows = x.numel() // x.shape[-1]
     if rows <= ROW_TILE_MAX_ROWS:
-        return skinny_linear(x, w, bias, weight_scale=scale, scale_block=block, config=row_tiles(rows, *w.shape))
+        return skinny_linear(x, w, bias, weight_scale=scale, scale_block=block, config=row_tiles(rows, *w.shape),
+                             glu=glu)
+    if rows <= MULTIROW_MAX_ROWS and x.element_size() == 2 and (block[0] == 1 or block[1] & -block[1] >= 16):
+        cfg = MultirowConfig(*MULTIROW_TILES[product_class(*w.shape)])
+        return multirow_linear(x, w, bias, glu=glu, weight_scale=scale, scale_block=block, config=cfg)
+    y = None
     if LARGE_PRODUCT == "scaled_mm" and x.dtype == torch.bfloat16:
         if block == (1, w.shape[1]):
-            return scaled_mm_rowwise(x, w, scale, bias)
-        if block == (128, 128) and w.shape[0] % 128 == 0 and w.shape[1] % 128 == 0:
+            y = scaled_mm_rowwise(x, w, scale, bias)
+        elif block == (128, 128) and w.shape[0] % 128 == 0 and w.shape[1] % 128 == 0:
             y = scaled_mm_blockwise(x, w, scale)
-            return y if bias is None else y + bias
-    return F.linear(x, dequantize(w, scale, block, x.dtype), bias)
+            y = y if bias is None else y + bias
+    if y is None:
+        y = F.linear(x, dequantize(w, scale, block, x.dtype), bias)
+    return silu_mul(y) if glu else y
 
 
 def row_tiles(rows: int, n: int, k: int) -> SkinnyConfig | None:

@@ -301,6 +301,152 @@ if triton is not None:
                      mask=ok)
 
 
+    @triton.jit
+    def _multirow_dot(acc_a, acc_b, w, xa, xb, ws, HAS_B: tl.constexpr, WSCALE: tl.constexpr):
+        """One K tile of `_multirow_linear`: the weight tile [BLOCK_N, BLOCK_K] times both row chunks'
+        transposed tiles. WSCALE 2: `ws` [BLOCK_N] is this K block's scale of each column (the tile
+        lies in one block), applied to the tile's dots."""
+        if w.dtype == tl.float8e4nv:  # through fp32: e4m3 -> bf16 directly takes a slow conversion per value
+            w = w.to(tl.float32).to(xa.dtype)
+        if WSCALE == 2:
+            acc_a += tl.dot(w, tl.trans(xa)) * ws[:, None]
+            if HAS_B:
+                acc_b += tl.dot(w, tl.trans(xb)) * ws[:, None]
+        else:
+            acc_a = tl.dot(w, tl.trans(xa), acc_a)
+            if HAS_B:
+                acc_b = tl.dot(w, tl.trans(xb), acc_b)
+        return acc_a, acc_b
+
+    @triton.jit
+    def _multirow_store(Out, acc, rows, cols, m, n, stride_o, up, Bias, WScale, stride_s,
+                        GLU: tl.constexpr, HAS_BIAS: tl.constexpr, WSCALE: tl.constexpr):
+        """Out[rows, cols] from a chunk's fp32 product [BLOCK_N, rows] (and with GLU its up half):
+        per-channel scales, bias, then SwiGLU rounded as `_skinny_linear`'s epilogue rounds."""
+        col_ok = cols < n
+        dtype = Out.dtype.element_ty
+        if WSCALE == 1:
+            acc = acc * tl.load(WScale + cols.to(tl.int64) * stride_s, mask=col_ok, other=0.0)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+        y = acc.to(dtype)
+        if GLU:
+            if WSCALE == 1:
+                up = up * tl.load(WScale + (cols + n).to(tl.int64) * stride_s, mask=col_ok, other=0.0)[:, None]
+            if HAS_BIAS:
+                up += tl.load(Bias + n + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+            gate = y.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            y = (act * up.to(dtype).to(tl.float32)).to(dtype)
+        ok = (rows < m)[None, :] & col_ok[:, None]
+        tl.store(Out + rows.to(tl.int64)[None, :] * stride_o + cols[:, None], y, mask=ok)
+
+    @triton.jit(do_not_specialize=["m", "group"])  # the row count follows the batch: only its chunking is a variant
+    def _multirow_linear(
+        X, W, Bias, WScale, Out, Part, m, group, n, k, k_split, stride_x, stride_w, stride_o, stride_s,
+        ROWS_A: tl.constexpr, ROWS_B: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+        WSCALE: tl.constexpr, SCALE_BR: tl.constexpr, SCALE_BC: tl.constexpr, EVEN_K: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
+        """Out[m, n] = g(X @ W^T * scales + bias) for tens to hundreds of rows (verify and draft steps of
+        batches): one program per group of `group` rows, BLOCK_N weight rows and (with SPLIT > 1) K range
+        of k_split streams those weight rows once for every row of its group; the groups of a column
+        block run side by side (the grid's fastest dimension), so past the first they read it from L2.
+        The weight rows are the tensor cores' M (units of 64) and the input rows their N (any multiple
+        of 8): a group is two chunks of ROWS_A and ROWS_B rows (powers of two; the second only with
+        HAS_B), so 144 rows compute as 128 + 16, not as 256. g: as `_skinny_linear`'s
+        GLU (W = [gate | up], 2n rows). FP8 weights as `_skinny_linear`'s WSCALE 1 and 2. With SPLIT > 1
+        the fp32 partial products go to Part [SPLIT, m, n (2n with GLU)] for `_multirow_reduce`."""
+        row0 = tl.program_id(0) * group
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        last = tl.minimum(row0 + group, m)  # the group's rows: row0 to last - 1
+        rows_a = row0 + tl.arange(0, ROWS_A)
+        rows_b = row0 + ROWS_A + tl.arange(0, ROWS_B)
+        offs = tl.arange(0, BLOCK_K)
+        xa_rows = X + rows_a.to(tl.int64)[:, None] * stride_x
+        xb_rows = X + rows_b.to(tl.int64)[:, None] * stride_x
+        w_rows = W + cols.to(tl.int64)[:, None] * stride_w
+        u_rows = W + (cols + n).to(tl.int64)[:, None] * stride_w  # GLU: the up rows, n below the gate rows
+        if PDL:
+            gdc_wait()
+        acc_a = tl.zeros([BLOCK_N, ROWS_A], tl.float32)
+        acc_b = tl.zeros([BLOCK_N, ROWS_B], tl.float32)
+        up_a = tl.zeros_like(acc_a)
+        up_b = tl.zeros_like(acc_b)
+        k_lo = tl.program_id(2) * k_split
+        k_hi = tl.minimum(k_lo + k_split, k)
+        xb = tl.zeros([ROWS_B, BLOCK_K], X.dtype.element_ty)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kk = k0 + offs
+            k_ok = kk < k_hi
+            if EVEN_K:
+                xa = tl.load(xa_rows + kk[None, :], mask=(rows_a < last)[:, None], other=0.0)
+                if HAS_B:
+                    xb = tl.load(xb_rows + kk[None, :], mask=(rows_b < last)[:, None], other=0.0)
+                w = tl.load(w_rows + kk[None, :], mask=col_ok[:, None], other=0.0)
+            else:
+                xa = tl.load(xa_rows + kk[None, :], mask=(rows_a < last)[:, None] & k_ok[None, :], other=0.0)
+                if HAS_B:
+                    xb = tl.load(xb_rows + kk[None, :], mask=(rows_b < last)[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            ws = 1.0
+            if WSCALE == 2:
+                ws = tl.load(WScale + (cols // SCALE_BR).to(tl.int64) * stride_s + k0 // SCALE_BC, mask=col_ok,
+                             other=0.0)
+            acc_a, acc_b = _multirow_dot(acc_a, acc_b, w, xa, xb, ws, HAS_B, WSCALE)
+            if GLU:
+                if EVEN_K:
+                    u = tl.load(u_rows + kk[None, :], mask=col_ok[:, None], other=0.0)
+                else:
+                    u = tl.load(u_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                if WSCALE == 2:
+                    ws = tl.load(WScale + ((cols + n) // SCALE_BR).to(tl.int64) * stride_s + k0 // SCALE_BC,
+                                 mask=col_ok, other=0.0)
+                up_a, up_b = _multirow_dot(up_a, up_b, u, xa, xb, ws, HAS_B, WSCALE)
+        if PDL:  # the stream is done: the next kernel's programs may take the SMs as these drain
+            gdc_launch_dependents()
+        if SPLIT == 1:
+            _multirow_store(Out, acc_a, rows_a, cols, last, n, stride_o, up_a, Bias, WScale, stride_s, GLU,
+                            HAS_BIAS, WSCALE)
+            if HAS_B:
+                _multirow_store(Out, acc_b, rows_b, cols, last, n, stride_o, up_b, Bias, WScale, stride_s, GLU,
+                                HAS_BIAS, WSCALE)
+        else:
+            width = 2 * n if GLU else n
+            part = Part + tl.program_id(2).to(tl.int64) * m * width + cols[:, None]
+            ok_a = (rows_a < last)[None, :] & col_ok[:, None]
+            tl.store(part + rows_a.to(tl.int64)[None, :] * width, acc_a, mask=ok_a)
+            if GLU:
+                tl.store(part + n + rows_a.to(tl.int64)[None, :] * width, up_a, mask=ok_a)
+            if HAS_B:
+                ok_b = (rows_b < last)[None, :] & col_ok[:, None]
+                tl.store(part + rows_b.to(tl.int64)[None, :] * width, acc_b, mask=ok_b)
+                if GLU:
+                    tl.store(part + n + rows_b.to(tl.int64)[None, :] * width, up_b, mask=ok_b)
+
+    @triton.jit
+    def _multirow_reduce(Part, Bias, WScale, Out, m, n, stride_o, stride_s, SPLIT: tl.constexpr,
+                         BLOCK: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, WSCALE: tl.constexpr,
+                         PDL: tl.constexpr = False):
+        """`_multirow_linear`'s SPLIT partial products summed in a fixed order, then its epilogue: one
+        program per (row, BLOCK columns)."""
+        dependent_start(PDL)
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        width = 2 * n if GLU else n
+        base = Part + row.to(tl.int64) * width + cols
+        acc = tl.zeros([BLOCK], tl.float32)
+        up = tl.zeros([BLOCK], tl.float32)
+        for s in range(SPLIT):
+            acc += tl.load(base + s * m * width, mask=cols < n, other=0.0)
+            if GLU:
+                up += tl.load(base + s * m * width + n, mask=cols < n, other=0.0)
+        _multirow_store(Out, acc[:, None], tl.full([1], 0, tl.int32) + row, cols, m, n, stride_o, up[:, None], Bias,
+                        WScale, stride_s, GLU, HAS_BIAS, WSCALE)
+
+
 def use_kernels(*tensors: Tensor) -> bool:
     """The kernels serve CUDA inference; CPU runs, autograd (training) and autocast take the reference."""
     return (tensors[0].is_cuda and triton_available() and not torch.is_autocast_enabled("cuda")
@@ -554,4 +700,101 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm
     )
     if emit_norm is not None:
         return PreNormed(out.view(*x.shape[:-1], n), scaled.view(*x.shape[:-1], n), sums, emit_norm)
+    return out.view(*x.shape[:-1], n)
+
+
+@dataclass(frozen=True)
+class MultirowConfig:
+    """Tiles of `multirow_linear` (tables by product class: `kernels.fp8.MULTIROW_TILES`)."""
+
+    block_n: int  # weight rows a program (the tensor cores' M: 64 or 128)
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split: int  # K ranges a column block is cut into (programs for narrow weights; reduced after)
+
+
+MULTIROW_GROUP_MAX = 160
+"""Rows a `_multirow_linear` program computes at most (128 + 32): its fp32 accumulators, BLOCK_N of them a
+row, live in registers; more rows take groups side by side, which share the weight tiles through L2."""
+
+
+MULTIROW_SMEM_BYTES = 224 << 10
+"""Shared memory `_multirow_linear`'s pipeline stages may take, by `multirow_linear`'s estimate of a
+stage (an H100 / H200 program has 227 KB): a tile with GLU's second weight tile and long K tiles runs
+with fewer stages than its config's (128 x 128 tiles with GLU at 4 stages take 240 KB, 3 fit)."""
+
+
+def multirow_stages(stages: int, block_n: int, block_k: int, rows: int, glu: bool, weight_bytes: int,
+                    input_bytes: int) -> int:
+    """Pipeline stages of a `_multirow_linear` tile: its config's, fewer where a stage's tiles (weight,
+    GLU's second weight tile, the group's rows) would take the stages past MULTIROW_SMEM_BYTES."""
+    stage = block_k * (block_n * (2 if glu else 1) * weight_bytes + rows * input_bytes)
+    return max(1, min(stages, MULTIROW_SMEM_BYTES // stage))
+
+
+def row_groups(m: int) -> tuple[int, int, int]:
+    """(rows a group, ROWS_A, ROWS_B) of `_multirow_linear` for m rows: as few equal groups as keep a
+    group within MULTIROW_GROUP_MAX rows; a group's rows are the largest power of two up to its size,
+    then the rest rounded up to a power of two (at least 16; 0 when nothing is left)."""
+    if m < 1:
+        raise ValueError(f"multirow_linear: {m} rows")
+    group = -(-m // -(-m // MULTIROW_GROUP_MAX))
+    a = 1 << (group.bit_length() - 1)
+    rest = group - a
+    return group, a, 0 if rest == 0 else max(16, 1 << (rest - 1).bit_length())
+
+
+def multirow_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, glu: bool = False,
+                    weight_scale: Tensor | None = None, scale_block: tuple[int, int] | None = None,
+                    config: MultirowConfig) -> Tensor:
+    """linear(x, weight, bias), with `glu` silu(gate) * up of its halves (`skinny_linear`'s glu), for
+    the tens to hundreds of rows of a batch's verify and draft steps: each weight tile is read once
+    for up to MULTIROW_GROUP_MAX rows and converted once where it is FP8 (`weight_scale`,
+    `scale_block`, as `skinny_linear` takes them: per channel, or blocks of at least 16 columns).
+    `kernels.fp8` dispatches FP8 weights here; with 16-bit weights cuBLAS measured faster on the
+    H200 (benchmarks/bench_gemv.py --multirow-rows)."""
+    rows = _rows(x)
+    m, k = rows.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"multirow_linear: input width {k} does not match weight {tuple(weight.shape)}")
+    if glu and n % 2:
+        raise ValueError(f"multirow_linear: glu takes a weight of 2N rows (weight {tuple(weight.shape)})")
+    n = n // 2 if glu else n
+    wscale, (br, bc), stride_s, block_k = 0, scale_block or (1, 1), 0, config.block_k
+    if (weight_scale is None) != (weight.dtype != torch.float8_e4m3fn):
+        raise ValueError(f"multirow_linear: an FP8 weight needs weight_scale, and only an FP8 weight takes one "
+                         f"(weight {weight.dtype}, weight_scale {'given' if weight_scale is not None else 'none'})")
+    if weight_scale is not None:
+        if tuple(weight_scale.shape) != (-(-weight.shape[0] // br), -(-k // bc)):
+            raise ValueError(f"multirow_linear: weight_scale {tuple(weight_scale.shape)} does not cover weight "
+                             f"{tuple(weight.shape)} in {br} x {bc} blocks")
+        stride_s = weight_scale.stride(0)
+        if br == 1 and bc >= k:
+            wscale = 1
+        else:
+            wscale, block_k = 2, min(block_k, bc & -bc)
+            if block_k < 16:
+                raise ValueError(f"multirow_linear: scale blocks of {bc} columns need K tiles of {block_k} < 16")
+    group, rows_a, rows_b = row_groups(m)
+    stages = multirow_stages(config.num_stages, config.block_n, block_k, rows_a + rows_b, glu, weight.element_size(),
+                             rows.element_size())
+    k_split = triton.cdiv(triton.cdiv(k, config.split), block_k) * block_k
+    split = triton.cdiv(k, k_split)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(split, m, 2 * n if glu else n, dtype=torch.float32, device=x.device) if split > 1 else out
+    scales = weight_scale if weight_scale is not None else out
+    _multirow_linear[(triton.cdiv(m, group), triton.cdiv(n, config.block_n), split)](
+        rows, weight, bias if bias is not None else out, scales, out, part, m, group, n, k, k_split, rows.stride(0),
+        weight.stride(0), out.stride(0), stride_s,
+        ROWS_A=rows_a, ROWS_B=max(rows_b, 16), HAS_B=rows_b > 0, BLOCK_N=config.block_n, BLOCK_K=block_k,
+        SPLIT=split, GLU=glu, HAS_BIAS=bias is not None, WSCALE=wscale, SCALE_BR=br, SCALE_BC=bc,
+        EVEN_K=k % k_split == 0,
+        num_warps=config.num_warps, num_stages=stages, **dependent_launch(x),
+    )
+    if split > 1:
+        _multirow_reduce[(m, triton.cdiv(n, 1024))](
+            part, bias if bias is not None else out, scales, out, m, n, out.stride(0), stride_s, SPLIT=split,
+            BLOCK=1024, GLU=glu, HAS_BIAS=bias is not None, WSCALE=wscale, num_warps=4, **dependent_launch(x))
     return out.view(*x.shape[:-1], n)

@@ -15,31 +15,35 @@ import tempfile
 from blockspec.kernels import triton
 
 
-def source(fn, signature: dict[str, str], constexprs: dict[str, object], aligned: bool = False):
+def source(fn, signature: dict[str, str], constexprs: dict[str, object], aligned: bool = False,
+           divisible: tuple[str, ...] = ()):
     """The ASTSource of `fn` (a `@triton.jit` function): `signature` maps arguments to Triton types ("*bf16",
     "fp32"); a constexpr argument not in `constexprs` takes its default, any other argument in neither is an
     i32. `aligned` marks pointers and `stride*` arguments divisible by 16, as a launch with aligned tensors
-    specialises them (vector loads follow)."""
+    specialises them (vector loads follow), and `divisible` the integer arguments named (a launch
+    specialises every integer divisible by 16 that it may: offsets computed from them stay aligned, so the
+    loads they address pipeline)."""
     from triton.compiler import ASTSource
 
     names = fn.arg_names
     constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     kinds = {n: signature.get(n, "constexpr" if n in constexprs else "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if aligned and (kinds[n].startswith("*") or n.startswith("stride"))}
+             if aligned and (kinds[n].startswith("*") or n.startswith("stride")) or n in divisible}
     return ASTSource(fn=fn, signature=kinds, constexprs={(names.index(n),): v for n, v in constexprs.items()},
                      attrs=attrs)
 
 
 def compile_sm90(fn, signature: dict[str, str], constexprs: dict[str, object], options: dict | None = None,
-                 aligned: bool = False):
+                 aligned: bool = False, divisible: tuple[str, ...] = ()):
     """`fn` compiled for sm_90 (`source`'s arguments; `options` as a launch takes them: num_warps,
-    num_stages, launch_pdl): the CompiledKernel, whose `asm` holds "ptx" and "cubin"."""
+    num_stages, launch_pdl): the CompiledKernel, whose `asm` holds "ptx" and "cubin" and whose
+    `metadata.shared` the shared memory a program takes."""
     if triton is None:
         raise RuntimeError("compiling for sm_90 needs the triton package (pip install triton)")
     from triton.backends.compiler import GPUTarget
 
-    return triton.compile(source(fn, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
+    return triton.compile(source(fn, signature, constexprs, aligned, divisible), target=GPUTarget("cuda", 90, 32),
                           options=options or {})
 
 

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from blockspec.config import RopeConfig
 from blockspec.kernels import ops as triton_ops
 from blockspec.kernels.ops import PreNormed, use_kernels
+from blockspec.kernels.fp8 import fp8_linear
 from blockspec.models.quant import Fp8Linear
 
 
@@ -134,7 +135,8 @@ def dense(x: Tensor | PreNormed, proj: nn.Linear, *, norm: RMSNorm | None = None
     statistics from the product before, which returns PreNormed rows when given `next_norm` (the
     norm that comes next on the residual stream); without them the norm is a kernel of its own.
     Otherwise, and as the reference, the ops run one after the other; the results agree up to the
-    products' summation order and roundings. An `Fp8Linear` streams its e4m3 weight alike.
+    products' summation order and roundings. An `Fp8Linear` streams its e4m3 weight alike, and
+    above SKINNY_MAX_ROWS takes g in its product's epilogue too (`kernels.fp8.fp8_linear`).
     """
     rows = stream(x)
     fp8 = type(proj) is Fp8Linear
@@ -155,9 +157,11 @@ def dense(x: Tensor | PreNormed, proj: nn.Linear, *, norm: RMSNorm | None = None
         x = norm(x)
     if swiglu:
         x = silu_mul(x)
-    y = proj(x)
-    if glu:
-        y = silu_mul(y)
+    if fp8:  # its SwiGLU in the product's epilogue where the row count's kernel takes it
+        y = fp8_linear(x, proj.weight, proj.weight_scale, proj.block, proj.bias, glu=glu)
+    else:
+        y = proj(x)
+        y = silu_mul(y) if glu else y
     return y if residual is None else residual + y
 
 
