@@ -152,7 +152,8 @@ def fp8_linear(x: Tensor, w: Tensor, scale: Tensor, block: tuple[int, int], bias
     if rows <= ROW_TILE_MAX_ROWS:
         return skinny_linear(x, w, bias, weight_scale=scale, scale_block=block, config=row_tiles(rows, *w.shape),
                              glu=glu)
-    if rows <= MULTIROW_MAX_ROWS and x.element_size() == 2 and (block[0] == 1 or block[1] & -block[1] >= 16):
+    per_channel = block[0] == 1 and block[1] >= w.shape[1]  # else K tiles within a scale block, at least 16 long
+    if rows <= MULTIROW_MAX_ROWS and x.element_size() == 2 and (per_channel or block[1] & -block[1] >= 16):
         cfg = MultirowConfig(*MULTIROW_TILES[product_class(*w.shape)])
         return multirow_linear(x, w, bias, glu=glu, weight_scale=scale, scale_block=block, config=cfg)
     y = None

@@ -300,7 +300,6 @@ if triton is not None:
             tl.store(Scaled + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], (y32 * nw[None, :]).to(dtype),
                      mask=ok)
 
-
     @triton.jit
     def _multirow_dot(acc_a, acc_b, w, xa, xb, ws, HAS_B: tl.constexpr, WSCALE: tl.constexpr):
         """One K tile of `_multirow_linear`: the weight tile [BLOCK_N, BLOCK_K] times both row chunks'
