@@ -94,8 +94,9 @@ class Case:
         return [lambda w=w: call(w) for w in self.weights]
 
     def multirow(self, cfg: MultirowConfig) -> list[Callable[[], object]]:
-        """What `layers.dense` runs above SKINNY_MAX_ROWS: the product (gate_up with SwiGLU in its
-        epilogue) with the norm, SwiGLU's input and the residual add in kernels of their own."""
+        """`multirow_linear` over these bf16 weights (gate_up with SwiGLU in its epilogue), against
+        `cublas_product`: `layers.dense` runs it for FP8 weights only, and this measures whether bf16
+        should."""
         glu = "+glu" in self.fusion
         x = self.x[:, :self.k]
         return [lambda w=w: triton_ops.multirow_linear(x, w, glu=glu, config=cfg) for w in self.weights]

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from blockspec.kernels import triton
-from blockspec.kernels.ops import (SKINNY_MAX_ROWS, MultirowConfig, SkinnyConfig, multirow_linear, product_class,
-                                   silu_mul, skinny_linear, use_kernels)
+from blockspec.kernels.ops import (SKINNY_MAX_ROWS, MultirowConfig, SkinnyConfig, multirow_linear, multirow_scales_fit,
+                                   product_class, silu_mul, skinny_linear, use_kernels)
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8 = torch.float8_e4m3fn
@@ -152,8 +152,7 @@ def fp8_linear(x: Tensor, w: Tensor, scale: Tensor, block: tuple[int, int], bias
     if rows <= ROW_TILE_MAX_ROWS:
         return skinny_linear(x, w, bias, weight_scale=scale, scale_block=block, config=row_tiles(rows, *w.shape),
                              glu=glu)
-    per_channel = block[0] == 1 and block[1] >= w.shape[1]  # else K tiles within a scale block, at least 16 long
-    if rows <= MULTIROW_MAX_ROWS and x.element_size() == 2 and (per_channel or block[1] & -block[1] >= 16):
+    if rows <= MULTIROW_MAX_ROWS and x.element_size() == 2 and multirow_scales_fit(block, w.shape[1]):
         cfg = MultirowConfig(*MULTIROW_TILES[product_class(*w.shape)])
         return multirow_linear(x, w, bias, glu=glu, weight_scale=scale, scale_block=block, config=cfg)
     y = None

@@ -744,6 +744,13 @@ def row_groups(m: int) -> tuple[int, int, int]:
     return group, a, 0 if rest == 0 else max(16, 1 << (rest - 1).bit_length())
 
 
+def multirow_scales_fit(scale_block: tuple[int, int], k: int) -> bool:
+    """Whether `multirow_linear` takes FP8 scales over `scale_block` (rows, columns) blocks of a K-wide
+    weight: one per output row (per channel), or K tiles that fit in a block's columns, at least 16."""
+    br, bc = scale_block
+    return (br == 1 and bc >= k) or (bc & -bc) >= 16
+
+
 def multirow_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, glu: bool = False,
                     weight_scale: Tensor | None = None, scale_block: tuple[int, int] | None = None,
                     config: MultirowConfig) -> Tensor:
@@ -770,12 +777,10 @@ def multirow_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gl
             raise ValueError(f"multirow_linear: weight_scale {tuple(weight_scale.shape)} does not cover weight "
                              f"{tuple(weight.shape)} in {br} x {bc} blocks")
         stride_s = weight_scale.stride(0)
-        if br == 1 and bc >= k:
-            wscale = 1
-        else:
-            wscale, block_k = 2, min(block_k, bc & -bc)
-            if block_k < 16:
-                raise ValueError(f"multirow_linear: scale blocks of {bc} columns need K tiles of {block_k} < 16")
+        if not multirow_scales_fit((br, bc), k):
+            raise ValueError(f"multirow_linear: scale blocks of {bc} columns need K tiles of {bc & -bc} < 16")
+        wscale = 1 if br == 1 and bc >= k else 2
+        block_k = block_k if wscale == 1 else min(block_k, bc & -bc)
     group, rows_a, rows_b = row_groups(m)
     stages = multirow_stages(config.num_stages, config.block_n, block_k, rows_a + rows_b, glu, weight.element_size(),
                              rows.element_size())
