@@ -18,7 +18,7 @@ import torch
 from blockspec import LLM, SamplingParams
 from blockspec.config import ConfigError
 from blockspec.engine.pipeline import SpecLaunch
-from blockspec.speculative.policy import NEAR_TIE
+from blockspec.speculative.policy import NEAR_TIE, UNTIMED_PLAIN_PARKS
 from factories import save_drafter_target, save_moe_target, save_tiny
 
 FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
@@ -244,6 +244,34 @@ def test_requests_that_fed_without_drafting_stop_when_the_batch_grows_into_a_par
     assert taps and not any(taps)
     expected = plain.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
     assert [r.output_ids for r in first + rest] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_decode_steps_beside_prefill_chunks_are_priced_and_do_not_park_the_batch(target, plain):
+    """With long prompts in small chunks, every decode step shares its engine step with a chunk of the
+    next prompt. Those steps, plain and speculative alike, are priced (from the chunk's end on a GPU),
+    so the plain path gets a time and the batch size is never parked for lack of one (with steps
+    launched ahead, a plain step beside a chunk went unpriced, and after UNTIMED_PLAIN_PARKS choices the
+    policy parked the batch: at 32k-token prompts speculation never ran). Outputs equal plain decoding."""
+    llm = spec_llm(target, "dflash", "dflash", adaptive_draft_length=True,
+                   engine={"max_prefill_tokens": 4, "async_scheduling": True})
+    engine = llm.engine
+    engine.policy.trace = []
+    g = torch.Generator().manual_seed(21)
+    ps = [torch.randint(2, 95, (96,), generator=g).tolist() for _ in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    reqs = [engine.add_request(str(i), None, p, params)[0] for i, p in enumerate(ps)]
+    beside = 0  # decode steps that shared their step with a chunk
+    while engine.has_unfinished():
+        chunk = any(r.num_cached < r.prefill_len for r in engine.scheduler.running)
+        decoding = any(r.num_cached >= r.prefill_len for r in engine.scheduler.running)
+        beside += chunk and decoding
+        engine.step()
+    assert beside >= UNTIMED_PLAIN_PARKS
+    plain_times = [e for e in engine.policy.trace if e[0] == "time" and e[2] == 0]
+    assert plain_times and max(engine.policy.untimed_plain.values(), default=0) < UNTIMED_PLAIN_PARKS
+    assert any(k for k in engine.policy.chosen)  # the drafts were tried
+    expected = plain.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    assert [r.output_ids for r in reqs] == [o.outputs[0].token_ids for o in expected]
 
 
 @pytest.mark.parametrize("again", [True, False], ids=["second park", "first park"])

@@ -290,9 +290,11 @@ class Engine:
             touched = self._commit_plain_inflight()
             self.pipeline.last_commit = self.pipeline.step_end = None
             touched += self._prefill(prefilling)
+            self.pipeline.prefill_end = self.timer.event()
         decoding = [r for r in decoding if r.status is Status.RUNNING]
         if decoding:
-            touched += self._decode(decoding)
+            touched += self._decode(decoding, after_prefill=bool(prefilling))
+            self.pipeline.prefill_end = None
         self.pipeline.step_end = time.perf_counter() if decoding else None
         self._drop_launches_if_idle()
         self.num_steps += 1
@@ -439,8 +441,10 @@ class Engine:
                 [c if f else 0 for c, f in zip(counts, fed)])
 
     # ---------------------------------------------------------------- decode
-    def _decode(self, decoding: list[Request]) -> list[Request]:
-        """One decode step for every running request: speculative with the policy's K, or plain."""
+    def _decode(self, decoding: list[Request], after_prefill: bool = False) -> list[Request]:
+        """One decode step for every running request: speculative with the policy's K, or plain.
+        `after_prefill`: a prefill chunk ran in this step; a plain step then runs whole, not launched
+        ahead, so that it is priced like a speculative one (`Pipeline.decode_seconds`)."""
         launch = self.pipeline.take(SpecLaunch)
         if launch is not None:  # launched by the last step: this step is its finish
             touched = self._finish_spec(launch)
@@ -465,7 +469,8 @@ class Engine:
             plain = [r for r in plain if r.status is Status.RUNNING]
             if k and not spec:
                 k = 0
-        if not k and plain and self._pipelines(plain, ahead=1 if self.pipeline.inflight is not None else 0):
+        if not k and plain and not after_prefill and self._pipelines(plain, ahead=1 if self.pipeline.inflight
+                                                                       is not None else 0):
             return touched + self._plain_step_pipelined(plain)
         # The policy prices a choice by the wall time it costs, host work included (preparing the
         # launches, waiting for the device, committing and detokenising what it emitted): that,
@@ -476,17 +481,19 @@ class Engine:
         start = self.pipeline.step_end
         if k:
             t0 = time.perf_counter() if start is None else start
-            touched += self._finish_spec(self._launch_spec(spec, k, after=self._from_committed(spec)))
+            launch = self._launch_spec(spec, k, after=self._from_committed(spec))
+            end = self.timer.event()
+            touched += self._finish_spec(launch)
             # after a decode step (not a prefill) this step refills a pipeline the steps before ran
             refill = self.async_scheduling and start is not None
-            self._observe_time(len(spec), k, time.perf_counter() - t0, refill=refill)
+            self._observe_time(len(spec), k, self.pipeline.decode_seconds(t0, end), refill=refill)
             self.pipeline.last_commit = ("spec", time.perf_counter())
         if plain:
             t0 = time.perf_counter() if start is None else start
-            self._plain_step(plain)
+            end = self._plain_step(plain)
             touched += plain
             if self.proposer is not None and len(plain) == len(decoding):
-                self._observe_time(len(plain), 0, time.perf_counter() - t0)
+                self._observe_time(len(plain), 0, self.pipeline.decode_seconds(t0, end))
         return touched
 
     def _choose(self, batch: int) -> int:
@@ -557,12 +564,15 @@ class Engine:
                 touched.append(req)
         return touched
 
-    def _plain_step(self, reqs: list[Request]) -> None:
-        """One plain decode step for `reqs`, launched and committed."""
+    def _plain_step(self, reqs: list[Request]) -> Any:
+        """One plain decode step for `reqs`, launched and committed; returns a timing event recorded at
+        the end of its launches (None on the CPU)."""
         self.timer.mark("rest")
         launch = self._launch_plain(reqs)
+        end = self.timer.event()
         self.timer.close()
         self._commit_plain(launch)
+        return end
 
     def _plain_step_pipelined(self, reqs: list[Request]) -> list[Request]:
         """Launch the plain step of `reqs`, then commit the one in flight (if any): the GPU runs this

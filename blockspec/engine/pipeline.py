@@ -58,6 +58,9 @@ class Pipeline:
         # predecessor's commit, if that predecessor was a step of the same kind ("plain" or "spec")
         self.last_commit: tuple[str, float] | None = None
         self.step_end: float | None = None  # when the last step's decode ended (None: it had none, or a prefill)
+        # the device's end of the last prefill's work (a timing event; None on the CPU, or once a decode
+        # step ran after it): a decode step queued behind that work is priced from there, on the device
+        self.prefill_end: Any = None
 
     def take(self, kind: type[PlainLaunch] | type[SpecLaunch]) -> Any:
         """The step in flight if it is of `kind` (it leaves the pipeline), else None."""
@@ -70,7 +73,18 @@ class Pipeline:
     def drop(self) -> None:
         """Forget the step in flight and the clock (its rows are recomputed)."""
         self.inflight = self.choice = None
-        self.last_commit = self.step_end = None
+        self.last_commit = self.step_end = self.prefill_end = None
+
+    def decode_seconds(self, t0: float, end: Any) -> float:
+        """What a decode step cost, for the policy: the wall seconds since `t0`; but where it queued behind
+        a prefill's device work (the chunk, the drafter's copy of a finished prompt), the device seconds
+        from that work's end to the step's (`end`, a timing event): its host work hid behind the prefill,
+        and the prefill is not its price (at a 32k-token prompt a chunk takes longer than many decode
+        steps, and priced in, it would make any K look slower than the plain steps timed between chunks)."""
+        if self.prefill_end is not None and end is not None:
+            end.synchronize()
+            return self.prefill_end.elapsed_time(end) / 1e3
+        return time.perf_counter() - t0
 
     def since_last_commit(self, after: str, kind: str | None) -> float | None:
         """Seconds since the last pipelined commit if it was of a step of kind `after` ("plain" or

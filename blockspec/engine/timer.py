@@ -38,6 +38,14 @@ class StepTimer:
         else:
             self._marks.append((name, time.perf_counter()))
 
+    def event(self) -> Any:
+        """A timing event recorded on the engine's stream now (None on the CPU)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(self.stream)
+        return ev
+
     def discard(self) -> None:
         """Drop the open marks unaccounted (a step that started its timing but launched nothing, or
         a draft launched ahead that the next step did not use)."""

@@ -241,8 +241,9 @@ class DraftLengthPolicy:
         measured = {k: self.estimate(bucket, k) for k in self.candidates}
         if measured[0] is None:  # the plain path is measured first: it is the baseline
             self.last_tried[(bucket, 0)] = self.steps
-            # A plain step is timed only in a run of decode steps; where a prefill joins nearly every
-            # step (short requests at a busy server) it never is, and the choice stays plain anyway
+            # A plain step is timed in a run of decode steps and beside a prefill chunk (from the chunk's
+            # end on the device); where it never is (requests that finish within a step or two, or graph
+            # captures at every step), the choice stays plain anyway
             self.untimed_plain[bucket] += 1
             if self.untimed_plain[bucket] >= UNTIMED_PLAIN_PARKS:
                 self._park(bucket)
