@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.bench.arch import ARCHS, random_drafter
-from blockspec.kernels.markov import BLOCK_V, MAX_ROWS, markov_greedy
+from blockspec.kernels.markov import BLOCK_V, MAX_ROWS, candidate_ids, markov_greedy
 from factories import TRITON_SKIP_REASON, compile_for_sm90, triton_interpretable
 
 pytestmark = pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
@@ -49,6 +49,27 @@ def test_the_kernel_drafts_what_the_formula_drafts(dtype, vocab, rank):
         assert torch.equal(got, want)
     plain = base.argmax(-1)
     assert (plain != want).float().mean() > 0.3
+
+
+@pytest.mark.parametrize("per_position", [0, 2, 300])
+def test_drafts_do_not_depend_on_the_candidates(per_position):
+    """The bias of the token before a position comes from the candidates the first launch stored or,
+    for a token outside them, from W2 again: the same drafts either way. With none (every bias from W2),
+    two a position (both ways taken: the test checks some previous tokens are candidates and some are
+    not) and the whole vocabulary (every bias stored)."""
+    vocab, rank = 300, 32
+    base, w1, w2, anchors = inputs(7, 4, 7, vocab, rank, torch.float16)
+    want = formula(base, w1, w2, anchors, None, 0.5)
+    got = markov_greedy(base.to(DEVICE), w1.to(DEVICE), w2.to(DEVICE), anchors.to(DEVICE), None, 0.5,
+                        per_position=per_position).cpu()
+    assert torch.equal(got, want)
+    cands = candidate_ids(base, anchors, None, per_position)
+    stored = torch.tensor([[bool((cands[r] == want[r, i]).any()) for i in range(want.shape[1] - 1)]
+                           for r in range(want.shape[0])])
+    share = stored.float().mean().item()
+    assert share == {0: 0.0, 2: share, 300: 1.0}[per_position]
+    if per_position == 2:
+        assert 0.3 < share < 1.0
 
 
 def test_a_draft_to_target_map_feeds_the_mapped_token_back():
@@ -104,10 +125,11 @@ def test_the_drafter_takes_the_kernel_and_drafts_as_its_reference(monkeypatch, r
 
 
 def test_the_kernel_compiles_for_sm90():
-    signature = {"Base": "*fp32", "W1": "*bf16", "W2": "*bf16", "Anchors": "*i64", "D2T": "*i64", "PartMax": "*fp32",
-                 "PartIdx": "*i64", "Tokens": "*i64", "stride_br": "i64", "stride_bk": "i64", "stride_w1": "i64",
-                 "stride_w2": "i64", "stride_pr": "i64", "stride_pk": "i64", "stride_t": "i64", "scale": "fp32"}
-    cases = [("_markov_position", signature, {"BLOCK_V": BLOCK_V, "BLOCK_R": 64, "BLOCK_P": 2048, "HAS_D2T": d2t,
-                                              "ROUND": True, "LOGITS": logits})
+    signature = {"Base": "*fp32", "W1": "*bf16", "W2": "*bf16", "Anchors": "*i64", "D2T": "*i64", "Cands": "*i64",
+                 "CandBias": "*fp32", "PartMax": "*fp32", "PartIdx": "*i64", "Tokens": "*i64", "stride_br": "i64",
+                 "stride_bk": "i64", "stride_w1": "i64", "stride_w2": "i64", "stride_cr": "i64", "stride_cbr": "i64",
+                 "stride_cbc": "i64", "stride_pr": "i64", "stride_pk": "i64", "stride_t": "i64", "scale": "fp32"}
+    cases = [("_markov_position", signature, {"BLOCK_V": BLOCK_V, "BLOCK_R": 64, "BLOCK_P": 2048, "BLOCK_C": 16,
+                                              "HAS_D2T": d2t, "ROUND": True, "LOGITS": logits, "IEEE": False})
              for d2t in (False, True) for logits in (False, True)]
     compile_for_sm90("blockspec.kernels.markov", cases)
