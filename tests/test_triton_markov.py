@@ -130,6 +130,6 @@ def test_the_kernel_compiles_for_sm90():
                  "stride_bk": "i64", "stride_w1": "i64", "stride_w2": "i64", "stride_cr": "i64", "stride_cbr": "i64",
                  "stride_cbc": "i64", "stride_pr": "i64", "stride_pk": "i64", "stride_t": "i64", "scale": "fp32"}
     cases = [("_markov_position", signature, {"BLOCK_V": BLOCK_V, "BLOCK_R": 64, "BLOCK_P": 2048, "BLOCK_C": 16,
-                                              "HAS_D2T": d2t, "ROUND": True, "LOGITS": logits, "IEEE": False})
+                                              "HAS_D2T": d2t, "ROUND": True, "LOGITS": logits, "PRECISION": "tf32"})
              for d2t in (False, True) for logits in (False, True)]
     compile_for_sm90("blockspec.kernels.markov", cases)

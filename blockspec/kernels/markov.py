@@ -32,9 +32,10 @@ if triton is not None:
 
     @triton.jit
     def _candidate_bias(W1, W2, ids, id_ok, cols, col_ok, rank, stride_w1, stride_w2,
-                        BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
+                        BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
         """W2[cols] W1[ids]^T in fp32, [BLOCK_V, BLOCK_C]: the Markov bias of each candidate token over a
-        block of the vocabulary (ids outside id_ok give zeros)."""
+        block of the vocabulary (ids outside id_ok give zeros). PRECISION "ieee" for fp32 drafters (no
+        tf32 rounding of the operands)."""
         acc = tl.zeros([cols.shape[0], ids.shape[0]], tl.float32)
         for r0 in range(0, rank, BLOCK_R):
             rr = r0 + tl.arange(0, BLOCK_R)
@@ -43,10 +44,7 @@ if triton is not None:
                         mask=col_ok[:, None] & r_ok[None, :], other=0.0)
             e = tl.load(W1 + ids.to(tl.int64)[:, None] * stride_w1 + rr[None, :],
                         mask=id_ok[:, None] & r_ok[None, :], other=0.0)
-            if IEEE:  # fp32 drafters: no tf32 rounding of the operands
-                acc = tl.dot(w, tl.trans(e), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, tl.trans(e), acc)
+            acc = tl.dot(w, tl.trans(e), acc, input_precision=PRECISION)
         return acc
 
     @triton.jit
@@ -56,7 +54,7 @@ if triton is not None:
                          k, vocab, rank, n_blocks, n_cands, scale,
                          BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
                          BLOCK_C: tl.constexpr, HAS_D2T: tl.constexpr, ROUND: tl.constexpr,
-                         LOGITS: tl.constexpr, IEEE: tl.constexpr):
+                         LOGITS: tl.constexpr, PRECISION: tl.constexpr):
         """Program (row, vocabulary block): the row's token at position k - 1 (the anchor at k = 0),
         then with LOGITS this block's maximum of position k's logits and its lowest argmax. At k = 0 it
         also stores this block of every candidate's bias (CandBias [R, n_cands, vocab]); later
@@ -82,7 +80,7 @@ if triton is not None:
             stored = CandBias + row * stride_cbr + slots.to(tl.int64)[None, :] * stride_cbc + cols[:, None]
             if k == 0:  # every candidate's bias over this block, the anchor's (slot 0) used at once
                 acc = _candidate_bias(W1, W2, cand, slots < n_cands, cols, col_ok, rank, stride_w1, stride_w2,
-                                      BLOCK_R, IEEE)
+                                      BLOCK_R, PRECISION)
                 if ROUND:  # the linear layer's output dtype
                     acc = acc.to(W2.dtype.element_ty).to(tl.float32)
                 tl.store(stored, acc, mask=col_ok[:, None] & (slots < n_cands)[None, :])
@@ -93,7 +91,7 @@ if triton is not None:
                     bias = tl.load(CandBias + row * stride_cbr + slot * stride_cbc + cols, mask=col_ok, other=0.0)
                 else:  # not a candidate: the same product, the token alone in slot 0
                     acc = _candidate_bias(W1, W2, tl.where(slots == 0, prev, 0), slots == 0, cols, col_ok, rank,
-                                          stride_w1, stride_w2, BLOCK_R, IEEE)
+                                          stride_w1, stride_w2, BLOCK_R, PRECISION)
                     if ROUND:
                         acc = acc.to(W2.dtype.element_ty).to(tl.float32)
                     bias = tl.sum(tl.where(slots[None, :] == 0, acc, 0.0), 1)
@@ -157,5 +155,5 @@ def markov_greedy(base: Tensor, w1: Tensor, w2: Tensor, anchors: Tensor, d2t: Te
             BLOCK_V=BLOCK_V, BLOCK_R=max(16, min(BLOCK_R, triton.next_power_of_2(rank))),
             BLOCK_P=triton.next_power_of_2(n_blocks), BLOCK_C=max(16, triton.next_power_of_2(n_cands)),
             HAS_D2T=d2t is not None, ROUND=w2.dtype != torch.float32, LOGITS=logits,
-            IEEE=w2.dtype == torch.float32, num_warps=4)
+            PRECISION="ieee" if w2.dtype == torch.float32 else "tf32", num_warps=4)
     return tokens
