@@ -26,7 +26,7 @@ from blockspec.drafters import DraftModel
 from blockspec.engine import memory
 from blockspec.engine.batch import BatchSampling, needs_history, needs_processing
 from blockspec.engine.output import OutputProcessor, grammar_ending
-from blockspec.engine.pipeline import Pipeline, PlainLaunch, SpecLaunch
+from blockspec.engine.pipeline import Pipeline, PlainLaunch, SpecLaunch, priced_from
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.timer import StepTimer
 from blockspec.errors import RequestError
@@ -290,10 +290,10 @@ class Engine:
             touched = self._commit_plain_inflight()
             self.pipeline.last_commit = self.pipeline.step_end = None
             touched += self._prefill(prefilling)
-            self.pipeline.prefill_end = self.timer.event()
+            self.pipeline.prefill_end = self.timer.stamp()
         decoding = [r for r in decoding if r.status is Status.RUNNING]
         if decoding:
-            touched += self._decode(decoding, after_prefill=bool(prefilling))
+            touched += self._decode(decoding)
             self.pipeline.prefill_end = None
         self.pipeline.step_end = time.perf_counter() if decoding else None
         self._drop_launches_if_idle()
@@ -441,10 +441,8 @@ class Engine:
                 [c if f else 0 for c, f in zip(counts, fed)])
 
     # ---------------------------------------------------------------- decode
-    def _decode(self, decoding: list[Request], after_prefill: bool = False) -> list[Request]:
-        """One decode step for every running request: speculative with the policy's K, or plain.
-        `after_prefill`: a prefill chunk ran in this step; a plain step then runs whole, not launched
-        ahead, so that it is priced like a speculative one (`Pipeline.decode_seconds`)."""
+    def _decode(self, decoding: list[Request]) -> list[Request]:
+        """One decode step for every running request: speculative with the policy's K, or plain."""
         launch = self.pipeline.take(SpecLaunch)
         if launch is not None:  # launched by the last step: this step is its finish
             touched = self._finish_spec(launch)
@@ -469,8 +467,7 @@ class Engine:
             plain = [r for r in plain if r.status is Status.RUNNING]
             if k and not spec:
                 k = 0
-        if not k and plain and not after_prefill and self._pipelines(plain, ahead=1 if self.pipeline.inflight
-                                                                       is not None else 0):
+        if not k and plain and self._pipelines(plain, ahead=1 if self.pipeline.inflight is not None else 0):
             return touched + self._plain_step_pipelined(plain)
         # The policy prices a choice by the wall time it costs, host work included (preparing the
         # launches, waiting for the device, committing and detokenising what it emitted): that,
@@ -482,18 +479,18 @@ class Engine:
         if k:
             t0 = time.perf_counter() if start is None else start
             launch = self._launch_spec(spec, k, after=self._from_committed(spec))
-            end = self.timer.event()
+            t0 = self.pipeline.decode_start(t0, self.timer.stamp())
             touched += self._finish_spec(launch)
             # after a decode step (not a prefill) this step refills a pipeline the steps before ran
             refill = self.async_scheduling and start is not None
-            self._observe_time(len(spec), k, self.pipeline.decode_seconds(t0, end), refill=refill)
+            self._observe_time(len(spec), k, time.perf_counter() - t0, refill=refill)
             self.pipeline.last_commit = ("spec", time.perf_counter())
         if plain:
             t0 = time.perf_counter() if start is None else start
-            end = self._plain_step(plain)
+            t0 = self._plain_step(plain, t0)
             touched += plain
             if self.proposer is not None and len(plain) == len(decoding):
-                self._observe_time(len(plain), 0, self.pipeline.decode_seconds(t0, end))
+                self._observe_time(len(plain), 0, time.perf_counter() - t0)
         return touched
 
     def _choose(self, batch: int) -> int:
@@ -564,22 +561,25 @@ class Engine:
                 touched.append(req)
         return touched
 
-    def _plain_step(self, reqs: list[Request]) -> Any:
-        """One plain decode step for `reqs`, launched and committed; returns a timing event recorded at
-        the end of its launches (None on the CPU)."""
+    def _plain_step(self, reqs: list[Request], t0: float) -> float:
+        """One plain decode step for `reqs`, launched and committed; returns the moment it is priced from
+        (`t0`, or `Pipeline.decode_start`'s behind a prefill)."""
         self.timer.mark("rest")
         launch = self._launch_plain(reqs)
-        end = self.timer.event()
+        t0 = self.pipeline.decode_start(t0, self.timer.stamp())
         self.timer.close()
         self._commit_plain(launch)
-        return end
+        return t0
 
     def _plain_step_pipelined(self, reqs: list[Request]) -> list[Request]:
         """Launch the plain step of `reqs`, then commit the one in flight (if any): the GPU runs this
         step while the host does the last one's bookkeeping."""
         self.timer.discard()  # a draft launched ahead and not taken: these steps are not split by phase
         prev = self.pipeline.take(PlainLaunch)
+        t0 = time.perf_counter()
         launch = self._launch_plain(reqs, prev)
+        if self.pipeline.prefill_end is not None:  # queued behind a prefill's work: priced from its end
+            launch.after_prefill = (t0, self.pipeline.prefill_end, self.timer.stamp())
         touched = self._commit_plain_inflight(prev, pipelined=True) if prev is not None else []
         self.pipeline.inflight = launch
         return touched
@@ -591,10 +591,15 @@ class Engine:
             launch = self.pipeline.take(PlainLaunch)
             if launch is None:
                 return []
+        start = None
+        if launch.after_prefill is not None:  # launched behind a prefill's work: priced from its end
+            start = priced_from(*launch.after_prefill)
         touched = self._commit_plain(launch)
         # in a run a step costs commit to commit; a lone plain step between speculative ones costs
         # from the speculative commit before it; the last of a run launched no successor: no sample
         seconds = self.pipeline.since_last_commit("plain" if pipelined else "spec", "plain" if pipelined else None)
+        if start is not None:
+            seconds = time.perf_counter() - start
         if (seconds is not None and self.proposer is not None and launch.captures == CAPTURES[0]
                 and len(touched) == len(launch.reqs)):
             self.policy.observe_time(len(launch.reqs), 0, seconds)

@@ -15,6 +15,7 @@ from typing import Any
 from torch import Tensor
 
 from blockspec.engine.batch import LogprobEntries
+from blockspec.engine.timer import StepTimer
 from blockspec.request import Request
 from blockspec.speculative.proposer import DraftBlock
 
@@ -29,6 +30,9 @@ class PlainLaunch:
     ready: Any  # torch.cuda.Event (None on the CPU, where the copy is synchronous)
     captures: int  # CUDA graph captures before the launch (a launch that captured is no timing sample)
     logprobs: LogprobEntries | None = None  # where requests asked for them (read with the ids)
+    # launched behind a prefill's work: when the launch began (host clock) and `StepTimer.stamp`s of that
+    # work's end and of this step's launches' (it is priced from `priced_from` of them)
+    after_prefill: tuple[float, Any, Any] | None = None
 
 
 @dataclass
@@ -48,6 +52,12 @@ class SpecLaunch:
     captures: int  # CUDA graph captures before the launch (a launch that captured is no timing sample)
 
 
+def priced_from(t0: float, prefill_end: Any, end: Any) -> float:
+    """`t0`, or later where a prefill's work outlasted it: the host-clock moment the device passed
+    `prefill_end` (now, less the seconds from it to `end`; waits for `end`). `StepTimer.stamp`s."""
+    return max(t0, time.perf_counter() - StepTimer.seconds(prefill_end, end))
+
+
 class Pipeline:
     def __init__(self) -> None:
         self.inflight: PlainLaunch | SpecLaunch | None = None
@@ -58,8 +68,8 @@ class Pipeline:
         # predecessor's commit, if that predecessor was a step of the same kind ("plain" or "spec")
         self.last_commit: tuple[str, float] | None = None
         self.step_end: float | None = None  # when the last step's decode ended (None: it had none, or a prefill)
-        # the device's end of the last prefill's work (a timing event; None on the CPU, or once a decode
-        # step ran after it): a decode step queued behind that work is priced from there, on the device
+        # the device's end of the last prefill's work (a `StepTimer.stamp`; None once a decode step ran
+        # after it): a decode step queued behind that work is priced from there
         self.prefill_end: Any = None
 
     def take(self, kind: type[PlainLaunch] | type[SpecLaunch]) -> Any:
@@ -75,16 +85,14 @@ class Pipeline:
         self.inflight = self.choice = None
         self.last_commit = self.step_end = self.prefill_end = None
 
-    def decode_seconds(self, t0: float, end: Any) -> float:
-        """What a decode step cost, for the policy: the wall seconds since `t0`; but where it queued behind
-        a prefill's device work (the chunk, the drafter's copy of a finished prompt), the device seconds
-        from that work's end to the step's (`end`, a timing event): its host work hid behind the prefill,
-        and the prefill is not its price (at a 32k-token prompt a chunk takes longer than many decode
-        steps, and priced in, it would make any K look slower than the plain steps timed between chunks)."""
-        if self.prefill_end is not None and end is not None:
-            end.synchronize()
-            return self.prefill_end.elapsed_time(end) / 1e3
-        return time.perf_counter() - t0
+    def decode_start(self, t0: float, end: Any) -> float:
+        """The host-clock moment from which a decode step is priced: `t0`; but where the step queued behind
+        a prefill's device work (the chunk, the drafter's copy of a finished prompt) that outlasted `t0`,
+        the moment that work ended on the device: now, less the seconds from its end to `end` (a
+        `StepTimer.stamp` after the step's launches; this waits for it). The step's own host work after
+        it still counts, the prefill does not (at a 32k-token prompt a chunk takes longer than many
+        decode steps: priced in, it would make any K look slower than the plain steps between chunks)."""
+        return t0 if self.prefill_end is None else priced_from(t0, self.prefill_end, end)
 
     def since_last_commit(self, after: str, kind: str | None) -> float | None:
         """Seconds since the last pipelined commit if it was of a step of kind `after` ("plain" or

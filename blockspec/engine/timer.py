@@ -38,13 +38,22 @@ class StepTimer:
         else:
             self._marks.append((name, time.perf_counter()))
 
-    def event(self) -> Any:
-        """A timing event recorded on the engine's stream now (None on the CPU)."""
+    def stamp(self) -> Any:
+        """Now on the device's clock: a timing event recorded on the engine's stream (CUDA), or the host's
+        clock (CPU, where the work launched so far is done)."""
         if not self.cuda:
-            return None
+            return time.perf_counter()
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(self.stream)
         return ev
+
+    @staticmethod
+    def seconds(start: Any, end: Any) -> float:
+        """Seconds between two `stamp`s (waits for the device to pass `end`)."""
+        if isinstance(start, float):
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
     def discard(self) -> None:
         """Drop the open marks unaccounted (a step that started its timing but launched nothing, or
