@@ -478,8 +478,10 @@ class Engine:
         start = self.pipeline.step_end
         if k:
             t0 = time.perf_counter() if start is None else start
+            pending = self.pipeline.prefill_pending()
             launch = self._launch_spec(spec, k, after=self._from_committed(spec))
-            t0 = self.pipeline.decode_start(t0, self.timer.stamp())
+            if pending:  # queued behind a prefill's work: priced from its end
+                t0 = self.pipeline.prefill_passed()
             touched += self._finish_spec(launch)
             # after a decode step (not a prefill) this step refills a pipeline the steps before ran
             refill = self.async_scheduling and start is not None
@@ -562,11 +564,13 @@ class Engine:
         return touched
 
     def _plain_step(self, reqs: list[Request], t0: float) -> float:
-        """One plain decode step for `reqs`, launched and committed; returns the moment it is priced from
-        (`t0`, or `Pipeline.decode_start`'s behind a prefill)."""
+        """One plain decode step for `reqs`, launched and committed; returns the moment it is priced from:
+        `t0`, or behind a prefill's work, that work's end (`Pipeline.prefill_passed`)."""
         self.timer.mark("rest")
+        pending = self.pipeline.prefill_pending()
         launch = self._launch_plain(reqs)
-        t0 = self.pipeline.decode_start(t0, self.timer.stamp())
+        if pending:
+            t0 = self.pipeline.prefill_passed()
         self.timer.close()
         self._commit_plain(launch)
         return t0

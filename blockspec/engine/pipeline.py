@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from blockspec.engine.batch import LogprobEntries
@@ -85,14 +86,19 @@ class Pipeline:
         self.inflight = self.choice = None
         self.last_commit = self.step_end = self.prefill_end = None
 
-    def decode_start(self, t0: float, end: Any) -> float:
-        """The host-clock moment from which a decode step is priced: `t0`; but where the step queued behind
-        a prefill's device work (the chunk, the drafter's copy of a finished prompt) that outlasted `t0`,
-        the moment that work ended on the device: now, less the seconds from its end to `end` (a
-        `StepTimer.stamp` after the step's launches; this waits for it). The step's own host work after
-        it still counts, the prefill does not (at a 32k-token prompt a chunk takes longer than many
-        decode steps: priced in, it would make any K look slower than the plain steps between chunks)."""
-        return t0 if self.prefill_end is None else priced_from(t0, self.prefill_end, end)
+    def prefill_pending(self) -> bool:
+        """Whether a prefill's work is still running on the device (CUDA): a decode launched now queues
+        behind it (the chunk, the drafter's copy of a finished prompt)."""
+        return isinstance(self.prefill_end, torch.cuda.Event) and not self.prefill_end.query()
+
+    def prefill_passed(self) -> float:
+        """Wait for the prefill's work; the host-clock moment it ended (about: now), from which a decode
+        launched behind it is priced. Its host work after that still counts, the prefill does not (at a
+        32k-token prompt a chunk takes longer than many decode steps: priced in, it would make any K look
+        slower than the plain steps between chunks). Called after the decode's launches, so the device
+        runs them as soon as the prefill ends."""
+        self.prefill_end.synchronize()
+        return time.perf_counter()
 
     def since_last_commit(self, after: str, kind: str | None) -> float | None:
         """Seconds since the last pipelined commit if it was of a step of kind `after` ("plain" or
