@@ -274,6 +274,53 @@ def test_decode_steps_beside_prefill_chunks_are_priced_and_do_not_park_the_batch
     assert [r.output_ids for r in reqs] == [o.outputs[0].token_ids for o in expected]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_a_decode_step_behind_a_prefill_is_priced_without_it(target):
+    """On a GPU a decode step launched beside a prefill chunk queues behind the chunk's device work, and
+    is priced from where that work ends. Each chunk here is followed on the device by a 0.2 s spin: steps
+    beside chunks are priced (plain ones launched ahead as well as speculative ones), and no price holds
+    the spin (with it in, a speculative step beside a chunk cost more than the spin, and plain ones there
+    went unpriced)."""
+    llm = spec_llm(target, "dflash", "dflash", device="cuda", adaptive_draft_length=True,
+                   engine={"max_prefill_tokens": 8})
+    engine = llm.engine
+    spin = 0.2
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10**7)
+    end.record()
+    end.synchronize()
+    cycles = int(10**7 * spin / (start.elapsed_time(end) / 1e3))
+    prefill = engine._prefill
+
+    def slow_prefill(reqs):
+        out = prefill(reqs)
+        torch.cuda._sleep(cycles)  # on the engine's stream, after the chunk
+        return out
+
+    engine._prefill = slow_prefill
+    beside: list[tuple[int, float]] = []
+    observe = engine.policy.observe_time
+    chunk = [False]
+
+    def watch(batch, k, seconds, refill=False):
+        if chunk[0]:
+            beside.append((k, seconds))
+        observe(batch, k, seconds, refill)
+
+    engine.policy.observe_time = watch
+    g = torch.Generator().manual_seed(22)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    for i, n in enumerate((8, 120)):  # the first decodes while the second prefills in 15 chunks
+        engine.add_request(str(i), None, torch.randint(2, 95, (n,), generator=g).tolist(), params)
+    while engine.has_unfinished():
+        chunk[0] = any(r.num_cached < r.prefill_len for r in engine.scheduler.running)
+        engine.step()
+    assert {k for k, _ in beside} >= {0} and any(k for k, _ in beside), beside
+    assert max(seconds for _, seconds in beside) < spin, beside
+
+
 @pytest.mark.parametrize("again", [True, False], ids=["second park", "first park"])
 def test_a_batch_whose_size_the_policy_parks_stops_feeding_the_drafter(target, plain, again):
     """Requests that joined an unparked batch feed the drafter; when the policy's re-tries find plain
