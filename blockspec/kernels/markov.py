@@ -77,24 +77,19 @@ if triton is not None:
             col_ok = cols < vocab
             slots = tl.arange(0, BLOCK_C)
             cand = tl.load(Cands + row * stride_cr + slots, mask=slots < n_cands, other=-1)
-            stored = CandBias + row * stride_cbr + slots.to(tl.int64)[None, :] * stride_cbc + cols[:, None]
-            if k == 0:  # every candidate's bias over this block, the anchor's (slot 0) used at once
-                acc = _candidate_bias(W1, W2, cand, slots < n_cands, cols, col_ok, rank, stride_w1, stride_w2,
-                                      BLOCK_R, PRECISION)
+            slot = tl.min(tl.where(cand == prev, slots, BLOCK_C), 0)  # the token's first slot (the anchor's: 0)
+            if (k > 0) & (slot < n_cands):
+                bias = tl.load(CandBias + row * stride_cbr + slot * stride_cbc + cols, mask=col_ok, other=0.0)
+            else:  # from W2: at k = 0 every candidate's bias (stored), else the token's alone in slot 0
+                ids_ok = slots < tl.where(k == 0, n_cands, 1)
+                acc = _candidate_bias(W1, W2, tl.where(slots == 0, prev, cand), ids_ok, cols, col_ok, rank,
+                                      stride_w1, stride_w2, BLOCK_R, PRECISION)
                 if ROUND:  # the linear layer's output dtype
                     acc = acc.to(W2.dtype.element_ty).to(tl.float32)
-                tl.store(stored, acc, mask=col_ok[:, None] & (slots < n_cands)[None, :])
+                if k == 0:
+                    tl.store(CandBias + row * stride_cbr + slots.to(tl.int64)[None, :] * stride_cbc + cols[:, None],
+                             acc, mask=col_ok[:, None] & (slots < n_cands)[None, :])
                 bias = tl.sum(tl.where(slots[None, :] == 0, acc, 0.0), 1)
-            else:
-                slot = tl.min(tl.where(cand == prev, slots, BLOCK_C), 0)  # the token's first slot
-                if slot < n_cands:
-                    bias = tl.load(CandBias + row * stride_cbr + slot * stride_cbc + cols, mask=col_ok, other=0.0)
-                else:  # not a candidate: the same product, the token alone in slot 0
-                    acc = _candidate_bias(W1, W2, tl.where(slots == 0, prev, 0), slots == 0, cols, col_ok, rank,
-                                          stride_w1, stride_w2, BLOCK_R, PRECISION)
-                    if ROUND:
-                        acc = acc.to(W2.dtype.element_ty).to(tl.float32)
-                    bias = tl.sum(tl.where(slots[None, :] == 0, acc, 0.0), 1)
             logits = tl.load(Base + row * stride_br + k * stride_bk + cols, mask=col_ok, other=0.0) + bias * scale
             logits = tl.where(col_ok, logits, float("-inf"))
             local = tl.argmax(logits, 0, tie_break_left=True)
