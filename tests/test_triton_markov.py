@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.bench.arch import ARCHS, random_drafter
-from blockspec.kernels.markov import BLOCK_V, MAX_ROWS, candidate_ids, markov_greedy
+from blockspec.kernels.markov import BLOCK_V, MAX_ROWS, MAX_SLOTS, candidate_ids, markov_greedy
 from factories import TRITON_SKIP_REASON, compile_for_sm90, triton_interpretable
 
 pytestmark = pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
@@ -51,13 +51,13 @@ def test_the_kernel_drafts_what_the_formula_drafts(dtype, vocab, rank):
     assert (plain != want).float().mean() > 0.3
 
 
-@pytest.mark.parametrize("per_position", [0, 2, 300])
-def test_drafts_do_not_depend_on_the_candidates(per_position):
+@pytest.mark.parametrize("per_position, vocab", [(0, 300), (2, 300), (10, 10)])
+def test_drafts_do_not_depend_on_the_candidates(per_position, vocab):
     """The bias of the token before a position comes from the candidates the first launch stored or,
     for a token outside them, from W2 again: the same drafts either way. With none (every bias from W2),
     two a position (both ways taken: the test checks some previous tokens are candidates and some are
-    not) and the whole vocabulary (every bias stored)."""
-    vocab, rank = 300, 32
+    not) and a whole vocabulary of 10 (every bias stored)."""
+    rank = 32
     base, w1, w2, anchors = inputs(7, 4, 7, vocab, rank, torch.float16)
     want = formula(base, w1, w2, anchors, None, 0.5)
     got = markov_greedy(base.to(DEVICE), w1.to(DEVICE), w2.to(DEVICE), anchors.to(DEVICE), None, 0.5,
@@ -67,9 +67,18 @@ def test_drafts_do_not_depend_on_the_candidates(per_position):
     stored = torch.tensor([[bool((cands[r] == want[r, i]).any()) for i in range(want.shape[1] - 1)]
                            for r in range(want.shape[0])])
     share = stored.float().mean().item()
-    assert share == {0: 0.0, 2: share, 300: 1.0}[per_position]
+    assert share == {0: 0.0, 2: share, 10: 1.0}[per_position]
     if per_position == 2:
         assert 0.3 < share < 1.0
+
+
+def test_a_row_stores_at_most_max_slots_candidates():
+    """Asked for more candidates than MAX_SLOTS holds, each position adds as many as fit, best first."""
+    base, _, _, anchors = inputs(8, 3, 16, 500, 8, torch.float32)
+    cands = candidate_ids(base, anchors, None, 300)
+    per = (MAX_SLOTS - 1) // 15
+    assert cands.shape == (3, 1 + 15 * per)
+    assert torch.equal(cands[:, 1 : 1 + per], base[:, 0].topk(per, -1).indices)
 
 
 def test_a_draft_to_target_map_feeds_the_mapped_token_back():

@@ -100,6 +100,7 @@ if triton is not None:
 BLOCK_V = 128  # vocabulary columns a program scores
 BLOCK_R = 64  # rank columns a loop step multiplies
 CANDIDATES = 2  # best base-logit tokens of each position whose bias the first launch computes
+MAX_SLOTS = 64  # candidates a row stores at most: the first launch's [BLOCK_V, slots] fp32 product stays in registers
 # A program scores one row, so every row reads all of W2: past two rows torch's product, which reads it
 # once for all of them, is faster (H200, vocab 151936, rank 256, 7 positions in a CUDA graph: 0.22
 # against 0.30 ms at one row, 0.29 against 0.31 at two, 0.44 against 0.32 at four, 1.45 against 0.43 at 16;
@@ -108,11 +109,11 @@ MAX_ROWS = 2
 
 
 def candidate_ids(base: Tensor, anchors: Tensor, d2t: Tensor | None, per_position: int = CANDIDATES) -> Tensor:
-    """[R, 1 + per_position * (K - 1)] target ids whose bias the first launch computes: the anchor (the
-    token before position 0), then the `per_position` best of U_k for k < K - 1 (the likeliest tokens
-    before position k + 1), mapped to target ids."""
+    """[R, 1 + n * (K - 1)] target ids whose bias the first launch computes: the anchor (the token before
+    position 0), then the n best of U_k for k < K - 1 (the likeliest tokens before position k + 1), mapped
+    to target ids; n is `per_position`, less where the vocabulary or MAX_SLOTS holds fewer."""
     r, k, vocab = base.shape
-    take = min(per_position, vocab) if k > 1 else 0
+    take = min(per_position, vocab, (MAX_SLOTS - 1) // (k - 1)) if k > 1 else 0
     if not take:
         return anchors[:, None]
     top = base[:, : k - 1].topk(take, dim=-1).indices.reshape(r, -1)
