@@ -101,11 +101,11 @@ BLOCK_V = 128  # vocabulary columns a program scores
 BLOCK_R = 64  # rank columns a loop step multiplies
 CANDIDATES = 2  # best base-logit tokens of each position whose bias the first launch computes
 MAX_SLOTS = 64  # candidates a row stores at most: the first launch's [BLOCK_V, slots] fp32 product stays in registers
-# A program scores one row, so every row reads all of W2: past two rows torch's product, which reads it
-# once for all of them, is faster (H200, vocab 151936, rank 256, 7 positions in a CUDA graph: 0.22
-# against 0.30 ms at one row, 0.29 against 0.31 at two, 0.44 against 0.32 at four, 1.45 against 0.43 at 16;
-# measured when each position read W2)
-MAX_ROWS = 2
+# A program scores one row, so every row reads all of W2: past four rows torch's product, which reads it
+# once for all of them, is faster (H200, vocab 151936, rank 256, 7 positions in a CUDA graph, ms at 1 / 2 /
+# 4 / 8 / 16 rows: 0.141 / 0.196 / 0.295 / 0.514 / 0.994 against torch's 0.296 / 0.310 / 0.326 / 0.361 / 0.429;
+# benchmarks/data/step_speed/h200_2026-12-03_markov_once/)
+MAX_ROWS = 4
 
 
 def candidate_ids(base: Tensor, anchors: Tensor, d2t: Tensor | None, per_position: int = CANDIDATES) -> Tensor:
@@ -116,7 +116,14 @@ def candidate_ids(base: Tensor, anchors: Tensor, d2t: Tensor | None, per_positio
     take = min(per_position, vocab, (MAX_SLOTS - 1) // (k - 1)) if k > 1 else 0
     if not take:
         return anchors[:, None]
-    top = base[:, : k - 1].topk(take, dim=-1).indices.reshape(r, -1)
+    # repeated argmax, not torch's top-k: over a vocabulary as large as Qwen3's that is a radix select of
+    # several kernels (70 us at 6 x 151936 on an H200, as long as the drafting launches), an argmax one
+    rest, picks = base[:, : k - 1], []
+    for i in range(take):
+        picks.append(rest.argmax(-1, keepdim=True))
+        if i + 1 < take:
+            rest = rest.scatter(-1, picks[-1], float("-inf"))
+    top = torch.cat(picks, -1).reshape(r, -1)
     if d2t is not None:
         top = top + d2t[top]
     return torch.cat([anchors[:, None], top], 1)
