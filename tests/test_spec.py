@@ -17,7 +17,7 @@ import torch
 
 from blockspec import LLM, SamplingParams
 from blockspec.config import ConfigError
-from blockspec.engine.pipeline import SpecLaunch
+from blockspec.engine.pipeline import SpecLaunch, priced_from
 from blockspec.speculative.policy import NEAR_TIE, UNTIMED_PLAIN_PARKS
 from factories import save_drafter_target, save_moe_target, save_tiny
 
@@ -272,6 +272,29 @@ def test_decode_steps_beside_prefill_chunks_are_priced_and_do_not_park_the_batch
     assert any(k for k in engine.policy.chosen)  # the drafts were tried
     expected = plain.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
     assert [r.output_ids for r in reqs] == [o.outputs[0].token_ids for o in expected]
+
+
+class _DeviceStamp:
+    """A CUDA timing event's part in pricing: passing it takes `wait` seconds of the host's clock, and the
+    device ran `ms` from `start` to it."""
+
+    def __init__(self, wait: float = 0.0, ms: float = 0.0) -> None:
+        self.wait, self.ms = wait, ms
+
+    def synchronize(self) -> None:
+        clock.sleep(self.wait)
+
+    def elapsed_time(self, end: "_DeviceStamp") -> float:
+        return end.ms
+
+
+def test_a_step_behind_a_prefill_is_priced_from_when_the_device_passed_the_prefill():
+    """The moment a prefill's work ended is read after waiting for the step behind it: now, less the
+    1 ms the device ran from one to the other. Read before the wait, it would be the launch's own moment
+    (and the step's price would hold the wait for the prefill)."""
+    t0 = clock.perf_counter()
+    start = priced_from(t0, _DeviceStamp(), _DeviceStamp(wait=0.05, ms=1.0))
+    assert t0 + 0.045 < start < clock.perf_counter()
 
 
 @pytest.mark.gpu

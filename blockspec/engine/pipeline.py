@@ -55,8 +55,10 @@ class SpecLaunch:
 
 def priced_from(t0: float, prefill_end: Any, end: Any) -> float:
     """`t0`, or later where a prefill's work outlasted it: the host-clock moment the device passed
-    `prefill_end` (now, less the seconds from it to `end`; waits for `end`). `StepTimer.stamp`s."""
-    return max(t0, time.perf_counter() - StepTimer.seconds(prefill_end, end))
+    `prefill_end` (once the device has passed `end`: now, less the seconds from one to the other).
+    `StepTimer.stamp`s."""
+    ran = StepTimer.seconds(prefill_end, end)  # waits for `end`: "now" is read after
+    return max(t0, time.perf_counter() - ran)
 
 
 class Pipeline:
