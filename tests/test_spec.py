@@ -301,13 +301,16 @@ def test_a_step_behind_a_prefill_is_priced_from_when_the_device_passed_the_prefi
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_a_gpu_a_decode_step_behind_a_prefill_is_priced_without_it(target):
     """On a GPU a decode step launched beside a prefill chunk queues behind the chunk's device work, and
-    is priced from where that work ends. Each chunk here is followed on the device by a 0.2 s spin: steps
-    beside chunks are priced (plain ones launched ahead as well as speculative ones), and no price holds
-    the spin (with it in, a speculative step beside a chunk cost more than the spin, and plain ones there
-    went unpriced)."""
+    is priced from where that work ends. Each chunk here is followed on the device by a 0.2 s spin, and the
+    steps alternate plain, plain, K = 2: steps beside chunks are priced (plain ones launched ahead, committed
+    before the device passed them, as well as speculative ones), and no price holds the spin (with it in, a
+    speculative step beside a chunk cost more than the spin, plain ones there went unpriced, and then were
+    priced from their launch)."""
     llm = spec_llm(target, "dflash", "dflash", device="cuda", adaptive_draft_length=True,
                    engine={"max_prefill_tokens": 8})
     engine = llm.engine
+    plan = itertools.cycle([0, 0, 2])
+    engine.policy.choose = lambda batch: next(plan)
     spin = 0.2
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
