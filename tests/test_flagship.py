@@ -6,20 +6,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from blockspec.train.corpus import load_piece, load_split, write_split_pieces
+from blockspec.engine.build import load_tokenizer
+from blockspec.models.loader import load_target
 from blockspec.train.data import (
+    Example,
     encode_texts,
     read_texts,
     save_tokenizer,
     stdlib_split,
     train_tokenizer,
 )
-from blockspec.train.drafter_stage import DrafterStageConfig, drafter_slice, export_best
+from blockspec.train.drafter_stage import DrafterStageConfig, drafter_slice, export_best, open_stage
 from blockspec.train.pretrain import PretrainConfig, pretrain_slice, resume_run
 from blockspec.train.regen import RegenConfig, make_prompts, regen_slice
 from blockspec.train.state import MAX_FILE_BYTES, load_state, save_state, state_files
@@ -131,7 +135,6 @@ def regenerated(pretrained, corpus, tmp_path_factory):
 
 
 def test_regeneration_writes_pieces_the_corpus_reader_reads(regenerated, pretrained, corpus):
-    from blockspec.models.loader import load_target
     from blockspec.train.trainer import _plain_greedy
 
     base, first, second = regenerated
@@ -187,7 +190,8 @@ def test_drafter_stage_resumes_and_exports_the_best(regenerated, pretrained, tmp
 def test_a_new_drafter_run_starts_from_an_export(regenerated, pretrained, tmp_path):
     """A run started from another run's export (`init`) holds its weights at step 0: its first evaluation
     (nothing trained yet) gives the exported drafter's per-position acceptance exactly, and it trains
-    on from there. An export of another shape is refused, naming the tensor."""
+    on from there. A deeper plan starts from the same drafts; an export of another shape is refused, naming
+    the tensor."""
     from blockspec.drafters import load_dflash
     from blockspec.train.data import DataError
 
@@ -209,9 +213,25 @@ def test_a_new_drafter_run_starts_from_an_export(regenerated, pretrained, tmp_pa
     assert all(torch.equal(t, theirs[name]) for name, t in state["drafter"].items())
     more = drafter_slice(target, base / "rows", tmp_path / "warm", max_steps=2, device="cpu")
     assert (more["from_step"], more["to_step"]) == (0, 2)
-    wider = dataclasses.replace(warm, train=train | {"num_layers": 2})
-    with pytest.raises(DataError, match=r"layers\.1\..*missing.*--layers"):
-        drafter_slice(target, base / "rows", tmp_path / "wider", cfg=wider, max_steps=0, device="cpu")
+    # a deeper plan: the export's layer, then one that starts as the identity (its residual branches end in
+    # zeroed products, the rest of it initialized to train): the export's function, loss for loss
+    deeper = dataclasses.replace(warm, train=train | {"num_layers": 2})
+    model, _ = load_target(target, "float32", "cpu")
+    tokenizer = load_tokenizer(Path(target))
+    g = torch.Generator().manual_seed(5)
+    held = [Example(ids, [1] * len(ids)) for ids in torch.randint(3, 90, (4, 32), generator=g).tolist()]
+    stages = {name: open_stage(model, tokenizer, base / "rows", tmp_path / name, plan, torch.device("cpu"))
+              for name, plan in (("as-export", warm), ("deeper", deeper))}
+    losses = [stage.trainer.evaluate(held)["loss"] for stage in stages.values()]
+    assert losses[0] == losses[1]
+    weights = stages["deeper"].trainer.drafter.state_dict()
+    assert all(torch.equal(weights[name], t) for name, t in theirs.items())
+    added = {name: t for name, t in weights.items() if name.startswith("layers.1.")}
+    assert added and all(not t.any() for name, t in added.items() if "o_proj" in name or "down_proj" in name)
+    assert added["layers.1.self_attn.qkv_proj.weight"].any()
+    other = dataclasses.replace(warm, train=train | {"intermediate_size": 40})
+    with pytest.raises(DataError, match=r"layers\.0\.mlp\.gate_up_proj\.weight is \(.*\), the planned.*\(80, "):
+        drafter_slice(target, base / "rows", tmp_path / "other", cfg=other, max_steps=0, device="cpu")
 
 
 def test_assemble_writes_the_pair_with_cards_read_from_the_run(regenerated, pretrained, corpus, tmp_path):

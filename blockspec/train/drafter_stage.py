@@ -9,8 +9,9 @@ is exported and its greedy acceptance length measured through blockspec's engine
 held-out stdlib functions (json, asyncio, email; not the ones the demo and its test decode), the
 whole block verified every step; the best weights are kept, and the run stops after `patience`
 evaluations without a gain of `min_gain`, or at its planned steps. A new run may start from another
-run's exported drafter (`init`: its weights, fresh optimiser moments and schedule). A state without its
-``optimizer`` shards resumes with fresh AdamW moments and says so. `export_best` writes the best
+run's exported drafter (`init`: its weights, fresh optimiser moments and schedule; a deeper plan's
+added layers start as the identity). A state without its ``optimizer`` shards resumes with fresh
+AdamW moments and says so. `export_best` writes the best
 drafter in its reference format (z-lab DFlash, DeepSpec DSpark) on any machine, from the state and
 the target.
 """
@@ -127,21 +128,35 @@ def open_stage(target: Any, tokenizer: Any, rows_dir: Path, state_dir: Path, cfg
     return stage
 
 
+# the products that end a decoder layer's two residual branches: zeroed, a layer adds nothing to its input
+RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight", "mlp.down_proj.bias")
+
+
 def init_weights(export: Path, drafter: Any, method: str, mask_id: int) -> dict[str, torch.Tensor]:
     """The weights of a drafter export for a new run's drafter (float32): another run's best, trained on
-    with a fresh optimiser and schedule. Its shape and mask token must be the plan's."""
+    with a fresh optimiser and schedule. Its shape and mask token must be the plan's, except that the plan
+    may be deeper: the layers past the export's keep their own initialization with their residual
+    branches' last products zeroed, so the run starts from the export's drafts exactly and trains the
+    new layers from there."""
     from blockspec.drafters import load_drafter
 
     loaded = load_drafter(method, export, device="cpu", dtype="float32")
     if loaded.config.mask_token_id != mask_id:
         raise DataError(f"{export}: mask_token_id {loaded.config.mask_token_id}, the run's is {mask_id}")
     theirs, ours = loaded.state_dict(), drafter.state_dict()
+    depth = loaded.config.num_layers
+    out = {}
     for name, t in ours.items():
+        parts = name.split(".", 2)
+        if parts[0] == "layers" and int(parts[1]) >= depth:  # a layer the export lacks
+            out[name] = torch.zeros_like(t) if parts[2] in RESIDUAL_OUTPUTS else t
+            continue
         if name not in theirs or theirs[name].shape != t.shape:
             got = tuple(theirs[name].shape) if name in theirs else "missing"
             raise DataError(f"{export}: {name} is {got}, the planned drafter's is {tuple(t.shape)} "
-                            "(--layers and the plan must match the export's shape)")
-    return {name: theirs[name] for name in ours}
+                            "(the plan's shape must be the export's, or deeper)")
+        out[name] = theirs[name]
+    return out
 
 
 def save_stage(stage: Stage, state_dir: Path, max_file_bytes: int = MAX_FILE_BYTES) -> list[Path]:

@@ -4,7 +4,8 @@
 # blockspec/assets/default/METHOD's weights (--init; a fresh optimiser and cosine schedule) for FLAGSHIP_EPOCHS
 # (default 6) epochs within FLAGSHIP_MINUTES (default 8.5), early-stopped on held-out acceptance like any run;
 # repeat the call while its metrics' "stopped" is null. The shipped drafters were still gaining at their last
-# evaluations.
+# evaluations. FLAGSHIP_LAYERS above the shipped depth (2) grows the drafter: the added layers start as the
+# identity.
 # carry: ["out/flagship/regen"] (the pieces of call 07), unless the lease still holds them in DEV
 # returns: METHOD_metrics.json, METHOD-warm-state/{state.json, the FLAGSHIP_SHIP groups}
 source scripts/flagship/common.sh
