@@ -6,6 +6,7 @@ position is measured. Requests stop at the end-of-text token, as a user's do (an
 early stopping measures them); `--ignore-eos` drafts on past it, over text no user would be shown.
 
     python benchmarks/acceptance.py --out acceptance.json
+    python benchmarks/acceptance.py --drafters dflash --dflash out/flagship/dflash-l4 --temperatures 0   # a candidate
 """
 
 from __future__ import annotations
@@ -28,12 +29,16 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,0.7,1.0")
     ap.add_argument("--ignore-eos", action="store_true", help="decode max-tokens whatever the target emits")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--drafters", default="dflash,dspark", help="which drafters to measure")
+    for drafter in ("dflash", "dspark"):
+        ap.add_argument(f"--{drafter}", type=Path, default=ASSETS / drafter,
+                        help=f"the {drafter} drafter measured (default: the shipped one)")
     args = ap.parse_args()
     prompts = heldout_prompts(args.prompts)
     rows = []
-    for drafter in ("dflash", "dspark"):
+    for drafter in args.drafters.split(","):
         for draft_method, rule in METHODS:
-            spec = {"method": drafter, "model": str(ASSETS / drafter), "adaptive_draft_length": False,
+            spec = {"method": drafter, "model": str(getattr(args, drafter)), "adaptive_draft_length": False,
                     "draft_sample_method": draft_method, "rejection_sample_method": rule}
             llm = LLM(str(ASSETS / "target"), device="cpu", speculative_config=spec, seed=0)
             for temp in (float(t) for t in args.temperatures.split(",")):
@@ -53,7 +58,7 @@ def main() -> None:
                                 if i < len(before["num_accepted_tokens_per_pos"]) else 0)
                            for i, a in enumerate(after["num_accepted_tokens_per_pos"])]
                 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-                row = {"drafter": drafter, "draft_sample_method": draft_method, "rejection_sample_method": rule,
+                row = {"drafter": drafter, "model": str(getattr(args, drafter)), "draft_sample_method": draft_method, "rejection_sample_method": rule,
                        "temperature": temp, "prompts": len(prompts), "ignore_eos": args.ignore_eos,
                        "tokens": tokens, "steps": drafts,
                        "mean_acceptance_length": 1 + accepted / max(drafts, 1),
