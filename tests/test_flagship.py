@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from blockspec.train.corpus import load_piece, load_split, write_split_pieces
 from blockspec.engine.build import load_tokenizer
 from blockspec.models.loader import load_target
+from blockspec.train.corpus import load_piece, load_split, write_split_pieces
 from blockspec.train.data import (
     Example,
     encode_texts,

@@ -103,7 +103,7 @@ CANDIDATES = 2  # best base-logit tokens of each position whose bias the first l
 MAX_SLOTS = 64  # candidates a row stores at most: the first launch's [BLOCK_V, slots] fp32 product stays in registers
 # A program scores one row, so every row reads all of W2: past four rows torch's product, which reads it
 # once for all of them, is faster (H200, vocab 151936, rank 256, 7 positions in a CUDA graph, ms at 1 / 2 /
-# 4 / 8 / 16 rows: 0.141 / 0.196 / 0.295 / 0.514 / 0.994 against torch's 0.296 / 0.310 / 0.326 / 0.361 / 0.429;
+# 4 / 8 / 16 rows: 0.103 / 0.148 / 0.243 / 0.428 / 0.806 against torch's 0.298 / 0.313 / 0.331 / 0.367 / 0.435;
 # benchmarks/data/step_speed/h200_2026-12-03_markov_once/)
 MAX_ROWS = 4
 
@@ -117,7 +117,7 @@ def candidate_ids(base: Tensor, anchors: Tensor, d2t: Tensor | None, per_positio
     if not take:
         return anchors[:, None]
     # repeated argmax, not torch's top-k: over a vocabulary as large as Qwen3's that is a radix select of
-    # several kernels (70 us at 6 x 151936 on an H200, as long as the drafting launches), an argmax one
+    # several kernels (about 67 us at 6 x 151936 on an H200, as long as the drafting launches), an argmax one
     rest, picks = base[:, : k - 1], []
     for i in range(take):
         picks.append(rest.argmax(-1, keepdim=True))

@@ -114,9 +114,9 @@ the two regenerated pieces (the tree is 54 MiB with the pair) and 21 starts a DF
 DSpark run of 8 epochs (repeat it until its metrics say ``stopped``); 23 runs the demo and the bench
 preset on the device. 24 (after 20, instead of 21) trains a drafter on from the shipped one
 (``--init``: its weights, a fresh optimiser and schedule; ``FLAGSHIP_METHODS``: default dflash, or
-"dflash dspark", both in one call; ``FLAGSHIP_LAYERS`` above the shipped depth grows it, the added layers
-starting as the identity, so the run starts from the shipped drafts); locally ``flagship continue-drafter`` then puts a continued run's best
-into the shipped pair, its card and metrics.json beside the first run's record.
+"dflash dspark", both in one call; ``FLAGSHIP_LAYERS`` above the shipped depth grows it, the added
+layers starting as the identity, so the run starts from the shipped drafts); locally ``flagship
+continue-drafter`` then puts a continued run's best into the shipped pair, its card and metrics.json beside the first run's record.
 Rows the shipped drafters never saw: ``flagship prompts --seed 1`` into ``out/flagship/prompts-seed1``,
 then 07 and 08 with ``FLAGSHIP_PROMPTS=prompts-seed1`` (07 carries that folder; with no exported target
 in DEV they continue the shipped one), then 24 for each drafter in the same lease.
