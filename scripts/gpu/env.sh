@@ -1,7 +1,7 @@
 # Sourced at the start of every device-machine call (see scripts/gpu/README.md).
 # The device machine has no package index: blockspec's dependencies it lacks (llguidance) travel as wheels,
 # downloaded here into .devcarry/whl (git-ignored) and carried with the call by name (carry:
-# [".devcarry/whl"]: the tracked tree leaves 7 MiB of the 64 a call may take).
+# [".devcarry/whl"]: the tracked tree takes 60 of the 64 MiB a call may carry, in disk blocks; scripts/gpu/README.md).
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 : "${OUT:?run on the device machine, where OUT is set}"
@@ -14,7 +14,7 @@ export PYTHONPATH=$PWD:/tmp/site
 # Compiled Triton kernels travel between calls and sessions, so a call spends its minutes running, not
 # compiling: the cache a call saved (copied here as .devcarry/triton-cache.tar.xz and carried by name) is
 # unpacked once per machine, and `save_triton_cache` packs it into OUT at the end of a call. What travels
-# to the machine is at most 64 MiB with the tracked tree (57 MiB with the embedded pair), so the pack keeps
+# to the machine is at most 64 MiB with the tracked tree (60 MiB with the embedded pair), so the pack keeps
 # the newest kernel variants that fit TRITON_CACHE_MAX_MIB (compressed, default 3).
 export TRITON_CACHE_DIR=/tmp/triton-cache
 if [ ! -d "$TRITON_CACHE_DIR" ]; then
