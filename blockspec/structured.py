@@ -6,28 +6,32 @@ mask of the state after drafts 1..j (the matcher consumes them, fills the masks,
 the target's processed distribution at every verified position is exactly the constrained one: a
 draft the grammar forbids has probability zero there and is rejected, never emitted. Drafts
 themselves are not constrained.
+
+llguidance loads at the first constrained request, not with blockspec: its torch helpers import torch's
+compiler stack and its tokenizer bridge transformers, about 4 s that a run without grammars never needs.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import llguidance
-import llguidance.hf
-import llguidance.torch
-from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from torch import Tensor
 
 from blockspec.errors import ConstraintError, RequestError
 from blockspec.sampling_params import StructuredOutputsParams
 
-GrammarMatcher = LLMatcher
+if TYPE_CHECKING:
+    import llguidance
+    from llguidance import LLMatcher as GrammarMatcher
+    from llguidance import LLTokenizer
 
 
 def grammar_of(spec: StructuredOutputsParams) -> str:
     """The llguidance grammar of a constraint."""
+    from llguidance import LLMatcher
+
     if spec.json is not None:
         return LLMatcher.grammar_from_json_schema(spec.json)
     if spec.json_object:
@@ -60,6 +64,9 @@ class _TextTokens:
 def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]) -> LLTokenizer:
     """llguidance's view of a tokenizer over the model's vocabulary (ids past the tokenizer's are never
     allowed); built once per tokenizer (about a second for a large vocabulary)."""
+    import llguidance.hf
+    from llguidance import LLTokenizer, TokenizerWrapper
+
     eos = list(eos_ids) or None
     try:
         return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
@@ -76,6 +83,8 @@ def new_matcher(spec: StructuredOutputsParams, tokenizer: Any, vocab_size: int, 
         grammar = grammar_of(spec)
     except ValueError as exc:
         raise ConstraintError(f"{where}: structured_outputs: {exc}") from None
+    from llguidance import LLMatcher
+
     matcher = LLMatcher(ll_tokenizer(tokenizer, vocab_size, eos_ids), grammar, log_level=0)
     if matcher.is_error():
         raise ConstraintError(f"{where}: structured_outputs: {matcher.get_error()}")
@@ -87,6 +96,8 @@ class Masks:
     filled in parallel by llguidance; rows of requests without a grammar allow everything."""
 
     def __init__(self, rows: int, vocab_size: int) -> None:
+        import llguidance.torch
+
         self.bits = llguidance.torch.allocate_token_bitmask(rows, vocab_size)
         self._entries: list[tuple[GrammarMatcher, int, list[int]]] = []
 
@@ -96,6 +107,8 @@ class Masks:
         self._entries.append((matcher, row, drafts))
 
     def fill(self) -> Tensor:
+        import llguidance.torch
+
         with_drafts = [e for e in self._entries if e[2]]
         alone = [(matcher, row) for matcher, row, drafts in self._entries if not drafts]
         if with_drafts:
@@ -107,4 +120,6 @@ class Masks:
 
 @functools.cache
 def _executor() -> llguidance.LLExecutor:
+    import llguidance
+
     return llguidance.LLExecutor()

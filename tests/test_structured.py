@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import llguidance.torch
@@ -78,6 +80,27 @@ def ids(outs) -> list[list[int]]:
 def check_schema(text: str) -> None:
     value = json.loads(text)
     assert set(value) == {"a", "b"} and 0 <= value["a"] <= 99 and value["b"] in ("x", "yy", "zzz"), text
+
+
+def test_blockspec_loads_without_llguidance_until_a_request_has_a_grammar(target):
+    """llguidance's torch helpers pull in torch's compiler stack (seconds at every start): the engine, the CLI
+    and the server import it only when a grammar is compiled, and a constrained request still gets it."""
+    script = f"""
+import sys
+import blockspec.cli, blockspec.server.app
+from blockspec import LLM, SamplingParams
+from blockspec.sampling_params import StructuredOutputsParams
+llm = LLM({str(target)!r}, device="cpu", seed=0)
+llm.generate(["def f(x):"], SamplingParams(max_tokens=4, temperature=0.0))
+before = "llguidance" in sys.modules
+out = llm.generate(["def f(x):"], SamplingParams(max_tokens=8, temperature=0.0,
+                   structured_outputs=StructuredOutputsParams(choice=["yes", "no"])))
+print(before, "llguidance" in sys.modules, repr(out[0].outputs[0].text))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after, text = done.stdout.strip().splitlines()[-1].split(" ", 2)
+    assert (before, after) == ("False", "True") and text in ("'yes'", "'no'"), done.stdout
 
 
 def test_the_bitmask_leaves_exactly_the_allowed_tokens():

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from blockspec.request import Logprob, Request
-from blockspec.structured import GrammarMatcher
+
+if TYPE_CHECKING:
+    from blockspec.structured import GrammarMatcher
 
 NON_FINITE = "the target produced non-finite logits (NaN or inf) for this request"
 

@@ -1,6 +1,6 @@
 # Call 23 (timeout_s 600): the shipped pair on the H200: the demo of both drafters and the bench preset at
 # batch 1 and 16. A demo whose outputs differ from plain decoding exits 1: the call records that and goes on.
-# carry: [".devcarry/whl"] (the first call of a lease)
+# carry: nothing
 # returns: demo_dspark.txt, demo_dflash.txt, bench/ (the bench report)
 source scripts/flagship/common.sh
 device_info

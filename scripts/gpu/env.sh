@@ -1,7 +1,8 @@
 # Sourced at the start of every device-machine call (see scripts/gpu/README.md).
-# The device machine has no package index: blockspec's dependencies it lacks (llguidance) travel as wheels,
-# downloaded here into .devcarry/whl (git-ignored) and carried with the call by name (carry:
-# [".devcarry/whl"]: the tracked tree takes 60 of the 64 MiB a call may carry, in disk blocks; scripts/gpu/README.md).
+# The device machine has no package index: blockspec's dependencies it lacks (llguidance, loaded only to compile a
+# grammar) travel as wheels, downloaded here into .devcarry/whl (git-ignored) and carried by name by the calls that
+# need them (carry: [".devcarry/whl"]; the tracked tree takes 60 of the 64 MiB a call may carry, in disk blocks:
+# scripts/gpu/README.md).
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 : "${OUT:?run on the device machine, where OUT is set}"

@@ -63,8 +63,8 @@ layers 1-4; z-lab format, no embedding) 3.7 MB; DSpark (2 layers, MLP 768, block
 The calls
 ---------
 Scripts in ``scripts/flagship`` (they travel with the tree); each names in its
-header what it carries (the ``carry`` list to pass, besides the wheels of dependencies the device
-lacks: ``common.sh``), what it runs and what it returns. Locally, once: ``bash
+header what it carries (the ``carry`` list to pass; training loads no grammar, so no wheels),
+what it runs and what it returns. Locally, once: ``bash
 scripts/flagship/local.sh prepare``: the train pieces re-cut to at most 20 MiB (4 pieces, the
 largest 19.6 MiB, so a call carrying one has 5.8 MiB to spare where the corpus's 23.7 MiB piece left
 1.8), and 64,000 prompts of 64 tokens (3.2 MiB). After every call: ``local.sh collect FILES_AT``.
