@@ -19,7 +19,7 @@ from PIL import Image
 
 from blockspec.bench import BenchConfig, markdown, run_bench, write_outputs
 from blockspec.bench.arch import TINY, TINY_DFLASH, random_drafter, random_target
-from blockspec.bench.report import summary_line
+from blockspec.bench.report import decode_ratio_at_expectation, summary_line
 from blockspec.bench.points import point_name
 from blockspec.cli import main
 from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
@@ -262,6 +262,13 @@ def test_synthetic_run_is_labelled_and_hits_the_profile(tmp_path):
     paths = write_outputs(res, tmp_path)
     md = paths["markdown"].read_text()
     assert md.startswith("# ") and "SYNTHETIC ACCEPTANCE" in md.splitlines()[0]
+    for r in res["runs"][1:]:  # the draws' luck taken out: measured decode ratio x expected / drawn
+        acc, ratio = r["acceptance"], r["vs_plain"]["decode_tok_s_ratio"]
+        at_expectation = decode_ratio_at_expectation(r)
+        assert at_expectation == pytest.approx(ratio * acc["expected_length"] / acc["mean_acceptance_length"])
+        assert (f"- {r['method']} {point_name(r)}: {acc['mean_acceptance_length']:.2f} / "
+                f"{acc['expected_length']:.2f}; decode {at_expectation:.2f}x") in md
+    assert decode_ratio_at_expectation(res["runs"][0]) is None  # plain has no draws
     assert "dflash (synthetic)" in md
     assert json.loads(paths["json"].read_text())["synthetic"] is True
     for key in ("plot_throughput", "plot_acceptance"):

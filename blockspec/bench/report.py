@@ -155,6 +155,17 @@ def summary_line(run: dict[str, Any]) -> str:
             + ("  [synthetic]" if run["synthetic"] else ""))
 
 
+def decode_ratio_at_expectation(run: dict[str, Any]) -> float | None:
+    """A synthetic run's decode ratio to plain had its draws hit the profile's expectation for the draft lengths
+    it chose: decode tok/s is tokens a step over step time, so the measured ratio times expected / drawn
+    acceptance length, step times as measured. Two methods' draws differ by luck; this compares their steps."""
+    acc, vs = run.get("acceptance") or {}, run.get("vs_plain", {})
+    expected, drawn, ratio = acc.get("expected_length"), acc.get("mean_acceptance_length"), vs.get("decode_tok_s_ratio")
+    if not (expected and drawn and ratio):
+        return None
+    return ratio * expected / drawn
+
+
 def speedup_cell(run: dict[str, Any], rate: str = "output") -> str:
     """A vs-plain cell of `rate` ("output" or "decode" tok/s): "no drafts", or the speedup with the rounds'
     min-max, in bold when every round was slower, marked when the rounds fall on both sides of 1. An
@@ -257,6 +268,15 @@ def markdown(result: dict[str, Any]) -> str:
                      + (f" (floor {v['floor_ms']:.2f} ms, {v['floor_bound']})" if "floor_ms" in v else "")
                      for k, v in r["steps_by_draft_length"].items()]
             lines.append(f"- {r['method']} {point_name(r)}: " + "; ".join(parts))
+        at_expectation = [(r, decode_ratio_at_expectation(r)) for r in spec_runs]
+        if any(x is not None for _, x in at_expectation):
+            lines += ["", ("Synthetic draws against the profile: acceptance length drawn / the profile's expectation "
+                           "for the draft lengths chosen, and decode vs plain had the draws hit the expectation "
+                           "(the measured ratio x expected / drawn, step times as measured; compare methods by "
+                           "this, not by their draws):"), ""]
+            lines += [f"- {r['method']} {point_name(r)}: {r['acceptance']['mean_acceptance_length']:.2f} / "
+                      f"{r['acceptance']['expected_length']:.2f}; decode {x:.2f}x" for r, x in at_expectation
+                      if x is not None]
         lines += ["", "What a speculative run holds, by part (GB; the graphs: what their captures added to the "
                       "allocator's reservation):", ""]
         lines += [f"- {r['method']} {point_name(r)}: " + ", ".join(f"{part.replace('_', ' ')} {gb:.3g}" for part, gb
