@@ -191,7 +191,8 @@ def test_a_new_drafter_run_starts_from_an_export(regenerated, pretrained, tmp_pa
     """A run started from another run's export (`init`) holds its weights at step 0: its first evaluation
     (nothing trained yet) gives the exported drafter's per-position acceptance exactly, and it trains
     on from there. A deeper plan starts from the same drafts; an export of another shape is refused, naming
-    the tensor."""
+    the tensor. A plan reading more target layers also starts from the same drafts (the new taps' columns of
+    fc at zero); one that drops a layer the export reads is refused."""
     from blockspec.drafters import load_dflash
     from blockspec.train.data import DataError
 
@@ -220,10 +221,18 @@ def test_a_new_drafter_run_starts_from_an_export(regenerated, pretrained, tmp_pa
     tokenizer = load_tokenizer(Path(target))
     g = torch.Generator().manual_seed(5)
     held = [Example(ids, [1] * len(ids)) for ids in torch.randint(3, 90, (4, 32), generator=g).tolist()]
+    theirs_taps = list(load_dflash(exported, device="cpu", dtype="float32").config.target_layer_ids)
+    wider = dataclasses.replace(warm, train=train | {"target_layer_ids": [-1, *theirs_taps, 1]})
     stages = {name: open_stage(model, tokenizer, base / "rows", tmp_path / name, plan, torch.device("cpu"))
-              for name, plan in (("as-export", warm), ("deeper", deeper))}
+              for name, plan in (("as-export", warm), ("deeper", deeper), ("wider", wider))}
     losses = [stage.trainer.evaluate(held)["loss"] for stage in stages.values()]
-    assert losses[0] == losses[1]
+    assert losses[0] == losses[1] == losses[2]
+    fc, h = stages["wider"].trainer.drafter.state_dict()["fc.weight"], model.config.hidden_size
+    assert fc.shape[1] == h * (len(theirs_taps) + 2)
+    assert torch.equal(fc[:, h:-h], theirs["fc.weight"]) and not fc[:, :h].any() and not fc[:, -h:].any()
+    narrower = dataclasses.replace(warm, train=train | {"target_layer_ids": [1]})
+    with pytest.raises(DataError, match=r"reads target layers \[0\]; the plan's taps \[1\] lack \[0\]"):
+        drafter_slice(target, base / "rows", tmp_path / "narrower", cfg=narrower, max_steps=0, device="cpu")
     weights = stages["deeper"].trainer.drafter.state_dict()
     assert all(torch.equal(weights[name], t) for name, t in theirs.items())
     added = {name: t for name, t in weights.items() if name.startswith("layers.1.")}

@@ -135,9 +135,9 @@ RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.dow
 def init_weights(export: Path, drafter: Any, method: str, mask_id: int) -> dict[str, torch.Tensor]:
     """The weights of a drafter export for a new run's drafter (float32): another run's best, trained on
     with a fresh optimiser and schedule. Its shape and mask token must be the plan's, except that the plan
-    may be deeper: the layers past the export's keep their own initialization with their residual
-    branches' last products zeroed, so the run starts from the export's drafts exactly and trains the
-    new layers from there."""
+    may be deeper or read more target layers: the layers past the export's keep their own initialization
+    with their residual branches' last products zeroed, and the new taps' columns of ``fc`` start at zero,
+    so the run starts from the export's drafts exactly and trains what was added from there."""
     from blockspec.drafters import load_drafter
 
     loaded = load_drafter(method, export, device="cpu", dtype="float32")
@@ -151,11 +151,31 @@ def init_weights(export: Path, drafter: Any, method: str, mask_id: int) -> dict[
         if parts[0] == "layers" and int(parts[1]) >= depth:  # a layer the export lacks
             out[name] = torch.zeros_like(t) if parts[2] in RESIDUAL_OUTPUTS else t
             continue
+        if name == "fc.weight" and name in theirs:
+            out[name] = tap_columns(theirs[name], list(loaded.config.target_layer_ids),
+                                    list(drafter.config.target_layer_ids), export)
+            continue
         if name not in theirs or theirs[name].shape != t.shape:
             got = tuple(theirs[name].shape) if name in theirs else "missing"
             raise DataError(f"{export}: {name} is {got}, the planned drafter's is {tuple(t.shape)} "
                             "(the plan's shape must be the export's, or deeper)")
         out[name] = theirs[name]
+    return out
+
+
+def tap_columns(fc: torch.Tensor, theirs: list[int], ours: list[int], export: Path) -> torch.Tensor:
+    """The export's ``fc`` [hidden, len(theirs) * H] laid out for the plan's taps: each of its taps' columns
+    where the plan reads that layer, zeros for the layers it adds."""
+    missing = [i for i in theirs if i not in ours]
+    if missing:
+        raise DataError(f"{export}: reads target layers {theirs}; the plan's taps {ours} lack {missing} "
+                        "(the plan may add taps, not drop them)")
+    width = fc.shape[1] // len(theirs)
+    out = fc.new_zeros(fc.shape[0], width * len(ours))
+    for j, layer in enumerate(ours):
+        if layer in theirs:
+            i = theirs.index(layer)
+            out[:, j * width:(j + 1) * width] = fc[:, i * width:(i + 1) * width]
     return out
 
 

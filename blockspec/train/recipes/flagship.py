@@ -115,7 +115,9 @@ DSpark run of 8 epochs (repeat it until its metrics say ``stopped``); 23 runs th
 preset on the device. 24 (after 20, instead of 21) trains a drafter on from the shipped one
 (``--init``: its weights, a fresh optimiser and schedule; ``FLAGSHIP_METHODS``: default dflash, or
 "dflash dspark", both in one call; ``FLAGSHIP_LAYERS`` above the shipped depth grows it, the added
-layers starting as the identity, so the run starts from the shipped drafts); locally ``flagship
+layers starting as the identity, so the run starts from the shipped drafts; ``flagship drafter --taps``
+reads more target layers, their ``fc`` columns starting at zero, and ``--labels target`` learns the
+target's greedy tokens instead of the rows'); locally ``flagship
 continue-drafter`` then puts a continued run's best into the shipped pair, its card and metrics.json beside the first run's record.
 Rows the shipped drafters never saw: ``flagship prompts --seed 1`` into ``out/flagship/prompts-seed1``,
 then 07 and 08 with ``FLAGSHIP_PROMPTS=prompts-seed1`` (07 carries that folder; with no exported target
@@ -509,6 +511,14 @@ def carry_bytes(paths: list[Path]) -> dict[str, Any]:
             "total_mib": round((tree + extra) / MIB, 2), "fits_64_mib": tree + extra <= 64 * MIB}
 
 
+def layer_ids(text: str) -> list[int]:
+    """--taps: comma-separated target layer ids."""
+    try:
+        return [int(i) for i in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want comma-separated layer ids, e.g. 0,1,2,3,4,5") from None
+
+
 def write_metrics(out: Path | None, name: str, metrics: dict[str, Any]) -> None:
     print(json.dumps(metrics, indent=1, default=str))
     if out is not None:
@@ -584,6 +594,11 @@ def main(argv: list[str] | None = None) -> int:
                    "a state keeps the epochs it started with")
     d.add_argument("--layers", type=int, default=None, help="drafter decoder layers (default: the plan's); "
                    "a state keeps the shape it started with")
+    d.add_argument("--taps", type=layer_ids, default=None,
+                   help="target layers the drafter reads, comma-separated (default: the plan's); with --init, the "
+                        "export's taps among them, the new ones starting with zero weight")
+    d.add_argument("--labels", choices=["data", "target"], default=None,
+                   help="what each draft position learns (default: the plan's data labels)")
     d.add_argument("--init", type=Path, default=None, help="a new run starts from this drafter export's weights "
                    "(e.g. the shipped one), with a fresh optimiser and schedule; with --layers above its depth "
                    "the added layers start as the identity")
@@ -691,7 +706,8 @@ def run_command(args: argparse.Namespace) -> int:
     elif args.command == "drafter":
         cfg = plan.drafters[args.method]
         cfg = dataclasses.replace(cfg, epochs=args.epochs) if args.epochs else cfg
-        cfg = dataclasses.replace(cfg, train=cfg.train | {"num_layers": args.layers}) if args.layers else cfg
+        overrides = {"num_layers": args.layers, "target_layer_ids": args.taps, "labels": args.labels}
+        cfg = dataclasses.replace(cfg, train=cfg.train | {k: v for k, v in overrides.items() if v is not None})
         cfg = dataclasses.replace(cfg, init=str(args.init)) if args.init else cfg
         metrics = drafter_slice(args.target, args.rows, args.state, cfg=cfg, minutes=args.minutes,
                                 max_steps=args.max_steps, device=args.device)
