@@ -145,7 +145,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import torch
@@ -164,6 +164,7 @@ from blockspec.train.regen import RegenConfig, make_prompts, regen_slice
 from blockspec.train.state import MAX_FILE_BYTES, read_index, state_files
 from blockspec.train.stream import manifest_plan
 from blockspec.train.target_lm import TargetShape, save_hf_target
+from blockspec.train.trainer import Labels
 
 RETURN_FILES, RETURN_BYTES = 8, 64 * MIB  # what one device call returns at most
 
@@ -597,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--taps", type=layer_ids, default=None,
                    help="target layers the drafter reads, comma-separated (default: the plan's); with --init, the "
                         "export's taps among them, the new ones starting with zero weight")
-    d.add_argument("--labels", choices=["data", "target"], default=None,
+    d.add_argument("--labels", choices=get_args(Labels), default=None,
                    help="what each draft position learns (default: the plan's data labels)")
     d.add_argument("--init", type=Path, default=None, help="a new run starts from this drafter export's weights "
                    "(e.g. the shipped one), with a fresh optimiser and schedule; with --layers above its depth "
