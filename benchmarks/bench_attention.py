@@ -1,6 +1,6 @@
 """The attention kernel at Qwen3-8B's heads (32 query, 8 KV, head_dim 128, bf16 queries; bf16 or FP8 e4m3
 K/V pages, `--kv-dtype`): decode (one row),
-verify (16 causal rows) and draft (16 rows over the context and the block) at several batches,
+verify (`--rows` causal rows, 16 by default) and draft (as many rows over the context and the block) at several batches,
 contexts and cache extents, for launch shapes (`AttentionTiles`, `--variants`), on shuffled pages
 of `--page-size` positions and on one page a slot (the layout before paging), next to the bytes
 that bound them.
@@ -65,10 +65,11 @@ KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 CACHE_BUDGET = 48 << 30  # bytes of K/V caches one case may allocate
 
 
-def bounds(kind: str, batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def bounds(kind: str, batch: int, context: int, block: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """lo / hi [batch, rows] of each kind's rows, and its row count: decode reads context + 1 keys,
-    verify rows end at their own positions, the draft block reads the context and the whole block."""
-    rows = 1 if kind == "decode" else BLOCK
+    verify rows (`block` of them) end at their own positions, the draft block reads the context and the
+    whole block."""
+    rows = 1 if kind == "decode" else block
     pos = context + torch.arange(rows, device="cuda")
     hi = (torch.full_like(pos, context + rows - 1) if kind == "draft" else pos).expand(batch, rows).contiguous()
     return torch.zeros_like(hi), hi, rows
@@ -100,9 +101,9 @@ def run(args: argparse.Namespace) -> dict:
     for batch in args.batches:
         for context in args.contexts:
             for extent in args.extents:
-                keys = max(extent, context + BLOCK + 1) + 1
+                keys = max(extent, context + args.rows + 1) + 1
                 per_layer = 2 * 2 * batch * KV_HEADS * keys * HEAD_DIM * size  # one page a slot, and paged
-                read = 2 * batch * KV_HEADS * (context + BLOCK) * HEAD_DIM * size
+                read = 2 * batch * KV_HEADS * (context + args.rows) * HEAD_DIM * size
                 copies = max(2, min(LAYERS, -(-(256 << 20) // read)))
                 if copies * per_layer > CACHE_BUDGET:
                     print(f"skip batch {batch} context {context} extent {keys}: {copies * per_layer / 2**30:.0f} GiB")
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> dict:
                          + shuffled_pages(batch, keys, args.page_size, kv)[:1] for _ in range(copies)]
                 slots = torch.arange(batch, device="cuda")
                 for kind in args.kinds:
-                    lo, hi, rows = bounds(kind, batch, context)
+                    lo, hi, rows = bounds(kind, batch, context, args.rows)
                     q = torch.randn(batch, rows, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
                     nbytes = 2 * batch * KV_HEADS * (int(hi.max()) + 1) * HEAD_DIM * size + 2 * q.numel() * 2
                     floor_us = nbytes / bandwidth * 1e6
@@ -167,6 +168,8 @@ def main() -> None:
     ap.add_argument("--extents", type=int, nargs="+", default=[0, 32768],
                     help="cache length the graph launches over (0: context + block)")
     ap.add_argument("--kinds", nargs="+", default=["decode", "verify", "draft"], choices=["decode", "verify", "draft"])
+    ap.add_argument("--rows", type=int, default=BLOCK,
+                    help="rows of a verify or draft block (a verify of K drafts has K + 1)")
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--baseline", nargs="+", help="other triton_attention.py files to time beside this one (named "
                                                   "by file; one from before paging runs on one page a slot)")
