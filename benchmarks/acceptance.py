@@ -7,12 +7,19 @@ early stopping measures them); `--ignore-eos` drafts on past it, over text no us
 
     python benchmarks/acceptance.py --out acceptance.json
     python benchmarks/acceptance.py --drafters dflash --dflash out/flagship/dflash-l4 --temperatures 0   # a candidate
+    python benchmarks/acceptance.py --target-confidence --drafters none   # how sure the target is of its own tokens
+
+`--target-confidence` adds what bounds a drafter from the target's side: the target's probability of each token of
+its own greedy continuation, and its margin over the runner-up (a drafter matches a near-tie's argmax only by
+reproducing the target's computation closely).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import time
 from pathlib import Path
 
@@ -22,6 +29,25 @@ from blockspec.demo import ASSETS, heldout_prompts
 METHODS = [("greedy", "standard"), ("probabilistic", "standard"), ("probabilistic", "block")]
 
 
+def target_confidence(prompts: list[str], max_tokens: int, ignore_eos: bool) -> dict:
+    """The target's top-1 probability and its margin over the second, over every token of its greedy
+    continuations (plain decoding, the logprobs the engine returns)."""
+    llm = LLM(str(ASSETS / "target"), device="cpu", seed=0)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                                logprobs=2), use_tqdm=False)
+    top, margin = [], []
+    for out in outs:
+        for alternatives in out.outputs[0].logprobs:
+            p = sorted((math.exp(lp.logprob) for lp in alternatives.values()), reverse=True) + [0.0]
+            top.append(p[0])
+            margin.append(p[0] - p[1])
+    return {"kind": "target_confidence", "prompts": len(prompts), "tokens": len(top),
+            "top1_mean": statistics.fmean(top), "top1_median": statistics.median(top),
+            "share_top1_below_0.5": sum(t < 0.5 for t in top) / len(top),
+            "share_top1_above_0.95": sum(t > 0.95 for t in top) / len(top),
+            "share_margin_below_0.1": sum(m < 0.1 for m in margin) / len(margin)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=64)
@@ -29,14 +55,19 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,0.7,1.0")
     ap.add_argument("--ignore-eos", action="store_true", help="decode max-tokens whatever the target emits")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--drafters", default="dflash,dspark", help="which drafters to measure")
+    ap.add_argument("--drafters", default="dflash,dspark", help="which drafters to measure (none: no drafter)")
+    ap.add_argument("--target-confidence", action="store_true",
+                    help="also report the target's confidence in its own greedy tokens")
     for drafter in ("dflash", "dspark"):
         ap.add_argument(f"--{drafter}", type=Path, default=ASSETS / drafter,
                         help=f"the {drafter} drafter measured (default: the shipped one)")
     args = ap.parse_args()
     prompts = heldout_prompts(args.prompts)
     rows = []
-    for drafter in args.drafters.split(","):
+    if args.target_confidence:
+        rows.append(target_confidence(prompts, args.max_tokens, args.ignore_eos))
+        print(json.dumps(rows[-1]), flush=True)
+    for drafter in [d for d in args.drafters.split(",") if d != "none"]:
         for draft_method, rule in METHODS:
             spec = {"method": drafter, "model": str(getattr(args, drafter)), "adaptive_draft_length": False,
                     "draft_sample_method": draft_method, "rejection_sample_method": rule}
