@@ -385,6 +385,29 @@ def test_drafter_loss_ignores_invalid_blocks(tiny_target):
     assert other.parts["ce"] != full.parts["ce"] and torch.equal(other.match, full.match)
 
 
+def test_kl_term_distills_the_target_distribution(tiny_target):
+    """kl_alpha adds KL(target || drafter) over the valid draft positions, weighted as the CE term: with CE
+    off it is the whole loss, positive for an untrained drafter, and its gradient reaches the drafter;
+    beside CE the two add. Without it no KL is computed; a negative weight is refused, naming it."""
+    target, _ = tiny_target
+    base = dict(method="dflash", num_layers=1, block_size=4, device="cpu")
+    drafter = build_drafter(DrafterTrainConfig(**base), target.config, mask_token_id=95).cast("cpu", torch.float32)
+    ids = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(0))
+    args = (drafter, target, ids, torch.ones(1, 12, dtype=torch.long), torch.tensor([[2, 9]]),
+            torch.tensor([[True, True]]))
+    kl_only = drafter_loss(*args, DrafterTrainConfig(**base, ce_alpha=0.0, kl_alpha=1.0))
+    assert kl_only.parts["kl"] > 0 and kl_only.loss.item() == pytest.approx(kl_only.parts["kl"], rel=1e-6)
+    kl_only.loss.backward()
+    assert all(p.grad is not None for p in drafter.layers.parameters())
+    assert any(p.grad.abs().sum() > 0 for p in drafter.layers.parameters())
+    both = drafter_loss(*args, DrafterTrainConfig(**base, kl_alpha=0.5))
+    assert both.loss.item() == pytest.approx(both.parts["ce"] + 0.5 * both.parts["kl"], rel=1e-5)
+    assert both.parts["kl"] == pytest.approx(kl_only.parts["kl"], rel=1e-6)
+    assert "kl" not in drafter_loss(*args, DrafterTrainConfig(**base)).parts
+    with pytest.raises(ConfigError, match=r"kl_alpha must be a number >= 0, got -1.0"):
+        DrafterTrainConfig(**base, kl_alpha=-1.0)
+
+
 def test_engine_acceptance_reads_the_engines_counters(tmp_path):
     """The recipe's acceptance through blockspec's engine: the counters of the run, read from the engine's
     dict (get_stats), not through get_metrics()'s deprecated string keys."""

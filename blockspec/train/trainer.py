@@ -232,7 +232,9 @@ class DrafterTrainConfig:
     # loss
     loss_decay_gamma: float | None = option(None, "position weight exp(-j / gamma) (None: the method's value)")
     ce_alpha: float | None = option(None, "cross-entropy weight (None: 1.0 dflash, 0.1 dspark)")
-    l1_alpha: float | None = option(None, "dspark: L1 distance to the target distribution (None: 0.9)")
+    l1_alpha: float | None = option(None, "L1 distance to the target distribution (None: 0.9 dspark, 0 dflash)")
+    kl_alpha: float = option(0.0, "KL divergence from the target distribution to the drafter's (distillation of "
+                                  "the target's whole next-token distribution, beside the labels)")
     conf_alpha: float | None = option(None, "dspark: confidence-head BCE weight (None: 1.0 with the head)")
     # optimisation
     lr: float = option(6e-4, "peak learning rate (AdamW)")
@@ -277,6 +279,9 @@ class DrafterTrainConfig:
         self.l1_alpha = self.l1_alpha if self.l1_alpha is not None else (0.9 if dspark else 0.0)
         has_conf = dspark and self.confidence_head
         self.conf_alpha = self.conf_alpha if self.conf_alpha is not None else (1.0 if has_conf else 0.0)
+        for name in ("ce_alpha", "l1_alpha", "conf_alpha", "kl_alpha"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be a number >= 0, got {getattr(self, name)!r}")
         if self.target_layer_ids is not None:
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if self.labels not in get_args(Labels):
@@ -507,6 +512,11 @@ def drafter_loss(drafter: DraftModel, target: CausalLM, input_ids: Tensor, loss_
     ce = -log_pd.gather(1, labels[:, None]).squeeze(1)
     loss = cfg.ce_alpha * (ce * w).sum() / denom
     parts = {"ce": float((ce.detach() * w).sum() / denom)}
+    if cfg.kl_alpha:
+        log_pt = F.log_softmax(tgt_logits.float(), dim=-1)
+        kl = (log_pt.exp() * (log_pt - log_pd.float())).sum(-1)
+        loss = loss + cfg.kl_alpha * (kl * w).sum() / denom
+        parts["kl"] = float((kl.detach() * w).sum() / denom)
     if cfg.l1_alpha or conf_logit is not None:
         l1 = (log_pd.exp() - F.softmax(tgt_logits, dim=-1)).abs().sum(-1)
         if cfg.l1_alpha:

@@ -600,6 +600,9 @@ def main(argv: list[str] | None = None) -> int:
                         "export's taps among them, the new ones starting with zero weight")
     d.add_argument("--labels", choices=get_args(Labels), default=None,
                    help="what each draft position learns (default: the plan's data labels)")
+    for loss in ("ce", "l1", "kl"):
+        d.add_argument(f"--{loss}-alpha", type=float, default=None,
+                       help=f"weight of the {loss.upper()} term (default: the plan's; see `blockspec train --help`)")
     d.add_argument("--init", type=Path, default=None, help="a new run starts from this drafter export's weights "
                    "(e.g. the shipped one), with a fresh optimiser and schedule; with --layers above its depth "
                    "the added layers start as the identity")
@@ -707,7 +710,8 @@ def run_command(args: argparse.Namespace) -> int:
     elif args.command == "drafter":
         cfg = plan.drafters[args.method]
         cfg = dataclasses.replace(cfg, epochs=args.epochs) if args.epochs else cfg
-        overrides = {"num_layers": args.layers, "target_layer_ids": args.taps, "labels": args.labels}
+        overrides = {"num_layers": args.layers, "target_layer_ids": args.taps, "labels": args.labels,
+                     "ce_alpha": args.ce_alpha, "l1_alpha": args.l1_alpha, "kl_alpha": args.kl_alpha}
         cfg = dataclasses.replace(cfg, train=cfg.train | {k: v for k, v in overrides.items() if v is not None})
         cfg = dataclasses.replace(cfg, init=str(args.init)) if args.init else cfg
         metrics = drafter_slice(args.target, args.rows, args.state, cfg=cfg, minutes=args.minutes,
