@@ -36,7 +36,6 @@ def main() -> None:
         ap.add_argument(f"--{name}", type=Path, default=ASSETS / name, help=f"the {name} export (default: shipped)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    torch.manual_seed(0)
     prompts = heldout_prompts(args.prompts)
     llm = LLM(str(ASSETS / "target"), device="cpu", seed=0)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False)
@@ -46,9 +45,7 @@ def main() -> None:
     for name in args.drafters.split(","):
         drafter = LOADERS[name](getattr(args, name), device="cpu", dtype="float32")
         cfg = DrafterTrainConfig(method=name, block_size=drafter.block_size, labels="target", device="cpu")
-        k = drafter.block_size - 1 if name == "dflash" else drafter.block_size
-        hits = torch.zeros(len(BINS) - 1, k)
-        counts = torch.zeros(len(BINS) - 1, k)
+        hits = counts = None  # [bins, K], K the draft positions drafter_loss scores
         for prompt, generated in sequences:
             ids = torch.tensor([prompt + generated])
             seq = ids.shape[1]
@@ -61,6 +58,8 @@ def main() -> None:
                                    cfg)
             rows = (anchors[0][:, None] + torch.arange(out.valid.shape[-1])).clamp(max=seq - 1)  # [N, K]
             bucket = torch.bucketize(sure[rows], torch.tensor(BINS[1:-1]), right=True)
+            if hits is None:
+                hits, counts = (torch.zeros(len(BINS) - 1, rows.shape[1]) for _ in range(2))
             for b in range(len(BINS) - 1):
                 sel = out.valid[0] & (bucket == b)
                 hits[b] += (out.match[0] & sel).sum(0).float()

@@ -116,8 +116,9 @@ preset on the device. 24 (after 20, instead of 21) trains a drafter on from the 
 (``--init``: its weights, a fresh optimiser and schedule; ``FLAGSHIP_METHODS``: default dflash, or
 "dflash dspark", both in one call; ``FLAGSHIP_LAYERS`` above the shipped depth grows it, the added
 layers starting as the identity, so the run starts from the shipped drafts; ``flagship drafter --taps``
-reads more target layers, their ``fc`` columns starting at zero, and ``--labels target`` learns the
-target's greedy tokens instead of the rows'); locally ``flagship
+reads more target layers, their ``fc`` columns starting at zero, ``--labels target`` learns the
+target's greedy tokens instead of the rows', and ``--ce-alpha / --l1-alpha / --kl-alpha`` reweigh the
+loss); locally ``flagship
 continue-drafter`` then puts a continued run's best into the shipped pair, its card and metrics.json beside the first run's record.
 Rows the shipped drafters never saw: ``flagship prompts --seed 1`` into ``out/flagship/prompts-seed1``,
 then 07 and 08 with ``FLAGSHIP_PROMPTS=prompts-seed1`` (07 carries that folder; with no exported target
