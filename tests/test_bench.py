@@ -405,22 +405,23 @@ def test_workload_presets_fill_what_the_user_left_unset():
     assert cfg.selected_methods() == ("plain", "dflash", "dspark") and cfg.synthetic_acceptance == "6.5"
     assert (cfg.input_len, cfg.output_len, cfg.batch_sizes) == ((512,), 1024, (1, 4, 8, 16, 32, 64))
     assert cfg.temperatures == (0.0,) and cfg.repeats >= 3
+    assert cfg.waves == 4  # concurrency held with finished slots refilled, as serving benches hold it
     cfg = BenchConfig(preset="long-context")
-    assert (cfg.input_len, cfg.output_len, cfg.batch_sizes) == ((8192, 32768), 256, (1, 16))
+    assert (cfg.input_len, cfg.output_len, cfg.batch_sizes, cfg.waves) == ((8192, 32768), 256, (1, 16), 1)
     assert cfg.synthetic_acceptance == "6.5" and cfg.temperatures == (0.0,) and cfg.repeats >= 3
 
     mine = BenchConfig(preset="concurrency", arch="tiny", batch_sizes=(1,), output_len=256, repeats=5,
-                       synthetic_acceptance="4.5", temperatures=(0.0, 0.7))
+                       synthetic_acceptance="4.5", temperatures=(0.0, 0.7), waves=1)
     mine.apply_preset()
-    assert (mine.arch, mine.batch_sizes, mine.output_len, mine.repeats) == ("tiny", (1,), 256, 5)
+    assert (mine.arch, mine.batch_sizes, mine.output_len, mine.repeats, mine.waves) == ("tiny", (1,), 256, 5, 1)
     assert mine.synthetic_acceptance == "4.5" and mine.temperatures == (0.0, 0.7) and mine.input_len == (512,)
     plain = BenchConfig(preset="concurrency", methods=("plain",))  # no speculative method: no synthetic profile
     plain.apply_preset()
     plain.validate()
     assert plain.synthetic_acceptance is None
     bare = BenchConfig(random_weights=True)  # without a preset, the defaults as before
-    assert (bare.batch_sizes, bare.temperatures, bare.input_len, bare.output_len, bare.repeats) == (
-        (1,), (0.0,), (512,), 256, 3)
+    assert (bare.batch_sizes, bare.temperatures, bare.input_len, bare.output_len, bare.repeats, bare.waves) == (
+        (1,), (0.0,), (512,), 256, 3, 1)
     assert bare.synthetic_acceptance is None and bare.selected_methods() == ("plain", "dflash", "dspark")
     with pytest.raises(ConfigError, match="unknown; allowed: default, concurrency, long-context"):
         BenchConfig(preset="serving").apply_preset()
@@ -652,6 +653,29 @@ def test_passes_do_not_sync_the_device_between_steps(monkeypatch):
                                                                         ignore_eos=True)] * 2)
     assert engine.num_steps >= 20 and result.tokens == 40
     assert len(syncs) == 2
+
+
+def test_waves_hold_the_concurrency_and_refill_finished_slots(tmp_path, monkeypatch):
+    """--waves 3 at batch 2: six requests a point, never more than two running; the report says how the
+    point's requests arrived."""
+    from blockspec.bench import harness
+
+    running: list[int] = []
+    step = Engine.step
+
+    def counted(self):
+        running.append(len(self.running))
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", counted)
+    out = tmp_path / "waves"
+    assert main(["bench", "--random-weights", "--arch", "tiny", "--device", "cpu", "--methods", "plain",
+                 "--batch-sizes", "2", "--waves", "3", "--input-len", "8", "--output-len", "6", "--repeats", "1",
+                 "--no-plots", "--out", str(out)]) == 0
+    (run,) = json.loads((out / "bench.json").read_text())["runs"]
+    assert run["num_requests"] == 6 and max(running) == 2
+    assert "3 x batch requests a point, at most batch in flight" in (out / "bench.md").read_text()
+    assert harness.BenchConfig(random_weights=True).waves == 1  # without --waves: one static batch
 
 
 def test_a_call_that_only_launches_is_priced_in_the_next_commit(monkeypatch):

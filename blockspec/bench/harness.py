@@ -16,7 +16,7 @@ Presets (`--preset`) fill what the user did not set: `default` is the embedded m
 (real acceptance); `concurrency` and `long-context` are the serving workloads compared with peer engines,
 on random weights of `--arch` with synthetic acceptance 6.5 (geometric over the drafter's whole block),
 T = 0 and 3 rounds: `concurrency` 512-token prompts and 1024 output tokens at 1, 4, 8, 16, 32 and 64
-concurrent requests; `long-context` 8192- and 32768-token prompts and 256 output tokens at 1 and 16.
+requests in flight (4 x c requests, a finished one's slot refilled, as serving benches hold concurrency); `long-context` 8192- and 32768-token prompts and 256 output tokens at 1 and 16.
 
 With `k_sweep` (`--k-sweep 2,4,8,15`) every speculative method also runs at each fixed draft length K in
 the same interleaved rounds, and the report checks the draft-length policy against the best fixed K
@@ -86,11 +86,13 @@ from blockspec.speculative.synthetic import AcceptanceProfile, SyntheticProposer
 METHODS = ("plain", "dflash", "dspark")
 # the workload fields a preset fills where the user left them unset (None), and their values without one
 BASE_WORKLOAD: dict[str, Any] = {"batch_sizes": (1,), "temperatures": (0.0,), "input_len": (512,), "output_len": 256,
-                                 "repeats": 3}
+                                 "repeats": 3, "waves": 1}
 # --preset NAME on random weights of --arch: the serving workloads compared with peer engines
 WORKLOADS: dict[str, dict[str, Any]] = {
+    # concurrency held as a serving bench holds it: 4 x c requests, at most c in flight, a finished request's slot
+    # taken by the next (one wave would be a static batch, as long as its slowest request)
     "concurrency": {"methods": METHODS, "input_len": (512,), "output_len": 1024, "batch_sizes": (1, 4, 8, 16, 32, 64),
-                    "temperatures": (0.0,), "repeats": 3, "synthetic_acceptance": "6.5"},
+                    "waves": 4, "temperatures": (0.0,), "repeats": 3, "synthetic_acceptance": "6.5"},
     "long-context": {"methods": METHODS, "input_len": (8192, 32768), "output_len": 256, "batch_sizes": (1, 16),
                      "temperatures": (0.0,), "repeats": 3, "synthetic_acceptance": "6.5"},
 }
@@ -121,7 +123,7 @@ class BenchConfig:
     model: str | None = None  # a real target (HF directory or hub id)
     dflash_model: str | None = None
     dspark_model: str | None = None
-    # the BASE_WORKLOAD fields (batch_sizes, temperatures, input_len, output_len, repeats) are None only until
+    # the BASE_WORKLOAD fields (batch_sizes, temperatures, input_len, output_len, repeats, waves) are None only until
     # __post_init__ fills them: None is "not given", so a preset's value, else the base one
     methods: tuple[str, ...] | None = None  # None: the preset's, else plain + every drafter available
     batch_sizes: tuple[int, ...] | None = None
@@ -130,7 +132,7 @@ class BenchConfig:
     prompts: str | None = None  # jsonl ("prompt" or "prompt_token_ids") | "builtin" | "heldout" | None: random tokens
     input_len: tuple[int, ...] | None = None  # random-token prompt lengths: one point each
     output_len: int | None = None
-    waves: int = 1  # requests per point = batch x waves (finished slots are refilled: continuous batching)
+    waves: int | None = None  # requests per point = batch x waves (finished slots are refilled: continuous batching)
     repeats: int | None = None
     k_sweep: tuple[int, ...] = ()  # fixed draft lengths each speculative method also runs at (ksweep)
     trace_policy: bool = False  # record each speculative engine's draft-length policy over the timed passes
@@ -966,7 +968,7 @@ def add_bench_parser(sub: Any) -> None:
                    help="default: the embedded target with its DFlash and DSpark drafters, on openings of held-out "
                         "stdlib functions (real acceptance); replaces --model and the drafter flags. concurrency: "
                         "random weights of --arch, plain,dflash,dspark, 512-token prompts, 1024 output tokens, "
-                        "concurrency 1,4,8,16,32,64, T=0, synthetic acceptance 6.5, 3 rounds. long-context: the "
+                        "concurrency 1,4,8,16,32,64 with 4 waves, T=0, synthetic acceptance 6.5, 3 rounds. long-context: the "
                         "same with 8192- and 32768-token prompts, 256 output tokens, concurrency 1,16. A workload "
                         "preset fills only the options not given (e.g. --batch-sizes 1,4 or --arch tiny win) and "
                         "refuses --model, the drafter flags and --prompts")
@@ -1010,7 +1012,9 @@ def add_bench_parser(sub: Any) -> None:
                         "(default 512, or the preset's)")
     w.add_argument("--output-len", type=int, default=None,
                    help="tokens generated per request, EOS ignored (default 256, or the preset's)")
-    w.add_argument("--waves", type=int, default=1, help="requests per point = batch x waves (default 1)")
+    w.add_argument("--waves", type=int, default=None,
+                   help="requests per point = batch x waves, at most batch in flight, a finished request's slot refilled "
+                        "(default 1: a static batch; the concurrency preset's 4)")
     w.add_argument("--repeats", type=int, default=None, help="timed rounds per point after the warm-up, each running "
                    "every method once (default 3, or the preset's)")
     w.add_argument("--no-chat-template", dest="chat_template", action="store_false",

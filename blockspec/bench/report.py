@@ -185,6 +185,15 @@ def speedup_cell(run: dict[str, Any], rate: str = "output") -> str:
     return f"{text} (within spread)" if span and span[0] <= 1 else text
 
 
+def requests_note(cfg: dict[str, Any]) -> str:
+    """How a point's requests arrive: one static batch, or waves of them refilling finished slots."""
+    waves = cfg.get("waves") or 1
+    if waves == 1:
+        return "a point's requests run as one static batch (it lasts as long as its slowest request)"
+    return (f"{waves} x batch requests a point, at most batch in flight, a finished request's slot taken by the next "
+            "(steps that admit or prefill are left out of the decode figures)")
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The report as markdown: header, one row per run, per-position acceptance, the figures against plain."""
     lines = [f"# blockspec bench: {title(result)}", ""]
@@ -213,7 +222,8 @@ def markdown(result: dict[str, Any]) -> str:
                  "rotated each round); figures are medians over the rounds (min-max in brackets); 'vs plain' is the "
                  "median of each round's ratio to that round's plain pass, of output tok/s (prefill included) and "
                  "of decode tok/s (TTFT excluded); output "
-                 f"{cfg['output_len']} tokens per request; 'input': prompt tokens per request (inN in the lists); "
+                 f"{cfg['output_len']} tokens per request; {requests_note(cfg)}; 'input': prompt tokens per request "
+                 "(inN in the lists); "
                  "TPOT and step exclude prefill steps; 'steps drafting': "
                  "share of decode steps that verified drafts; 'tokens = plain': share of each output equal to plain "
                  "decoding's before the first difference; 'memory GB': weights and KV caches, plus on a GPU the most a "
