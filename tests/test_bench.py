@@ -318,7 +318,7 @@ def test_methods_are_timed_in_interleaved_rounds(monkeypatch):
 
     def fake_drive(engine, prompts, params):
         order.append(engine.name)
-        return harness.Pass(1.0, 10, 1.0, 9, {0: [0.1]}, [], [0.01], [0.1], [[1] * 10])
+        return harness.Pass(1.0, 10, 1.0, 9, {0: [0.1]}, {0: [1]}, [], [0.01], [0.1], [[1] * 10])
 
     monkeypatch.setattr(harness, "drive", fake_drive)
     monkeypatch.setattr(harness, "summarize", lambda engine, passes, *rest: {"passes": len(passes)})
@@ -674,6 +674,7 @@ def test_waves_hold_the_concurrency_and_refill_finished_slots(tmp_path, monkeypa
                  "--no-plots", "--out", str(out)]) == 0
     (run,) = json.loads((out / "bench.json").read_text())["runs"]
     assert run["num_requests"] == 6 and max(running) == 2
+    assert all(0 < v["requests_mean"] <= 2 for v in run["steps_by_draft_length"].values())
     assert "3 x batch requests a point, at most batch in flight" in (out / "bench.md").read_text()
     assert harness.BenchConfig(random_weights=True).waves == 1  # without --waves: one static batch
 
@@ -894,8 +895,9 @@ def test_draft_step_terms_count_the_drafters_products_and_the_head_it_streams():
 def test_a_step_floor_is_its_weights_until_its_rows_fill_the_products():
     """A step's floor is its weight bytes at the copy bandwidth while it has few rows, then its FLOPs at the
     product rate; its attention (each request's K/V read once) and the draft's products and attention come
-    after, each at its own bound; each run's step times by draft length get the floor of a whole-batch step."""
-    from blockspec.bench.report import add_step_floors, step_floor
+    after, each at its own bound; each run's step times by draft length get the floor of a step of the
+    requests those steps decoded."""
+    from blockspec.bench.report import add_step_floors, occupancy, step_floor
 
     # 16 GB a step at 4 TB/s: 4 ms; a row 16 GFLOP at 800 TFLOP/s: 0.02 ms, so 200 rows cross over
     model = {"weight_bytes_per_step_gb": 16.0, "row_gflops": 16.0, "attention_flops_per_key": 0.0}
@@ -927,6 +929,15 @@ def test_a_step_floor_is_its_weights_until_its_rows_fill_the_products():
     assert steps["0"]["floor_bound"] == "products bandwidth, attention bandwidth"
     assert steps["0"]["floor_ms"] == pytest.approx(5.6)
     assert steps["8"]["floor_ms"] == pytest.approx(1e3 * spec) and "draft products compute" in steps["8"]["floor_bound"]
+    # a draft length taken only while the batch drains is priced at the requests its steps decoded
+    draining = {**run, "steps_by_draft_length": {"4": {"steps": 3, "ms_median": 7.2, "requests_mean": 9.6},
+                                                 "8": {"steps": 9, "ms_median": 23.3, "requests_mean": 64.0}}}
+    add_step_floors([draining], model, floor)
+    steps = draining["steps_by_draft_length"]
+    assert steps["4"]["floor_ms"] == pytest.approx(1e3 * step_floor(model, floor, 10, 4, 1000, drafter)[0])
+    assert steps["4"]["floor_ms"] < 1e3 * step_floor(model, floor, 64, 4, 1000, drafter)[0]
+    assert steps["8"]["floor_ms"] == pytest.approx(1e3 * spec)
+    assert occupancy(steps["4"], 64) == " at 9.6 requests" and occupancy(steps["8"], 64) == ""
     bare = {**run, "steps_by_draft_length": {"8": {"steps": 9, "ms_median": 23.3}}}
     add_step_floors([bare], model, "n/a (GPU only)")  # no measured rates (the CPU): no floor
     assert bare["steps_by_draft_length"]["8"] == {"steps": 9, "ms_median": 23.3}

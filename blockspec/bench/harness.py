@@ -526,6 +526,7 @@ class Pass:
     decode_s: float
     decode_tokens: int
     step_s: dict[int, list[float]]  # decode step times by the step's draft length (0: plain step)
+    step_rows: dict[int, list[int]]  # the requests each of those steps decoded, in the same order
     drafts: list[tuple[int, int]]  # (drafts, accepted) per request per speculative step
     ttft_s: list[float]
     tpot_s: list[float]
@@ -555,11 +556,12 @@ def drive(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
     reqs = [engine.add_request(f"bench-{next(_ids)}", None, p, sp)[0] for p, sp in zip(prompts, params)]
     decode_s, decode_tokens, launched_s = 0.0, 0, 0.0
     step_s: dict[int, list[float]] = {}
+    step_rows: dict[int, list[int]] = {}
     drafts: list[tuple[int, int]] = []
     while engine.has_unfinished():
         prefill = bool(engine.waiting and engine.pages.num_free_slots) or any(
             r.num_cached < r.prefill_len for r in engine.running)
-        n0, ts = engine.num_generated, time.perf_counter()
+        n0, rows, ts = engine.num_generated, len(engine.running), time.perf_counter()
         engine.step()
         dt = time.perf_counter() - ts
         step = log.drain()
@@ -571,14 +573,16 @@ def drive(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
         drafts += step
         launched_s += dt
         if engine.num_generated > n0 or step:
-            step_s.setdefault(max((n for n, _ in step), default=0), []).append(launched_s)
+            k = max((n for n, _ in step), default=0)
+            step_s.setdefault(k, []).append(launched_s)
+            step_rows.setdefault(k, []).append(rows)
             launched_s = 0.0
     synchronize(dev)  # a step launched ahead for requests that then stopped is still the pass's work
     wall = time.perf_counter() - t0
     failed = [r.error for r in reqs if r.error]
     if failed:
         raise RuntimeError(f"bench: {len(failed)} request(s) failed: {failed[0]}")
-    return Pass(wall, sum(len(r.output_ids) for r in reqs), decode_s, decode_tokens, step_s, drafts,
+    return Pass(wall, sum(len(r.output_ids) for r in reqs), decode_s, decode_tokens, step_s, step_rows, drafts,
                 [r.first_token_time - r.arrival_time for r in reqs],
                 [(r.finish_time - r.first_token_time) / (len(r.output_ids) - 1) for r in reqs if len(r.output_ids) > 1],
                 [list(r.output_ids) for r in reqs], engine.num_preemptions - preempted)
@@ -624,9 +628,11 @@ def summarize(engine: Engine, passes: list[Pass], prompts: list[list[int]], befo
     ttft = [t for p in passes for t in p.ttft_s]
     tpot = [t for p in passes for t in p.tpot_s]
     step_s: dict[int, list[float]] = {}
+    step_rows: dict[int, list[int]] = {}
     for p in passes:
         for k, times in p.step_s.items():
             step_s.setdefault(k, []).extend(times)
+            step_rows.setdefault(k, []).extend(p.step_rows[k])
     rounds = {"output_tok_s": [p.tokens / p.wall_s for p in passes],
               "decode_tok_s": [p.decode_tokens / p.decode_s if p.decode_s > 0 else 0.0 for p in passes]}
     run: dict[str, Any] = {
@@ -638,7 +644,8 @@ def summarize(engine: Engine, passes: list[Pass], prompts: list[list[int]], befo
         "rounds": rounds,
         "step_ms": spread([1e3 * p.decode_s / sum(map(len, p.step_s.values())) for p in passes if p.step_s]
                           or [0.0]),
-        "steps_by_draft_length": {str(k): {"steps": len(v), "ms_median": 1e3 * spread(v)["median"]}
+        "steps_by_draft_length": {str(k): {"steps": len(v), "ms_median": 1e3 * spread(v)["median"],
+                                           "requests_mean": sum(step_rows[k]) / len(v)}
                                   for k, v in sorted(step_s.items())},
         "tpot_ms": {"p50": 1e3 * float(np.percentile(tpot, 50)), "p90": 1e3 * float(np.percentile(tpot, 90))}
         if tpot else None,

@@ -88,8 +88,10 @@ def step_floor(model: dict[str, Any], floor: dict[str, Any], batch: int, k: int,
 
 
 def add_step_floors(runs: list[dict[str, Any]], model: dict[str, Any], floor: dict[str, Any] | str) -> None:
-    """Each run's step times by draft length get the floor of a step of its whole batch verifying K drafts
-    (`step_floor`, at the run's mean context, with its drafter's work where the model record has it)."""
+    """Each run's step times by draft length get the floor of a step verifying K drafts for as many
+    requests as those steps decoded on average (`step_floor`, at the run's mean context, with its
+    drafter's work where the model record has it): a draft length taken only while a batch fills or
+    drains is priced at the requests it ran with, not the whole batch."""
     if not isinstance(floor, dict) or "matmul_TFLOPs" not in floor:
         return
     for run in runs:
@@ -98,7 +100,8 @@ def add_step_floors(runs: list[dict[str, Any]], model: dict[str, Any], floor: di
         context = run["prompt_tokens_mean"] + run["output_len"] / 2
         drafter = model.get("drafters", {}).get(run["method"])
         for k, entry in run.get("steps_by_draft_length", {}).items():
-            seconds, bound = step_floor(model, floor, run["batch"], int(k), context, drafter)
+            requests = max(1, round(entry.get("requests_mean", run["batch"])))
+            seconds, bound = step_floor(model, floor, requests, int(k), context, drafter)
             entry["floor_ms"], entry["floor_bound"] = 1e3 * seconds, bound
 
 
@@ -185,6 +188,12 @@ def speedup_cell(run: dict[str, Any], rate: str = "output") -> str:
     return f"{text} (within spread)" if span and span[0] <= 1 else text
 
 
+def occupancy(entry: dict[str, Any], batch: int) -> str:
+    """" at 9.5 requests" where a draft length's steps decoded fewer requests than the batch on average."""
+    mean = entry.get("requests_mean")
+    return f" at {mean:.3g} requests" if mean is not None and mean < batch - 0.05 else ""
+
+
 def requests_note(cfg: dict[str, Any]) -> str:
     """How a point's requests arrive: one static batch, or waves of them refilling finished slots."""
     waves = cfg.get("waves") or 1
@@ -269,12 +278,13 @@ def markdown(result: dict[str, Any]) -> str:
             cells = " | ".join([_f(x, ".2f").replace("n/a", "-") for x in per] + [""] * (k - len(per)))
             name = r["method"] + (" (synthetic)" if r["synthetic"] else "")
             lines.append(f"| {name} | {r['batch']} | {r['temperature']} | {input_cell(r)} | {cells} |")
-        lines += ["", ("Draft length the engine chose per decode step (0 = plain step): steps, median step time "
-                       "(where measured, the floor of a step of the whole batch: the target's products over its verify "
-                       "rows and its attention, then the draft's, each at the longer of its bytes (weights, K/V) at "
-                       "the copy bandwidth and its FLOPs at the measured product rate):"), ""]
+        lines += ["", ("Draft length the engine chose per decode step (0 = plain step): steps, median step time, "
+                       "the requests those steps decoded on average where fewer than the batch (where measured, the "
+                       "floor of a step of that many requests: the target's products over its verify rows and its "
+                       "attention, then the draft's, each at the longer of its bytes (weights, K/V) at the copy "
+                       "bandwidth and its FLOPs at the measured product rate):"), ""]
         for r in spec_runs:
-            parts = [f"K={k}: {v['steps']} x {v['ms_median']:.2f} ms"
+            parts = [f"K={k}: {v['steps']} x {v['ms_median']:.2f} ms" + occupancy(v, r["batch"])
                      + (f" (floor {v['floor_ms']:.2f} ms, {v['floor_bound']})" if "floor_ms" in v else "")
                      for k, v in r["steps_by_draft_length"].items()]
             lines.append(f"- {r['method']} {point_name(r)}: " + "; ".join(parts))
