@@ -6,6 +6,7 @@ on it; timings still come from the GPU. The SASS is this machine's Triton's (the
     python benchmarks/kernel_sass.py --preset attention-decode-fp8
     python benchmarks/kernel_sass.py --preset attention-decode-fp8 --set BLOCK_N=64 --options num_stages=2
     python benchmarks/kernel_sass.py --preset linear-one-row-fp8
+    python benchmarks/kernel_sass.py --preset linear-one-row-fp8-down
     python benchmarks/kernel_sass.py --kernel blockspec.kernels.ops:_rms_norm --signature '{"X": "*bf16", ...}' \
         --set BLOCK=1024 --dump rms.sass
 """
@@ -27,19 +28,21 @@ _ATTENTION_DECODE = {"KV_HEADS": 8, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128,
 ATTENTION_LAUNCH = {"num_warps": 4, "num_stages": 3, "launch_pdl": True}  # block_attention's (AttentionTiles)
 
 
-def one_row_linear(weight: str) -> tuple[str, dict[str, str], dict[str, object], dict[str, object]]:
-    """`_skinny_linear` as a decode step launches Qwen3-8B's qkv product (4096 -> 6144, one bf16 row, no
-    fused prologue), with the tiles `ops.skinny_config` picks for the weight's dtype; "fp8e4nv" weights take
-    per-channel scales (WSCALE 1)."""
+def one_row_linear(weight: str, n: int = 6144, k: int = 4096, prologue: int = 0
+                   ) -> tuple[str, dict[str, str], dict[str, object], dict[str, object]]:
+    """`_skinny_linear` as a decode step launches one of Qwen3-8B's products at one bf16 row (by default
+    qkv, 4096 -> 6144, no fused prologue; prologue 2: SwiGLU, as down takes it), with the tiles
+    `ops.skinny_config` picks for the weight's dtype; "fp8e4nv" weights take per-channel scales (WSCALE 1)."""
     from blockspec.kernels.ops import skinny_config
 
     fp8 = weight == "fp8e4nv"
-    cfg = skinny_config(1, 6144, 4096, fp8=fp8)
+    cfg = skinny_config(1, n, k, prologue, fp8=fp8)
     signature = {"X": "*bf16", "W": f"*{weight}", "Bias": "*bf16", "NormW": "*bf16", "Res": "*bf16", "Out": "*bf16",
                  "Sums": "*fp32", "Scaled": "*bf16", "WScale": "*fp32", "eps": "fp32"}
-    constexprs = {"PROLOGUE": 0, "GLU": False, "HAS_BIAS": False, "HAS_RES": False, "EMIT": False, "SUMS_BLOCK": 1,
-                  "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "EVEN_K": True,
-                  "IEEE": False, "WSCALE": 1 if fp8 else 0, "SCALE_BR": 1, "SCALE_BC": 4096 if fp8 else 1, "PDL": True}
+    constexprs = {"PROLOGUE": prologue, "GLU": False, "HAS_BIAS": False, "HAS_RES": False, "EMIT": False,
+                  "SUMS_BLOCK": 1, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                  "EVEN_K": True, "IEEE": False, "WSCALE": 1 if fp8 else 0, "SCALE_BR": 1, "SCALE_BC": k if fp8 else 1,
+                  "PDL": True, "VEC_K": cfg.vec_k}
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "launch_pdl": True}
     return "blockspec.kernels.ops:_skinny_linear", signature, constexprs, launch
 
@@ -53,6 +56,7 @@ PRESETS = {  # name -> (module:kernel, argument types, constexprs, launch option
                              {**_ATTENTION_DECODE, "BLOCK_N": 128, "F16_DOTS": True}, ATTENTION_LAUNCH),
     "linear-one-row-bf16": one_row_linear("bf16"),
     "linear-one-row-fp8": one_row_linear("fp8e4nv"),
+    "linear-one-row-fp8-down": one_row_linear("fp8e4nv", 4096, 12288, prologue=2),
 }
 
 

@@ -49,6 +49,18 @@ def test_staged_fp8_v_is_transposed_by_ldmatrix_in_fp16():
     assert sum(staged.values()) < 0.8 * sum(fp8.values())
 
 
+def test_one_row_fp8_down_reads_its_input_without_shared_memory():
+    """down at one row with SwiGLU in the prologue, on FP8_ONE_TILES (K runs of 8): the SwiGLU'd input
+    reaches the weight's layout in registers, so its K loop holds no barrier and no shared-memory access,
+    and still converts each weight once; the same product with K runs of 16 shuffles through shared
+    memory every K tile."""
+    runs = main_loop("--preset", "linear-one-row-fp8-down", issuing="FFMA")
+    assert 2 * runs["F2FP.F16.E4M3.UNPACK_B"] == runs["HADD2.F32"] == runs["FFMA"]
+    assert not [op for op in runs if op.startswith(("BAR", "LDS", "STS", "LDL", "STL"))]
+    sixteen = main_loop("--preset", "linear-one-row-fp8-down", "--set", "VEC_K=0", issuing="FFMA")
+    assert [op for op in sixteen if op.startswith("BAR")] and [op for op in sixteen if op.startswith(("LDS", "STS"))]
+
+
 def test_the_tool_refuses_the_interpreter():
     done = subprocess.run([sys.executable, str(TOOL), "--preset", "attention-decode-bf16"], capture_output=True,
                           text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})

@@ -4,6 +4,8 @@ inputs), on a GPU also bf16, the row-count dispatch, CUDA-graph capture and torc
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -86,6 +88,25 @@ def test_skinny_linear_streams_fp8_weights(dtype, rows, fusion, layout):
     wrong = triton_ops.skinny_linear(x, w, b, eps=1e-6, config=cfg, weight_scale=s.flip(0).contiguous(),
                                      scale_block=block, **kw)
     assert not close(wrong, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])  # VEC_K serves 16-bit inputs
+@pytest.mark.parametrize("fusion, layout", [("swiglu", "channel"), ("residual", "block"), ("norm", "rows")])
+def test_k_runs_of_eight_compute_the_same_one_row_product(dtype, fusion, layout):
+    """VEC_K only hides from the compiler how far K runs are contiguous (the offsets are the same numbers),
+    so the one-row product with it equals the one without, bit for bit, and the reference; K = 84 ends
+    inside a run."""
+    n, k = 48, 84
+    w, s, block = quantized(n, k, layout)
+    x = rand(1, 2 * k if fusion == "swiglu" else k, seed=2, dtype=dtype)
+    kw = dict(norm_weight=rand(k, seed=4, dtype=dtype) if fusion == "norm" else None, swiglu=fusion == "swiglu",
+              residual=rand(1, n, seed=5, dtype=dtype) if fusion == "residual" else None)
+    base = triton_ops.SkinnyConfig(block_m=1, block_n=8, block_k=32, num_warps=4, num_stages=2)
+    runs = triton_ops.skinny_linear(x, w, eps=1e-6, config=replace(base, vec_k=8), weight_scale=s, scale_block=block,
+                                    **kw)
+    plain = triton_ops.skinny_linear(x, w, eps=1e-6, config=base, weight_scale=s, scale_block=block, **kw)
+    assert torch.equal(runs, plain)
+    assert close(runs, reference(x, w, s, block, None, **kw), dtype)
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])  # 16-bit inputs only

@@ -263,14 +263,23 @@ def test_fp32_rows_are_computed_as_one_row_is(fusion):
     assert not torch.equal(run(0, rows, blocks), alone)
 
 
-def test_fp8_weights_take_their_own_tiles_above_one_row():
-    """FP8_FEW_TILES serve an FP8 weight at 2-16 rows; one row (and float32 inputs) keep the one-row stream."""
+def test_fp8_weights_take_their_own_tiles():
+    """FP8_FEW_TILES serve an FP8 weight at 2-16 rows; at one row o and down (with SwiGLU in the prologue
+    or not) take FP8_ONE_TILES, qkv and gate_up the bf16 tiles; float32 inputs keep the one-row stream."""
+    one = triton_ops.SkinnyConfig(*triton_ops.FP8_ONE_TILES["tall"])
+    assert one.block_m == 1 and one.vec_k == 8 and one.block_k == one.num_warps * 32 * one.vec_k
     for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)):
         tiles = triton_ops.FP8_FEW_TILES[triton_ops.product_class(n, k)]
         assert triton_ops.skinny_config(16, n, k, fp8=True) == triton_ops.SkinnyConfig(*tiles)
         assert triton_ops.skinny_config(2, n, k, fp8=True) == triton_ops.SkinnyConfig(*tiles)
-        assert triton_ops.skinny_config(1, n, k, fp8=True) == triton_ops.skinny_config(1, n, k)
+        tall = triton_ops.product_class(n, k) == "tall"
+        assert (triton_ops.skinny_config(1, n, k, fp8=True) == one) == tall
+        if not tall:
+            assert triton_ops.skinny_config(1, n, k, fp8=True) == triton_ops.skinny_config(1, n, k)
+        assert triton_ops.skinny_config(1, n, k, prologue=2, fp8=True) == triton_ops.SkinnyConfig(
+            *triton_ops.FP8_ONE_TILES["swiglu"])
         assert triton_ops.skinny_config(16, n, k, itemsize=4, fp8=True).block_m == 1
+        assert triton_ops.skinny_config(1, n, k, itemsize=4, fp8=True).vec_k == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -192,7 +192,7 @@ if triton is not None:
         EMIT: tl.constexpr, SUMS_BLOCK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
         IEEE: tl.constexpr, WSCALE: tl.constexpr = 0, SCALE_BR: tl.constexpr = 1, SCALE_BC: tl.constexpr = 1,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = False, VEC_K: tl.constexpr = 0,
     ):
         """Out[m, n] = g(f(X)[m, :] @ W[n, :]^T (+ bias)) (+ Res), for few rows: one program per BLOCK_N
         output columns streams its weight rows once. f is the identity, the RMSNorm (PROLOGUE 1, with
@@ -214,6 +214,8 @@ if triton is not None:
         row_ok = rows < m
         col_ok = cols < n
         offs = tl.arange(0, BLOCK_K)
+        if VEC_K:  # runs of VEC_K contiguous k only, so an FP8 tile loads as many k a thread as the input does
+            offs = offs // VEC_K * VEC_K + offs % VEC_K
         x_rows = X + rows.to(tl.int64)[:, None] * stride_x
         w_rows = W + cols.to(tl.int64)[:, None] * stride_w
         u_rows = W + (cols + n).to(tl.int64)[:, None] * stride_w  # GLU: the up rows, n below the gate rows
@@ -550,6 +552,7 @@ class SkinnyConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    vec_k: int = 0  # > 0: K read in runs of vec_k (`_skinny_linear`'s VEC_K)
 
 
 # (rows class, product class) -> (block_m, block_n, block_k, num_warps, num_stages): the best of a
@@ -566,6 +569,15 @@ SKINNY_TILES = {
     ("few", "tall"): (16, 32, 512, 4, 4),
 }
 
+
+FP8_ONE_TILES = {"tall": (1, 8, 1024, 4, 3, 8), "swiglu": (1, 8, 1024, 4, 3, 8)}
+"""One row of an FP8 weight from a 16-bit input, where these beat the bf16 tiles: K read in runs of 8
+(VEC_K), so each thread's 8 weight bytes of a K tile pair with the 8 input values it loads itself, and
+4 warps x 32 threads x 8 = the K tile: the input reaches the weight's layout without a trip through
+shared memory (two barriers a K tile; the bf16 tiles' FP8 loop takes eight). H200, Qwen3-8B's
+products (benchmarks/data/fp8/h200_2026-12-04_vec_k/): o with its residual 7.8 -> 7.1 us, down with
+SwiGLU in the prologue 23.9 -> 19.0; qkv and gate_up keep the bf16 tiles (10.2 against 9.5 us, and
+92 against 34 with the GLU epilogue)."""
 
 FP8_FEW_TILES = {"wide": (16, 64, 256, 4, 3), "qkv": (16, 64, 512, 4, 3), "tall": (16, 32, 512, 4, 3)}
 """2-16 rows of an FP8 weight, by product class: the best per-channel tiles of a sweep on an H200
@@ -588,12 +600,15 @@ def product_class(n: int, k: int) -> str:
 
 def skinny_config(m: int, n: int, k: int, prologue: int = 0, itemsize: int = 2, fp8: bool = False) -> SkinnyConfig:
     """Tile sizes for `skinny_linear` (prologue 1: norm, 2: SwiGLU; `itemsize`: the input's), from
-    SKINNY_TILES, or FP8_FEW_TILES for an FP8 weight above one row. Wider elements take shorter K
-    tiles, so the pipeline's buffers fit in shared memory."""
+    SKINNY_TILES, or FP8_FEW_TILES for an FP8 weight above one row (FP8_ONE_TILES at one row where they
+    beat the bf16 tiles). Wider elements take shorter K tiles, so the pipeline's buffers fit in shared
+    memory."""
     one = streams_per_row(m, itemsize)
     if fp8 and not one:
         return SkinnyConfig(*FP8_FEW_TILES[product_class(n, k)])
     shape = "swiglu" if one and prologue == 2 else product_class(n, k)
+    if fp8 and itemsize == 2 and shape in FP8_ONE_TILES:
+        return SkinnyConfig(*FP8_ONE_TILES[shape])
     cfg = SkinnyConfig(*SKINNY_TILES["one" if one else "few", shape])
     return replace(cfg, block_k=max(32, cfg.block_k * 2 // itemsize))
 
@@ -695,7 +710,7 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm
         EMIT=emit_norm is not None, SUMS_BLOCK=triton.next_power_of_2(sums.shape[0]) if prologue == 3 else 1,
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32, WSCALE=wscale, SCALE_BR=br, SCALE_BC=bc,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent_launch(x),
+        VEC_K=cfg.vec_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent_launch(x),
     )
     if emit_norm is not None:
         return PreNormed(out.view(*x.shape[:-1], n), scaled.view(*x.shape[:-1], n), sums, emit_norm)
