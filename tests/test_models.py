@@ -141,3 +141,22 @@ def test_rope_tables_equal_transformers(scaling):
     if kind != "default":  # negative control
         other = rope_from_hf({**raw, "rope_parameters": {**raw.get("rope_parameters", {}), "factor": 2.0}}, "c")
         assert not torch.equal(rope_inv_freq(other, 128)[0], inv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_hf_qwen3s_bit_for_bit(dtype):
+    """blockspec's RMSNorm against transformers' Qwen3RMSNorm on the same rows and weight, across widths,
+    row counts and magnitudes: fp32 takes one fused call, 16-bit rows the fp32 ops cast back; both must
+    give HF's bits, or a target's logits drift from its reference."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from blockspec.models.layers import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    for width, rows, scale in ((64, 1, 1e-3), (256, 9, 1.0), (1024, 3, 1e3), (4096, 17, 30.0)):
+        ref = Qwen3RMSNorm(width, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            ref.weight.copy_(torch.randn(width, generator=g))
+        x = (torch.randn(rows, width, generator=g) * scale).to(dtype)
+        with torch.no_grad():
+            assert torch.equal(rms_norm(x, ref.weight, 1e-6), ref(x))
