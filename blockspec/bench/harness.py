@@ -16,7 +16,8 @@ Presets (`--preset`) fill what the user did not set: `default` is the embedded m
 (real acceptance); `concurrency` and `long-context` are the serving workloads compared with peer engines,
 on random weights of `--arch` with synthetic acceptance 6.5 (geometric over the drafter's whole block),
 T = 0 and 3 rounds: `concurrency` 512-token prompts and 1024 output tokens at 1, 4, 8, 16, 32 and 64
-requests in flight (4 x c requests, a finished one's slot refilled, as serving benches hold concurrency); `long-context` 8192- and 32768-token prompts and 256 output tokens at 1 and 16.
+requests in flight (4 x c requests, a finished one's slot refilled, as serving benches hold concurrency);
+`long-context` 8192- and 32768-token prompts and 256 output tokens at 1 and 16.
 
 With `k_sweep` (`--k-sweep 2,4,8,15`) every speculative method also runs at each fixed draft length K in
 the same interleaved rounds, and the report checks the draft-length policy against the best fixed K
@@ -975,10 +976,10 @@ def add_bench_parser(sub: Any) -> None:
                    help="default: the embedded target with its DFlash and DSpark drafters, on openings of held-out "
                         "stdlib functions (real acceptance); replaces --model and the drafter flags. concurrency: "
                         "random weights of --arch, plain,dflash,dspark, 512-token prompts, 1024 output tokens, "
-                        "concurrency 1,4,8,16,32,64 with 4 waves, T=0, synthetic acceptance 6.5, 3 rounds. long-context: the "
-                        "same with 8192- and 32768-token prompts, 256 output tokens, concurrency 1,16. A workload "
-                        "preset fills only the options not given (e.g. --batch-sizes 1,4 or --arch tiny win) and "
-                        "refuses --model, the drafter flags and --prompts")
+                        "concurrency 1,4,8,16,32,64 with 4 waves, T=0, synthetic acceptance 6.5, 3 rounds. "
+                        "long-context: the same with 8192- and 32768-token prompts, 256 output tokens, concurrency "
+                        "1,16 (one wave). A workload preset fills only the options not given (e.g. --batch-sizes "
+                        "1,4 or --arch tiny win) and refuses --model, the drafter flags and --prompts")
     m.add_argument("--random-weights", action="store_true", help="build random weights of --arch in memory")
     m.add_argument("--arch", default="qwen3-8b", help="random-weights shape: " + " | ".join(ARCHS) + " (default qwen3-8b)")
     m.add_argument("--model", default=None, help="a real target: HF directory or hub id")
@@ -1020,8 +1021,8 @@ def add_bench_parser(sub: Any) -> None:
     w.add_argument("--output-len", type=int, default=None,
                    help="tokens generated per request, EOS ignored (default 256, or the preset's)")
     w.add_argument("--waves", type=int, default=None,
-                   help="requests per point = batch x waves, at most batch in flight, a finished request's slot refilled "
-                        "(default 1: a static batch; the concurrency preset's 4)")
+                   help="requests per point = batch x waves, at most batch in flight, a finished request's slot "
+                        "refilled (default 1: a static batch; the concurrency preset's 4)")
     w.add_argument("--repeats", type=int, default=None, help="timed rounds per point after the warm-up, each running "
                    "every method once (default 3, or the preset's)")
     w.add_argument("--no-chat-template", dest="chat_template", action="store_false",

@@ -573,8 +573,8 @@ SKINNY_TILES = {
 FP8_ONE_TILES = {"tall": (1, 8, 1024, 4, 3, 8), "swiglu": (1, 8, 1024, 4, 3, 8)}
 """One row of an FP8 weight from a 16-bit input, where these beat the bf16 tiles: K read in runs of 8
 (VEC_K), so each thread's 8 weight bytes of a K tile pair with the 8 input values it loads itself, and
-4 warps x 32 threads x 8 = the K tile: the input reaches the weight's layout without a trip through
-shared memory (two barriers a K tile; the bf16 tiles' FP8 loop takes eight). H200, Qwen3-8B's
+4 warps x 32 threads x 8 = the K tile: the input reaches the weight's layout in registers (on the bf16
+tiles it went through shared memory, eight barriers a K tile). H200, Qwen3-8B's
 products (benchmarks/data/fp8/h200_2026-12-04_vec_k/): o with its residual 7.8 -> 7.1 us, down with
 SwiGLU in the prologue 23.9 -> 19.0; qkv and gate_up keep the bf16 tiles (10.2 against 9.5 us, and
 92 against 34 with the GLU epilogue)."""

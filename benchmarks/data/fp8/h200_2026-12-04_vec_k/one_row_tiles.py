@@ -1,7 +1,8 @@
 """One-row FP8 products of Qwen3-8B's shapes, per-channel e4m3, on the shipped tiles against candidate
 tiles with K runs of 8 (VEC_K), plain and as the decode step calls them. Each product a CUDA graph over
 enough weight copies to defeat the L2 cache; variants interleaved, 3 rounds of 10 replays, median us.
-Run from the repository root on the device machine: python3 benchmarks/data/fp8/h200_2026-12-04_vec_k/one_row_tiles.py"""
+Run from the repository root on the device machine:
+    python3 benchmarks/data/fp8/h200_2026-12-04_vec_k/one_row_tiles.py"""
 import statistics
 
 import torch
