@@ -938,6 +938,7 @@ def test_a_step_floor_is_its_weights_until_its_rows_fill_the_products():
     assert steps["4"]["floor_ms"] < 1e3 * step_floor(model, floor, 64, 4, 1000, drafter)[0]
     assert steps["8"]["floor_ms"] == pytest.approx(1e3 * spec)
     assert occupancy(steps["4"], 64) == " at 9.6 requests" and occupancy(steps["8"], 64) == ""
+    assert occupancy({"requests_mean": 1.0}, 4) == " at 1 request"
     bare = {**run, "steps_by_draft_length": {"8": {"steps": 9, "ms_median": 23.3}}}
     add_step_floors([bare], model, "n/a (GPU only)")  # no measured rates (the CPU): no floor
     assert bare["steps_by_draft_length"]["8"] == {"steps": 9, "ms_median": 23.3}

@@ -191,7 +191,9 @@ def speedup_cell(run: dict[str, Any], rate: str = "output") -> str:
 def occupancy(entry: dict[str, Any], batch: int) -> str:
     """" at 9.5 requests" where a draft length's steps decoded fewer requests than the batch on average."""
     mean = entry.get("requests_mean")
-    return f" at {mean:.3g} requests" if mean is not None and mean < batch - 0.05 else ""
+    if mean is None or mean >= batch - 0.05:
+        return ""
+    return f" at {mean:.3g} request{'' if f'{mean:.3g}' == '1' else 's'}"
 
 
 def requests_note(cfg: dict[str, Any]) -> str:
