@@ -88,6 +88,19 @@ def test_kernel_matches_reference(shape, split, dtype, monkeypatch):
     check_kernel(q, k, v, slots, lo, hi, hd**-0.5, length, dtype, split, page_size)
 
 
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("shape", CASES)
+def test_only_tiles_some_row_sees_in_part_are_masked(shape, split, monkeypatch):
+    """`AttentionTiles.edge_masks`: the tiles every real row sees whole skip the mask, the others (a causal
+    block's last tile, a sliding window's first, a split's partial end) keep it; the cases read such tiles
+    and such edges, so a tile wrongly left unmasked shows in the output."""
+    tiles = triton_attention.AttentionTiles(edge_masks=True, target_programs=264 if split else 1)
+    monkeypatch.setattr(triton_attention, "TILES", tiles)
+    r, nq, hq, hkv, hd, length, window, page_size = shape
+    q, k, v, slots, lo, hi = case(r, nq, hq, hkv, hd, length, torch.float32, window)
+    check_kernel(q, k, v, slots, lo, hi, hd**-0.5, length, torch.float32, split, page_size)
+
+
 @pytest.mark.parametrize("programs", [16, 264])
 def test_decode_split_over_many_programs_looks_each_key_page_up(programs, monkeypatch):
     """Decode blocks split over many programs load each key's page (no tile's page loaded ahead):

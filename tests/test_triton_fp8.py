@@ -402,17 +402,17 @@ def test_qkv_rope_store_into_an_fp8_cache(dtype, hq):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1, 8, 2, 64, 300, 16), (2, 16, 4, 2, 32, 100, 64), (2, 40, 4, 1, 32, 130, 7)])
-@pytest.mark.parametrize("v_staged", [False, True])
-def test_block_attention_reads_an_fp8_cache(dtype, shape, v_staged):
+@pytest.mark.parametrize("v_staged, edge_masks", [(False, False), (True, False), (False, True), (True, True)])
+def test_block_attention_reads_an_fp8_cache(dtype, shape, v_staged, edge_masks):
     """Decode (split over keys), verify and wide blocks over e4m3 pages (16-bit queries: fp16 dots), V
     also staged in fp16 (`AttentionTiles.fp8_v_staged`: inline PTX, so on a GPU only): the reference is
-    SDPA over the dequantized keys and values."""
+    SDPA over the dequantized keys and values; with `AttentionTiles.edge_masks` as well."""
     from blockspec.kernels.attention import AttentionTiles
     from test_triton_attention import case, paged, reference
 
     if v_staged and not CUDA:
         pytest.skip("staging V runs inline PTX, which Triton's interpreter lacks")
-    tiles = AttentionTiles(fp8_v_staged=v_staged)
+    tiles = AttentionTiles(fp8_v_staged=v_staged, edge_masks=edge_masks)
     r, nq, hq, hkv, hd, length, page = shape
     q, k, v, slots, lo, hi = case(r, nq, hq, hkv, hd, length, dtype)
     kq, vq = (fp8_kv(t * 2, s) for t, s in zip((k, v), KV_SCALES))

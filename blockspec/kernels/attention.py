@@ -58,6 +58,12 @@ if triton is not None:
             page = tl.load(pages + n // PAGE, mask=n < end, other=0).to(tl.int64)
         return page
 
+    @triton.jit
+    def _masked_scores(s, n, n_ok, lo, hi):
+        """Scores of the keys n a row does not see (outside its lo..hi, or past the split) at -inf."""
+        visible = (n[None, :] >= lo[:, None]) & (n[None, :] <= hi[:, None]) & n_ok[None, :]
+        return tl.where(visible, s, float("-inf"))
+
     # Arguments that follow a request's shape are not specialised on (Triton would compile a variant
     # for 1, for multiples of 16 and for the rest): a new prompt length never compiles mid-request.
     @triton.jit(do_not_specialize=["stride_br", "num_queries"])
@@ -72,7 +78,8 @@ if triton is not None:
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, MAX_USED: tl.constexpr,
         MERGE_UNROLL: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr, PER_KEY: tl.constexpr,
-        F16_DOTS: tl.constexpr = False, V_STAGED: tl.constexpr = False, PDL: tl.constexpr = False,
+        F16_DOTS: tl.constexpr = False, V_STAGED: tl.constexpr = False, EDGE_MASKS: tl.constexpr = False,
+        PDL: tl.constexpr = False,
     ):
         """One program: BLOCK_M (query row, head-in-group) pairs of one (request, KV head), over one
         split of the key tiles those rows read. Online softmax in fp32 (base 2). Keys and values of
@@ -80,7 +87,9 @@ if triton is not None:
         and the probabilities too; K's scale is in scale_log2, V's (v_scale) multiplies the output.
         V_STAGED (fp16 dots): V converted where it is loaded and transposed for the P.V product in fp16
         (ldmatrix), behind an opaque copy: without it the compiler converts after transposing the 8-bit
-        tile, which it reads from shared memory a byte at a time."""
+        tile, which it reads from shared memory a byte at a time. EDGE_MASKS: only the tiles that some
+        real row sees in part are masked (a uniform branch a tile): the mask's three compares and
+        selects a score were a third of an FP8 verify tile's instructions."""
         if PDL:
             gdc_wait()
         pid_rh = tl.program_id(0)
@@ -117,6 +126,8 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        lo_all = tl.max(tl.where(row_ok, lo, 0), 0)  # keys lo_all..hi_all are visible to every real row
+        hi_all = tl.min(tl.where(row_ok, hi, 2147483647), 0)
         page = _tile_pages(pages, first, end, PAGE, BLOCK_N, PER_KEY)
         for start in range(first, end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
@@ -133,8 +144,11 @@ if triton is not None:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
             else:
                 s = tl.dot(q, tl.trans(k)) * scale_log2
-            visible = (n[None, :] >= lo[:, None]) & (n[None, :] <= hi[:, None]) & n_ok[None, :]
-            s = tl.where(visible, s, float("-inf"))
+            if EDGE_MASKS:  # a tile every real row sees whole (n <= hi implies n < end) takes no mask
+                if (start < lo_all) | (start + BLOCK_N - 1 > hi_all):
+                    s = _masked_scores(s, n, n_ok, lo, hi)
+            else:
+                s = _masked_scores(s, n, n_ok, lo, hi)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             base = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
             alpha = tl.exp2(m_i - base)
@@ -217,6 +231,7 @@ class AttentionTiles:
     block_n: int = 64
     fp8_block_n: int = 128  # an e4m3 tile of 128 keys moves a bf16 tile's bytes
     fp8_v_staged: bool = True  # `_block_attention`'s V_STAGED: FP8 V transposed in fp16, not byte by byte
+    edge_masks: bool = False  # `_block_attention`'s EDGE_MASKS: tiles every row sees whole take no mask
     target_programs: int = 264
     wide_block_m: int = 64
     min_tiles_wide: int = 2
@@ -286,6 +301,7 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, 
         MERGE_UNROLL=t.merge_unroll, IEEE=ieee, PAGE=k_cache.shape[2],
         PER_KEY=block_m == 16 and splits >= t.per_key_splits,
         F16_DOTS=fp8 and not ieee, V_STAGED=fp8 and not ieee and t.fp8_v_staged and not interpreted(),
+        EDGE_MASKS=t.edge_masks,
         num_warps=t.num_warps, num_stages=t.num_stages, **consts, **dependent_launch(q),
     )
     return out
