@@ -91,16 +91,19 @@ def test_skinny_linear_streams_fp8_weights(dtype, rows, fusion, layout):
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])  # VEC_K serves 16-bit inputs
-@pytest.mark.parametrize("fusion, layout", [("swiglu", "channel"), ("residual", "block"), ("norm", "rows")])
+@pytest.mark.parametrize("fusion, layout", [("swiglu", "channel"), ("residual", "block"), ("norm", "rows"),
+                                            ("norm+glu", "channel")])
 def test_k_runs_of_eight_compute_the_same_one_row_product(dtype, fusion, layout):
     """VEC_K only hides from the compiler how far K runs are contiguous (the offsets are the same numbers),
     so the one-row product with it equals the one without, bit for bit, and the reference; K = 84 ends
-    inside a run."""
+    inside a run. With GLU a program streams 4 gate and 4 up rows (half its block_n of 8: one-row tiles
+    take no tensor-core minimum of 16)."""
     n, k = 48, 84
-    w, s, block = quantized(n, k, layout)
+    glu = fusion.endswith("+glu")
+    w, s, block = quantized(2 * n if glu else n, k, layout)
     x = rand(1, 2 * k if fusion == "swiglu" else k, seed=2, dtype=dtype)
-    kw = dict(norm_weight=rand(k, seed=4, dtype=dtype) if fusion == "norm" else None, swiglu=fusion == "swiglu",
-              residual=rand(1, n, seed=5, dtype=dtype) if fusion == "residual" else None)
+    kw = dict(norm_weight=rand(k, seed=4, dtype=dtype) if "norm" in fusion else None, swiglu=fusion == "swiglu",
+              residual=rand(1, n, seed=5, dtype=dtype) if fusion == "residual" else None, glu=glu)
     base = triton_ops.SkinnyConfig(block_m=1, block_n=8, block_k=32, num_warps=4, num_stages=2)
     runs = triton_ops.skinny_linear(x, w, eps=1e-6, config=replace(base, vec_k=8), weight_scale=s, scale_block=block,
                                     **kw)

@@ -686,8 +686,8 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm
                              f"{tuple(weight.shape)} in {br} x {bc} blocks")
         stride_s = weight_scale.stride(0)
     block_n = cfg.block_n
-    if glu:  # each program streams block_n weight rows: half gate, half up
-        n, block_n = n // 2, max(16, block_n // 2)
+    if glu:  # each program streams block_n weight rows: half gate, half up (a tensor-core tile 16 of each at least)
+        n, block_n = n // 2, max(1 if cfg.block_m == 1 else 16, block_n // 2)
     if weight_scale is not None:
         wscale, block_k = scale_mode(br, bc, k, n, block_n, cfg.block_k, glu)
         cfg = replace(cfg, block_k=block_k)
