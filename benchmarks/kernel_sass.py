@@ -101,7 +101,9 @@ def main() -> None:
         with open(args.dump, "w") as f:
             f.write(text)
     total = sum(sm90.opcodes(text.splitlines()).values())
-    print(f"{module}:{name}: {total} instructions, {kernel.metadata.shared} bytes of shared memory")
+    used = sm90.resources(kernel)
+    print(f"{module}:{name}: {total} instructions, {kernel.metadata.shared} bytes of shared memory, "
+          f"{used['REG']} registers and {used['STACK']} bytes of spills a thread")
     for label, ops in sm90.loops(text):
         print(f"loop {label}: {sum(ops.values())} instructions an iteration")
         print("   " + " ".join(f"{op}:{n}" for op, n in ops.most_common(args.top)))

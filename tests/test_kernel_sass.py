@@ -32,6 +32,29 @@ def main_loop(*args: str, issuing: str = "HMMA") -> dict[str, int]:
     return found[0]
 
 
+def resources(*args: str) -> tuple[int, int]:
+    """(registers, bytes of spills) a thread of the kernel holds, from the tool's first line."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(TOOL), *args], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = re.search(r"(\d+) registers and (\d+) bytes of spills", done.stdout)
+    assert found, done.stdout
+    return int(found.group(1)), int(found.group(2))
+
+
+def test_one_row_glu_stream_of_fp8_spills_at_sixteen_rows_of_each_half_not_at_four():
+    """gate_up with its GLU epilogue at one row, K runs of 8 in tiles of 1024 (`skinny_linear` streams half
+    of block_n gate rows and as many up rows): at 4 + 4 rows a thread holds what the plain product of 8 rows
+    does and spills nothing; at 16 + 16 its two [16, 1024] fp32 accumulators overflow the registers."""
+    glu = ("--preset", "linear-one-row-fp8", "--set", "GLU=true", "PROLOGUE=3", "SUMS_BLOCK=16", "BLOCK_K=1024",
+           "VEC_K=8")
+    four = resources(*glu, "BLOCK_N=4")
+    plain = resources("--preset", "linear-one-row-fp8", "--set", "BLOCK_N=8", "BLOCK_K=1024", "VEC_K=8")
+    assert four[1] == 0 and four[0] <= plain[0] + 8 <= 128
+    assert resources(*glu, "BLOCK_N=16")[1] > 0
+
+
 def test_fp8_attention_loads_v_by_the_byte_and_bf16_by_ldmatrix():
     fp8 = main_loop("--preset", "attention-decode-fp8", "--set", "BLOCK_N=64")
     bf16 = main_loop("--preset", "attention-decode-bf16")

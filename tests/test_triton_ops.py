@@ -176,6 +176,29 @@ def test_skinny_linear_matches_reference(dtype, rows, fusion, k):
         assert not torch.allclose(swapped.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("block_m, block_n, launched", [(1, 8, 4), (1, 32, 16), (16, 16, 16), (16, 64, 32)])
+def test_glu_programs_stream_half_their_block_of_gate_rows(block_m, block_n, launched, monkeypatch):
+    """With GLU a program streams block_n / 2 gate rows and as many up rows; a tensor-core tile (block_m
+    16) at least 16 of each, its dot's minimum, a one-row stream any number (16 + 16 rows of a one-row
+    FP8 tile spill its registers: tests/test_kernel_sass.py)."""
+    kernel, seen = triton_ops._skinny_linear, {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.update(kwargs, grid=grid)
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_ops, "_skinny_linear", Recorder())
+    rows, n, k = block_m, 48, 64
+    cfg = triton_ops.SkinnyConfig(block_m=block_m, block_n=block_n, block_k=32, num_warps=4, num_stages=1)
+    x, w = rand(rows, k, dtype=torch.float32), rand(2 * n, k, dtype=torch.float32, seed=1) / k**0.5
+    got = triton_ops.skinny_linear(x, w, glu=True, config=cfg)
+    assert seen["BLOCK_N"] == launched and seen["grid"][1] == -(-n // launched)
+    assert torch.allclose(got, reference_linear(x, w, None, None, False, None, True), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("rows", [17, 40, 144, 300])  # chunks 16 + 16, 32 + 16, 128 + 16; two groups of 150
 @pytest.mark.parametrize("fusion", ["none", "bias", "glu", "bias+glu"])
 @pytest.mark.parametrize("split", [1, 3])

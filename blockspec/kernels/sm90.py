@@ -47,13 +47,26 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict[str, object], o
                           options=options or {})
 
 
-def sass(kernel) -> str:
-    """The SASS of a compiled kernel, through the nvdisasm Triton bundles."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+def _cubin_tool(kernel, tool: str, *args: str) -> str:
+    """The output of one of the CUDA binary tools Triton bundles, run on the kernel's cubin."""
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
-        return subprocess.run([tool, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([path, *args, cubin.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass(kernel) -> str:
+    """The SASS of a compiled kernel, through nvdisasm."""
+    return _cubin_tool(kernel, "nvdisasm", "-c")
+
+
+def resources(kernel) -> dict[str, int]:
+    """What a thread of the kernel holds (cuobjdump): REG registers (so how many programs an SM runs at
+    once), STACK bytes spilled to local memory, and the rest of its resource line."""
+    line = next(line for line in _cubin_tool(kernel, "cuobjdump", "--dump-resource-usage").splitlines()
+                if "REG:" in line)
+    return {name: int(value) for name, value in re.findall(r"([A-Z]+(?:\[\d+\])?):(\d+)", line)}
 
 
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
