@@ -89,7 +89,7 @@ if triton is not None:
         (ldmatrix), behind an opaque copy: without it the compiler converts after transposing the 8-bit
         tile, which it reads from shared memory a byte at a time. EDGE_MASKS: only the tiles that some
         real row sees in part are masked (a uniform branch a tile): the mask's three compares and
-        selects a score were a third of an FP8 verify tile's instructions."""
+        selects a score are a third of an FP8 verify tile's instructions."""
         if PDL:
             gdc_wait()
         pid_rh = tl.program_id(0)

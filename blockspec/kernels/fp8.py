@@ -52,7 +52,7 @@ programs."""
 MULTIROW_F16_ROWS = False
 """bf16 rows go to `multirow_linear` in fp16 (`to_f16_saturated`: exact within fp16's range, +-65504
 beyond it), so its dots take each e4m3 pair to fp16 in one conversion instead of through fp32 to bf16 (sm_90,
-`benchmarks/kernel_sass.py`: 415 instead of 321 instructions a K tile of the GLU product, 424 instead of 312
+`benchmarks/kernel_sass.py`: 321 instead of 415 instructions a K tile of the GLU product, 312 instead of 424
 of the tall one); the output and its epilogue stay bf16. Off until measured on a GPU against the bf16 rows."""
 F16_MAX = 65504.0
 MULTIROW_MAX_ROWS = 320

@@ -577,9 +577,8 @@ FP8_ONE_TILES = {"tall": (1, 8, 1024, 4, 3, 8), "swiglu": (1, 8, 1024, 4, 3, 8)}
 tiles it went through shared memory, eight barriers a K tile). H200, Qwen3-8B's
 products (benchmarks/data/fp8/h200_2026-12-04_vec_k/): o with its residual 7.8 -> 7.1 us, down with
 SwiGLU in the prologue 23.9 -> 19.0; qkv keeps the bf16 tile (10.2 against 9.5 us), and so does gate_up
-with its GLU epilogue (its 34 us on the bf16 tile were measured against 92 on this one at 16 + 16 rows a
-program, two [16, 1024] fp32 accumulators a program; `skinny_linear` now halves block_n for GLU at one row,
-4 + 4 rows)."""
+with its GLU epilogue (34 against 92 us, measured with 16 + 16 rows a program, whose two [16, 1024] fp32
+accumulators spill; a one-row GLU program streams block_n / 2 rows of each half, 4 + 4 on this tile)."""
 
 FP8_FEW_TILES = {"wide": (16, 64, 256, 4, 3), "qkv": (16, 64, 512, 4, 3), "tall": (16, 32, 512, 4, 3)}
 """2-16 rows of an FP8 weight, by product class: the best per-channel tiles of a sweep on an H200
