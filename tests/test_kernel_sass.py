@@ -17,29 +17,31 @@ import pytest
 TOOL = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_sass.py"
 
 
+def tool_output(*args: str) -> str:
+    """What the tool prints for these arguments, run as a user runs it (without TRITON_INTERPRET)."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(TOOL), *args], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
 def main_loop(*args: str, issuing: str = "HMMA") -> dict[str, int]:
     """The opcodes of the kernel's one loop that issues `issuing` instructions (by default tensor-core
     products: the attention's key loop)."""
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(TOOL), *args, "--top", "1000"], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+    stdout = tool_output(*args, "--top", "1000")
     loops = [dict((op, int(n)) for op, n in re.findall(r"(\S+):(\d+)", line))
-             for line in done.stdout.splitlines() if line.startswith("   ")]
+             for line in stdout.splitlines() if line.startswith("   ")]
     found = [ops for ops in loops if any(op.startswith(issuing) for op in ops)]
-    assert len(found) == 1, done.stdout
+    assert len(found) == 1, stdout
     return found[0]
 
 
 def resources(*args: str) -> tuple[int, int]:
     """(registers, bytes of spills) a thread of the kernel holds, from the tool's first line."""
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(TOOL), *args], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    found = re.search(r"(\d+) registers and (\d+) bytes of spills", done.stdout)
-    assert found, done.stdout
+    stdout = tool_output(*args)
+    found = re.search(r"(\d+) registers and (\d+) bytes of spills", stdout)
+    assert found, stdout
     return int(found.group(1)), int(found.group(2))
 
 
