@@ -134,40 +134,6 @@ def test_multirow_linear_streams_fp8_weights(dtype, rows, fusion, layout, split)
     assert not close(wrong, want, dtype)
 
 
-@pytest.mark.parametrize("fusion", ["bias", "glu"])
-def test_multirow_linear_takes_fp16_rows_and_keeps_the_model_dtype(fusion):
-    """`fp8.MULTIROW_F16_ROWS`: rows converted to fp16 (`to_f16_saturated`), the output in the model's
-    dtype (`out_dtype`), its epilogue rounding there: the product of the converted rows."""
-    n, k, rows = 48, 80, 144
-    glu = fusion == "glu"
-    cfg = triton_ops.MultirowConfig(block_n=32, block_k=64, num_warps=4, num_stages=2, split=1)
-    w, s, block = quantized(2 * n if glu else n, k, "channel")
-    x = rand(rows, k, seed=2)
-    b = rand(w.shape[0], seed=3) if fusion == "bias" else None
-    rows16 = fp8.to_f16_saturated(x)
-    got = triton_ops.multirow_linear(rows16, w, b, glu=glu, config=cfg, weight_scale=s, scale_block=block,
-                                     out_dtype=torch.float32)
-    assert got.dtype == torch.float32 and rows16.dtype == torch.float16
-    want = reference(rows16.float(), w, s, block, b, glu=glu)
-    assert close(got, want, torch.float32)
-    # negative control: without out_dtype the output (and its epilogue) rounds in the rows' fp16
-    half = triton_ops.multirow_linear(rows16, w, b, glu=glu, config=cfg, weight_scale=s, scale_block=block)
-    assert half.dtype == torch.float16 and not torch.equal(half.float(), got)
-
-
-def test_rows_saturate_to_fp16_and_keep_nan():
-    """`to_f16_saturated`, and on the CPU its kernel through the interpreter: in-range values exact (to fp16),
-    beyond +-65504 clamped, not inf, NaN kept."""
-    x = torch.tensor([1.5, -3.0e-3, 7.0e4, -1.0e6, 65504.0, float("nan")], device=DEVICE)
-    want = torch.tensor([1.5, -3.0e-3, 65504.0, -65504.0, 65504.0, float("nan")], device=DEVICE).half()
-    got = fp8.to_f16_saturated(x)
-    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[:-1], want[:-1])
-    kernel = torch.empty_like(want)
-    fp8._to_f16_saturated[(1,)](x, kernel, x.numel(), fp8.F16_MAX, BLOCK=1024)
-    assert torch.equal(kernel.isnan(), want.isnan()) and torch.equal(kernel[:-1], want[:-1])
-    assert torch.isinf(x.half()).any()  # negative control: a plain conversion overflows
-
-
 def test_multirow_tiles_fit_in_shared_memory():
     """Each FP8 class's tiles with SwiGLU's second weight tile, at the largest row group (128 + 32 rows),
     compiled for sm_90 with the stages `multirow_stages` gives them, fit in an H200 program's 227 KB;
@@ -281,9 +247,7 @@ def test_skinny_linear_names_a_bad_scale():
 @pytest.mark.parametrize("rows", [1, 16, 64, 144, 400])  # skinny, skinny, row tiles, multirow, dequantize + cuBLAS
 @pytest.mark.parametrize("layout", ["channel", "block"])
 @pytest.mark.parametrize("glu", [False, True])
-@pytest.mark.parametrize("f16_rows", [False, True])
-def test_fp8_linear_by_row_count_matches_the_reference(rows, layout, glu, f16_rows, monkeypatch):
-    monkeypatch.setattr(fp8, "MULTIROW_F16_ROWS", f16_rows)  # fp16 rows into multirow_linear (144 rows here)
+def test_fp8_linear_by_row_count_matches_the_reference(rows, layout, glu):
     w, s, block = quantized(384, 512, layout)
     x = rand(rows, 512, seed=2, dtype=torch.bfloat16)
     b = rand(384, seed=3, dtype=torch.bfloat16)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from blockspec.kernels import dependent_launch, triton
+from blockspec.kernels import triton
 from blockspec.kernels.ops import (SKINNY_MAX_ROWS, MultirowConfig, SkinnyConfig, multirow_linear, multirow_scales_fit,
                                    product_class, silu_mul, skinny_linear, use_kernels)
 
@@ -49,12 +49,6 @@ ROW_TILES = {
 """Tiles by `ops.product_class`: the best at 64 rows of a sweep of 24 tiles on the H200 for Qwen3-8B's
 products (per-channel and 128 x 128 scales); narrow column tiles give o and down (n = 4096) more
 programs."""
-MULTIROW_F16_ROWS = False
-"""bf16 rows go to `multirow_linear` in fp16 (`to_f16_saturated`: exact within fp16's range, +-65504
-beyond it), so its dots take each e4m3 pair to fp16 in one conversion instead of through fp32 to bf16 (sm_90,
-`benchmarks/kernel_sass.py`: 321 instead of 415 instructions a K tile of the GLU product, 312 instead of 424
-of the tall one); the output and its epilogue stay bf16. Off until measured on a GPU against the bf16 rows."""
-F16_MAX = 65504.0
 MULTIROW_MAX_ROWS = 320
 """Up to this many rows (16-bit inputs) an FP8 product runs `ops.multirow_linear`; above, the weight is
 dequantized for cuBLAS. On the H200 at 144 rows a Qwen3-8B layer's four products take 0.67x (per
@@ -68,17 +62,6 @@ LARGE_PRODUCT = "dequantize"  # or "scaled_mm": FP8 tensor cores for per-channel
 
 if triton is not None:
     import triton.language as tl
-
-    from blockspec.kernels.ops import dependent_start
-
-    @triton.jit
-    def _to_f16_saturated(X, Out, n, limit, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        """Out = X in fp16, clamped to +-limit (NaN kept), BLOCK values a program."""
-        dependent_start(PDL)
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < n
-        x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(Out + offs, tl.clamp(x, -limit, limit, propagate_nan=tl.PropagateNan.ALL).to(tl.float16), mask=ok)
 
     @triton.jit
     def _dequantize(W, S, Out, n, k, br, bc, stride_w, stride_s, stride_o, BLOCK_N: tl.constexpr,
@@ -171,9 +154,7 @@ def fp8_linear(x: Tensor, w: Tensor, scale: Tensor, block: tuple[int, int], bias
                              glu=glu)
     if rows <= MULTIROW_MAX_ROWS and x.element_size() == 2 and multirow_scales_fit(block, w.shape[1]):
         cfg = MultirowConfig(*MULTIROW_TILES[product_class(*w.shape)])
-        rows16 = to_f16_saturated(x) if MULTIROW_F16_ROWS and x.dtype == torch.bfloat16 else x
-        return multirow_linear(rows16, w, bias, glu=glu, weight_scale=scale, scale_block=block, config=cfg,
-                               out_dtype=x.dtype)
+        return multirow_linear(x, w, bias, glu=glu, weight_scale=scale, scale_block=block, config=cfg)
     y = None
     if LARGE_PRODUCT == "scaled_mm" and x.dtype == torch.bfloat16:
         if block == (1, w.shape[1]):
@@ -184,19 +165,6 @@ def fp8_linear(x: Tensor, w: Tensor, scale: Tensor, block: tuple[int, int], bias
     if y is None:
         y = F.linear(x, dequantize(w, scale, block, x.dtype), bias)
     return silu_mul(y) if glu else y
-
-
-def to_f16_saturated(x: Tensor) -> Tensor:
-    """x in fp16, values beyond its range at +-F16_MAX (not inf), NaN kept: one kernel on CUDA."""
-    if not use_kernels(x):
-        wide = x.float()  # clamped in fp32: bf16 has no 65504
-        return torch.where(wide.isnan(), wide, wide.clamp(-F16_MAX, F16_MAX)).to(torch.float16)
-    src = x.contiguous()
-    out = torch.empty(x.shape, dtype=torch.float16, device=x.device)
-    n = src.numel()
-    _to_f16_saturated[(triton.cdiv(n, 1024),)](src, out, n, F16_MAX, BLOCK=1024, num_warps=4,
-                                                **dependent_launch(x))
-    return out
 
 
 def row_tiles(rows: int, n: int, k: int) -> SkinnyConfig | None:

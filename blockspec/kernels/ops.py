@@ -769,14 +769,13 @@ def multirow_scales_fit(scale_block: tuple[int, int], k: int) -> bool:
 
 def multirow_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, glu: bool = False,
                     weight_scale: Tensor | None = None, scale_block: tuple[int, int] | None = None,
-                    config: MultirowConfig, out_dtype: torch.dtype | None = None) -> Tensor:
+                    config: MultirowConfig) -> Tensor:
     """linear(x, weight, bias), with `glu` silu(gate) * up of its halves (`skinny_linear`'s glu), for
     the tens to hundreds of rows of a batch's verify and draft steps: each weight tile is read once
     for up to MULTIROW_GROUP_MAX rows and converted once where it is FP8 (`weight_scale`,
     `scale_block`, as `skinny_linear` takes them: per channel, or blocks of at least 16 columns).
     `kernels.fp8` dispatches FP8 weights here; with 16-bit weights cuBLAS measured faster on the
-    H200 (benchmarks/bench_gemv.py --multirow-rows). `out_dtype` (default x's): the output's and its
-    epilogue's rounding, for rows given in another dtype than the model's (`kernels.fp8`'s fp16 rows)."""
+    H200 (benchmarks/bench_gemv.py --multirow-rows)."""
     rows = _rows(x)
     m, k = rows.shape
     n = weight.shape[0]
@@ -803,7 +802,7 @@ def multirow_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, gl
                              rows.element_size())
     k_split = triton.cdiv(triton.cdiv(k, config.split), block_k) * block_k
     split = triton.cdiv(k, k_split)
-    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, 2 * n if glu else n, dtype=torch.float32, device=x.device) if split > 1 else out
     scales = weight_scale if weight_scale is not None else out
     _multirow_linear[(triton.cdiv(m, group), triton.cdiv(n, config.block_n), split)](
