@@ -10,6 +10,7 @@ from blockspec.config import RopeConfig
 from blockspec.models.kv_cache import KVCache, PageTable, causal_meta
 from blockspec.kernels import ops as triton_ops
 from blockspec.models import layers
+from blockspec.models.quant import Fp8Linear
 from factories import TRITON_SKIP_REASON, triton_interpretable
 
 pytestmark = pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
@@ -287,17 +288,17 @@ def test_fp32_rows_are_computed_as_one_row_is(fusion):
 
 
 def test_fp8_weights_take_their_own_tiles():
-    """FP8_FEW_TILES serve an FP8 weight at 2-16 rows; at one row o and down (with SwiGLU in the prologue
-    or not) take FP8_ONE_TILES, qkv and gate_up the bf16 tiles; float32 inputs keep the one-row stream."""
+    """FP8_FEW_TILES serve an FP8 weight at 2-16 rows; at one row gate_up, o and down (with SwiGLU in the
+    prologue or not) take FP8_ONE_TILES, qkv the bf16 tiles; float32 inputs keep the one-row stream."""
     one = triton_ops.SkinnyConfig(*triton_ops.FP8_ONE_TILES["tall"])
     assert one.block_m == 1 and one.vec_k == 8 and one.block_k == one.num_warps * 32 * one.vec_k
     for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)):
         tiles = triton_ops.FP8_FEW_TILES[triton_ops.product_class(n, k)]
         assert triton_ops.skinny_config(16, n, k, fp8=True) == triton_ops.SkinnyConfig(*tiles)
         assert triton_ops.skinny_config(2, n, k, fp8=True) == triton_ops.SkinnyConfig(*tiles)
-        tall = triton_ops.product_class(n, k) == "tall"
-        assert (triton_ops.skinny_config(1, n, k, fp8=True) == one) == tall
-        if not tall:
+        streamed = triton_ops.product_class(n, k) != "qkv"
+        assert (triton_ops.skinny_config(1, n, k, fp8=True) == one) == streamed
+        if not streamed:
             assert triton_ops.skinny_config(1, n, k, fp8=True) == triton_ops.skinny_config(1, n, k)
         assert triton_ops.skinny_config(1, n, k, prologue=2, fp8=True) == triton_ops.SkinnyConfig(
             *triton_ops.FP8_ONE_TILES["swiglu"])
@@ -333,6 +334,35 @@ def test_a_float32_layer_computes_each_row_as_a_single_row(monkeypatch, dtype):
         alone = torch.cat([block(x[i : i + 1]) for i in range(rows)])
     assert torch.equal(together, alone) == (dtype == torch.float32)
     assert layers.one_row_fusions(x) == (dtype == torch.float32)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_one_row_mlp_runs_swiglu_where_its_weights_stream_fastest(monkeypatch, fp8):
+    """`GatedMLP` at one row: SwiGLU in down's prologue over 16-bit weights, in gate_up's GLU epilogue over
+    FP8 ones (the faster arrangement of each on the H200); either computes the unfused MLP."""
+    monkeypatch.setattr(layers, "use_kernels", lambda *tensors: True)  # the kernels, interpreted on a CPU
+    calls, skinny = [], triton_ops.skinny_linear
+
+    def recording(*args, **kw):
+        calls.append(("glu" if kw["glu"] else "", "swiglu" if kw["swiglu"] else ""))
+        return skinny(*args, **kw)
+
+    monkeypatch.setattr(triton_ops, "skinny_linear", recording)
+    hidden, inter = 64, 96
+    mlp, norm = layers.GatedMLP(hidden, inter).to(DEVICE, torch.float16), layers.RMSNorm(hidden).to(DEVICE, torch.float16)
+    if fp8:
+        mlp.gate_up_proj, mlp.down_proj = Fp8Linear.from_linear(mlp.gate_up_proj), Fp8Linear.from_linear(mlp.down_proj)
+    x, res = rand(1, hidden, dtype=torch.float16), rand(1, hidden, dtype=torch.float16, seed=3)
+    with torch.no_grad():
+        got = mlp(x, norm=norm, residual=res)
+    assert calls == ([("glu", ""), ("", "")] if fp8 else [("", ""), ("", "swiglu")])
+
+    def weight(proj: torch.nn.Module) -> torch.Tensor:
+        return proj.weight.float() * proj.weight_scale if fp8 else proj.weight.float()
+
+    gate, up = (norm(x).float() @ weight(mlp.gate_up_proj).T).chunk(2, dim=-1)
+    want = res.float() + (torch.nn.functional.silu(gate) * up) @ weight(mlp.down_proj).T
+    assert torch.allclose(got.float(), want, atol=1e-2, rtol=1e-2)
 
 
 def test_skinny_linear_rejects_mismatched_width():

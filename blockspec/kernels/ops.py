@@ -570,15 +570,16 @@ SKINNY_TILES = {
 }
 
 
-FP8_ONE_TILES = {"tall": (1, 8, 1024, 4, 3, 8), "swiglu": (1, 8, 1024, 4, 3, 8)}
+FP8_ONE_TILES = {"wide": (1, 8, 1024, 4, 3, 8), "tall": (1, 8, 1024, 4, 3, 8), "swiglu": (1, 8, 1024, 4, 3, 8)}
 """One row of an FP8 weight from a 16-bit input, where these beat the bf16 tiles: K read in runs of 8
 (VEC_K), so each thread's 8 weight bytes of a K tile pair with the 8 input values it loads itself, and
 4 warps x 32 threads x 8 = the K tile: the input reaches the weight's layout in registers (on the bf16
-tiles it went through shared memory, eight barriers a K tile). H200, Qwen3-8B's
-products (benchmarks/data/fp8/h200_2026-12-04_vec_k/): o with its residual 7.8 -> 7.1 us, down with
-SwiGLU in the prologue 23.9 -> 19.0; qkv keeps the bf16 tile (10.2 against 9.5 us), and so does gate_up
-with its GLU epilogue (34 against 92 us, measured with 16 + 16 rows a program, whose two [16, 1024] fp32
-accumulators spill; a one-row GLU program streams block_n / 2 rows of each half, 4 + 4 on this tile)."""
+tiles it went through shared memory, eight barriers a K tile). A one-row GLU program streams block_n / 2
+rows of each half, 4 + 4 here (at 16 + 16 its two [16, 1024] fp32 accumulators spill). H200, Qwen3-8B's
+products as the decode step calls them (benchmarks/data/fp8/h200_2026-12-04_vec_k/ and
+h200_2026-12-04c_one_row_mlp/): gate_up with the norm and its GLU epilogue 34.4 -> 30.7 us, o with its
+residual 7.8 -> 7.1, down 17.3 -> 14.9 (with SwiGLU in the prologue 23.9 -> 19.0); qkv keeps the bf16
+tile (10.2 against 9.5 us)."""
 
 FP8_FEW_TILES = {"wide": (16, 64, 256, 4, 3), "qkv": (16, 64, 512, 4, 3), "tall": (16, 32, 512, 4, 3)}
 """2-16 rows of an FP8 weight, by product class: the best per-channel tiles of a sweep on an H200

@@ -181,12 +181,13 @@ class GatedMLP(nn.Module):
     def forward(self, x: Tensor | PreNormed, norm: RMSNorm | None = None, residual: Tensor | None = None,
                 next_norm: RMSNorm | None = None) -> Tensor | PreNormed:
         """residual + mlp(norm(x)); both optional (`next_norm`: see `dense`). SwiGLU runs where it
-        streams fastest: at one row (and rows streamed one by one) in down's prologue, above it in
-        gate_up's epilogue (benchmarks/bench_gemv.py)."""
-        rows = stream(x)
-        one_row = one_row_fusions(rows)
-        h = dense(x, self.gate_up_proj, norm=norm, glu=not one_row)
-        return dense(h, self.down_proj, swiglu=one_row, residual=residual, next_norm=next_norm)
+        streams fastest: in gate_up's epilogue, except at one row (and rows streamed one by one) of 16-bit
+        weights, where down's prologue takes it (benchmarks/bench_gemv.py). Over FP8 weights at one row
+        the epilogue wins: the H200 streams Qwen3-8B's MLP in 49 us that way against 54.5
+        (benchmarks/data/fp8/h200_2026-12-04c_one_row_mlp/)."""
+        in_down = one_row_fusions(stream(x)) and type(self.gate_up_proj) is not Fp8Linear
+        h = dense(x, self.gate_up_proj, norm=norm, glu=not in_down)
+        return dense(h, self.down_proj, swiglu=in_down, residual=residual, next_norm=next_norm)
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:
