@@ -60,7 +60,7 @@ VARIANTS = {
     "stages 2": AttentionTiles(num_stages=2),
     "fp8 V bytes": AttentionTiles(fp8_v_staged=False),  # FP8 V transposed as 8-bit values (byte loads)
     "stages 4": AttentionTiles(num_stages=4),
-    "edge masks": AttentionTiles(edge_masks=True),
+    "every tile masked": AttentionTiles(edge_masks=False),
 }
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 CACHE_BUDGET = 48 << 30  # bytes of K/V caches one case may allocate

@@ -90,11 +90,12 @@ def test_kernel_matches_reference(shape, split, dtype, monkeypatch):
 
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("shape", CASES)
-def test_only_tiles_some_row_sees_in_part_are_masked(shape, split, monkeypatch):
-    """`AttentionTiles.edge_masks`: the tiles every real row sees whole skip the mask, the others (a causal
-    block's last tile, a sliding window's first, a split's partial end) keep it; the cases read such tiles
-    and such edges, so a tile wrongly left unmasked shows in the output."""
-    tiles = triton_attention.AttentionTiles(edge_masks=True, target_programs=264 if split else 1)
+def test_every_tile_masked_computes_what_edge_masks_do(shape, split, monkeypatch):
+    """`AttentionTiles.edge_masks` (the default, which the other tests run) masks only the tiles some real
+    row sees in part (a causal block's last tile, a sliding window's first, a split's partial end), and
+    the cases read such tiles, so a tile wrongly left unmasked shows in their output; with it off every
+    tile takes the mask, as here."""
+    tiles = triton_attention.AttentionTiles(edge_masks=False, target_programs=264 if split else 1)
     monkeypatch.setattr(triton_attention, "TILES", tiles)
     r, nq, hq, hkv, hd, length, window, page_size = shape
     q, k, v, slots, lo, hi = case(r, nq, hq, hkv, hd, length, torch.float32, window)

@@ -231,7 +231,7 @@ class AttentionTiles:
     block_n: int = 64
     fp8_block_n: int = 128  # an e4m3 tile of 128 keys moves a bf16 tile's bytes
     fp8_v_staged: bool = True  # `_block_attention`'s V_STAGED: FP8 V transposed in fp16, not byte by byte
-    edge_masks: bool = False  # `_block_attention`'s EDGE_MASKS: tiles every row sees whole take no mask
+    edge_masks: bool = True  # `_block_attention`'s EDGE_MASKS: tiles every row sees whole take no mask
     target_programs: int = 264
     wide_block_m: int = 64
     min_tiles_wide: int = 2
