@@ -7,6 +7,7 @@ on it; timings still come from the GPU. The SASS is this machine's Triton's (the
     python benchmarks/kernel_sass.py --preset attention-decode-fp8 --set BLOCK_N=64 --options num_stages=2
     python benchmarks/kernel_sass.py --preset linear-one-row-fp8
     python benchmarks/kernel_sass.py --preset linear-one-row-fp8-down
+    python benchmarks/kernel_sass.py --preset linear-multirow-fp8-glu
     python benchmarks/kernel_sass.py --kernel blockspec.kernels.ops:_rms_norm --signature '{"X": "*bf16", ...}' \
         --set BLOCK=1024 --dump rms.sass
 """
@@ -28,8 +29,10 @@ _ATTENTION_DECODE = {"KV_HEADS": 8, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128,
 ATTENTION_LAUNCH = {"num_warps": 4, "num_stages": 3, "launch_pdl": True}  # block_attention's (AttentionTiles)
 
 
-def one_row_linear(weight: str, n: int = 6144, k: int = 4096, prologue: int = 0
-                   ) -> tuple[str, dict[str, str], dict[str, object], dict[str, object]]:
+Preset = tuple[str, dict[str, str], dict[str, object], dict[str, object], tuple[str, ...]]
+
+
+def one_row_linear(weight: str, n: int = 6144, k: int = 4096, prologue: int = 0) -> Preset:
     """`_skinny_linear` as a decode step launches one of Qwen3-8B's products at one bf16 row (by default
     qkv, 4096 -> 6144, no fused prologue; prologue 2: SwiGLU, as down takes it), with the tiles
     `ops.skinny_config` picks for the weight's dtype; "fp8e4nv" weights take per-channel scales (WSCALE 1)."""
@@ -44,19 +47,39 @@ def one_row_linear(weight: str, n: int = 6144, k: int = 4096, prologue: int = 0
                   "EVEN_K": True, "IEEE": False, "WSCALE": 1 if fp8 else 0, "SCALE_BR": 1, "SCALE_BC": k if fp8 else 1,
                   "PDL": True, "VEC_K": cfg.vec_k}
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "launch_pdl": True}
-    return "blockspec.kernels.ops:_skinny_linear", signature, constexprs, launch
+    return "blockspec.kernels.ops:_skinny_linear", signature, constexprs, launch, ()
 
 
-PRESETS = {  # name -> (module:kernel, argument types, constexprs, launch options)
+def multirow_fp8_linear(rows: int = 144, n: int = 12288, k: int = 4096, glu: bool = True) -> Preset:
+    """`_multirow_linear` as `fp8.fp8_linear` launches it for `rows` bf16 rows of a verify or draft batch
+    over a per-channel e4m3 weight (by default Qwen3-8B's gate_up with SwiGLU in its epilogue: 2 x 12,288
+    rows of 4,096), on `fp8.MULTIROW_TILES` and the stages `multirow_stages` gives them; the sizes are
+    marked divisible by 16, as the launch specialises them."""
+    from blockspec.kernels.fp8 import MULTIROW_TILES
+    from blockspec.kernels.ops import MultirowConfig, multirow_stages, product_class, row_groups
+
+    cfg = MultirowConfig(*MULTIROW_TILES[product_class(2 * n if glu else n, k)])
+    group, rows_a, rows_b = row_groups(rows)
+    signature = {"X": "*bf16", "W": "*fp8e4nv", "Bias": "*bf16", "WScale": "*fp32", "Out": "*bf16", "Part": "*fp32"}
+    constexprs = {"ROWS_A": rows_a, "ROWS_B": max(rows_b, 16), "HAS_B": rows_b > 0, "BLOCK_N": cfg.block_n,
+                  "BLOCK_K": cfg.block_k, "SPLIT": cfg.split, "GLU": glu, "HAS_BIAS": False, "WSCALE": 1,
+                  "SCALE_BR": 1, "SCALE_BC": k, "EVEN_K": True, "PDL": True}
+    stages = multirow_stages(cfg.num_stages, cfg.block_n, cfg.block_k, rows_a + rows_b, glu, 1, 2)
+    launch = {"num_warps": cfg.num_warps, "num_stages": stages, "launch_pdl": True}
+    return "blockspec.kernels.ops:_multirow_linear", signature, constexprs, launch, ("n", "k", "k_split")
+
+
+PRESETS = {  # name -> (module:kernel, argument types, constexprs, launch options, integers divisible by 16)
     "attention-decode-bf16": ("blockspec.kernels.attention:_block_attention",
                               {n: t.format(kv="bf16") for n, t in _ATTENTION_SIGNATURE.items()},
-                              {**_ATTENTION_DECODE, "BLOCK_N": 64, "F16_DOTS": False}, ATTENTION_LAUNCH),
+                              {**_ATTENTION_DECODE, "BLOCK_N": 64, "F16_DOTS": False}, ATTENTION_LAUNCH, ()),
     "attention-decode-fp8": ("blockspec.kernels.attention:_block_attention",
                              {n: t.format(kv="fp8e4nv") for n, t in _ATTENTION_SIGNATURE.items()},
-                             {**_ATTENTION_DECODE, "BLOCK_N": 128, "F16_DOTS": True}, ATTENTION_LAUNCH),
+                             {**_ATTENTION_DECODE, "BLOCK_N": 128, "F16_DOTS": True}, ATTENTION_LAUNCH, ()),
     "linear-one-row-bf16": one_row_linear("bf16"),
     "linear-one-row-fp8": one_row_linear("fp8e4nv"),
     "linear-one-row-fp8-down": one_row_linear("fp8e4nv", 4096, 12288, prologue=2),
+    "linear-multirow-fp8-glu": multirow_fp8_linear(),
 }
 
 
@@ -78,6 +101,8 @@ def main() -> None:
     ap.add_argument("--kernel", help="module:function of a @triton.jit kernel (instead of a preset)")
     ap.add_argument("--signature", default="{}", help="JSON: argument -> Triton type (others i32), over the preset's")
     ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE", help="constexpr arguments, over the preset's")
+    ap.add_argument("--divisible", nargs="*", default=[], metavar="NAME",
+                    help="integer arguments a launch would specialise as divisible by 16 (sizes such as n, k)")
     ap.add_argument("--options", nargs="*", default=[], metavar="NAME=VALUE",
                     help="launch options over the preset's (num_warps, num_stages, launch_pdl; without a preset "
                          f"{ATTENTION_LAUNCH})")
@@ -90,12 +115,13 @@ def main() -> None:
         ap.error("unset TRITON_INTERPRET: the interpreter replaces the language this compiles")
     from blockspec.kernels import sm90
 
-    target, signature, constexprs, launch = PRESETS[args.preset] if args.preset else (args.kernel, {}, {},
-                                                                                       ATTENTION_LAUNCH)
+    target, signature, constexprs, launch, divisible = (PRESETS[args.preset] if args.preset else
+                                                        (args.kernel, {}, {}, ATTENTION_LAUNCH, ()))
     module, _, name = (args.kernel or target).partition(":")
     kernel = sm90.compile_sm90(getattr(importlib.import_module(module), name),
                                {**signature, **json.loads(args.signature)}, {**constexprs, **assignments(args.set)},
-                               {**launch, **assignments(args.options)}, aligned=True)
+                               {**launch, **assignments(args.options)}, aligned=True,
+                               divisible=(*divisible, *args.divisible))
     text = sm90.sass(kernel)
     if args.dump:
         with open(args.dump, "w") as f:

@@ -101,3 +101,21 @@ def test_one_row_fp8_product_converts_each_weight_once():
     assert not [op for op in fp8 if op.startswith(("LDL", "STL", "F2F."))]
     bf16 = main_loop("--preset", "linear-one-row-bf16", issuing="FFMA")
     assert "F2FP.F16.E4M3.UNPACK_B" not in bf16 and "HADD2.F32" not in bf16
+
+
+def test_multirow_fp8_weights_stream_by_async_copies_once_sizes_are_divisible():
+    """`_multirow_linear` at 144 rows over an FP8 gate_up (the verify batch of 16 requests): with the sizes
+    divisible by 16, as a launch specialises them (the preset marks them), weight and rows reach shared
+    memory by 16-byte async copies, and each e4m3 pair is converted once (to fp16, each value then to fp32,
+    each pair packed to bf16) for the tensor cores; compiled without that knowledge the tiles load byte by
+    byte, so a reading of this kernel must mark them."""
+    preset = main_loop("--preset", "linear-multirow-fp8-glu", issuing="HGMMA")
+    assert preset.get("LDGSTS.E.BYPASS.128", 0) > 0 and "LDG.E.U8" not in preset
+    assert 2 * preset["F2FP.F16.E4M3.UNPACK_B"] == preset["HADD2.F32"] == 2 * preset["F2FP.BF16.F32.PACK_AB"]
+    signature = ('{"X": "*bf16", "W": "*fp8e4nv", "Bias": "*bf16", "WScale": "*fp32", "Out": "*bf16", '
+                 '"Part": "*fp32"}')
+    bare = main_loop("--kernel", "blockspec.kernels.ops:_multirow_linear", "--signature", signature, "--set",
+                     "ROWS_A=128", "ROWS_B=16", "HAS_B=true", "BLOCK_N=64", "BLOCK_K=64", "SPLIT=1", "GLU=true",
+                     "HAS_BIAS=false", "WSCALE=1", "SCALE_BR=1", "SCALE_BC=4096", "EVEN_K=true", "PDL=true",
+                     "--options", "num_warps=4", "num_stages=4", issuing="HGMMA")
+    assert bare.get("LDG.E.U8", 0) > 0
