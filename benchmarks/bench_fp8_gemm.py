@@ -37,10 +37,13 @@ L2_DEFEAT_BYTES = 512 << 20
 
 
 class Case:
-    """One product shape at one row count: bf16 weights and their FP8 copies (per channel, 128 x 128)."""
+    """One product shape at one row count: bf16 weights and their FP8 copies (per channel, 128 x 128). With
+    `glu` (gate_up) every path ends in SwiGLU over the product's halves, fused where the kernel takes it, as
+    the engine calls that product."""
 
-    def __init__(self, n: int, k: int, m: int, bf16: bool = True, copies: int | None = None) -> None:
-        self.n, self.k, self.m = n, k, m
+    def __init__(self, n: int, k: int, m: int, bf16: bool = True, copies: int | None = None, glu: bool = False
+                 ) -> None:
+        self.n, self.k, self.m, self.glu = n, k, m, glu
         copies = copies or max(1, -(-L2_DEFEAT_BYTES // (n * k)))
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
         self.bf16 = [w.clone() for _ in range(max(1, copies // 2))] if bf16 else []
@@ -58,31 +61,30 @@ class Case:
         """`path`: dispatch (what fp8_linear runs), skinny (cfg's tiles), tiles (the row tiles of
         fp8.ROW_TILES at any row count), multirow (`multirow_linear`, cfg's tiles or fp8.MULTIROW_TILES),
         dequantize (+ cuBLAS), scaled_mm."""
-        x = self.x
+        x, glu = self.x, self.glu
+        swiglu = triton_ops.silu_mul if glu else (lambda y: y)  # the unfused paths' SwiGLU kernel
         if kind == "bf16":
             if path == "skinny":
-                return [lambda w=w: triton_ops.skinny_linear(x, w, config=cfg) for w in self.bf16]
+                return [lambda w=w: triton_ops.skinny_linear(x, w, glu=glu, config=cfg) for w in self.bf16]
             if path == "multirow":
-                return [lambda w=w: triton_ops.multirow_linear(x, w, config=cfg or self.tiles()) for w in self.bf16]
-            return [lambda w=w: F.linear(x, w) for w in self.bf16]
+                return [lambda w=w: triton_ops.multirow_linear(x, w, glu=glu, config=cfg or self.tiles())
+                        for w in self.bf16]
+            return [lambda w=w: swiglu(F.linear(x, w)) for w in self.bf16]
         weights = self.channel if kind == "channel" else self.block
         if path == "dispatch":
-            return [lambda a=a: fp8.fp8_linear(x, *a) for a in weights]
-        if path == "skinny":
-            return [lambda a=a: triton_ops.skinny_linear(x, a[0], weight_scale=a[1], scale_block=a[2], config=cfg)
-                    for a in weights]
-        if path == "tiles":
-            cfg = fp8.ROW_TILES[triton_ops.product_class(self.n, self.k)]
-            return [lambda a=a: triton_ops.skinny_linear(x, a[0], weight_scale=a[1], scale_block=a[2], config=cfg)
-                    for a in weights]
+            return [lambda a=a: fp8.fp8_linear(x, *a, glu=glu) for a in weights]
+        if path in ("skinny", "tiles"):
+            cfg = fp8.ROW_TILES[triton_ops.product_class(self.n, self.k)] if path == "tiles" else cfg
+            return [lambda a=a: triton_ops.skinny_linear(x, a[0], glu=glu, weight_scale=a[1], scale_block=a[2],
+                                                         config=cfg) for a in weights]
         if path == "multirow":
-            return [lambda a=a: triton_ops.multirow_linear(x, a[0], weight_scale=a[1], scale_block=a[2],
+            return [lambda a=a: triton_ops.multirow_linear(x, a[0], glu=glu, weight_scale=a[1], scale_block=a[2],
                                                            config=cfg or self.tiles()) for a in weights]
         if path == "dequantize":
-            return [lambda a=a: F.linear(x, fp8.dequantize(*a, x.dtype)) for a in weights]
+            return [lambda a=a: swiglu(F.linear(x, fp8.dequantize(*a, x.dtype))) for a in weights]
         if path == "scaled_mm":
             mm = fp8.scaled_mm_rowwise if kind == "channel" else fp8.scaled_mm_blockwise
-            return [lambda a=a: mm(x, a[0], a[1]) for a in weights]
+            return [lambda a=a: swiglu(mm(x, a[0], a[1])) for a in weights]
         raise ValueError(path)
 
 
@@ -113,7 +115,8 @@ def sweep(result: dict, rows: list[int], bw: float, shard: tuple[int, int] | Non
     us and the FP8 bytes' time over it. `shard` (i, n): only compile the i-th of n parts (one call each,
     one weight copy), so that n processes fill Triton's cache side by side first."""
     for m in rows:
-        cases = {name: Case(n, k, m, bf16=False, copies=1 if shard else None) for name, (n, k) in SHAPES.items()}
+        cases = {name: Case(n, k, m, bf16=False, copies=1 if shard else None, glu=name == "gate_up")
+                 for name, (n, k) in SHAPES.items()}
         points = list(itertools.product(sweep_space(m), ("channel", "block")))
         for cfg, kind in points[shard[0]::shard[1]] if shard else points:
             if shard:
@@ -160,7 +163,7 @@ def main() -> None:
     for m in (int(r) for r in args.multirow_rows.split(",") if r):
         for name in args.shapes.split(","):
             n, k = SHAPES[name]
-            case = Case(n, k, m, bf16=False)
+            case = Case(n, k, m, bf16=False, glu=name == "gate_up")
             for kind in ("channel", "block"):
                 row = {"rows": m, "layer": name, "scales": kind, "fp8_floor_us": n * k / bw * 1e6,
                        "dispatch_us": timed(case.calls(kind, "dispatch"))}
@@ -176,7 +179,7 @@ def main() -> None:
     for m in (int(r) for r in args.rows.split(",") if r):
         for name in args.shapes.split(","):
             n, k = SHAPES[name]
-            case = Case(n, k, m)
+            case = Case(n, k, m, glu=name == "gate_up")
             floor = n * k / bw
             run = {"rows": m, "layer": name, "n": n, "k": k, "fp8_floor_us": floor * 1e6,
                    "bf16_floor_us": 2 * floor * 1e6}
