@@ -35,7 +35,8 @@ Preset = tuple[str, dict[str, str], dict[str, object], dict[str, object], tuple[
 def one_row_linear(weight: str, n: int = 6144, k: int = 4096, prologue: int = 0) -> Preset:
     """`_skinny_linear` as a decode step launches one of Qwen3-8B's products at one bf16 row (by default
     qkv, 4096 -> 6144, no fused prologue; prologue 2: SwiGLU, as down takes it), with the tiles
-    `ops.skinny_config` picks for the weight's dtype; "fp8e4nv" weights take per-channel scales (WSCALE 1)."""
+    `ops.skinny_config` picks for the weight's dtype; "fp8e4nv" weights take per-channel scales (WSCALE 1).
+    The sizes are marked divisible by 16, as the launch specialises them."""
     from blockspec.kernels.ops import skinny_config
 
     fp8 = weight == "fp8e4nv"
@@ -47,7 +48,7 @@ def one_row_linear(weight: str, n: int = 6144, k: int = 4096, prologue: int = 0)
                   "EVEN_K": True, "IEEE": False, "WSCALE": 1 if fp8 else 0, "SCALE_BR": 1, "SCALE_BC": k if fp8 else 1,
                   "PDL": True, "VEC_K": cfg.vec_k}
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "launch_pdl": True}
-    return "blockspec.kernels.ops:_skinny_linear", signature, constexprs, launch, ()
+    return "blockspec.kernels.ops:_skinny_linear", signature, constexprs, launch, ("n", "k")
 
 
 def multirow_fp8_linear(rows: int = 144, n: int = 12288, k: int = 4096, glu: bool = True) -> Preset:
