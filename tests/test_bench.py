@@ -530,16 +530,16 @@ def test_k_sweep_sets_the_policys_final_estimates_beside_the_fixed_runs_measurem
 
 
 def test_k_sweep_runs_each_fixed_k_in_the_same_rounds_and_reports_the_policy_against_the_best(tmp_path):
-    """--k-sweep 2,15 on the tiny drafters (DFlash block 8: 7 drafts; DSpark anchor-first: 8): each method
-    also runs at K = 2 and at its block's size (15 clipped, said so), no step of a fixed run drafting more
-    than K; the JSON and the markdown give each K's figures, the best K and the policy's ratio and verdict,
-    and the fixed runs stay out of the main table."""
+    """--k-sweep 3,15 on the tiny drafters (DFlash block 8: 7 drafts; DSpark anchor-first: 8): each method
+    also runs at K = 3 (one of the policy's draft lengths) and at its block's size (15 clipped, said so), no
+    step of a fixed run drafting more than K; the JSON and the markdown give each K's figures, the best K and
+    the policy's ratio and verdict, and the fixed runs stay out of the main table."""
     cfg = BenchConfig(**{**TINY_RUN, "speculative_config": {}, "repeats": 2}, batch_sizes=(2,), output_len=12,
-                      synthetic_acceptance="6.5", k_sweep=(2, 15))
+                      synthetic_acceptance="6.5", k_sweep=(3, 15))
     res = run_bench(cfg)
     assert [(r["method"], r["batch"]) for r in res["runs"]] == [("plain", 2), ("dflash", 2), ("dspark", 2)]
     sweep = json.loads(json.dumps(res))["k_sweep"]
-    assert sweep["methods"] == {"dflash": {"capacity": 7, "k": [2, 7]}, "dspark": {"capacity": 8, "k": [2, 8]}}
+    assert sweep["methods"] == {"dflash": {"capacity": 7, "k": [3, 7]}, "dspark": {"capacity": 8, "k": [3, 8]}}
     assert "dflash: its block holds 7 drafts (K in 1-7); K=15 run as K=7" in sweep["notes"]
     assert [(p["method"], p["input_len"], p["batch"]) for p in sweep["points"]] == [("dflash", 8, 2), ("dspark", 8, 2)]
     for p in sweep["points"]:
@@ -558,7 +558,7 @@ def test_k_sweep_runs_each_fixed_k_in_the_same_rounds_and_reports_the_policy_aga
         assert p["within"] == (p["policy_over_best"] >= 0.95) and p["verdict"].startswith(
             "within" if p["within"] else "misses by")
     md = write_outputs(res, tmp_path, plots=False)["markdown"].read_text()
-    assert "Fixed-K sweep (`--k-sweep 2,15`)" in md and "| K=2 | K=7 | K=8 | best K |" in md
+    assert "Fixed-K sweep (`--k-sweep 3,15`)" in md and "| K=3 | K=7 | K=8 | best K |" in md
     section = md.split("Fixed-K sweep")[1]
     row = next(line for line in section.splitlines() if line.startswith("| dspark (synthetic) | 2 | 0.0 | 8 | "))
     assert row.count(" / ") == 3 and sweep["points"][1]["verdict"] in row  # two K cells, the acceptance cell

@@ -74,6 +74,14 @@ def typical(samples: Sequence[float]) -> float:
     return sorted(samples)[(len(samples) - 1) // 2]
 
 
+def aligned_lengths(k_max: int) -> list[int]:
+    """The draft lengths K below k_max with K + 1 a power of two (1, 3, 7, ...). A step verifies K + 1
+    rows a request, so at a power-of-two batch these fill whole row tiles of the verify's products;
+    one draft more (K = 8 at 32 requests: 288 rows) pays a part-empty tile for its extra row, which
+    costs more than the draft yields once the verify is compute-bound (benchmarks/RESULTS.md)."""
+    return [(1 << i) - 1 for i in range(1, k_max.bit_length() + 1) if (1 << i) - 1 < k_max]
+
+
 def batch_bucket(batch: int) -> int:
     return 1 << max(0, math.ceil(math.log2(batch)))
 
@@ -83,7 +91,7 @@ class DraftLengthPolicy:
                  recorded: Sequence[float] | None = None, lengths: Sequence[int] | None = None) -> None:
         """`recorded`: the drafter's measured P(first k drafts accepted), k = 1.. (its checkpoint's
         `acceptance.json`), which the first steps' few trials are weighed against. `lengths`: the draft
-        lengths to choose among besides 0 and k_max (default: the powers of two below k_max)."""
+        lengths to choose among besides 0 and k_max (default: `aligned_lengths`)."""
         self.k_max = k_max
         self.recorded = tuple(recorded) if recorded else ()
         self.recorded_rates = conditional_rates(recorded) if recorded else []
@@ -91,7 +99,7 @@ class DraftLengthPolicy:
         self.retry_every = retry_every
         self.decay = decay
         if lengths is None:
-            lengths = [1 << i for i in range(k_max.bit_length()) if 1 << i < k_max]
+            lengths = aligned_lengths(k_max)
         elif any(k < 1 or k > k_max for k in lengths):
             raise ConfigError(f"speculative_config.draft_length_candidates {sorted(lengths)}: each must be in 1.."
                               f"{k_max} (num_speculative_tokens)")
