@@ -1133,12 +1133,41 @@ def test_a_step_verifying_fewer_drafts_takes_only_those_through_the_heads(target
     assert set(widths) == set(graphs.widths) and len(graphs.widths) == 2 and graphs.width(1) < k_max
 
 
-def test_draft_head_widths_are_the_block_and_the_largest_power_of_two_below_it():
+def test_draft_head_widths_are_the_block_and_the_longest_default_draft_length_below_it():
     """Two head widths, both captured at start (a width captured mid-run would stall its step): K = 15
-    gives 8 and 15, and a step verifying up to 8 drafts takes the 8-wide heads, one of 9 the whole."""
+    gives 7 and 15 (7: the policy's longest default draft length below 15), and a step verifying up to 7
+    drafts takes the 7-wide heads, one of 8 the whole."""
     from blockspec.speculative.draft_graph import DraftGraphs
 
-    for k, widths in ((1, [1]), (2, [1, 2]), (3, [2, 3]), (7, [4, 7]), (8, [4, 8]), (15, [8, 15])):
+    for k, widths in ((1, [1]), (2, [1, 2]), (3, [1, 3]), (7, [3, 7]), (8, [7, 8]), (15, [7, 15]), (16, [15, 16])):
         assert DraftGraphs(None, None, None, None, k, use_graphs=False).widths == widths
     graphs = DraftGraphs(None, None, None, None, 15, use_graphs=False)
-    assert [graphs.width(k) for k in (0, 1, 8, 9, 15, 20)] == [8, 8, 8, 15, 15, 15]
+    assert [graphs.width(k) for k in (0, 1, 7, 8, 15, 20)] == [7, 7, 7, 15, 15, 15]
+
+
+def test_a_draft_launched_ahead_takes_the_heads_of_the_k_chosen_for_its_step(target, plain, monkeypatch):
+    """Where steps are not chained, the next step's draft is launched before the host commits this one's
+    tokens; when every request is greedy and speculates, that step's K is chosen first and its draft goes
+    through that K's heads (DFlash, 3 drafts: one draft the 1-wide heads, 3 the 3-wide), a draft for a step
+    that then takes the plain path (and is dropped) through the narrowest. Outputs equal plain decoding."""
+    from blockspec.speculative.proposer import Proposer
+
+    monkeypatch.setattr(Proposer, "chains", property(lambda self: False))
+    llm = spec_llm(target, "dflash", "dflash", adaptive_draft_length=True, engine={"async_scheduling": True})
+    engine = llm.engine
+    ks = iter([1, 3, 0] * 100)
+    engine.policy.choose = lambda batch: next(ks)
+    launch, widths = engine.proposer.launch_next, []
+
+    def recording(reqs, anchors, k=None):
+        launched = launch(reqs, anchors, k)
+        widths.append((k, engine.proposer.ahead.tokens.shape[1]))
+        return launched
+
+    engine.proposer.launch_next = recording
+    ps, params = prompts(3), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    out = llm.generate(ps, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in
+                                                     plain.generate(ps, params, use_tqdm=False)]
+    assert {k for k, _ in widths} >= {0, 3}, widths
+    assert all(w == {0: 1, 1: 1, 3: 3, None: 3}[k] for k, w in widths), widths

@@ -768,10 +768,11 @@ class Engine:
         return self.proposer.joining([r.output_ids[-1] for r in reqs])
 
     def _launch_ahead(self, verified: list[Request], emitted: list[int], last: list[int]) -> None:
-        """Launch the next speculative step before committing this one: its draft first (a draft
-        does not depend on K, so the GPU starts at once), then, if every request that will decode
-        next is greedy and speculates, its verify and acceptance with the policy's K chosen now for
-        that step; for sampled verification only the draft."""
+        """Launch the next speculative step before committing this one: if every request that will
+        decode next is greedy and speculates, the policy's K for that step is chosen now, its draft
+        launched through the heads of that K (not of all K_max) and then its verify and acceptance;
+        for sampled verification only the draft, of every K_max. A draft launched for a step that
+        then takes the plain path is dropped: it goes through the narrowest heads."""
         verified_now = {id(r): (n, t) for r, n, t in zip(verified, emitted, last)}
 
         def pending(r: Request) -> tuple[int, int]:  # (tokens not yet committed, the last token)
@@ -785,12 +786,12 @@ class Engine:
         reqs = nxt if whole else verified
         steps = [pending(r) for r in reqs]
         tokens = [t for _, t in steps]
+        k = self._choose(len(nxt)) if whole else None
         self.timer.mark("draft")
-        if not self.proposer.launch_next(reqs, tokens):
+        if not self.proposer.launch_next(reqs, tokens, k):
             self.timer.discard()
-        if not whole:
+        if k is None:
             return
-        k = self._choose(len(nxt))
         if k:
             self.pipeline.inflight = self._launch_spec(nxt, k, [n for n, _ in steps], tokens)
             self.num_steps_launched_ahead += 1

@@ -7,10 +7,10 @@ eager path (`Proposer`) stays the reference and handles the rest (prefill-sized 
 drafts).
 
 The block is always whole (its positions attend to each other), but only the drafts a step verifies
-go through the heads: graphs of two head widths, K and the largest power of two below it, so a step
-verifying 8 of 15 drafts (the draft length the policy settles on when a large batch's verify is
-compute-bound) does not pay 15 rows of the vocabulary product. Both are captured at start: a width
-first captured mid-run would stall its step.
+go through the heads: graphs of two head widths, K and the longest of the policy's default draft
+lengths below it (`aligned_lengths`), so a step verifying 7 of 15 drafts (the draft length the policy
+settles on when a large batch's verify is compute-bound) pays neither 15 nor 8 rows of the vocabulary
+product. Both are captured at start: a width first captured mid-run would stall its step.
 
 Its tensor code (`step`) takes device tensors only: the chained step (`StepGraphs`) runs it on counts
 the GPU has computed and the host not read yet. Without CUDA graphs (the CPU) it runs eagerly.
@@ -26,6 +26,7 @@ from torch import Tensor
 from blockspec.drafters import DraftModel
 from blockspec.models.kv_cache import KVCache
 from blockspec.models.runner import BATCH_BUCKETS, bucket, capture, kv_extent, kv_extents
+from blockspec.speculative.policy import aligned_lengths
 from blockspec.models.llama import CausalLM
 from blockspec.transfer import to_device
 
@@ -58,7 +59,7 @@ class DraftGraphs:
         self.pending = pending
         self.k = num_drafts
         self.rows = num_drafts + 1  # context rows appended per request per step
-        self.widths = sorted({num_drafts, 1 << (max(num_drafts - 1, 1).bit_length() - 1)})  # head widths
+        self.widths = sorted({num_drafts, max(aligned_lengths(num_drafts), default=num_drafts)})  # head widths
         self.graphs: dict[tuple[int, int, int], CapturedDraft] = {}  # (batch bucket, key extent, head width)
         self.appends: dict[int, CapturedAppend] = {}
         self.pool = None

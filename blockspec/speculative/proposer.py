@@ -170,20 +170,21 @@ class Proposer:
         return (self.graphs.use_graphs and not self.probabilistic(reqs)
                 and self.graphs.fits(len(reqs), pending, max(r.num_cached for r in reqs)))
 
-    def launch_next(self, reqs: list[Request], anchors: list[int]) -> bool:
+    def launch_next(self, reqs: list[Request], anchors: list[int], k: int | None = None) -> bool:
         """Launch the next step's greedy draft for `reqs` now, before the host commits the tokens just
         verified: their cache counts and pending features are already advanced, and `anchors` are
-        their last emitted tokens. `propose` takes it if the next step drafts for these requests (or
-        for those of them still running); else it is dropped. Returns whether it launched."""
+        their last emitted tokens. `k`: the drafts that step verifies where it is chosen already (all
+        K by default; 0, the plain path, takes the narrowest heads). `propose` takes it if the next step drafts for these requests (or for those of
+        them still running); else it is dropped. Returns whether it launched."""
         self.ahead = None
         if self.probabilistic(reqs):  # sampled drafts draw from the committed history's RNG positions
             return False
         host = [max(a, 0) for a in anchors]  # a failed row's -1: its request is failed at the commit
         ids = to_device(host, torch.int64, self.target.embed_tokens.weight.device)
         if self._graphable(reqs):
-            tokens, confidence = self._graphed_draft(reqs, ids)
+            tokens, confidence = self._graphed_draft(reqs, ids, k)
         else:
-            tokens, _, confidence = self._eager_draft(reqs, ids, None)
+            tokens, _, confidence = self._eager_draft(reqs, ids, None, k)
         self.ahead = DraftLaunch(list(reqs), host, [r.num_cached for r in reqs], ids, tokens, confidence)
         self.ahead_stats[0] += 1
         return True
@@ -197,13 +198,15 @@ class Proposer:
         q_probs = confidence = None
         last = last_tokens if last_tokens is not None else [r.output_ids[-1] for r in reqs]
         ahead, self.ahead = self.ahead, None
+        widest = max(budgets, default=0)
         launched = ahead.rows_for(reqs, last) if ahead is not None else None
+        if launched is not None and launched[1].shape[1] < widest:  # launched narrower than this step verifies
+            launched = None
         if launched is not None:
             anchors, tokens, confidence = launched
             self.ahead_stats[1] += 1
         else:
             anchors = to_device([max(t, 0) for t in last], torch.int64, device)
-            widest = max(budgets, default=0)
             if self._graphable(reqs):
                 tokens, confidence = self._graphed_draft(reqs, anchors, widest)
             else:
