@@ -1133,16 +1133,19 @@ def test_a_step_verifying_fewer_drafts_takes_only_those_through_the_heads(target
     assert set(widths) == set(graphs.widths) and len(graphs.widths) == 2 and graphs.width(1) < k_max
 
 
-def test_draft_head_widths_are_the_block_and_the_longest_default_draft_length_below_it():
+def test_draft_head_widths_are_the_block_and_the_policys_longest_draft_length_below_it():
     """Two head widths, both captured at start (a width captured mid-run would stall its step): K = 15
-    gives 7 and 15 (7: the policy's longest default draft length below 15), and a step verifying up to 7
-    drafts takes the 7-wide heads, one of 8 the whole."""
+    gives 7 and 15 (7: the policy's longest default draft length below 15; with draft lengths given, the
+    longest of them below K), and a step verifying up to 7 drafts takes the 7-wide heads, one of 8 the whole."""
     from blockspec.speculative.draft_graph import DraftGraphs
 
     for k, widths in ((1, [1]), (2, [1, 2]), (3, [1, 3]), (7, [3, 7]), (8, [7, 8]), (15, [7, 15]), (16, [15, 16])):
         assert DraftGraphs(None, None, None, None, k, use_graphs=False).widths == widths
     graphs = DraftGraphs(None, None, None, None, 15, use_graphs=False)
     assert [graphs.width(k) for k in (0, 1, 7, 8, 15, 20)] == [7, 7, 7, 15, 15, 15]
+    # the policy's lengths where they are given (speculative_config.draft_length_candidates)
+    assert DraftGraphs(None, None, None, None, 15, use_graphs=False, lengths=(4, 8)).widths == [8, 15]
+    assert DraftGraphs(None, None, None, None, 15, use_graphs=False, lengths=(15,)).widths == [15]
 
 
 def test_a_draft_launched_ahead_takes_the_heads_of_the_k_chosen_for_its_step(target, plain, monkeypatch):

@@ -7,8 +7,8 @@ eager path (`Proposer`) stays the reference and handles the rest (prefill-sized 
 drafts).
 
 The block is always whole (its positions attend to each other), but only the drafts a step verifies
-go through the heads: graphs of two head widths, K and the longest of the policy's default draft
-lengths below it (`aligned_lengths`), so a step verifying 7 of 15 drafts (the draft length the policy
+go through the heads: graphs of two head widths, K and the longest of the policy's draft lengths
+below it (by default `aligned_lengths`), so a step verifying 7 of 15 drafts (the draft length the policy
 settles on when a large batch's verify is compute-bound) pays neither 15 nor 8 rows of the vocabulary
 product. Both are captured at start: a width first captured mid-run would stall its step.
 
@@ -18,6 +18,7 @@ the GPU has computed and the host not read yet. Without CUDA graphs (the CPU) it
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,9 @@ class DraftGraphs:
     draft cache; both steps read their context rows from it (one gather inside the graph)."""
 
     def __init__(self, drafter: DraftModel, target: CausalLM, cache: KVCache, pending: Tensor, num_drafts: int,
-                 markov_top_k: int = 0, use_graphs: bool = True) -> None:
+                 markov_top_k: int = 0, use_graphs: bool = True, lengths: Sequence[int] | None = None) -> None:
+        """`lengths`: the draft lengths the policy chooses among below num_drafts (default: its own,
+        `aligned_lengths`); the narrower head width is the longest of them."""
         self.use_graphs = use_graphs
         self.markov_top_k = markov_top_k
         self.drafter = drafter
@@ -59,7 +62,8 @@ class DraftGraphs:
         self.pending = pending
         self.k = num_drafts
         self.rows = num_drafts + 1  # context rows appended per request per step
-        self.widths = sorted({num_drafts, max(aligned_lengths(num_drafts), default=num_drafts)})  # head widths
+        shorter = [n for n in (aligned_lengths(num_drafts) if lengths is None else lengths) if n < num_drafts]
+        self.widths = sorted({num_drafts, max(shorter, default=num_drafts)})  # head widths
         self.graphs: dict[tuple[int, int, int], CapturedDraft] = {}  # (batch bucket, key extent, head width)
         self.appends: dict[int, CapturedAppend] = {}
         self.pool = None

@@ -120,7 +120,8 @@ class Proposer:
         self.calibration: Tensor | None = None
         self.reset_stats()
         self.graphs = DraftGraphs(drafter, target, self.context.cache, self.context.pending, k, cfg.markov_top_k,
-                                  use_graphs=runner.use_graphs)  # graphed where the target's forwards are
+                                  use_graphs=runner.use_graphs,  # graphed where the target's forwards are
+                                  lengths=cfg.draft_length_candidates)
         self.steps = StepGraphs(k, self.context.pending, runner.cache.scratch_slot, use_graphs=runner.use_graphs)
         self.ahead: DraftLaunch | None = None
 
