@@ -27,8 +27,8 @@ from torch import Tensor
 from blockspec.drafters import DraftModel
 from blockspec.models.kv_cache import KVCache
 from blockspec.models.runner import BATCH_BUCKETS, bucket, capture, kv_extent, kv_extents
-from blockspec.speculative.policy import aligned_lengths
 from blockspec.models.llama import CausalLM
+from blockspec.speculative.policy import aligned_lengths
 from blockspec.transfer import to_device
 
 

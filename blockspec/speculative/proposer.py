@@ -175,8 +175,9 @@ class Proposer:
         """Launch the next step's greedy draft for `reqs` now, before the host commits the tokens just
         verified: their cache counts and pending features are already advanced, and `anchors` are
         their last emitted tokens. `k`: the drafts that step verifies where it is chosen already (all
-        K by default; 0, the plain path, takes the narrowest heads). `propose` takes it if the next step drafts for these requests (or for those of
-        them still running); else it is dropped. Returns whether it launched."""
+        K by default; 0, the plain path, takes the narrowest heads). `propose` takes it if the next
+        step drafts for these requests (or for those of them still running); else it is dropped.
+        Returns whether it launched."""
         self.ahead = None
         if self.probabilistic(reqs):  # sampled drafts draw from the committed history's RNG positions
             return False
