@@ -1148,6 +1148,28 @@ def test_draft_head_widths_are_the_block_and_the_policys_longest_draft_length_be
     assert DraftGraphs(None, None, None, None, 15, use_graphs=False, lengths=(15,)).widths == [15]
 
 
+def test_a_draft_launched_narrower_than_its_step_verifies_is_drafted_again(target):
+    """A draft launched ahead for a step that was to take the plain path goes through the narrowest heads;
+    if a step verifying more drafts takes its place (the batch changed before it ran), `propose` drafts
+    again rather than cut the narrow one: the drafts equal those of a step with nothing launched ahead."""
+    def drafts(launch: bool, k: int | None = None) -> list[list[int]]:
+        llm = spec_llm(target, "dflash", "dflash", engine={"async_scheduling": False})
+        engine, ps = llm.engine, prompts(8, seed=1)
+        reqs = [engine.add_request(str(i), None, p["prompt_token_ids"],
+                                   SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+                for i, p in enumerate(ps)]
+        for _ in range(4):
+            engine.step()
+        proposer, last = engine.proposer, [r.output_ids[-1] for r in reqs]
+        if launch:
+            assert proposer.launch_next(reqs, last, k)
+        return proposer.propose(reqs, [3] * len(reqs)).tokens.tolist()
+
+    fresh = drafts(launch=False)
+    assert any(len(set(row)) > 1 for row in fresh)  # drafts that a first draft repeated would not give
+    assert drafts(launch=True, k=0) == fresh == drafts(launch=True)
+
+
 def test_a_draft_launched_ahead_takes_the_heads_of_the_k_chosen_for_its_step(target, plain, monkeypatch):
     """Where steps are not chained, the next step's draft is launched before the host commits this one's
     tokens; when every request is greedy and speculates, that step's K is chosen first and its draft goes
