@@ -292,6 +292,21 @@ def test_a_batch_size_where_plain_wins_is_parked_and_re_tried_when_the_park_ends
     assert arrivals(policy, 8, 2 * first + 1) == [False] * 2 * first + [True]  # parked twice as long
 
 
+def test_a_park_ends_when_the_bucket_s_own_steps_find_drafting_best():
+    """A first park set on a batch's first steps, where drafts were mostly rejected, ends as soon as the
+    same bucket's running requests (which keep feeding through it) find drafting best: requests that
+    join afterwards feed the drafter. Kept, it would turn the batch's next requests into plain decoding
+    for PARK_TURNOVERS times the bucket in arrivals."""
+    policy = DraftLengthPolicy(4)
+    times = {0: 1.0, 1: 1.3, 3: 1.4, 4: 1.5}
+    feed(policy, [0.2] * 4, times, batch=4, steps=16)
+    assert drive(policy, 6, times, 0.2, batch=4) == [0] * 6
+    assert policy.view().parked == [4]
+    chosen = drive(policy, 400, times, 0.97, batch=4)  # acceptance rises; re-tries find it
+    assert chosen[-1] == 4 and policy.view().parked == [] and policy.feeds_drafter(4)
+    assert policy.view().parked_joins == 0
+
+
 def test_a_batch_size_where_speculation_wins_is_never_parked():
     policy = DraftLengthPolicy(4)
     chosen = settle(policy, {0: 1.0, 1: 1.05, 3: 1.15, 4: 1.2}, 0.9, batch=8, steps=200)

@@ -18,7 +18,9 @@ requests that join it do not feed the drafter and the engine runs them as plain 
 lasts PARK_TURNOVERS times the bucket's size in arrivals (the batch turning over twice), doubling
 each time the re-tries after it find plain still best; then joining requests feed the drafter again
 and, once every request of the batch can draft, each K is re-tried. A park is counted in arrivals,
-not seconds: only an arrival can use what it decides, and an idle gap brings no new evidence.
+not seconds: only an arrival can use what it decides, and an idle gap brings no new evidence. It ends
+early where the bucket's own steps (its running requests keep feeding through a first park) come to
+find drafting best: the first steps of a batch often accept less than its later ones.
 A larger batch size that its own steps have not decided yet starts parked while a smaller one is on
 its second park in a row. The engine stops the running requests of a parked batch size feeding too:
 those that fed without drafting when arrivals join it, and the whole batch when it chooses the plain
@@ -300,8 +302,9 @@ class DraftLengthPolicy:
         self.last_tried[(bucket, best)] = self.steps
         if best == 0:
             self._park(bucket)
-        else:
+        else:  # this bucket's own steps find drafting best now: a park that earlier steps set is over
             self.park_rounds.pop(bucket, None)
+            self.park_left.pop(bucket, None)
         if self.settles:
             self._settled = (bucket, best, due)
         return best
