@@ -582,8 +582,8 @@ def test_k_sweep_refuses_what_it_cannot_check():
 
 def test_trace_policy_writes_what_each_speculative_policy_saw_and_chose(tmp_path):
     """--trace-policy: one trace per speculative engine of the point (the fixed-K sweep's too), over the timed
-    passes only (at least a choice per timed decode step; on the CPU each step's time right after its
-    choice, at the same batch and K), written to policy_trace.json and kept out of bench.json; refused
+    passes (at least a choice per timed decode step; on the CPU each step's time right after its choice, at
+    the same batch and K) and apart over the warm-up pass they start from, written to policy_trace.json and kept out of bench.json; refused
     without a speculative method. Given draft lengths (3 and 5) are the policy's: the fixed-K engines of the
     sweep (K = 2, below them) run without them."""
     cfg = BenchConfig(**{**TINY_RUN, "speculative_config": {"draft_length_candidates": [3, 5]}, "repeats": 2},
@@ -599,6 +599,9 @@ def test_trace_policy_writes_what_each_speculative_policy_saw_and_chose(tmp_path
                     if r["method"] == t["method"] and r.get("fixed_k") == t["fixed_k"]
                     for v in r["steps_by_draft_length"].values())
         assert len(choices) >= steps > 0 and "acceptance" in kinds
+        warmup = [e[2] for e in t["warmup_events"] if e[0] == "choice"]  # a fresh policy's: plain is timed first
+        assert warmup[0] == (0 if t["fixed_k"] is None else t["fixed_k"])
+        assert any(e[0] == "acceptance" for e in t["warmup_events"])
         if t["fixed_k"] is not None:
             assert set(choices) == {t["fixed_k"]}  # the given draft lengths (up to 5) are the policy's alone
         else:

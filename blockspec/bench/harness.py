@@ -22,7 +22,8 @@ requests in flight (4 x c requests, a finished one's slot refilled, as serving b
 With `k_sweep` (`--k-sweep 2,4,8,15`) every speculative method also runs at each fixed draft length K in
 the same interleaved rounds, and the report checks the draft-length policy against the best fixed K
 (`ksweep`). With `trace_policy` (`--trace-policy`) each speculative engine's policy records what it saw
-and chose over the timed passes (policy_trace.json): where its estimates come from, step by step.
+and chose over the timed passes (policy_trace.json): where its estimates come from, step by step; and,
+apart, over the warm-up pass, whose choices (a park, a settled K) the timed passes start from.
 
 With `synthetic_acceptance` the speculative runs use SyntheticProposer (real draft and verify
 forwards, drawn acceptance): their tokens are not the target's, and the report says so everywhere.
@@ -597,12 +598,16 @@ def measure_point(engines: dict[Hashable, Engine], prompts: list[list[int]], par
     `held`: GB each engine holds besides its passes (weights, KV caches). Returns each engine's run record,
     with its per-round figures under "rounds", and the output tokens of its last pass; with `trace`, a
     speculative engine's record holds what its draft-length policy saw and chose in the timed passes
-    under "policy_trace" (`DraftLengthPolicy.trace`)."""
+    under "policy_trace" (`DraftLengthPolicy.trace`), and over its warm-up pass under "policy_trace_warmup"."""
     device = next(iter(engines.values())).device
-    for engine in engines.values():
-        drive(engine, prompts, params)  # CUDA graphs captured, kernels compiled, the draft policy primed
-        if trace and engine.proposer is not None:
+    warmup_traces = {}
+    for key, engine in engines.items():
+        traced = trace and engine.proposer is not None
+        if traced:
             engine.policy.trace = []
+        drive(engine, prompts, params)  # CUDA graphs captured, kernels compiled, the draft policy primed
+        if traced:
+            warmup_traces[key], engine.policy.trace = engine.policy.trace, []
     before = {key: dict(e.timer.totals) for key, e in engines.items()}
     passes: dict[Hashable, list[Pass]] = {key: [] for key in engines}
     transient = dict.fromkeys(engines, 0)
@@ -619,6 +624,7 @@ def measure_point(engines: dict[Hashable, Engine], prompts: list[list[int]], par
         run["memory_gb_total"] = held[key] + transient[key] / 1e9
         if trace and engine.proposer is not None:
             run["policy_trace"], engine.policy.trace = engine.policy.trace, None
+            run["policy_trace_warmup"] = warmup_traces[key]
         out[key] = (run, passes[key][-1].outputs)
     return out
 
@@ -806,7 +812,8 @@ def measure_sweep(cfg: BenchConfig, device: torch.device, log: Callable[[str], N
                 for (method, k), (run, outputs) in measured.items():
                     if "policy_trace" in run:
                         traces.append({"method": method, "fixed_k": k, "input_len": input_len, "batch": batch,
-                                       "temperature": temp, "events": run.pop("policy_trace")})
+                                       "temperature": temp, "events": run.pop("policy_trace"),
+                                       "warmup_events": run.pop("policy_trace_warmup")})
                     run = {"method": method, "input_len": input_len, "batch": batch, "temperature": temp,
                            "synthetic": cfg.synthetic and method != "plain", "output_len": cfg.output_len, **run,
                            "memory_gb": memory[(method, k)]}
@@ -1039,8 +1046,8 @@ def add_bench_parser(sub: Any) -> None:
                         "a drafter's block runs as the block's size (default: no sweep)")
     s.add_argument("--trace-policy", action="store_true",
                    help="record what each speculative engine's draft-length policy saw and chose over the timed "
-                        "passes (every step time with its batch and K, every acceptance, every choice) in "
-                        "policy_trace.json beside bench.json")
+                        "passes (every step time with its batch and K, every acceptance, every choice), and apart "
+                        "over the warm-up pass they start from, in policy_trace.json beside bench.json")
     s.add_argument("--speculative-config", type=json.loads, default={},
                    help="extra speculative_config fields as JSON, e.g. '{\"max_batch_for_speculation\": 16}'")
     s.add_argument("--synthetic-acceptance", default=None, metavar="PROFILE",
