@@ -18,7 +18,7 @@ import torch
 from blockspec import LLM, SamplingParams
 from blockspec.config import ConfigError
 from blockspec.engine.pipeline import SpecLaunch, priced_from
-from blockspec.speculative.policy import NEAR_TIE, UNTIMED_PLAIN_PARKS
+from blockspec.speculative.policy import UNTIMED_PLAIN_PARKS
 from factories import save_drafter_target, save_moe_target, save_tiny
 
 FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
@@ -446,8 +446,8 @@ def test_adaptive_draft_length_stays_exact_and_backs_off(target, plain):
     measured = [k for k in policy.candidates if policy.estimate(4, k) is not None]
     score = {k: policy.expected_tokens(k) / policy.estimate(4, k) for k in measured}
     best = max(measured, key=score.__getitem__)
-    if best:  # among speculative K a near tie goes to the longer one (the policy's rule)
-        best = max(k for k in measured if k and score[k] >= (1 - NEAR_TIE) * score[best])
+    if best:  # among speculative K a near tie goes to a longer one (the policy's rule)
+        best = policy._break_tie(best, measured, score)
     choice = policy.choose(3)
     # the best measured K, unless a K not measured twice yet could still win at its least cost
     assert choice == best or policy.estimate(4, choice) is None, (choice, best)

@@ -8,7 +8,8 @@ step is that plain step's price). An unmeasured K is scored at the least it can 
 shorter measured K) and at the most acceptance its trials so far allow, and tried only if even then it
 would be best, so drafts that cannot pay are never timed. Measured candidates are re-tried now and
 then, so the choice follows the workload: the worse a candidate scored, and the more re-tries in a row
-found it still losing, the rarer. The choice is made before drafting and never looks at the drafts,
+found it still losing, the rarer (the plain path, the baseline, backs off only behind a wide lead), clocked
+in steps at each batch size. The choice is made before drafting and never looks at the drafts,
 so it cannot affect what is emitted: exactness does not depend on it.
 
 Choosing K = 0 is not all of the plain path: a request that may draft still feeds the drafter (its
@@ -39,7 +40,9 @@ from blockspec.config import ConfigError
 PRIOR_TRIALS = 2.0  # pseudo-trials a position's acceptance rate borrows from the position before it
 RECORDED_TRIALS = 8.0  # pseudo-trials a position's rate borrows from the drafter's recorded acceptance
 EXPLORE_Z = 1.0  # standard errors above its acceptance estimate at which an unmeasured K is scored
-NEAR_TIE = 0.02  # scores within this fraction of the best count as a tie, which the longer K takes
+NEAR_TIE = 0.02  # scores within this fraction of the best count as a tie, which a longer K takes ...
+OBSERVED_TRIALS = 16.0  # ... while its deepest position has fewer (decayed) trials than this
+PLAIN_LEAD = 0.25  # a lead over the plain path past which its re-tries back off like any losing K's
 PARK_TURNOVERS = 2  # the first park of a batch bucket where plain wins covers this many times its size in arrivals
 MAX_PARK_DOUBLINGS = 6  # each park whose re-tries find plain still best doubles the next, up to 64x
 UNTIMED_PLAIN_PARKS = 32  # choices at a bucket whose plain step has no time yet, after which it is parked
@@ -120,7 +123,7 @@ class DraftLengthPolicy:
         # change it: choose() then costs a few operations, not a re-scoring (it runs every step)
         self._settled: tuple[int, int, float] | None = None
         self.settles = True
-        self.steps = 0
+        self.clock: Counter[int] = Counter()  # batch bucket -> choices made there: the re-tries' clock
         self.chosen: Counter[int] = Counter()  # steps by the K chosen for them
         self.park_left: dict[int, int] = {}  # batch bucket -> arrivals its park still covers
         self.park_rounds: dict[int, int] = {}  # batch bucket -> parks in a row (each doubles the next)
@@ -240,17 +243,21 @@ class DraftLengthPolicy:
                           sorted(b for b, left in self.park_left.items() if left > 0), self.parked_joins)
 
     def _choose(self, batch: int) -> int:
-        self.steps += 1
         if not self.adaptive:
             return self.k_max
         bucket = batch_bucket(batch)
-        if self._settled is not None and self._settled[0] == bucket and self.steps <= self._settled[2]:
-            self.last_tried[(bucket, self._settled[1])] = self.steps
+        # Re-tries are clocked in choices at this bucket: a drain through smaller batch sizes at the end of
+        # a wave visits each for a few steps, and clocked in all steps every candidate's re-try there
+        # would be due on entry (a slow step each)
+        self.clock[bucket] += 1
+        now = self.clock[bucket]
+        if self._settled is not None and self._settled[0] == bucket and now <= self._settled[2]:
+            self.last_tried[(bucket, self._settled[1])] = now
             return self._settled[1]
         self._settled = None
         measured = {k: self.estimate(bucket, k) for k in self.candidates}
         if measured[0] is None:  # the plain path is measured first: it is the baseline
-            self.last_tried[(bucket, 0)] = self.steps
+            self.last_tried[(bucket, 0)] = now
             # A plain step is timed in a run of decode steps and beside a prefill chunk (from the chunk's
             # end on the device); where it never is (requests that finish within a step or two, or graph
             # captures at every step), the choice stays plain anyway
@@ -263,10 +270,8 @@ class DraftLengthPolicy:
         score = {k: self.expected_tokens(k, prefix) / costs[k] for k in self.candidates}
         timed = [k for k, t in measured.items() if t is not None]
         best = max(timed, key=score.__getitem__)
-        if best:  # the longest K within NEAR_TIE of the best: deep positions are observed only when
-            # offered, so on a near tie the longer draft costs next to nothing and keeps their estimate
-            # current; never over the plain path, whose lead is what keeps a step from being slower
-            best = max(k for k in timed if k and score[k] >= (1 - NEAR_TIE) * score[best])
+        if best:
+            best = self._break_tie(best, timed, score)
         if self._retried is not None and self._retried[0] == bucket:  # what the last re-try found
             lost = self._retried[1] != best
             self.confirmed_losses[self._retried] = self.confirmed_losses.get(self._retried, 0) + 1 if lost else 0
@@ -279,27 +284,32 @@ class DraftLengthPolicy:
             # cannot win is never paid for, and a few unlucky trials of a short K do not condemn the
             # longer ones (where one draft costs what the whole block does, only they can win).
             if measured[k] is None and self.expected_tokens(k, hope) / costs[k] > score[best]:
-                self.last_tried[(bucket, k)] = self.steps
+                self.last_tried[(bucket, k)] = now
                 return k
         due = math.inf  # the first step at which a re-try is due
         for k in self.candidates:  # re-measure stale ones; the worse a candidate, the rarer
             if measured[k] is None:
                 continue  # unmeasured, and unable to win even at its least cost
             interval = self.retry_every * min(16.0, score[best] / max(score[k], 1e-9))
+            # a K that re-tries keep finding losing waits twice as long each time (up to 16x): on a
+            # workload where speculation does not pay, re-tries were most of its remaining cost
+            doublings = min(4, self.confirmed_losses.get((bucket, k), 0))
             if k == 0:  # the plain path is the baseline: a stale estimate of it is what makes a step slower
-                interval /= 4  # than plain decoding, so it is re-measured 4x as often
-            else:  # a K that re-tries keep finding losing waits twice as long each time (up to 16x): on a
-                # workload where speculation does not pay, re-tries were most of its remaining cost
-                interval *= 2 ** min(4, self.confirmed_losses.get((bucket, k), 0))
+                # than plain decoding, so it is re-measured 4x as often, and backs off (up to 4x) only where
+                # speculation leads it by PLAIN_LEAD, which no drift of its time between re-tries closes
+                # (a plain re-try and the refill after it cost about two speculative steps' tokens)
+                interval /= 4
+                doublings = min(2, doublings) if score[best] >= (1 + PLAIN_LEAD) * score[0] else 0
+            interval *= 2**doublings
             # a batch size seen for the first time starts every clock now: its borrowed estimates are
             # not stale, and retrying each of them at once would cost a slow step per candidate
-            if k != best and self.steps - self.last_tried.setdefault((bucket, k), self.steps) > interval:
-                self.last_tried[(bucket, k)] = self.steps
+            if k != best and now - self.last_tried.setdefault((bucket, k), now) > interval:
+                self.last_tried[(bucket, k)] = now
                 self._retried = (bucket, k)
                 return k
             if k != best:
                 due = min(due, self.last_tried[(bucket, k)] + interval)
-        self.last_tried[(bucket, best)] = self.steps
+        self.last_tried[(bucket, best)] = now
         if best == 0:
             self._park(bucket)
         else:  # this bucket's own steps find drafting best now: a park that earlier steps set is over
@@ -308,6 +318,16 @@ class DraftLengthPolicy:
         if self.settles:
             self._settled = (bucket, best, due)
         return best
+
+    def _break_tie(self, best: int, timed: list[int], score: dict[int, float]) -> int:
+        """The speculative K to take for `best`: the longest K within NEAR_TIE of its score whose deepest
+        position is under-observed. Deep positions are observed only when offered, so on a near tie the
+        longer draft costs next to nothing and keeps their estimate current; once they have
+        OBSERVED_TRIALS the tie goes to the better score (at 64 requests K = 5 leads K = 7 by 1 % a
+        token, which a standing tie rule gave away). Never over the plain path, whose lead is what
+        keeps a step from being slower."""
+        return max(k for k in timed if k == best or (
+            k > best and score[k] >= (1 - NEAR_TIE) * score[best] and self.reached[k - 1] < OBSERVED_TRIALS))
 
     def _inherit_park(self, bucket: int) -> bool:
         """Park a bucket the policy has not decided at when a smaller bucket is parked and its re-tries
