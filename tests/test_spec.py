@@ -890,8 +890,8 @@ def add_device_oracle(llm: LLM, expected: dict[tuple, list[int]]) -> dict[tuple,
             drafted[(tuple(req.prompt_token_ids), req.num_cached + 1 - len(req.prompt_token_ids))] = tokens[r].tolist()
         return tokens, q, confidence
 
-    def step(slots, starts, counts, anchors, kv, width):
-        tokens, confidence = real_step(slots, starts, counts, anchors, kv, width)
+    def step(slots, starts, counts, anchors, kv, width, rows=None):
+        tokens, confidence = real_step(slots, starts, counts, anchors, kv, width, rows)
         by_slot = {r.slot: r for r in engine.running}
         tokens = tokens.clone()
         for r, (slot, start, count) in enumerate(zip(slots.tolist(), starts.tolist(), counts.tolist())):
@@ -907,14 +907,16 @@ def add_device_oracle(llm: LLM, expected: dict[tuple, list[int]]) -> dict[tuple,
     return drafted
 
 
-def oracle_run(target, method, fixture, ps, params, table, chained, arrivals=None):
-    """Outputs, stats and the drafter's drafts of a speculative engine drafting 3 tokens a step with oracle
-    drafts, steps launched from device results (`chained`) or waiting for the read-back. `arrivals`: the
-    engine step before which each request is added (default: all at once)."""
+def oracle_run(target, method, fixture, ps, params, table, chained, arrivals=None, lengths=(3,)):
+    """Outputs, stats and the drafter's drafts of a speculative engine drafting up to 3 tokens a step with
+    oracle drafts, steps launched from device results (`chained`) or waiting for the read-back. `arrivals`:
+    the engine step before which each request is added (default: all at once); `lengths`: the draft
+    lengths its steps take, in turn."""
     llm = spec_llm(target, method, fixture, num_speculative_tokens=3)
     engine = llm.engine
     engine.async_scheduling = chained
-    engine.policy.choose = lambda batch: 3
+    turn = itertools.cycle(lengths)
+    engine.policy.choose = lambda batch: next(turn)
     drafted = add_device_oracle(llm, table)
     host_drafts = []  # drafts launched on the reference path (after a read-back, or a batch's first step)
     for name in ("propose", "launch_next"):
@@ -973,6 +975,20 @@ def test_steps_launched_from_device_results_are_the_synchronous_steps(target, pl
     # the batch's first step too: its requests join a chained step from their committed state
     assert chain["host_drafts"] == 0 and sync["host_drafts"] > 3
     assert chain["num_spec_steps_from_committed"] == 1 and sync["num_spec_steps_from_committed"] == 0
+
+
+@pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
+def test_steps_of_changing_draft_lengths_launched_from_device_results_are_the_synchronous_steps(
+        target, plain, method, fixture):
+    """Draft lengths that change from step to step (up, down, the same): a chained step's drafter puts
+    k + 1 context rows a request through its products after a step of no more drafts, all K + 1 after
+    a longer one (`StepGraphs.context_rows`). Its drafts and acceptance are the synchronous run's."""
+    ps, params, expected, table = oracle_case(plain, 17, (41, 15, 28, 33))
+    lengths = (3, 1, 1, 2, 3, 2, 2, 1, 3, 3)
+    sync_run, chain_run = (oracle_run(target, method, fixture, ps, params, table, c, lengths=lengths)
+                           for c in (False, True))
+    assert_steps_alike(sync_run, chain_run, expected)
+    assert chain_run[1]["num_spec_steps_chained"] == chain_run[1]["num_spec_steps_launched_ahead"] > 10
 
 
 @pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])

@@ -146,12 +146,14 @@ class DraftGraphs:
         return self.step(control[0], control[1], control[2], control[3], kv, width)
 
     def step(self, slots: Tensor, starts: Tensor, counts: Tensor, anchors: Tensor, kv: int,
-             width: int) -> tuple[Tensor, Tensor | None]:
+             width: int, rows: int | None = None) -> tuple[Tensor, Tensor | None]:
         """The draft step's tensor code: append each slot's counts[r] held rows at starts[r]..., run the
         block at starts[r] + counts[r] from anchors[r] and take the first `width` drafts; `kv` bounds
-        every block's start."""
+        every block's start. `rows`: the held rows a slot's append computes (all by default), at
+        least every counts[r]."""
         d = self.drafter
-        d.append_context_tensors(self.cache, slots, starts, counts, self.pending[slots], kv + self.rows)
+        held = self.pending[slots] if rows is None else self.pending[slots, :rows]
+        d.append_context_tensors(self.cache, slots, starts, counts, held, kv + self.rows)
         hidden = d.block_hidden_tensors(self.cache, slots, starts + counts, anchors, kv, self.target.embed,
                                         d.block_rows(width))
         # where the drafter's logits are the target's, the argmax of the head's own-dtype logits

@@ -251,21 +251,22 @@ class Proposer:
         extents = kv_extents(self.runner.cache.max_len + 1, self.runner.whole_cache_graphs)
         self.steps.capture_all(self.chained_step, batch_sizes, ks, extents)
 
-    def chained_step(self, control: Tensor, result: Tensor, taps: Tensor, k: int,
-                     kv_len: int) -> tuple[DraftBlock, Tensor, Tensor]:
+    def chained_step(self, control: Tensor, result: Tensor, taps: Tensor, k: int, kv_len: int,
+                     context: int) -> tuple[DraftBlock, Tensor, Tensor]:
         """`step_after`'s tensor code (captured by `StepGraphs`). control: slots, committed cache counts,
         tokens left, request keys. The verify's a + 1 emitted rows go into the draft context at each
         request's cache count, its last emitted token anchors the block, and each request drafts
         min(k, left - (a + 1) - 1) tokens, never past its limits; the verify starts after them. A row
         of a request joining the chain (`with_joining`) appends nothing and drafts min(k, left - 1).
-        Every block starts before `kv_len`, the bound of the verify's keys."""
+        Every block starts before `kv_len`, the bound of the verify's keys; the drafter's context products
+        run over the first `context` rows of each request's (`StepGraphs.context_rows`)."""
         slots, starts, left, keys = control
         ctx_end = min(kv_len, self.graphs.max_ctx)
         accepted = result[:, 0].clamp(0, result.shape[1] - 3)  # a failed row (-1) fails its request at the commit
         counts = torch.where(result[:, 0] == JOINING, 0, accepted + 1)  # a joining row appends nothing
         anchors = result[:, 2:].gather(1, accepted[:, None])[:, 0].clamp(min=0)
-        self.context.stage(slots, taps)
-        tokens, confidence = self.graphs.step(slots, starts, counts, anchors, ctx_end, self.graphs.width(k))
+        self.context.stage(slots, taps[:, :context])
+        tokens, confidence = self.graphs.step(slots, starts, counts, anchors, ctx_end, self.graphs.width(k), context)
         lens = (left - counts - 1).clamp(0, k)
         verify_at = starts + counts
         block = self.keyed(self._cut(tokens, None, lens, k, anchors, confidence), keys, verify_at)

@@ -5,10 +5,15 @@ A chained step (`Engine._launch_chained`) starts from the last step's device res
 host reads them. Replayed back to back, each graph reads what the one before wrote into its batch
 bucket's buffers (`StepIO`), so a step costs the host one control copy and one replay instead of a
 draft graph, a verify graph and the few dozen small launches between them, which at batch 1 on a
-small model cost more than the GPU's work. Graphs are keyed by batch bucket, K and key extent (one
-with Triton attention, SDPA's lengths in steps), all captured at start. The body is the proposer's
+small model cost more than the GPU's work. Graphs are keyed by batch bucket, K, key extent (one
+with Triton attention, SDPA's lengths in steps) and context rows, all captured at start. The body is the proposer's
 tensor code (`Proposer.chained_step`); where there are no graphs (the CPU) it runs eagerly, the
 reference path.
+
+A step after one of k' drafts appends at most k' + 1 rows a request to the draft context. Its drafter
+runs the context's fc and K/V products over `context_rows`: k + 1 rows after a step of no more drafts
+than its own k (the steady state), all K + 1 after a longer one, two graphs a K. At K = 5 of 15 the
+second would put 16 rows a request through them, the first 6.
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ from torch import Tensor
 from blockspec.models.runner import BATCH_BUCKETS, bucket, capture
 from blockspec.transfer import to_device
 
-# (control [4, B], result [B, 2 + W], taps [B, W + 1, F], k, key extent)
+# (control [4, B], result [B, 2 + W], taps [B, W + 1, F], k, key extent, context rows)
 #   -> (the draft block, result [B, 3 + k], taps [B, k + 1, F]); the host reads only the result
-StepBody = Callable[[Tensor, Tensor, Tensor, int, int], tuple[object, Tensor, Tensor]]
+StepBody = Callable[[Tensor, Tensor, Tensor, int, int, int], tuple[object, Tensor, Tensor]]
 
 
 @dataclass
@@ -53,7 +58,7 @@ class StepGraphs:
         self.scratch_slot = scratch_slot
         self.feature_dim, self.dtype, self.device = taps_like.shape[-1], taps_like.dtype, taps_like.device
         self.io: dict[int, StepIO] = {}
-        self.graphs: dict[tuple[int, int, int], CapturedStep] = {}
+        self.graphs: dict[tuple[int, int, int, int], CapturedStep] = {}
         self.replays = 0
         self.pool = None
 
@@ -64,10 +69,11 @@ class StepGraphs:
         this bucket's buffers, which the last replay wrote); `kv_len` bounds the keys (a captured extent
         on CUDA). Returns the packed result and the verify's taps."""
         r = len(rows[0])
+        context = self.context_rows(k, taps.shape[1])
         if not self.use_graphs:
-            return body(to_device(rows, torch.int64, result.device), result, taps, k, kv_len)[1:]
+            return body(to_device(rows, torch.int64, result.device), result, taps, k, kv_len, context)[1:]
         b = bucket(r, BATCH_BUCKETS)
-        key = (b, k, kv_len)
+        key = (b, k, kv_len, context)
         if key not in self.graphs:  # its warm-up overwrites the buffers: keep the inputs first
             result, taps = result.clone(), taps.clone()
             self._capture(body, key)
@@ -83,9 +89,15 @@ class StepGraphs:
         self.replays += 1
         return io.result[:r, : 3 + k], io.taps[:r, : k + 1]
 
+    def context_rows(self, k: int, emitted: int) -> int:
+        """The context rows a request a step of k drafts appends through the drafter's products, after a
+        step that emitted up to `emitted` rows a request: k + 1 where that is enough, else all K + 1."""
+        return k + 1 if emitted <= k + 1 else self.k + 1
+
     def capture_all(self, body: StepBody, batch_sizes: list[int], ks: list[int], extents: list[int]) -> None:
-        """Capture the step of these batch buckets, draft lengths and key extents."""
-        for key in ((b, k, kv) for b in batch_sizes for k in ks for kv in extents):
+        """Capture the step of these batch buckets, draft lengths and key extents, after a step of no
+        more drafts and after a longer one."""
+        for key in ((b, k, kv, c) for b in batch_sizes for k in ks for kv in extents for c in {k + 1, self.k + 1}):
             if key not in self.graphs:
                 self._capture(body, key)
 
@@ -99,12 +111,12 @@ class StepGraphs:
         io.control[0] = self.scratch_slot  # warm-up and capture write only the scratch slot
         return io
 
-    def _capture(self, body: StepBody, key: tuple[int, int, int]) -> CapturedStep:
-        b, k, kv_len = key
+    def _capture(self, body: StepBody, key: tuple[int, int, int, int]) -> CapturedStep:
+        b, k, kv_len, context = key
         io = self._buffers(b)
 
         def step() -> object:
-            block, result, taps = body(io.control, io.result, io.taps, k, kv_len)
+            block, result, taps = body(io.control, io.result, io.taps, k, kv_len, context)
             io.result[:, : 3 + k].copy_(result)
             io.taps[:, : k + 1].copy_(taps)
             return block
