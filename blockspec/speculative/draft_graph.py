@@ -10,7 +10,8 @@ The block is always whole (its positions attend to each other), but only the dra
 go through the heads: graphs of two head widths, K and the longest of the policy's draft lengths
 below it (by default `aligned_lengths`), so a step verifying 7 of 15 drafts (the draft length the policy
 settles on when a large batch's verify is compute-bound) pays neither 15 nor 8 rows of the vocabulary
-product. Both are captured at start: a width first captured mid-run would stall its step.
+product. Both are captured at start: a width first captured mid-run would stall its step. A chained
+step (`StepGraphs`), captured per K, runs `step` at exactly its K.
 
 Its tensor code (`step`) takes device tensors only: the chained step (`StepGraphs`) runs it on counts
 the GPU has computed and the host not read yet. Without CUDA graphs (the CPU) it runs eagerly.

@@ -259,14 +259,15 @@ class Proposer:
         min(k, left - (a + 1) - 1) tokens, never past its limits; the verify starts after them. A row
         of a request joining the chain (`with_joining`) appends nothing and drafts min(k, left - 1).
         Every block starts before `kv_len`, the bound of the verify's keys; the drafter's context products
-        run over the first `context` rows of each request's (`StepGraphs.context_rows`)."""
+        run over the first `context` rows of each request's (`StepGraphs.context_rows`), and its last
+        layer and heads over the k drafts' rows (a graph a K: no head widths to round up to)."""
         slots, starts, left, keys = control
         ctx_end = min(kv_len, self.graphs.max_ctx)
         accepted = result[:, 0].clamp(0, result.shape[1] - 3)  # a failed row (-1) fails its request at the commit
         counts = torch.where(result[:, 0] == JOINING, 0, accepted + 1)  # a joining row appends nothing
         anchors = result[:, 2:].gather(1, accepted[:, None])[:, 0].clamp(min=0)
         self.context.stage(slots, taps[:, :context])
-        tokens, confidence = self.graphs.step(slots, starts, counts, anchors, ctx_end, self.graphs.width(k), context)
+        tokens, confidence = self.graphs.step(slots, starts, counts, anchors, ctx_end, k, context)
         lens = (left - counts - 1).clamp(0, k)
         verify_at = starts + counts
         block = self.keyed(self._cut(tokens, None, lens, k, anchors, confidence), keys, verify_at)
