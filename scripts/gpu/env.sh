@@ -20,9 +20,10 @@ export PYTHONPATH=$PWD:/tmp/site
 export TRITON_CACHE_DIR=/tmp/triton-cache
 if [ ! -d "$TRITON_CACHE_DIR" ]; then
   mkdir -p "$TRITON_CACHE_DIR"
-  if [ -f .devcarry/triton-cache.tar.xz ]; then
+  if [ -f .devcarry/triton-cache.tar.xz ]; then  # a pack cut short (its call killed while saving) is skipped
     python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' \
-      .devcarry/triton-cache.tar.xz "$TRITON_CACHE_DIR"
+      .devcarry/triton-cache.tar.xz "$TRITON_CACHE_DIR" 2>/dev/null \
+      || { rm -rf "${TRITON_CACHE_DIR:?}"/*; echo "triton cache: the pack is unreadable; kernels compile on first use" >&2; }
   fi
 fi
 
