@@ -323,9 +323,9 @@ class DraftLengthPolicy:
         """The speculative K to take for `best`: the longest K within NEAR_TIE of its score whose deepest
         position is under-observed. Deep positions are observed only when offered, so on a near tie the
         longer draft costs next to nothing and keeps their estimate current; once they have
-        OBSERVED_TRIALS the tie goes to the better score (at 64 requests K = 5 leads K = 7 by 1 % a
-        token, which a standing tie rule gave away). Never over the plain path, whose lead is what
-        keeps a step from being slower."""
+        OBSERVED_TRIALS the tie goes to the better score (a verify-bound batch's best K may lead the next
+        longer one by 1 % a token, which a tie rule that always went longer would give away). Never
+        over the plain path, whose lead is what keeps a step from being slower."""
         return max(k for k in timed if k == best or (
             k > best and score[k] >= (1 - NEAR_TIE) * score[best] and self.reached[k - 1] < OBSERVED_TRIALS))
 

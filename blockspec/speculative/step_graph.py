@@ -6,9 +6,9 @@ host reads them. Replayed back to back, each graph reads what the one before wro
 bucket's buffers (`StepIO`), so a step costs the host one control copy and one replay instead of a
 draft graph, a verify graph and the few dozen small launches between them, which at batch 1 on a
 small model cost more than the GPU's work. Graphs are keyed by batch bucket, K, key extent (one
-with Triton attention, SDPA's lengths in steps) and context rows, all captured at start. The body is the proposer's
-tensor code (`Proposer.chained_step`); where there are no graphs (the CPU) it runs eagerly, the
-reference path.
+with Triton attention, SDPA's lengths in steps) and context rows, all captured at start. The body is
+the proposer's tensor code (`Proposer.chained_step`); where there are no graphs (the CPU) it runs
+eagerly, the reference path.
 
 A step after one of k' drafts appends at most k' + 1 rows a request to the draft context. Its drafter
 runs the context's fc and K/V products over `context_rows`: k + 1 rows after a step of no more drafts
@@ -90,8 +90,9 @@ class StepGraphs:
         return io.result[:r, : 3 + k], io.taps[:r, : k + 1]
 
     def context_rows(self, k: int, emitted: int) -> int:
-        """The context rows a request a step of k drafts appends through the drafter's products, after a
-        step that emitted up to `emitted` rows a request: k + 1 where that is enough, else all K + 1."""
+        """How many of a request's held rows a step of k drafts puts through the drafter's context
+        products, after a step that emitted up to `emitted` rows a request: k + 1 where that holds
+        them, else all K + 1 (one graph for every longer step before)."""
         return k + 1 if emitted <= k + 1 else self.k + 1
 
     def capture_all(self, body: StepBody, batch_sizes: list[int], ks: list[int], extents: list[int]) -> None:
