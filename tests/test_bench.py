@@ -584,8 +584,8 @@ def test_trace_policy_writes_what_each_speculative_policy_saw_and_chose(tmp_path
     """--trace-policy: one trace per speculative engine of the point (the fixed-K sweep's too), over the timed
     passes (at least a choice per timed decode step; on the CPU each step's time right after its choice, at
     the same batch and K) and apart over the warm-up pass they start from, written to policy_trace.json and
-    kept out of bench.json; refused without a speculative method. Given draft lengths (3 and 5) are the policy's: the fixed-K engines of the
-    sweep (K = 2, below them) run without them."""
+    kept out of bench.json; refused without a speculative method. Given draft lengths (3 and 5) are the
+    policy's: the fixed-K engines of the sweep (K = 2, below them) run without them."""
     cfg = BenchConfig(**{**TINY_RUN, "speculative_config": {"draft_length_candidates": [3, 5]}, "repeats": 2},
                       batch_sizes=(2,), output_len=12, synthetic_acceptance="6.5", k_sweep=(2,), trace_policy=True)
     res = run_bench(cfg)

@@ -28,6 +28,12 @@ def feed(policy: DraftLengthPolicy, rates: list[float], times: dict[int, float],
         policy.observe_acceptance([policy.k_max], [accepted])
 
 
+def drawn(rng: random.Random, k: int, rate: float, requests: int) -> list[int]:
+    """Accepted drafts of each of `requests` drafting k, each draft accepted with probability `rate` once
+    the ones before it were."""
+    return [next((i for i in range(k) if rng.random() >= rate), k) for _ in range(requests)]
+
+
 def drive(policy: DraftLengthPolicy, steps: int, step_time: dict[int, float], accept: float,
           batch: int = 1) -> list[int]:
     """Let the policy choose for `steps` steps, each taking step_time[K] and accepting the drafts whose
@@ -399,7 +405,7 @@ def test_deep_rates_are_conditional_on_reaching_the_position_when_draft_lengths_
     rng, policy = random.Random(0), DraftLengthPolicy(15)
     for step in range(400):
         k = 8 if step % 20 == 0 else 4
-        accepted = [next((i for i in range(k) if rng.random() >= 0.87), k) for _ in range(64)]
+        accepted = drawn(rng, k, 0.87, 64)
         policy.observe_acceptance([k] * 64, accepted)
     prefix = policy.prefix_acceptance()
     rates = [prefix[0]] + [b / a for a, b in zip(prefix, prefix[1:])]
@@ -415,8 +421,7 @@ def test_a_batch_whose_verify_grows_with_its_rows_settles_on_the_best_k():
         chosen.append(k)
         policy.observe_time(64, k, (7.7 if k == 0 else 12.76 + 1.45 * k) / 1e3)
         if k:
-            policy.observe_acceptance([k] * 64, [next((i for i in range(k) if rng.random() >= 0.87), k)
-                                                 for _ in range(64)])
+            policy.observe_acceptance([k] * 64, drawn(rng, k, 0.87, 64))
     assert chosen[100:].count(7) > 0.9 * len(chosen[100:])
 
 
@@ -440,7 +445,7 @@ def pipelined_run(policy: DraftLengthPolicy, seed: int, steps: int = 900, fixed:
         host = rng.uniform(8, 14) if rng.random() < 0.01 else rng.uniform(0, 0.15)
         policy.observe_time(16, k, (cost + host - delay) / 1e3, refill=bool(k) and last_k == 0)
         delay, last_k = host, k
-        accepted = [next((i for i in range(k) if rng.random() >= 0.86), k) for _ in range(16)]
+        accepted = drawn(rng, k, 0.86, 16)
         seen = ([k] * 16, accepted) if k else None
         tokens, ms = tokens + sum(accepted) + 16, ms + cost
     return tokens / ms
@@ -521,7 +526,7 @@ def batch64_run(seed: int, steps: int = 600) -> tuple[list[int], float]:
         k = policy.choose(64)
         chosen.append(k)
         policy.observe_time(64, k, BATCH64_MS[k] * rng.uniform(0.99, 1.01) / 1e3)
-        accepted = [next((i for i in range(k) if rng.random() >= 0.86), k) for _ in range(64)]
+        accepted = drawn(rng, k, 0.86, 64)
         if k:
             policy.observe_acceptance([k] * 64, accepted)
         tokens, ms = tokens + 64 + sum(accepted), ms + BATCH64_MS[k]
@@ -565,8 +570,7 @@ def drain_retries(policy: DraftLengthPolicy, seed: int) -> int:
                 drains.append(k)
             policy.observe_time(batch, k, (1 + 0.01 * batch) * (1 + 0.02 * k) * rng.uniform(0.99, 1.01) / 1e3)
             if k:
-                policy.observe_acceptance([k] * batch, [next((i for i in range(k) if rng.random() >= 0.86), k)
-                                                        for _ in range(batch)])
+                policy.observe_acceptance([k] * batch, drawn(rng, k, 0.86, batch))
     return sum(k != 15 for k in drains[len(drains) // 2:])
 
 
