@@ -261,8 +261,8 @@ class SpeculativeConfig:
     adaptive_verification: bool = False
     markov_top_k: int = 0  # DSpark: restrict each Markov step to the top-k base logits (0 = whole vocabulary)
     adaptive_draft_length: bool = True  # pick per step the draft length with the most tokens/s (0 = plain)
-    # the draft lengths that choice is among, besides 0 (plain) and the largest; None: those below it with
-    # K + 1 a power of two (policy.aligned_lengths)
+    # the draft lengths that choice is among, besides 0 (plain) and the largest; None: those below it whose
+    # K + 1 verify rows a request fill whole row tiles, 1, 3, 5, 7, ... (policy.aligned_lengths)
     draft_length_candidates: tuple[int, ...] | None = None
     max_batch_for_speculation: int | None = None
     quantization: str | None = None  # the drafter's: "fp8" quantizes its decoder products at load (per channel)

@@ -87,7 +87,7 @@ def test_bad_drafter_falls_back_to_plain():
 
 def test_short_drafts_when_only_the_first_positions_survive():
     policy = DraftLengthPolicy(15)
-    feed(policy, [0.9, 0.8, 0.7] + [0.05] * 12, {0: 1.0, 1: 1.2, 3: 1.35, 7: 2.2, 15: 3.0})
+    feed(policy, [0.9, 0.8, 0.7] + [0.05] * 12, {0: 1.0, 1: 1.2, 3: 1.35, 5: 1.8, 7: 2.2, 15: 3.0})
     policy.last_tried = {(1, k): 10**9 for k in policy.candidates}
     assert policy.choose(1) == 3
     assert abs(policy.expected_tokens(3) - (1 + 0.9 + 0.72 + 0.504)) < 0.05
@@ -95,7 +95,7 @@ def test_short_drafts_when_only_the_first_positions_survive():
 
 def test_plain_is_measured_first_and_fixed_mode_ignores_costs():
     policy = DraftLengthPolicy(7)
-    assert [policy.choose(4), policy.choose(4)] == [0, 0] and policy.candidates == [0, 1, 3, 7]
+    assert [policy.choose(4), policy.choose(4)] == [0, 0] and policy.candidates == [0, 1, 3, 5, 7]
     assert DraftLengthPolicy(7, adaptive=False).choose(4) == 7
 
 
@@ -105,9 +105,9 @@ def test_only_candidates_that_could_win_are_measured():
     def explore(step_time: dict[int, float], accept: float) -> list[int]:
         return drive(DraftLengthPolicy(7), 40, step_time, accept)
 
-    costly = explore({0: 1.0, 1: 3.0, 3: 3.2, 7: 3.6}, accept=0.3)  # a CPU-like step, a weak drafter
+    costly = explore({0: 1.0, 1: 3.0, 3: 3.2, 5: 3.4, 7: 3.6}, accept=0.3)  # a CPU-like step, a weak drafter
     assert set(costly) == {0, 1} and costly.count(0) >= 35
-    cheap = explore({0: 1.0, 1: 1.02, 3: 1.06, 7: 1.15}, accept=0.95)  # a GPU-like step, a strong one
+    cheap = explore({0: 1.0, 1: 1.02, 3: 1.06, 5: 1.1, 7: 1.15}, accept=0.95)  # a GPU-like step, a strong one
     assert 7 in cheap and cheap[-5:] == [7] * 5
 
 
@@ -185,7 +185,7 @@ def test_a_strong_drafter_reaches_its_whole_block_while_short_drafts_are_explore
     at a shorter K. As in the engine, each choice is made before the last step's acceptance is seen
     (seeded draws: consecutive acceptances at 0.86 each; 60 runs of 150 steps)."""
     # H200, Qwen3-8B shape, DFlash, batch 1 (K = 3 and 7 between the 6.01, 6.24 and 6.26 ms measured at 2, 4 and 8)
-    step_ms = {0: 4.46, 1: 5.97, 3: 6.12, 7: 6.25, 15: 6.33}
+    step_ms = {0: 4.46, 1: 5.97, 3: 6.12, 5: 6.19, 7: 6.25, 15: 6.33}
     shares = whole_block_shares(15, step_ms, 0.86, runs=60, settle=40)
     assert sum(s < 0.9 for s in shares) <= 1 and sum(shares) / len(shares) > 0.95, [round(s, 2) for s in shares]
 
@@ -195,7 +195,8 @@ def test_a_near_tie_with_the_plain_path_stays_plain():
     even by less than the tie margin, it is taken (its lead is the never-slower guarantee)."""
     policy = DraftLengthPolicy(15)
     # at 50 % per position K drafts yield 2 - 0.5^K tokens; each K costs 1-3 % more per token than plain
-    feed(policy, [0.5] * 15, {0: 1.0, 1: 1.5 / 0.99, 3: 1.875 / 0.985, 7: 1.9921875 / 0.98, 15: 2.0 / 0.97})
+    feed(policy, [0.5] * 15, {0: 1.0, 1: 1.5 / 0.99, 3: 1.875 / 0.985, 5: 1.96875 / 0.9825,
+                          7: 1.9921875 / 0.98, 15: 2.0 / 0.97})
     policy.last_tried = {(1, k): 10**9 for k in policy.candidates}
     scores = {k: policy.expected_tokens(k) / policy.estimate(1, k) for k in policy.candidates}
     assert max(scores, key=scores.get) == 0
@@ -258,13 +259,13 @@ def test_a_settled_choice_is_what_scoring_every_step_would_choose():
 def test_view_reports_what_was_chosen_measured_and_expected():
     """The metrics' view: steps per chosen K, each measured (bucket, K)'s lower median, expected tokens."""
     policy = DraftLengthPolicy(8)
-    chosen = drive(policy, 300, {0: 1.0, 1: 1.1, 3: 1.3, 7: 1.7, 8: 1.8}, accept=0.9, batch=16)
+    chosen = drive(policy, 300, {0: 1.0, 1: 1.1, 3: 1.3, 5: 1.5, 7: 1.7, 8: 1.8}, accept=0.9, batch=16)
     view = policy.view()
     assert view.chosen == {k: chosen.count(k) for k in set(chosen)} and sum(view.chosen.values()) == 300
-    assert view.step_seconds == {(16, k): t for k, t in {0: 1.0, 1: 1.1, 3: 1.3, 7: 1.7, 8: 1.8}.items()
+    assert view.step_seconds == {(16, k): t for k, t in {0: 1.0, 1: 1.1, 3: 1.3, 5: 1.5, 7: 1.7, 8: 1.8}.items()
                                  if k in chosen}
     prefix = policy.prefix_acceptance()
-    assert view.expected_tokens == {k: 1 + sum(prefix[:k]) for k in (0, 1, 3, 7, 8)}
+    assert view.expected_tokens == {k: 1 + sum(prefix[:k]) for k in (0, 1, 3, 5, 7, 8)}
     assert view.expected_tokens[0] == 1 and view.expected_tokens[8] > view.expected_tokens[1] > 1
 
 
@@ -357,7 +358,7 @@ def test_a_strong_drafter_is_found_where_one_draft_costs_more_than_it_yields():
     A couple of K = 1 trials must not condemn the longer drafts they never offered: an unmeasured K is
     scored with its positions' acceptance at the upper end of what their few trials allow, tried, and
     kept (seeded draws, 40 runs of 150 steps; the choice made before the last step's acceptance is seen)."""
-    step_ms = {0: 1.08, 1: 2.72, 3: 2.78, 7: 2.86}  # 2-core CPU, tiny shape, DFlash block 8, batch 1
+    step_ms = {0: 1.08, 1: 2.72, 3: 2.78, 5: 2.82, 7: 2.86}  # 2-core CPU, tiny shape, DFlash block 8, batch 1
     shares = whole_block_shares(7, step_ms, 0.95, runs=40, settle=30)
     assert sum(s < 0.9 for s in shares) <= 1 and sum(shares) / len(shares) > 0.95, [round(s, 2) for s in shares]
 
@@ -365,7 +366,7 @@ def test_a_strong_drafter_is_found_where_one_draft_costs_more_than_it_yields():
 def unlucky_start(recorded: list[float] | None, steps: int = 150, seed: int = 0) -> list[int]:
     """A drafter accepting each next position at 75 % whose first two drafted steps are rejected
     outright, at the flagship pair's CPU step times (batch 1, DSpark block 8); returns the choices."""
-    step_ms = {0: 4.6, 1: 14.0, 3: 12.0, 7: 11.9, 8: 12.0}
+    step_ms = {0: 4.6, 1: 14.0, 3: 12.0, 5: 11.95, 7: 11.9, 8: 12.0}
     policy, rng, drafted, chosen = DraftLengthPolicy(8, recorded=recorded), random.Random(seed), 0, []
     for _ in range(steps):
         k = policy.choose(1)
@@ -427,7 +428,7 @@ def test_a_batch_whose_verify_grows_with_its_rows_settles_on_the_best_k():
 
 # H200, Qwen3-8B shape, DFlash at batch 16, 86 % per position: K = 7 beats the whole block by 5 % a token
 # (a plain step between speculative ones 7.3 ms; the speculative step after it 6.5 ms over its usual)
-BATCH16_MS = {0: 7.3, 1: 7.4, 3: 7.6, 7: 8.5, 15: 11.8}
+BATCH16_MS = {0: 7.3, 1: 7.4, 3: 7.6, 5: 8.05, 7: 8.5, 15: 11.8}
 
 
 def pipelined_run(policy: DraftLengthPolicy, seed: int, steps: int = 900, fixed: int | None = None,
@@ -497,9 +498,11 @@ def test_the_trace_records_every_observation_and_choice_in_order():
 
 
 def test_the_draft_lengths_to_choose_among_can_be_given_and_survive_a_fresh_start():
-    """By default the policy chooses among 0, K and the lengths below K with K + 1 a power of two; `lengths`
-    replaces those (0 and K stay), each within 1..K; `fresh()` keeps these settings and forgets what was seen."""
-    assert DraftLengthPolicy(15).candidates == [0, 1, 3, 7, 15] and DraftLengthPolicy(8).candidates == [0, 1, 3, 7, 8]
+    """By default the policy chooses among 0, K and the lengths below K whose K + 1 rows a request fill whole
+    row tiles (1, 3, 5, 7, ...); `lengths` replaces those (0 and K stay), each within 1..K; `fresh()` keeps
+    these settings and forgets what was seen."""
+    assert DraftLengthPolicy(15).candidates == [0, 1, 3, 5, 7, 15]
+    assert DraftLengthPolicy(8).candidates == [0, 1, 3, 5, 7, 8] and DraftLengthPolicy(4).candidates == [0, 1, 3, 4]
     policy = DraftLengthPolicy(15, recorded=[0.9, 0.8], lengths=[7, 11])
     assert policy.candidates == [0, 7, 11, 15]
     with pytest.raises(ConfigError, match=r"draft_length_candidates \[4, 16\]: each must be in 1..15"):
@@ -591,7 +594,7 @@ def plain_retries(lead: float, steps: int = 3000) -> int:
     """Plain choices in `steps` steps at batch 8 where K = 7 (7 tokens a step) beats the plain path by
     `lead` a token and shorter drafts lose."""
     t7 = 7 / (1 + lead)
-    return drive(DraftLengthPolicy(7), steps, {0: 1.0, 1: 0.8 * t7, 3: 0.9 * t7, 7: t7}, 0.9, batch=8).count(0)
+    return drive(DraftLengthPolicy(7), steps, {0: 1.0, 1: 0.8 * t7, 3: 0.9 * t7, 5: 0.95 * t7, 7: t7}, 0.9, batch=8).count(0)
 
 
 def test_plain_re_tries_back_off_only_where_speculation_leads_by_a_wide_margin(monkeypatch):
@@ -601,3 +604,4 @@ def test_plain_re_tries_back_off_only_where_speculation_leads_by_a_wide_margin(m
     wide, thin = plain_retries(1.5), plain_retries(0.1)
     monkeypatch.setattr(policy_module, "PLAIN_LEAD", math.inf)
     assert wide < plain_retries(1.5) / 3 and thin == plain_retries(0.1) and thin > 100, (wide, thin)
+

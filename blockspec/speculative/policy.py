@@ -80,11 +80,13 @@ def typical(samples: Sequence[float]) -> float:
 
 
 def aligned_lengths(k_max: int) -> list[int]:
-    """The draft lengths K below k_max with K + 1 a power of two (1, 3, 7, ...). A step verifies K + 1
-    rows a request, so at a power-of-two batch these fill whole row tiles of the verify's products;
-    one draft more (K = 8 at 32 requests: 288 rows) pays a part-empty tile for its extra row, which
-    costs more than the draft yields once the verify is compute-bound (benchmarks/RESULTS.md)."""
-    return [(1 << i) - 1 for i in range(1, k_max.bit_length() + 1) if (1 << i) - 1 < k_max]
+    """The draft lengths K below k_max whose K + 1 verify rows a request fill whole row tiles of the
+    verify's products: K + 1 a power of two (1, 3, 7, ...) at any power-of-two batch, and K + 1 = 6
+    (K = 5) from 64 requests up (384 rows, three 128-row tiles), where the verify is compute-bound and
+    K = 5 is the best fixed K. One draft more (K = 8 at 32 requests: 288 rows) pays a part-empty tile
+    for its extra row, which costs more than the draft yields (benchmarks/RESULTS.md)."""
+    rows = {1 << i for i in range(1, k_max.bit_length() + 1)} | {6}
+    return sorted(r - 1 for r in rows if r - 1 < k_max)
 
 
 def batch_bucket(batch: int) -> int:
