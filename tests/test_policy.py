@@ -605,3 +605,29 @@ def test_plain_re_tries_back_off_only_where_speculation_leads_by_a_wide_margin(m
     monkeypatch.setattr(policy_module, "PLAIN_LEAD", math.inf)
     assert wide < plain_retries(1.5) / 3 and thin == plain_retries(0.1) and thin > 100, (wide, thin)
 
+
+def drifting_run(seed: int) -> list[int]:
+    """The choices at 64 requests while contexts change under the policy: 600 steps where a K = 5 step
+    takes 19.0 ms and K = 7 21.3 (K = 7 best by 5 % a token at 86 % per position), then 600 where they
+    take 17.0 and 20.6 (K = 5 best by 3 %)."""
+    rng, policy, chosen = random.Random(seed), DraftLengthPolicy(7, lengths=[5]), []
+    for step_ms in ({0: 9.0, 5: 19.0, 7: 21.3}, {0: 8.0, 5: 17.0, 7: 20.6}):
+        for _ in range(600):
+            k = policy.choose(64)
+            chosen.append(k)
+            policy.observe_time(64, k, step_ms[k] * rng.uniform(0.99, 1.01) / 1e3)
+            if k:
+                policy.observe_acceptance([k] * 64, drawn(rng, k, 0.86, 64))
+    return chosen
+
+
+def test_a_re_try_is_weighed_against_the_newest_old_sample_not_a_stale_window(monkeypatch):
+    """A draft length not chosen for a while keeps the samples of when it last ran. Once the step costs
+    move (contexts grow through a wave, and start short in the next), its first re-try finds it best
+    and the policy switches to it; where a re-try joins the old window (the negative control), the old
+    samples outvote it and the policy stays on the worse K for the rest of the run."""
+    switched = [drifting_run(seed)[600:] for seed in range(3)]
+    assert all(after.count(5) > 100 and after[-100:].count(5) > 90 for after in switched), \
+        [Counter(after) for after in switched]
+    monkeypatch.setattr(policy_module, "STALE_CHOICES", math.inf)
+    assert all(drifting_run(seed)[600:].count(5) <= 5 for seed in range(3))

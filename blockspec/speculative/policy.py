@@ -9,8 +9,10 @@ shorter measured K) and at the most acceptance its trials so far allow, and trie
 would be best, so drafts that cannot pay are never timed. Measured candidates are re-tried now and
 then, so the choice follows the workload: the worse a candidate scored, and the more re-tries in a row
 found it still losing, the rarer (the plain path, the baseline, backs off only behind a wide lead), clocked
-in steps at each batch size. The choice is made before drafting and never looks at the drafts,
-so it cannot affect what is emitted: exactness does not depend on it.
+in steps at each batch size; a re-try's time is weighed with the newest of the K's old ones only, as the
+step costs move while it is not chosen (a batch's contexts grow through a wave). The choice is made
+before drafting and never looks at the drafts, so it cannot affect what is emitted: exactness does not
+depend on it.
 
 Choosing K = 0 is not all of the plain path: a request that may draft still feeds the drafter (its
 prompt's context at prefill, the taps of every step): launches on a GPU, compute on a CPU, paid whether
@@ -42,6 +44,7 @@ RECORDED_TRIALS = 8.0  # pseudo-trials a position's rate borrows from the drafte
 EXPLORE_Z = 1.0  # standard errors above its acceptance estimate at which an unmeasured K is scored
 NEAR_TIE = 0.02  # scores within this fraction of the best count as a tie, which a longer K takes ...
 OBSERVED_TRIALS = 16.0  # ... while its deepest position has fewer (decayed) trials than this
+STALE_CHOICES = 8  # a draft length's samples older than this many choices at its batch bucket are stale
 PLAIN_LEAD = 0.25  # a lead over the plain path past which its re-tries back off like any losing K's
 PARK_TURNOVERS = 2  # the first park of a batch bucket where plain wins covers this many times its size in arrivals
 MAX_PARK_DOUBLINGS = 6  # each park whose re-tries find plain still best doubles the next, up to 64x
@@ -117,6 +120,7 @@ class DraftLengthPolicy:
         # (batch bucket, K) -> recent step seconds; estimates take their lower median (`typical`)
         self.samples: dict[tuple[int, int], deque[float]] = {}
         self.last_tried: dict[tuple[int, int], int] = {}
+        self.sampled_at: dict[tuple[int, int], int] = {}  # (batch bucket, K) -> its clock at the last sample
         # (batch bucket, K) -> re-tries in a row that found K still losing; each doubles K's interval
         self.confirmed_losses: dict[tuple[int, int], int] = {}
         self._retried: tuple[int, int] | None = None  # the re-try of the previous choose(), if any
@@ -165,6 +169,15 @@ class DraftLengthPolicy:
         key = (batch_bucket(batch), self._candidate(k))
         after, self._last_timed = self._last_timed, key
         window = self.samples.setdefault(key, deque(maxlen=5))
+        now = self.clock[key[0]]
+        if k and now - self.sampled_at.get(key, now) > STALE_CHOICES:
+            # a re-try: its old samples were taken where the batch's contexts were longer or shorter (they
+            # grow through a wave and start short in the next), and would outvote the new one; the newest
+            # stays, so one outlying sample does not decide alone. The plain path, the baseline whose
+            # outliers would park a batch size, keeps its whole window
+            while len(window) > 1:
+                window.popleft()
+        self.sampled_at[key] = now
         before = typical(window) if len(window) >= 2 else None
         plain = self.samples.get((key[0], 0))
         if refill and k and after == (key[0], 0) and before is not None and seconds > before and plain:
