@@ -25,6 +25,7 @@ from pathlib import Path
 
 from blockspec import LLM, SamplingParams
 from blockspec.demo import ASSETS, heldout_prompts
+from blockspec.models import cpu_linear
 
 METHODS = [("greedy", "standard"), ("probabilistic", "standard"), ("probabilistic", "block")]
 
@@ -56,12 +57,15 @@ def main() -> None:
     ap.add_argument("--ignore-eos", action="store_true", help="decode max-tokens whatever the target emits")
     ap.add_argument("--out", default=None)
     ap.add_argument("--drafters", default="dflash,dspark", help="which drafters to measure (none: no drafter)")
+    ap.add_argument("--draft-head-fp32", action="store_true",
+                    help="the drafters' LM head in float32 where the CPU would take it in bfloat16 (cpu_linear)")
     ap.add_argument("--target-confidence", action="store_true",
                     help="also report the target's confidence in its own greedy tokens")
     for drafter in ("dflash", "dspark"):
         ap.add_argument(f"--{drafter}", type=Path, default=ASSETS / drafter,
                         help=f"the {drafter} drafter measured (default: the shipped one)")
     args = ap.parse_args()
+    cpu_linear.DRAFT_HEAD_BF16 = not args.draft_head_fp32
     prompts = heldout_prompts(args.prompts)
     rows = []
     if args.target_confidence:
@@ -89,7 +93,8 @@ def main() -> None:
                                 if i < len(before["num_accepted_tokens_per_pos"]) else 0)
                            for i, a in enumerate(after["num_accepted_tokens_per_pos"])]
                 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-                row = {"drafter": drafter, "model": str(getattr(args, drafter)), "draft_sample_method": draft_method, "rejection_sample_method": rule,
+                row = {"drafter": drafter, "model": str(getattr(args, drafter)), "draft_sample_method": draft_method,
+                       "rejection_sample_method": rule, "draft_head": "fp32" if args.draft_head_fp32 else "auto",
                        "temperature": temp, "prompts": len(prompts), "ignore_eos": args.ignore_eos,
                        "tokens": tokens, "steps": drafts,
                        "mean_acceptance_length": 1 + accepted / max(drafts, 1),

@@ -1,10 +1,13 @@
 """Float32 linears through oneDNN on the CPU: the same products as `F.linear` (the reference path), switched
 in place without touching parameters or ties, and never where oneDNN disagrees with the reference. Packed
-weights give the same products and follow in-place changes of the weights."""
+weights give the same products and follow in-place changes of the weights. A drafter's LM head takes
+bfloat16 products where the CPU has them, and the engine's output stays plain decoding's."""
 
 from __future__ import annotations
 
 import copy
+import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,9 +16,10 @@ from torch.nn import functional as F
 
 from blockspec import LLM, SamplingParams
 from blockspec.models import cpu_linear
-from blockspec.models.cpu_linear import OneDNNLinear, onednn_available, use_onednn_linears
+from blockspec.models.cpu_linear import (BF16Product, OneDNNLinear, draft_head_product, onednn_available,
+                                         use_onednn_linears)
 
-from factories import save_tiny_model_with_tokenizer
+from factories import save_drafter_target, save_tiny_model_with_tokenizer
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="oneDNN products unavailable on this CPU build")
 
@@ -117,3 +121,58 @@ def test_a_model_too_large_for_a_second_copy_is_not_packed(monkeypatch):
     x = torch.randn(3, 64)
     assert torch.allclose(model(x), F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight,
                                               model[1].bias), rtol=1e-5, atol=1e-4)
+
+
+needs_bf16 = pytest.mark.skipif(not cpu_linear.bf16_products(), reason="this CPU has no bfloat16 products")
+DRAFTERS = Path(__file__).parent / "fixtures" / "drafters"
+
+
+@needs_bf16
+def test_a_bfloat16_product_is_the_product_of_the_rounded_operands_and_follows_its_weight():
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(300, 64, generator=gen), torch.randn(2, 5, 64, generator=gen)
+    product = BF16Product(w)
+    for _ in range(2):  # the second time after an in-place change of the weight
+        y = product(x)
+        ref = F.linear(x.bfloat16().double(), w.bfloat16().double())
+        assert y.dtype == torch.bfloat16 and y.shape == (2, 5, 300)
+        assert ((y.double() - ref).abs() <= ref.abs() * 2**-7 + 1e-4).all()  # one rounding to bfloat16
+        assert not torch.equal(y.float(), F.linear(x, w))  # not the float32 product
+        w.mul_(3.0)
+    assert torch.equal(pickle.loads(pickle.dumps(product))(x), product(x))  # packs its own copy again
+
+
+def test_a_drafter_head_is_bfloat16_only_where_the_cpu_multiplies_it(monkeypatch):
+    head = nn.Linear(4, 8, bias=False)
+    monkeypatch.setattr(cpu_linear, "bf16_products", lambda: False)
+    assert draft_head_product(head) is None
+    monkeypatch.setattr(cpu_linear, "bf16_products", lambda: True)
+    assert isinstance(draft_head_product(head), BF16Product)
+    assert draft_head_product(nn.Linear(4, 8)) is None  # a bias: the head's own product
+    shard = type("VocabParallelLMHead", (nn.Module,), {})()  # a rank's shard gathers across ranks
+    shard.weight, shard.bias = head.weight, None
+    assert draft_head_product(shard) is None
+    monkeypatch.setattr(cpu_linear, "PACK_MAX_BYTES", head.weight.numel())  # no room for the copy
+    assert draft_head_product(head) is None
+    monkeypatch.setattr(cpu_linear, "PACK_MAX_BYTES", 2 << 30)
+    monkeypatch.setattr(cpu_linear, "DRAFT_HEAD_BF16", False)
+    assert draft_head_product(head) is None
+
+
+@needs_bf16
+@pytest.mark.parametrize("method", ["dflash", "dspark_vanilla"])
+def test_the_cpu_engine_drafts_through_the_bfloat16_head_and_decodes_as_plain(tmp_path, method):
+    target = save_drafter_target(tmp_path / "target")
+    spec = {"method": method.split("_")[0], "model": str(DRAFTERS / method), "adaptive_draft_length": False}
+    llm = LLM(str(target), device="cpu", seed=0, speculative_config=spec)
+    drafter = llm.engine.proposer.drafter
+    assert isinstance(drafter.head_product, BF16Product) and not drafter.plain_target_head
+    calls = []
+    bf16 = drafter.head_product
+    drafter.head_product = lambda h: calls.append(h.shape) or bf16(h)
+    prompt = {"prompt_token_ids": [3, 4, 5, 6]}
+    params = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    fast = llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs[0].token_ids
+    plain = llm.generate(prompt, SamplingParams(**params, use_speculation=False), use_tqdm=False)[0].outputs[0].token_ids
+    assert calls and fast == plain
+    assert llm.get_stats()["num_drafts"] > 0

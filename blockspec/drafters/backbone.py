@@ -173,6 +173,9 @@ class DraftModel(nn.Module):
         self.use_own_embedding = self.embed_tokens is not None
         self.use_own_head = self.lm_head is not None
         self._target = None
+        # the LM head's product where it is not the head module's own (the engine sets a bfloat16 one on a CPU
+        # that has them: `models.cpu_linear.draft_head_product`)
+        self.head_product: Callable[[Tensor], Tensor] | None = None
         self.rotary = self._make_rotary()
         self.attention_backend = "sdpa"  # the engine sets "triton" on GPUs (see kernels.attention)
         # the engine sets float8_e4m3fn for an FP8 cache (on the kernel path the block's own K/V are
@@ -183,9 +186,10 @@ class DraftModel(nn.Module):
 
     @property
     def plain_target_head(self) -> bool:
-        """The drafter's logits are exactly the target LM head's (no own head, scale or softcap)."""
+        """The drafter's logits are exactly the target LM head's (no own head or product, scale or softcap)."""
         c = self.config
-        return not self.use_own_head and c.output_multiplier == 1.0 and not c.final_logit_softcapping
+        return (not self.use_own_head and self.head_product is None and c.output_multiplier == 1.0
+                and not c.final_logit_softcapping)
 
     @property
     def feature_width(self) -> int:
@@ -475,9 +479,9 @@ class DraftModel(nn.Module):
     def logits(self, hidden: Tensor, target: nn.Module | None = None) -> Tensor:
         """fp32 logits over the draft vocabulary (own LM head) or the target vocabulary (shared head)."""
         c = self.config
-        if self.use_own_head:
-            out = self.lm_head(hidden).float()
-            if c.logit_scale != 1.0:
+        if self.head_product is not None or self.use_own_head:
+            out = (self.head_product or self.lm_head)(hidden).float()
+            if self.use_own_head and c.logit_scale != 1.0:
                 out = out * c.logit_scale
         else:
             target = target if target is not None else self._target

@@ -31,7 +31,7 @@ from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.timer import StepTimer
 from blockspec.errors import RequestError
 from blockspec.kernels.attention import resolve_backend
-from blockspec.models.cpu_linear import use_onednn_linears
+from blockspec.models.cpu_linear import draft_head_product, use_onednn_linears
 from blockspec.models.kv_cache import PageTable, kv_storage_dtype
 from blockspec.models.llama import CausalLM
 from blockspec.models.quant import is_quantized, quantize_model
@@ -109,6 +109,8 @@ class Engine:
         if drafter is not None:
             # proposer_cls: a Proposer subclass (e.g. the benchmark-only SyntheticProposer); None = Proposer
             self.proposer = (proposer_cls or Proposer)(drafter, model, self.runner, spec_config, context)
+            if self.device.type == "cpu":  # after the proposer has the drafter share the target's head
+                drafter.head_product = draft_head_product(drafter.lm_head if drafter.use_own_head else model.lm_head)
         self.sampling = BatchSampling(self.runner, self.vocab_size, self.eos_ids)
         self.output = OutputProcessor(self.eos_ids, config.max_model_len)
         self.pipeline = Pipeline()

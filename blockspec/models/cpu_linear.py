@@ -10,6 +10,11 @@ A weight that oneDNN reads in its own blocked layout ("packed") streams faster, 
 cost what one does: a 2048 x 256 weight from memory, 58 against 72 us for one row, 69 against 100 us
 for nine. Packing keeps a second copy of each weight, so a model is packed only while its float32
 linear weights fit `PACK_MAX_BYTES`.
+
+A drafter's LM head is the exception to float32 (`BF16Product`): on a CPU that multiplies bfloat16 in
+hardware it reads a bfloat16 copy, half the bytes of the largest weight a draft streams. Drafts need
+no more precision than the bfloat16 their drafters are trained and published in; the verification
+that decides the output stays in float32.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from torch.nn import functional as F
 
 PACK_ROWS = 16  # the row count oneDNN lays a packed weight out for: a verify's or a draft block's rows
 PACK_MAX_BYTES = 2 << 30  # the float32 linear weights of a model packed at most (the copy's memory)
+DRAFT_HEAD_BF16 = True  # a drafter's LM head in bfloat16 where the CPU has bf16 products (benchmarks turn it off)
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -47,18 +53,58 @@ class OneDNNLinear(nn.Linear):
         return _onednn_linear(x, self._packed_weight() if self.pack else self.weight, self.bias)
 
     def _packed_weight(self) -> torch.Tensor:
-        w, state = self.weight, self.__dict__
-        key = (w.data_ptr(), w._version)
-        if state.get("_packed_key") != key:
-            state["_packed"], state["_packed_key"] = _pack(w), key
-        return state["_packed"]
+        return _packed_copy(self.__dict__, self.weight, self.weight.dtype)
 
     def __getstate__(self) -> dict:
-        """Without the packed copy (an opaque tensor cannot be copied or pickled): it is made again."""
-        state = self.__dict__.copy()
-        state.pop("_packed", None)
-        state.pop("_packed_key", None)
-        return state
+        return _without_packed_copy(self.__dict__)
+
+
+class BF16Product:
+    """x -> x @ weight^T, both rounded to bfloat16, accumulated in float32 and returned in bfloat16 by oneDNN,
+    from a packed bfloat16 copy of `weight` (made on first use, and again when the weight changes in place)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        packed = _packed_copy(self.__dict__, self.weight, torch.bfloat16)
+        return _onednn_linear(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), packed, None).view(*x.shape[:-1], -1)
+
+    def __getstate__(self) -> dict:
+        return _without_packed_copy(self.__dict__)
+
+
+def _packed_copy(state: dict, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight` in `dtype`, packed, kept in `state` (an object's __dict__) until the weight changes (its
+    version counter; a change through `.data` is not seen)."""
+    key = (weight.data_ptr(), weight._version)
+    if state.get("_packed_key") != key:
+        state["_packed"], state["_packed_key"] = _pack(weight.to(dtype)), key
+    return state["_packed"]
+
+
+def _without_packed_copy(state: dict) -> dict:
+    """`state` without the packed copy (an opaque tensor cannot be copied or pickled): it is made again."""
+    return {k: v for k, v in state.items() if k not in ("_packed", "_packed_key")}
+
+
+def draft_head_product(head: nn.Module) -> BF16Product | None:
+    """The product a drafter's LM head (its own or the target's) takes on the CPU: `BF16Product` over its
+    weight where the head is one linear (not a rank's shard), this CPU multiplies bfloat16 in hardware
+    (AVX512-BF16 or AMX) and the copy fits `PACK_MAX_BYTES`; None, the head's own product, elsewhere."""
+    if not (DRAFT_HEAD_BF16 and type(head) in (nn.Linear, OneDNNLinear) and head.bias is None
+            and head.weight.device.type == "cpu" and bf16_products()):
+        return None
+    return BF16Product(head.weight) if head.weight.numel() * 2 <= PACK_MAX_BYTES else None
+
+
+@functools.cache
+def bf16_products() -> bool:
+    """oneDNN takes bfloat16 here and the CPU multiplies it in hardware (elsewhere oneDNN emulates it, slower
+    than float32)."""
+    native = (getattr(torch.cpu, "_is_avx512_bf16_supported", bool)()
+              or getattr(torch.cpu, "_is_amx_tile_supported", bool)())
+    return native and onednn_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 @functools.cache
