@@ -53,6 +53,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens one step prefills at most (longer prompts are chunked); "
                         "--max-num-batched-tokens is vLLM's name for it (the running requests' decode rows come on "
                         "top of it here)")
+    g.add_argument("--graph-prefill-tokens", type=int, default=EngineConfig.graph_prefill_tokens,
+                   help="on CUDA with the Triton attention kernel, prefill batches of at most this many padded tokens "
+                        "replay CUDA graphs captured at start-up (0: eager prefill)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="split the target across N ranks")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "sdpa"],
                    help="auto: the Triton kernel on CUDA when triton is installed, else PyTorch SDPA")
@@ -172,6 +175,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                max_model_len=args.max_model_len, seed=args.seed, speculative_config=speculative_config(args),
                max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
+               graph_prefill_tokens=args.graph_prefill_tokens,
                tensor_parallel_size=args.tensor_parallel_size,
                attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization,
                kv_page_size=args.kv_page_size, num_kv_pages=args.num_kv_pages,

@@ -219,6 +219,20 @@ def test_vllm_flag_names_reach_the_engine(text_dir):
     assert "adaptive_draft_length" not in speculative_config(parsed([str(text_dir), "--draft-model", "d"]))
 
 
+def test_every_engine_limit_has_its_flag(text_dir):
+    """README's options table promises a `--flag` of the same name for each of `LLM`'s engine limits."""
+    import dataclasses
+
+    from blockspec.config import EngineConfig
+
+    args = parsed([str(text_dir), "--device", "cpu"])
+    missing = [f.name for f in dataclasses.fields(EngineConfig) if not hasattr(args, f.name)]
+    assert missing == []
+    config = build_llm(parsed([str(text_dir), "--device", "cpu", "--max-model-len", "96",
+                               "--graph-prefill-tokens", "0"])).engine.config
+    assert config.graph_prefill_tokens == 0
+
+
 def test_version_and_defaults_in_help(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
