@@ -25,7 +25,7 @@ from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.drafters import DraftModel
 from blockspec.engine import memory
 from blockspec.engine.batch import BatchSampling, needs_history, needs_processing
-from blockspec.engine.output import OutputProcessor, grammar_ending
+from blockspec.engine.output import OutputProcessor
 from blockspec.engine.pipeline import Pipeline, PlainLaunch, SpecLaunch, priced_from
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.timer import StepTimer
@@ -819,16 +819,13 @@ class Engine:
 
     # ---------------------------------------------------------------- commit
     def _append(self, req: Request, tokens: list[int], lps: list[dict[int, Logprob]] | None) -> None:
-        """Commit the step's tokens; a request that goes on counts them in its penalty history and its
-        grammar, and ends where the grammar is complete."""
+        """Commit the step's tokens (which advances a grammar); a request that goes on counts them in its
+        penalty history."""
         start = len(req.output_ids)
         ending = self.output.commit(req, tokens, lps)
         if ending is None:
-            new = req.output_ids[start:]
-            self.sampling.add_history(req, new)
-            if req.grammar is not None:
-                ending = grammar_ending(req.grammar, new)
-        if ending is not None:
+            self.sampling.add_history(req, req.output_ids[start:])
+        else:
             self._finish(req, ending.reason, ending.stop_reason, ending.error)
 
     def _fail(self, req: Request, message: str) -> None:

@@ -1,6 +1,7 @@
 """Committing a step's tokens to a request: text through its incremental detokeniser, logprobs, and
-the rules that end it (EOS, stop ids, stop strings, max_tokens, the context). A stop inside a block
-of accepted tokens drops the rest of the block."""
+the rules that end it (EOS, stop ids, stop strings, max_tokens, the context, a structured-output
+grammar's end), token by token. A stop inside a block of accepted tokens drops the rest of the block,
+so a speculative step ends a request exactly where plain decoding would."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ class OutputProcessor:
 
     def commit(self, req: Request, tokens: list[int], lps: list[dict[int, Logprob]] | None) -> Ending | None:
         """Append tokens one by one until one ends the request; how it ended, or None while it runs on.
-        A -1 token (a row whose logits were not finite) fails the request there."""
+        A -1 token (a row whose logits were not finite) fails the request there. A request with a grammar
+        advances it by each token and ends at the token that completes it."""
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
         p = req.params
@@ -60,6 +62,10 @@ class OutputProcessor:
                 return Ending("length")
             if req.length >= self.max_model_len:
                 return Ending("length")
+            if req.grammar is not None:
+                ending = grammar_ending(req.grammar, [tok])
+                if ending is not None:
+                    return ending
         return None
 
     @staticmethod
@@ -79,7 +85,7 @@ class OutputProcessor:
 
 
 def grammar_ending(grammar: GrammarMatcher, tokens: list[int]) -> Ending | None:
-    """Advance a request's grammar by its committed tokens: it ends (stop) once the grammar is complete,
+    """Advance a request's grammar by committed tokens: it ends (stop) once the grammar is complete,
     and fails if a token left it (the masks make that impossible unless they are bypassed)."""
     if not grammar.consume_tokens(tokens):
         return Ending("error", error=f"the output left its structured-output grammar: {grammar.get_error()}")
