@@ -321,6 +321,21 @@ QUANTIZATIONS = ("fp8",)  # EngineArgs.quantization: applied to an unquantized c
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 (vLLM's fp8_e4m3): e4m3
 
 
+SEED_RANGE = (-(2**63), 2**63 - 1)  # an engine's seed is kept as an int64, as a request's is
+
+
+def check_integer(cfg: Any, name: str, low: int, high: int | None = None, optional: bool = False) -> None:
+    """A ConfigError naming the field unless cfg.<name> is an integer (not a bool) in [low, high] (or None
+    where optional)."""
+    value = getattr(cfg, name)
+    if optional and value is None:
+        return
+    if isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high):
+        return
+    bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+    raise ConfigError(f"{name} must be an integer {bounds}{' or None' if optional else ''}, got {value!r}")
+
+
 @dataclass
 class EngineConfig:
     """Limits of one engine instance (memory is planned from these at start-up)."""
@@ -357,16 +372,16 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        for name, low in (("max_num_seqs", 1), ("max_prefill_tokens", 1), ("graph_prefill_tokens", 0)):
+            check_integer(self, name, low)
+        check_integer(self, "max_model_len", 2, optional=True)  # optional in EngineArgs (the model's)
+        check_integer(self, "seed", SEED_RANGE[0], SEED_RANGE[1], optional=True)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if not isinstance(self.graph_prefill_tokens, int) or self.graph_prefill_tokens < 0:
-            raise ConfigError(f"graph_prefill_tokens must be an integer >= 0, got {self.graph_prefill_tokens!r}")
-        if not isinstance(self.kv_page_size, int) or not 1 <= self.kv_page_size <= 1024:
-            raise ConfigError(f"kv_page_size must be an integer in [1, 1024], got {self.kv_page_size!r}")
-        if self.num_kv_pages is not None and (not isinstance(self.num_kv_pages, int) or self.num_kv_pages < 1):
-            raise ConfigError(f"num_kv_pages must be an integer >= 1 or None (auto), got {self.num_kv_pages!r}")
+        check_integer(self, "kv_page_size", 1, 1024)
+        check_integer(self, "num_kv_pages", 1, optional=True)  # None: auto
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.async_scheduling not in (None, True, False):

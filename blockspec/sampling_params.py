@@ -16,6 +16,7 @@ MAX_LOGPROBS = 20
 MAX_BAD_WORDS = 128  # each is matched against every sampled row's history on the host (vLLM's runner V2: as many)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: -100 bans a token, +100 all but forces it
 INT64 = (-(2**63), 2**63 - 1)  # seeds are keyed as int64 on the device
+GREEDY_BELOW = 1e-5  # temperatures under this decode greedily
 SHORT = reprlib.Repr()  # a bad value quoted in an error, cut short
 SHORT.maxstring = SHORT.maxother = 60
 SHORT.maxlong = 40
@@ -66,7 +67,8 @@ class StructuredOutputsParams:
 
 @dataclass
 class SamplingParams:
-    """How one request is decoded. temperature 0 is greedy; top_k 0 or -1 turns top-k off.
+    """How one request is decoded. temperature 0 is greedy, and so is one below 1e-5 (vLLM's rule: the
+    scaled logits of a smaller one can overflow float32); top_k 0 or -1 turns top-k off.
 
     `prompt_logprobs` (k): every prompt token after the first with its logprob given the tokens before
     it and the k most likely alternatives with their ranks (the first token: None). They are the model's
@@ -117,6 +119,8 @@ class SamplingParams:
 
         integer("n", 1, 128, "an integer in [1, 128]")
         check(number("temperature") >= 0, "temperature", ">= 0 (0 = greedy)")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
         check(0 < number("top_p") <= 1, "top_p", "in (0, 1]")
         integer("top_k", -1, INT64[1], "an integer >= -1 (0 or -1 = off)")
         check(0 <= number("min_p") <= 1, "min_p", "in [0, 1]")

@@ -133,6 +133,18 @@ def test_invalid_sampling_values_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
+def test_a_temperature_below_1e_5_decodes_greedily(llm):
+    """logits / 1e-39 overflow float32 (the request used to fail with non-finite logits); vLLM decodes
+    temperatures under 1e-5 greedily, and so does blockspec. 1e-5 itself still samples."""
+    greedy = llm.generate(["ab"], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]
+    for t in (1e-45, 1e-39, 1e-20, 9.9e-6):
+        params = SamplingParams(temperature=t, max_tokens=6, seed=1)
+        assert params.greedy and params.temperature == 0.0
+        out = llm.generate(["ab"], params, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "length" and out.token_ids == greedy.token_ids
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
 def test_bad_requests_fail_before_any_work(llm):
     good = SamplingParams(max_tokens=4)
     with pytest.raises(RequestError, match="prompt 1: the prompt is empty"):
@@ -228,6 +240,16 @@ def test_llm_config_errors(tmp_path):
                                                               "draft_length_candidates": bad})
     with pytest.raises(ConfigError, match="async_scheduling must be true, false or None"):
         LLM(str(path), device="cpu", async_scheduling="yes")
+    # every integer limit is checked before any work, its name and range in the message (a prefill limit of
+    # 0 used to start and then fail every request; a bad seed to fail deep in torch)
+    for field, bad, says in [("max_prefill_tokens", 0, ">= 1"), ("max_prefill_tokens", 1.5, ">= 1"),
+                             ("max_num_seqs", True, ">= 1"), ("max_model_len", 1, ">= 2 or None"),
+                             ("graph_prefill_tokens", -1, ">= 0"), ("kv_page_size", 0, r"in \[1, 1024\]"),
+                             ("num_kv_pages", 0, ">= 1 or None"), ("seed", "x", r"in \[-9223372036854775808, "),
+                             ("seed", 2**70, r"in \[.*, 9223372036854775807\] or None")]:
+        with pytest.raises(ConfigError, match=rf"^{field} must be an integer {says}.*got {bad!r}"):
+            LLM(str(path), device="cpu", **{field: bad})
+    assert LLM(str(path), device="cpu", seed=-(2**63), max_prefill_tokens=1).engine.config.max_prefill_tokens == 1
     assert LLM(str(path), device="cpu", async_scheduling=True).engine.async_scheduling is True
     assert LLM(str(path), device="cpu").engine.async_scheduling is False  # auto: off on the CPU
 

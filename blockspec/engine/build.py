@@ -119,13 +119,9 @@ def build_engine(
     dev = resolve_device(a.device)
     model_dir = resolve_model_dir(model)
     cfg_len = read_json(model_dir / "config.json").get("max_position_embeddings", 4096)
-    if a.max_model_len is not None and (not isinstance(a.max_model_len, int) or a.max_model_len < 2):
-        raise ConfigError(f"max_model_len must be an integer >= 2, got {a.max_model_len!r}")
     max_len = a.max_model_len or min(int(cfg_len), 4096)
     if max_len > cfg_len:
         raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings ({cfg_len})")
-    if not isinstance(a.max_num_seqs, int) or a.max_num_seqs < 1:
-        raise ConfigError(f"max_num_seqs must be an integer >= 1, got {a.max_num_seqs!r}")
     defaults = generation_defaults(model_dir, a.generation_config)  # before the weights: a bad file fails fast
     margin = 64  # RoPE rows for draft/verify positions past the committed length
     target, model_dir = load(model_dir, a.dtype, dev, max_len + margin, a.quantization)
