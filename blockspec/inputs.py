@@ -43,6 +43,19 @@ def read_chat_template(value: str) -> str:
     return path.read_text()
 
 
+def text_content(parts: list[Any], where: str) -> str:
+    """A message's content given as OpenAI content parts, as a chat template takes it: the text parts'
+    texts joined by newlines (vLLM's rule); any other part is refused by name (a text model)."""
+    texts = []
+    for k, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise RequestError(f"{where}, content part {k}: {kind!r} parts are not supported; a text model takes "
+                               "{'type': 'text', 'text': ...}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 @dataclass
 class ModelInputs:
     """What turning user input into checked token ids needs of a loaded model, without its weights:
@@ -153,6 +166,8 @@ class ModelInputs:
         for i, conv in enumerate(conversations):
             if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
                 raise RequestError(f"conversation {i}: messages must be a non-empty list of {{'role', 'content'}}")
+            conv = [{**m, "content": text_content(m["content"], f"conversation {i}, message {j}")}
+                    if isinstance(m["content"], list) else m for j, m in enumerate(conv)]
             ids = self.tokenizer.apply_chat_template(
                 conv, add_generation_prompt=add_generation_prompt, tokenize=True,
                 chat_template=read_chat_template(chat_template) if chat_template is not None else None,

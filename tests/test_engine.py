@@ -115,6 +115,20 @@ def test_chat_template(llm):
     assert out[0].prompt_token_ids == list(expect)
 
 
+def test_chat_content_parts_are_their_texts(llm):
+    """OpenAI content parts reach the template as their texts joined by newlines, as vLLM's LLM.chat and
+    the server give them (not as the list's Python repr); a part that is not text is refused by name."""
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    got = llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)
+    want = llm.chat([{"role": "user", "content": "hi\nthere"}], params, use_tqdm=False)
+    assert got[0].prompt_token_ids == want[0].prompt_token_ids
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    with pytest.raises(RequestError, match=r"conversation 0, message 1, content part 1: 'image_url' parts are not"):
+        llm.chat([{"role": "system", "content": "s"}, {"role": "user", "content": [parts[0], image]}], params,
+                 use_tqdm=False)
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"), (dict(max_tokens=0), "max_tokens"),

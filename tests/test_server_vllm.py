@@ -205,6 +205,14 @@ def test_bad_words_in_extra_body(server, offline):
     assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
 
 
+def test_text_parts_reach_the_template_joined_by_newlines():
+    """vLLM's rule, shared with LLM.chat (inputs.text_content)."""
+    from blockspec.server.protocol import ChatMessage
+
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+    assert ChatMessage(role="user", content=parts).for_template() == {"role": "user", "content": "hi\nthere"}
+
+
 def test_an_image_part_is_refused_by_name(server):
     messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                              {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]

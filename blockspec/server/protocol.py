@@ -17,6 +17,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from blockspec.inputs import text_content
 from blockspec.sampling_params import SamplingError, SamplingParams, StructuredOutputsParams
 
 
@@ -231,7 +232,7 @@ class ChatMessage(BaseModel):
     def for_template(self) -> dict[str, Any]:
         msg = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            msg["content"] = "".join(part.text for part in self.content)
+            msg["content"] = text_content([part.model_dump() for part in self.content], "message")
         return msg
 
 
