@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import transformers
@@ -70,6 +72,20 @@ def test_stops_and_lengths(llm):
     out = llm.generate("a", SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_id]), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == ids[: ids.index(stop_id) + 1]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
+    # ... its text only with include_stop_str_in_output (vLLM's rule); an EOS stop likewise, with no stop_reason
+    k = ids.index(stop_id)
+    decode = functools.partial(llm.tokenizer.decode, skip_special_tokens=True)
+    assert out.outputs[0].text == decode(ids[:k]) != decode(ids[: k + 1])
+    shown = llm.generate("a", SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_id],
+                                             include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert shown.token_ids == ids[: k + 1] and shown.text == decode(ids[: k + 1])
+    eos_ids = llm.engine.output.eos_ids
+    llm.engine.output.eos_ids = [stop_id]
+    try:
+        eos = llm.generate("a", SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.engine.output.eos_ids = eos_ids
+    assert (eos.token_ids, eos.text, eos.finish_reason, eos.stop_reason) == (ids[: k + 1], decode(ids[:k]), "stop", None)
     # stop string: text cut before it (or kept with include_stop_str_in_output)
     needle = text[10:13]
     cut = llm.generate("a", SamplingParams(temperature=0, max_tokens=40, stop=[needle]), use_tqdm=False)[0]

@@ -47,17 +47,19 @@ class OutputProcessor:
             if lps is not None and req.logprobs is not None:
                 req.logprobs.append(lps[j])
                 req.cumulative_logprob += lps[j][tok].logprob
-            new_text = req.detok.add(tok) if req.detok else ""
             n_out = len(req.output_ids)
-            if n_out >= p.min_tokens:
-                if not p.ignore_eos and tok in self.eos_ids:
-                    return Ending("stop", tok)
-                if p.stop_token_ids and tok in p.stop_token_ids:
-                    return Ending("stop", tok)
-                if p.stop_strings and new_text:
-                    stop = self._stop_string(req, len(new_text))
-                    if stop is not None:
-                        return Ending("stop", stop)
+            eos = n_out >= p.min_tokens and not p.ignore_eos and tok in self.eos_ids
+            stop_id = n_out >= p.min_tokens and bool(p.stop_token_ids) and tok in p.stop_token_ids
+            # the token that stops a request is in its token ids, its text only with include_stop_str_in_output
+            # (vLLM's rule, EOS included); an EOS stop has no stop_reason, a stop id is its own
+            shown = req.detok is not None and (not (eos or stop_id) or p.include_stop_str_in_output)
+            new_text = req.detok.add(tok) if shown else ""
+            if eos or stop_id:
+                return Ending("stop", None if eos else tok)
+            if n_out >= p.min_tokens and p.stop_strings and new_text:
+                stop = self._stop_string(req, len(new_text))
+                if stop is not None:
+                    return Ending("stop", stop)
             if p.max_tokens is not None and n_out >= p.max_tokens:
                 return Ending("length")
             if req.length >= self.max_model_len:
