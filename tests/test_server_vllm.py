@@ -205,6 +205,29 @@ def test_bad_words_in_extra_body(server, offline):
     assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
 
 
+def test_null_is_an_unset_field_where_null_has_no_meaning_of_its_own():
+    """OpenAI's clients send unset fields as null (vLLM declares these Optional): n, stream, echo, logprobs,
+    parallel_tool_calls take their defaults; a null max_tokens keeps its own meaning (no limit), and a
+    required field is still required. stream_options without stream is refused, as OpenAI and vLLM do."""
+    import pydantic
+
+    from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    nulls = dict.fromkeys(["n", "stream", "echo", "logprobs", "max_tokens", "min_tokens", "ignore_eos"])
+    r = CompletionRequest.model_validate({"prompt": "x", **nulls})
+    assert (r.n, r.stream, r.echo, r.logprobs, r.max_tokens, r.min_tokens, r.ignore_eos) == (1, False, False, None,
+                                                                                             None, 0, False)
+    c = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "n": None,
+                                              "stream": None, "logprobs": None, "parallel_tool_calls": None})
+    assert (c.n, c.stream, c.logprobs, c.parallel_tool_calls) == (1, False, False, True)
+    for bad in ({"prompt": None}, {"prompt": "x", "n": "2"},
+                {"prompt": "x", "stream_options": {"include_usage": True}}):
+        with pytest.raises(pydantic.ValidationError):
+            CompletionRequest.model_validate(bad)
+    assert CompletionRequest.model_validate({"prompt": "x", "stream": True,
+                                             "stream_options": {"include_usage": True}}).include_usage
+
+
 def test_text_parts_reach_the_template_joined_by_newlines():
     """vLLM's rule, shared with LLM.chat (inputs.text_content)."""
     from blockspec.server.protocol import ChatMessage

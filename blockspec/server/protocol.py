@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator,
@@ -54,9 +54,20 @@ def drop_ignored_fields(data: Any) -> Any:
 
 
 class StrictModel(BaseModel):
-    """Unknown fields are refused, and values are not coerced: true is not 1, "5" is not 5."""
+    """Unknown fields are refused, and values are not coerced: true is not 1, "5" is not 5. A null is a
+    field left out (OpenAI's clients send unset fields as null) where the field has a default and no meaning
+    for null of its own (n, stream, echo...; a null max_tokens still means no limit)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()
+                or type(None) in get_args(fields[k].annotation)}
 
 
 class StreamOptions(StrictModel):
@@ -125,6 +136,13 @@ class GenerationRequest(StrictModel):
     user: str | None = None
 
     drop_ignored = model_validator(mode="before")(drop_ignored_fields)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream", False):
+            raise PydanticCustomError("stream_options", "only with stream: true (OpenAI's and vLLM's rule)")
+        return options
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            defaults: Mapping[str, Any] | None = None) -> SamplingParams:
