@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from blockspec import __version__
@@ -80,18 +81,36 @@ def cmd_chat_session(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_prompts(path: str) -> list[Any]:
+    """A .jsonl file's prompts, one JSON object a line with 'prompt' (text) or 'prompt_token_ids'; any other
+    file's lines, each one prompt as written (a line of code may start with a brace). Blank lines are skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"error: --prompts-file {path}: {exc}") from None
+    if not path.endswith(".jsonl"):
+        return [line for line in lines if line.strip()]
+    prompts: list[Any] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"error: {path}:{n}: not a JSON object ({exc.msg}); a .jsonl prompts file holds one "
+                             "object a line") from None
+        if isinstance(record, dict) and "prompt_token_ids" in record:
+            prompts.append({"prompt_token_ids": record["prompt_token_ids"]})
+        elif isinstance(record, dict) and isinstance(record.get("prompt"), str):
+            prompts.append(record["prompt"])
+        else:
+            raise SystemExit(f"error: {path}:{n}: give 'prompt' (text) or 'prompt_token_ids' (a list of token ids)")
+    return prompts
+
+
 def cmd_generate(args: argparse.Namespace, chat: bool = False) -> int:
     params = sampling_params(args)
-    prompts: list[Any] = list(args.prompt or [])
-    if args.prompts_file:
-        with open(args.prompts_file) as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                record = json.loads(line) if line.lstrip().startswith("{") else line.rstrip("\n")
-                prompts.append({"prompt_token_ids": record["prompt_token_ids"]}
-                               if isinstance(record, dict) and "prompt_token_ids" in record
-                               else record["prompt"] if isinstance(record, dict) else record)
+    prompts: list[Any] = list(args.prompt or []) + (read_prompts(args.prompts_file) if args.prompts_file else [])
     if not prompts and chat:
         return cmd_chat_session(args)
     if not prompts:
@@ -132,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         add_sampling_args(p)
         p.add_argument("--prompt", action="append", help="prompt text (repeatable: one batch; default: none)")
         p.add_argument("--prompts-file", default=None,
-                       help="file with one prompt per line, or jsonl with 'prompt' or 'prompt_token_ids' "
-                            "(default: none)")
+                       help="a text file, one prompt a line; or a .jsonl file, one object a line with 'prompt' "
+                            "or 'prompt_token_ids' (default: none)")
         p.add_argument("--chat", action="store_true", help="apply the chat template")
     from blockspec.bench import add_bench_parser
     from blockspec.demo import add_demo_parser

@@ -173,3 +173,22 @@ def test_async_scheduling_flag_reaches_the_engine(tmp_path, flag, expected):
     path = save_tiny(tmp_path / "t", "qwen3", seed=0)
     args = parser.parse_args(["--model", str(path), "--device", "cpu", "--async-scheduling", flag])
     assert build_llm(args).engine.async_scheduling is expected
+
+
+def test_prompts_file_text_lines_and_jsonl(tmp_path):
+    """A text file's lines are prompts as written, braces and all; a .jsonl file's lines are objects, and a
+    line that is not one is named by file and line."""
+    from blockspec.cli import read_prompts
+
+    text = tmp_path / "p.txt"
+    text.write_text('{k: v for k, v in items}\n\ndef f():\n')
+    assert read_prompts(str(text)) == ["{k: v for k, v in items}", "def f():"]
+    lines = tmp_path / "p.jsonl"
+    lines.write_text('{"prompt": "a"}\n\n{"prompt_token_ids": [1, 2]}\n')
+    assert read_prompts(str(lines)) == ["a", {"prompt_token_ids": [1, 2]}]
+    for bad, says in (('{"text": "a"}', "give 'prompt'"), ("{k: v}", "not a JSON object"), ('"a"', "give 'prompt'")):
+        lines.write_text('{"prompt": "a"}\n' + bad + "\n")
+        with pytest.raises(SystemExit, match=rf"^error: {lines}:2: {says}"):
+            read_prompts(str(lines))
+    with pytest.raises(SystemExit, match="--prompts-file .*missing"):
+        read_prompts(str(tmp_path / "missing"))
