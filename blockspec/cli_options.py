@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from blockspec.config import ConfigError, EngineArgs, EngineConfig
+from blockspec.config import LOGPROBS_MODES, ConfigError, EngineArgs, EngineConfig
 from blockspec.llm import LLM
 from blockspec.request import Logprob
 from blockspec.sampling_params import SamplingParams
@@ -45,6 +45,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, choices=["auto", "fp8", "fp8_e4m3"],
                    help="the target's and the drafter's KV cache: auto (the model's dtype) or fp8 (e4m3, per-tensor "
                         "scales 1.0: half the bytes per cached token)")
+    g.add_argument("--logprobs-mode", default=EngineConfig.logprobs_mode, choices=list(LOGPROBS_MODES),
+                   help="what a sampled token's logprobs are: of the raw logits (vLLM's default), the raw logits, or "
+                        "of the processed distribution it was sampled from (temperature, penalties, top-k/p, masks)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length to plan memory for (default: the model's, at most 4096)")
     g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, help="requests decoded together at most")
@@ -175,7 +178,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                max_model_len=args.max_model_len, seed=args.seed, speculative_config=speculative_config(args),
                max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
-               graph_prefill_tokens=args.graph_prefill_tokens,
+               graph_prefill_tokens=args.graph_prefill_tokens, logprobs_mode=args.logprobs_mode,
                tensor_parallel_size=args.tensor_parallel_size,
                attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization,
                kv_page_size=args.kv_page_size, num_kv_pages=args.num_kv_pages,

@@ -319,6 +319,10 @@ class SpeculativeConfig:
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
 QUANTIZATIONS = ("fp8",)  # EngineArgs.quantization: applied to an unquantized checkpoint at load
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 (vLLM's fp8_e4m3): e4m3
+# what a sampled token's logprobs are (vLLM's logprobs_mode): of the model's raw logits (vLLM's default),
+# the raw logits themselves, or the processed distribution that was sampled from (temperature, penalties,
+# top-k / top-p, masks)
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs")
 
 
 SEED_RANGE = (-(2**63), 2**63 - 1)  # an engine's seed is kept as an int64, as a request's is
@@ -370,6 +374,7 @@ class EngineConfig:
     # the target's and the drafter's K/V pools: "auto", the model's dtype; "fp8", e4m3 with per-tensor
     # scales of 1.0 (half the bytes a decode step reads and a page holds; models.kv_cache)
     kv_cache_dtype: str = "auto"
+    logprobs_mode: str = "raw_logprobs"  # LOGPROBS_MODES
 
     def __post_init__(self) -> None:
         for name, low in (("max_num_seqs", 1), ("max_prefill_tokens", 1), ("graph_prefill_tokens", 0)):
@@ -378,6 +383,10 @@ class EngineConfig:
         check_integer(self, "seed", SEED_RANGE[0], SEED_RANGE[1], optional=True)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
+                              + (" (processed logits before their normalisation are not kept)"
+                                 if self.logprobs_mode == "processed_logits" else ""))
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         check_integer(self, "kv_page_size", 1, 1024)

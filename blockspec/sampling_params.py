@@ -73,6 +73,8 @@ class SamplingParams:
     `prompt_logprobs` (k): every prompt token after the first with its logprob given the tokens before
     it and the k most likely alternatives with their ranks (the first token: None). They are the model's
     raw logprobs, before any sampling processor (vLLM's default): a prompt is read, not sampled.
+    `logprobs` (k): each sampled token's and the k most likely tokens' logprobs, of the raw logits by default
+    (the engine's `logprobs_mode`, vLLM's: raw_logprobs, raw_logits or processed_logprobs).
     `bad_words`: strings never emitted (vLLM's rule: each word tokenized as given and with a leading
     space; a one-token word's token is banned at every row, a longer word's last token where the output
     so far ends with its other tokens)."""

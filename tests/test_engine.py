@@ -107,21 +107,45 @@ def test_eos_and_min_tokens(llm):
     assert out.outputs[0].token_ids == [1] * 5 and out.outputs[0].finish_reason == "length"
 
 
-def test_logprobs_are_the_processed_distribution(llm):
+def reference_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """The target's logits over `ids` in one dense forward: [len, vocab]."""
+    from blockspec.models.kv_cache import dense_causal_meta
+
+    model = llm.model
+    return model.compute_logits(model(torch.tensor([ids]), dense_causal_meta(1, len(ids), "cpu"), None)[0])[0]
+
+
+def test_logprobs_are_the_raw_distribution(llm):
     out = llm.generate("def", SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True),
                        use_tqdm=False)[0]
     c = out.outputs[0]
-    model = llm.model
-    ids = out.prompt_token_ids + c.token_ids
-    from blockspec.models.kv_cache import dense_causal_meta
-
-    meta = dense_causal_meta(1, len(ids), "cpu")
-    ref = torch.log_softmax(model.compute_logits(model(torch.tensor([ids]), meta, None)[0])[0], -1)
+    ref = torch.log_softmax(reference_logits(llm, out.prompt_token_ids + c.token_ids), -1)
     for i, (tok, entry) in enumerate(zip(c.token_ids, c.logprobs)):
         row = ref[len(out.prompt_token_ids) - 1 + i]
         assert abs(entry[tok].logprob - float(row[tok])) < 1e-4 and entry[tok].rank == 1
         assert len(entry) == 3  # greedy token is also the top-1
         assert set(entry) == set(row.topk(3).indices.tolist())
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs"])
+def test_logprobs_mode(tmp_path, mode):
+    """vLLM's logprobs_mode at T = 0.5 with top_k 4: the raw logits' log_softmax (the default, unchanged by
+    temperature or top-k), the raw logits, or the log_softmax of logits / 0.5 over the top 4 (-inf elsewhere)."""
+    path = save_tiny(tmp_path / "m", "llama")
+    llm = LLM(str(path), device="cpu", logprobs_mode=mode, max_model_len=64)
+    out = llm.generate({"prompt_token_ids": [3, 4, 5]}, SamplingParams(temperature=0.5, top_k=4, seed=1,
+                       max_tokens=4, logprobs=6, ignore_eos=True), use_tqdm=False)[0]
+    c = out.outputs[0]
+    logits = reference_logits(llm, out.prompt_token_ids + c.token_ids)[2:-1]
+    top4 = logits.topk(4, dim=-1).indices
+    want = {"raw_logprobs": torch.log_softmax(logits, -1), "raw_logits": logits,
+            "processed_logprobs": torch.log_softmax(torch.full_like(logits, float("-inf")).scatter(
+                1, top4, logits.gather(1, top4) / 0.5), -1)}[mode]
+    for row, tok, entry in zip(want, c.token_ids, c.logprobs):
+        assert abs(entry[tok].logprob - float(row[tok])) < 1e-4
+        assert all(abs(lp.logprob - float(row[t])) < 1e-4 or lp.logprob == float(row[t]) == float("-inf")
+                   for t, lp in entry.items())
+    assert abs(c.cumulative_logprob - sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs))) < 1e-4
 
 
 def test_chat_template(llm):

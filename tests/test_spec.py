@@ -141,6 +141,27 @@ def test_seeded_sampling_equals_plain_with_greedy_drafts(target, plain, fixture,
         assert llm.get_stats()["mean_acceptance_length"] > 1.5
 
 
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs"])
+def test_verify_rows_report_the_logprobs_plain_decoding_does(target, mode):
+    """Every emitted token's logprobs (and its top alternatives) from a verify row equal plain decoding's at
+    that position, in each logprobs_mode, greedy and sampled; the oracle's drafts are mostly accepted, so
+    most tokens come from verify rows."""
+    ps = prompts(3, seed=4)
+    plain_llm = LLM(str(target), device="cpu", max_model_len=160, logprobs_mode=mode)
+    for params in (SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3),
+                   SamplingParams(temperature=0.8, top_k=10, seed=7, max_tokens=20, ignore_eos=True, logprobs=3)):
+        want = [o.outputs[0] for o in plain_llm.generate(ps, params, use_tqdm=False)]
+        llm = spec_llm(target, "dflash", "dflash", engine={"logprobs_mode": mode})
+        add_oracle(llm, {tuple(p["prompt_token_ids"]): w.token_ids for p, w in zip(ps, want)}, corrupt=0.2)
+        got = [o.outputs[0] for o in llm.generate(ps, params, use_tqdm=False)]
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        for g, w in zip(got, want):
+            assert [sorted(e) for e in g.logprobs] == [sorted(e) for e in w.logprobs]
+            assert all(abs(a.logprob - b.logprob) < 1e-4 or a.logprob == b.logprob for eg, ew in
+                       zip(g.logprobs, w.logprobs) for a, b in ((eg[t], ew[t]) for t in eg))
+        assert llm.get_stats()["num_accepted_tokens"] > 0
+
+
 def test_mixed_batch_with_opt_out_and_greedy(target, plain):
     ps = prompts(3, seed=3)
     params = [SamplingParams(temperature=0, max_tokens=25, ignore_eos=True),

@@ -25,10 +25,11 @@ from blockspec.transfer import to_device
 LogprobEntries = list[list[dict[int, Logprob]]]  # per request, per emitted row: token -> Logprob
 
 
-def entries(scores: Tensor, tokens: Tensor, tops: list[int]) -> list[dict[int, Logprob]]:
-    """One logprob dict per row of `scores` (log-probabilities up to a per-row constant): its token's
-    logprob and rank (1 + the tokens more likely), then its `tops[row]` most likely tokens, ranked 1..n."""
-    lp, top_ids, top_lp = top_logprobs(scores, tokens.clamp(min=0), max(tops, default=0))
+def entries(scores: Tensor, tokens: Tensor, tops: list[int], normalize: bool = True) -> list[dict[int, Logprob]]:
+    """One logprob dict per row of `scores` (log-probabilities up to a per-row constant, or with
+    `normalize=False` the values to report as they are): its token's value and rank (1 + the tokens more
+    likely), then its `tops[row]` most likely tokens, ranked 1..n."""
+    lp, top_ids, top_lp = top_logprobs(scores, tokens.clamp(min=0), max(tops, default=0), normalize)
     rank = (scores > scores.gather(1, tokens.clamp(min=0)[:, None])).sum(-1) + 1
     host = torch.cat([lp[:, None], rank[:, None].float(), top_lp], 1).tolist()
     ids = torch.cat([tokens[:, None], top_ids], 1).tolist()
@@ -59,10 +60,12 @@ class BatchSampling:
     """Sampling rows for the target's outputs: the plain step's tokens, and the `RowParams` a verify
     (or a sampled draft) processes its rows with."""
 
-    def __init__(self, runner: ModelRunner, vocab_size: int, eos_ids: list[int]) -> None:
+    def __init__(self, runner: ModelRunner, vocab_size: int, eos_ids: list[int],
+                 logprobs_mode: str = "raw_logprobs") -> None:
         self.runner = runner
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
+        self.logprobs_mode = logprobs_mode  # config.LOGPROBS_MODES
         self.device = runner.device
 
     def params(self, reqs: list[Request], rows_per_req: list[int], block_tokens: Tensor | None = None,
@@ -166,13 +169,18 @@ class BatchSampling:
         logits = self.runner.logits(hidden_rows)
         params = self.params(reqs, [1] * len(reqs))
         tokens = sample(logits, params)  # -1 for a non-finite row: the commit fails that request alone
-        return tokens.tolist(), self.logprob_entries(reqs, process_logits(logits, params), tokens, [1] * len(reqs))
+        processed = process_logits(logits, params) if self.logprobs_mode == "processed_logprobs" else None
+        return tokens.tolist(), self.logprob_entries(reqs, logits, processed, tokens, [1] * len(reqs))
 
-    def logprob_entries(self, reqs: list[Request], processed: Tensor, tokens: Tensor,
+    def logprob_entries(self, reqs: list[Request], logits: Tensor, processed: Tensor | None, tokens: Tensor,
                         rows_per_req: list[int]) -> LogprobEntries:
-        """Logprob dicts (sampled token + top-n) per emitted row, from the processed distribution."""
+        """Logprob dicts (sampled token + top-n) per emitted row, of the raw `logits` or the `processed`
+        distribution the rows were sampled from (None unless logprobs_mode asks for it)."""
         tops = [r.params.logprobs or 0 for r, c in zip(reqs, rows_per_req) for _ in range(c)]
-        flat = entries(processed, tokens, tops)
+        if self.logprobs_mode == "processed_logprobs":
+            flat = entries(processed, tokens, tops)
+        else:
+            flat = entries(logits.float(), tokens, tops, normalize=self.logprobs_mode == "raw_logprobs")
         bounds = itertools.pairwise(itertools.accumulate(rows_per_req, initial=0))
         return [flat[a:b] for a, b in bounds]
 

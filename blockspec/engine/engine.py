@@ -111,7 +111,7 @@ class Engine:
             self.proposer = (proposer_cls or Proposer)(drafter, model, self.runner, spec_config, context)
             if self.device.type == "cpu":  # after the proposer has the drafter share the target's head
                 drafter.head_product = draft_head_product(drafter.lm_head if drafter.use_own_head else model.lm_head)
-        self.sampling = BatchSampling(self.runner, self.vocab_size, self.eos_ids)
+        self.sampling = BatchSampling(self.runner, self.vocab_size, self.eos_ids, config.logprobs_mode)
         self.output = OutputProcessor(self.eos_ids, config.max_model_len)
         self.pipeline = Pipeline()
         self.seed_gen = torch.Generator().manual_seed(config.seed)
@@ -676,9 +676,9 @@ class Engine:
             r, rows = launch.hidden.shape[:2]
             want_logprobs = any(q.logprobs is not None for q in reqs)
             params = self.sampling.params(reqs, [rows] * r, block.tokens)
-            num_acc, out_tokens, processed = self.proposer.verify(reqs, block, launch.hidden, params, want_logprobs)
-            if processed is not None:
-                lps = self.sampling.logprob_entries(reqs, *processed, [rows] * r)
+            num_acc, out_tokens, scores = self.proposer.verify(reqs, block, launch.hidden, params, want_logprobs)
+            if scores is not None:  # raw logits, processed distribution, emitted tokens
+                lps = self.sampling.logprob_entries(reqs, *scores, [rows] * r)
             lens = block.lens
         if not chained:
             self.timer.close()

@@ -86,13 +86,14 @@ def sample_draft(draft_logits: Tensor, p: RowParams, round_: Tensor, greedy: boo
     return tokens.view(r, k), q.view(r, k, vocab)
 
 
-def logprobs(processed: Tensor, tokens: Tensor, top_n: int) -> tuple[Tensor, Tensor, Tensor]:
+def logprobs(processed: Tensor, tokens: Tensor, top_n: int, normalize: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """Log-probs of the chosen tokens [N] and the top_n alternatives ([N, top_n] ids and values).
 
     Rows are renormalised with one logsumexp (greedy rows hold shifted scores; for sampled rows
-    it is a no-op up to rounding), so no [N, V] copy is made. Tokens of -1 get NaN.
+    it is a no-op up to rounding), so no [N, V] copy is made; `normalize=False` gives the scores
+    themselves (raw logits). Tokens of -1 get NaN.
     """
-    lse = torch.logsumexp(processed, dim=-1)
+    lse = torch.logsumexp(processed, dim=-1) if normalize else processed.new_zeros(processed.shape[0])
     chosen = processed.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1) - lse
     chosen = chosen.masked_fill(tokens < 0, float("nan"))
     top_lp, top_ids = processed.topk(top_n, dim=-1)

@@ -374,10 +374,10 @@ class Proposer:
 
     # ---------------------------------------------------------------- verify
     def verify(self, reqs: list[Request], block: DraftBlock, hidden: Tensor, params: RowParams | None,
-               want_logprobs: bool = False) -> tuple[list[int], list[list[int]], tuple[Tensor, Tensor] | None]:
+               want_logprobs: bool = False) -> tuple[list[int], list[list[int]], tuple[Tensor, Tensor, Tensor] | None]:
         """Accepted counts and emitted tokens per request (one host copy; a -1 count: the request
-        failed), and for logprobs the processed distribution of every verify row with the token each
-        emitted. `params`: the verify rows' sampling parameters; None where every row is plain greedy
+        failed), and for logprobs every verify row's raw logits and processed distribution with the token
+        each emitted. `params`: the verify rows' sampling parameters; None where every row is plain greedy
         (acceptance by argmax ids)."""
         r, rows, _ = hidden.shape
         if params is None:
@@ -396,7 +396,7 @@ class Proposer:
         else:
             num_acc, out = verify_standard(processed3, block.q_probs, block.tokens, lens, params, round_)
         acc, _, toks = self.unpack(self.pack(num_acc, out, block).tolist())
-        return acc, toks, (processed, out.clamp(min=0).view(-1)) if want_logprobs else None
+        return acc, toks, (logits, processed, out.clamp(min=0).view(-1)) if want_logprobs else None
 
     def accept_greedy(self, block: DraftBlock, hidden: Tensor) -> Tensor:
         """Greedy acceptance on the device, packed for one host copy (see `pack`)."""
