@@ -452,8 +452,14 @@ class EngineArgs(EngineConfig):
             self.max_prefill_tokens = batched
 
     def unhonoured(self) -> list[str]:
-        """One line for each vLLM option given that blockspec accepts but cannot honour."""
+        """One line for each vLLM option given that blockspec accepts but cannot honour, and for a
+        combination whose cost a user should know of."""
         notes = []
+        spec = SpeculativeConfig.from_user(self.speculative_config)
+        if spec is not None and spec.draft_sample_method == "probabilistic" and spec.adaptive_draft_length:
+            notes.append("speculative_config: probabilistic drafts with adaptive_draft_length: a seeded request's "
+                         "tokens depend on how many drafts each step verified, chosen from measured step times, so "
+                         "seeded runs may differ; adaptive_draft_length=False makes them repeat")
         if self.trust_remote_code:
             notes.append("trust_remote_code=True is not needed: blockspec runs no code from the model's repository "
                          "(it loads Llama / Qwen weights into its own model classes); ignored")

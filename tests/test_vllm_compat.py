@@ -62,6 +62,17 @@ def test_vllm_options_map_to_the_engine(text_dir, caplog):
     assert llm.get_tokenizer() is llm.tokenizer is not None
 
 
+def test_probabilistic_drafts_with_an_adaptive_draft_length_are_flagged():
+    """Their seeded tokens depend on the timed draft lengths; a pinned K or greedy drafts draw no note."""
+    from blockspec.config import EngineArgs
+
+    def notes(**spec) -> list[str]:
+        return EngineArgs(speculative_config={"method": "dflash", "model": "d", **spec}).unhonoured()
+
+    assert any("seeded runs may differ" in n for n in notes(draft_sample_method="probabilistic"))
+    assert notes(draft_sample_method="probabilistic", adaptive_draft_length=False) == notes() == []
+
+
 def test_a_graphed_engine_prefills_in_graphs_unless_eager(text_dir):
     assert LLM(str(text_dir), device="cpu", max_model_len=96).engine.runner.graph_prefill_tokens > 0
 
