@@ -63,8 +63,24 @@ class SpecStats:
 
 @dataclass
 class Logprob:
+    """vLLM's: the value, its rank (1 = most likely) and the token's text alone (None without a tokenizer)."""
+
     logprob: float
     rank: int | None = None
+    decoded_token: str | None = None
+
+
+class TokenStrings:
+    """Token id -> the text of that token alone, as logprobs show it ('token_id:N' without a tokenizer)."""
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, tok: int) -> str:
+        if tok not in self.cache:
+            self.cache[tok] = self.tokenizer.decode([tok]) if self.tokenizer is not None else f"token_id:{tok}"
+        return self.cache[tok]
 
 
 @dataclass

@@ -125,6 +125,7 @@ def test_logprobs_are_the_raw_distribution(llm):
         assert abs(entry[tok].logprob - float(row[tok])) < 1e-4 and entry[tok].rank == 1
         assert len(entry) == 3  # greedy token is also the top-1
         assert set(entry) == set(row.topk(3).indices.tolist())
+        assert all(lp.decoded_token == llm.tokenizer.decode([t]) for t, lp in entry.items())  # vLLM's field
 
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs"])
@@ -146,6 +147,7 @@ def test_logprobs_mode(tmp_path, mode):
         assert all(abs(lp.logprob - float(row[t])) < 1e-4 or lp.logprob == float(row[t]) == float("-inf")
                    for t, lp in entry.items())
     assert abs(c.cumulative_logprob - sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs))) < 1e-4
+    assert all(lp.decoded_token is None for e in c.logprobs for lp in e.values())  # this checkpoint has no tokenizer
 
 
 def test_chat_template(llm):

@@ -82,9 +82,9 @@ def test_preempted_requests_keep_their_prompt_logprobs_and_compute_them_once(tar
     rows = []
     real = batch.entries
 
-    def counted(scores, tokens, tops):
+    def counted(scores, tokens, tops, *args, **kwargs):
         rows.append(len(tops))
-        return real(scores, tokens, tops)
+        return real(scores, tokens, tops, *args, **kwargs)
 
     monkeypatch.setattr(batch, "entries", counted)
     llm = LLM(str(target), device="cpu", max_model_len=160, max_prefill_tokens=16, num_kv_pages=12, kv_page_size=16)

@@ -9,6 +9,7 @@ engine for it.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,10 +26,11 @@ from blockspec.transfer import to_device
 LogprobEntries = list[list[dict[int, Logprob]]]  # per request, per emitted row: token -> Logprob
 
 
-def entries(scores: Tensor, tokens: Tensor, tops: list[int], normalize: bool = True) -> list[dict[int, Logprob]]:
+def entries(scores: Tensor, tokens: Tensor, tops: list[int], normalize: bool = True,
+            decode: Callable[[int], str] | None = None) -> list[dict[int, Logprob]]:
     """One logprob dict per row of `scores` (log-probabilities up to a per-row constant, or with
     `normalize=False` the values to report as they are): its token's value and rank (1 + the tokens more
-    likely), then its `tops[row]` most likely tokens, ranked 1..n."""
+    likely), then its `tops[row]` most likely tokens, ranked 1..n; each with its text by `decode`."""
     lp, top_ids, top_lp = top_logprobs(scores, tokens.clamp(min=0), max(tops, default=0), normalize)
     rank = (scores > scores.gather(1, tokens.clamp(min=0)[:, None])).sum(-1) + 1
     host = torch.cat([lp[:, None], rank[:, None].float(), top_lp], 1).tolist()
@@ -36,10 +38,11 @@ def entries(scores: Tensor, tokens: Tensor, tops: list[int], normalize: bool = T
     out = []
     for row, top in enumerate(tops):
         tok = ids[row][0]
-        entry = {tok: Logprob(host[row][0], int(host[row][1]))}
+        entry = {tok: Logprob(host[row][0], int(host[row][1]), decode(tok) if decode else None)}
         # the alternatives come sorted, most likely first: the i-th has rank i + 1
         for place, (t, v) in enumerate(zip(ids[row][1 : 1 + top], host[row][2:]), 1):
-            entry.setdefault(t, Logprob(v, place))
+            if t not in entry:
+                entry[t] = Logprob(v, place, decode(t) if decode else None)
         out.append(entry)
     return out
 
@@ -61,11 +64,12 @@ class BatchSampling:
     (or a sampled draft) processes its rows with."""
 
     def __init__(self, runner: ModelRunner, vocab_size: int, eos_ids: list[int],
-                 logprobs_mode: str = "raw_logprobs") -> None:
+                 logprobs_mode: str = "raw_logprobs", decode: Callable[[int], str] | None = None) -> None:
         self.runner = runner
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
         self.logprobs_mode = logprobs_mode  # config.LOGPROBS_MODES
+        self.decode = decode  # a token's text, for each logprob's decoded_token (None: no tokenizer)
         self.device = runner.device
 
     def params(self, reqs: list[Request], rows_per_req: list[int], block_tokens: Tensor | None = None,
@@ -178,9 +182,9 @@ class BatchSampling:
         distribution the rows were sampled from (None unless logprobs_mode asks for it)."""
         tops = [r.params.logprobs or 0 for r, c in zip(reqs, rows_per_req) for _ in range(c)]
         if self.logprobs_mode == "processed_logprobs":
-            flat = entries(processed, tokens, tops)
+            flat = entries(processed, tokens, tops, decode=self.decode)
         else:
-            flat = entries(logits.float(), tokens, tops, normalize=self.logprobs_mode == "raw_logprobs")
+            flat = entries(logits.float(), tokens, tops, self.logprobs_mode == "raw_logprobs", self.decode)
         bounds = itertools.pairwise(itertools.accumulate(rows_per_req, initial=0))
         return [flat[a:b] for a, b in bounds]
 
@@ -195,7 +199,7 @@ class BatchSampling:
             rows = slice(first + s.start, first + s.stop)
             tokens = to_device(prompt[start + rows.start + 1 : start + rows.stop + 1], torch.int64, self.device)
             logits = self.runner.logits(hidden[rows]).float()
-            done.extend(entries(logits, tokens, [req.params.prompt_logprobs] * len(tokens)))
+            done.extend(entries(logits, tokens, [req.params.prompt_logprobs] * len(tokens), decode=self.decode))
 
     def start_history(self, req: Request) -> None:
         """The device history penalties read: the prompt's tokens, and counts of the output's."""

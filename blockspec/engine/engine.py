@@ -36,7 +36,7 @@ from blockspec.models.kv_cache import PageTable, kv_storage_dtype
 from blockspec.models.llama import CausalLM
 from blockspec.models.quant import is_quantized, quantize_model
 from blockspec.models.runner import BATCH_BUCKETS, CAPTURES, ModelRunner, bucket, pool_bytes
-from blockspec.request import IncrementalDetokenizer, Logprob, Request, SpecStats, Status
+from blockspec.request import IncrementalDetokenizer, Logprob, Request, SpecStats, Status, TokenStrings
 from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.context import DraftContext
 from blockspec.speculative.policy import DraftLengthPolicy
@@ -111,7 +111,8 @@ class Engine:
             self.proposer = (proposer_cls or Proposer)(drafter, model, self.runner, spec_config, context)
             if self.device.type == "cpu":  # after the proposer has the drafter share the target's head
                 drafter.head_product = draft_head_product(drafter.lm_head if drafter.use_own_head else model.lm_head)
-        self.sampling = BatchSampling(self.runner, self.vocab_size, self.eos_ids, config.logprobs_mode)
+        self.sampling = BatchSampling(self.runner, self.vocab_size, self.eos_ids, config.logprobs_mode,
+                                      TokenStrings(tokenizer) if tokenizer is not None else None)
         self.output = OutputProcessor(self.eos_ids, config.max_model_len)
         self.pipeline = Pipeline()
         self.seed_gen = torch.Generator().manual_seed(config.seed)

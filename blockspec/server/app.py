@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 
 from blockspec import __version__
 from blockspec.config import ServerConfig
-from blockspec.request import Logprob, SpecStats
+from blockspec.request import Logprob, SpecStats, TokenStrings
 from blockspec.errors import USER_ERRORS, ConstraintError, RequestError
 from blockspec.inputs import ModelInputs, Prompt, check_text
 from blockspec.llm import LLM
@@ -258,19 +258,6 @@ class Choice:
         self.finish_reason, self.stop_reason, self.error = d.finish_reason, d.stop_reason, d.error
         if d.spec is not None:
             self.spec = d.spec
-
-
-class TokenStrings:
-    """Token id -> the text of that token alone, as logprobs show it ('token_id:N' without a tokenizer)."""
-
-    def __init__(self, tokenizer: object) -> None:
-        self.tokenizer = tokenizer
-        self.cache: dict[int, str] = {}
-
-    def __call__(self, tok: int) -> str:
-        if tok not in self.cache:
-            self.cache[tok] = self.tokenizer.decode([tok]) if self.tokenizer is not None else f"token_id:{tok}"
-        return self.cache[tok]
 
 
 class Renderer:
