@@ -7,6 +7,7 @@ message names the field and the allowed values.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,16 +88,21 @@ class ModelConfig:
         if "text_config" in cfg and "hidden_size" not in cfg:
             raise ConfigError(f"{source}: multimodal configs (text_config) are not supported")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            value = cfg.get(name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{source}: field {name!r} must be a positive integer, got {value!r}")
+            if cfg.get(name) is None:
+                raise ConfigError(f"{source}: field {name!r} must be a positive integer, got None")
+            hf_field(cfg, name, source)
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"{source}: field 'hidden_act' {cfg.get('hidden_act')!r} is not supported (silu only)")
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        if str(dtype).replace("torch.", "") not in HF_DTYPES:
+            raise ConfigError(f"{source}: field 'torch_dtype' {dtype!r} is not supported; allowed: {', '.join(HF_DTYPES)}")
         heads = cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads") or heads
+        kv_heads = hf_field(cfg, "num_key_value_heads", source, heads)
         if heads % kv_heads:
             raise ConfigError(
                 f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
             )
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        head_dim = hf_field(cfg, "head_dim", source, cfg["hidden_size"] // heads)
         if head_dim % 2:
             raise ConfigError(f"{source}: head_dim must be even for RoPE, got {head_dim}")
         layers = cfg["num_hidden_layers"]
@@ -120,7 +126,6 @@ class ModelConfig:
             raise ConfigError(f"{source}: sliding_attention layers need a positive sliding_window")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         return ModelConfig(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -130,9 +135,9 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=hf_field(cfg, "rms_norm_eps", source, 1e-6, float),
             rope=rope_from_hf(cfg, source),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=hf_field(cfg, "max_position_embeddings", source, 4096),
             qkv_bias=bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe"
             else bool(cfg.get("attention_bias", False)) or model_type == "qwen2",
             o_bias=bool(cfg.get("attention_bias", False)) and model_type in ("llama", "mistral", "qwen3", "qwen3_moe"),
@@ -186,25 +191,42 @@ class ModelConfig:
         return cfg
 
 
+HF_DTYPES = ("float32", "float", "bfloat16", "float16", "half")  # a checkpoint's torch_dtype
+
+
+def hf_field(cfg: dict[str, Any], name: str, source: str, default: Any = None, kind: type = int) -> Any:
+    """cfg[name] as a positive `kind` (int: not a bool; float: a finite int or float), `default` where it is
+    absent or null; a ConfigError naming the file and field otherwise."""
+    value = cfg.get(name)
+    if value is None:
+        return default
+    number = isinstance(value, int) if kind is int else isinstance(value, (int, float)) and math.isfinite(value)
+    if not number or isinstance(value, bool) or value <= 0:
+        what = "a positive integer" if kind is int else "a positive number"
+        raise ConfigError(f"{source}: field {name!r} must be {what}, got {value!r}")
+    return kind(value)
+
+
 def rope_from_hf(cfg: dict[str, Any], source: str) -> RopeConfig:
     """Read RoPE settings from either transformers 4.x (`rope_theta` + `rope_scaling`) or 5.x (`rope_parameters`)."""
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = cfg.get("rope_scaling") or {}
-    params = {**scaling, **params}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    for name in ("rope_parameters", "rope_scaling"):
+        if not isinstance(cfg.get(name) or {}, dict):
+            raise ConfigError(f"{source}: field {name!r} must be an object (or null), got {cfg[name]!r}")
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    where = f"{source} (rope)"
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{source}: rope type {rope_type!r} not supported; supported: {', '.join(ROPE_TYPES)}")
     return RopeConfig(
-        theta=theta,
+        theta=hf_field(params, "rope_theta", where, hf_field(cfg, "rope_theta", source, 10000.0, float), float),
         type=rope_type,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=params.get("original_max_position_embeddings"),
-        beta_fast=float(params.get("beta_fast", 32.0)),
-        beta_slow=float(params.get("beta_slow", 1.0)),
-        attention_factor=params.get("attention_factor"),
+        factor=hf_field(params, "factor", where, 1.0, float),
+        low_freq_factor=hf_field(params, "low_freq_factor", where, 1.0, float),
+        high_freq_factor=hf_field(params, "high_freq_factor", where, 4.0, float),
+        original_max_position_embeddings=hf_field(params, "original_max_position_embeddings", where),
+        beta_fast=hf_field(params, "beta_fast", where, 32.0, float),
+        beta_slow=hf_field(params, "beta_slow", where, 1.0, float),
+        attention_factor=hf_field(params, "attention_factor", where, None, float),
     )
 
 
@@ -213,8 +235,6 @@ def moe_from_hf(cfg: dict[str, Any], model_type: str, layers: int, source: str) 
     builds them: layer i is sparse unless it is in mlp_only_layers or (i + 1) % decoder_sparse_step != 0."""
     if model_type not in ("qwen3_moe", "qwen2_moe"):
         return {}
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{source}: field 'hidden_act' {cfg.get('hidden_act')!r} is not supported (silu only)")
     # transformers 5 writes num_local_experts; the hub checkpoints have num_experts
     name = "num_experts" if "num_experts" in cfg else "num_local_experts"
     fields = {"num_experts": cfg.get(name), "num_experts_per_tok": cfg.get("num_experts_per_tok"),

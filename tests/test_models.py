@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+from blockspec import LLM
 from blockspec.config import ConfigError
 from blockspec.models.kv_cache import causal_meta
 from blockspec.models.loader import load_target
@@ -103,6 +104,31 @@ def test_malformed_config_and_bad_shapes(tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="num_key_value_heads"):
         load_target(path)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("hidden_act", "gelu", "'hidden_act' 'gelu' is not supported \\(silu only\\)"),
+    ("hidden_size", True, "'hidden_size' must be a positive integer, got True"),
+    ("num_key_value_heads", "2", "'num_key_value_heads' must be a positive integer"),
+    ("head_dim", "32", "'head_dim' must be a positive integer"),
+    ("rms_norm_eps", "x", "'rms_norm_eps' must be a positive number"),
+    ("max_position_embeddings", "big", "'max_position_embeddings' must be a positive integer"),
+    ("rope_theta", 0, "'rope_theta' must be a positive number"),
+    ("rope_scaling", "linear", "'rope_scaling' must be an object"),
+    ("rope_scaling", {"rope_type": "linear", "factor": "x"}, "\\(rope\\): field 'factor' must be a positive number"),
+    ("torch_dtype", "float13", "'torch_dtype' 'float13' is not supported; allowed: float32"),
+])
+def test_config_fields_of_the_wrong_type_or_range_are_named(tmp_path, field, value, says):
+    """A config.json value that would load a wrong model (an activation other than SwiGLU's, a RoPE of
+    base 0) or fail deep in torch is refused up front, the field named (`LLM` and the CLI alike)."""
+    path = save_tiny(tmp_path / "m", "llama")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("rope_parameters", None) if field.startswith("rope") else None
+    cfg[field] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=says) as exc:
+        LLM(str(path), device="cpu")
+    assert str(exc.value).startswith(str(path / "config.json"))
 
 
 def test_missing_weights_file(tmp_path):

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from blockspec.config import ConfigError, EngineArgs, EngineConfig, SpeculativeConfig
+from blockspec.config import ConfigError, EngineArgs, EngineConfig, SpeculativeConfig, hf_field
 from blockspec.drafters import load_drafter
 from blockspec.engine import memory
 from blockspec.engine.engine import Engine
@@ -118,8 +118,9 @@ def build_engine(
     spec = SpeculativeConfig.from_user(a.speculative_config)
     dev = resolve_device(a.device)
     model_dir = resolve_model_dir(model)
-    cfg_len = read_json(model_dir / "config.json").get("max_position_embeddings", 4096)
-    max_len = a.max_model_len or min(int(cfg_len), 4096)
+    cfg_len = hf_field(read_json(model_dir / "config.json"), "max_position_embeddings", str(model_dir / "config.json"),
+                       4096)
+    max_len = a.max_model_len or min(cfg_len, 4096)
     if max_len > cfg_len:
         raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings ({cfg_len})")
     defaults = generation_defaults(model_dir, a.generation_config)  # before the weights: a bad file fails fast
