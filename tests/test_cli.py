@@ -192,3 +192,14 @@ def test_prompts_file_text_lines_and_jsonl(tmp_path):
             read_prompts(str(lines))
     with pytest.raises(SystemExit, match="--prompts-file .*missing"):
         read_prompts(str(tmp_path / "missing"))
+
+
+def test_ctrl_c_ends_a_command_with_one_line_and_130(monkeypatch, capsys):
+    import blockspec.cli as cli
+
+    def interrupted(args, chat=False):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_generate", interrupted)
+    assert cli.main(["generate", "default", "--prompt", "x"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
