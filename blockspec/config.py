@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -343,6 +344,21 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 (v
 # the raw logits themselves, or the processed distribution that was sampled from (temperature, penalties,
 # top-k / top-p, masks)
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs")
+
+
+def output_dir(path: str | os.PathLike[str], flag: str) -> Path:
+    """`path` made now as the directory a run's results go into, before any work: a long run must not end
+    in an error at its first write (a file in the way, no permission)."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"{flag} {path}: exists and is not a directory") from None
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot create it ({exc.strerror})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: not writable")
+    return out
 
 
 SEED_RANGE = (-(2**63), 2**63 - 1)  # an engine's seed is kept as an int64, as a request's is

@@ -585,6 +585,22 @@ def test_k_sweep_refuses_what_it_cannot_check():
             run_bench(BenchConfig(**TINY_RUN, **given))
 
 
+def test_bench_options_that_cannot_run_are_named_before_any_work(tmp_path, capsys):
+    """An empty method list, a speculative config that is not an object, a DSpark block of 0, and an --out
+    that is a file (the sweep used to run in full, then fail at its first write)."""
+    for given, match in ((dict(methods=()), "--methods is empty"),
+                         (dict(speculative_config=[1]), "--speculative-config must be a JSON object"),
+                         (dict(dspark_block_size=0), "--dspark-block-size must be an integer >= 1")):
+        with pytest.raises(ConfigError, match=match):
+            run_bench(BenchConfig(**{**TINY_RUN, **given}))
+    from blockspec.cli import main
+
+    blocker = tmp_path / "f"
+    blocker.write_text("x")
+    assert main(["bench", "--random-weights", "--arch", "tiny", "--device", "cpu", "--out", str(blocker)]) == 2
+    assert capsys.readouterr().err.endswith(f"error: --out {blocker}: exists and is not a directory\n")
+
+
 def test_trace_policy_writes_what_each_speculative_policy_saw_and_chose(tmp_path):
     """--trace-policy: one trace per speculative engine of the point (the fixed-K sweep's too), over the timed
     passes (at least a choice per timed decode step; on the CPU each step's time right after its choice, at

@@ -366,6 +366,29 @@ def test_train_cli_flags_have_help_choices_and_one_line_errors(tmp_path, capsys)
                  str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err == f"error: --data {missing}: no such file, directory or glob match\n"
+    # an output path in the way fails before the target loads, not after the training
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "x"}\n')
+    for flag in ("--out", "--checkpoint-dir"):
+        paths = {"--out": str(tmp_path / "out"), "--checkpoint-dir": str(tmp_path / "ck"), flag: str(blocker)}
+        assert main(["train", "--target", str(tmp_path / "no-target"), "--data", str(data),
+                     *(x for kv in paths.items() for x in kv)]) == 2
+        assert capsys.readouterr().err == f"error: {flag} {blocker}: exists and is not a directory\n"
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("max_steps", 0, "--max-steps must be an integer >= 1"), ("loss_decay_gamma", 0.0, "--loss-decay-gamma must be"),
+    ("lr", float("nan"), "--lr must be a number > 0"), ("lr", -1.0, "--lr must be"), ("warmup_frac", 2.0, "in \\[0, 1\\)"),
+    ("min_lr_ratio", -1.0, "--min-lr-ratio"), ("grad_clip", -1.0, "--grad-clip"), ("eval_frac", 1.5, "--eval-frac"),
+    ("max_minutes", 0.0, "--max-minutes must be a number > 0"), ("num_target_features", 0, "--num-target-features"),
+    ("num_layers", 0, "--num-layers")])
+def test_training_numbers_out_of_range_are_refused_by_name(field, value, says):
+    """Each used to train (gamma 0: on NaN losses, exported with exit 0), never stop (max_steps 0), or fail
+    deep in the optimiser; now a ConfigError naming the flag before any work."""
+    with pytest.raises(ConfigError, match=says):
+        DrafterTrainConfig(method="dflash", **{field: value})
 
 
 def test_drafter_loss_ignores_invalid_blocks(tiny_target):

@@ -77,7 +77,7 @@ from blockspec.bench.timing import (
     spread,
     synchronize,
 )
-from blockspec.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
+from blockspec.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig, output_dir
 from blockspec.engine.engine import Engine
 from blockspec.engine.memory import cache_extent
 from blockspec.models.kv_cache import PageTable, SharedKVStore, kv_storage_dtype
@@ -207,6 +207,13 @@ class BenchConfig:
 
         if self.random_weights == (self.model is not None):
             raise ConfigError("give exactly one of --random-weights (with --arch) or --model")
+        if self.methods is not None and not self.methods:
+            raise ConfigError(f"--methods is empty; give a comma list of {', '.join(METHODS)}")
+        if not isinstance(self.speculative_config, dict):
+            raise ConfigError(f"--speculative-config must be a JSON object of speculative_config fields, got "
+                              f"{self.speculative_config!r}")
+        if self.dspark_block_size is not None and self.dspark_block_size < 1:
+            raise ConfigError(f"--dspark-block-size must be an integer >= 1, got {self.dspark_block_size}")
         if self.moe_routing not in ROUTING_MODELS:
             raise ConfigError(f"--moe-routing {self.moe_routing!r} unknown; allowed: {', '.join(ROUTING_MODELS)}")
         if self.moe_routing != "own" and not (self.random_weights and get_arch(self.arch).target.is_moe):
@@ -1073,6 +1080,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     names = {f.name for f in dataclasses.fields(BenchConfig)}
     values = {k: v for k, v in vars(args).items() if k in names and k != "command"}  # "command": the subparser
     cfg = BenchConfig(**values, command=shlex.join(["blockspec", *sys.argv[1:]]))
+    output_dir(args.out, "--out")  # before the sweep, which a bad path would otherwise lose at its end
     result = run_bench(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
     paths = write_outputs(result, args.out, plots=args.plots)
     print(markdown(result))

@@ -29,6 +29,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -41,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from blockspec.config import ConfigError, ModelConfig
+from blockspec.config import ConfigError, ModelConfig, output_dir
 from blockspec.models.kv_cache import dense_causal_meta
 from blockspec.models.llama import CausalLM
 from blockspec.models.loader import load_target, resolve_device
@@ -288,6 +289,22 @@ class DrafterTrainConfig:
             raise ConfigError(f"labels {self.labels!r} not supported; allowed: {', '.join(get_args(Labels))}")
         if self.num_anchors < 1 or self.batch_size < 1 or self.max_len < 2:
             raise ConfigError("num_anchors, batch_size must be >= 1 and max_len >= 2")
+        # each optimisation number in its range (a gamma of 0 trained on NaN losses, max_steps 0 never stopped)
+        for name, ok, allowed in (
+                ("lr", lambda v: 0 < v < math.inf, "a number > 0"),
+                ("loss_decay_gamma", lambda v: 0 < v < math.inf, "a number > 0"),
+                ("warmup_frac", lambda v: 0 <= v < 1, "in [0, 1)"),
+                ("min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+                ("weight_decay", lambda v: 0 <= v < math.inf, "a number >= 0"),
+                ("grad_clip", lambda v: 0 < v < math.inf, "a number > 0"),
+                ("eval_frac", lambda v: 0 <= v < 1, "in [0, 1)"),
+                ("max_steps", lambda v: v is None or v >= 1, "an integer >= 1, or None with max_minutes"),
+                ("max_minutes", lambda v: v is None or 0 < v < math.inf, "a number > 0, or None"),
+                ("num_target_features", lambda v: v >= 1, "an integer >= 1"),
+                ("num_layers", lambda v: v >= 1, "an integer >= 1")):
+            value = getattr(self, name)
+            if not ok(value):
+                raise ConfigError(f"--{name.replace('_', '-')} must be {allowed}, got {value!r}")
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
@@ -1011,6 +1028,9 @@ def run_cli(args: argparse.Namespace) -> int:
                 raise DataError(f"{flag} {exc}") from None
     fields = {f.name for f in dataclasses.fields(DrafterTrainConfig)}
     cfg = DrafterTrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    output_dir(args.out, "--out")  # before the training: its export and checkpoints must have somewhere to go
+    if cfg.checkpoint_dir:
+        output_dir(cfg.checkpoint_dir, "--checkpoint-dir")
     tokenizer = None
     if args.tokenizer:
         from transformers import AutoTokenizer
