@@ -288,6 +288,14 @@ def test_checkpoint_is_safetensors_and_a_weights_only_state(tiny_target, tmp_pat
     (tmp_path / "state_step1.pt").replace(ckpt / "trainer_state.pt")  # a save cut between its two files
     with pytest.raises(ConfigError, match="from step 2"):
         DrafterTrainer(target, _pattern_examples(10, 24, seed=3), cfg, mask_token_id=95, pad_id=0).load_checkpoint(ckpt)
+    # a truncated state or weights file is named in one line (a reader's traceback before)
+    fresh = DrafterTrainer(target, _pattern_examples(10, 24, seed=3), cfg, mask_token_id=95, pad_id=0)
+    for name, says in (("trainer_state.pt", "not a readable training state"),
+                       ("drafter.safetensors", "not a readable safetensors file")):
+        trainer.save_checkpoint(ckpt)
+        (ckpt / name).write_bytes((ckpt / name).read_bytes()[:40])
+        with pytest.raises(ConfigError, match=f"{name}: {says}"):
+            fresh.load_checkpoint(ckpt)
 
 
 def test_resume_with_more_steps_trains_the_rest(tiny_target, tmp_path):

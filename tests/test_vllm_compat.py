@@ -128,6 +128,9 @@ def test_generation_config_sets_the_default_sampling_parameters(tmp_path):
     assert (other.temperature, other.top_p, other.top_k) == (0.7, 0.8, 0)
     with pytest.raises(ConfigError, match="has no generation_config.json"):
         LLM(str(model), device="cpu", generation_config=str(tmp_path))
+    bad = write_generation_config(tmp_path / "bad", temperature="hot")  # named at load, not at a request
+    with pytest.raises(ConfigError, match=r"bad/generation_config.json: SamplingParams.temperature='hot' is invalid"):
+        LLM(str(model), device="cpu", generation_config=str(bad))
 
 
 def test_a_generation_config_with_eos_ids_only_changes_no_default(text_llm):

@@ -22,6 +22,7 @@ from blockspec.errors import ModelLoadError
 from blockspec.inputs import ModelInputs, read_chat_template
 from blockspec.models.llama import CausalLM
 from blockspec.models.loader import load_target, read_json, resolve_device, resolve_model_dir
+from blockspec.sampling_params import SamplingError, SamplingParams
 
 log = logging.getLogger("blockspec")
 
@@ -72,7 +73,12 @@ def generation_defaults(model_dir: Path, source: str) -> dict[str, Any]:
             raise ConfigError(f"generation_config: {folder} has no generation_config.json")
         return {}
     given = read_json(path)
-    return {ours: given[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if given.get(theirs) is not None}
+    defaults = {ours: given[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if given.get(theirs) is not None}
+    try:  # checked at load, naming the file: not at a request that never gave the value
+        SamplingParams(**defaults)
+    except SamplingError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    return defaults
 
 
 @dataclass

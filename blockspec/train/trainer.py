@@ -708,10 +708,18 @@ class DrafterTrainer:
 
         directory = Path(directory)
         weights, state_path = directory / CHECKPOINT_WEIGHTS, directory / CHECKPOINT_STATE
-        state = torch.load(state_path, map_location="cpu", weights_only=True)
+        try:  # a truncated or foreign file is named in one line, not a reader's traceback
+            state = torch.load(state_path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise ConfigError(f"{state_path}: not a readable training state ({type(exc).__name__}); remove the "
+                              "checkpoint or resume from another") from None
         self.check_state(state, state_path)
-        with safe_open(str(weights), "pt") as f:
-            saved_step = (f.metadata() or {}).get("step")
+        try:
+            with safe_open(str(weights), "pt") as f:
+                saved_step = (f.metadata() or {}).get("step")
+        except Exception as exc:
+            raise ConfigError(f"{weights}: not a readable safetensors file ({type(exc).__name__}); remove the "
+                              "checkpoint or resume from another") from None
         if saved_step != str(state["step"]):
             raise ConfigError(f"{directory}: {CHECKPOINT_WEIGHTS} is from step {saved_step}, {CHECKPOINT_STATE} "
                               f"from step {state['step']} (a save was cut short)")
