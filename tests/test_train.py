@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -18,7 +19,9 @@ from blockspec.train.data import (
     HELDOUT_PACKAGES,
     SPECIAL_TOKENS,
     Batches,
+    DataError,
     Example,
+    jsonl_examples,
     pack_documents,
     read_texts,
     record_example,
@@ -38,6 +41,7 @@ from blockspec.train.trainer import (
     markov_latents,
     sample_anchors,
     target_forward,
+    target_taps,
     train_block_hidden,
     train_drafter,
 )
@@ -104,6 +108,36 @@ def test_chat_and_response_masks(tokenizer):
     finally:
         tokenizer.chat_template = saved
     assert tokenizer.decode([t for t, m in zip(ex3.input_ids, ex3.loss_mask) if m]) == "x = 1<|endoftext|>"
+
+
+@pytest.mark.parametrize("record, says", [
+    ({"prompt": 5, "response": "x y"}, "field prompt must be a string, got a number"),
+    ({"prompt": "x", "response": ["y"]}, "field response must be a string, got an array"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]},
+     r"field messages\[1\].content must be a string, got null"),
+    ({"messages": [{"role": 1, "content": "hi"}]}, r"field messages\[0\].role must be a string, got a number"),
+    (7, "a record must be a JSON object, got a number")])
+def test_records_with_non_text_fields_are_refused_by_file_line_and_field(tokenizer, tmp_path, record, says):
+    """A number or a list where text belongs would be rendered by the chat template as its repr and trained
+    on: refused in one line naming the file, the line and the field (a record that is no object too)."""
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "say", "response": "x = 1"}) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(DataError, match=f"^{re.escape(str(path))}:2: {says}$"):
+        jsonl_examples(path, tokenizer, 512)
+
+
+def test_content_parts_train_on_the_text_a_request_of_them_is_served(tokenizer, tmp_path):
+    """OpenAI content parts in a record's messages are joined as inference joins them (`inputs.text_content`):
+    the same example as the joined string; a part that is not text is refused by file, line and part."""
+    parts = [{"type": "text", "text": "say"}, {"type": "text", "text": "it"}]
+    listed = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "x = 1"}]}
+    joined = {"messages": [{"role": "user", "content": "say\nit"}, {"role": "assistant", "content": "x = 1"}]}
+    assert record_example(listed, tokenizer, 512) == record_example(joined, tokenizer, 512)
+    path = tmp_path / "d.jsonl"
+    listed["messages"][0]["content"] = [{"type": "image_url", "image_url": {"url": "x"}}]
+    path.write_text(json.dumps(joined) + "\n" + json.dumps(listed) + "\n")
+    with pytest.raises(DataError, match=f"^{re.escape(str(path))}:2: messages\\[0\\], content part 0: 'image_url'"):
+        jsonl_examples(path, tokenizer, 512)
 
 
 def test_text_packing_and_batches():
@@ -298,17 +332,21 @@ def test_checkpoint_is_safetensors_and_a_weights_only_state(tiny_target, tmp_pat
             fresh.load_checkpoint(ckpt)
 
 
+def _checkpointed_run(tiny_target, ckpt, max_steps: int, resume: bool):
+    """A small dflash run on the tiny target that checkpoints to `ckpt` (and with `resume`, continues it)."""
+    target, _ = tiny_target
+    cfg = DrafterTrainConfig(method="dflash", num_layers=1, block_size=3, max_len=24, batch_size=4, num_anchors=4,
+                             max_steps=max_steps, checkpoint_dir=str(ckpt), resume=resume, mask_token_id=95,
+                             device="cpu", progress=False)
+    return train_drafter(target, _pattern_examples(12, 24, seed=3), cfg, tokenizer=None, eval_data=[], out_dir=None)
+
+
 def test_resume_with_more_steps_trains_the_rest(tiny_target, tmp_path):
     """A run of 3 steps, resumed with --max-steps 6, trains steps 4-6 and says so; resumed again with the
     same --max-steps it has nothing left to train and says that instead of exporting the same drafter."""
-    target, _ = tiny_target
-    data = _pattern_examples(12, 24, seed=3)
 
     def run(max_steps: int, resume: bool):
-        cfg = DrafterTrainConfig(method="dflash", num_layers=1, block_size=3, max_len=24, batch_size=4, num_anchors=4,
-                                 max_steps=max_steps, checkpoint_dir=str(tmp_path / "ckpt"), resume=resume,
-                                 mask_token_id=95, device="cpu", progress=False)
-        return train_drafter(target, data, cfg, tokenizer=None, eval_data=[], out_dir=None)
+        return _checkpointed_run(tiny_target, tmp_path / "ckpt", max_steps, resume)
 
     first = run(3, resume=False)
     assert first.metrics["steps"] == 3
@@ -319,6 +357,46 @@ def test_resume_with_more_steps_trains_the_rest(tiny_target, tmp_path):
     assert any(not torch.equal(before[n], p) for n, p in second.drafter.named_parameters())
     with pytest.raises(ConfigError, match="at step 6 and --max-steps is 6: nothing left to train"):
         run(6, resume=True)
+
+
+def test_a_checkpoint_is_resumed_or_refused_never_trained_over(tiny_target, tmp_path, capsys):
+    """--resume starts a new run where --checkpoint-dir holds no checkpoint yet (one command starts and restarts
+    a run) and continues a whole one; a checkpoint without --resume, or one missing its trainer state, is
+    refused in one line before any work, so no run from step 0 overwrites its weights."""
+    from blockspec.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    assert _checkpointed_run(tiny_target, ckpt, 2, resume=True).metrics["resumed_from_step"] == 0
+    with pytest.raises(ConfigError, match=f"--checkpoint-dir {re.escape(str(ckpt))} holds a checkpoint .* --resume"):
+        _checkpointed_run(tiny_target, ckpt, 4, resume=False)
+    (ckpt / "trainer_state.pt").unlink()
+    weights = (ckpt / "drafter.safetensors").read_bytes()
+    says = f"--resume: {ckpt} has drafter.safetensors but no trainer_state.pt"
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        _checkpointed_run(tiny_target, ckpt, 4, resume=True)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "x", "response": "y"}\n')
+    capsys.readouterr()
+    assert main(["train", "--target", str(tmp_path / "no-target"), "--data", str(data), "--out", str(tmp_path / "out"),
+                 "--checkpoint-dir", str(ckpt), "--resume"]) == 2  # refused before the target loads
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {says}") and err.count("\n") == 1
+    assert (ckpt / "drafter.safetensors").read_bytes() == weights
+    with pytest.raises(ConfigError, match="--resume needs --checkpoint-dir"):
+        DrafterTrainConfig(resume=True)
+
+
+def test_num_target_features_is_given_or_refused(tiny_target):
+    """Any count up to all but the target's last layer is tapped as asked (4 layers: 1 to 3); a larger one,
+    lowered, would train a drafter on fewer layers than asked for, so it is refused naming the flag and the
+    range. None takes 3, or all but the last layer of a smaller target."""
+    target, _ = tiny_target
+    for n in (1, 2, 3):
+        cfg = DrafterTrainConfig(method="dflash", num_layers=1, block_size=3, num_target_features=n)
+        assert len(build_drafter(cfg, target.config, 95).target_layer_ids) == n
+    with pytest.raises(ConfigError, match=r"^--num-target-features must be an integer in \[1, 3\] .* got 4$"):
+        build_drafter(DrafterTrainConfig(method="dflash", num_target_features=4), target.config, 95)
+    assert [len(target_taps(DrafterTrainConfig(), layers)) for layers in (1, 2, 3, 4, 36)] == [1, 1, 1, 2, 3]
 
 
 def test_learning_rate_schedule(tiny_target):

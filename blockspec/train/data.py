@@ -18,6 +18,8 @@ import torch
 from torch import Tensor
 
 from blockspec.config import ConfigError
+from blockspec.errors import RequestError
+from blockspec.inputs import text_content
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -197,20 +199,57 @@ def _assistant_spans(tokenizer: Any, messages: list[dict[str, str]], where: str)
     return full, spans
 
 
-def record_example(record: dict[str, Any], tokenizer: Any, max_len: int, where: str = "record") -> Example | None:
+JSON_TYPES = {str: "a string", bool: "a boolean", int: "a number", float: "a number", list: "an array",
+              dict: "an object", type(None): "null"}
+
+
+def json_type(value: Any) -> str:
+    """What `value` is, in JSON's words (a Python type's name for a value JSON has no word for)."""
+    return JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def record_messages(record: Any, where: str) -> list[dict[str, str]]:
+    """The conversation of a {"prompt","response"} or {"messages"} record, every role and content checked to
+    be a string: a chat template renders a number or a list as its Python repr, which would be trained on as
+    if it were the text."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a record must be a JSON object, got {json_type(record)}")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                    for m in messages):
+            raise DataError(f"{where}: 'messages' must be a list of {{'role', 'content'}}")
+        messages = [{"role": m["role"], "content": _content_text(m["content"], f"{where}: messages[{i}]")}
+                    for i, m in enumerate(messages)]
+        fields = {f"messages[{i}].{key}": m[key] for i, m in enumerate(messages) for key in ("role", "content")}
+    elif "prompt" in record and "response" in record:
+        messages = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
+        fields = {key: record[key] for key in ("prompt", "response")}
+    else:
+        raise DataError(f"{where}: needs 'messages' or both 'prompt' and 'response'; has {sorted(record)}")
+    for name, value in fields.items():
+        if not isinstance(value, str):
+            raise DataError(f"{where}: field {name} must be a string, got {json_type(value)}")
+    return messages
+
+
+def _content_text(content: Any, where: str) -> Any:
+    """A message's content as its text: OpenAI content parts joined as inference joins them
+    (`inputs.text_content`), so a record trains on the prompt a request of it would be served."""
+    if not isinstance(content, list):
+        return content
+    try:
+        return text_content(content, where)
+    except RequestError as err:
+        raise DataError(str(err)) from None
+
+
+def record_example(record: Any, tokenizer: Any, max_len: int, where: str = "record") -> Example | None:
     """A {"prompt","response"} or {"messages"} record; loss only on response / assistant tokens.
 
     Returns None when truncation leaves fewer than 2 loss tokens (nothing useful to learn from).
     """
-    if "messages" in record:
-        messages = record["messages"]
-    elif "prompt" in record and "response" in record:
-        messages = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
-    else:
-        raise DataError(f"{where}: needs 'messages' or both 'prompt' and 'response'; has {sorted(record)}")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                for m in messages):
-        raise DataError(f"{where}: 'messages' must be a list of {{'role', 'content'}}")
+    messages = record_messages(record, where)
     if getattr(tokenizer, "chat_template", None):
         text, spans = _assistant_spans(tokenizer, messages, where)
     else:  # no template: plain concatenation, the response followed by EOS

@@ -31,6 +31,7 @@ import dataclasses
 import json
 import math
 import random
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -81,6 +82,7 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tupl
 
 CHECKPOINT_VERSION = 1
 CHECKPOINT_WEIGHTS, CHECKPOINT_STATE = "drafter.safetensors", "trainer_state.pt"
+DEFAULT_TARGET_FEATURES = 3
 
 
 class CosineSchedule:
@@ -211,7 +213,9 @@ class DrafterTrainConfig:
                                           "(None: 16 for dflash, 7 for dspark)")
     target_layer_ids: list[int] | None = option(None, "target layers whose outputs the drafter reads "
                                                       "(None: z-lab's uniform choice)")
-    num_target_features: int = option(3, "how many target layers to tap when target_layer_ids is None")
+    num_target_features: int | None = option(None, "how many target layers to tap when target_layer_ids is None, "
+                                                   "at most all but the target's last (None: 3, or as many as "
+                                                   "layers 1..L-2 of a smaller target hold)")
     hidden_size: int | None = option(None, "drafter hidden size (None: the target's)")
     intermediate_size: int | None = option(None, "drafter MLP width (None: the target's, or 3 x hidden_size)")
     num_heads: int | None = option(None, "attention heads (None: the target's)")
@@ -252,7 +256,8 @@ class DrafterTrainConfig:
     checkpoint_dir: str | None = option(None, "directory for the checkpoint (drafter.safetensors and "
                                               "trainer_state.pt); --resume continues from it")
     checkpoint_every: int = option(0, "save a checkpoint every N steps (0: only at the end)")
-    resume: bool = option(False, "continue from the checkpoint in --checkpoint-dir, if there is one")
+    resume: bool = option(False, "continue from the checkpoint in --checkpoint-dir, or start a new run there when "
+                                 "it holds none (a checkpoint is never overwritten by a new run)")
     seed: int = option(0, "seed of the data order, anchors and initial weights")
     device: str = option("auto", "auto | cpu | cuda | cuda:N")
     target_dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
@@ -287,6 +292,8 @@ class DrafterTrainConfig:
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if self.labels not in get_args(Labels):
             raise ConfigError(f"labels {self.labels!r} not supported; allowed: {', '.join(get_args(Labels))}")
+        if self.resume and not self.checkpoint_dir:
+            raise ConfigError("--resume needs --checkpoint-dir: the directory of the checkpoint to continue")
         if self.num_anchors < 1 or self.batch_size < 1 or self.max_len < 2:
             raise ConfigError("num_anchors, batch_size must be >= 1 and max_len >= 2")
         # each optimisation number in its range (a gamma of 0 trained on NaN losses, max_steps 0 never stopped)
@@ -300,7 +307,7 @@ class DrafterTrainConfig:
                 ("eval_frac", lambda v: 0 <= v < 1, "in [0, 1)"),
                 ("max_steps", lambda v: v is None or v >= 1, "an integer >= 1, or None with max_minutes"),
                 ("max_minutes", lambda v: v is None or 0 < v < math.inf, "a number > 0, or None"),
-                ("num_target_features", lambda v: v >= 1, "an integer >= 1"),
+                ("num_target_features", lambda v: v is None or v >= 1, "an integer >= 1, or None"),
                 ("num_layers", lambda v: v >= 1, "an integer >= 1")):
             value = getattr(self, name)
             if not ok(value):
@@ -308,15 +315,41 @@ class DrafterTrainConfig:
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
-    """z-lab's uniform taps between layer 1 and L-3; spread over [1, L-2] when those collide (small targets).
+    """n taps, for 1 <= n <= max_target_features(L): z-lab's uniform taps between layer 1 and L-3; spread over
+    [1, L-2] when those collide (small targets); every layer but the last when n is L-1.
 
-    The last layer is never tapped: its HF hidden state is post-norm (DeepSpec refuses it).
+    The last layer is never tapped: its HF hidden state is post-norm (DeepSpec refuses it). A one-layer
+    target has no other, so its one tap is that layer.
     """
+    last = num_target_layers - 1
+    if n >= last:
+        return tuple(range(max(1, last)))
     ids = sorted(set(build_target_layer_ids(num_target_layers, n)))
-    if len(ids) < n or ids[-1] >= num_target_layers - 1:
-        hi = max(1, num_target_layers - 2)
-        ids = sorted({round(1 + i * (hi - 1) / max(1, n - 1)) for i in range(n)})
-    return tuple(i for i in ids if 0 <= i < num_target_layers - 1) or (0,)
+    if len(ids) < n:
+        ids = sorted({round(1 + i * (last - 2) / (n - 1)) for i in range(n)})
+    return tuple(ids)
+
+
+def max_target_features(num_target_layers: int) -> int:
+    """How many layers a drafter can tap: all but the last."""
+    return max(1, num_target_layers - 1)
+
+
+def target_taps(cfg: DrafterTrainConfig, num_target_layers: int) -> tuple[int, ...]:
+    """The target layers the drafter reads: cfg.target_layer_ids, else num_target_features default taps
+    (None: DEFAULT_TARGET_FEATURES, or as many as layers 1..L-2 hold: z-lab's taps start past the embedding
+    layer). A count the target cannot give is refused: lowered, the drafter would read fewer layers than
+    asked for."""
+    if cfg.target_layer_ids:
+        return tuple(cfg.target_layer_ids)
+    most = max_target_features(num_target_layers)
+    n = cfg.num_target_features
+    if n is None:
+        n = min(DEFAULT_TARGET_FEATURES, max(1, num_target_layers - 2))
+    elif n > most:
+        raise ConfigError(f"--num-target-features must be an integer in [1, {most}] for this target "
+                          f"({num_target_layers} layers, the last never tapped), got {n}")
+    return default_target_layer_ids(num_target_layers, n)
 
 
 def resolve_mask_token_id(cfg: DrafterTrainConfig, tokenizer: Any, target_cfg: ModelConfig) -> int:
@@ -338,7 +371,7 @@ def resolve_mask_token_id(cfg: DrafterTrainConfig, tokenizer: Any, target_cfg: M
 
 def build_drafter(cfg: DrafterTrainConfig, target_cfg: ModelConfig, mask_token_id: int, seed: int = 0) -> DraftModel:
     """A freshly initialised drafter (HF-style N(0, 0.02) init) sharing the target's embedding and LM head."""
-    taps = cfg.target_layer_ids or default_target_layer_ids(target_cfg.num_hidden_layers, cfg.num_target_features)
+    taps = target_taps(cfg, target_cfg.num_hidden_layers)
     hidden = cfg.hidden_size or target_cfg.hidden_size
     heads = cfg.num_heads or target_cfg.num_attention_heads
     dcfg = DrafterConfig(
@@ -587,6 +620,27 @@ class TrainResult:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
+def resume_point(cfg: DrafterTrainConfig) -> Path | None:
+    """The checkpoint directory a run continues from, or None for a new run. --resume continues a checkpoint
+    and starts a new run where --checkpoint-dir holds none yet (one command both starts and restarts a run);
+    a checkpoint without --resume, or one that lacks a file, is refused: a new run would overwrite it."""
+    if not cfg.checkpoint_dir:
+        return None
+    ckpt = Path(cfg.checkpoint_dir)
+    files = (CHECKPOINT_WEIGHTS, CHECKPOINT_STATE)
+    present = [name for name in files if (ckpt / name).exists()]
+    if not present:
+        return None
+    if not cfg.resume:
+        raise ConfigError(f"--checkpoint-dir {ckpt} holds a checkpoint ({', '.join(present)}): pass --resume to "
+                          "continue it, or give another directory")
+    missing = [name for name in files if name not in present]
+    if missing:
+        raise ConfigError(f"--resume: {ckpt} has {present[0]} but no {missing[0]}, so it cannot be resumed; "
+                          "remove it or resume from another checkpoint")
+    return ckpt
+
+
 class DrafterTrainer:
     """Holds the frozen target, the drafter, the optimiser and the data stream; one `step` = one update."""
 
@@ -753,8 +807,9 @@ class DrafterTrainer:
         up to max_steps in all); save the checkpoint; return the metrics."""
         cfg = self.cfg
         ckpt = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
-        if cfg.resume and ckpt is not None and (ckpt / CHECKPOINT_STATE).is_file():
-            self.load_checkpoint(ckpt)
+        resume = resume_point(cfg)
+        if resume is not None:
+            self.load_checkpoint(resume)
             if cfg.max_steps is not None and self.step_num >= cfg.max_steps:
                 raise ConfigError(f"--resume: the checkpoint in {ckpt} is at step {self.step_num} and --max-steps is "
                                   f"{cfg.max_steps}: nothing left to train (raise --max-steps)")
@@ -1039,6 +1094,8 @@ def run_cli(args: argparse.Namespace) -> int:
     output_dir(args.out, "--out")  # before the training: its export and checkpoints must have somewhere to go
     if cfg.checkpoint_dir:
         output_dir(cfg.checkpoint_dir, "--checkpoint-dir")
+        if resume_point(cfg) is None and cfg.resume:  # refuses, before any work, a checkpoint a run would overwrite
+            print(f"--resume: no checkpoint in {cfg.checkpoint_dir} yet; starting a new run", file=sys.stderr)
     tokenizer = None
     if args.tokenizer:
         from transformers import AutoTokenizer
