@@ -36,6 +36,10 @@ class RopeConfig:
     beta_slow: float = 1.0
     attention_factor: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
+            raise ConfigError(f"rope type {self.type!r} needs original_max_position_embeddings")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -107,15 +111,22 @@ class ModelConfig:
         if head_dim % 2:
             raise ConfigError(f"{source}: head_dim must be even for RoPE, got {head_dim}")
         layers = cfg["num_hidden_layers"]
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
-        layer_types = tuple(cfg.get("layer_types") or ())
+        given_types = cfg.get("layer_types") or ()
+        if not isinstance(given_types, list | tuple) or not all(isinstance(t, str) for t in given_types):
+            raise ConfigError(f"{source}: field 'layer_types' must be a list of strings, got {given_types!r}")
+        layer_types = tuple(given_types)
         if layer_types and len(layer_types) != layers:
             raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries for {layers} layers")
+        # sliding_window is read only where a layer may slide (Qwen2 configs carry one they do not use)
+        slides = hf_flag(cfg, "use_sliding_window", source, model_type == "mistral")
+        window = hf_field(cfg, "sliding_window", source) if slides or "sliding_attention" in layer_types else None
         if not layer_types:
-            if sliding:
-                max_window_layers = cfg.get("max_window_layers", layers)
+            if window is not None:
+                full = cfg.get("max_window_layers", layers)  # Qwen2: the first layers attend in full
+                if not isinstance(full, int) or isinstance(full, bool) or full < 0:
+                    raise ConfigError(f"{source}: field 'max_window_layers' must be an integer >= 0, got {full!r}")
                 layer_types = tuple(
-                    "sliding_attention" if i >= max_window_layers or model_type == "mistral" else "full_attention"
+                    "sliding_attention" if i >= full or model_type == "mistral" else "full_attention"
                     for i in range(layers)
                 )
             else:
@@ -123,10 +134,10 @@ class ModelConfig:
         bad = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if bad:
             raise ConfigError(f"{source}: layer_types {bad} not supported (full_attention, sliding_attention)")
-        if "sliding_attention" in layer_types and not cfg.get("sliding_window"):
+        if "sliding_attention" in layer_types and window is None:
             raise ConfigError(f"{source}: sliding_attention layers need a positive sliding_window")
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        bos_ids = token_ids(cfg, "bos_token_id", source, many=False)
+        attention_bias = hf_flag(cfg, "attention_bias", source)
         return ModelConfig(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -139,17 +150,17 @@ class ModelConfig:
             rms_norm_eps=hf_field(cfg, "rms_norm_eps", source, 1e-6, float),
             rope=rope_from_hf(cfg, source),
             max_position_embeddings=hf_field(cfg, "max_position_embeddings", source, 4096),
-            qkv_bias=bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe"
-            else bool(cfg.get("attention_bias", False)) or model_type == "qwen2",
-            o_bias=bool(cfg.get("attention_bias", False)) and model_type in ("llama", "mistral", "qwen3", "qwen3_moe"),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qkv_bias=hf_flag(cfg, "qkv_bias", source, True) if model_type == "qwen2_moe"
+            else attention_bias or model_type == "qwen2",
+            o_bias=attention_bias and model_type in ("llama", "mistral", "qwen3", "qwen3_moe"),
+            mlp_bias=hf_flag(cfg, "mlp_bias", source),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            sliding_window=cfg.get("sliding_window") if "sliding_attention" in layer_types else None,
+            tie_word_embeddings=hf_flag(cfg, "tie_word_embeddings", source),
+            sliding_window=window if "sliding_attention" in layer_types else None,
             layer_types=layer_types,
             torch_dtype=str(dtype).replace("torch.", ""),
-            eos_token_ids=eos_ids,
-            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=token_ids(cfg, "eos_token_id", source),
+            bos_token_id=bos_ids[0] if bos_ids else None,
             **moe_from_hf(cfg, model_type, layers, source),
         )
 
@@ -208,6 +219,33 @@ def hf_field(cfg: dict[str, Any], name: str, source: str, default: Any = None, k
     return kind(value)
 
 
+def hf_flag(cfg: dict[str, Any], name: str, source: str, default: bool = False) -> bool:
+    """cfg[name] as a bool, `default` where it is absent or null: bool("false") would read a string as true."""
+    value = cfg.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{source}: field {name!r} must be true or false, got {value!r}")
+    return value
+
+
+def token_ids(cfg: dict[str, Any], name: str, source: str, many: bool = True) -> tuple[int, ...]:
+    """cfg[name] as token ids: an integer >= 0, a list of them where `many`, or null (none)."""
+    value = cfg.get(name)
+    ids = value if many and isinstance(value, list) else [] if value is None else [value]
+    if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
+        what = "a token id (an integer >= 0)" + (", a list of them" if many else "")
+        raise ConfigError(f"{source}: field {name!r} must be {what} or null, got {value!r}")
+    return tuple(ids)
+
+
+# the rope_scaling / rope_parameters fields transformers' rope validation requires for each type. llama3's
+# original_max_position_embeddings is required as transformers 4 requires it (5 fills in max_position_embeddings,
+# which for Llama 3.1 is not the pre-training length); yarn's defaults to max_position_embeddings in both
+ROPE_REQUIRED = {"linear": ("factor",), "yarn": ("factor",),
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
 def rope_from_hf(cfg: dict[str, Any], source: str) -> RopeConfig:
     """Read RoPE settings from either transformers 4.x (`rope_theta` + `rope_scaling`) or 5.x (`rope_parameters`)."""
     for name in ("rope_parameters", "rope_scaling"):
@@ -218,13 +256,21 @@ def rope_from_hf(cfg: dict[str, Any], source: str) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{source}: rope type {rope_type!r} not supported; supported: {', '.join(ROPE_TYPES)}")
+    given = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    missing = [f"{given}.{name}" for name in ROPE_REQUIRED.get(rope_type, ()) if params.get(name) is None]
+    if missing:
+        raise ConfigError(f"{source}: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required for "
+                          f"rope type {rope_type}")
+    original = hf_field(params, "original_max_position_embeddings", where)
+    if original is None and rope_type == "yarn":
+        original = hf_field(cfg, "max_position_embeddings", source, 4096)
     return RopeConfig(
         theta=hf_field(params, "rope_theta", where, hf_field(cfg, "rope_theta", source, 10000.0, float), float),
         type=rope_type,
         factor=hf_field(params, "factor", where, 1.0, float),
         low_freq_factor=hf_field(params, "low_freq_factor", where, 1.0, float),
         high_freq_factor=hf_field(params, "high_freq_factor", where, 4.0, float),
-        original_max_position_embeddings=hf_field(params, "original_max_position_embeddings", where),
+        original_max_position_embeddings=original,
         beta_fast=hf_field(params, "beta_fast", where, 32.0, float),
         beta_slow=hf_field(params, "beta_slow", where, 1.0, float),
         attention_factor=hf_field(params, "attention_factor", where, None, float),
@@ -259,7 +305,7 @@ def moe_from_hf(cfg: dict[str, Any], model_type: str, layers: int, source: str) 
         if not isinstance(shared, int) or isinstance(shared, bool) or shared <= 0:
             raise ConfigError(f"{source}: field 'shared_expert_intermediate_size' must be a positive integer, "
                               f"got {shared!r}")
-    return {**fields, "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+    return {**fields, "norm_topk_prob": hf_flag(cfg, "norm_topk_prob", source),
             "shared_expert_intermediate_size": shared,
             "moe_layers": tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)}
 

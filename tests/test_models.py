@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 import transformers
 
 from blockspec import LLM
-from blockspec.config import ConfigError
+from blockspec.config import ConfigError, EngineArgs
+from blockspec.engine.build import build_engine
 from blockspec.models.kv_cache import causal_meta
 from blockspec.models.loader import load_target
 from blockspec.errors import ModelLoadError
-from factories import FAMILIES, assert_incremental_matches_full, save_tiny
+from factories import FAMILIES, assert_incremental_matches_full, save_tiny, save_tiny_model_with_tokenizer
 
 CASES = [(fam, tie) for fam in FAMILIES for tie in (False, True)]
 
@@ -129,6 +131,90 @@ def test_config_fields_of_the_wrong_type_or_range_are_named(tmp_path, field, val
     with pytest.raises(ConfigError, match=says) as exc:
         LLM(str(path), device="cpu")
     assert str(exc.value).startswith(str(path / "config.json"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint_with_tokenizer(tmp_path_factory):
+    return save_tiny_model_with_tokenizer(tmp_path_factory.mktemp("tok") / "m")
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+     "rope_scaling.original_max_position_embeddings is required for rope type llama3"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}},
+     "rope_scaling.low_freq_factor, rope_scaling.high_freq_factor are required for rope type llama3"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling.factor is required for rope type linear"),
+    ({"rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 64}},
+     "rope_scaling.factor is required for rope type yarn"),
+    ({"use_sliding_window": True, "sliding_window": "big"},
+     "field 'sliding_window' must be a positive integer, got 'big'"),
+    ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": "x", "layer_types": None},
+     "field 'max_window_layers' must be an integer >= 0, got 'x'"),
+    ({"use_sliding_window": "yes"}, "field 'use_sliding_window' must be true or false, got 'yes'"),
+    ({"tie_word_embeddings": "false"}, "field 'tie_word_embeddings' must be true or false, got 'false'"),
+    ({"attention_bias": "false"}, "field 'attention_bias' must be true or false, got 'false'"),
+    ({"layer_types": "full_attention"}, "field 'layer_types' must be a list of strings, got 'full_attention'"),
+    ({"eos_token_id": "x"}, "field 'eos_token_id' must be a token id \\(an integer >= 0\\), a list of them or null"),
+    ({"eos_token_id": [1, "x"]}, "field 'eos_token_id' must be a token id"),
+    ({"bos_token_id": [0]}, "field 'bos_token_id' must be a token id \\(an integer >= 0\\) or null, got \\[0\\]"),
+])
+def test_malformed_fields_are_named_before_transformers_reads_them(tmp_path, checkpoint_with_tokenizer, fields, says):
+    """A field transformers' AutoConfig (which the tokenizer loads) would reject, or would fill in where
+    blockspec guessed (llama3's original length), fails blockspec's own check first: one line naming the
+    file and the field, not a KeyError or a multi-line dataclass error that blames the tokenizer."""
+    path = tmp_path / "m"
+    shutil.copytree(checkpoint_with_tokenizer, path)
+    cfg = json.loads((path / "config.json").read_text())
+    if "rope_scaling" in fields:  # a transformers-4 config: rope_theta + rope_scaling
+        cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
+    cfg.update(fields)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=says) as exc:
+        LLM(str(path), device="cpu")
+    assert str(exc.value).startswith(f"{path / 'config.json'}: ") and "\n" not in str(exc.value)
+
+
+def test_config_is_checked_before_the_target_loads(tmp_path):
+    """build_engine checks config.json before any loader (a tensor-parallel rank's too) or the tokenizer
+    sees the directory."""
+    path = save_tiny(tmp_path / "m", "llama")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["rope_parameters"].pop("original_max_position_embeddings")
+    (path / "config.json").write_text(json.dumps(cfg))
+
+    def loader(*args: object) -> None:
+        raise AssertionError("the loader ran before config.json was checked")
+
+    with pytest.raises(ConfigError, match="rope_parameters.original_max_position_embeddings is required"):
+        build_engine(path, EngineArgs(device="cpu"), load=loader)
+
+
+def test_yarn_without_original_length_uses_max_position_embeddings_as_transformers_does():
+    """transformers fills a yarn rope's missing original_max_position_embeddings with
+    max_position_embeddings; blockspec's tables must be the ones it computes (not a fixed 4096)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from blockspec.config import rope_from_hf
+    from blockspec.models.layers import rope_inv_freq
+
+    raw = {"rope_theta": 1e6, "max_position_embeddings": 131072, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    hf = transformers.LlamaConfig(hidden_size=512, num_attention_heads=4, head_dim=128,  # fills in a copy
+                                  **{**raw, "rope_scaling": dict(raw["rope_scaling"])})
+    want, want_scale = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    rope = rope_from_hf(raw, "config.json")
+    assert rope.original_max_position_embeddings == 131072
+    inv, scale = rope_inv_freq(rope, 128)
+    assert torch.equal(inv, want.float()) and scale == pytest.approx(want_scale, rel=1e-12)
+
+
+def test_scaled_rope_without_original_length_is_refused():
+    """llama3 and yarn frequencies depend on the pre-training length: a RopeConfig built without one
+    would leave rope_inv_freq to guess it."""
+    from blockspec.config import RopeConfig
+
+    for kind in ("llama3", "yarn"):
+        with pytest.raises(ConfigError, match=f"rope type '{kind}' needs original_max_position_embeddings"):
+            RopeConfig(type=kind, factor=8.0)
 
 
 def test_missing_weights_file(tmp_path):

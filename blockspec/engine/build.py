@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from blockspec.config import ConfigError, EngineArgs, EngineConfig, SpeculativeConfig, hf_field
+from blockspec.config import ConfigError, EngineArgs, EngineConfig, ModelConfig, SpeculativeConfig
 from blockspec.drafters import load_drafter
 from blockspec.engine import memory
 from blockspec.engine.engine import Engine
@@ -124,8 +124,10 @@ def build_engine(
     spec = SpeculativeConfig.from_user(a.speculative_config)
     dev = resolve_device(a.device)
     model_dir = resolve_model_dir(model)
-    cfg_len = hf_field(read_json(model_dir / "config.json"), "max_position_embeddings", str(model_dir / "config.json"),
-                       4096)
+    # the whole config.json is checked before anything hands the directory to transformers (the
+    # tokenizer's AutoConfig), whose errors would neither name the file nor stay on one line
+    config_path = model_dir / "config.json"
+    cfg_len = ModelConfig.from_hf(read_json(config_path), str(config_path)).max_position_embeddings
     max_len = a.max_model_len or min(cfg_len, 4096)
     if max_len > cfg_len:
         raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings ({cfg_len})")

@@ -54,7 +54,7 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[Tensor, float]:
     if rope.type == "linear":
         inv = inv / rope.factor
     elif rope.type == "llama3":
-        old = rope.original_max_position_embeddings or 8192
+        old = rope.original_max_position_embeddings
         low_wavelen = old / rope.low_freq_factor
         high_wavelen = old / rope.high_freq_factor
         wavelen = 2 * math.pi / inv
@@ -64,7 +64,7 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[Tensor, float]:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
     elif rope.type == "yarn":
-        old = rope.original_max_position_embeddings or 4096
+        old = rope.original_max_position_embeddings
         base = rope.theta
 
         def correction_dim(rotations: float) -> float:
