@@ -77,7 +77,10 @@ class SamplingParams:
     (the engine's `logprobs_mode`, vLLM's: raw_logprobs, raw_logits or processed_logprobs).
     `bad_words`: strings never emitted (vLLM's rule: each word tokenized as given and with a leading
     space; a one-token word's token is banned at every row, a longer word's last token where the output
-    so far ends with its other tokens)."""
+    so far ends with its other tokens).
+    `detokenize=False`: token ids only, as vLLM returns them: the outputs' text stays empty and the
+    logprobs' decoded_token None (no decoding cost); stop strings, matched in the text, are refused.
+    `best_of` (vLLM V0's; V1 dropped it): None or n, since every sample is returned and none is ranked."""
 
     n: int = 1
     temperature: float = 1.0
@@ -101,6 +104,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     use_speculation: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    detokenize: bool = True
+    best_of: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -120,6 +125,8 @@ class SamplingParams:
                   name, allowed)
 
         integer("n", 1, 128, "an integer in [1, 128]")
+        integer("best_of", self.n, self.n, f"None or n ({self.n}): every sample is returned and none is ranked "
+                "(vLLM V1 dropped best_of)", optional=True)
         check(number("temperature") >= 0, "temperature", ">= 0 (0 = greedy)")
         if self.temperature < GREEDY_BELOW:
             self.temperature = 0.0
@@ -141,11 +148,14 @@ class SamplingParams:
                 optional=True)
         check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
               "structured_outputs", "None or a StructuredOutputsParams")
-        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "use_speculation"):
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
+                     "use_speculation"):
             check(isinstance(getattr(self, flag), bool), flag, "True or False")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         check(isinstance(stops, (list, tuple)) and all(isinstance(s, str) and s for s in stops), "stop",
               "a non-empty string or a list of them")
+        check(not stops or self.detokenize, "stop", "None with detokenize=False: stop strings are matched in the "
+              "output text, which it does not make (vLLM's rule)")
         self.stop_strings = tuple(stops)
         ids = self.stop_token_ids or []
         check(isinstance(ids, (list, tuple)) and all(is_int(i) and i >= 0 for i in ids), "stop_token_ids",

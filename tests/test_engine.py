@@ -183,6 +183,9 @@ def test_chat_content_parts_are_their_texts(llm):
     (dict(logit_bias={"abc": 1}), "logit_bias"), (dict(logit_bias={-1: 5}), "logit_bias"), (dict(stop=123), "stop"),
     (dict(seed=2**63), "seed"), (dict(seed=-(2**63) - 1), "seed"), (dict(seed=1.5), "seed"),
     (dict(ignore_eos=1), "ignore_eos"), (dict(top_k=True), "top_k"),
+    # vLLM's: best_of other than n (V1 dropped it), stop strings without the text they are found in
+    (dict(best_of=2), "best_of"), (dict(n=2, best_of=1), "best_of"), (dict(detokenize=1), "detokenize"),
+    (dict(stop="x", detokenize=False), "stop"),
 ])
 def test_invalid_sampling_values_name_the_field(kwargs, field):
     with pytest.raises(SamplingError, match=rf"SamplingParams\.{field}=.*allowed"):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockspec import LLM, ConfigError, SamplingParams
+from blockspec import LLM, ConfigError, SamplingError, SamplingParams
 from blockspec.cli import main
 from blockspec.cli_options import add_model_args, add_sampling_args, build_llm, format_spec_metrics
 from blockspec.metrics_reader import Counter, Gauge, Vector
@@ -174,6 +174,36 @@ def test_every_top_alternative_has_its_rank(text_llm):
         assert entry[tok].rank == 1  # greedy: the chosen token is the most likely
         alternatives = sorted(entry.values(), key=lambda lp: -lp.logprob)
         assert [lp.rank for lp in alternatives] == [1, 2, 3, 4]
+
+
+def test_detokenize_false_gives_token_ids_without_text(text_llm):
+    """vLLM's detokenize=False: the same tokens and logprobs, but no text is made: the output's text is
+    empty and every logprob's decoded_token (sampled and prompt) None; stop strings, which are matched
+    in the text, are refused."""
+    kw = dict(n=2, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    text, ids = (text_llm.generate("hello", SamplingParams(**kw, detokenize=d), use_tqdm=False)[0]
+                 for d in (True, False))
+    assert ids.prompt_token_ids == text.prompt_token_ids
+    for want, got in zip(text.outputs, ids.outputs):
+        assert want.text and got.text == "" and got.token_ids == want.token_ids
+        assert [{t: lp.logprob for t, lp in e.items()} for e in got.logprobs] == \
+            [{t: lp.logprob for t, lp in e.items()} for e in want.logprobs]
+        assert all(lp.decoded_token is None for e in got.logprobs for lp in e.values())
+    assert all(lp.decoded_token is None for e in ids.prompt_logprobs[1:] for lp in e.values())
+    assert all(lp.decoded_token is not None for e in text.prompt_logprobs[1:] for lp in e.values())
+    with pytest.raises(SamplingError, match=r"SamplingParams\.stop='lo' is invalid; allowed: None with detokenize"):
+        SamplingParams(stop="lo", detokenize=False)
+
+
+def test_best_of_is_n_or_refused(text_llm):
+    """vLLM V1 dropped best_of: best_of=n returns the n samples as n alone does; any other value is
+    refused by name, not taken as an unknown keyword."""
+    kw = dict(n=2, temperature=1.0, seed=5, max_tokens=4, ignore_eos=True)
+    plain, best = (text_llm.generate("hi", SamplingParams(**kw, **extra), use_tqdm=False)[0]
+                   for extra in ({}, {"best_of": 2}))
+    assert [o.token_ids for o in best.outputs] == [o.token_ids for o in plain.outputs]
+    with pytest.raises(SamplingError, match=r"SamplingParams\.best_of=3 is invalid; allowed: None or n \(2\)"):
+        SamplingParams(**kw, best_of=3)
 
 
 def test_get_metrics_gives_vllms_reader_objects(target_dir):

@@ -26,11 +26,10 @@ from blockspec.transfer import to_device
 LogprobEntries = list[list[dict[int, Logprob]]]  # per request, per emitted row: token -> Logprob
 
 
-def entries(scores: Tensor, tokens: Tensor, tops: list[int], normalize: bool = True,
-            decode: Callable[[int], str] | None = None) -> list[dict[int, Logprob]]:
+def entries(scores: Tensor, tokens: Tensor, tops: list[int], normalize: bool = True) -> list[dict[int, Logprob]]:
     """One logprob dict per row of `scores` (log-probabilities up to a per-row constant, or with
     `normalize=False` the values to report as they are): its token's value and rank (1 + the tokens more
-    likely), then its `tops[row]` most likely tokens, ranked 1..n; each with its text by `decode`."""
+    likely), then its `tops[row]` most likely tokens, ranked 1..n (no text: `BatchSampling.named`)."""
     lp, top_ids, top_lp = top_logprobs(scores, tokens.clamp(min=0), max(tops, default=0), normalize)
     rank = (scores > scores.gather(1, tokens.clamp(min=0)[:, None])).sum(-1) + 1
     host = torch.cat([lp[:, None], rank[:, None].float(), top_lp], 1).tolist()
@@ -38,11 +37,11 @@ def entries(scores: Tensor, tokens: Tensor, tops: list[int], normalize: bool = T
     out = []
     for row, top in enumerate(tops):
         tok = ids[row][0]
-        entry = {tok: Logprob(host[row][0], int(host[row][1]), decode(tok) if decode else None)}
+        entry = {tok: Logprob(host[row][0], int(host[row][1]))}
         # the alternatives come sorted, most likely first: the i-th has rank i + 1
         for place, (t, v) in enumerate(zip(ids[row][1 : 1 + top], host[row][2:]), 1):
             if t not in entry:
-                entry[t] = Logprob(v, place, decode(t) if decode else None)
+                entry[t] = Logprob(v, place)
         out.append(entry)
     return out
 
@@ -182,11 +181,20 @@ class BatchSampling:
         distribution the rows were sampled from (None unless logprobs_mode asks for it)."""
         tops = [r.params.logprobs or 0 for r, c in zip(reqs, rows_per_req) for _ in range(c)]
         if self.logprobs_mode == "processed_logprobs":
-            flat = entries(processed, tokens, tops, decode=self.decode)
+            flat = entries(processed, tokens, tops)
         else:
-            flat = entries(logits.float(), tokens, tops, self.logprobs_mode == "raw_logprobs", self.decode)
+            flat = entries(logits.float(), tokens, tops, self.logprobs_mode == "raw_logprobs")
         bounds = itertools.pairwise(itertools.accumulate(rows_per_req, initial=0))
-        return [flat[a:b] for a, b in bounds]
+        return [self.named(r, flat[a:b]) for r, (a, b) in zip(reqs, bounds)]
+
+    def named(self, req: Request, rows: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
+        """`rows` with each token's text as its decoded_token, unless there is no tokenizer or the request
+        asked for token ids only (detokenize=False: no decoding cost, decoded_token None, as vLLM)."""
+        if self.decode is not None and req.params.detokenize:
+            for entry in rows:
+                for t, lp in entry.items():
+                    lp.decoded_token = self.decode(t)
+        return rows
 
     def add_prompt_logprobs(self, req: Request, hidden: Tensor, start: int) -> None:
         """Append the prompt logprobs a prefill chunk gives (`hidden`: its rows, from position `start`):
@@ -199,7 +207,7 @@ class BatchSampling:
             rows = slice(first + s.start, first + s.stop)
             tokens = to_device(prompt[start + rows.start + 1 : start + rows.stop + 1], torch.int64, self.device)
             logits = self.runner.logits(hidden[rows]).float()
-            done.extend(entries(logits, tokens, [req.params.prompt_logprobs] * len(tokens), decode=self.decode))
+            done.extend(self.named(req, entries(logits, tokens, [req.params.prompt_logprobs] * len(tokens))))
 
     def start_history(self, req: Request) -> None:
         """The device history penalties read: the prompt's tokens, and counts of the output's."""

@@ -246,7 +246,8 @@ class Engine:
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
             req = Request(rid, prompt, list(prompt_ids), params, seed, index=i, bad_words=bad)
             req.prompt_logprobs = prompt_logprobs
-            req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+            if params.detokenize:
+                req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
             if params.logprobs is not None:
                 req.logprobs = []
             if grammar is not None:

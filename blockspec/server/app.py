@@ -278,14 +278,19 @@ class Renderer:
     def token_ids(self, ids: list[int]) -> list[int] | None:
         return ids if self.body.return_token_ids else None
 
+    def token_text(self, tok: int, lp: Logprob | None) -> str:
+        """A logprob token's text: the decoded_token the engine gave it, else (no tokenizer: 'token_id:N';
+        an echoed prompt's first token, which has no entry) from the token strings."""
+        return lp.decoded_token if lp is not None and lp.decoded_token is not None else self.strings(tok)
+
     def prompt_logprobs(self, entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
         """The prompt's logprobs as vLLM returns them (each token with its text; -inf as -9999), where the
         request asked for them."""
         if entries is None or self.params.prompt_logprobs is None:
             return None
-        return [None if entry is None else {t: PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank,
-                                                             decoded_token=self.strings(t)) for t, lp in entry.items()}
-                for entry in entries]
+        return [None if entry is None else {
+            t: PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank, decoded_token=self.token_text(t, lp))
+            for t, lp in entry.items()} for entry in entries]
 
     def opening_chunks(self) -> list[BaseModel]:
         return []
@@ -364,11 +369,11 @@ class CompletionRenderer(Renderer):
         out, top = CompletionLogprobs(), self.params.logprobs
         offset = self.offsets.get(index, 0)
         for tok, entry in zip(ids, entries):
-            s = self.strings(tok)
+            s = self.token_text(tok, entry[tok] if entry is not None else None)
             out.tokens.append(s)
             out.token_logprobs.append(entry[tok].logprob if entry is not None else None)
             out.top_logprobs.append(None if entry is None else {
-                self.strings(t): lp.logprob for t, lp in entry.items() if t == tok or (lp.rank or 0) <= top})
+                self.token_text(t, lp): lp.logprob for t, lp in entry.items() if t == tok or (lp.rank or 0) <= top})
             out.text_offset.append(offset)
             offset += len(s)
         self.offsets[index] = offset
@@ -420,7 +425,7 @@ class ChatRenderer(Renderer):
             return None
 
         def top(tok: int, lp: Logprob) -> TopLogprob:
-            s = self.strings(tok)
+            s = self.token_text(tok, lp)
             return TopLogprob(token=s, logprob=lp.logprob, bytes=list(s.encode()))
 
         content = []
