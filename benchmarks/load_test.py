@@ -259,7 +259,8 @@ def start_server(args: argparse.Namespace, extra: tuple[str, ...] = ()) -> tuple
            "--served-model-name", args.model_name, "--max-num-seqs", str(args.max_num_seqs), "--device", args.device,
            "--log-level", "warning", "--engine-process" if args.engine_process else "--no-engine-process"]
     for flag, value in (("--draft-model", args.draft_model), ("--speculative-config", args.speculative_config),
-                        ("--max-model-len", args.max_model_len), ("--num-kv-pages", args.num_kv_pages)):
+                        ("--max-model-len", args.max_model_len), ("--num-kv-pages", args.num_kv_pages),
+                        ("--dtype", args.dtype)):
         if value is not None:
             cmd += [flag, str(value)]
     proc = subprocess.Popen(cmd + list(extra))
@@ -288,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--num-kv-pages", type=int, default=None, help="as `blockspec serve` takes it (default: auto)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None, help="as `blockspec serve` takes it (default: its auto); twins are "
+                   "equal only where the arithmetic is exact (float32): 16-bit rows round with the batch's shape")
     p.add_argument("--model-name", default="bench", help="served model name")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="as `blockspec serve` takes it: the engine in a process of its own (default) or on a thread")
