@@ -247,16 +247,18 @@ ROPE_REQUIRED = {"linear": ("factor",), "yarn": ("factor",),
 
 
 def rope_from_hf(cfg: dict[str, Any], source: str) -> RopeConfig:
-    """Read RoPE settings from either transformers 4.x (`rope_theta` + `rope_scaling`) or 5.x (`rope_parameters`)."""
+    """Read RoPE settings from either transformers 4.x (`rope_theta` + `rope_scaling`) or 5.x (`rope_parameters`);
+    where a config has both, transformers' choice (`rope_scaling`)."""
     for name in ("rope_parameters", "rope_scaling"):
         if not isinstance(cfg.get(name) or {}, dict):
             raise ConfigError(f"{source}: field {name!r} must be an object (or null), got {cfg[name]!r}")
-    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    # transformers takes a non-empty rope_scaling whole, in place of rope_parameters
+    given = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    params = cfg.get(given) or {}
     where = f"{source} (rope)"
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{source}: rope type {rope_type!r} not supported; supported: {', '.join(ROPE_TYPES)}")
-    given = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
     missing = [f"{given}.{name}" for name in ROPE_REQUIRED.get(rope_type, ()) if params.get(name) is None]
     if missing:
         raise ConfigError(f"{source}: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required for "

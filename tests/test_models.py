@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
 from blockspec import LLM
 from blockspec.config import ConfigError, EngineArgs
@@ -75,6 +77,28 @@ def test_sharded_checkpoint_loads(tmp_path):
     assert (path / "model.safetensors.index.json").is_file()
     model, _ = load_target(path, device="cpu")
     assert model.config.model_type == "qwen2" and model.config.qkv_bias
+
+
+def test_malformed_shard_index_and_unreadable_bin_are_named(tmp_path):
+    """A sharded index whose weight_map names no file, and a truncated pytorch_model.bin, fail with one line
+    naming the file (not a TypeError from joining a path, or pickle's error naming nothing)."""
+    path = save_tiny(tmp_path / "m", "qwen2", seed=1, max_shard_size="20KB")
+    index = path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    first = next(iter(data["weight_map"]))
+    data["weight_map"][first] = 3
+    index.write_text(json.dumps(data))
+    with pytest.raises(ModelLoadError, match=rf"^{re.escape(str(index))}: weight_map\['{re.escape(first)}'\] must name "
+                                             "a shard file, got 3$"):
+        load_target(path, device="cpu")
+    path = save_tiny(tmp_path / "b", "llama")
+    state = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors").unlink()
+    torch.save(state, path / "pytorch_model.bin")
+    (path / "pytorch_model.bin").write_bytes((path / "pytorch_model.bin").read_bytes()[:300])
+    with pytest.raises(ModelLoadError, match=rf"^{re.escape(str(path / 'pytorch_model.bin'))}: cannot read the "
+                                             "checkpoint: "):
+        load_target(path, device="cpu")
 
 
 def test_missing_directory_is_named(tmp_path):
@@ -253,6 +277,19 @@ def test_rope_tables_equal_transformers(scaling):
     if kind != "default":  # negative control
         other = rope_from_hf({**raw, "rope_parameters": {**raw.get("rope_parameters", {}), "factor": 2.0}}, "c")
         assert not torch.equal(rope_inv_freq(other, 128)[0], inv)
+
+
+def test_rope_scaling_beside_rope_parameters_wins_as_in_transformers():
+    """A config with both fields (a transformers-4 rope_scaling left beside a 5.x rope_parameters): transformers
+    takes rope_scaling whole, and so must blockspec, or its tables are another model's."""
+    from blockspec.config import rope_from_hf
+
+    raw = {"rope_theta": 1e6, "max_position_embeddings": 131072, "hidden_size": 512, "num_attention_heads": 4,
+           "head_dim": 128, "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+           "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}
+    theirs = transformers.LlamaConfig(**raw).rope_parameters
+    ours = rope_from_hf(raw, "config.json")
+    assert (ours.type, ours.factor) == (theirs["rope_type"], theirs["factor"]) == ("linear", 4.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

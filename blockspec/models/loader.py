@@ -70,9 +70,16 @@ def read_state_dict(model_dir: Path) -> dict[str, Tensor]:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelLoadError(f"{index}: missing 'weight_map'")
+        bad = next(((name, f) for name, f in weight_map.items() if not isinstance(f, str) or not f), None)
+        if bad is not None:
+            raise ModelLoadError(f"{index}: weight_map[{bad[0]!r}] must name a shard file, got {bad[1]!r}")
         files = [model_dir / f for f in sorted(set(weight_map.values()))]
     elif (model_dir / "pytorch_model.bin").is_file():
-        return torch.load(model_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        try:
+            return torch.load(model_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as exc:  # a truncated or foreign file: pickle's and zipfile's errors name neither
+            raise ModelLoadError(f"{model_dir / 'pytorch_model.bin'}: cannot read the checkpoint: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     else:
         raise ModelLoadError(
             f"{model_dir}: no weights found (model.safetensors, model.safetensors.index.json or pytorch_model.bin)"
