@@ -102,12 +102,20 @@ class ModelInputs:
         raise RequestError(f"{where}: a prompt is a string or a dict with 'prompt_token_ids'; "
                            f"got {type(prompt).__name__}")
 
-    def check_prompt(self, ids: list[int], params: SamplingParams, where: str) -> None:
+    def check_prompt(self, ids: list[int], params: SamplingParams, where: str) -> list[int]:
+        """The prompt's ids as the engine takes them (the last truncate_prompt_tokens where the request
+        asks for left truncation), every one of its and its parameters' limits checked."""
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"{where}: sampling_params must be SamplingParams, got {type(params).__name__}")
         limit = self.max_model_len
         if not ids:
             raise RequestError(f"{where}: the prompt is empty (no tokens)")
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            if keep > limit - 1:
+                raise RequestError(f"{where}: truncate_prompt_tokens={keep} leaves no room for an output token in "
+                                   f"max_model_len ({limit}); allowed: -1 or 1..{limit - 1}")
+            ids = ids[-(limit - 1 if keep == -1 else keep):]
         if len(ids) >= limit:
             raise RequestError(f"{where}: prompt has {len(ids)} tokens; max_model_len is {limit}")
         vocab = self.vocab_size
@@ -119,6 +127,7 @@ class ModelInputs:
             new_matcher(params.structured_outputs, self.tokenizer, vocab, self.eos_ids, where)
         if params.bad_words:  # tokenized as the engine will: no tokenizer, or ids past the vocabulary, fail here
             word_sequences(params.bad_words, self.tokenizer, vocab)
+        return ids
 
     def default_sampling_params(self) -> SamplingParams:
         """What a call that passes no SamplingParams decodes with: the model's generation_config.json
@@ -147,8 +156,7 @@ class ModelInputs:
         if len(params) != len(prompts):
             raise ConfigError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each")
         prepared = [self.prompt_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
-        for i, (_, ids) in enumerate(prepared):
-            self.check_prompt(ids, params[i], f"prompt {i}")
+        prepared = [(text, self.check_prompt(ids, params[i], f"prompt {i}")) for i, (text, ids) in enumerate(prepared)]
         return prepared, params
 
     def chat_prompts(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],

@@ -183,6 +183,7 @@ class Request:
     feeds_drafter: bool = False  # set at admission: the drafter gets its context and it may draft
     output_counts: Tensor | None = None  # [V] int32 history for penalties (device)
     prompt_mask: Tensor | None = None  # [V] bool tokens of the prompt (device)
+    allowed_bits: Tensor | None = None  # [ceil(V / 32)] int32 bitmask of allowed_token_ids (device)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     # with prompt_logprobs: the prompt's entries computed so far (prefill chunks append; n copies share one)
@@ -212,7 +213,8 @@ class Request:
         # a grammar's masks and a longer bad word's ban follow the committed tokens, as penalties do
         self.needs_history = (p.uses_penalties or bool(p.min_tokens) or p.logprobs is not None
                               or p.structured_outputs is not None or any(len(w) > 1 for w in self.bad_words))
-        self.needs_processing = self.needs_history or not p.greedy or bool(p.logit_bias) or bool(self.bad_words)
+        self.needs_processing = (self.needs_history or not p.greedy or bool(p.logit_bias) or bool(self.bad_words)
+                                 or p.allowed_token_ids is not None)
 
     @property
     def length(self) -> int:

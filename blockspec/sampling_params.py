@@ -80,7 +80,11 @@ class SamplingParams:
     so far ends with its other tokens).
     `detokenize=False`: token ids only, as vLLM returns them: the outputs' text stays empty and the
     logprobs' decoded_token None (no decoding cost); stop strings, matched in the text, are refused.
-    `best_of` (vLLM V0's; V1 dropped it): None or n, since every sample is returned and none is ranked."""
+    `best_of` (vLLM V0's; V1 dropped it): None or n, since every sample is returned and none is ranked.
+    `allowed_token_ids`: the only tokens the request may emit (every other token's logit -inf, as vLLM masks
+    them), in plain steps and verify rows alike, so speculation keeps the output.
+    `truncate_prompt_tokens`: keep only the prompt's last k tokens (vLLM's left truncation); -1 keeps as many
+    as the context holds beside one output token."""
 
     n: int = 1
     temperature: float = 1.0
@@ -106,6 +110,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     detokenize: bool = True
     best_of: int | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -166,6 +172,14 @@ class SamplingParams:
             and abs(v) <= MAX_LOGIT_BIAS for k, v in bias.items()), "logit_bias",
             f"a dict of token id (>= 0) -> bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         self.logit_bias = {token_id(k): float(v) for k, v in bias.items()} or None
+        allowed = self.allowed_token_ids
+        check(allowed is None or (isinstance(allowed, (list, tuple)) and len(allowed) > 0
+                                  and all(is_int(i) and i >= 0 for i in allowed)), "allowed_token_ids",
+              "None or a non-empty list of token ids >= 0")
+        self.allowed_token_ids = list(dict.fromkeys(allowed)) if allowed is not None else None
+        truncate = self.truncate_prompt_tokens
+        check(truncate is None or (is_int(truncate) and (truncate == -1 or 1 <= truncate <= INT64[1])),
+              "truncate_prompt_tokens", "None, -1 (as many as the context holds) or an integer >= 1")
         words = self.bad_words
         check(words is None or (isinstance(words, (list, tuple)) and len(words) <= MAX_BAD_WORDS and all(
             isinstance(w, str) and w.strip() for w in words)), "bad_words",
@@ -182,7 +196,8 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids named by the request must exist in the model's vocabulary."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids or []), ("logit_bias", self.logit_bias or {})):
+        for name, ids in (("stop_token_ids", self.stop_token_ids or []), ("logit_bias", self.logit_bias or {}),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
             bad = [i for i in ids if i >= vocab_size]
             if bad:
                 raise SamplingError(f"SamplingParams.{name} has token ids {bad[:5]} outside the vocabulary "

@@ -217,6 +217,28 @@ def test_prompt_logprobs_in_extra_body(server, offline, tokenizer):
     assert exc.value.body["param"] == "prompt_logprobs"
 
 
+def test_allowed_token_ids_and_truncate_prompt_tokens_in_extra_body(server, offline, tokenizer):
+    """vLLM's allowed_token_ids and truncate_prompt_tokens: the output holds only the allowed tokens, the
+    prompt counts its last k tokens, each as the offline engine gives it; bad values are a 400 naming the field."""
+    client = server.client()
+    allowed = tokenizer.encode("ab ")
+    r = client.completions.create(model=NAME, prompt="abc", max_tokens=12, temperature=0,
+                                  extra_body={"allowed_token_ids": allowed, "return_token_ids": True})
+    want = offline.generate("abc", SamplingParams(temperature=0, max_tokens=12, allowed_token_ids=allowed),
+                            use_tqdm=False)[0].outputs[0]
+    assert set(r.choices[0].token_ids) <= set(allowed) and r.choices[0].token_ids == want.token_ids
+    r = client.completions.create(model=NAME, prompt="abcdefgh", max_tokens=4, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": 3})
+    want = offline.generate({"prompt_token_ids": tokenizer.encode("abcdefgh")[-3:]},
+                            SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert r.usage.prompt_tokens == 3 and r.choices[0].text == want.text
+    for field, bad in (("allowed_token_ids", []), ("allowed_token_ids", [10**6]), ("truncate_prompt_tokens", 0),
+                       ("truncate_prompt_tokens", 96)):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.completions.create(model=NAME, prompt="a", max_tokens=1, extra_body={field: bad})
+        assert field in exc.value.body["message"], (field, bad, exc.value.body)
+
+
 def test_bad_words_in_extra_body(server, offline):
     """vLLM's bad_words: a word the plain output holds is not in the output, which equals the offline
     engine's; a bad value is a 400 naming the field."""

@@ -19,7 +19,7 @@ from blockspec.bad_words import banned_tokens
 from blockspec.models.runner import ModelRunner
 from blockspec.request import Logprob, Request
 from blockspec.sample import RowParams, expand_history, logprobs as top_logprobs, process_logits, sample
-from blockspec.sample.processors import row_chunks
+from blockspec.sample.processors import row_chunks, token_bitmask
 from blockspec.structured import Masks
 from blockspec.transfer import to_device
 
@@ -128,8 +128,20 @@ class BatchSampling:
             output_counts=output_counts,
             prompt_mask=prompt_mask,
             logit_bias=logit_bias,
-            allowed=self._grammar_masks(reqs, rows_per_req, drafts) if constrained else None,
+            allowed=self._allowed(reqs, rows_per_req, drafts) if constrained else None,
         )
+
+    def _allowed(self, reqs: list[Request], rows_per_req: list[int], drafts: list[list[int]] | None
+                 ) -> Tensor | None:
+        """Each row's bitmask of the tokens it may emit: its grammar's (`_grammar_masks`) and its
+        allowed_token_ids'; None when no request restricts its tokens."""
+        grammar = self._grammar_masks(reqs, rows_per_req, drafts)
+        if all(r.allowed_bits is None for r in reqs):
+            return grammar
+        everything = torch.full_like(next(r.allowed_bits for r in reqs if r.allowed_bits is not None), -1)
+        per_req = torch.stack([everything if r.allowed_bits is None else r.allowed_bits for r in reqs])
+        rows = per_req.repeat_interleave(to_device(rows_per_req, torch.int64, self.device), dim=0)
+        return rows if grammar is None else grammar & rows
 
     @staticmethod
     def _host_drafts(reqs: list[Request], rows_per_req: list[int], block_tokens: Tensor | None
@@ -209,8 +221,11 @@ class BatchSampling:
             logits = self.runner.logits(hidden[rows]).float()
             done.extend(self.named(req, entries(logits, tokens, [req.params.prompt_logprobs] * len(tokens))))
 
-    def start_history(self, req: Request) -> None:
-        """The device history penalties read: the prompt's tokens, and counts of the output's."""
+    def start_device_state(self, req: Request) -> None:
+        """What the request's sampling reads on the device: for penalties the prompt's tokens and counts of
+        the output's, for allowed_token_ids their bitmask."""
+        if req.params.allowed_token_ids is not None and req.allowed_bits is None:
+            req.allowed_bits = token_bitmask(req.params.allowed_token_ids, self.vocab_size, self.device)
         if req.params.uses_penalties:
             req.output_counts = torch.zeros(self.vocab_size, dtype=torch.int32, device=self.device)
             req.prompt_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)

@@ -410,7 +410,7 @@ class Engine:
         last_hidden = torch.stack([hidden[i, row] for i, _, row in done])
         finished_reqs = [req for _, req, _ in done]
         for req in finished_reqs:
-            self.sampling.start_history(req)
+            self.sampling.start_device_state(req)
         tokens, lps = self.sampling.sample(finished_reqs, last_hidden)
         self.timer.close()
         # the drafter's copy of the prompt goes in after the first tokens are read back: it runs

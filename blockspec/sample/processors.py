@@ -80,7 +80,8 @@ class RowParams:
     prompt_mask: Tensor | None = None  # [N, V] bool tokens present in the prompt
     logit_bias: tuple[Tensor, Tensor, Tensor] | None = None  # (row [M] int64, token [M] int64, bias [M] float32)
     eos_ids: Tensor | None = None  # [E] int64 ids masked where suppress_eos
-    allowed: Tensor | None = None  # [N, ceil(V / 32)] int32 bitmask of the tokens a row's grammar allows
+    allowed: Tensor | None = None  # [N, ceil(V / 32)] int32 bitmask of the tokens a row may emit (grammar,
+    # allowed_token_ids)
     features: Features | None = None  # host-side flags; None => derived from the tensors (one host sync)
 
     @classmethod
@@ -131,6 +132,15 @@ class RowParams:
                 value = (remap[row][keep], tok[keep], bias[keep])
             out[f.name] = value
         return RowParams(**out)
+
+
+def token_bitmask(ids: Sequence[int], vocab_size: int, device: torch.device | str) -> Tensor:
+    """[ceil(V / 32)] int32 with bit t set for each token t of `ids` (`apply_bitmask`'s layout)."""
+    words = (vocab_size + 31) // 32
+    bits = torch.zeros(words * 32, dtype=torch.int64)
+    bits[torch.tensor(list(ids), dtype=torch.int64)] = 1
+    packed = (bits.view(words, 32) << torch.arange(32, dtype=torch.int64)).sum(-1)
+    return (packed - (packed >= 2**31).to(torch.int64) * 2**32).to(torch.int32).to(device)
 
 
 def apply_bitmask(logits: Tensor, bits: Tensor) -> Tensor:

@@ -220,13 +220,15 @@ def chat_prompt(inputs: ModelInputs, body: ChatCompletionRequest, trusted_templa
     return None, list(ids if isinstance(ids, list) else ids["input_ids"])
 
 
-def check_prompts(inputs: ModelInputs, prompts: list[Prompt], params: SamplingParams) -> None:
-    """Everything the engine would refuse, refused here with a 400; plus prompt + max_tokens <= context."""
+def check_prompts(inputs: ModelInputs, prompts: list[Prompt], params: SamplingParams) -> list[Prompt]:
+    """The prompts as the engine takes them (`ModelInputs.check_prompt`), everything it would refuse refused
+    here with a 400; plus prompt + max_tokens <= context."""
     limit = inputs.max_model_len
-    for i, (_, ids) in enumerate(prompts):
+    checked = []
+    for i, (text, ids) in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         try:
-            inputs.check_prompt(ids, params, where)
+            ids = inputs.check_prompt(ids, params, where)
         except ConstraintError as exc:
             raise user_error(exc, "response_format") from None
         except RequestError as exc:
@@ -234,6 +236,8 @@ def check_prompts(inputs: ModelInputs, prompts: list[Prompt], params: SamplingPa
         if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; {where} has {len(ids)} "
                                 f"tokens and max_tokens is {params.max_tokens}: reduce one of them", param="max_tokens")
+        checked.append((text, ids))
+    return checked
 
 
 # ---------------------------------------------------------------- outputs
@@ -566,7 +570,7 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
         if body.stream and body.prompt_logprobs:
             raise APIError(400, "prompt_logprobs are not streamed (as in vLLM): drop stream, or on /v1/completions "
                                 "use echo with logprobs", param="prompt_logprobs")
-        check_prompts(inputs, prompts, params)
+        prompts = check_prompts(inputs, prompts, params)
         renderer = renderer_type(body, served_model_name, prompts, params, TokenStrings(inputs.tokenizer),
                                  inputs.speculative)
         choices = [Choice() for _ in range(len(prompts) * params.n)]

@@ -118,6 +118,9 @@ class GenerationRequest(StrictModel):
     ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
     bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = Field(None, description="the only tokens the output may hold (vLLM extra)")
+    truncate_prompt_tokens: int | None = Field(None, description="keep the prompt's last k tokens; -1: as many as "
+                                                                 "the context holds (vLLM extra)")
     prompt_logprobs: int | None = Field(None, description="the prompt tokens' logprobs with this many alternatives "
                                                           "(vLLM extra; not with stream)")
     include_stop_str_in_output: bool = False
@@ -159,7 +162,9 @@ class GenerationRequest(StrictModel):
             n=self.n, seed=self.seed, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=self.wanted_prompt_logprobs, bad_words=self.bad_words,
-            logit_bias=self.logit_bias, include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, use_speculation=self.use_speculation,
             structured_outputs=self.structured(), **given)
 
