@@ -154,7 +154,7 @@ def _tp_rank(rank: int, init_file: str, paths: list[str], out: str) -> None:
 
     import torch.distributed as dist
 
-    from blockspec.parallel import shard_model
+    from blockspec.parallel import shard_model  # before init_process_group: see blockspec/parallel/tp.py
 
     torch.set_num_threads(1)
     if Path("/sys/class/net/lo").exists():

@@ -168,6 +168,69 @@ def test_ranks_whose_memory_differs_hold_the_pages_the_least_allows(qwen3, tmp_p
     assert [(tmp_path / str(rank)).read_text() for rank in (0, 1)] == ["25", "25"]
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts threads in /proc")
+def test_destroying_a_rank_s_group_stops_its_threads(tmp_path):
+    """destroy_process_group must free a rank's gloo group and stop its threads. A group held on (by
+    torch.distributed.nn.functional's defaults, `group=group.WORLD`, when that module is first imported
+    after the group exists, as building a model on the meta device does) kept them running into the
+    interpreter's shutdown, where one dropping its last collective's tensors aborted the rank at exit
+    ("terminate called without an active exception"): blockspec.parallel imports it first."""
+    import json
+    import subprocess
+    import sys
+
+    code = """if True:
+        import glob, json, os, sys
+        import torch.distributed as dist
+        from blockspec.parallel.tp import join_group
+        threads = lambda: len(glob.glob(f"/proc/{os.getpid()}/task/*"))
+        alone = threads()
+        join_group(0, 1, sys.argv[1], "cpu")
+        import torch.distributed.nn.functional  # what the first meta-device op imports (via torch._dynamo)
+        grouped = threads()
+        dist.destroy_process_group()
+        print(json.dumps([alone, grouped, threads()]))
+    """
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "init")], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    alone, grouped, after = json.loads(run.stdout.splitlines()[-1])
+    assert grouped > alone and after == alone, (alone, grouped, after)  # the group's threads, then none
+
+
+def _ending_rank(rank: int, world_size: int, init_file: str, conn, rank1_code: int) -> None:
+    """Rank 1 ends at once (`rank1_code`); rank 0 answers a moment later, or not at all if rank 1 crashed."""
+    import os
+    import time
+
+    if rank:
+        os._exit(rank1_code)
+    time.sleep(1.0)
+    if rank1_code == 0:
+        conn.send(("ok", 42))
+    else:
+        time.sleep(300)  # alive, silent: only rank 1's crash can end the wait
+
+
+def test_rank_processes_wait_for_rank_0_past_a_clean_exit_and_fail_fast_on_a_crash():
+    """A rank other than 0 that ends cleanly before rank 0's answer lands (a sweep's last gather) is no
+    failure: the answer is read; one that crashed fails the wait at once."""
+    from blockspec.parallel.tp import RankProcesses
+
+    ranks = RankProcesses(_ending_rank, 2, (0,))
+    try:
+        assert ranks.reply(timeout_s=120) == 42
+    finally:
+        ranks.close()
+    ranks = RankProcesses(_ending_rank, 2, (3,))
+    try:
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] exited \(codes \[3\]\)"):
+            ranks.reply(timeout_s=120)
+    finally:
+        ranks._procs[0].kill()  # not close()'s 10 s grace: this rank obeys no call
+        ranks.close()
+
+
 def test_tp2_preempts_in_step_and_gives_one_process_tokens(qwen3):
     """A pool too small for every request: the ranks preempt and resume the same requests at the same
     steps (or their collectives would part), and give the tokens of one process with the same pool,

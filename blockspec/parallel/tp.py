@@ -33,6 +33,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# Imported here, before any rank creates its group, because torch.distributed.nn.functional binds
+# `group=group.WORLD` as default arguments when first imported: imported after init_process_group
+# (torch._dynamo imports it, and a rank's first meta-device op, building the model, imports dynamo),
+# it holds the default group for good, so destroy_process_group cannot free it. The gloo group's
+# threads then outlive it into interpreter shutdown, where one dropping its last collective's tensors
+# takes the GIL and dies: "terminate called without an active exception", SIGABRT at a rank's exit.
+import torch.distributed.nn  # noqa: F401
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -418,8 +426,11 @@ class RankProcesses:
         """Rank 0's next message, failing fast if any rank process dies instead."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._conn.poll(0.1):
-            dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
-            if dead:
+            # A rank other than 0 may end cleanly before rank 0's answer lands (a sweep's last gather,
+            # a setup error every rank hit): only a crash fails; and an answer sent just before its
+            # sender exited is still read (the poll below), whatever the exit code.
+            dead = [i for i, p in enumerate(self._procs) if p.exitcode is not None and (i == 0 or p.exitcode)]
+            if dead and not self._conn.poll(0):
                 raise RuntimeError(f"tensor-parallel rank(s) {dead} exited (codes "
                                    f"{[self._procs[i].exitcode for i in dead]})")
             if deadline is not None and time.monotonic() > deadline:
