@@ -15,7 +15,7 @@ from typing import Any
 from blockspec.bad_words import word_sequences
 from blockspec.config import ConfigError
 from blockspec.errors import RequestError
-from blockspec.sampling_params import SamplingParams, is_int
+from blockspec.sampling_params import SamplingError, SamplingParams, is_int
 from blockspec.structured import new_matcher
 
 PromptType = str | dict[str, Any]
@@ -156,7 +156,13 @@ class ModelInputs:
         if len(params) != len(prompts):
             raise ConfigError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each")
         prepared = [self.prompt_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
-        prepared = [(text, self.check_prompt(ids, params[i], f"prompt {i}")) for i, (text, ids) in enumerate(prepared)]
+        for i, (text, ids) in enumerate(prepared):
+            try:
+                if isinstance(params[i], SamplingParams):
+                    params[i].verify()  # a field set after construction is checked here, not met mid-run
+                prepared[i] = text, self.check_prompt(ids, params[i], f"prompt {i}")
+            except SamplingError as exc:
+                raise SamplingError(f"prompt {i}: {exc}") from None
         return prepared, params
 
     def chat_prompts(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],

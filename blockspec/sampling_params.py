@@ -115,6 +115,13 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        """Check every field (SamplingError naming the first bad one) and derive stop_strings. Construction
+        runs it, and `LLM.generate` again before any work, so a field changed after construction (the
+        dataclass is mutable, as vLLM's is) is checked and honoured, not run unchecked or ignored."""
+
         def check(ok: bool, name: str, allowed: str) -> None:
             if not ok:
                 raise SamplingError(f"SamplingParams.{name}={SHORT.repr(getattr(self, name))} is invalid; allowed: {allowed}")

@@ -225,6 +225,26 @@ def test_bad_requests_fail_before_any_work(llm):
     assert llm.generate("ok", good, use_tqdm=False)[0].outputs[0].token_ids  # engine still serves
 
 
+def test_sampling_params_changed_after_construction_are_checked_before_any_work(llm):
+    """SamplingParams is mutable (as vLLM's is): a field set to a bad value after construction ran
+    unchecked (n=0 ran every other prompt, then lost their outputs in an IndexError; max_tokens=0 and
+    temperature=-1 decoded) and a new stop was ignored. generate() checks each one up front, naming its
+    prompt, and honours the change."""
+    good = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    generated = llm.engine.num_generated
+    for field, value in (("n", 0), ("max_tokens", 0), ("temperature", -1.0), ("logprobs", 1000)):
+        bad = SamplingParams(temperature=0, max_tokens=6)
+        setattr(bad, field, value)
+        with pytest.raises(SamplingError, match=rf"prompt 1: SamplingParams\.{field}=.*allowed"):
+            llm.generate(["ab", "cd", "ef"], [good, bad, good], use_tqdm=False)
+    assert llm.engine.num_generated == generated and not llm.engine.has_unfinished()
+    text = llm.generate(["ab"], good, use_tqdm=False)[0].outputs[0].text
+    stopped = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    stopped.stop = text[2]
+    out = llm.generate(["ab"], stopped, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == text[2] and out.text == text[:text.index(text[2])]
+
+
 def test_nonfinite_logits_fail_one_request_only(llm, monkeypatch):
     runner = llm.engine.runner
     real = runner.logits
