@@ -18,7 +18,16 @@ class RequestError(ValueError):
 
 
 class ConstraintError(RequestError):
-    """A request's structured-output constraint cannot be compiled (the message says why)."""
+    """A request's structured-output constraint cannot be compiled: `reason` says why in one line, the
+    message names the request too."""
+
+    reason = ""
+
+    @classmethod
+    def of(cls, where: str, reason: str) -> ConstraintError:
+        exc = cls(f"{where}: structured_outputs: {reason}")
+        exc.reason = reason
+        return exc
 
 
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, ModelLoadError, SamplingError, RequestError,

@@ -74,6 +74,18 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]) -> L
         return LLTokenizer(TokenizerWrapper(_TextTokens(tokenizer, vocab_size)), n_vocab=vocab_size, eos_token=eos)
 
 
+def one_line(error: str) -> str:
+    """llguidance's error as one line: a compiler's drawing (a source line echoed above a line of carets
+    under the fault) dropped, the rest joined."""
+    lines = [line.strip() for line in error.splitlines()] + [""]
+    kept = []
+    for line, below in zip(lines, lines[1:]):
+        if not line.strip("^~ ") or (below and not below.strip("^~ ")):  # blank, carets, or the line they mark
+            continue
+        kept.append(line.removeprefix("error: ") if kept else line)
+    return " ".join(kept) or error.strip()
+
+
 def new_matcher(spec: StructuredOutputsParams, tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...],
                 where: str) -> GrammarMatcher:
     """A matcher at the start of the output, or a RequestError naming the request and the problem."""
@@ -82,12 +94,12 @@ def new_matcher(spec: StructuredOutputsParams, tokenizer: Any, vocab_size: int, 
     try:
         grammar = grammar_of(spec)
     except ValueError as exc:
-        raise ConstraintError(f"{where}: structured_outputs: {exc}") from None
+        raise ConstraintError.of(where, one_line(str(exc))) from None
     from llguidance import LLMatcher
 
     matcher = LLMatcher(ll_tokenizer(tokenizer, vocab_size, eos_ids), grammar, log_level=0)
     if matcher.is_error():
-        raise ConstraintError(f"{where}: structured_outputs: {matcher.get_error()}")
+        raise ConstraintError.of(where, one_line(matcher.get_error()))
     return matcher
 
 

@@ -96,6 +96,10 @@ KNOWN_BAD = [
     ("completions", {**DONE, "temperature": "0.5"}, 400, "temperature"),
     ("completions", {**DONE, "ignore_eos": 1}, 400, "ignore_eos"),
     ("completions", {**DONE, "prompt": "x" * 5000}, 400, "prompt"),  # past what 128 tokens can hold
+    # a conversation whose rendered tokens pass the context: its field is messages (it was named prompt)
+    ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi " * 100}]}, 400, "messages"),
+    ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi " * 30}], "max_tokens": 100}, 400,
+     "max_tokens"),
 ]
 
 

@@ -82,8 +82,17 @@ def test_completions_take_vllm_constraints(server, extra, valid):
 
 
 def test_bad_constraints_are_400s_naming_the_field(server):
-    r = post(f"{server.url}/v1/completions", json={"prompt": "x", "guided_regex": "[a-"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    """A constraint that does not compile is one line naming the field it came from (it was llguidance's
+    multi-line drawing, prefixed "prompt:", and named response_format whatever field gave it)."""
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}
+    for field, value, reason in (("guided_regex", "[a-", "unclosed character class"),
+                                 ("structured_outputs", {"grammar": "start: ("}, "Expected"),
+                                 ("response_format", schema, "bogus")):
+        r = post(f"{server.url}/v1/completions", json={"prompt": "x", field: value})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == field, r.text
+        assert error["message"].startswith(f"{field}: ") and reason in error["message"], r.text
+        assert "\n" not in error["message"] and "^" not in error["message"], r.text
     r = post(f"{server.url}/v1/completions", json={"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]})
     assert r.status_code == 400 and "one output constraint" in r.json()["error"]["message"], r.text
     r = post(f"{server.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],

@@ -208,8 +208,14 @@ def test_copies_and_preempted_requests_keep_their_grammar(target, plain):
 def test_bad_constraints_fail_before_any_work(plain, target):
     with pytest.raises(SamplingError, match="exactly one of"):
         StructuredOutputsParams(regex="a", choice=["b"])
-    with pytest.raises(RequestError, match="prompt 0: structured_outputs"):
+    with pytest.raises(RequestError, match="prompt 0: structured_outputs") as caught:
         plain.generate(["a"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-")), use_tqdm=False)
+    # one line: llguidance's drawing of the source with carets under the fault is dropped
+    assert "\n" not in str(caught.value) and "unclosed character class" in str(caught.value), str(caught.value)
+    for spec in (StructuredOutputsParams(grammar="start: ("), StructuredOutputsParams(grammar="start: foo")):
+        with pytest.raises(RequestError, match="prompt 1: structured_outputs: ") as caught:
+            plain.generate(["a", "b"], [SamplingParams(), SamplingParams(structured_outputs=spec)], use_tqdm=False)
+        assert "\n" not in str(caught.value) and "^" not in str(caught.value), str(caught.value)
     with pytest.raises(RequestError, match="structured_outputs"):
         plain.generate(["a"], SamplingParams(structured_outputs=StructuredOutputsParams(json="{not json")),
                        use_tqdm=False)

@@ -220,19 +220,21 @@ def chat_prompt(inputs: ModelInputs, body: ChatCompletionRequest, trusted_templa
     return None, list(ids if isinstance(ids, list) else ids["input_ids"])
 
 
-def check_prompts(inputs: ModelInputs, prompts: list[Prompt], params: SamplingParams) -> list[Prompt]:
+def check_prompts(inputs: ModelInputs, prompts: list[Prompt], params: SamplingParams,
+                  constraint_field: str = "response_format", prompt_field: str = "prompt") -> list[Prompt]:
     """The prompts as the engine takes them (`ModelInputs.check_prompt`), everything it would refuse refused
-    here with a 400; plus prompt + max_tokens <= context."""
+    here with a 400; plus prompt + max_tokens <= context. Errors name the request's fields: the prompt's
+    (`prompt_field`: messages for a chat), and the one a constraint that does not compile came from."""
     limit = inputs.max_model_len
     checked = []
     for i, (text, ids) in enumerate(prompts):
-        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        where = prompt_field if len(prompts) == 1 else f"{prompt_field}[{i}]"
         try:
             ids = inputs.check_prompt(ids, params, where)
         except ConstraintError as exc:
-            raise user_error(exc, "response_format") from None
+            raise APIError(400, f"{constraint_field}: {exc.reason}", param=constraint_field) from None
         except RequestError as exc:
-            raise user_error(exc, "prompt") from None
+            raise user_error(exc, prompt_field) from None
         if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; {where} has {len(ids)} "
                                 f"tokens and max_tokens is {params.max_tokens}: reduce one of them", param="max_tokens")
@@ -570,7 +572,9 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
         if body.stream and body.prompt_logprobs:
             raise APIError(400, "prompt_logprobs are not streamed (as in vLLM): drop stream, or on /v1/completions "
                                 "use echo with logprobs", param="prompt_logprobs")
-        prompts = check_prompts(inputs, prompts, params)
+        # a constraint the request did not give is a forced tool call's
+        prompts = check_prompts(inputs, prompts, params, body.constraint_field or "tool_choice",
+                                "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
         renderer = renderer_type(body, served_model_name, prompts, params, TokenStrings(inputs.tokenizer),
                                  inputs.speculative)
         choices = [Choice() for _ in range(len(prompts) * params.n)]

@@ -171,6 +171,19 @@ class GenerationRequest(StrictModel):
     def structured(self) -> StructuredOutputsParams | None:
         """The request's output constraint, from whichever of response_format, structured_outputs or the
         guided_* fields it gives (at most one)."""
+        found = self._constraints()
+        if len(found) > 1:
+            raise SamplingError(f"SamplingParams.{found[1][0]}: give one output constraint, not "
+                                f"{' and '.join(name for name, _ in found)}")
+        return StructuredOutputsParams(**found[0][1]) if found else None
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The field the request's output constraint came from (where its errors point)."""
+        found = self._constraints()
+        return found[0][0] if found else None
+
+    def _constraints(self) -> list[tuple[str, dict[str, Any]]]:
         found: list[tuple[str, dict[str, Any]]] = []
         if self.response_format is not None and self.response_format.type != "text":
             if self.response_format.type == "json_object":
@@ -187,10 +200,7 @@ class GenerationRequest(StrictModel):
             value = getattr(self, f"guided_{name}")
             if value is not None:
                 found.append((f"guided_{name}", {name: value}))
-        if len(found) > 1:
-            raise SamplingError(f"SamplingParams.{found[1][0]}: give one output constraint, not "
-                                f"{' and '.join(name for name, _ in found)}")
-        return StructuredOutputsParams(**found[0][1]) if found else None
+        return found
 
     @property
     def include_usage(self) -> bool:
