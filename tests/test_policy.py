@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections import Counter
@@ -10,7 +11,7 @@ import pytest
 
 from blockspec.config import ConfigError
 from blockspec.speculative import policy as policy_module
-from blockspec.speculative.policy import PARK_TURNOVERS, UNTIMED_PLAIN_PARKS, DraftLengthPolicy
+from blockspec.speculative.policy import PARK_TURNOVERS, PLAIN_RUN, SPEC_RUN, UNTIMED_PLAIN_PARKS, DraftLengthPolicy
 
 
 def feed(policy: DraftLengthPolicy, rates: list[float], times: dict[int, float], batch: int = 1, steps: int = 400):
@@ -385,11 +386,11 @@ def test_a_recorded_acceptance_outweighs_two_unlucky_first_drafts():
     """Expected 3.3 tokens per 12 ms drafting step against 1 per 4.6 ms plain: drafting wins 1.3x. With
     the drafter's recorded acceptance as the starting belief, two rejected first drafts do not stop the
     policy from drafting the whole block; without it (the control), they keep it on the plain path
-    until a late re-try."""
+    until a late re-try. (The plain re-tries, three steps each, take most of the rest.)"""
     recorded = [0.73, 0.54, 0.42, 0.32, 0.24, 0.2, 0.16, 0.13]
     for seed in range(5):
         with_prior, without = unlucky_start(recorded, seed=seed), unlucky_start(None, seed=seed)
-        assert with_prior.count(8) >= 130, with_prior
+        assert with_prior.count(8) >= 120, with_prior
         assert without.count(8) == 0, without
 
 
@@ -465,21 +466,43 @@ def test_a_host_delay_that_shortens_the_next_interval_does_not_make_a_step_look_
     assert min(pipelined_run(DraftLengthPolicy(15), seed) / best for seed in range(6)) < 0.9
 
 
-def test_the_step_after_a_plain_re_try_charges_its_refill_to_the_plain_path():
-    """The speculative step after a plain one (launched from committed state, nothing hidden behind the
-    device) costs more than its usual; that excess is the plain re-try's price, so the plain path's
-    estimate holds it and the K's own estimate does not."""
-    policy, unflagged = DraftLengthPolicy(15), DraftLengthPolicy(15)
-    for _ in range(4):
-        for k, ms in ((15, 10.0), (15, 10.0), (0, 7.0), (15, 16.5)):
-            policy.observe_time(16, k, ms / 1e3, refill=k == 15 and ms > 16)
-            unflagged.observe_time(16, k, ms / 1e3)  # where nothing is pipelined, a step is its own
-    assert abs(policy.estimate(16, 15) - 10e-3) < 1e-9
-    assert abs(policy.estimate(16, 0) - 13.5e-3) < 1e-9
-    assert abs(unflagged.estimate(16, 0) - 7e-3) < 1e-9
+def test_the_switch_back_from_plain_steps_is_no_sample_of_a_k_that_has_one():
+    """The speculative step after plain ones (launched from committed state, nothing hidden behind the
+    device) costs more than the K's steps as it runs: it is a switch's cost, neither the K's nor the plain
+    path's. A K with no sample yet takes it (its next step gives a second; a price is the lower of two)."""
+    policy = DraftLengthPolicy(15)
+    policy.observe_time(16, 15, 10e-3), policy.observe_time(16, 15, 10e-3)
+    for _ in range(3):
+        policy.observe_time(16, 0, 7e-3)
+    policy.observe_time(16, 15, 16.5e-3, refill=True)
+    assert policy.estimate(16, 15) == 10e-3 and policy.estimate(16, 0) == 7e-3
+    assert list(policy.samples[(16, 15)]) == [10e-3, 10e-3]
+    policy.observe_time(16, 0, 7e-3)
+    policy.observe_time(16, 7, 15e-3, refill=True)  # K = 7's first sample, a switch's
+    policy.observe_time(16, 7, 9e-3)
+    assert policy.estimate(16, 7) == 9e-3
     # a refill after a step of another speculative K is that K's own
-    policy.observe_time(16, 7, 9e-3), policy.observe_time(16, 7, 9e-3), policy.observe_time(16, 15, 12e-3, refill=True)
-    assert abs(policy.estimate(16, 7) - 9e-3) < 1e-9 and policy.samples[(16, 15)][-1] == 12e-3
+    policy.observe_time(16, 15, 12e-3, refill=True)
+    assert policy.samples[(16, 15)][-1] == 12e-3
+
+
+def test_a_plain_re_try_runs_three_steps_at_its_batch_size():
+    """Priced commit to commit, a plain step needs a plain commit before it and a plain launch after it: a
+    re-try of the plain path runs PLAIN_RUN steps (the first commit is the switch's, the second the
+    sample). A K re-tried where plain is best runs SPEC_RUN. A change of batch size ends a run."""
+    policy = DraftLengthPolicy(7)
+    drive(policy, 200, {0: 1.0, 1: 2.0, 3: 2.1, 5: 2.2, 7: 2.3}, 0.95, batch=8)  # K = 7 best, 6 tokens / 2.3
+    chosen = drive(policy, 400, {0: 1.0, 1: 2.0, 3: 2.1, 5: 2.2, 7: 2.3}, 0.95, batch=8)
+    runs = [len(list(g)) for k, g in itertools.groupby(chosen) if k == 0]
+    assert runs and all(n == PLAIN_RUN for n in runs), runs
+    policy._run = (8, 0, PLAIN_RUN - 1)
+    policy.choose(16)  # another bucket: the run is over
+    assert policy._run is None
+    # plain best (a weak drafter): a K's re-try runs two steps
+    weak = DraftLengthPolicy(7)
+    chosen = drive(weak, 3000, {0: 1.0, 1: 1.5, 3: 1.6, 5: 1.7, 7: 1.8}, 0.3, batch=8)
+    spec_runs = [len(list(g)) for k, g in itertools.groupby(chosen[200:]) if k]
+    assert spec_runs and all(n == SPEC_RUN for n in spec_runs), spec_runs
 
 
 def test_the_trace_records_every_observation_and_choice_in_order():
@@ -598,12 +621,15 @@ def plain_retries(lead: float, steps: int = 3000) -> int:
 
 
 def test_plain_re_tries_back_off_only_where_speculation_leads_by_a_wide_margin(monkeypatch):
-    """A plain re-try costs its step's tokens and the pipeline's refill after it. Where speculation leads by
-    150 %, re-tries that keep finding plain losing wait up to 4x longer; at a 10 % lead, where a drifting
-    plain time could matter, they keep their interval. The negative control never backs off."""
-    wide, thin = plain_retries(1.5), plain_retries(0.1)
+    """A plain re-try costs its run's tokens and the pipeline's refill after it. Where speculation leads by
+    50 %, re-tries that keep finding plain losing wait up to 4x longer; by 150 %, they are as rare as a
+    losing K's; at a 10 % lead, where a drifting plain time could matter, they keep their interval. The
+    negative control never backs off."""
+    wide, mid, thin = plain_retries(1.5), plain_retries(0.5), plain_retries(0.1)
     monkeypatch.setattr(policy_module, "PLAIN_LEAD", math.inf)
-    assert wide < plain_retries(1.5) / 3 and thin == plain_retries(0.1) and thin > 100, (wide, thin)
+    monkeypatch.setattr(policy_module, "WIDE_PLAIN_LEAD", math.inf)
+    assert wide < mid / 3 and wide < plain_retries(1.5) / 10, (wide, mid)
+    assert mid < plain_retries(0.5) / 3 and thin == plain_retries(0.1) and thin > 100, (mid, thin)
 
 
 def drifting_run(seed: int) -> list[int]:

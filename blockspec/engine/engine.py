@@ -603,9 +603,12 @@ class Engine:
         if launch.after_prefill is not None:  # launched behind a prefill's work: priced from its end
             start = priced_from(*launch.after_prefill)
         touched = self._commit_plain(launch)
-        # in a run a step costs commit to commit; a lone plain step between speculative ones costs
-        # from the speculative commit before it; the last of a run launched no successor: no sample
-        seconds = self.pipeline.since_last_commit("plain" if pipelined else "spec", "plain" if pipelined else None)
+        # in a run a step costs commit to commit; the first commit after a speculative step spans the switch
+        # (the policy re-tries the plain path as a run) and the last of a run launched no successor: no samples
+        if pipelined:
+            seconds = self.pipeline.since_last_commit("plain", "plain")
+        else:
+            seconds = self.pipeline.last_commit = None
         if start is not None:
             seconds = time.perf_counter() - start
         if (seconds is not None and self.proposer is not None and launch.captures == CAPTURES[0]

@@ -3,8 +3,12 @@
 Expected tokens per step with K drafts is 1 + sum_{k<=K} P(first k drafts accepted); its cost is the
 measured time of a step with K drafts at this batch size (K = 0 is the plain step). The policy picks
 the K with the most tokens per second. Acceptance is counted per position from recent steps and step
-times are measured (the typical of recent steps; where steps are pipelined, the refill after a plain
-step is that plain step's price). An unmeasured K is scored at the least it can cost (the time of a
+times are measured (the typical of recent steps). A K is priced as it runs when chosen: where steps are
+pipelined, a switch between the plain path and speculation costs more than either (the first step after
+it starts from committed state, its host work not hidden), so a re-try of the plain path runs PLAIN_RUN
+steps and one of a K from the plain path SPEC_RUN, and the switch's steps are no samples (priced in, a
+host-bound batch's plain re-tries cost half as much again as its plain steps, and it drafted where plain
+decoding was faster). An unmeasured K is scored at the least it can cost (the time of a
 shorter measured K) and at the most acceptance its trials so far allow, and tried only if even then it
 would be best, so drafts that cannot pay are never timed. Measured candidates are re-tried now and
 then, so the choice follows the workload: the worse a candidate scored, and the more re-tries in a row
@@ -46,6 +50,10 @@ NEAR_TIE = 0.02  # scores within this fraction of the best count as a tie, which
 OBSERVED_TRIALS = 16.0  # ... while its deepest position has fewer (decayed) trials than this
 STALE_CHOICES = 8  # a draft length's samples older than this many choices at its batch bucket are stale
 PLAIN_LEAD = 0.25  # a lead over the plain path past which its re-tries back off like any losing K's
+WIDE_PLAIN_LEAD = 1.0  # ... and past which they are as rare as a losing K's (a plain re-try runs PLAIN_RUN steps)
+PLAIN_RUN = 3  # steps a re-try of the plain path takes: the first commit after speculation is a switch, the next
+#                is priced commit to commit, as a run of plain steps runs
+SPEC_RUN = 2  # steps a re-try of a K takes where the plain path is best: the first refills the pipeline
 PARK_TURNOVERS = 2  # the first park of a batch bucket where plain wins covers this many times its size in arrivals
 MAX_PARK_DOUBLINGS = 6  # each park whose re-tries find plain still best doubles the next, up to 64x
 UNTIMED_PLAIN_PARKS = 32  # choices at a bucket whose plain step has no time yet, after which it is parked
@@ -124,6 +132,7 @@ class DraftLengthPolicy:
         # (batch bucket, K) -> re-tries in a row that found K still losing; each doubles K's interval
         self.confirmed_losses: dict[tuple[int, int], int] = {}
         self._retried: tuple[int, int] | None = None  # the re-try of the previous choose(), if any
+        self._run: tuple[int, int, int] | None = None  # (batch bucket, K, steps left) of a re-try's run
         self._last_timed: tuple[int, int] | None = None  # the (batch bucket, K) of the last step timed
         # (bucket, K, last step) of a choice that stands until a re-try is due or an observation could
         # change it: choose() then costs a few operations, not a re-scoring (it runs every step)
@@ -178,14 +187,11 @@ class DraftLengthPolicy:
             while len(window) > 1:
                 window.popleft()
         self.sampled_at[key] = now
+        if refill and k and after == (key[0], 0) and window:
+            # the speculative step after plain ones refills the pipeline: a switch's cost, not this K's as it
+            # runs (the next step of its run is its sample); only a K with no sample yet takes it
+            return
         before = typical(window) if len(window) >= 2 else None
-        plain = self.samples.get((key[0], 0))
-        if refill and k and after == (key[0], 0) and before is not None and seconds > before and plain:
-            # what a speculative step that refills the pipeline after a plain one costs over its usual is
-            # the plain step's price (a re-try of the plain path costs its own step and this refill)
-            plain[-1] += seconds - before
-            seconds = before
-            self._settled = None
         window.append(seconds)
         if self._settled is not None and (key != self._settled[:2] or before is None or typical(window) > before):
             self._settled = None
@@ -266,6 +272,12 @@ class DraftLengthPolicy:
         # would be due on entry (a slow step each)
         self.clock[bucket] += 1
         now = self.clock[bucket]
+        if self._run is not None:  # a re-try's run goes on while the batch stays in its bucket
+            run_bucket, run_k, left = self._run
+            self._run = (bucket, run_k, left - 1) if run_bucket == bucket and left > 1 else None
+            if run_bucket == bucket:
+                self.last_tried[(bucket, run_k)] = now
+                return run_k
         if self._settled is not None and self._settled[0] == bucket and now <= self._settled[2]:
             self.last_tried[(bucket, self._settled[1])] = now
             return self._settled[1]
@@ -300,7 +312,7 @@ class DraftLengthPolicy:
             # longer ones (where one draft costs what the whole block does, only they can win).
             if measured[k] is None and self.expected_tokens(k, hope) / costs[k] > score[best]:
                 self.last_tried[(bucket, k)] = now
-                return k
+                return k  # tried until it has two samples, the first of which may be a switch's
         due = math.inf  # the first step at which a re-try is due
         for k in self.candidates:  # re-measure stale ones; the worse a candidate, the rarer
             if measured[k] is None:
@@ -311,17 +323,21 @@ class DraftLengthPolicy:
             doublings = min(4, self.confirmed_losses.get((bucket, k), 0))
             if k == 0:  # the plain path is the baseline: a stale estimate of it is what makes a step slower
                 # than plain decoding, so it is re-measured 4x as often, and backs off (up to 4x) only where
-                # speculation leads it by PLAIN_LEAD, which no drift of its time between re-tries closes
-                # (a plain re-try and the refill after it cost about two speculative steps' tokens)
-                interval /= 4
-                doublings = min(2, doublings) if score[best] >= (1 + PLAIN_LEAD) * score[0] else 0
+                # speculation leads it by PLAIN_LEAD, which no drift of its time between re-tries closes (a
+                # plain re-try's run and the refill after it cost about three speculative steps' tokens);
+                # behind a lead of WIDE_PLAIN_LEAD it is re-tried like any losing K (falling acceptance shows
+                # in the speculative steps' own trials, and no drift of a step's time doubles it)
+                lead = score[best] / max(score[0], 1e-9)
+                if lead < 1 + WIDE_PLAIN_LEAD:
+                    interval /= 4
+                    doublings = min(2, doublings) if lead >= 1 + PLAIN_LEAD else 0
             interval *= 2**doublings
             # a batch size seen for the first time starts every clock now: its borrowed estimates are
             # not stale, and retrying each of them at once would cost a slow step per candidate
             if k != best and now - self.last_tried.setdefault((bucket, k), now) > interval:
                 self.last_tried[(bucket, k)] = now
                 self._retried = (bucket, k)
-                return k
+                return self._start_run(bucket, k, best)
             if k != best:
                 due = min(due, self.last_tried[(bucket, k)] + interval)
         self.last_tried[(bucket, best)] = now
@@ -333,6 +349,14 @@ class DraftLengthPolicy:
         if self.settles:
             self._settled = (bucket, best, due)
         return best
+
+    def _start_run(self, bucket: int, k: int, best: int) -> int:
+        """Re-try k for the steps a switch between the plain path and speculation needs to give a sample of
+        it as it runs: PLAIN_RUN for the plain path, SPEC_RUN for a K where the plain path is best, else one."""
+        steps = PLAIN_RUN if k == 0 else SPEC_RUN if best == 0 else 1
+        if steps > 1:
+            self._run = (bucket, k, steps - 1)
+        return k
 
     def _break_tie(self, best: int, timed: list[int], score: dict[int, float]) -> int:
         """The speculative K to take for `best`: the longest K within NEAR_TIE of its score whose deepest
