@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blockspec.sample.rng import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL, STREAM_TARGET, gumbel,
-                                  keyed_uniform)
+                                  keyed_uniform, row_key)
 from factories import TRITON_SKIP_REASON, triton_interpretable
 
 MASK = (1 << 64) - 1
@@ -134,6 +134,30 @@ def test_cuda_gumbel_argmax_draws_the_cpu_token() -> None:
         cpu = gumbel_argmax(scores, keys)
         gpu = gumbel_argmax(scores.cuda(), keys.cuda()).cpu()
         assert torch.equal(cpu, gpu), (rows, (cpu != gpu).sum().item())
+
+
+@pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
+@pytest.mark.parametrize("rows", [1, 37, 1500])
+def test_row_keys_kernel_hashes_the_reference_bits(rows):
+    """One launch makes the keys `row_key`'s torch ops make, bit for bit: every stream, with and
+    without a round, int64 seeds across their range (the wrapping multiplies and logical shifts), an
+    int32 position, more rows than a program holds. Another stream or round gives other keys."""
+    from blockspec.kernels.gumbel import row_keys_kernel
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(rows)
+    seed = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=g, dtype=torch.int64)
+    position = torch.randint(0, 2**31 - 1, (rows,), generator=g, dtype=torch.int64).to(torch.int32)
+    round_ = torch.randint(0, 2**40, (rows,), generator=g, dtype=torch.int64)
+    seen = set()
+    for stream in (STREAM_TARGET, STREAM_DRAFT, STREAM_RESIDUAL):
+        for r in (None, round_):
+            got = row_keys_kernel(seed.to(device), position.to(device), stream,
+                                  None if r is None else r.to(device)).cpu()
+            assert got.dtype == torch.int64 and torch.equal(got, row_key(seed, position, stream, r))  # CPU: torch ops
+            seen.add(tuple(got.tolist()))
+    assert len(seen) == 6  # each stream and round its own keys
+    assert row_keys_kernel(seed[:0].to(device), position[:0].to(device), STREAM_TARGET, None).shape == (0,)
 
 
 @pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)

@@ -5,7 +5,8 @@ passes over the vocabulary (hash, shifts, two logs), each a kernel launch and a 
 write of 8-byte words. At a verify of 64 requests x 16 rows over a 152K vocabulary that is tens
 of GB of traffic; at batch 1 it is some sixty launches. This kernel hashes, draws and takes the
 argmax of scores + noise in one read of the scores. It runs the same integer hash and the same
-float64 logs as the torch ops, so it picks the same token (the tests hold it to them).
+float64 logs as the torch ops, so it picks the same token (the tests hold it to them). A row's key
+(`rng.row_key`, a few int64 ops a row) is made in one launch too (`row_keys_kernel`).
 
 The vocabulary is split over programs when there are few rows (one program would walk 152K
 columns alone); each split keeps its first maximum, and the first split holding the row's
@@ -43,6 +44,27 @@ if triton is not None:
         return (x >> S) & ((1 << (64 - S)) - 1)
 
     @triton.jit
+    def _mix64(x, M1: tl.constexpr, M2: tl.constexpr):
+        """splitmix64's finaliser (`rng._mix64_`)."""
+        x ^= _srl(x, 30)
+        x *= M1
+        x ^= _srl(x, 27)
+        x *= M2
+        x ^= _srl(x, 31)
+        return x
+
+    @triton.jit
+    def _row_keys(Seed, Position, Round, Keys, n, STREAM: tl.constexpr, HAS_ROUND: tl.constexpr,
+                  GAMMA: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = rows < n
+        h = _mix64(tl.load(Seed + rows, mask=ok, other=0).to(tl.int64) * GAMMA + STREAM, M1, M2)
+        h = _mix64(h + (tl.load(Position + rows, mask=ok, other=0).to(tl.int64) + 1) * GAMMA, M1, M2)
+        if HAS_ROUND:
+            h = _mix64(h + (tl.load(Round + rows, mask=ok, other=0).to(tl.int64) + 1) * GAMMA, M1, M2)
+        tl.store(Keys + rows, h, mask=ok)
+
+    @triton.jit
     def _gumbel_argmax(Scores, Keys, BestVal, BestIdx, stride_s, vocab, per_split,
                        GAMMA: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, INV: tl.constexpr,
                        BLOCK: tl.constexpr):
@@ -74,6 +96,19 @@ if triton is not None:
         out = row * tl.num_programs(1) + split
         tl.store(BestVal + out, top)
         tl.store(BestIdx + out, first)
+
+
+def row_keys_kernel(seed: Tensor, position: Tensor, stream: int, round_: Tensor | None) -> Tensor:
+    """`rng.row_key` in one launch for its twenty-odd int64 ops: [N] int64 keys, the same bits."""
+    n = seed.shape[0]
+    keys = torch.empty(n, dtype=torch.int64, device=seed.device)
+    if n:
+        block = min(1024, triton.next_power_of_2(n))
+        _row_keys[(triton.cdiv(n, block),)](seed.contiguous(), position.contiguous(),
+                                            (round_ if round_ is not None else position).contiguous(), keys, n,
+                                            STREAM=stream, HAS_ROUND=round_ is not None, GAMMA=GAMMA, M1=MIX1,
+                                            M2=MIX2, BLOCK=block, num_warps=1)
+    return keys
 
 
 def gumbel_argmax_kernel(scores: Tensor, keys: Tensor, programs: int = TARGET_PROGRAMS) -> Tensor:

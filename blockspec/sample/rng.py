@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from blockspec.kernels.gumbel import GAMMA, INV_2_53, MIX1, MIX2  # the hash the fused kernel computes too
+from blockspec.kernels.gumbel import GAMMA, INV_2_53, MIX1, MIX2, row_keys_kernel  # the kernels hash alike
+from blockspec.kernels.ops import use_kernels
 
 STREAM_TARGET = 0
 STREAM_DRAFT = 1
@@ -50,7 +51,10 @@ def _mix64_(x: Tensor) -> Tensor:
 
 
 def row_key(seed: Tensor, position: Tensor, stream: int, round_: Tensor | None) -> Tensor:
-    """One 64-bit state per row, [N] int64; each field is absorbed then mixed, so field order matters."""
+    """One 64-bit state per row, [N] int64; each field is absorbed then mixed, so field order matters.
+    On a GPU one kernel launch (`kernels.gumbel.row_keys_kernel`, the same integer arithmetic)."""
+    if use_kernels(seed):
+        return row_keys_kernel(seed, position, stream, round_)
     h = _mix64_(seed.to(torch.int64) * GAMMA + stream)
     h = _mix64_(h + (position.to(torch.int64) + 1) * GAMMA)
     if round_ is not None:
