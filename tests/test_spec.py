@@ -59,7 +59,8 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch
 
 
 def add_oracle(llm: LLM, expected: dict[tuple, list[int]], corrupt: float = 0.15, seed: int = 0) -> None:
-    """Replace drafts with the plain continuation, corrupting a fraction so rejections happen too."""
+    """Replace drafts with the plain continuation, corrupting a fraction so rejections happen too. A block's
+    anchor is the token at position num_cached (a step launched before the commit has advanced it)."""
     proposer = llm.engine.proposer
     real = proposer.propose
     g = torch.Generator().manual_seed(seed)
@@ -69,7 +70,7 @@ def add_oracle(llm: LLM, expected: dict[tuple, list[int]], corrupt: float = 0.15
         tokens = block.tokens.clone()
         for r, req in enumerate(reqs):
             want = expected[tuple(req.prompt_token_ids)]
-            n = len(req.output_ids)
+            n = req.num_cached + 1 - len(req.prompt_token_ids)
             for i in range(block.lens[r]):
                 truth = want[n + i] if n + i < len(want) else 3
                 tokens[r, i] = int(torch.randint(2, 95, (1,), generator=g)) if torch.rand(1, generator=g) < corrupt \
@@ -758,6 +759,51 @@ def test_policy_prices_steps_by_wall_time_with_host_work(target):
     assert {k for k, _, _ in seen} == {0, 2}
     for k, seconds, tokens in seen:  # every emitted token's host work is inside its step's price
         assert seconds >= delay * tokens, (k, seconds, tokens)
+
+
+def policy_choices(target: Path, plain: LLM, spec_delay: float, gap: float) -> list[int]:
+    """The draft lengths an adaptive engine chose, step by step, for one request of 60 sampled tokens whose
+    drafts are its own continuation (10 % corrupted; sample-and-match accepts the rest): every speculative
+    launch sleeps `spec_delay`, and the caller works `gap` between steps (a server streaming what each step
+    emitted)."""
+    p = prompts(1, seed=9)[0]
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=60, ignore_eos=True)
+    expected = {tuple(p["prompt_token_ids"]): run(plain, [p], params)[0]}
+    llm = spec_llm(target, "dflash", "dflash", adaptive_draft_length=True, num_speculative_tokens=3)
+    add_oracle(llm, expected, corrupt=0.1, seed=3)
+    engine = llm.engine
+    engine.async_scheduling = True
+
+    def slow(*args, real=engine._launch_spec, **kw):
+        clock.sleep(spec_delay)
+        return real(*args, **kw)
+
+    engine._launch_spec = slow
+    chosen = []
+    choose = engine.policy.choose
+    engine.policy.choose = lambda batch: chosen.append(choose(batch)) or chosen[-1]
+    engine.add_request("r", None, p["prompt_token_ids"], params)
+    gc.disable()  # a full collection can take a good part of a gap
+    try:
+        while engine.has_unfinished():
+            engine.step()
+            clock.sleep(gap)
+    finally:
+        gc.enable()
+    return chosen
+
+
+def test_where_plain_steps_are_faster_as_they_run_the_policy_takes_them(target, plain):
+    """A plain step here costs the caller's gap (30 ms), a speculative one that and its 120 ms launch for
+    about 3.4 tokens: plain decoding is faster by a fifth, and the engine takes the plain path once it has
+    measured both. Where a launch costs 5 ms (the control), speculation is three times faster and the
+    engine drafts. (How a plain re-try between speculative steps is priced:
+    `test_pipelined_steps_are_priced_one_step_each_across_switches`.)"""
+    slow = policy_choices(target, plain, spec_delay=0.12, gap=0.03)
+    settled = slow[len(slow) // 3:]
+    assert settled.count(0) >= 0.8 * len(settled), slow
+    fast = policy_choices(target, plain, spec_delay=0.005, gap=0.03)
+    assert fast[len(fast) // 3:].count(0) <= 0.2 * len(fast[len(fast) // 3:]), fast
 
 
 def test_policy_prices_a_step_from_the_end_of_the_one_before(target):
