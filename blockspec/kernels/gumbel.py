@@ -79,12 +79,7 @@ if triton is not None:
             cols = c0 + tl.arange(0, BLOCK)
             ok = cols < end
             s = tl.load(Scores + row.to(tl.int64) * stride_s + cols, mask=ok, other=float("-inf"))
-            x = h + (cols.to(tl.int64) + 1) * GAMMA  # splitmix64 of the row's key, column j + 1
-            x ^= _srl(x, 30)
-            x *= M1
-            x ^= _srl(x, 27)
-            x *= M2
-            x ^= _srl(x, 31)
+            x = _mix64(h + (cols.to(tl.int64) + 1) * GAMMA, M1, M2)  # splitmix64 of the row's key, column j + 1
             u = (_srl(x, 12) * 2 + 1).to(tl.float64) * INV
             noise = -tl.log(-tl.log(u))
             v = tl.where(ok, s + noise.to(tl.float32), float("-inf"))
