@@ -6,9 +6,9 @@ the K with the most tokens per second. Acceptance is counted per position from r
 times are measured (the typical of recent steps). A K is priced as it runs when chosen: where steps are
 pipelined, a switch between the plain path and speculation costs more than either (the first step after
 it starts from committed state, its host work not hidden), so a re-try of the plain path runs PLAIN_RUN
-steps and one of a K from the plain path SPEC_RUN, and the switch's steps are no samples (priced in, a
-host-bound batch's plain re-tries cost half as much again as its plain steps, and it drafted where plain
-decoding was faster). An unmeasured K is scored at the least it can cost (the time of a
+steps and one of a K from the plain path SPEC_RUN, and the switch's steps are no samples (priced in, they
+make a host-bound batch's plain steps look dearer than they run, and it drafts where plain decoding is
+faster). An unmeasured K is scored at the least it can cost (the time of a
 shorter measured K) and at the most acceptance its trials so far allow, and tried only if even then it
 would be best, so drafts that cannot pay are never timed. Measured candidates are re-tried now and
 then, so the choice follows the workload: the worse a candidate scored, and the more re-tries in a row
@@ -274,7 +274,7 @@ class DraftLengthPolicy:
         now = self.clock[bucket]
         if self._run is not None:  # a re-try's run goes on while the batch stays in its bucket
             run_bucket, run_k, left = self._run
-            self._run = (bucket, run_k, left - 1) if run_bucket == bucket and left > 1 else None
+            self._run = (run_bucket, run_k, left - 1) if run_bucket == bucket and left > 1 else None
             if run_bucket == bucket:
                 self.last_tried[(bucket, run_k)] = now
                 return run_k
