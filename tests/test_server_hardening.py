@@ -118,8 +118,11 @@ def test_starlette_errors_speak_the_openai_format(server):
     deep = "[" * 100_000 + "]" * 100_000
     r = post(f"{server.url}/v1/completions", content=deep, headers={"content-type": "application/json"})
     assert r.status_code == 400 and is_openai_error(r), r.text
-    r = post(f"{server.url}/v1/completions", content=b"\xff\xfe garbage", headers={"content-type": "application/json"})
+    assert r.json()["error"]["message"] == "the request body nests arrays or objects too deeply to parse", r.text
+    r = post(f"{server.url}/v1/completions", content=b'{"prompt": "a\xff\xfe"}', headers={"content-type": "application/json"})
     assert r.status_code == 400 and is_openai_error(r), r.text
+    assert r.json()["error"]["message"] == r"the request body is not valid UTF-8 (byte 13: b'\xff')", r.text
+    assert post(f"{server.url}/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
 
 
 def test_an_internal_failure_is_a_500_that_keeps_the_connection_and_names_nothing(server, monkeypatch):

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import json
 import logging
 import re
 import uuid
@@ -103,16 +104,32 @@ def api_error_of(exc: Exception) -> APIError:
                     type="internal_server_error")
 
 
-def http_error(request: Request, exc: HTTPException) -> APIError:
-    """Starlette's own errors (no such route, method not allowed, a body it could not parse) in the
-    OpenAI format."""
+def unparsable_body(body: bytes) -> str:
+    """Why a body the framework could not parse as JSON is not JSON: bytes that are not UTF-8 (the first
+    one named), or arrays and objects nested deeper than a parser follows."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return f"the request body is not valid UTF-8 (byte {err.start}: {body[err.start:err.start + 1]!r})"
+    try:
+        json.loads(text)
+    except RecursionError:
+        return "the request body nests arrays or objects too deeply to parse"
+    except ValueError as err:
+        return f"malformed JSON body: {err}"
+    return "the request body could not be parsed as JSON"
+
+
+def http_error(request: Request, exc: HTTPException, body: bytes = b"") -> APIError:
+    """Starlette's own errors (no such route, method not allowed, a body it could not parse: `body`) in
+    the OpenAI format."""
     if exc.status_code == 404:
         return APIError(404, f"no such route: {request.method} {request.url.path}", code="not_found")
     if exc.status_code == 405:
         return APIError(405, f"method {request.method} is not allowed on {request.url.path}",
                         code="method_not_allowed")
     if exc.status_code == 400:
-        return APIError(400, "the request body could not be parsed as JSON (malformed, or nested too deeply)")
+        return APIError(400, unparsable_body(body))
     return APIError(exc.status_code, str(exc.detail))
 
 
@@ -548,7 +565,8 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
 
     @app.exception_handler(HTTPException)
     async def starlette_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return http_error(request, exc).response()
+        body = await request.body() if exc.status_code == 400 else b""  # read already: the framework keeps it
+        return http_error(request, exc, body).response()
 
     for error_type in USER_ERRORS:
         @app.exception_handler(error_type)
