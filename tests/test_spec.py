@@ -794,12 +794,12 @@ def policy_choices(target: Path, plain: LLM, spec_delay: float, gap: float) -> l
 
 
 def test_where_plain_steps_are_faster_as_they_run_the_policy_takes_them(target, plain):
-    """A plain step here costs the caller's gap (30 ms), a speculative one that and its 120 ms launch for
-    about 3.4 tokens: plain decoding is faster by a fifth, and the engine takes the plain path once it has
-    measured both. Where a launch costs 5 ms (the control), speculation is three times faster and the
-    engine drafts. (How a plain re-try between speculative steps is priced:
-    `test_pipelined_steps_are_priced_one_step_each_across_switches`.)"""
-    slow = policy_choices(target, plain, spec_delay=0.12, gap=0.03)
+    """A plain step here costs the caller's gap (30 ms), a speculative one that and its 300 ms launch for
+    about 3.4 tokens: plain decoding is about three times faster (and stays faster unless the model's own
+    compute passes 125 ms a step), and the engine takes the plain path once it has measured both. Where a
+    launch costs 5 ms (the control), speculation is about three times faster and the engine drafts. (How a
+    plain re-try between speculative steps is priced: `test_pipelined_steps_are_priced_one_step_each_across_switches`.)"""
+    slow = policy_choices(target, plain, spec_delay=0.3, gap=0.03)
     settled = slow[len(slow) // 3:]
     assert settled.count(0) >= 0.8 * len(settled), slow
     fast = policy_choices(target, plain, spec_delay=0.005, gap=0.03)
@@ -1148,13 +1148,13 @@ def test_pipelined_steps_are_priced_one_step_each_across_switches(target):
     # after the first switch to speculation, per cycle of the plan: the plain run gives one sample (its
     # second commit: the first closes the switch, the last launches no successor) and the lone plain step
     # none; the speculative step after plain ones (after the run, and after the lone step) says it refills
-    # the pipeline, and holds two launches (the plain commit's wait and its own), a pipelined one holds one
+    # the pipeline, and holds two launches (the plain commit's wait and its own), every step at least one
     first = next(i for i, (_, _, refill) in enumerate(seen) if refill)
     tail = seen[first - 1 : first - 1 + 4 * ((len(seen) - first + 1) // 4)]
     assert len(tail) >= 16 and [(k, r) for k, _, r in tail] == [(0, False), (3, True), (3, False), (3, True)] * (
         len(tail) // 4), seen
     assert all(delay <= s < 1.9 * delay for s in plain), plain  # one launch each
-    assert all(s >= 1.9 * delay for _, s, r in seen if r) and all(s < 1.9 * delay for _, s, r in seen if not r), seen
+    assert all(s >= 1.9 * delay for _, s, r in seen if r) and all(s >= delay for _, s, _ in seen), seen
 
 
 def test_a_step_returns_every_request_it_emitted_for(target, plain):
