@@ -300,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-client", type=int, default=0,
                    help="at least this many requests per client in a cell: at 64 clients, 64 requests are one "
                         "batch that starts and ends together, a cell a fraction of a second long")
+    p.add_argument("--warmup-rounds", type=int, default=0,
+                   help="untimed on / off rounds a cell runs first, so a server's draft-length policy has learnt "
+                        "the workload (a fresh server explores: its first rounds price that in)")
     p.add_argument("--rounds", type=int, default=1,
                    help="on / off runs per cell, alternating which goes first; the summary takes medians and geometric "
                         "means with a bootstrap interval")
@@ -316,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if (args.url is None) == (args.model is None):
         p.error("give exactly one of --url and --model")
+    if args.rounds < 1 or args.warmup_rounds < 0:
+        p.error(f"--rounds must be >= 1 and --warmup-rounds >= 0 (got {args.rounds}, {args.warmup_rounds})")
     proc, url = start_server(args) if args.url is None else (None, args.url)
     pool = ProcessPoolExecutor(args.client_processes) if args.client_processes > 1 else None
     try:
@@ -326,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         for level in args.levels:
             prompts = all_prompts[:count[level]]
             for temperature in args.temperatures:
-                for rnd in range(args.rounds):  # alternate the order, so drift does not favour one setting
+                for rnd in range(-args.warmup_rounds, args.rounds):  # alternate the order: drift favours neither
                     order = (True, False) if rnd % 2 == 0 else (False, True)
                     pair = []
                     for spec in order:
@@ -339,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
                         pair[-1][0].parked_joins = steps.pop("parked", 0)
                         pair[-1][0].policy_steps = steps
                     same = all(a.ok and b.ok and a.token_ids == b.token_ids for a, b in zip(pair[0][1], pair[1][1], strict=True))
+                    if rnd < 0:  # a warm-up round: nothing of it is kept
+                        print(f"clients {level:3d}  T {temperature}  warm-up round {rnd + args.warmup_rounds + 1}: "
+                              f"on {pair[order.index(True)][0].tok_per_s:.1f}, off {pair[order.index(False)][0].tok_per_s:.1f} tok/s",
+                              flush=True)
+                        continue
                     for cell, outcomes in pair:
                         cell.identical_to_twin, cell.round = same, rnd
                         cells.append(cell)
@@ -353,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
-    title = args.title or f"load test: {args.model or args.url}"
+    title = args.title or f"load test: {args.model or args.url}" + (
+        f" (after {args.warmup_rounds} warm-up round(s) a cell)" if args.warmup_rounds else "")
     report = {"title": title, "date": time.strftime("%Y-%m-%d %H:%M"),
               "args": {k: str(v) for k, v in vars(args).items()}, "cells": [asdict(c) for c in cells],
               "summary": ratios(cells)}

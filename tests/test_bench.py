@@ -791,6 +791,35 @@ def test_load_test_summary_gives_the_geometric_mean_and_a_bootstrap_interval():
     assert "| all | all | - | - | (pooled) |" in lt.markdown(cells, "t")
 
 
+def test_load_test_warm_up_rounds_run_first_and_are_not_reported(tmp_path, monkeypatch):
+    """`--warmup-rounds N` runs N on / off rounds of each cell before the timed ones (a server's policy then
+    prices what it has learnt, not its exploration); the report keeps the timed rounds only, numbered from
+    1, and says how many warm-up rounds there were. A negative count is refused."""
+    lt = _load_test_module()
+    calls = []
+
+    def fake_cell(pool, processes, url, model, prompts, level, temperature, spec, max_tokens, timeout):
+        calls.append(spec)
+        tok_s = 100.0 + len(calls)  # each call its own figure, so a kept warm-up round would show
+        return (lt.Cell(level, temperature, spec, len(prompts), 0, 8, 1.0, tok_s, {}, {}, None),
+                [lt.Outcome(True, [1, 2])] * len(prompts))
+
+    monkeypatch.setattr(lt, "run_cell", fake_cell)
+    monkeypatch.setattr(lt, "policy_steps", lambda url: {})
+    out = tmp_path / "lt"
+    args = ["--url", "http://127.0.0.1:1", "--levels", "2", "--temperatures", "0", "--requests", "2",
+            "--client-processes", "1", "--rounds", "2", "--out", str(out)]
+    assert lt.main(args + ["--warmup-rounds", "3"]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert len(calls) == 1 + 2 * (3 + 2)  # the server's warm-up request, then 3 untimed and 2 timed rounds
+    assert [(c["round"], c["tok_per_s"]) for c in report["cells"]] == [(0, 108.0), (0, 109.0), (1, 110.0), (1, 111.0)]
+    assert "after 3 warm-up round(s)" in report["title"]
+    calls.clear()
+    assert lt.main(args) == 0 and len(calls) == 1 + 2 * 2  # none by default
+    with pytest.raises(SystemExit):
+        lt.main(args + ["--warmup-rounds", "-1"])
+
+
 def test_engines_that_take_turns_share_one_kv_store():
     """An engine's n-th cache built under a SharedKVStore takes the tensors an earlier engine's n-th cache
     of the same shape took, zeroed; another shape, or a cache built outside, gets its own; layers never share."""
