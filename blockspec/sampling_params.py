@@ -84,7 +84,10 @@ class SamplingParams:
     `allowed_token_ids`: the only tokens the request may emit (every other token's logit -inf, as vLLM masks
     them), in plain steps and verify rows alike, so speculation keeps the output.
     `truncate_prompt_tokens`: keep only the prompt's last k tokens (vLLM's left truncation); -1 keeps as many
-    as the context holds beside one output token."""
+    as the context holds beside one output token.
+    `spaces_between_special_tokens`: accepted as vLLM accepts it, and, as with vLLM's detokenizer for a fast
+    tokenizer, the text does not depend on it: the tokenizers blockspec loads (the `tokenizers` library's
+    decoders, transformers 5's Python tokenizers) join special tokens without that choice."""
 
     n: int = 1
     temperature: float = 1.0
@@ -106,6 +109,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     use_speculation: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     detokenize: bool = True
@@ -161,8 +165,8 @@ class SamplingParams:
                 optional=True)
         check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
               "structured_outputs", "None or a StructuredOutputsParams")
-        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
-                     "use_speculation"):
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize", "use_speculation"):
             check(isinstance(getattr(self, flag), bool), flag, "True or False")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         check(isinstance(stops, (list, tuple)) and all(isinstance(s, str) and s for s in stops), "stop",

@@ -218,7 +218,8 @@ WRONG_VALUES = [True, False, None, -1, 0, 2**64, -(2**64), 1e308, -1e308, 0.5, "
                 [[]], {}, {"a": {"b": [1]}}, "x" * 3000, [2**70]]
 FIELDS = ["model", "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
-          "logit_bias", "include_stop_str_in_output", "skip_special_tokens", "use_speculation", "return_token_ids",
+          "logit_bias", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+          "use_speculation", "return_token_ids",
           "stream", "stream_options", "user", "bad_words", "prompt_logprobs"]
 
 

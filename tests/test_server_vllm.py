@@ -219,7 +219,8 @@ def test_prompt_logprobs_in_extra_body(server, offline, tokenizer):
 
 def test_allowed_token_ids_and_truncate_prompt_tokens_in_extra_body(server, offline, tokenizer):
     """vLLM's allowed_token_ids and truncate_prompt_tokens: the output holds only the allowed tokens, the
-    prompt counts its last k tokens, each as the offline engine gives it; bad values are a 400 naming the field."""
+    prompt counts its last k tokens, each as the offline engine gives it; spaces_between_special_tokens is
+    accepted; bad values are a 400 naming the field."""
     client = server.client()
     allowed = tokenizer.encode("ab ")
     r = client.completions.create(model=NAME, prompt="abc", max_tokens=12, temperature=0,
@@ -232,8 +233,12 @@ def test_allowed_token_ids_and_truncate_prompt_tokens_in_extra_body(server, offl
     want = offline.generate({"prompt_token_ids": tokenizer.encode("abcdefgh")[-3:]},
                             SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
     assert r.usage.prompt_tokens == 3 and r.choices[0].text == want.text
+    r = client.completions.create(model=NAME, prompt="abc", max_tokens=4, temperature=0,
+                                  extra_body={"spaces_between_special_tokens": False})
+    assert r.choices[0].text == offline.generate("abc", SamplingParams(temperature=0, max_tokens=4),
+                                                 use_tqdm=False)[0].outputs[0].text
     for field, bad in (("allowed_token_ids", []), ("allowed_token_ids", [10**6]), ("truncate_prompt_tokens", 0),
-                       ("truncate_prompt_tokens", 96)):
+                       ("truncate_prompt_tokens", 96), ("spaces_between_special_tokens", "no")):
         with pytest.raises(openai.BadRequestError) as exc:
             client.completions.create(model=NAME, prompt="a", max_tokens=1, extra_body={field: bad})
         assert field in exc.value.body["message"], (field, bad, exc.value.body)

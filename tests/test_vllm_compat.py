@@ -206,6 +206,19 @@ def test_best_of_is_n_or_refused(text_llm):
         SamplingParams(**kw, best_of=3)
 
 
+def test_spaces_between_special_tokens_is_accepted_and_checked(text_llm):
+    """vLLM's spaces_between_special_tokens: accepted either way, with the same text (the tokenizers loaded
+    here join special tokens without that choice, as vLLM's fast detokenizer does); a value that is not a
+    bool is refused by name."""
+    kw = dict(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True, skip_special_tokens=False)
+    on, off = (text_llm.generate("hello", SamplingParams(**kw, spaces_between_special_tokens=v), use_tqdm=False)[0]
+               for v in (True, False))
+    assert off.outputs[0].text == on.outputs[0].text and off.outputs[0].token_ids == on.outputs[0].token_ids
+    with pytest.raises(SamplingError, match=r"SamplingParams\.spaces_between_special_tokens=1 is invalid; allowed: "
+                                            r"True or False"):
+        SamplingParams(spaces_between_special_tokens=1)
+
+
 def test_get_metrics_gives_vllms_reader_objects(target_dir):
     spec = {"method": "dflash", "model": str(FIXTURES / "dflash"), "adaptive_draft_length": False}
     llm = LLM(str(target_dir), device="cpu", max_model_len=96, speculative_config=spec)

@@ -125,6 +125,8 @@ class GenerationRequest(StrictModel):
                                                           "(vLLM extra; not with stream)")
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = Field(True, description="accepted as vLLM accepts it; the text does not "
+                                                                  "depend on it (vLLM extra)")
     use_speculation: bool = Field(True, description="False: decode this request without drafting")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -165,7 +167,8 @@ class GenerationRequest(StrictModel):
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, use_speculation=self.use_speculation,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens, use_speculation=self.use_speculation,
             structured_outputs=self.structured(), **given)
 
     def structured(self) -> StructuredOutputsParams | None:
