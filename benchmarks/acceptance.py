@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from blockspec import LLM, SamplingParams
-from blockspec.demo import ASSETS, heldout_prompts
+from blockspec.assets import PAIR
+from blockspec.demo import heldout_prompts
 from blockspec.models import cpu_linear
 
 METHODS = [("greedy", "standard"), ("probabilistic", "standard"), ("probabilistic", "block")]
@@ -33,7 +34,7 @@ METHODS = [("greedy", "standard"), ("probabilistic", "standard"), ("probabilisti
 def target_confidence(prompts: list[str], max_tokens: int, ignore_eos: bool) -> dict:
     """The target's top-1 probability and its margin over the second, over every token of its greedy
     continuations (plain decoding, the logprobs the engine returns)."""
-    llm = LLM(str(ASSETS / "target"), device="cpu", seed=0)
+    llm = LLM(str(PAIR / "target"), device="cpu", seed=0)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos,
                                                 logprobs=2), use_tqdm=False)
     top, margin = [], []
@@ -62,7 +63,7 @@ def main() -> None:
     ap.add_argument("--target-confidence", action="store_true",
                     help="also report the target's confidence in its own greedy tokens")
     for drafter in ("dflash", "dspark"):
-        ap.add_argument(f"--{drafter}", type=Path, default=ASSETS / drafter,
+        ap.add_argument(f"--{drafter}", type=Path, default=PAIR / drafter,
                         help=f"the {drafter} drafter measured (default: the shipped one)")
     args = ap.parse_args()
     cpu_linear.DRAFT_HEAD_BF16 = not args.draft_head_fp32
@@ -75,7 +76,7 @@ def main() -> None:
         for draft_method, rule in METHODS:
             spec = {"method": drafter, "model": str(getattr(args, drafter)), "adaptive_draft_length": False,
                     "draft_sample_method": draft_method, "rejection_sample_method": rule}
-            llm = LLM(str(ASSETS / "target"), device="cpu", speculative_config=spec, seed=0)
+            llm = LLM(str(PAIR / "target"), device="cpu", speculative_config=spec, seed=0)
             for temp in (float(t) for t in args.temperatures.split(",")):
                 if temp == 0 and draft_method != "greedy":
                     continue  # at T = 0 every method is greedy verification

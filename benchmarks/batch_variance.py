@@ -21,7 +21,8 @@ import argparse
 import json
 
 from blockspec import LLM, SamplingParams
-from blockspec.demo import ASSETS, heldout_prompts
+from blockspec.assets import PAIR
+from blockspec.demo import heldout_prompts
 
 
 def main() -> None:
@@ -36,8 +37,8 @@ def main() -> None:
                     help="let the policy choose K (default: draft the whole block every step)")
     args = ap.parse_args()
     prompts = heldout_prompts(args.prompts)
-    llm = LLM(str(ASSETS / "target"), device=args.device, dtype=args.dtype, seed=0,
-              speculative_config={"method": args.method, "model": str(ASSETS / args.method),
+    llm = LLM(str(PAIR / "target"), device=args.device, dtype=args.dtype, seed=0,
+              speculative_config={"method": args.method, "model": str(PAIR / args.method),
                                   "adaptive_draft_length": args.adaptive})
 
     def params(speculate: bool) -> list[SamplingParams]:

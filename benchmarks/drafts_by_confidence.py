@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from blockspec import LLM, SamplingParams
-from blockspec.demo import ASSETS, heldout_prompts
+from blockspec.assets import PAIR
+from blockspec.demo import heldout_prompts
 from blockspec.drafters import load_dflash, load_dspark
 from blockspec.models.loader import load_target
 from blockspec.train.trainer import DrafterTrainConfig, drafter_loss, target_forward
@@ -33,14 +34,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--drafters", default="dflash,dspark")
     for name in LOADERS:
-        ap.add_argument(f"--{name}", type=Path, default=ASSETS / name, help=f"the {name} export (default: shipped)")
+        ap.add_argument(f"--{name}", type=Path, default=PAIR / name, help=f"the {name} export (default: shipped)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     prompts = heldout_prompts(args.prompts)
-    llm = LLM(str(ASSETS / "target"), device="cpu", seed=0)
+    llm = LLM(str(PAIR / "target"), device="cpu", seed=0)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False)
     sequences = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
-    target, _ = load_target(ASSETS / "target", "float32", "cpu")
+    target, _ = load_target(PAIR / "target", "float32", "cpu")
     report = {"prompts": len(prompts), "bins": BINS[:-1], "drafters": {}}
     for name in args.drafters.split(","):
         drafter = LOADERS[name](getattr(args, name), device="cpu", dtype="float32")

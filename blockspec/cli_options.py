@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 from blockspec.config import LOGPROBS_MODES, ConfigError, EngineArgs, EngineConfig
+from blockspec.assets import embedded
 from blockspec.llm import LLM
 from blockspec.request import Logprob
 from blockspec.sampling_params import SamplingParams
-
-# the embedded default pair (a target and its DFlash and DSpark drafters) that `--model default` and
-# `--draft-model default` name
-EMBEDDED = Path(__file__).parent / "assets" / "default"
-
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Every option's help ends with its default, unless the help already says it in words (as it does
@@ -136,11 +131,6 @@ def settle_model(args: argparse.Namespace) -> None:
         raise ConfigError("give the target model: MODEL (a directory, a hub id or 'default') or --model")
 
 
-def model_path(name: str) -> str:
-    """'default' is the embedded default target; anything else a directory or hub id as given."""
-    return str(EMBEDDED / "target") if name == "default" else name
-
-
 def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
     cfg: dict[str, Any] = json.loads(args.speculative_config) if args.speculative_config else {}
     if args.draft_model:
@@ -158,8 +148,8 @@ def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
     if not cfg:
         return None
     cfg.setdefault("method", "dflash")
-    if cfg.get("model") == "default":
-        cfg["model"] = str(EMBEDDED / cfg["method"])
+    if isinstance(cfg.get("model"), str):
+        cfg["model"] = embedded(cfg["model"], cfg["method"])
     return cfg
 
 
@@ -174,7 +164,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def build_llm(args: argparse.Namespace) -> LLM:
-    return LLM(model_path(args.model), tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+    return LLM(embedded(args.model), tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                max_model_len=args.max_model_len, seed=args.seed, speculative_config=speculative_config(args),
                max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,

@@ -20,15 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ASSETS = Path(__file__).parent / "assets" / "default"
+from blockspec.assets import PAIR
+
 CACHE = Path(os.environ.get("BLOCKSPEC_CACHE", Path.home() / ".cache" / "blockspec")) / "default-quick"
 HELDOUT = ("json", "asyncio", "email")  # kept out of all training by the recipe
 
 
 def default_pair() -> tuple[Path, bool]:
     """The shipped default pair, or (until one is shipped) a quick pair built once with the recipe on CPU."""
-    if (ASSETS / "target" / "config.json").is_file():
-        return ASSETS, True
+    if (PAIR / "target" / "config.json").is_file():
+        return PAIR, True
     if not (CACHE / "target" / "config.json").is_file():
         from blockspec.train.recipes.embedded_default import run as build
 

@@ -374,17 +374,24 @@ def test_a_speculative_run_that_never_drafted_says_no_drafts(tmp_path):
 def test_preset_default_benchmarks_the_embedded_pair_with_real_acceptance(tmp_path, capsys):
     """--preset default: the embedded target and both drafters on held-out stdlib openings as plain text;
     the report says real acceptance, and speculation gives plain decoding's tokens."""
-    from blockspec.demo import ASSETS
+    from blockspec.assets import PAIR
 
     cfg = BenchConfig(preset="default")
     cfg.apply_preset()
-    assert cfg.model == str(ASSETS / "target") and cfg.dspark_model == str(ASSETS / "dspark")
+    assert cfg.model == str(PAIR / "target") and cfg.dspark_model == str(PAIR / "dspark")
     assert cfg.prompts == "heldout" and cfg.chat_template is False and cfg.dtype == "float32"
     given = BenchConfig(preset="default", dtype="bfloat16")
     given.apply_preset()
     assert given.dtype == "bfloat16"  # a given --dtype stays
     with pytest.raises(ConfigError, match="names the models itself"):
         BenchConfig(preset="default", model="x").apply_preset()
+    named = BenchConfig(model="default", dspark_model="default")  # as every command takes the name
+    named.apply_preset()
+    assert (named.model, named.dflash_model, named.dspark_model) == (str(PAIR / "target"), None,
+                                                                     str(PAIR / "dspark"))
+    other = BenchConfig(model="org/name", dflash_model="some/dir")
+    other.apply_preset()
+    assert (other.model, other.dflash_model) == ("org/name", "some/dir")
     out = tmp_path / "out"
     assert main(["bench", "--preset", "default", "--device", "cpu", "--output-len", "8", "--repeats", "1",
                  "--no-plots", "--out", str(out)]) == 0

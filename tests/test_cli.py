@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from blockspec.cli import main
-from blockspec.demo import ASSETS
+from blockspec.assets import PAIR
 from factories import save_drafter_target, save_tiny, save_tiny_model_with_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
@@ -52,7 +52,7 @@ def test_invalid_sampling_flag_is_one_line(tmp_path, capsys):
     assert "top_p" in capsys.readouterr().err
 
 
-needs_pair = pytest.mark.skipif(not (ASSETS / "target" / "config.json").is_file(), reason="embedded pair not installed")
+needs_pair = pytest.mark.skipif(not (PAIR / "target" / "config.json").is_file(), reason="embedded pair not installed")
 DEMO = ["demo", "--num-prompts", "2", "--max-tokens", "8", "--device", "cpu"]
 
 

@@ -12,16 +12,17 @@ import pytest
 import torch
 
 from blockspec import LLM, SamplingParams
-from blockspec.demo import ASSETS, heldout_prompts
+from blockspec.assets import PAIR
+from blockspec.demo import heldout_prompts
 
 FLOORS = {"dflash": 2.0, "dspark": 2.7}
-needs_pair = pytest.mark.skipif(not (ASSETS / "target" / "config.json").is_file(), reason="embedded pair not installed")
+needs_pair = pytest.mark.skipif(not (PAIR / "target" / "config.json").is_file(), reason="embedded pair not installed")
 
 
 def acceptance(method: str, drop_features: bool = False) -> tuple[float, bool]:
     """Held-out mean acceptance length, and whether the output equals plain decoding."""
-    llm = LLM(str(ASSETS / "target"), device="cpu", seed=0, speculative_config={
-        "method": method, "model": str(ASSETS / method), "adaptive_draft_length": False})
+    llm = LLM(str(PAIR / "target"), device="cpu", seed=0, speculative_config={
+        "method": method, "model": str(PAIR / method), "adaptive_draft_length": False})
     if drop_features:  # the drafter no longer sees the target's hidden states
         with torch.no_grad():
             llm.engine.proposer.drafter.fc.weight.zero_()

@@ -126,6 +126,24 @@ def test_records_with_non_text_fields_are_refused_by_file_line_and_field(tokeniz
         jsonl_examples(path, tokenizer, 512)
 
 
+def test_text_records_are_documents_packed_with_full_loss(tokenizer, tmp_path):
+    """A jsonl of {"text"} records (as text datasets ship) trains as text files do: the documents packed with
+    full loss, after the file's conversations; a text that is not a string is refused by file, line and field."""
+    docs = ["def f(x):\n    return x + 1\n", "import os\nprint(os.sep)\n"]
+    chat = {"prompt": "say", "response": "x = 1"}
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in ({"text": docs[0]}, chat, {"text": docs[1]})) + "\n")
+    got = jsonl_examples(path, tokenizer, 512)
+    assert got == [record_example(chat, tokenizer, 512), *text_examples(docs, tokenizer, 512)]
+    assert all(got[-1].loss_mask) and tokenizer.decode(got[-1].input_ids) == "<|endoftext|>".join(docs) + "<|endoftext|>"
+    path.write_text(json.dumps({"text": ["x"]}) + "\n")
+    with pytest.raises(DataError, match=f"^{re.escape(str(path))}:1: field text must be a string, got an array$"):
+        jsonl_examples(path, tokenizer, 512)
+    path.write_text(json.dumps({"txt": "x"}) + "\n")
+    with pytest.raises(DataError, match="needs 'messages', both 'prompt' and 'response', or 'text'; has \\['txt'\\]"):
+        jsonl_examples(path, tokenizer, 512)
+
+
 def test_content_parts_train_on_the_text_a_request_of_them_is_served(tokenizer, tmp_path):
     """OpenAI content parts in a record's messages are joined as inference joins them (`inputs.text_content`):
     the same example as the joined string; a part that is not text is refused by file, line and part."""
@@ -384,6 +402,26 @@ def test_a_checkpoint_is_resumed_or_refused_never_trained_over(tiny_target, tmp_
     assert (ckpt / "drafter.safetensors").read_bytes() == weights
     with pytest.raises(ConfigError, match="--resume needs --checkpoint-dir"):
         DrafterTrainConfig(resume=True)
+
+
+def test_train_takes_default_as_the_embedded_target(tmp_path, monkeypatch):
+    """`--target default` names the embedded target, as `serve default` and `bench --model default` do."""
+    import blockspec.train.trainer as trainer
+    from blockspec.cli import main
+    from blockspec.assets import PAIR
+
+    seen = []
+
+    def stop(target, *rest):
+        seen.append(target)
+        raise DataError("stopped here")
+
+    monkeypatch.setattr(trainer, "train_drafter", stop)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "x = 1"}\n')
+    for name, want in (("default", str(PAIR / "target")), ("org/name", "org/name")):
+        assert main(["train", "--target", name, "--data", str(data), "--out", str(tmp_path / "out")]) == 2
+        assert seen[-1] == want
 
 
 def test_num_target_features_is_given_or_refused(tiny_target):

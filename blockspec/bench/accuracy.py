@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
+from blockspec.assets import embedded
 from blockspec.llm import LLM
 from blockspec.models.kv_cache import dense_causal_meta
 from blockspec.sampling_params import SamplingParams
 
-EMBEDDED_TARGET = Path(__file__).resolve().parent.parent / "assets" / "default" / "target"
 
 
 def heldout_text_prompts(count: int) -> list[str]:
@@ -57,14 +57,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def fp8_accuracy(model: str | Path = EMBEDDED_TARGET, num_prompts: int = 16, new_tokens: int = 256,
+def fp8_accuracy(model: str | Path = "default", num_prompts: int = 16, new_tokens: int = 256,
                  dtype: str = "auto", device: str = "cpu", quantization: str | None = "fp8",
                  candidate_dtype: str | None = None) -> dict[str, Any]:
-    """The report (see the module's docstring) for `model` in `dtype` against it with `quantization`
+    """The report (see the module's docstring) for `model` ('default': the embedded target) in `dtype` against it
+    with `quantization`
     (in `candidate_dtype`, default `dtype`: with quantization None, a dtype's own drift for scale)."""
     common = dict(device=device, max_model_len=1024, max_num_seqs=num_prompts, warmup=False)
-    ref = LLM(str(model), dtype=dtype, **common)
-    quant = LLM(str(model), dtype=candidate_dtype or dtype, quantization=quantization, **common)
+    model = embedded(str(model))
+    ref = LLM(model, dtype=dtype, **common)
+    quant = LLM(model, dtype=candidate_dtype or dtype, quantization=quantization, **common)
     text = heldout_text_prompts(num_prompts)
     greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     ref_out = ref.generate(text, greedy, use_tqdm=False)
@@ -118,9 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--out", default=None, help="write the report as JSON here")
     args = p.parse_args(argv)
-    model = EMBEDDED_TARGET if args.model == "default" else args.model
     quantization = None if args.quantization == "none" else args.quantization
-    result = fp8_accuracy(model, args.num_prompts, args.new_tokens, args.dtype, args.device, quantization,
+    result = fp8_accuracy(args.model, args.num_prompts, args.new_tokens, args.dtype, args.device, quantization,
                           args.candidate_dtype)
     print(summary(result))
     if args.out:

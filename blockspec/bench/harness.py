@@ -174,12 +174,18 @@ class BenchConfig:
             self.synthetic_acceptance = profile
 
     def apply_preset(self) -> None:
-        """Fill in the models and prompts `preset` names: "default" is the embedded target with its DFlash
-        and DSpark drafters in float32 (unless --dtype says otherwise), on openings of held-out stdlib
+        """Fill in the models and prompts `preset` names ('default' as a model, without a preset, names the
+        embedded pair's model of that flag): "default" is the embedded target with its DFlash and DSpark drafters in float32 (unless --dtype says otherwise), on openings of held-out stdlib
         functions as plain text (the code model's own input), so its acceptance is real; a workload
         preset runs random weights of --arch on random-token prompts (its workload is filled at
         construction)."""
+        from blockspec.assets import embedded
+        from blockspec.demo import default_pair
+
         if self.preset is None:
+            self.model, self.dflash_model, self.dspark_model = (
+                None if name is None else embedded(name, part)
+                for name, part in ((self.model, "target"), (self.dflash_model, "dflash"), (self.dspark_model, "dspark")))
             return
         if self.preset not in PRESETS:
             raise ConfigError(f"--preset {self.preset!r} unknown; allowed: {', '.join(PRESETS)}")
@@ -192,8 +198,6 @@ class BenchConfig:
         if self.random_weights or self.model or self.dflash_model or self.dspark_model:
             raise ConfigError(f"--preset {self.preset} names the models itself: leave out --random-weights, --model, "
                               "--dflash-model and --dspark-model")
-        from blockspec.demo import default_pair
-
         base, _ = default_pair()
         self.model, self.dflash_model, self.dspark_model = (str(base / d) for d in ("target", "dflash", "dspark"))
         self.prompts = self.prompts or "heldout"
@@ -996,9 +1000,9 @@ def add_bench_parser(sub: Any) -> None:
                         "1,4 or --arch tiny win) and refuses --model, the drafter flags and --prompts")
     m.add_argument("--random-weights", action="store_true", help="build random weights of --arch in memory")
     m.add_argument("--arch", default="qwen3-8b", help="random-weights shape: " + " | ".join(ARCHS) + " (default qwen3-8b)")
-    m.add_argument("--model", default=None, help="a real target: HF directory or hub id")
-    m.add_argument("--dflash-model", default=None, help="DFlash drafter directory or hub id (real target)")
-    m.add_argument("--dspark-model", default=None, help="DSpark drafter directory or hub id (real target)")
+    m.add_argument("--model", default=None, help="a real target: HF directory, hub id or 'default' (the embedded one)")
+    m.add_argument("--dflash-model", default=None, help="DFlash drafter directory, hub id or 'default' (real target)")
+    m.add_argument("--dspark-model", default=None, help="DSpark drafter directory, hub id or 'default' (real target)")
     m.add_argument("--dspark-block-size", type=int, default=None, help="random-weights DSpark block (default: arch's)")
     m.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     m.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32")

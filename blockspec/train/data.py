@@ -226,7 +226,7 @@ def record_messages(record: Any, where: str) -> list[dict[str, str]]:
         messages = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
         fields = {key: record[key] for key in ("prompt", "response")}
     else:
-        raise DataError(f"{where}: needs 'messages' or both 'prompt' and 'response'; has {sorted(record)}")
+        raise DataError(f"{where}: needs 'messages', both 'prompt' and 'response', or 'text'; has {sorted(record)}")
     for name, value in fields.items():
         if not isinstance(value, str):
             raise DataError(f"{where}: field {name} must be a string, got {json_type(value)}")
@@ -267,9 +267,23 @@ def record_example(record: Any, tokenizer: Any, max_len: int, where: str = "reco
     return Example(ids, mask)
 
 
+CONVERSATION_FIELDS = ("messages", "prompt", "response")
+
+
+def record_text(record: Any, where: str) -> str | None:
+    """A {"text"} record's document (a jsonl of plain text, as text datasets ship), or None for a record that
+    is a conversation or no object (`record_messages` checks those)."""
+    if not isinstance(record, dict) or "text" not in record or any(k in record for k in CONVERSATION_FIELDS):
+        return None
+    if not isinstance(record["text"], str):
+        raise DataError(f"{where}: field text must be a string, got {json_type(record['text'])}")
+    return record["text"]
+
+
 def jsonl_examples(path: str | Path, tokenizer: Any, max_len: int) -> list[Example]:
-    """Every usable record of a jsonl file, in file order."""
-    out = []
+    """Every usable record of a jsonl file: the conversations in file order (loss on the responses), then the
+    {"text"} records packed with full loss, as text files are."""
+    out, texts = [], []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -278,16 +292,23 @@ def jsonl_examples(path: str | Path, tokenizer: Any, max_len: int) -> list[Examp
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DataError(f"{path}:{n}: not valid JSON: {exc}") from None
+            text = record_text(record, f"{path}:{n}")
+            if text is not None:
+                texts.append(text)
+                continue
             ex = record_example(record, tokenizer, max_len, f"{path}:{n}")
             if ex is not None:
                 out.append(ex)
+    if texts:
+        out += text_examples(texts, tokenizer, max_len)
     if not out:
         raise DataError(f"{path}: no usable records")
     return out
 
 
 def load_examples(spec: str | Path, tokenizer: Any, max_len: int) -> list[Example]:
-    """A .jsonl file of records, or text/source files (file, directory or glob) packed with full loss."""
+    """A .jsonl file of records (conversations, or {"text"} documents), or text/source files (file, directory or
+    glob) packed with full loss."""
     if str(spec).endswith(".jsonl") and Path(spec).is_file():
         return jsonl_examples(spec, tokenizer, max_len)
     return text_examples(read_texts(text_files(spec)), tokenizer, max_len)

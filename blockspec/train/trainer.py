@@ -1062,9 +1062,10 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     p = parser or argparse.ArgumentParser(prog="blockspec train", description="Train a DFlash or DSpark drafter.")
     p.formatter_class = HelpFormatter
     run = p.add_argument_group("run")
-    run.add_argument("--target", required=True, help="target: Hugging Face directory or hub id")
-    run.add_argument("--data", required=True, help="training data: a .jsonl of {prompt, response} or {messages} "
-                                                   "records, or text files (a file, a directory or a glob)")
+    run.add_argument("--target", required=True, help="target: Hugging Face directory, hub id or 'default' (the "
+                                                     "embedded one)")
+    run.add_argument("--data", required=True, help="training data: a .jsonl of {prompt, response}, {messages} or "
+                                                   "{text} records, or text files (a file, a directory or a glob)")
     run.add_argument("--eval-data", default=None, help="held-out data, as --data (default: an --eval-frac split)")
     run.add_argument("--out", required=True, help="directory the trained drafter is exported to")
     run.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the target's)")
@@ -1101,7 +1102,9 @@ def run_cli(args: argparse.Namespace) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    result = train_drafter(args.target, args.data, cfg, tokenizer, args.eval_data, args.out)
+    from blockspec.assets import embedded
+
+    result = train_drafter(embedded(args.target), args.data, cfg, tokenizer, args.eval_data, args.out)
     (Path(args.out) / "train_metrics.json").write_text(json.dumps(result.metrics, indent=2) + "\n")
     print(json.dumps(result.metrics, indent=2))
     return 0
