@@ -13,6 +13,17 @@ from blockspec.llm import LLM
 from blockspec.request import Logprob
 from blockspec.sampling_params import SamplingParams
 
+def json_object(text: str) -> dict[str, Any]:
+    """An option's JSON object (argparse reports the option and this line where it is not one)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}), got {text!r}")
+    return value
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Every option's help ends with its default, unless the help already says it in words (as it does
     where the default is None and means something: "the model's")."""
@@ -95,7 +106,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="how drafts are drawn (default: greedy)")
     s.add_argument("--rejection-sample-method", default=None, choices=["standard", "block"],
                    help="how sampled drafts are verified (default: standard)")
-    s.add_argument("--speculative-config", default=None,
+    s.add_argument("--speculative-config", type=json_object, default=None,
                    help="the whole speculative_config as JSON (default: none; the flags above override its fields)")
 
 
@@ -132,7 +143,7 @@ def settle_model(args: argparse.Namespace) -> None:
 
 
 def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
-    cfg: dict[str, Any] = json.loads(args.speculative_config) if args.speculative_config else {}
+    cfg: dict[str, Any] = dict(args.speculative_config or {})
     if args.draft_model:
         cfg["model"] = args.draft_model
     if args.adaptive_draft_length is not None:

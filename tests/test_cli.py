@@ -52,6 +52,17 @@ def test_invalid_sampling_flag_is_one_line(tmp_path, capsys):
     assert "top_p" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+@pytest.mark.parametrize("value, says", [("{bad", "not valid JSON"), ("[1]", "must be a JSON object")])
+def test_speculative_config_that_is_no_json_object_is_refused_by_name(command, value, says, capsys):
+    """Before any model loads (a server's included): the option, what is wrong and the value, in one line."""
+    with pytest.raises(SystemExit) as exc:
+        main([command, *(["default"] if command != "bench" else []), "--speculative-config", value])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exc.value.code == 2 and err.startswith(f"blockspec {command}: error: argument --speculative-config: {says}")
+    assert repr(value) in err
+
+
 needs_pair = pytest.mark.skipif(not (PAIR / "target" / "config.json").is_file(), reason="embedded pair not installed")
 DEMO = ["demo", "--num-prompts", "2", "--max-tokens", "8", "--device", "cpu"]
 

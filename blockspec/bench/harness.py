@@ -985,7 +985,7 @@ def _list(kind: type) -> Callable[[str], tuple[Any, ...]]:
 
 def add_bench_parser(sub: Any) -> None:
     """`blockspec bench`: the subcommand and its options (dispatched through args.func)."""
-    from blockspec.cli_options import HelpFormatter
+    from blockspec.cli_options import HelpFormatter, json_object
 
     p = sub.add_parser("bench", help="plain vs DFlash vs DSpark speed (and transformers peers): JSON, markdown, plots",
                        description=__doc__, epilog=BENCH_EXAMPLES, formatter_class=HelpFormatter)
@@ -1059,7 +1059,7 @@ def add_bench_parser(sub: Any) -> None:
                    help="record what each speculative engine's draft-length policy saw and chose over the timed "
                         "passes (every step time with its batch and K, every acceptance, every choice), and apart "
                         "over the warm-up pass they start from, in policy_trace.json beside bench.json")
-    s.add_argument("--speculative-config", type=json.loads, default={},
+    s.add_argument("--speculative-config", type=json_object, default={},
                    help="extra speculative_config fields as JSON, e.g. '{\"max_batch_for_speculation\": 16}'")
     s.add_argument("--synthetic-acceptance", default=None, metavar="PROFILE",
                    help="benchmark-only: accepted counts drawn from per-position rates ('0.9,0.85,0.8') or a "
