@@ -7,11 +7,12 @@ import argparse
 import json
 from typing import Any
 
-from blockspec.config import LOGPROBS_MODES, ConfigError, EngineArgs, EngineConfig
 from blockspec.assets import embedded
+from blockspec.config import LOGPROBS_MODES, ConfigError, EngineArgs, EngineConfig
 from blockspec.llm import LLM
 from blockspec.request import Logprob
 from blockspec.sampling_params import SamplingParams
+
 
 def json_object(text: str) -> dict[str, Any]:
     """An option's JSON object (argparse reports the option and this line where it is not one)."""

@@ -135,7 +135,8 @@ def test_text_records_are_documents_packed_with_full_loss(tokenizer, tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in ({"text": docs[0]}, chat, {"text": docs[1]})) + "\n")
     got = jsonl_examples(path, tokenizer, 512)
     assert got == [record_example(chat, tokenizer, 512), *text_examples(docs, tokenizer, 512)]
-    assert all(got[-1].loss_mask) and tokenizer.decode(got[-1].input_ids) == "<|endoftext|>".join(docs) + "<|endoftext|>"
+    eos = tokenizer.eos_token
+    assert all(got[-1].loss_mask) and tokenizer.decode(got[-1].input_ids) == eos.join(docs) + eos
     path.write_text(json.dumps({"text": ["x"]}) + "\n")
     with pytest.raises(DataError, match=f"^{re.escape(str(path))}:1: field text must be a string, got an array$"):
         jsonl_examples(path, tokenizer, 512)

@@ -26,7 +26,6 @@ from blockspec.models.kv_cache import dense_causal_meta
 from blockspec.sampling_params import SamplingParams
 
 
-
 def heldout_text_prompts(count: int) -> list[str]:
     """Openings of functions from the standard-library packages the embedded model never trained on."""
     from blockspec.demo import heldout_prompts
@@ -60,9 +59,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def fp8_accuracy(model: str | Path = "default", num_prompts: int = 16, new_tokens: int = 256,
                  dtype: str = "auto", device: str = "cpu", quantization: str | None = "fp8",
                  candidate_dtype: str | None = None) -> dict[str, Any]:
-    """The report (see the module's docstring) for `model` ('default': the embedded target) in `dtype` against it
-    with `quantization`
-    (in `candidate_dtype`, default `dtype`: with quantization None, a dtype's own drift for scale)."""
+    """The report (see the module's docstring) for `model` ('default': the embedded target) in `dtype` against
+    it with `quantization` (in `candidate_dtype`, default `dtype`: with quantization None, a dtype's own drift
+    for scale)."""
     common = dict(device=device, max_model_len=1024, max_num_seqs=num_prompts, warmup=False)
     model = embedded(str(model))
     ref = LLM(model, dtype=dtype, **common)

@@ -174,11 +174,11 @@ class BenchConfig:
             self.synthetic_acceptance = profile
 
     def apply_preset(self) -> None:
-        """Fill in the models and prompts `preset` names ('default' as a model, without a preset, names the
-        embedded pair's model of that flag): "default" is the embedded target with its DFlash and DSpark drafters in float32 (unless --dtype says otherwise), on openings of held-out stdlib
+        """Fill in the models and prompts `preset` names: "default" is the embedded target with its DFlash
+        and DSpark drafters in float32 (unless --dtype says otherwise), on openings of held-out stdlib
         functions as plain text (the code model's own input), so its acceptance is real; a workload
         preset runs random weights of --arch on random-token prompts (its workload is filled at
-        construction)."""
+        construction). Without a preset, a model flag given as 'default' names the embedded pair's model."""
         from blockspec.assets import embedded
         from blockspec.demo import default_pair
 
