@@ -56,6 +56,25 @@ def text_content(parts: list[Any], where: str) -> str:
     return "\n".join(texts)
 
 
+def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool,
+             where: str, **template_kwargs: Any) -> list[int]:
+    """A conversation's token ids through the chat template: with a new assistant turn opened
+    (`add_generation_prompt`), or with the final message left open for the model to continue
+    (`continue_final_message`: a reply's first words given, as vLLM takes them), not both."""
+    if add_generation_prompt and continue_final_message:
+        raise RequestError(f"{where}: continue_final_message and add_generation_prompt cannot both be true (vLLM's "
+                           "rule): set add_generation_prompt to false to continue the final message")
+    try:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message, **template_kwargs)
+    except ValueError as exc:
+        if continue_final_message and "final message" in str(exc):
+            raise RequestError(f"{where}: continue_final_message: the chat template does not render the final "
+                               "message's content as written, so it cannot be left open") from None
+        raise
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
 @dataclass
 class ModelInputs:
     """What turning user input into checked token ids needs of a loaded model, without its weights:
@@ -167,10 +186,11 @@ class ModelInputs:
 
     def chat_prompts(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
                      add_generation_prompt: bool = True, chat_template: str | None = None,
-                     chat_template_kwargs: dict[str, Any] | None = None) -> list[PromptType]:
+                     chat_template_kwargs: dict[str, Any] | None = None,
+                     continue_final_message: bool = False) -> list[PromptType]:
         """One conversation or a list of them, each through the tokenizer's chat template (or
         `chat_template`), with `chat_template_kwargs` as the template's extra variables (Qwen3's
-        enable_thinking, for one)."""
+        enable_thinking, for one); `continue_final_message`: see `chat_ids`."""
         if self.tokenizer is None:
             raise RequestError(f"{self.model_dir} has no tokenizer; use generate() with prompt_token_ids")
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
@@ -182,11 +202,8 @@ class ModelInputs:
                 raise RequestError(f"conversation {i}: messages must be a non-empty list of {{'role', 'content'}}")
             conv = [{**m, "content": text_content(m["content"], f"conversation {i}, message {j}")}
                     if isinstance(m["content"], list) else m for j, m in enumerate(conv)]
-            ids = self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, tokenize=True,
-                chat_template=read_chat_template(chat_template) if chat_template is not None else None,
-                **(chat_template_kwargs or {}))
-            if not isinstance(ids, list):  # BatchEncoding in newer transformers
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+            ids = chat_ids(self.tokenizer, conv, add_generation_prompt, continue_final_message, f"conversation {i}",
+                           chat_template=read_chat_template(chat_template) if chat_template is not None else None,
+                           **(chat_template_kwargs or {}))
+            prompts.append({"prompt_token_ids": ids})
         return prompts

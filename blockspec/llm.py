@@ -93,11 +93,14 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Apply the chat template (the tokenizer's, or `chat_template`: Jinja text or a file) to one
         conversation or a list of them, then generate. `chat_template_kwargs` are the template's extra
-        variables, e.g. {"enable_thinking": False} for Qwen3."""
-        prompts = self.inputs.chat_prompts(messages, add_generation_prompt, chat_template, chat_template_kwargs)
+        variables, e.g. {"enable_thinking": False} for Qwen3. `continue_final_message` (with
+        add_generation_prompt=False): the model continues the last message, e.g. a reply's first words."""
+        prompts = self.inputs.chat_prompts(messages, add_generation_prompt, chat_template, chat_template_kwargs,
+                                           continue_final_message)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_stats(self) -> dict[str, Any]:

@@ -230,7 +230,8 @@ def fuzz_cases(rng: random.Random) -> list[tuple[str, bytes]]:
     for route, base, fields in (("completions", DONE, FIELDS + ["prompt", "logprobs", "echo"]),
                                 ("chat/completions", CHAT, FIELDS + ["messages", "logprobs", "top_logprobs",
                                                                       "max_completion_tokens", "chat_template_kwargs",
-                                                                      "add_generation_prompt"])):
+                                                                      "add_generation_prompt",
+                                                                      "continue_final_message"])):
         for field in fields:
             for value in rng.sample(WRONG_VALUES, 2):
                 cases.append((route, json.dumps({**base, field: value}).encode()))

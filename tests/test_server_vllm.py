@@ -1,6 +1,6 @@
 """`blockspec serve` as a vLLM user's clients and dashboards expect it, over real HTTP on 127.0.0.1:
 /v1/models/{id}, /tokenize, /detokenize, /version, the fields accepted and ignored, best_of and echo (with the
-prompt's logprobs), prompt_logprobs and bad_words,
+prompt's logprobs), prompt_logprobs, bad_words and continue_final_message,
 a text-only model's answer to image parts, vLLM's metric names (no _created series), the periodic log,
 and the ready line and clean shutdown of the command."""
 
@@ -242,6 +242,24 @@ def test_allowed_token_ids_and_truncate_prompt_tokens_in_extra_body(server, offl
         with pytest.raises(openai.BadRequestError) as exc:
             client.completions.create(model=NAME, prompt="a", max_tokens=1, extra_body={field: bad})
         assert field in exc.value.body["message"], (field, bad, exc.value.body)
+
+
+def test_continue_final_message_in_extra_body(server, offline):
+    """vLLM's continue_final_message: the reply continues the last message, as the offline engine's chat does;
+    with add_generation_prompt left on it is a 400 naming the field."""
+    client = server.client()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x ="}]
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=4, temperature=0,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False,
+                        add_generation_prompt=False, continue_final_message=True)[0]
+    assert r.choices[0].message.content == want.outputs[0].text
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=NAME, messages=messages, max_tokens=1,
+                                       extra_body={"continue_final_message": True})
+    assert exc.value.body["param"] == "continue_final_message"
+    assert "cannot both be true" in exc.value.body["message"]
 
 
 def test_bad_words_in_extra_body(server, offline):

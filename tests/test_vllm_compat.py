@@ -17,6 +17,7 @@ import torch
 from blockspec import LLM, ConfigError, SamplingError, SamplingParams
 from blockspec.cli import main
 from blockspec.cli_options import add_model_args, add_sampling_args, build_llm, format_spec_metrics
+from blockspec.errors import RequestError
 from blockspec.metrics_reader import Counter, Gauge, Vector
 from factories import save_drafter_target, save_tiny_model_with_tokenizer
 
@@ -154,6 +155,28 @@ def test_chat_takes_a_template_and_its_variables(text_llm, tmp_path):
     path.write_text(TEMPLATE)
     assert prompt_ids(chat_template=str(path)) == tok.encode("[hi]")
     assert prompt_ids() == tok.encode("<user>hi\n<assistant>")  # the tokenizer's own
+
+
+def test_chat_continues_the_final_message(text_llm):
+    """vLLM's continue_final_message: the last message is left open (no new assistant turn), so the model
+    continues a reply whose first words the caller gave; with add_generation_prompt it is refused, and a
+    template that rewrites the final message cannot leave it open: one line each, naming the conversation."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x ="}]
+    tok = text_llm.get_tokenizer()
+    out = text_llm.chat(messages, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt_token_ids == tok.encode("<user>hi\n<assistant>x =")
+    plain = text_llm.generate({"prompt_token_ids": out.prompt_token_ids}, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    closed = text_llm.chat(messages, GREEDY, use_tqdm=False, add_generation_prompt=False)[0]
+    assert closed.prompt_token_ids == tok.encode("<user>hi\n<assistant>x =\n")  # the turn ends: the control
+    with pytest.raises(RequestError, match="^conversation 0: continue_final_message and add_generation_prompt cannot "
+                                           "both be true"):
+        text_llm.chat(messages, GREEDY, use_tqdm=False, continue_final_message=True)
+    upper = "{% for m in messages %}[{{ m['content'] | upper }}]{% endfor %}"
+    with pytest.raises(RequestError, match="^conversation 0: continue_final_message: the chat template does not "
+                                           "render the final message's content as written"):
+        text_llm.chat(messages, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True,
+                      chat_template=upper)
 
 
 def test_chat_template_option_replaces_the_tokenizers(text_dir, tmp_path):

@@ -33,7 +33,7 @@ from blockspec import __version__
 from blockspec.config import ServerConfig
 from blockspec.request import Logprob, SpecStats, TokenStrings
 from blockspec.errors import USER_ERRORS, ConstraintError, RequestError
-from blockspec.inputs import ModelInputs, Prompt, check_text
+from blockspec.inputs import ModelInputs, Prompt, chat_ids, check_text
 from blockspec.llm import LLM
 from blockspec.sampling_params import SamplingParams
 from blockspec.engine.loop import Delta
@@ -230,11 +230,12 @@ def chat_prompt(inputs: ModelInputs, body: ChatCompletionRequest, trusted_templa
     if tools is not None and tools.template_tools() is not None:
         kwargs["tools"] = tools.template_tools()
     try:
-        ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=body.add_generation_prompt,
-                                      **kwargs)
+        ids = chat_ids(tok, messages, body.add_generation_prompt, body.continue_final_message, "messages", **kwargs)
+    except RequestError as exc:
+        raise user_error(exc, "continue_final_message") from None
     except Exception as exc:  # template errors (jinja raise_exception, bad kwargs) are the request's fault
         raise APIError(400, f"the chat template failed on these messages: {exc}", param="messages") from None
-    return None, list(ids if isinstance(ids, list) else ids["input_ids"])
+    return None, ids
 
 
 def check_prompts(inputs: ModelInputs, prompts: list[Prompt], params: SamplingParams,

@@ -299,6 +299,9 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="continue the last message instead of opening a new "
+                                                            "assistant turn (vLLM extra; with add_generation_prompt "
+                                                            "false)")
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
     parallel_tool_calls: bool = True
