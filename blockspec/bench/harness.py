@@ -77,6 +77,7 @@ from blockspec.bench.timing import (
     spread,
     synchronize,
 )
+from blockspec.assets import embedded
 from blockspec.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig, output_dir
 from blockspec.engine.engine import Engine
 from blockspec.engine.memory import cache_extent
@@ -179,7 +180,6 @@ class BenchConfig:
         functions as plain text (the code model's own input), so its acceptance is real; a workload
         preset runs random weights of --arch on random-token prompts (its workload is filled at
         construction). Without a preset, a model flag given as 'default' names the embedded pair's model."""
-        from blockspec.assets import embedded
         from blockspec.demo import default_pair
 
         if self.preset is None:

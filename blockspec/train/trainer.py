@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from blockspec.assets import embedded
 from blockspec.config import ConfigError, ModelConfig, output_dir
 from blockspec.models.kv_cache import dense_causal_meta
 from blockspec.models.llama import CausalLM
@@ -1102,8 +1103,6 @@ def run_cli(args: argparse.Namespace) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    from blockspec.assets import embedded
-
     result = train_drafter(embedded(args.target), args.data, cfg, tokenizer, args.eval_data, args.out)
     (Path(args.out) / "train_metrics.json").write_text(json.dumps(result.metrics, indent=2) + "\n")
     print(json.dumps(result.metrics, indent=2))
