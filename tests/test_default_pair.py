@@ -47,3 +47,21 @@ def test_heldout_acceptance_stays_above_floor(method):
 def test_floor_catches_a_drafter_cut_off_from_the_target_features(method):
     length, same = acceptance(method, drop_features=True)
     assert same and length < FLOORS[method]
+
+
+@needs_pair
+def test_shipped_dspark_leaves_its_vocab_to_the_target_and_restores_to_the_deepspec_file(tmp_path):
+    """The shipped DSpark has no copies of the target's embedding and head (they would double the pair's
+    vocabulary bytes); restored, they are the target's rows in the drafter's dtype, as DeepSpec files hold."""
+    from safetensors.torch import load_file
+
+    from blockspec.drafters import load_dspark, restore_target_copies
+    from blockspec.drafters.formats import TARGET_COPIES
+
+    shipped = load_file(str(PAIR / "dspark" / "model.safetensors"))
+    assert not set(TARGET_COPIES) & set(shipped)
+    restored = load_file(str(restore_target_copies(PAIR / "dspark", PAIR / "target", tmp_path) / "model.safetensors"))
+    embed = load_file(str(PAIR / "target" / "model.safetensors"))["model.embed_tokens.weight"]
+    for name in TARGET_COPIES:
+        assert torch.equal(restored[name], embed.to(restored[name].dtype))
+    assert load_dspark(tmp_path, device="cpu").use_own_embedding

@@ -23,10 +23,13 @@ from blockspec.drafters import (
     load_dflash,
     load_drafter,
     load_dspark,
+    restore_target_copies,
     save_dflash,
     save_dspark,
+    strip_target_copies,
 )
 from blockspec.drafters.backbone import DraftModel
+from blockspec.drafters.formats import TARGET_COPIES
 from factories import DRAFTER_TARGET_KW, TRITON_SKIP_REASON, hf_config, triton_interpretable
 
 FIX = Path(__file__).parent / "fixtures" / "drafters"
@@ -670,13 +673,8 @@ def test_recorded_acceptance_is_read_beside_the_weights_and_starts_the_policy(tm
             load_dflash(drafter, device="cpu")
 
 
-def test_a_drafter_carrying_copies_of_the_target_vocab_shares_them_with_the_same_drafts(tmp_path):
-    """DeepSpec exports carry copies of the target's embedding and LM head. Bitwise copies are dropped for
-    the target's own (one copy in memory) and the greedy drafts and outputs stay the same; a copy that
-    differs in one element is kept."""
-    from safetensors.torch import save_file as save
-
-    from blockspec import LLM, SamplingParams
+def dspark_with_target_copies(tmp_path: Path) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    """A tiny target and a DeepSpec DSpark carrying copies of its embedding and LM head, as exports do."""
     from factories import save_drafter_target
 
     target = save_drafter_target(tmp_path / "target")
@@ -686,14 +684,31 @@ def test_a_drafter_carrying_copies_of_the_target_vocab_shares_them_with_the_same
     weights = load_file(str(drafter / "model.safetensors"))
     weights["embed_tokens.weight"] = tw["model.embed_tokens.weight"].clone()
     weights["lm_head.weight"] = tw.get("lm_head.weight", tw["model.embed_tokens.weight"]).clone()
-    save(weights, str(drafter / "model.safetensors"))
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    save_file(weights, str(drafter / "model.safetensors"))
+    return target, drafter, weights
+
+
+def greedy_dspark_run(target: Path, drafter: Path) -> tuple[bool, list[int], list[int]]:
+    """(whether the drafter keeps its own head, greedy output ids, accepted drafts by position)."""
+    from blockspec import LLM, SamplingParams
+
     spec = {"method": "dspark", "model": str(drafter), "adaptive_draft_length": False}
+    llm = LLM(str(target), device="cpu", dtype="float32", seed=0, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ids = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)[0].outputs[0].token_ids
+    return llm.engine.proposer.drafter.use_own_head, list(ids), llm.get_stats()["num_accepted_tokens_per_pos"]
+
+
+def test_a_drafter_carrying_copies_of_the_target_vocab_shares_them_with_the_same_drafts(tmp_path):
+    """DeepSpec exports carry copies of the target's embedding and LM head. Bitwise copies are dropped for
+    the target's own (one copy in memory) and the greedy drafts and outputs stay the same; a copy that
+    differs in one element is kept."""
+    from blockspec import LLM
+
+    target, drafter, weights = dspark_with_target_copies(tmp_path)
 
     def run() -> tuple[bool, list[int], list[int]]:
-        llm = LLM(str(target), device="cpu", dtype="float32", seed=0, speculative_config=spec)
-        ids = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)[0].outputs[0].token_ids
-        return llm.engine.proposer.drafter.use_own_head, list(ids), llm.get_stats()["num_accepted_tokens_per_pos"]
+        return greedy_dspark_run(target, drafter)
 
     own, shared_ids, shared_acc = run()
     assert not own
@@ -704,6 +719,38 @@ def test_a_drafter_carrying_copies_of_the_target_vocab_shares_them_with_the_same
     finally:
         DraftModel.share_target_copies = keep
     weights["lm_head.weight"][3, 2] += 1.0
-    save(weights, str(drafter / "model.safetensors"))
+    save_file(weights, str(drafter / "model.safetensors"))
+    spec = {"method": "dspark", "model": str(drafter)}
     d = LLM(str(target), device="cpu", dtype="float32", seed=0, speculative_config=spec).engine.proposer.drafter
     assert d.use_own_head and not d.use_own_embedding
+
+
+def test_stripping_the_target_copies_keeps_the_drafts_and_restoring_gives_the_reference_file(tmp_path):
+    """The shipped DSpark leaves out its copies of the target's embedding and head: the same drafts and output
+    without them, and `restore_target_copies` writes back the tensors the reference code reads."""
+    target, drafter, weights = dspark_with_target_copies(tmp_path)
+    with_copies = greedy_dspark_run(target, drafter)
+    vocab, hidden = weights["embed_tokens.weight"].shape
+    item = weights["embed_tokens.weight"].element_size()
+    assert strip_target_copies(drafter, target) == 2 * vocab * hidden * item
+    stripped = load_file(str(drafter / "model.safetensors"))
+    assert not set(TARGET_COPIES) & set(stripped)
+    assert greedy_dspark_run(target, drafter)[1:] == with_copies[1:]
+    assert strip_target_copies(drafter, target) == 0  # nothing left to drop
+    out = restore_target_copies(drafter, target, tmp_path / "restored")
+    restored = load_file(str(out / "model.safetensors"))
+    assert sorted(restored) == sorted(weights)
+    assert all(torch.equal(restored[k], weights[k]) for k in weights)
+    assert (out / "config.json").read_text() == (drafter / "config.json").read_text()
+
+
+def test_stripping_refuses_a_drafter_whose_own_head_differs_from_the_target(tmp_path):
+    target, drafter, weights = dspark_with_target_copies(tmp_path)
+    weights["lm_head.weight"][3, 2] += 1.0
+    save_file(weights, str(drafter / "model.safetensors"))
+    before = (drafter / "model.safetensors").read_bytes()
+    with pytest.raises(ModelLoadError, match=r"lm_head\.weight differs from the target's"):
+        strip_target_copies(drafter, target)
+    assert (drafter / "model.safetensors").read_bytes() == before
+    with pytest.raises(ModelLoadError, match="not a DeepSpec DSpark checkpoint"):
+        strip_target_copies(FIX / "dflash", target)

@@ -250,6 +250,7 @@ def test_assemble_writes_the_pair_with_cards_read_from_the_run(regenerated, pret
     from safetensors import safe_open
 
     from blockspec.drafters import load_drafter
+    from blockspec.drafters.formats import TARGET_COPIES
     from blockspec.train.recipes.flagship_cards import assemble
 
     _, tok = corpus
@@ -291,6 +292,11 @@ def test_assemble_writes_the_pair_with_cards_read_from_the_run(regenerated, pret
         params = sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())
     assert assets["target"]["parameters"] == params
     assert json.loads((pair / "metrics.json").read_text())["assets"] == assets
+    with safe_open(str(run / "dspark" / "model.safetensors"), "pt") as f:
+        assert set(TARGET_COPIES) <= set(f.keys())  # the export is the reference's format
+    with safe_open(str(pair / "dspark" / "model.safetensors"), "pt") as f:
+        assert not set(TARGET_COPIES) & set(f.keys())  # the shipped one takes the target's
+    assert assets["dspark"]["bytes"] == (pair / "dspark" / "model.safetensors").stat().st_size
 
     # a drafter continued from the shipped one replaces it; the card and metrics.json keep both runs
     from blockspec.train.recipes.flagship_cards import continue_drafter

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -492,3 +493,58 @@ def save_drafter(model: DraftModel, out_dir: str | os.PathLike[str], format: str
     if isinstance(model, DSparkDraft):
         return save_dspark(model, out_dir, format or "deepspec", target)
     return save_dflash(model, out_dir, format or "zlab", target)
+
+
+TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")
+
+
+def _deepspec_files(drafter_dir: Path, target_dir: Path) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """A DeepSpec drafter's tensors and its target's embedding and LM head (the tied embedding where the target
+    has no head of its own), under the drafter's names."""
+    raw = read_json(drafter_dir / "config.json")
+    if raw.get("speculators_model_type") is not None or not any("DSpark" in a for a in raw.get("architectures", [])):
+        raise ModelLoadError(f"{drafter_dir / 'config.json'}: not a DeepSpec DSpark checkpoint (Qwen3DSparkModel)")
+    target = read_state_dict(target_dir)
+    embed = target.get("model.embed_tokens.weight")
+    if embed is None:
+        raise ModelLoadError(f"{target_dir}: no model.embed_tokens.weight to share with the drafter")
+    return read_state_dict(drafter_dir), {"embed_tokens.weight": embed,
+                                          "lm_head.weight": target.get("lm_head.weight", embed)}
+
+
+def strip_target_copies(drafter_dir: str | os.PathLike[str], target_dir: str | os.PathLike[str]) -> int:
+    """Drop a DeepSpec drafter's copies of its target's embedding and LM head, in place; returns the bytes saved.
+
+    DeepSpec files carry them (the training froze them), but a copy equal to the target's is dropped at
+    load anyway (`DraftModel.share_target_copies`) and a checkpoint without them takes the target's, as
+    vLLM aliases them: the shipped pair is smaller by 2 x vocab x hidden values. A copy that differs
+    from the target's in any element is refused by name. `restore_target_copies` undoes this."""
+    drafter_dir, target_dir = Path(drafter_dir), Path(target_dir)
+    state, shared = _deepspec_files(drafter_dir, target_dir)
+    saved = 0
+    for name in TARGET_COPIES:
+        if name not in state:
+            continue
+        copy = state.pop(name)
+        if copy.shape != shared[name].shape or not torch.equal(copy, shared[name].to(copy.dtype)):
+            raise ModelLoadError(f"{drafter_dir}: {name} differs from the target's ({target_dir}); it is the "
+                                 "drafter's own and cannot be taken from the target")
+        saved += copy.numel() * copy.element_size()
+    if saved:
+        _write(drafter_dir, read_json(drafter_dir / "config.json"), state)
+    return saved
+
+
+def restore_target_copies(drafter_dir: str | os.PathLike[str], target_dir: str | os.PathLike[str],
+                          out_dir: str | os.PathLike[str]) -> Path:
+    """`drafter_dir` with its target's embedding and LM head written in, in the drafter's dtype, into `out_dir`:
+    the DeepSpec file the reference code loads (it reads both from the drafter's own checkpoint)."""
+    drafter_dir, target_dir, out = Path(drafter_dir), Path(target_dir), Path(out_dir)
+    state, shared = _deepspec_files(drafter_dir, target_dir)
+    dtype = next(iter(state.values())).dtype
+    for name in TARGET_COPIES:
+        if name not in state:  # separate storage: a tied target gives one tensor for both
+            state[name] = shared[name].to(dtype).clone()
+    if out.resolve() != drafter_dir.resolve():
+        shutil.copytree(drafter_dir, out, dirs_exist_ok=True)
+    return _write(out, read_json(drafter_dir / "config.json"), state)

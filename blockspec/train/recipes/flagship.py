@@ -15,7 +15,7 @@ README
 
 What the device allows, and what follows
 ----------------------------------------
-A call carries the working tree (38.6 MiB, 32.1 MiB of it the old embedded pair) and the paths it
+A call carries the working tree (46.1 MiB, 31.4 MiB of it the embedded pair) and the paths it
 names, 64 MiB in all; it returns at most 8 files of at most 16 MiB, 64 MiB together, two folders
 deep; the machine stays warm 30 s after a call; a session has about 30 device minutes. Hence:
 
@@ -33,32 +33,37 @@ deep; the machine stays warm 30 s after a call; a session has about 30 device mi
   AdamW moments, and says ``exact_resume: false``. For an exact resume, ``ship`` the ``optimizer``
   group out in parts (``90-ship.sh``) before the lease ends and stash it back (``91-stash-state.sh``).
 
-The pair (numbers from ``shapes`` on the project's 2-core CPU, random weights, engine, batch 1)
------------------------------------------------------------------------------------------------
+The pair (numbers from ``shapes`` on the project's 2-core CPU, 2 threads, random weights, engine, batch 1)
+-----------------------------------------------------------------------------------------------------
 =================  ======  ==========  ========  ========  ==========  =============  ==========
 shape              params  fp32 bytes  step      floor     step/floor  assets (bf16)  tree after
 =================  ======  ==========  ========  ========  ==========  =============  ==========
-h256 l6 i1024 *    10.1 M   40.4 MB     5.56 ms  1.09 ms   5.1          49.6 MB        53.9 MiB
-h256 l4 i1536       9.7 M   38.8 MB     4.86 ms  1.05 ms   4.6          48.8 MB        53.2 MiB
-h256 l8 i768       10.5 M   42.0 MB     6.31 ms  1.13 ms   5.6          50.4 MB        54.7 MiB
-h384 l8 i1536      23.6 M   94.4 MB     9.97 ms  2.55 ms   3.9          93.8 MB        96.1 MiB
-h512 l8 i2048      39.9 M  159.4 MB    14.17 ms  4.30 ms   3.3         148.0 MB       147.7 MiB
+h256 l6 i1024 *    10.1 M   40.4 MB     8.58 ms  1.59 ms   5.4          32.9 MB        46.1 MiB
+h256 l4 i1536       9.7 M   38.8 MB     6.75 ms  1.53 ms   4.4          32.1 MB        45.4 MiB
+h256 l8 i768       10.5 M   42.0 MB    10.59 ms  1.65 ms   6.4          33.6 MB        46.9 MiB
+h320 l8 i1280      17.5 M   70.2 MB    12.06 ms  2.76 ms   4.4          51.9 MB        64.3 MiB
+h384 l6 i1536      19.3 M   77.1 MB    10.38 ms  3.03 ms   3.4          60.0 MB        72.0 MiB
+h384 l8 i1536      23.6 M   94.4 MB    13.81 ms  3.72 ms   3.7          68.6 MB        80.3 MiB
+h512 l8 i2048      39.9 M  159.4 MB    16.61 ms  6.27 ms   2.6         114.4 MB       123.9 MiB
 =================  ======  ==========  ========  ========  ==========  =============  ==========
 
-step: one plain decode step through the engine, (t(80 tokens) - t(16 tokens)) / 64, best of 5
-(180 tok/s for the chosen shape); floor: the step's fp32 weight bytes at the read bandwidth of one
-pass over a 512 MB tensor, 37 GB/s (917 tok/s). The rows fit step = 0.6 ms + 0.36 ms a decoder
-layer + bytes at 15 GB/s: the chosen target's step is half weight streaming, half per-operator
-overhead; the 40 M target's is three quarters streaming. The tree cap decides the size: the
-DeepSpec DSpark export carries copies of the target's embedding and head (2 x 16384 x hidden x 2
-bytes: 16.8 MB at hidden 256, 25 MB at 384), so from hidden 384 up the assets alone pass 55 MiB,
-and tracked assets travel with every device call of the project (64 MiB). Chosen (*): Qwen3,
-hidden 256, 6 layers, MLP 1024, 4 heads / 2 KV heads of 64, vocab 16384 (the corpus tokenizer),
-tied, 10.1 M parameters. Assets: target 20.2 MB; DFlash (2 layers, MLP 768, block 16, taps from
-layers 1-4; z-lab format, no embedding) 3.7 MB; DSpark (2 layers, MLP 768, block 8, Markov head rank
-64, confidence head, the same taps; DeepSpec format, 16.8 MB of it the copies) 24.7 MB; tokenizer
-1.1 MB: 49.6 MB = 47.3 MiB. The tree's other files are 6.6 MiB, so the tree becomes 53.9 MiB (under
-55; the asset column prices every candidate's drafters at 3 x hidden MLPs).
+step: one plain decode step through the engine, (t(80 tokens) - t(16 tokens)) / 64, best of 5;
+floor: the step's fp32 weight bytes at the read bandwidth of one pass over a 512 MB tensor (25.4 GB/s
+on that host; `benchmarks/data/flagship/cpu_2026-12-05b/shapes.json`). tree after: the files a call
+carries besides the pair (14.8 MiB, counted in disk blocks as the device tool counts them) plus the
+pair. The device's 64 MiB a call, not the flagship issue's 120 MB, caps the pair, since tracked
+assets travel with every call of the project and a call needs room for what it carries (a 20 MiB
+corpus piece while training; a few MiB of kernels caches or wheels afterwards). The assets column
+ships both drafters without an embedding or head: DeepSpec DSpark files carry copies of the
+target's (2 x 16384 x hidden x 2 bytes, 16.8 MB at hidden 256), which the shipped DSpark leaves to the
+target (`blockspec.drafters.strip_target_copies` in ``assemble``; `restore_target_copies` writes the
+reference file back). Even so only the 10 M shapes leave a call room to carry a corpus piece; hidden
+320 and up would need the tree's other files (mostly `benchmarks/data`) smaller as well. Chosen (*):
+Qwen3, hidden 256, 6 layers, MLP 1024, 4 heads / 2 KV heads of 64, vocab 16384 (the corpus
+tokenizer), tied, 10.1 M parameters. Assets: target 20.2 MB; DFlash (2 layers, MLP 768, block 16,
+taps from layers 1-4; z-lab format, no embedding) 3.7 MB; DSpark (2 layers, MLP 768, block 8, Markov
+head rank 64, confidence head, the same taps) 7.9 MB; tokenizer 1.1 MB: 32.9 MB (the asset column
+prices every candidate's drafters at 3 x hidden MLPs).
 
 The calls
 ---------
@@ -66,8 +71,8 @@ Scripts in ``scripts/flagship`` (they travel with the tree); each names in its
 header what it carries (the ``carry`` list to pass; training loads no grammar, so no wheels),
 what it runs and what it returns. Locally, once: ``bash
 scripts/flagship/local.sh prepare``: the train pieces re-cut to at most 20 MiB (4 pieces, the
-largest 19.6 MiB, so a call carrying one has 5.8 MiB to spare where the corpus's 23.7 MiB piece left
-1.8), and 64,000 prompts of 64 tokens (3.2 MiB). After every call: ``local.sh collect FILES_AT``.
+largest 19.6 MiB, which a call carries beside the tree with room to spare; the corpus's own 23.7 MiB
+piece would not fit beside the shipped pair), and 64,000 prompts of 64 tokens (3.2 MiB). After every call: ``local.sh collect FILES_AT``.
 Run every call with timeout_s 600. The drafters' early stopping decodes 24 held-out openings that
 are not among the demo's prompts (`drafter_stage.selection_prompt_ids`).
 
@@ -109,7 +114,7 @@ metrics.json into ``blockspec/assets/default`` (``--states dflash=DIR``: a draft
 not named ``dflash-state``).
 
 Longer drafter runs, once the pair is shipped (the target is then the shipped one): 20 and 21 carry
-the two regenerated pieces (the tree is 54 MiB with the pair) and 21 starts a DFlash run of
+the two regenerated pieces (about 20 MiB each; one a call beside the 46 MiB tree) and 21 starts a DFlash run of
 ``FLAGSHIP_EPOCHS`` (default 10) in a new state; 22 a
 DSpark run of 8 epochs (repeat it until its metrics say ``stopped``); 23 runs the demo and the bench
 preset on the device. 24 (after 20, instead of 21) trains a drafter on from the shipped one
@@ -223,6 +228,8 @@ CANDIDATES = {
     "h256-l6-i1024": SHAPE,
     "h256-l4-i1536": dataclasses.replace(SHAPE, intermediate_size=1536, num_layers=4),
     "h256-l8-i768": dataclasses.replace(SHAPE, intermediate_size=768, num_layers=8),
+    "h320-l8-i1280": dataclasses.replace(SHAPE, hidden_size=320, intermediate_size=1280, num_layers=8, head_dim=80),
+    "h384-l6-i1536": dataclasses.replace(SHAPE, hidden_size=384, intermediate_size=1536, num_layers=6, num_heads=6),
     "h384-l8-i1536": dataclasses.replace(SHAPE, hidden_size=384, intermediate_size=1536, num_layers=8, num_heads=6),
     "h512-l8-i2048": dataclasses.replace(SHAPE, hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8,
                                          num_kv_heads=4),
@@ -230,8 +237,9 @@ CANDIDATES = {
 
 
 def asset_bytes(shape: TargetShape, tokenizer_bytes: int) -> dict[str, int]:
-    """bf16 bytes of what the pair ships: the target, the z-lab DFlash (no embedding or head), the DeepSpec DSpark
-    (with copies of the target's embedding and head), the tokenizer; the drafters' MLPs 3 x hidden wide."""
+    """bf16 bytes of what the pair ships: the target, the z-lab DFlash and the DeepSpec DSpark (neither with an
+    embedding or head: the shipped DSpark leaves its copies to the target), the tokenizer; the drafters' MLPs
+    3 x hidden wide."""
     from blockspec.train.trainer import build_drafter
 
     cfg = shape.model_config(0)
@@ -240,9 +248,7 @@ def asset_bytes(shape: TargetShape, tokenizer_bytes: int) -> dict[str, int]:
     for name, stage in DRAFTERS.items():
         train = dataclasses.replace(stage.train_config("cpu"), intermediate_size=3 * shape.hidden_size)
         drafter = build_drafter(train, cfg, mask_token_id=2)
-        params = sum(p.numel() for p in drafter.parameters())
-        copies = 2 * shape.vocab_size * shape.hidden_size if name == "dspark" else 0
-        sizes[name] = 2 * (params + copies)
+        sizes[name] = 2 * sum(p.numel() for p in drafter.parameters())
     sizes["tokenizer"] = tokenizer_bytes
     sizes["total"] = sum(sizes.values())
     return sizes

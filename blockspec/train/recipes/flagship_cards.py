@@ -15,7 +15,7 @@ from typing import Any
 
 from safetensors import safe_open
 
-from blockspec.drafters import load_drafter
+from blockspec.drafters import load_drafter, strip_target_copies
 from blockspec.drafters.config import DrafterConfig
 from blockspec.train.drafter_stage import DrafterStageConfig, export_best
 from blockspec.train.state import read_index
@@ -112,8 +112,14 @@ def drafter_card(rec: dict[str, Any], method: str, shape: DrafterConfig, params:
 - **Continued** from those weights (fresh AdamW and cosine schedule, lr {more['config']['train']['lr']:g}) on
   {more['rows_tokens']:,} more generated tokens, continuations of openings the first run never used:
   {more['total_steps']} steps ({more['config']['epochs']:g} epochs, {more['train_seconds'] / 60:.1f} minutes on one H200)."""
-    fmt = ("z-lab DFlash (`DFlashDraftModel`, no embedding or head: it shares the target's)" if method == "dflash"
-           else "DeepSpec DSpark (`Qwen3DSparkModel`, with copies of the target's embedding and head)")
+    fmt = ("z-lab DFlash (`DFlashDraftModel`, no embedding or head: it shares the target's); loads with blockspec "
+           "(`speculative_config={\"method\": \"dflash\", \"model\": ...}`) and with the reference code"
+           if method == "dflash" else
+           "DeepSpec DSpark (`Qwen3DSparkModel`) without the copies of the target's embedding and head that DeepSpec "
+           "files carry (2 x vocab x hidden values): blockspec takes the target's, as vLLM does "
+           "(`speculative_config={\"method\": \"dspark\", \"model\": ...}`); "
+           "`blockspec.drafters.restore_target_copies(\"dspark\", \"target\", OUT)` writes the file the reference "
+           "code loads")
     heads = (f"Markov head ({t['markov_head_type']}, rank {t['markov_rank']}) and confidence head; "
              if method == "dspark" else "")
     per_pos = " ".join(f"{p:.2f}" for p in best["per_position"])
@@ -121,8 +127,7 @@ def drafter_card(rec: dict[str, Any], method: str, shape: DrafterConfig, params:
 
 The drafter of the flagship target (`../target`), trained by `python -m blockspec.train.recipes.flagship`.
 
-- **Format**: {fmt}; loads with blockspec (`speculative_config={{"method": "{method}", "model": ...}}`) and
-  with the reference code.
+- **Format**: {fmt}.
 - **Shape**: {shape.num_layers} layers, MLP {shape.intermediate_size}, block {shape.block_size}; {heads}target
   features from layers {', '.join(map(str, shape.target_layer_ids))}. {params:,} parameters ({size / 1e6:.1f} MB, bf16).
 - **Data**: the target's own continuations (greedy and T = 0.7, 448 tokens each) of 64-token openings
@@ -146,18 +151,14 @@ def assemble(run_dir: Path, out: Path, states: dict[str, str] | None = None) -> 
     rec = run_record(run_dir, states)
     if out.exists():
         shutil.rmtree(out)
-    sizes = {}
-    for name in PAIR:
-        shutil.copytree(run_dir / name, out / name)
-        params = _params(out / name)
-        size = (out / name / "model.safetensors").stat().st_size
-        sizes[name] = {"parameters": params, "bytes": size}
-        card = (target_card(rec, params, size) if name == "target"
-                else drafter_card(rec, name, load_drafter(name, out / name, device="cpu").config, params, size))
-        (out / name / "README.md").write_text(card)
+    shutil.copytree(run_dir / "target", out / "target")
+    params, size = _params(out / "target"), (out / "target" / "model.safetensors").stat().st_size
+    (out / "target" / "README.md").write_text(target_card(rec, params, size))
     shutil.copy2(run_dir / "corpus" / "manifest.json", out / "target" / "corpus_manifest.json")
-    rec["assets"] = sizes | {"total_bytes": _pair_bytes(out)}
-    (out / "metrics.json").write_text(json.dumps(rec, indent=1) + "\n")
+    rec["assets"] = {"target": {"parameters": params, "bytes": size}}
+    for method in PAIR[1:]:
+        shutil.copytree(run_dir / method, out / method)
+        ship_drafter(out, method, rec)
     return rec["assets"]
 
 
@@ -171,10 +172,18 @@ def continue_drafter(pair: Path, method: str, state_dir: Path, rows_tokens: int)
     export_best(state_dir, pair / "target", pair / method)
     rec = json.loads((pair / "metrics.json").read_text())
     rec["drafters"][method]["continued"] = record | {"rows_tokens": rows_tokens}
+    ship_drafter(pair, method, rec)
+    return rec["drafters"][method]["continued"]["best"]
+
+
+def ship_drafter(pair: Path, method: str, rec: dict[str, Any]) -> None:
+    """Make the export in pair/`method` the shipped drafter: a DSpark without its copies of the target's
+    embedding and head (`strip_target_copies`), its card, and its sizes in `rec`, written to metrics.json."""
+    if method == "dspark":
+        strip_target_copies(pair / method, pair / "target")
     params, size = _params(pair / method), (pair / method / "model.safetensors").stat().st_size
     rec["assets"][method] = {"parameters": params, "bytes": size}
     rec["assets"]["total_bytes"] = _pair_bytes(pair)
     (pair / method / "README.md").write_text(
         drafter_card(rec, method, load_drafter(method, pair / method, device="cpu").config, params, size))
     (pair / "metrics.json").write_text(json.dumps(rec, indent=1) + "\n")
-    return rec["drafters"][method]["continued"]["best"]
