@@ -91,7 +91,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM's sake and ignored: blockspec runs no code from a model's repository")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="vLLM's prefix caching: blockspec has none yet (on is accepted with a warning; default: off)")
+                   help="remember full KV pages by their tokens, so prompts that start alike skip prefilling "
+                        "them (vLLM's automatic prefix caching; default: off)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default=None, choices=["dflash", "dspark"],
                    help="drafter family (default: dflash when --draft-model is given)")

@@ -459,6 +459,9 @@ class EngineConfig:
     # scales of 1.0 (half the bytes a decode step reads and a page holds; models.kv_cache)
     kv_cache_dtype: str = "auto"
     logprobs_mode: str = "raw_logprobs"  # LOGPROBS_MODES
+    # vLLM's automatic prefix caching: full KV pages are remembered by their tokens and a prompt that
+    # starts with them skips their prefill (None: off, as False; kv_cache.PrefixCache)
+    enable_prefix_caching: bool | None = None
 
     def __post_init__(self) -> None:
         for name, low in (("max_num_seqs", 1), ("max_prefill_tokens", 1), ("graph_prefill_tokens", 0)):
@@ -477,6 +480,8 @@ class EngineConfig:
         check_integer(self, "num_kv_pages", 1, optional=True)  # None: auto
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.enable_prefix_caching not in (None, True, False):
+            raise ConfigError(f"enable_prefix_caching must be true, false or None, got {self.enable_prefix_caching!r}")
         if self.async_scheduling not in (None, True, False):
             raise ConfigError(f"async_scheduling must be true, false or None (auto), got {self.async_scheduling!r}")
         if not isinstance(self.enforce_eager, bool):
@@ -510,8 +515,6 @@ class EngineArgs(EngineConfig):
     max_num_batched_tokens: int | None = None
     # accepted for vLLM's sake: blockspec runs no code from a model's repository, so there is nothing to trust
     trust_remote_code: bool = False
-    # vLLM's prefix caching: blockspec has none yet (True is accepted with a warning that it stays off)
-    enable_prefix_caching: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -521,8 +524,6 @@ class EngineArgs(EngineConfig):
         for name in ("trust_remote_code", "warmup"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.enable_prefix_caching not in (None, True, False):
-            raise ConfigError(f"enable_prefix_caching must be true, false or None, got {self.enable_prefix_caching!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ConfigError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
         batched = self.max_num_batched_tokens
@@ -547,9 +548,6 @@ class EngineArgs(EngineConfig):
         if self.trust_remote_code:
             notes.append("trust_remote_code=True is not needed: blockspec runs no code from the model's repository "
                          "(it loads Llama / Qwen weights into its own model classes); ignored")
-        if self.enable_prefix_caching:
-            notes.append("enable_prefix_caching=True: blockspec has no prefix caching yet, so it stays off (every "
-                         "prompt is prefilled in full)")
         return notes
 
     def engine_config(self, max_model_len: int) -> EngineConfig:

@@ -105,6 +105,8 @@ class RequestOutput:
     error: str | None = None
     # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing before it)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # prompt tokens found in the prefix cache at the request's first admission (None: not admitted yet)
+    num_cached_tokens: int | None = None
 
 
 class IncrementalDetokenizer:
@@ -180,6 +182,8 @@ class Request:
     num_draft_ctx: int = 0  # drafter context length (tokens whose features are in the draft cache)
     num_pending: int = 0  # target taps held in the proposer's device buffer, not in the draft cache yet
     kv_capacity: int = 0  # positions the KV pages of its slot hold
+    num_cached_tokens: int | None = None  # prompt tokens its first prefill found in the prefix cache
+    cached_draft_ctx: int = 0  # of the positions its shared pages hold, those with the drafter's context too
     feeds_drafter: bool = False  # set at admission: the drafter gets its context and it may draft
     output_counts: Tensor | None = None  # [V] int32 history for penalties (device)
     prompt_mask: Tensor | None = None  # [V] bool tokens of the prompt (device)
@@ -264,4 +268,5 @@ class Request:
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
         )
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion],
-                             self.status is Status.FINISHED, self.metrics(), self.error, self.prompt_logprobs)
+                             self.status is Status.FINISHED, self.metrics(), self.error, self.prompt_logprobs,
+                             self.num_cached_tokens)

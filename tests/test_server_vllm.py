@@ -385,6 +385,28 @@ def test_metrics_prefix_blockspec(text_dir):
         live.close()
 
 
+def test_prefix_caching_reports_cached_prompt_tokens_in_usage_and_metrics(text_dir):
+    """`--enable-prefix-caching`: a prompt sent again finds its pages; usage's prompt_tokens_details and
+    vLLM's prefix-cache counters say how many tokens, and the completion is the same."""
+    def cached_load() -> LLM:
+        return LLM(str(text_dir), device="cpu", max_model_len=96, max_num_seqs=4, kv_page_size=16,
+                   enable_prefix_caching=True)
+
+    live = LiveServer(create_app(cached_load, NAME)).wait_ready()
+    try:
+        client, prompt = live.client(), "def parse(self, text):\n    return [line.split() for line in text]\n"
+        outs = [client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0) for _ in range(2)]
+        assert outs[0].choices[0].text == outs[1].choices[0].text
+        first, second = (o.usage.prompt_tokens_details.cached_tokens for o in outs)
+        assert first == 0 and second >= 16 and second % 16 == 0 and second < outs[1].usage.prompt_tokens
+        wait_until(lambda: metric(live.metrics(), "vllm:prefix_cache_hits_total") == second, PATIENCE,
+                   "the prefix-cache counter")
+        queries = metric(live.metrics(), "vllm:prefix_cache_queries_total")
+        assert queries == 2 * (outs[0].usage.prompt_tokens - 1)  # each looks up all but its last token
+    finally:
+        live.close()
+
+
 def test_the_log_reports_throughput_while_busy(server, caplog):
     with caplog.at_level(logging.INFO, logger="blockspec.server"):
         server.client().completions.create(model=NAME, prompt="abc", max_tokens=6, extra_body={"ignore_eos": True})

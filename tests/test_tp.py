@@ -231,11 +231,12 @@ def test_rank_processes_wait_for_rank_0_past_a_clean_exit_and_fail_fast_on_a_cra
         ranks.close()
 
 
-def test_tp2_preempts_in_step_and_gives_one_process_tokens(qwen3):
+@pytest.mark.parametrize("caching", [False, True])
+def test_tp2_preempts_in_step_and_gives_one_process_tokens(qwen3, caching):
     """A pool too small for every request: the ranks preempt and resume the same requests at the same
     steps (or their collectives would part), and give the tokens of one process with the same pool,
-    which are plain decoding's."""
-    pool = {"num_kv_pages": 9, "kv_page_size": 16, "max_model_len": 64}
+    which are plain decoding's. With prefix caching the ranks remember and share the same pages."""
+    pool = {"num_kv_pages": 9, "kv_page_size": 16, "max_model_len": 64, "enable_prefix_caching": caching}
     want = tokens(LLM(qwen3, seed=0).generate(PROMPTS, HOT, use_tqdm=False))
     ref = LLM(qwen3, seed=0, speculative_config=SPEC, **pool)
     assert tokens(ref.generate(PROMPTS, HOT, use_tqdm=False)) == want
@@ -243,3 +244,5 @@ def test_tp2_preempts_in_step_and_gives_one_process_tokens(qwen3):
     with LLM(qwen3, tensor_parallel_size=2, seed=0, speculative_config=SPEC, **pool) as tp:
         assert tokens(tp.generate(PROMPTS, HOT, use_tqdm=False)) == want
         assert tp.get_stats()["num_preemptions"] == ref.get_stats()["num_preemptions"]
+        hits = ref.get_stats()["num_prefix_cache_hits"]
+        assert tp.get_stats()["num_prefix_cache_hits"] == hits and (hits > 0) == caching

@@ -83,10 +83,12 @@ class Engine:
         margin, table_len = memory.cache_extent(config, spec_config, drafter)
         self.pages = PageTable(config.max_num_seqs, table_len, config.kv_page_size,
                                memory.plan_pages(model, drafter, config, table_len), self.device)
+        if config.enable_prefix_caching:
+            self.pages.enable_prefix_caching()
         # positions past its length a request's next two steps may write (this one's and one launched
         # ahead of its commit): verify rows and the drafter's block
         lookahead = 2 * margin + (drafter.block_size if drafter is not None else 0)
-        self.scheduler = Scheduler(self.pages, config.max_prefill_tokens, lookahead)
+        self.scheduler = Scheduler(self.pages, config.max_prefill_tokens, lookahead, with_drafter=drafter is not None)
         self.proposer: Proposer | None = None
         self.context: DraftContext | None = None
         widths: list[int] = []
@@ -348,6 +350,8 @@ class Engine:
         feeds = bool(self.agree(self.policy.feeds_drafter(batch, len(speculating))))
         for req in speculating:
             req.feeds_drafter = feeds
+            if feeds:
+                self.scheduler.share_only_draft_pages(req)
         if not feeds:
             # the batch has grown into a parked size: a burst reaching the server over a few steps is
             # judged step by step, so its first arrivals fed a drafter that the whole batch could not
@@ -374,12 +378,20 @@ class Engine:
         return spec if all(r.feeds_drafter for r in spec) else []
 
     # ---------------------------------------------------------------- prefill
+    def _remember(self, reqs: list[Request]) -> None:
+        """With prefix caching: the full pages a prefill chunk completed are there for later prompts."""
+        if self.pages.prefix is not None:
+            for req in reqs:
+                self.scheduler.remember(req)
+
     def _prefill(self, reqs: list[Request]) -> list[Request]:
         """Prompt tokens through the target in chunks of at most max_prefill_tokens, several requests
         padded into one forward; a request whose prompt is done samples its first token."""
         budget = self.config.max_prefill_tokens
         runs, starts, chosen = [], [], []
         for req in reqs:
+            if req.num_cached_tokens is None:  # its first prefill: what the prefix cache held of its prompt
+                req.num_cached_tokens = req.num_cached
             take = min(req.prefill_len - req.num_cached, budget)  # chunked prefill
             if take <= 0:
                 break
@@ -406,6 +418,7 @@ class Engine:
         if not done:
             self.timer.close()
             self._extend_draft_context(chosen, feats, counts)
+            self._remember(chosen)
             return []
         last_hidden = torch.stack([hidden[i, row] for i, _, row in done])
         finished_reqs = [req for _, req, _ in done]
@@ -416,6 +429,7 @@ class Engine:
         # the drafter's copy of the prompt goes in after the first tokens are read back: it runs
         # while the host commits them, not before the first token
         self._extend_draft_context(chosen, feats, counts)
+        self._remember(chosen)
         for j, req in enumerate(finished_reqs):
             self._append(req, [tokens[j]], lps[j] if lps else None)
         return finished_reqs
@@ -863,5 +877,8 @@ class Engine:
         out["num_steps"] = self.num_steps
         out["num_generated_tokens"] = self.num_generated
         out["num_preemptions"] = self.num_preemptions
+        prefix = self.pages.prefix
+        out["num_prefix_cache_queries"] = prefix.queried_tokens if prefix else 0  # prompt tokens looked up
+        out["num_prefix_cache_hits"] = prefix.hit_tokens if prefix else 0  # of them found, not prefilled
         out["num_requests_running"], out["num_requests_waiting"] = len(self.running), len(self.waiting)
         return out

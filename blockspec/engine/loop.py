@@ -85,14 +85,16 @@ class EngineGauges:
     spec: SpecStats
     policy: PolicyView | None = None  # the draft-length policy's view, when this report carries it
     num_preemptions: int = 0
+    prefix_cache: tuple[int, int] = (0, 0)  # prompt tokens looked up in the prefix cache, and found
 
     @classmethod
     def of(cls, engine: Engine) -> EngineGauges:
         pages = engine.pages
         spec = SpecStats()
         spec.merge(engine.spec_totals)
+        prefix = (pages.prefix.queried_tokens, pages.prefix.hit_tokens) if pages.prefix else (0, 0)
         return cls(len(engine.running), len(engine.waiting), 1 - pages.num_free_pages / pages.num_pages,
-                   engine.num_generated, spec, num_preemptions=engine.num_preemptions)
+                   engine.num_generated, spec, num_preemptions=engine.num_preemptions, prefix_cache=prefix)
 
 
 def span(start: float | None, end: float | None) -> float | None:
@@ -152,6 +154,7 @@ class Delta:
     spec: SpecStats | None = None  # the request's speculation counters, on the last delta
     # with prompt_logprobs: the prompt's entries (SamplingParams.prompt_logprobs), on the choice's first delta
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    cached_tokens: int | None = None  # the prompt tokens found in the prefix cache, on the last delta
 
     def then(self, later: Delta) -> Delta:
         """This delta followed by a later one of the same choice, as one."""
@@ -159,7 +162,8 @@ class Delta:
             (self.logprobs or []) + (later.logprobs or [])
         return Delta(self.index, self.text + later.text, self.token_ids + later.token_ids, logprobs,
                      later.finish_reason, later.stop_reason, later.error or self.error, later.spec or self.spec,
-                     self.prompt_logprobs or later.prompt_logprobs)
+                     self.prompt_logprobs or later.prompt_logprobs,
+                     later.cached_tokens if later.cached_tokens is not None else self.cached_tokens)
 
 
 # ---------------------------------------------------------------- messages between front and engine
@@ -248,7 +252,8 @@ class _Tracker:
         prompt = req.prompt_logprobs if not self.sent_prompt else None
         delta = (self.index, text[self.sent_chars:visible], req.output_ids[self.sent_tokens:n],
                  req.logprobs[self.sent_tokens:n] if req.logprobs is not None else None,
-                 req.finish_reason, req.stop_reason, req.error, spec, prompt)
+                 req.finish_reason, req.stop_reason, req.error, spec, prompt,
+                 req.num_cached_tokens if done else None)
         self.sent_tokens, self.sent_chars, self.sent_prompt = n, visible, True
         return delta
 

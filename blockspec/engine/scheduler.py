@@ -5,6 +5,9 @@ are free; every step, each running request gets pages for its next positions and
 steps launched before the next reservation); where the pool runs short the newest is preempted: its
 slot and pages go back and it waits first, to be recomputed through a prefill. Suspects (the
 requests of a step that raised) are admitted one at a time, so one that breaks a step does so alone.
+With prefix caching, an admitted request starts from the remembered pages its tokens begin with
+(never its last token: the prefill computes at least one), and the full pages of final K/V it writes
+are remembered after each prefill chunk, when it is preempted and when it finishes.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ from blockspec.request import Request, Status
 
 
 class Scheduler:
-    def __init__(self, pages: PageTable, max_prefill_tokens: int, lookahead: int) -> None:
+    def __init__(self, pages: PageTable, max_prefill_tokens: int, lookahead: int,
+                 with_drafter: bool = False) -> None:
         self.pages = pages
+        # a remembered page must hold the drafter's context too, where there is a drafter
+        self.with_drafter = with_drafter
         self.max_prefill_tokens = max_prefill_tokens
         # positions past its length a request's next two steps may write (this one's and one launched
         # ahead of its commit): verify rows and the drafter's block; pages are reserved that far
@@ -43,6 +49,8 @@ class Scheduler:
         """A finished request leaves the queues; its slot and pages go back."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
+            if req.finish_reason != "error":
+                self.remember(req)
             self.pages.release(req.slot)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
@@ -86,6 +94,7 @@ class Scheduler:
         recomputes the K/V and the drafter's context; sampling is keyed by position, so its tokens
         are what they would have been. Rows of it in a step launched ahead are dropped at that
         step's commit, as for an abort."""
+        self.remember(req)
         self.requeue(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -96,7 +105,7 @@ class Scheduler:
         self.pages.release(req.slot)
         req.status = Status.WAITING
         req.slot = -1
-        req.num_cached = req.kv_capacity = 0
+        req.num_cached = req.kv_capacity = req.cached_draft_ctx = 0
         self.waiting.insert(at, req)
 
     def admit(self) -> list[Request]:
@@ -110,11 +119,15 @@ class Scheduler:
             if self.running and (req.suspect or self.running[0].suspect):
                 break
             slot = self.pages.allocate()
+            looked_up = self._share_prefix(req, slot)
             need = self.pages_wanted(req)
             watermark = self.pages.num_pages // 100 if self.running else 0
             if self.pages.missing(slot, need) + watermark > self.pages.num_free_pages:
                 self.pages.release(slot)
+                req.num_cached = 0
                 break
+            if looked_up:
+                self.pages.prefix.count(looked_up, req.num_cached)
             self.pages.reserve(slot, need)
             req.kv_capacity = self.pages.held(slot) * self.pages.page_size
             self.waiting.popleft()
@@ -127,6 +140,42 @@ class Scheduler:
             if req.suspect:
                 break
         return joined
+
+    # ---------------------------------------------------------------- prefix caching
+    def _share_prefix(self, req: Request, slot: int) -> int:
+        """Map the remembered pages the request's tokens start with into its new slot and count them as
+        computed; returns the positions looked up (0 without prefix caching). A request that wants its
+        prompt's logprobs computes every position."""
+        prefix = self.pages.prefix
+        if prefix is None or req.params.prompt_logprobs is not None:
+            return 0
+        limit = req.prefill_len - 1
+        pages = prefix.lookup(req.token_slice(0, limit), limit)
+        self.pages.share(slot, pages)
+        req.num_cached = len(pages) * self.pages.page_size
+        req.cached_draft_ctx = prefix.with_draft(pages) * self.pages.page_size
+        return limit
+
+    def remember(self, req: Request) -> None:
+        """Remember the request's full pages of final K/V, and which of them hold its drafter context."""
+        if self.pages.prefix is None:
+            return
+        draft = min(req.num_cached, req.num_draft_ctx) if self.with_drafter else req.num_cached
+        self.pages.remember(req.slot, req.token_slice(0, req.num_cached), req.num_cached, draft)
+
+    def share_only_draft_pages(self, req: Request) -> None:
+        """A request that joined to feed the drafter gives back the shared pages that lack the drafter's
+        context (written by requests that fed none) and prefills them itself: the drafter needs their
+        taps. Before the request has run, so nothing of it is in them."""
+        keep = req.num_draft_ctx
+        if self.pages.prefix is None or keep >= req.num_cached:
+            return
+        self.pages.truncate(req.slot, keep // self.pages.page_size)
+        self.pages.prefix.hit_tokens -= req.num_cached - keep
+        req.num_cached = keep
+        if not self.pages.reserve(req.slot, self.pages_wanted(req)):  # it gave back at least what it takes
+            raise RuntimeError(f"request {req.request_id}: no pages after giving back shared ones")
+        req.kv_capacity = self.pages.held(req.slot) * self.pages.page_size
 
     def clear_suspect(self) -> None:
         """After a step that did not raise: a suspect (running alone) that committed a token is cleared;

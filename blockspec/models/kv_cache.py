@@ -10,6 +10,12 @@ length is still just a number: rollback is free, and rejected rows are overwritt
 read the table on the device at run time, so captured CUDA graphs follow pages allocated after
 their capture.
 
+With prefix caching on (`enable_prefix_caching`), a full page whose positions hold final K/V (and,
+with a drafter, its context) is remembered under its tokens and those of every page before it; a
+later request whose prompt starts with the same tokens maps those pages into its slot instead of
+prefilling them. A page is freed only when no slot holds it; remembered free pages stay readable
+until a reservation needs them, least recently used first.
+
 With `kv_dtype` float8_e4m3fn (`kv_cache_dtype="fp8"`) the pools hold K and V in e4m3, each divided
 by its per-tensor scale (`k_scale`, `v_scale`; 1.0, as vLLM takes uncalibrated FP8 caches) and
 saturated at +-448: half the bytes a step reads and a page holds. Attention dequantizes as it
@@ -19,8 +25,8 @@ loads (the kernels) or after the gather (`gather`, the reference); the model's d
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
-from collections.abc import Iterator
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -71,6 +77,14 @@ class PageTable:
         self._free_pages = list(range(num_pages - 1, -1, -1))
         self._held: list[list[int]] = [[] for _ in range(max_slots)]
         self._dirty: dict[tuple[int, int], int] = {}
+        self.prefix: PrefixCache | None = None
+
+    def enable_prefix_caching(self) -> None:
+        """Remember full pages by their tokens for later prompts (`PrefixCache`)."""
+        if _SHARED.get() is not None:
+            raise ConfigError("enable_prefix_caching: engines that take turns on one KV store overwrite each "
+                              "other's pages, so none can remember them")
+        self.prefix = PrefixCache(self.page_size)
 
     @classmethod
     def full(cls, max_slots: int, max_len: int, device: torch.device | str,
@@ -100,7 +114,8 @@ class PageTable:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free_pages)
+        """Pages a reservation may take: the free ones and the remembered ones no slot holds."""
+        return len(self._free_pages) + (len(self.prefix.idle) if self.prefix else 0)
 
     def held(self, slot: int) -> int:
         """Pages `slot` holds."""
@@ -119,25 +134,45 @@ class PageTable:
     def reserve(self, slot: int, tokens: int) -> bool:
         """Give `slot` pages for positions 0..tokens-1; False (and nothing taken) if too few are free."""
         n = self.missing(slot, tokens)
-        if n > len(self._free_pages):
+        if n > self.num_free_pages:
             return False
         pages = self._held[slot]
         for _ in range(n):
-            page = self._free_pages.pop()
+            page = self._free_pages.pop() if self._free_pages else self.prefix.evict()
             self._dirty[(slot, len(pages))] = page
             pages.append(page)
         return True
+
+    def share(self, slot: int, pages: list[int]) -> None:
+        """Map remembered pages (`PrefixCache.lookup`) into an empty slot's first columns."""
+        if self._held[slot]:
+            raise ValueError(f"slot {slot} already holds pages")
+        for col, page in enumerate(pages):
+            self.prefix.hold(page)
+            self._dirty[(slot, col)] = page
+        self._held[slot] = list(pages)
+
+    def remember(self, slot: int, tokens: list[int], final: int, draft_final: int) -> None:
+        """The slot's full pages within its first `final` positions hold final K/V of `tokens` (within
+        `draft_final`, the drafter's context too): remember them."""
+        if self.prefix is not None:
+            self._free_pages.extend(self.prefix.insert(self._held[slot], tokens, final, draft_final))
+
+    def truncate(self, slot: int, columns: int) -> None:
+        """The slot lets go of its pages from column `columns` on (before it has run: pages it shared
+        that it will compute itself)."""
+        pages = self._held[slot]
+        for col in range(columns, len(pages)):
+            self._dirty[(slot, col)] = self.trash_page
+        dropped, self._held[slot] = pages[columns:], pages[:columns]
+        self._free_pages.extend(self.prefix.drop(reversed(dropped)) if self.prefix else reversed(dropped))
 
     def release(self, slot: int) -> None:
         """Free a slot and its pages; its entries point to the trash page again (a padded row of a
         later batch writing this slot's trash position must not land in a page someone else holds)."""
         if slot in self._free_slots:
             raise ValueError(f"slot {slot} released twice")
-        pages = self._held[slot]
-        for col in range(len(pages)):
-            self._dirty[(slot, col)] = self.trash_page
-        self._free_pages.extend(reversed(pages))
-        self._held[slot] = []
+        self.truncate(slot, 0)
         self._free_slots.append(slot)
 
     def sync(self) -> None:
@@ -149,6 +184,114 @@ class PageTable:
         self._dirty.clear()
         idx = to_device([list(slots), list(cols), pages], torch.int64, self.table.device)
         self.table[idx[0], idx[1]] = idx[2].to(torch.int32)
+
+
+class PrefixCache:
+    """Full pages remembered by content: a page's key is its tokens and the key of the page before it
+    (exact, so two prompts share a page only if every token up to its end agrees). A page may hold the
+    target's K/V alone (written by a request that fed no drafter) or the drafter's context too (`draft`):
+    a request that will draft can use only the latter. Pages in use count their holders; a remembered
+    page no slot holds is idle, evicted least recently used first when a reservation finds no free
+    page. Counts of the tokens looked up and found feed the engine's stats."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.page_of: dict[tuple[int, tuple[int, ...]], int] = {}  # (key of the page before, tokens) -> page
+        self.key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self.node: dict[int, int] = {}  # page -> its key's id (what the next page's key starts with)
+        self.draft: set[int] = set()  # remembered pages that hold the drafter's context too
+        self.holders: Counter[int] = Counter()
+        self.orphans: Counter[int] = Counter()  # pages whose key went to a better copy while slots held them
+        self.idle: OrderedDict[int, None] = OrderedDict()  # remembered, held by no slot; oldest first
+        self._ids = 0
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    def lookup(self, tokens: list[int], limit: int) -> list[int]:
+        """The remembered pages that hold `tokens` from position 0, over at most `limit` positions."""
+        pages, parent = [], -1
+        for start in range(0, limit - self.page_size + 1, self.page_size):
+            page = self.page_of.get((parent, tuple(tokens[start:start + self.page_size])))
+            if page is None:
+                break
+            pages.append(page)
+            parent = self.node[page]
+        return pages
+
+    def with_draft(self, pages: list[int]) -> int:
+        """How many of `pages`, from the first, hold the drafter's context too."""
+        return next((i for i, page in enumerate(pages) if page not in self.draft), len(pages))
+
+    def count(self, queried: int, hit: int) -> None:
+        """An admitted request looked up `queried` positions and found `hit` of them."""
+        self.queried_tokens += queried
+        self.hit_tokens += hit
+
+    def hold(self, page: int) -> None:
+        self.holders[page] += 1
+        self.idle.pop(page, None)
+
+    def insert(self, pages: list[int], tokens: list[int], final: int, draft_final: int) -> list[int]:
+        """Remember `pages` (a slot's, in position order) whose positions below `final` hold tokens' K/V, and
+        below `draft_final` the drafter's context too; returns the pages this frees. A page whose key another
+        page has stays unremembered (its holder keeps it to itself), unless it holds the drafter's context
+        and the other does not: then the key moves to it, and the other is freed (or when its holders let go)."""
+        parent, size, freed = -1, self.page_size, []
+        for col in range(min(final // size, len(pages))):
+            page, with_draft = pages[col], (col + 1) * size <= draft_final
+            if page in self.key_of:  # remembered before, maybe since then given the drafter's context
+                if with_draft:
+                    self.draft.add(page)
+                parent = self.node[page]
+                continue
+            key = (parent, tuple(tokens[col * size:(col + 1) * size]))
+            other = self.page_of.get(key)
+            if other is not None and (other in self.draft or not with_draft):
+                parent = self.node[other]  # computed twice (requests that prefilled it side by side)
+                continue
+            if other is not None:
+                self._forget(other)
+                if other in self.holders:
+                    self.orphans[other] = self.holders.pop(other)
+                else:
+                    freed.append(other)
+            self.page_of[key], self.key_of[page], self.node[page] = page, key, self._ids
+            self._ids += 1
+            self.holders[page] += 1  # the slot that wrote it holds it
+            if with_draft:
+                self.draft.add(page)
+            parent = self.node[page]
+        return freed
+
+    def drop(self, pages: Iterable[int]) -> list[int]:
+        """A slot lets go of `pages`: those it alone held and nobody remembers are free (returned); a
+        remembered one becomes idle."""
+        free = []
+        for page in pages:
+            if page in self.orphans:
+                self.orphans[page] -= 1
+                if self.orphans[page] == 0:
+                    del self.orphans[page]
+                    free.append(page)
+            elif page not in self.key_of:
+                free.append(page)
+            else:
+                self.holders[page] -= 1
+                if self.holders[page] == 0:
+                    del self.holders[page]
+                    self.idle[page] = None
+        return free
+
+    def evict(self) -> int:
+        """The least recently idle page, forgotten (pages keyed after it can no longer be reached)."""
+        page, _ = self.idle.popitem(last=False)
+        self._forget(page)
+        return page
+
+    def _forget(self, page: int) -> None:
+        del self.page_of[self.key_of.pop(page)], self.node[page]
+        self.draft.discard(page)
+        self.idle.pop(page, None)
 
 
 class SharedKVStore:

@@ -45,8 +45,8 @@ from blockspec.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
     DeltaToolCall, DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, GenerationRequest, ModelCard,
-    ModelList, NamedToolChoice, PromptLogprob, PromptLogprobs, ResponseBase, SpecDecodeStats, TokenizeChatRequest,
-    TokenizeRequest, TokenizeResponse, TokenLogprob, ToolCall, TopLogprob, Usage, VersionResponse,
+    ModelList, NamedToolChoice, PromptLogprob, PromptLogprobs, PromptTokensDetails, ResponseBase, SpecDecodeStats,
+    TokenizeChatRequest, TokenizeRequest, TokenizeResponse, TokenLogprob, ToolCall, TopLogprob, Usage, VersionResponse,
 )
 
 log = logging.getLogger("blockspec.server")
@@ -273,6 +273,7 @@ class Choice:
     stop_reason: str | int | None = None
     error: str | None = None
     spec: SpecStats = field(default_factory=SpecStats)
+    cached_tokens: int | None = None
 
     def add(self, d: Delta) -> None:
         self.text += d.text
@@ -282,6 +283,8 @@ class Choice:
         self.finish_reason, self.stop_reason, self.error = d.finish_reason, d.stop_reason, d.error
         if d.spec is not None:
             self.spec = d.spec
+        if d.cached_tokens is not None:
+            self.cached_tokens = d.cached_tokens
 
 
 class Renderer:
@@ -338,7 +341,11 @@ class Renderer:
             for c in choices:
                 total.merge(c.spec)
             spec = SpecDecodeStats(**total.as_dict())
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion), spec
+        # a prompt's n choices share its prefill: its first one's count stands for the prompt
+        cached = [choices[i * self.params.n].cached_tokens for i in range(len(self.prompts))]
+        details = None if None in cached else PromptTokensDetails(cached_tokens=sum(cached))
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=details), spec
 
     def usage_chunk(self, choices: list[Choice]) -> BaseModel:
         usage, spec = self.usage(choices)

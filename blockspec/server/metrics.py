@@ -53,6 +53,9 @@ class ServerMetrics:
                                                            "too).")
         self.kv_usage = vllm(Gauge, "kv_cache_usage_perc", "Fraction of KV cache pages in use (1 = full).")
         self.preemptions = vllm(Counter, "num_preemptions", "Requests preempted for KV pages (recomputed later).")
+        self.prefix_queries = vllm(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = vllm(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
+                                                              "prefilled).")
         self.prompt_tokens = vllm(Counter, "prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = vllm(Counter, "generation_tokens", "Generated (committed) tokens.")
         self.request_success = vllm(Counter, "request_success", "Finished requests by finish reason (stop, length, "
@@ -105,6 +108,7 @@ class ServerMetrics:
         self._seen_spec = SpecStats()
         self._seen_generated = 0
         self._seen_preemptions = 0
+        self._seen_prefix = (0, 0)
         self._prompt_total = 0
         self._seen_chosen: dict[int, int] = {}
         self._seen_parked: tuple[set[int], int] = (set(), 0)  # buckets parked, requests that joined them
@@ -124,6 +128,9 @@ class ServerMetrics:
         self._seen_generated = s.num_generated
         self.preemptions.labels(*labels).inc(s.num_preemptions - self._seen_preemptions)
         self._seen_preemptions = s.num_preemptions
+        self.prefix_queries.labels(*labels).inc(s.prefix_cache[0] - self._seen_prefix[0])
+        self.prefix_hits.labels(*labels).inc(s.prefix_cache[1] - self._seen_prefix[1])
+        self._seen_prefix = s.prefix_cache
         seen, spec = self._seen_spec, s.spec
         self.drafts.labels(*labels).inc(spec.num_drafts - seen.num_drafts)
         self.draft_tokens.labels(*labels).inc(spec.num_draft_tokens - seen.num_draft_tokens)

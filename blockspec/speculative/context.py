@@ -34,8 +34,9 @@ class DraftContext:
         self.pending = torch.zeros(max_slots + 1, num_drafts + 2, drafter.feature_width, dtype=dtype, device=device)
 
     def forget(self, req: Request) -> None:
-        """A request admitted (again, after a preemption) starts its context from nothing."""
-        req.num_draft_ctx = req.num_pending = 0
+        """A request admitted (again, after a preemption) starts its context after the remembered pages
+        it shares that hold the drafter's context (`PrefixCache.draft`), else from nothing."""
+        req.num_draft_ctx, req.num_pending = req.cached_draft_ctx, 0
 
     def drop_held(self, req: Request) -> None:
         """The request stops feeding the drafter: the rows it holds will never be drafted from."""

@@ -1,0 +1,269 @@
+"""Prefix caching: full KV pages remembered by their tokens, shared by later prompts that start alike.
+
+The page bookkeeping is checked on its own (exact keys, holders, idle pages evicted oldest first); the
+engine with caching gives the outputs it gives without (greedy and seeded sampling, plain, DFlash and
+DSpark, under preemption), the hits are counted, and a corrupted remembered page changes the output:
+the control that shows the hits are read, not recomputed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockspec import LLM, SamplingParams
+from blockspec.config import ConfigError
+from blockspec.models.kv_cache import PageTable, SharedKVStore
+from factories import save_drafter_target
+
+FIX = Path(__file__).parent / "fixtures" / "drafters"
+PAGE = 8
+DRAFTERS = {"dflash": "dflash", "dspark": "dspark_vanilla"}
+
+
+def table(pages: int = 8) -> PageTable:
+    t = PageTable(max_slots=4, max_len=64, page_size=4, num_pages=pages, device="cpu")
+    t.enable_prefix_caching()
+    return t
+
+
+def test_pages_are_found_by_every_token_up_to_their_end():
+    t = table()
+    a = t.allocate()
+    t.reserve(a, 11)
+    tokens = list(range(10, 21))
+    t.remember(a, tokens, 11, 11)  # two full pages; the third holds 3 positions
+    first, second, _ = t._held[a]
+    assert t.prefix.lookup(tokens, 11) == [first, second]
+    assert t.prefix.lookup(tokens, 7) == [first]  # at most `limit` positions
+    assert t.prefix.lookup(tokens[:5] + [99] + tokens[6:], 11) == [first]  # differs in the second page
+    assert t.prefix.lookup([99] + tokens[1:], 11) == []  # differs in the first: the second is not reached
+
+
+def test_shared_pages_stay_until_no_slot_holds_them_then_idle_pages_go_oldest_first():
+    t = table(pages=4)
+    a = t.allocate()
+    t.reserve(a, 8)
+    t.remember(a, list(range(8)), 8, 8)
+    pages = list(t._held[a])
+    b = t.allocate()
+    t.share(b, t.prefix.lookup(list(range(8)), 8))
+    assert t._held[b] == pages and t.num_free_pages == 2
+    t.release(a)
+    assert t.num_free_pages == 2  # b still holds both
+    t.release(b)
+    assert t.num_free_pages == 4 and list(t.prefix.idle) == pages[::-1]  # released in reverse column order
+    c = t.allocate()
+    assert t.reserve(c, 12)  # two free pages, then the oldest idle one
+    assert pages[1] in t._held[c] and pages[0] not in t._held[c]
+    assert t.prefix.lookup(list(range(8)), 8) == [pages[0]]
+    t.reserve(c, 16)
+    assert t.prefix.lookup(list(range(8)), 8) == []
+
+
+def test_a_page_computed_twice_stays_with_its_slot_and_is_freed_with_it():
+    t = table()
+    a, b = t.allocate(), t.allocate()
+    t.reserve(a, 4), t.reserve(b, 4)
+    t.remember(a, [1, 2, 3, 4], 4, 4)
+    t.remember(b, [1, 2, 3, 4], 4, 4)
+    assert t.prefix.lookup([1, 2, 3, 4, 5], 4) == t._held[a]
+    free = t.num_free_pages
+    t.release(b)
+    assert t.num_free_pages == free + 1 and not t.prefix.idle
+
+
+def test_pages_without_the_drafter_context_give_way_to_a_copy_with_it():
+    """A page written by a request that fed no drafter serves only requests that will not draft. The
+    same tokens computed with the drafter's context take its key: a held old copy is freed when its
+    last holder lets go (once, however many held it), an idle one at once; the pages keyed after the
+    old copy are reached no more and wait, idle, to be evicted."""
+    t = table()
+    a = t.allocate()
+    t.reserve(a, 8)
+    t.remember(a, list(range(8)), 8, 0)  # the target's K/V only
+    old = list(t._held[a])
+    assert t.prefix.lookup(list(range(8)), 8) == old and t.prefix.with_draft(old) == 0
+    b = t.allocate()
+    t.share(b, old)
+    free = len(t._free_pages)
+    c = t.allocate()
+    t.reserve(c, 8)
+    t.remember(c, list(range(8)), 8, 4)  # the drafter's context in its first page only
+    new = list(t._held[c])
+    assert t.prefix.lookup(list(range(8)), 8) == new and t.prefix.with_draft(new) == 1
+    assert len(t._free_pages) == free - 2  # old[0] is held by a and b: an orphan, not free yet
+    t.release(a)
+    assert old[0] not in t._free_pages
+    t.release(b)
+    assert t._free_pages.count(old[0]) == 1 and list(t.prefix.idle) == [old[1]]
+    t.remember(c, list(range(8)), 8, 8)  # c's second page now holds the drafter's context too
+    assert t.prefix.with_draft(t.prefix.lookup(list(range(8)), 8)) == 2
+    t.release(c)
+    d = t.allocate()
+    t.reserve(d, 4)
+    t.remember(d, [7, 7, 7, 7], 4, 0)
+    idle = t._held[d][0]
+    t.release(d)
+    assert idle in t.prefix.idle
+    e = t.allocate()
+    t.reserve(e, 4)
+    t.remember(e, [7, 7, 7, 7], 4, 4)  # an idle copy without the drafter's context is freed at once
+    assert t.prefix.lookup([7, 7, 7, 7], 4) == t._held[e] and idle not in t.prefix.idle
+    assert t._free_pages.count(idle) == 1
+
+
+def test_engines_that_share_one_kv_store_cannot_remember_pages():
+    store = SharedKVStore()
+    with store.engine(), pytest.raises(ConfigError, match="enable_prefix_caching: engines that take turns"):
+        table()
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return save_drafter_target(tmp_path_factory.mktemp("target"))
+
+
+def llm(target: Path, caching: bool, method: str | None = None, **engine) -> LLM:
+    spec = None if method is None else {"method": method, "model": str(FIX / DRAFTERS[method]),
+                                        "num_speculative_tokens": 3, "adaptive_draft_length": False}
+    return LLM(str(target), device="cpu", dtype="float32", max_model_len=160, kv_page_size=PAGE,
+               enable_prefix_caching=caching, speculative_config=spec, **engine)
+
+
+def prompts(seed: int) -> list[dict]:
+    """A shared 40-token opening (five pages) and suffixes of 1 to 20 tokens; one prompt twice."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(2, 95, (40,), generator=g).tolist()
+    out = [shared + torch.randint(2, 95, (int(n),), generator=g).tolist() for n in (1, 7, 20, 13)]
+    return [{"prompt_token_ids": p} for p in out + out[:1]]
+
+
+PARAMS = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+          SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)]
+
+
+def ids(outs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("method", [None, "dflash", "dspark"])
+def test_outputs_with_caching_equal_those_without_and_later_prompts_hit(target, method):
+    """Two rounds: the second finds the first's pages (the shared opening and the repeated prompt's
+    own). Greedy and seeded sampling, plain and speculative: the same tokens with caching as without."""
+    first, second = prompts(1), prompts(2)
+    on, off = llm(target, True, method), llm(target, False, method)
+    for params in PARAMS:
+        for batch in (first, second, first):
+            assert ids(on.generate(batch, params, use_tqdm=False)) == ids(off.generate(batch, params, use_tqdm=False))
+    stats = on.get_stats()
+    # a round's prompts are admitted together, so they find the pages of the rounds before: 4 rounds of 5
+    assert stats["num_prefix_cache_hits"] >= 40 * 20
+    assert stats["num_prefix_cache_hits"] <= stats["num_prefix_cache_queries"]
+    assert off.get_stats()["num_prefix_cache_queries"] == 0
+    if method is not None:  # the remembered pages hold the drafter's context too: the same drafts
+        assert stats["num_accepted_tokens_per_pos"] == off.get_stats()["num_accepted_tokens_per_pos"]
+
+
+@pytest.mark.parametrize("method", [None, "dspark"])
+def test_a_prompt_shares_the_pages_of_a_request_still_running(target, method):
+    """Two slots: each later prompt is admitted while an earlier one with the same opening decodes, and
+    maps that request's prompt pages into its own slot; nothing either writes lands in them."""
+    batch = prompts(3)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (60, 10, 30, 5, 40)]
+    on = llm(target, True, method, max_num_seqs=2)
+    expected = ids(llm(target, False, method, max_num_seqs=2).generate(batch, params, use_tqdm=False))
+    assert ids(on.generate(batch, params, use_tqdm=False)) == expected
+    assert on.get_stats()["num_prefix_cache_hits"] >= 40 * 3
+
+
+@pytest.mark.parametrize("method", [None, "dspark"])
+def test_preempted_requests_come_back_through_their_remembered_pages(target, method):
+    """A pool of about one request's pages: requests are preempted and come back finding the pages they
+    wrote; outputs equal a run without caching."""
+    batch = prompts(4)[:4]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    on = llm(target, True, method, num_kv_pages=24)
+    expected = ids(llm(target, False, method, num_kv_pages=24).generate(batch, params, use_tqdm=False))
+    assert ids(on.generate(batch, params, use_tqdm=False)) == expected
+    stats = on.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["num_prefix_cache_hits"] > 0
+
+
+def test_a_corrupted_remembered_page_changes_the_output(target):
+    """The negative control: the second request reads the first one's pages. Garbage in them changes its
+    tokens; the same garbage in pages nobody remembers changes nothing."""
+    prompt = prompts(5)[2]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = ids(llm(target, False).generate([prompt], params, use_tqdm=False))
+
+    def second_run(corrupt_remembered: bool) -> list[list[int]]:
+        engine_llm = llm(target, True)
+        engine_llm.generate([prompt], params, use_tqdm=False)
+        pages = engine_llm.engine.pages
+        remembered = sorted(pages.prefix.key_of)
+        assert len(remembered) >= 5
+        chosen = remembered if corrupt_remembered else sorted(set(range(pages.num_pages)) - set(remembered))
+        cache = engine_llm.engine.runner.cache
+        for pool in cache.k + cache.v:
+            pool[chosen] = torch.randn_like(pool[chosen]) * 10
+        return ids(engine_llm.generate([prompt], params, use_tqdm=False))
+
+    assert second_run(corrupt_remembered=False) == expected
+    assert second_run(corrupt_remembered=True) != expected
+
+
+def test_prompt_logprobs_requests_prefill_every_position(target):
+    prompt = prompts(6)[2]
+    on, off = llm(target, True), llm(target, False)
+    plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with_lp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    on.generate([prompt], plain, use_tqdm=False)
+    queried = on.get_stats()["num_prefix_cache_queries"]
+    got, want = on.generate([prompt], with_lp, use_tqdm=False)[0], off.generate([prompt], with_lp, use_tqdm=False)[0]
+    assert on.get_stats()["num_prefix_cache_queries"] == queried
+    assert len(got.prompt_logprobs) == len(prompt["prompt_token_ids"])
+    for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+        assert {t: round(lp.logprob, 5) for t, lp in a.items()} == {t: round(lp.logprob, 5) for t, lp in b.items()}
+
+
+def test_request_outputs_say_how_many_prompt_tokens_the_cache_held(target):
+    """vLLM's RequestOutput.num_cached_tokens: full pages only, never the last prompt token."""
+    prompt = prompts(7)[2]  # 60 tokens: seven full pages of 8
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    on, off = llm(target, True), llm(target, False)
+    assert [on.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens for _ in range(2)] == [0, 56]
+    assert off.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 0
+    n2 = SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=3, ignore_eos=True)
+    assert on.generate([prompt], n2, use_tqdm=False)[0].num_cached_tokens == 56
+
+
+def test_pages_of_requests_that_fed_no_drafter_serve_only_requests_that_will_not_draft(target):
+    """Parked requests (the policy judged plain faster at their batch) write the target's K/V alone:
+    later parked requests share them; the first request that feeds the drafter gives them back and
+    prefills its prompt, and the next one shares its pages, drafter context included. Outputs equal a
+    run without caching throughout."""
+    batch = prompts(8)[:4]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    on, off = llm(target, True, "dspark"), llm(target, False, "dspark")
+    feeds = [False]
+    for engine_llm in (on, off):
+        engine_llm.engine.policy.feeds_drafter = lambda batch_size, arrivals: feeds[0]
+
+    def one(prompt: dict) -> tuple[int, int]:
+        """Run one request on both; (prompt tokens found in the cache, drafts accepted) on `on`."""
+        accepted = on.get_stats()["num_accepted_tokens"]
+        got, want = on.generate([prompt], params, use_tqdm=False)[0], off.generate([prompt], params, use_tqdm=False)[0]
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        return got.num_cached_tokens, on.get_stats()["num_accepted_tokens"] - accepted
+
+    assert one(batch[0]) == (0, 0)
+    assert one(batch[1]) == (40, 0)  # parked, from the parked request's pages
+    feeds[0] = True
+    hits, accepted = one(batch[2])
+    assert hits == 0 and accepted > 0  # it drafts, so it recomputed the pages without the drafter's context
+    assert one(batch[3])[0] == 40  # now there are pages with it
+    stats = on.get_stats()
+    assert stats["num_prefix_cache_hits"] == 80
