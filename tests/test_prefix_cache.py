@@ -8,6 +8,7 @@ the control that shows the hits are read, not recomputed.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,9 @@ def test_pages_without_the_drafter_context_give_way_to_a_copy_with_it():
     new = list(t._held[c])
     assert t.prefix.lookup(list(range(8)), 8) == new and t.prefix.with_draft(new) == 1
     assert len(t._free_pages) == free - 2  # old[0] is held by a and b: an orphan, not free yet
+    t.remember(a, list(range(8)), 8, 0)  # its holder remembers again: the key stays with the better copy
+    audit(t)
+    assert t.prefix.lookup(list(range(8)), 8)[0] == new[0] and old[0] in t.prefix.orphans
     t.release(a)
     assert old[0] not in t._free_pages
     t.release(b)
@@ -115,6 +119,27 @@ def test_pages_without_the_drafter_context_give_way_to_a_copy_with_it():
     assert t._free_pages.count(idle) == 1
 
 
+def test_an_orphan_takes_its_key_back_when_the_copy_that_took_it_is_evicted():
+    t = table(pages=4)
+    a, b = t.allocate(), t.allocate()
+    t.reserve(a, 4)
+    t.remember(a, [1, 2, 3, 4], 4, 0)
+    old = t._held[a][0]
+    t.share(b, [old])
+    c = t.allocate()
+    t.reserve(c, 4)
+    t.remember(c, [1, 2, 3, 4], 4, 4)  # old: an orphan held by a and b
+    t.release(c)  # the better copy is idle
+    d = t.allocate()
+    assert t.reserve(d, 12)  # two free pages and the idle copy, evicted
+    audit(t)
+    t.remember(a, [1, 2, 3, 4], 4, 0)
+    audit(t)
+    assert t.prefix.lookup([1, 2, 3, 4, 5], 4) == [old] and t.prefix.holders[old] == 2
+    t.release(a), t.release(b)
+    assert list(t.prefix.idle) == [old]
+
+
 def test_engines_that_share_one_kv_store_cannot_remember_pages():
     store = SharedKVStore()
     with store.engine(), pytest.raises(ConfigError, match="enable_prefix_caching: engines that take turns"):
@@ -129,8 +154,8 @@ def target(tmp_path_factory) -> Path:
 def llm(target: Path, caching: bool, method: str | None = None, **engine) -> LLM:
     spec = None if method is None else {"method": method, "model": str(FIX / DRAFTERS[method]),
                                         "num_speculative_tokens": 3, "adaptive_draft_length": False}
-    return LLM(str(target), device="cpu", dtype="float32", max_model_len=160, kv_page_size=PAGE,
-               enable_prefix_caching=caching, speculative_config=spec, **engine)
+    return LLM(str(target), device="cpu", dtype="float32", max_model_len=160, enable_prefix_caching=caching,
+               speculative_config=spec, **{"kv_page_size": PAGE, **engine})
 
 
 def prompts(seed: int) -> list[dict]:
@@ -267,3 +292,78 @@ def test_pages_of_requests_that_fed_no_drafter_serve_only_requests_that_will_not
     assert one(batch[3])[0] == 40  # now there are pages with it
     stats = on.get_stats()
     assert stats["num_prefix_cache_hits"] == 80
+
+
+def audit(pages: PageTable) -> None:
+    """Every page is free, idle or held, exactly one of them; holders and orphans count the slots that
+    hold a page; a page no one remembers is held by one slot at most; keys and pages agree."""
+    prefix = pages.prefix
+    held = Counter(p for slot in range(pages.max_slots) for p in pages._held[slot])
+    free, idle = pages._free_pages, set(prefix.idle)
+    assert len(free) == len(set(free)), "a page is free twice"
+    assert not (set(free) & idle) and not (set(free) & set(held)) and not (idle & set(held))
+    assert set(free) | idle | set(held) == set(range(pages.num_pages)), "a page is lost"
+    for page, n in held.items():
+        if page in prefix.orphans:
+            assert prefix.orphans[page] == n
+        elif page in prefix.key_of:
+            assert prefix.holders[page] == n
+        else:
+            assert n == 1, f"page {page} is shared but not remembered"
+    stray = {p: (prefix.holders.get(p), prefix.orphans.get(p), p in prefix.key_of, p in idle, p in free)
+             for p in set(prefix.holders) | set(prefix.orphans) if p not in held}
+    assert not stray, stray
+    assert idle <= set(prefix.key_of) and not (idle & set(prefix.holders))
+    assert all(prefix.page_of[key] == page for page, key in prefix.key_of.items())
+    assert len(prefix.page_of) == len(prefix.key_of) and prefix.draft <= set(prefix.key_of)
+
+
+@pytest.mark.parametrize("seed", [1, 4, 7])
+def test_a_random_workload_keeps_the_pages_consistent_and_the_outputs_of_plain_decoding(target, seed):
+    """Prompts built from a few shared stems arrive in waves into a pool that preempts; each step drafts
+    a random number of tokens, and arrivals feed the drafter or not at random; some requests decode
+    plainly, some are aborted. After every step the page accounting holds (`audit`), and every
+    request that finished gives plain decoding's tokens."""
+    import random
+
+    rng = random.Random(seed)
+    stems = [[rng.randrange(2, 95) for _ in range(12)] for _ in range(3)]
+    on = llm(target, True, "dspark", num_kv_pages=60, kv_page_size=4)
+    engine = on.engine
+    engine.policy.choose = lambda batch: rng.choice([0, 1, 2, 3])
+    engine.policy.feeds_drafter = lambda batch, joining=1: rng.random() < 0.95
+    todo = []
+    for i in range(40):
+        prompt = stems[rng.randrange(3)] + stems[rng.randrange(3)][: rng.randrange(13)]
+        prompt = prompt + [rng.randrange(2, 95) for _ in range(rng.randrange(7))]
+        sampled = rng.random() < 0.4
+        params = SamplingParams(temperature=0.8 if sampled else 0.0, seed=i, max_tokens=rng.randrange(1, 40),
+                                ignore_eos=True, use_speculation=rng.random() < 0.8, n=2 if sampled and i % 3 == 0 else 1)
+        todo.append((str(i), prompt, params))
+    done, aborted = {}, set()
+    pending = list(todo)
+    while pending or engine.has_unfinished():
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            if pending:
+                rid, prompt, params = pending.pop(0)
+                engine.add_request(rid, None, prompt, params)
+        if engine.running and rng.random() < 0.05:
+            victim = rng.choice(engine.running).request_id.split("-")[0]
+            aborted.add(victim)
+            engine.abort(victim)
+        for req in engine.step():
+            if req.finish_reason is not None and req.finish_reason != "abort":
+                done[req.request_id] = list(req.output_ids)
+        audit(engine.pages)
+    stats = on.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["num_prefix_cache_hits"] > 0 and stats["num_accepted_tokens"] > 0
+    plain = LLM(str(target), device="cpu", dtype="float32", max_model_len=160)
+    checked = 0
+    for rid, prompt, params in todo:
+        if rid in aborted:
+            continue
+        want = plain.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs
+        names = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
+        assert [done[name] for name in names] == [list(o.token_ids) for o in want], rid
+        checked += 1
+    assert checked >= 25

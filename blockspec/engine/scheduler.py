@@ -166,16 +166,20 @@ class Scheduler:
     def share_only_draft_pages(self, req: Request) -> None:
         """A request that joined to feed the drafter gives back the shared pages that lack the drafter's
         context (written by requests that fed none) and prefills them itself: the drafter needs their
-        taps. Before the request has run, so nothing of it is in them."""
-        keep = req.num_draft_ctx
-        if self.pages.prefix is None or keep >= req.num_cached:
+        taps. Before the request has run, so nothing of it is in them. Where running requests hold
+        those pages, the pool may lack the ones to prefill them into: then the request waits again,
+        first in the queue, as an admission that did not fit."""
+        keep, prefix = req.num_draft_ctx, self.pages.prefix
+        if prefix is None or keep >= req.num_cached:
             return
         self.pages.truncate(req.slot, keep // self.pages.page_size)
-        self.pages.prefix.hit_tokens -= req.num_cached - keep
+        prefix.count(0, keep - req.num_cached)
         req.num_cached = keep
-        if not self.pages.reserve(req.slot, self.pages_wanted(req)):  # it gave back at least what it takes
-            raise RuntimeError(f"request {req.request_id}: no pages after giving back shared ones")
-        req.kv_capacity = self.pages.held(req.slot) * self.pages.page_size
+        if self.pages.reserve(req.slot, self.pages_wanted(req)):
+            req.kv_capacity = self.pages.held(req.slot) * self.pages.page_size
+            return
+        prefix.count(1 - req.prefill_len, -keep)  # looked up again when it is admitted again
+        self.requeue(req)
 
     def clear_suspect(self) -> None:
         """After a step that did not raise: a suspect (running alone) that committed a token is cleared;

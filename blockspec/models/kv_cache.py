@@ -235,7 +235,8 @@ class PrefixCache:
         """Remember `pages` (a slot's, in position order) whose positions below `final` hold tokens' K/V, and
         below `draft_final` the drafter's context too; returns the pages this frees. A page whose key another
         page has stays unremembered (its holder keeps it to itself), unless it holds the drafter's context
-        and the other does not: then the key moves to it, and the other is freed (or when its holders let go)."""
+        and the other does not: then the key moves to it, and the other is freed (or when its holders let
+        go: an orphan, which takes its key back if the page that took it is gone)."""
         parent, size, freed = -1, self.page_size, []
         for col in range(min(final // size, len(pages))):
             page, with_draft = pages[col], (col + 1) * size <= draft_final
@@ -246,7 +247,7 @@ class PrefixCache:
                 continue
             key = (parent, tuple(tokens[col * size:(col + 1) * size]))
             other = self.page_of.get(key)
-            if other is not None and (other in self.draft or not with_draft):
+            if other is not None and (other in self.draft or not with_draft or page in self.orphans):
                 parent = self.node[other]  # computed twice (requests that prefilled it side by side)
                 continue
             if other is not None:
@@ -257,7 +258,7 @@ class PrefixCache:
                     freed.append(other)
             self.page_of[key], self.key_of[page], self.node[page] = page, key, self._ids
             self._ids += 1
-            self.holders[page] += 1  # the slot that wrote it holds it
+            self.holders[page] = self.orphans.pop(page, 1)  # its holders: the slot that wrote it, or an orphan's
             if with_draft:
                 self.draft.add(page)
             parent = self.node[page]
