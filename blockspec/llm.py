@@ -109,6 +109,11 @@ class LLM:
         rest time split, tokens, preemptions."""
         return self.ranks.call("metrics") if self.ranks is not None else self.engine.metrics()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every remembered KV page (vLLM's): later prompts prefill in full until pages are remembered
+        again; pages running requests hold stay theirs. False where prefix caching is off."""
+        return self.ranks.call("reset_prefix_cache") if self.ranks is not None else self.engine.reset_prefix_cache()
+
     def get_metrics(self) -> list[Metric]:
         """The counters as vLLM's `LLM.get_metrics()` gives them: Counter, Gauge and Vector objects named
         `vllm:...` (`vllm:spec_decode_num_drafts`, `vllm:spec_decode_num_accepted_tokens_per_pos`, ...),

@@ -140,6 +140,21 @@ def test_an_orphan_takes_its_key_back_when_the_copy_that_took_it_is_evicted():
     assert list(t.prefix.idle) == [old]
 
 
+def test_forgetting_every_prefix_leaves_held_pages_with_their_holders():
+    t = table()
+    a, b = t.allocate(), t.allocate()
+    t.reserve(a, 8)
+    t.remember(a, list(range(8)), 8, 8)
+    t.share(b, t.prefix.lookup(list(range(8)), 4))
+    t.release(a)  # the second page is idle, the first held by b
+    t.forget_prefixes()
+    audit(t)
+    assert t.prefix.lookup(list(range(8)), 8) == [] and t.num_free_pages == t.num_pages - 1
+    t.release(b)
+    audit(t)
+    assert t.num_free_pages == t.num_pages and len(t._free_pages) == t.num_pages
+
+
 def test_engines_that_share_one_kv_store_cannot_remember_pages():
     store = SharedKVStore()
     with store.engine(), pytest.raises(ConfigError, match="enable_prefix_caching: engines that take turns"):
@@ -367,3 +382,16 @@ def test_a_random_workload_keeps_the_pages_consistent_and_the_outputs_of_plain_d
         assert [done[name] for name in names] == [list(o.token_ids) for o in want], rid
         checked += 1
     assert checked >= 25
+
+
+def test_reset_prefix_cache_forgets_every_page(target):
+    """vLLM's LLM.reset_prefix_cache(): the next prompt prefills in full, and its pages are remembered anew."""
+    prompt = prompts(9)[2]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    on = llm(target, True)
+    on.generate([prompt], params, use_tqdm=False)
+    assert on.reset_prefix_cache()
+    audit(on.engine.pages)
+    assert not on.engine.pages.prefix.key_of and on.engine.pages.num_free_pages == on.engine.pages.num_pages
+    assert [on.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens for _ in range(2)] == [0, 56]
+    assert not llm(target, False).reset_prefix_cache()

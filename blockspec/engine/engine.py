@@ -859,6 +859,13 @@ class Engine:
         req.finish_time = time.perf_counter()
         self.scheduler.retire(req)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every remembered page (`PageTable.forget_prefixes`); False without prefix caching."""
+        if self.pages.prefix is None:
+            return False
+        self.pages.forget_prefixes()
+        return True
+
     # ---------------------------------------------------------------- metrics
     def metrics(self) -> dict[str, Any]:
         out = self.spec_totals.as_dict()

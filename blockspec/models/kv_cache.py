@@ -158,6 +158,10 @@ class PageTable:
         if self.prefix is not None:
             self._free_pages.extend(self.prefix.insert(self._held[slot], tokens, final, draft_final))
 
+    def forget_prefixes(self) -> None:
+        """Forget every remembered page: idle ones are free, held ones stay with their holders."""
+        self._free_pages.extend(self.prefix.forget_all())
+
     def truncate(self, slot: int, columns: int) -> None:
         """The slot lets go of its pages from column `columns` on (before it has run: pages it shared
         that it will compute itself)."""
@@ -288,6 +292,15 @@ class PrefixCache:
         page, _ = self.idle.popitem(last=False)
         self._forget(page)
         return page
+
+    def forget_all(self) -> list[int]:
+        """Forget every key; returns the idle pages, now free (held ones become orphans)."""
+        idle = list(self.idle)
+        for page in list(self.key_of):
+            if page in self.holders:
+                self.orphans[page] += self.holders.pop(page)
+            self._forget(page)
+        return idle
 
     def _forget(self, page: int) -> None:
         del self.page_of[self.key_of.pop(page)], self.node[page]

@@ -321,6 +321,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | No
         calls: dict[str, Callable[..., Any]] = {
             "run": runner.run,
             "metrics": setup.engine.metrics,
+            "reset_prefix_cache": setup.engine.reset_prefix_cache,
             # every rank runs the server's engine loop until it stops
             "serve": lambda: _serve(setup.engine, setup.inputs, control, conn),
         }
