@@ -43,6 +43,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="the target model, as the MODEL argument (one of the two is required)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
+    g.add_argument("--revision", default=None, help="the model's branch, tag or commit on the hub (default: its "
+                                                     "default branch; the drafter's: speculative_config's revision)")
+    g.add_argument("--tokenizer-revision", default=None, help="the tokenizer's branch, tag or commit on the hub")
+    g.add_argument("--download-dir", default=None, help="where hub downloads go (default: the Hugging Face cache)")
+    g.add_argument("--hf-token", default=None, help="the hub token for gated or private models (default: "
+                                                     "huggingface_hub's, e.g. HF_TOKEN)")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: fp32 on CPU)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--quantization", "-q", default=None, choices=["fp8"],
@@ -177,7 +183,9 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def build_llm(args: argparse.Namespace) -> LLM:
-    return LLM(embedded(args.model), tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+    return LLM(embedded(args.model), tokenizer=args.tokenizer, revision=args.revision,
+               tokenizer_revision=args.tokenizer_revision, download_dir=args.download_dir, hf_token=args.hf_token,
+               dtype=args.dtype, device=args.device,
                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                max_model_len=args.max_model_len, seed=args.seed, speculative_config=speculative_config(args),
                max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,

@@ -335,6 +335,7 @@ class SpeculativeConfig:
     draft_length_candidates: tuple[int, ...] | None = None
     max_batch_for_speculation: int | None = None
     quantization: str | None = None  # the drafter's: "fp8" quantizes its decoder products at load (per channel)
+    revision: str | None = None  # the drafter's branch, tag or commit, for a hub id (None: the default branch)
 
     @staticmethod
     def from_user(value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":
@@ -495,6 +496,12 @@ class EngineArgs(EngineConfig):
     tensor-parallel rank."""
 
     tokenizer: str | os.PathLike[str] | None = None  # directory or hub id (None: the model's)
+    # hub ids: the model's branch, tag or commit (None: the default branch), the tokenizer's (None: the
+    # default branch), where downloads go (None: the hub cache), and the token (None: huggingface_hub's own)
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | os.PathLike[str] | None = None
+    hf_token: str | None = None
     dtype: Any = "auto"  # "auto" (fp32 on CPU, the checkpoint's on GPU), a name or a torch.dtype
     # "fp8": the decoder layers' products quantized at load to e4m3 weights with per-channel scales
     # (embeddings, LM head and norms stay in dtype); an FP8 checkpoint loads as FP8 whatever this is
@@ -549,6 +556,10 @@ class EngineArgs(EngineConfig):
             notes.append("trust_remote_code=True is not needed: blockspec runs no code from the model's repository "
                          "(it loads Llama / Qwen weights into its own model classes); ignored")
         return notes
+
+    def hub(self, revision: str | None = None) -> dict[str, Any]:
+        """`resolve_model_dir`'s hub options: this run's download directory and token, at `revision`."""
+        return {"revision": revision, "download_dir": self.download_dir, "token": self.hf_token}
 
     def engine_config(self, max_model_len: int) -> EngineConfig:
         """The engine's limits, with the context length the model allows."""

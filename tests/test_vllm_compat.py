@@ -9,6 +9,7 @@ import argparse
 import io
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from blockspec.cli import main
 from blockspec.cli_options import add_model_args, add_sampling_args, build_llm, format_spec_metrics
 from blockspec.errors import RequestError
 from blockspec.metrics_reader import Counter, Gauge, Vector
-from factories import save_drafter_target, save_tiny_model_with_tokenizer
+from factories import DRAFTER_TARGET_KW, save_drafter_target, save_tiny, save_tiny_model_with_tokenizer, save_tiny_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -392,3 +393,67 @@ def test_chat_with_prompts_answers_each_alone(text_dir, capsys):
     assert main(["chat", str(text_dir), "--prompt", "hello", "--prompt", "again", "--max-tokens", "2", "--device",
                  "cpu"]) == 0
     assert capsys.readouterr().out.count("--- ") == 2
+
+
+# ---------------------------------------------------------------- hub ids: revision, download_dir
+def hub_cache(root: Path, repo: str, snapshots: dict[str, Path], refs: dict[str, str]) -> Path:
+    """A Hugging Face cache holding `repo` at the given commits (each a copy of a directory) and refs."""
+    base = root / ("models--" + repo.replace("/", "--"))
+    for commit, source in snapshots.items():
+        shutil.copytree(source, base / "snapshots" / commit)
+    (base / "refs").mkdir(parents=True)
+    for ref, commit in refs.items():
+        (base / "refs" / ref).write_text(commit)
+    return root
+
+
+def test_hub_ids_load_at_a_revision_from_a_download_dir(tmp_path, monkeypatch):
+    """vLLM's revision, tokenizer_revision and download_dir (offline: from the given cache): each revision
+    is its own weights; speculative_config's revision picks the drafter's; an unknown one is named."""
+    import huggingface_hub.constants
+
+    from blockspec.errors import ModelLoadError
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    old, new = ("a" * 40, save_drafter_target(tmp_path / "m0", tokenizer=True)), ("b" * 40, tmp_path / "m1")
+    save_tiny(new[1], "qwen3", seed=1, **DRAFTER_TARGET_KW)
+    save_tiny_tokenizer(new[1], drop="`~")
+    cache = hub_cache(tmp_path / "cache", "org/tiny", dict([old, new]), {"main": new[0], "v1": old[0]})
+    hub_cache(cache, "org/draft", {"c" * 40: FIXTURES / "dflash"}, {"v1": "c" * 40})
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def tokens(model: str, **kw) -> list[int]:
+        llm = LLM(model, device="cpu", dtype="float32", max_model_len=64, **kw)
+        return list(llm.generate(["abc"], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+    assert tokens("org/tiny", download_dir=str(cache), revision="v1") == tokens(str(old[1]))
+    assert tokens("org/tiny", download_dir=str(cache)) == tokens(str(new[1])) != tokens(str(old[1]))
+    assert tokens("org/tiny", download_dir=str(cache), revision=old[0], tokenizer="org/tiny",
+                  tokenizer_revision="v1") == tokens(str(old[1]))
+    spec = {"method": "dflash", "model": "org/draft", "revision": "v1"}
+    assert tokens("org/tiny", download_dir=str(cache), revision="v1", speculative_config=spec) == tokens(str(old[1]))
+    with pytest.raises(ModelLoadError, match=r"model 'org/tiny' at revision 'v2' is not a local directory"):
+        LLM("org/tiny", device="cpu", download_dir=str(cache), revision="v2")
+    with pytest.raises(ModelLoadError, match=r"dflash drafter 'org/draft' is not a local directory"):
+        LLM("org/tiny", device="cpu", download_dir=str(cache), speculative_config={"method": "dflash",
+                                                                                   "model": "org/draft"})
+    args = parsed(["org/tiny", "--revision", "v1", "--download-dir", str(cache), "--device", "cpu",
+                           "--dtype", "float32", "--max-model-len", "64"])
+    assert list(build_llm(args).generate(["abc"], params, use_tqdm=False)[0].outputs[0].token_ids) == tokens(str(old[1]))
+
+
+def test_the_hub_token_reaches_the_download(monkeypatch):
+    import huggingface_hub
+
+    from blockspec.errors import ModelLoadError
+
+    seen = {}
+
+    def refuse(**kw):
+        seen.update(kw)
+        raise PermissionError("gated")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+    with pytest.raises(ModelLoadError, match=r"'org/gated' at revision 'r1' .*PermissionError: gated"):
+        LLM("org/gated", device="cpu", hf_token="hf_abc", revision="r1", download_dir="/tmp/d")
+    assert (seen["token"], seen["revision"], seen["cache_dir"], seen["repo_id"]) == ("hf_abc", "r1", "/tmp/d", "org/gated")

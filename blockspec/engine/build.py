@@ -123,7 +123,7 @@ def build_engine(
     a = args
     spec = SpeculativeConfig.from_user(a.speculative_config)
     dev = resolve_device(a.device)
-    model_dir = resolve_model_dir(model)
+    model_dir = resolve_model_dir(model, **a.hub(a.revision))
     # the whole config.json is checked before anything hands the directory to transformers (the
     # tokenizer's AutoConfig), whose errors would neither name the file nor stay on one line
     config_path = model_dir / "config.json"
@@ -134,7 +134,8 @@ def build_engine(
     defaults = generation_defaults(model_dir, a.generation_config)  # before the weights: a bad file fails fast
     margin = 64  # RoPE rows for draft/verify positions past the committed length
     target, model_dir = load(model_dir, a.dtype, dev, max_len + margin, a.quantization)
-    tok = load_tokenizer(resolve_model_dir(a.tokenizer, "tokenizer") if a.tokenizer else model_dir)
+    tok = load_tokenizer(resolve_model_dir(a.tokenizer, "tokenizer", **a.hub(a.tokenizer_revision)) if a.tokenizer
+                         else model_dir)
     if a.chat_template is not None:
         if tok is None:
             raise ConfigError(f"chat_template needs a tokenizer; {model_dir} has none")
@@ -143,7 +144,8 @@ def build_engine(
     drafter = None
     if spec is not None:
         weight = target.embed_tokens.weight
-        drafter = load_drafter(spec.method, spec.model, weight.device, weight.dtype)
+        drafter = load_drafter(spec.method, resolve_model_dir(spec.model, f"{spec.method} drafter",
+                                                              **a.hub(spec.revision)), weight.device, weight.dtype)
     config = a.engine_config(max_len)
     if fewest_pages is not None:
         config = agreed_pages(config, target, drafter, spec, fewest_pages)

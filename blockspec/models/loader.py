@@ -24,8 +24,11 @@ if TYPE_CHECKING:
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.bin"]
 
 
-def resolve_model_dir(name_or_path: str | os.PathLike[str], what: str = "model") -> Path:
-    """A local directory, or a hub id downloaded (or found in the local hub cache) with huggingface_hub."""
+def resolve_model_dir(name_or_path: str | os.PathLike[str], what: str = "model", revision: str | None = None,
+                      download_dir: str | os.PathLike[str] | None = None, token: str | None = None) -> Path:
+    """A local directory, or a hub id downloaded (or found in the local hub cache) with huggingface_hub:
+    at `revision` (a branch, tag or commit; None: the default branch), into `download_dir` (None: the hub
+    cache), with `token` (None: the one huggingface_hub finds, e.g. HF_TOKEN)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
@@ -38,10 +41,12 @@ def resolve_model_dir(name_or_path: str | os.PathLike[str], what: str = "model")
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id=text, allow_patterns=HUB_PATTERNS))
+        return Path(snapshot_download(repo_id=text, allow_patterns=HUB_PATTERNS, revision=revision,
+                                      cache_dir=download_dir, token=token))
     except Exception as exc:  # hub errors come in many classes; the user needs the id and the cause
+        at = f" at revision {revision!r}" if revision else ""
         raise ModelLoadError(
-            f"{what} {text!r} is not a local directory and could not be fetched from the Hugging Face hub: "
+            f"{what} {text!r}{at} is not a local directory and could not be fetched from the Hugging Face hub: "
             f"{type(exc).__name__}: {exc}"
         ) from None
 

@@ -470,7 +470,7 @@ class RankGroup(RankProcesses):
                  num_threads: int | None = None, startup_timeout_s: float = 600.0) -> None:
         """num_threads: torch threads per rank; default: this process's, shared
         out so the ranks do not oversubscribe the CPU."""
-        model_dir = resolve_model_dir(model)
+        model_dir = resolve_model_dir(model, **args.hub(args.revision))
         config = read_json(model_dir / "config.json")
         check_ranks(ModelConfig.from_hf(config, str(model_dir / "config.json")), world_size, args.device,
                     fp8=bool(args.quantization) or "quantization_config" in config)  # before spawning anything
