@@ -96,6 +96,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "it, or a directory with one")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM's sake and ignored: blockspec runs no code from a model's repository")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="accepted for vLLM's sake: blockspec always prefills long prompts in chunks of "
+                        "--max-prefill-tokens beside the running decodes")
+    g.add_argument("--swap-space", type=float, default=None,
+                   help="accepted for vLLM's sake and ignored: preempted requests are recomputed, not swapped")
+    g.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="accepted for vLLM's sake and ignored: ranks all-reduce through torch.distributed")
+    g.add_argument("--max-seq-len-to-capture", type=int, default=None,
+                   help="accepted for vLLM's sake and ignored: decode graphs serve every context length")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="remember full KV pages by their tokens, so prompts that start alike skip prefilling "
                         "them (vLLM's automatic prefix caching; default: off)")
@@ -196,7 +205,9 @@ def build_llm(args: argparse.Namespace) -> LLM:
                async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
                enforce_eager=args.enforce_eager, chat_template=args.chat_template,
                generation_config=args.generation_config, trust_remote_code=args.trust_remote_code,
-               enable_prefix_caching=args.enable_prefix_caching)
+               enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
+               swap_space=args.swap_space, disable_custom_all_reduce=args.disable_custom_all_reduce,
+               max_seq_len_to_capture=args.max_seq_len_to_capture)
 
 
 def why_no_drafts(m: dict[str, Any]) -> str:

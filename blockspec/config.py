@@ -522,15 +522,27 @@ class EngineArgs(EngineConfig):
     max_num_batched_tokens: int | None = None
     # accepted for vLLM's sake: blockspec runs no code from a model's repository, so there is nothing to trust
     trust_remote_code: bool = False
+    # vLLM knobs with nothing to set here (`unhonoured` says what blockspec does instead)
+    enable_chunked_prefill: bool | None = None
+    swap_space: float | None = None
+    disable_custom_all_reduce: bool = False
+    max_seq_len_to_capture: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization {self.quantization!r} is not supported; supported: "
                               f"{', '.join(QUANTIZATIONS)} (FP8 checkpoints load as FP8 without it)")
-        for name in ("trust_remote_code", "warmup"):
+        for name in ("trust_remote_code", "warmup", "disable_custom_all_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.enable_chunked_prefill not in (None, True, False):
+            raise ConfigError("enable_chunked_prefill must be true, false or None, got "
+                              f"{self.enable_chunked_prefill!r}")
+        swap = self.swap_space
+        if swap is not None and (isinstance(swap, bool) or not isinstance(swap, (int, float)) or swap < 0):
+            raise ConfigError(f"swap_space must be a number of GiB >= 0 or None, got {self.swap_space!r}")
+        check_integer(self, "max_seq_len_to_capture", 1, optional=True)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ConfigError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
         batched = self.max_num_batched_tokens
@@ -555,6 +567,18 @@ class EngineArgs(EngineConfig):
         if self.trust_remote_code:
             notes.append("trust_remote_code=True is not needed: blockspec runs no code from the model's repository "
                          "(it loads Llama / Qwen weights into its own model classes); ignored")
+        if self.enable_chunked_prefill is False:
+            notes.append("enable_chunked_prefill=False: blockspec always prefills a prompt longer than "
+                         f"max_prefill_tokens ({self.max_prefill_tokens}) in chunks beside running decodes; ignored")
+        if self.swap_space is not None:
+            notes.append("swap_space: blockspec recomputes a preempted request through a prefill instead of swapping "
+                         "its KV to CPU memory; ignored")
+        if self.disable_custom_all_reduce:
+            notes.append("disable_custom_all_reduce: blockspec's tensor-parallel ranks all-reduce through "
+                         "torch.distributed (NCCL, gloo on CPU), no custom kernel; ignored")
+        if self.max_seq_len_to_capture is not None:
+            notes.append("max_seq_len_to_capture: blockspec's decode graphs serve every context length (attention "
+                         "reads the page table at run time); prefill graphs go up to graph_prefill_tokens; ignored")
         return notes
 
     def hub(self, revision: str | None = None) -> dict[str, Any]:

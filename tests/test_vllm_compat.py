@@ -65,6 +65,23 @@ def test_vllm_options_map_to_the_engine(text_dir, caplog):
     assert llm.get_tokenizer() is llm.tokenizer is not None
 
 
+def test_vllm_knobs_without_a_counterpart_are_accepted_with_a_note(text_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="blockspec"):
+        LLM(str(text_dir), device="cpu", max_model_len=64, enable_chunked_prefill=False, swap_space=4,
+            disable_custom_all_reduce=True, max_seq_len_to_capture=8192)
+    notes = " ".join(r.getMessage() for r in caplog.records)
+    for name in ("enable_chunked_prefill=False", "swap_space", "disable_custom_all_reduce", "max_seq_len_to_capture"):
+        assert f"{name}" in notes and "ignored" in notes, name
+    for bad, field in ((dict(swap_space=-1), "swap_space"),
+                       (dict(enable_chunked_prefill="yes"), "enable_chunked_prefill"),
+                       (dict(max_seq_len_to_capture=0), "max_seq_len_to_capture")):
+        with pytest.raises(ConfigError, match=field):
+            LLM(str(text_dir), device="cpu", **bad)
+    args = parsed([str(text_dir), "--enable-chunked-prefill", "--swap-space", "2", "--max-seq-len-to-capture", "64",
+                   "--device", "cpu", "--max-model-len", "64"])
+    assert build_llm(args).engine.config.max_prefill_tokens == 4096
+
+
 def test_probabilistic_drafts_with_an_adaptive_draft_length_are_flagged():
     """Their seeded tokens depend on the timed draft lengths; a pinned K or greedy drafts draw no note."""
     from blockspec.config import EngineArgs

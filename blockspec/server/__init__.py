@@ -35,6 +35,13 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--seed", type=int, default=None, help="engine seed for requests that give none (default: 0)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server log's level")
+    g.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug",
+                                                                 "trace"],
+                   help="uvicorn's own log level (vLLM's flag; default: --log-level)")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted for vLLM's sake: blockspec logs no request's contents")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="accepted for vLLM's sake: usage always has prompt_tokens_details (cached_tokens)")
     g.add_argument("--metrics-prefix", default=ServerConfig.metrics_prefix, choices=["vllm", "blockspec"],
                    help="/metrics names the metrics vLLM has vllm:... (its dashboards read them unchanged) or "
                         "blockspec:...; blockspec's own metrics are blockspec:... either way")
@@ -114,7 +121,8 @@ def run_serve(args: argparse.Namespace) -> int:
     load = functools.partial(build_llm, args)  # pickles, for the engine process (which freezes after it)
     app = create_app(load if args.engine_process else freezing_after(load), name, on_engine_error=engine_failed,
                      engine_process=args.engine_process, config=config, on_ready=ready)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.uvicorn_log_level or args.log_level))
     # uvicorn stops gracefully at the first SIGINT or SIGTERM, then raises that signal again for the code
     # around it (a KeyboardInterrupt's traceback, or death by SIGTERM): this is that code, and the stop
     # it asked for is done, so the repeat is dropped and the command exits 0
