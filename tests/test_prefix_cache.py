@@ -220,6 +220,20 @@ def test_a_prompt_shares_the_pages_of_a_request_still_running(target, method):
 
 
 @pytest.mark.parametrize("method", [None, "dspark"])
+def test_a_burst_sharing_an_opening_prefills_it_once(target, method):
+    """Admitted together while one step prefills at most 41 tokens: the first request writes the opening,
+    and each later one, at its first chunk, maps in the pages remembered since."""
+    batch = prompts(10)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    on = llm(target, True, method, max_prefill_tokens=41)
+    expected = ids(llm(target, False, method, max_prefill_tokens=41).generate(batch, params, use_tqdm=False))
+    outs = on.generate(batch, params, use_tqdm=False)
+    assert ids(outs) == expected
+    assert [o.num_cached_tokens for o in outs][1:] == [40] * 4
+    assert on.get_stats()["num_prefix_cache_hits"] == 160
+
+
+@pytest.mark.parametrize("method", [None, "dspark"])
 def test_preempted_requests_come_back_through_their_remembered_pages(target, method):
     """A pool of about one request's pages: requests are preempted and come back finding the pages they
     wrote; outputs equal a run without caching."""
@@ -331,6 +345,11 @@ def audit(pages: PageTable) -> None:
     assert idle <= set(prefix.key_of) and not (idle & set(prefix.holders))
     assert all(prefix.page_of[key] == page for page, key in prefix.key_of.items())
     assert len(prefix.page_of) == len(prefix.key_of) and prefix.draft <= set(prefix.key_of)
+    pages.sync()  # the device table maps each slot's columns to its pages, the rest to the trash page
+    for slot in range(pages.max_slots):
+        row = pages.table[slot].tolist()
+        held_pages = pages._held[slot]
+        assert row[: len(held_pages)] == held_pages and set(row[len(held_pages):]) <= {pages.trash_page}, slot
 
 
 @pytest.mark.parametrize("seed", [1, 4, 7])
@@ -343,7 +362,7 @@ def test_a_random_workload_keeps_the_pages_consistent_and_the_outputs_of_plain_d
 
     rng = random.Random(seed)
     stems = [[rng.randrange(2, 95) for _ in range(12)] for _ in range(3)]
-    on = llm(target, True, "dspark", num_kv_pages=60, kv_page_size=4)
+    on = llm(target, True, "dspark", num_kv_pages=60, kv_page_size=4, max_prefill_tokens=rng.choice([16, 48, 4096]))
     engine = on.engine
     engine.policy.choose = lambda batch: rng.choice([0, 1, 2, 3])
     engine.policy.feeds_drafter = lambda batch, joining=1: rng.random() < 0.95

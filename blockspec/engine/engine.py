@@ -390,15 +390,20 @@ class Engine:
         budget = self.config.max_prefill_tokens
         runs, starts, chosen = [], [], []
         for req in reqs:
-            if req.num_cached_tokens is None:  # its first prefill: what the prefix cache held of its prompt
-                req.num_cached_tokens = req.num_cached
-            take = min(req.prefill_len - req.num_cached, budget)  # chunked prefill
-            if take <= 0:
+            if budget <= 0:
                 break
+            if req.num_cached_tokens is None:  # its first prefill: what the prefix cache holds of its prompt now
+                if not self.scheduler.share_more(req):
+                    continue
+                if self.context is not None:
+                    self.context.forget(req)  # its context starts after the pages it shares
+                req.num_cached_tokens = req.num_cached
+            take = min(req.prefill_len - req.num_cached, budget)  # chunked prefill (at least one token)
             runs.append(req.token_slice(req.num_cached, req.num_cached + take))
             starts.append(req.num_cached)
             chosen.append(req)
             budget -= take
+        self.pages.sync()  # the pages `share_more` mapped in
         self.timer.mark("rest")
         counts = [len(run) for run in runs]
         context = self._draft_context(chosen, counts) if self._drafts_any(chosen) else None

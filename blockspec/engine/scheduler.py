@@ -156,6 +156,33 @@ class Scheduler:
         req.cached_draft_ctx = prefix.with_draft(pages) * self.pages.page_size
         return limit
 
+    def share_more(self, req: Request) -> bool:
+        """Before its first prefill chunk, a request that was admitted beside the one writing its opening
+        (a burst sharing a system prompt) maps in what that one has remembered since, in place of its own
+        pages, which hold nothing yet. A request that feeds the drafter takes only pages holding the
+        drafter's context. False where the pool then lacks its remaining pages: it waits again."""
+        prefix, size = self.pages.prefix, self.pages.page_size
+        if prefix is None or req.params.prompt_logprobs is not None:
+            return True
+        limit = req.prefill_len - 1
+        pages = prefix.lookup(req.token_slice(0, limit), limit)
+        if self.with_drafter and req.params.use_speculation and req.feeds_drafter:
+            pages = pages[: prefix.with_draft(pages)]
+        have = req.num_cached // size
+        if len(pages) <= have:
+            return True
+        self.pages.truncate(req.slot, have)
+        self.pages.share(req.slot, pages[have:])
+        prefix.count(0, (len(pages) - have) * size)
+        req.num_cached = len(pages) * size
+        req.cached_draft_ctx = prefix.with_draft(pages) * size
+        if self.pages.reserve(req.slot, self.pages_wanted(req)):
+            req.kv_capacity = self.pages.held(req.slot) * size
+            return True
+        prefix.count(1 - req.prefill_len, -req.num_cached)
+        self.requeue(req)
+        return False
+
     def remember(self, req: Request) -> None:
         """Remember the request's full pages of final K/V, and which of them hold its drafter context."""
         if self.pages.prefix is None:

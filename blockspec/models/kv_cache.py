@@ -144,13 +144,12 @@ class PageTable:
         return True
 
     def share(self, slot: int, pages: list[int]) -> None:
-        """Map remembered pages (`PrefixCache.lookup`) into an empty slot's first columns."""
-        if self._held[slot]:
-            raise ValueError(f"slot {slot} already holds pages")
-        for col, page in enumerate(pages):
+        """Map remembered pages (`PrefixCache.lookup`) into the slot's columns after those it holds."""
+        held = self._held[slot]
+        for page in pages:
             self.prefix.hold(page)
-            self._dirty[(slot, col)] = page
-        self._held[slot] = list(pages)
+            self._dirty[(slot, len(held))] = page
+            held.append(page)
 
     def remember(self, slot: int, tokens: list[int], final: int, draft_final: int) -> None:
         """The slot's full pages within its first `final` positions hold final K/V of `tokens` (within
