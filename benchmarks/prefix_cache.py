@@ -2,10 +2,11 @@
 an agent's calls) that share a long opening and differ in a short tail.
 
     python benchmarks/prefix_cache.py [--model default] [--method dspark|dflash|none] [--device cpu]
-                                      [--prefix-len 1024] [--suffix-len 16] [--requests 8] [--rounds 3]
+                                      [--prefix-len 1024] [--suffix-len 16] [--requests 8] [--rounds 3] [--burst]
 
 Two engines, one with `enable_prefix_caching`, take turns round by round; each round sends the same
-requests to both, the first of a round warming its cache. The report gives each engine's median TTFT
+requests to both, the first of a round warming its cache (`--burst`: the requests of a round arrive
+together, no warming request, as clients with one system prompt). The report gives each engine's median TTFT
 over the timed requests, the ratio with its spread over rounds, the prompt tokens each request had
 to prefill (the bound on the ratio is the prompt over what the cached engine still prefills) and
 whether the outputs agree.
@@ -43,16 +44,15 @@ def prompts(vocab: int, args: argparse.Namespace, round_: int) -> list[dict]:
             for _ in range(args.requests + 1)]
 
 
-def run_round(llm: LLM, batch: list[dict], params: SamplingParams) -> tuple[list[float], list[list[int]], int]:
-    """Each request alone, in order: TTFTs of all but the first, outputs, prompt tokens found cached."""
-    ttft, outs, hits = [], [], 0
-    for i, prompt in enumerate(batch):
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        outs.append(list(out.outputs[0].token_ids))
-        if i:
-            ttft.append(out.metrics["ttft_s"])
-            hits += out.num_cached_tokens or 0
-    return ttft, outs, hits
+def run_round(llm: LLM, batch: list[dict], params: SamplingParams,
+              burst: bool) -> tuple[list[float], list[list[int]], int]:
+    """The first request, then each of the others alone, in order; or (`burst`) all but the first together,
+    nothing warming the cache. TTFTs and cached prompt tokens of those others, and every output."""
+    first = llm.generate(batch[:1], params, use_tqdm=False) if not burst else []
+    rest = (llm.generate(batch[1:], params, use_tqdm=False) if burst
+            else [llm.generate([p], params, use_tqdm=False)[0] for p in batch[1:]])
+    outs = [list(o.outputs[0].token_ids) for o in first + rest]
+    return [o.metrics["ttft_s"] for o in rest], outs, sum(o.num_cached_tokens or 0 for o in rest)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--burst", action="store_true", help="a round's requests arrive together")
     p.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     args = p.parse_args(argv)
     engines = {"off": build(args, False), "on": build(args, True)}
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         batch = prompts(vocab, args, r)
         medians, outs = {}, {}
         for name in (("off", "on") if r % 2 else ("on", "off")):
-            times, outs[name], found = run_round(engines[name], batch, params)
+            times, outs[name], found = run_round(engines[name], batch, params, args.burst)
             medians[name] = statistics.median(times)
             if r:
                 ttft[name] += times
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     computed = prompt_len - min(args.prefix_len // page, (prompt_len - 1) // page) * page  # with every hit
     report = {
         "model": args.model, "method": args.method, "device": args.device, "prefix_len": args.prefix_len,
-        "suffix_len": args.suffix_len, "requests_per_round": args.requests, "rounds": args.rounds,
+        "suffix_len": args.suffix_len, "requests_per_round": args.requests, "rounds": args.rounds, "burst": args.burst,
         "kv_page_size": page,
         "ttft_ms_median": {k: round(1e3 * statistics.median(v), 2) for k, v in ttft.items()},
         "ttft_ratio_by_round": [round(x, 2) for x in ratios],
