@@ -324,3 +324,24 @@ def test_tp2_bench_on_gpus_gives_one_gpus_tokens():
     assert len(rows) == 4 and all(row["tokens_match_tp1"] == 1.0 for row in rows)
     assert all(len(run["ranks"]["step_ms"]) == 2 for run in result["runs"])
     assert result["device"] == torch.cuda.get_device_name(0)
+
+
+@pytest.mark.gpu
+def test_prefix_caching_after_warmup_on_cuda(tmp_path):
+    """The warm-up's repeated prompts are neither remembered nor counted; afterwards a repeated prompt finds
+    its pages through the captured graphs, and a burst that shares an opening maps it in."""
+    target = save_drafter_target(tmp_path / "t")
+    llm = LLM(str(target), device="cuda", dtype="float32", max_model_len=160, kv_page_size=16,
+              enable_prefix_caching=True)
+    pages = llm.engine.pages
+    assert not pages.prefix.key_of and llm.get_stats()["num_prefix_cache_queries"] == 0
+    assert pages.num_free_pages == pages.num_pages
+    g = torch.Generator().manual_seed(0)
+    opening = torch.randint(2, 95, (64,), generator=g).tolist()
+    prompts = [{"prompt_token_ids": opening + [3 + i] * (i + 1)} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    first = llm.generate(prompts[:1], params, use_tqdm=False)[0]
+    again = llm.generate(prompts[:1], params, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 64
+    burst = llm.generate(prompts[1:], params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in burst] == [64] * 3

@@ -180,13 +180,18 @@ class Engine:
                 self.proposer.capture_steps(sizes, self.policy.candidates[1:])
                 self.graph_bytes["step"] = pool_bytes(pool) - sum(self.graph_bytes.values())
         prompt_len = min(40, self.config.max_model_len - 10)
-        for params in (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                       SamplingParams(temperature=1.0, seed=0, max_tokens=8, ignore_eos=True)):  # sampling kernels
-            for n in (1, min(2, self.config.max_num_seqs)):
-                for i in range(n):
-                    self.add_request(f"warmup-{n}-{i}", None, [i % self.vocab_size] * prompt_len, params)
-                while self.has_unfinished():
-                    self.step()
+        # with prefix caching off: the repeated prompts must each prefill, and nothing of them is remembered
+        prefix, self.pages.prefix = self.pages.prefix, None
+        try:
+            for params in (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                           SamplingParams(temperature=1.0, seed=0, max_tokens=8, ignore_eos=True)):  # sampling kernels
+                for n in (1, min(2, self.config.max_num_seqs)):
+                    for i in range(n):
+                        self.add_request(f"warmup-{n}-{i}", None, [i % self.vocab_size] * prompt_len, params)
+                    while self.has_unfinished():
+                        self.step()
+        finally:
+            self.pages.prefix = prefix
         torch.cuda.synchronize(self.device)
         self._reset_counters()
         return {"graphs": CAPTURES[0] - captured, "seconds": time.perf_counter() - t0}
