@@ -219,14 +219,16 @@ def test_a_prompt_shares_the_pages_of_a_request_still_running(target, method):
     assert on.get_stats()["num_prefix_cache_hits"] >= 40 * 3
 
 
+@pytest.mark.parametrize("budget", [41, 4096])
 @pytest.mark.parametrize("method", [None, "dspark"])
-def test_a_burst_sharing_an_opening_prefills_it_once(target, method):
-    """Admitted together while one step prefills at most 41 tokens: the first request writes the opening,
-    and each later one, at its first chunk, maps in the pages remembered since."""
+def test_a_burst_sharing_an_opening_prefills_it_once(target, method, budget):
+    """Admitted together: the first request writes the opening, and each later one, at its first chunk,
+    maps in the pages remembered since; with room for them all in one step's prefill, they wait a step
+    for the first one's pages rather than computing them beside it."""
     batch = prompts(10)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    on = llm(target, True, method, max_prefill_tokens=41)
-    expected = ids(llm(target, False, method, max_prefill_tokens=41).generate(batch, params, use_tqdm=False))
+    on = llm(target, True, method, max_prefill_tokens=budget)
+    expected = ids(llm(target, False, method, max_prefill_tokens=budget).generate(batch, params, use_tqdm=False))
     outs = on.generate(batch, params, use_tqdm=False)
     assert ids(outs) == expected
     assert [o.num_cached_tokens for o in outs][1:] == [40] * 4

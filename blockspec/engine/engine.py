@@ -400,6 +400,9 @@ class Engine:
             if req.num_cached_tokens is None:  # its first prefill: what the prefix cache holds of its prompt now
                 if not self.scheduler.share_more(req):
                     continue
+                writing = [(r, s, s + len(run)) for r, s, run in zip(chosen, starts, runs)]
+                if self.scheduler.waits_for_page(req, writing):
+                    continue
                 if self.context is not None:
                     self.context.forget(req)  # its context starts after the pages it shares
                 req.num_cached_tokens = req.num_cached

@@ -183,6 +183,20 @@ class Scheduler:
         self.requeue(req)
         return False
 
+    def waits_for_page(self, req: Request, writing: list[tuple[Request, int, int]]) -> bool:
+        """Whether a request about to start its prefill should wait a step: one of `writing` (a request of
+        this step and the positions its chunk covers) writes the page this prefill would start with, the
+        same tokens up to that page's end, and remembers it; the next step maps it in (`share_more`)."""
+        size = self.pages.page_size
+        start, end = req.num_cached, req.num_cached + size
+        if self.pages.prefix is None or req.params.prompt_logprobs is not None or end > req.prefill_len - 1:
+            return False
+        needs_draft = self.with_drafter and req.params.use_speculation and req.feeds_drafter
+        want = req.token_slice(0, end)
+        return any(lo <= start and hi >= end and other.token_slice(0, end) == want
+                   and (not needs_draft or (other.params.use_speculation and other.feeds_drafter))
+                   for other, lo, hi in writing)
+
     def remember(self, req: Request) -> None:
         """Remember the request's full pages of final K/V, and which of them hold its drafter context."""
         if self.pages.prefix is None:
