@@ -162,8 +162,8 @@ class PageTable:
         self._free_pages.extend(self.prefix.forget_all())
 
     def truncate(self, slot: int, columns: int) -> None:
-        """The slot lets go of its pages from column `columns` on (before it has run: pages it shared
-        that it will compute itself)."""
+        """The slot lets go of its pages from column `columns` on: all of them at its release; before it
+        has run, those it will compute itself or share anew (`Scheduler.share_more`)."""
         pages = self._held[slot]
         for col in range(columns, len(pages)):
             self._dirty[(slot, col)] = self.trash_page
