@@ -8,6 +8,7 @@ the control that shows the hits are read, not recomputed.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from pathlib import Path
 
@@ -416,3 +417,26 @@ def test_reset_prefix_cache_forgets_every_page(target):
     assert not on.engine.pages.prefix.key_of and on.engine.pages.num_free_pages == on.engine.pages.num_pages
     assert [on.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens for _ in range(2)] == [0, 56]
     assert not llm(target, False).reset_prefix_cache()
+
+
+def test_a_step_whose_every_prefill_waits_again_runs_nothing_and_goes_on(target, caplog):
+    """`share_more` may send a request back to wait (the pool short of its pages); a step where every
+    prefilling request does so prefills nothing, and the requests come back and finish as without caching."""
+    batch = prompts(11)[:2]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    on = llm(target, True)
+    scheduler, real = on.engine.scheduler, on.engine.scheduler.share_more
+    sent_back = []
+
+    def short_once(req):
+        if req.request_id in sent_back:
+            return real(req)
+        sent_back.append(req.request_id)
+        scheduler.requeue(req)
+        return False
+
+    scheduler.share_more = short_once
+    expected = ids(llm(target, False).generate(batch, params, use_tqdm=False))
+    with caplog.at_level(logging.ERROR, logger="blockspec"):
+        assert ids(on.generate(batch, params, use_tqdm=False)) == expected and len(sent_back) == 2
+    assert not caplog.records  # no step failed (the engine would have retried it)

@@ -412,6 +412,8 @@ class Engine:
             chosen.append(req)
             budget -= take
         self.pages.sync()  # the pages `share_more` mapped in
+        if not chosen:  # each waits again: the pool lacked its pages
+            return []
         self.timer.mark("rest")
         counts = [len(run) for run in runs]
         context = self._draft_context(chosen, counts) if self._drafts_any(chosen) else None
