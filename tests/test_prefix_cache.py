@@ -440,3 +440,13 @@ def test_a_step_whose_every_prefill_waits_again_runs_nothing_and_goes_on(target,
     with caplog.at_level(logging.ERROR, logger="blockspec"):
         assert ids(on.generate(batch, params, use_tqdm=False)) == expected and len(sent_back) == 2
     assert not caplog.records  # no step failed (the engine would have retried it)
+
+
+def test_remembered_pages_of_an_fp8_kv_cache(target):
+    """kv_cache_dtype="fp8": the pages hold e4m3 K/V and their scales are per tensor, so a remembered page
+    reads as the one its writer read: the same tokens with caching as without."""
+    first, params = prompts(12), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    on, off = llm(target, True, "dflash", kv_cache_dtype="fp8"), llm(target, False, "dflash", kv_cache_dtype="fp8")
+    for _ in range(2):
+        assert ids(on.generate(first, params, use_tqdm=False)) == ids(off.generate(first, params, use_tqdm=False))
+    assert on.get_stats()["num_prefix_cache_hits"] >= 40 * 5
