@@ -355,8 +355,6 @@ class Engine:
         feeds = bool(self.agree(self.policy.feeds_drafter(batch, len(speculating))))
         for req in speculating:
             req.feeds_drafter = feeds
-            if feeds:
-                self.scheduler.share_only_draft_pages(req)
         if not feeds:
             # the batch has grown into a parked size: a burst reaching the server over a few steps is
             # judged step by step, so its first arrivals fed a drafter that the whole batch could not
@@ -397,15 +395,17 @@ class Engine:
         for req in reqs:
             if budget <= 0:
                 break
-            if req.num_cached_tokens is None:  # its first prefill: what the prefix cache holds of its prompt now
+            if not req.shares_settled:  # its first chunk since its admission: what is remembered by now
                 if not self.scheduler.share_more(req):
                     continue
                 writing = [(r, s, s + len(run)) for r, s, run in zip(chosen, starts, runs)]
                 if self.scheduler.waits_for_page(req, writing):
                     continue
+                req.shares_settled = True
                 if self.context is not None:
                     self.context.forget(req)  # its context starts after the pages it shares
-                req.num_cached_tokens = req.num_cached
+                if req.num_cached_tokens is None:  # its first prefill: what the prefix cache held of its prompt
+                    req.num_cached_tokens = req.num_cached
             take = min(req.prefill_len - req.num_cached, budget)  # chunked prefill (at least one token)
             runs.append(req.token_slice(req.num_cached, req.num_cached + take))
             starts.append(req.num_cached)

@@ -106,6 +106,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.slot = -1
         req.num_cached = req.kv_capacity = req.cached_draft_ctx = 0
+        req.shares_settled = False
         self.waiting.insert(at, req)
 
     def admit(self) -> list[Request]:
@@ -146,40 +147,49 @@ class Scheduler:
         """Map the remembered pages the request's tokens start with into its new slot and count them as
         computed; returns the positions looked up (0 without prefix caching). A request that wants its
         prompt's logprobs computes every position."""
-        prefix = self.pages.prefix
-        if prefix is None or req.params.prompt_logprobs is not None:
+        if self.pages.prefix is None or req.params.prompt_logprobs is not None:
             return 0
-        limit = req.prefill_len - 1
-        pages = prefix.lookup(req.token_slice(0, limit), limit)
+        pages = self._remembered(req, needs_draft=False)  # whether it feeds the drafter is decided after
         self.pages.share(slot, pages)
         req.num_cached = len(pages) * self.pages.page_size
-        req.cached_draft_ctx = prefix.with_draft(pages) * self.pages.page_size
-        return limit
+        req.cached_draft_ctx = self.pages.prefix.with_draft(pages) * self.pages.page_size
+        return req.prefill_len - 1
+
+    def _remembered(self, req: Request, needs_draft: bool) -> list[int]:
+        """The remembered pages the request's tokens start with (never its last token); with `needs_draft`,
+        only those that hold the drafter's context too."""
+        limit = req.prefill_len - 1
+        pages = self.pages.prefix.lookup(req.token_slice(0, limit), limit)
+        return pages[: self.pages.prefix.with_draft(pages)] if needs_draft else pages
+
+    def _needs_draft(self, req: Request) -> bool:
+        """Whether the pages a request shares must hold the drafter's context: it feeds the drafter, which
+        needs every position's taps."""
+        return self.with_drafter and req.params.use_speculation and req.feeds_drafter
 
     def share_more(self, req: Request) -> bool:
-        """Before its first prefill chunk, a request that was admitted beside the one writing its opening
-        (a burst sharing a system prompt) maps in what that one has remembered since, in place of its own
-        pages, which hold nothing yet. A request that feeds the drafter takes only pages holding the
-        drafter's context. False where the pool then lacks its remaining pages: it waits again."""
+        """Before its first prefill chunk after an admission, a request shares what is remembered by then: what a request
+        admitted beside it (a burst sharing a system prompt) has written since, in place of its own pages,
+        which hold nothing yet; and, where it feeds the drafter, none of the pages it shared at admission
+        that lack the drafter's context (written by requests that fed none): it prefills those itself.
+        False where the pool then lacks its remaining pages: it waits again, first in the queue, as an
+        admission that did not fit."""
         prefix, size = self.pages.prefix, self.pages.page_size
         if prefix is None or req.params.prompt_logprobs is not None:
             return True
-        limit = req.prefill_len - 1
-        pages = prefix.lookup(req.token_slice(0, limit), limit)
-        if self.with_drafter and req.params.use_speculation and req.feeds_drafter:
-            pages = pages[: prefix.with_draft(pages)]
-        have = req.num_cached // size
-        if len(pages) <= have:
+        pages = self._remembered(req, self._needs_draft(req))
+        held = self.pages.shared_columns(req.slot, pages)
+        if held == len(pages) == req.num_cached // size:
             return True
-        self.pages.truncate(req.slot, have)
-        self.pages.share(req.slot, pages[have:])
-        prefix.count(0, (len(pages) - have) * size)
+        self.pages.truncate(req.slot, held)
+        self.pages.share(req.slot, pages[held:])
+        prefix.count(0, len(pages) * size - req.num_cached)
         req.num_cached = len(pages) * size
         req.cached_draft_ctx = prefix.with_draft(pages) * size
         if self.pages.reserve(req.slot, self.pages_wanted(req)):
             req.kv_capacity = self.pages.held(req.slot) * size
             return True
-        prefix.count(1 - req.prefill_len, -req.num_cached)
+        prefix.count(1 - req.prefill_len, -req.num_cached)  # looked up again when it is admitted again
         self.requeue(req)
         return False
 
@@ -191,11 +201,9 @@ class Scheduler:
         start, end = req.num_cached, req.num_cached + size
         if self.pages.prefix is None or req.params.prompt_logprobs is not None or end > req.prefill_len - 1:
             return False
-        needs_draft = self.with_drafter and req.params.use_speculation and req.feeds_drafter
-        want = req.token_slice(0, end)
+        needs_draft, want = self._needs_draft(req), req.token_slice(0, end)
         return any(lo <= start and hi >= end and other.token_slice(0, end) == want
-                   and (not needs_draft or (other.params.use_speculation and other.feeds_drafter))
-                   for other, lo, hi in writing)
+                   and (not needs_draft or self._needs_draft(other)) for other, lo, hi in writing)
 
     def remember(self, req: Request) -> None:
         """Remember the request's full pages of final K/V, and which of them hold its drafter context."""
@@ -203,24 +211,6 @@ class Scheduler:
             return
         draft = min(req.num_cached, req.num_draft_ctx) if self.with_drafter else req.num_cached
         self.pages.remember(req.slot, req.token_slice(0, req.num_cached), req.num_cached, draft)
-
-    def share_only_draft_pages(self, req: Request) -> None:
-        """A request that joined to feed the drafter gives back the shared pages that lack the drafter's
-        context (written by requests that fed none) and prefills them itself: the drafter needs their
-        taps. Before the request has run, so nothing of it is in them. Where running requests hold
-        those pages, the pool may lack the ones to prefill them into: then the request waits again,
-        first in the queue, as an admission that did not fit."""
-        keep, prefix = req.num_draft_ctx, self.pages.prefix
-        if prefix is None or keep >= req.num_cached:
-            return
-        self.pages.truncate(req.slot, keep // self.pages.page_size)
-        prefix.count(0, keep - req.num_cached)
-        req.num_cached = keep
-        if self.pages.reserve(req.slot, self.pages_wanted(req)):
-            req.kv_capacity = self.pages.held(req.slot) * self.pages.page_size
-            return
-        prefix.count(1 - req.prefill_len, -keep)  # looked up again when it is admitted again
-        self.requeue(req)
 
     def clear_suspect(self) -> None:
         """After a step that did not raise: a suspect (running alone) that committed a token is cleared;

@@ -151,6 +151,11 @@ class PageTable:
             self._dirty[(slot, len(held))] = page
             held.append(page)
 
+    def shared_columns(self, slot: int, pages: list[int]) -> int:
+        """How many of the slot's first columns hold `pages`' first pages."""
+        held = self._held[slot]
+        return next((i for i, (a, b) in enumerate(zip(held, pages)) if a != b), min(len(held), len(pages)))
+
     def remember(self, slot: int, tokens: list[int], final: int, draft_final: int) -> None:
         """The slot's full pages within its first `final` positions hold final K/V of `tokens` (within
         `draft_final`, the drafter's context too): remember them."""
