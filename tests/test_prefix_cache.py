@@ -18,7 +18,7 @@ import torch
 from blockspec import LLM, SamplingParams
 from blockspec.config import ConfigError
 from blockspec.models.kv_cache import PageTable, SharedKVStore
-from factories import save_drafter_target
+from factories import save_drafter_target, save_moe_target
 
 FIX = Path(__file__).parent / "fixtures" / "drafters"
 PAGE = 8
@@ -206,6 +206,24 @@ def test_outputs_with_caching_equal_those_without_and_later_prompts_hit(target, 
     assert off.get_stats()["num_prefix_cache_queries"] == 0
     if method is not None:  # the remembered pages hold the drafter's context too: the same drafts
         assert stats["num_accepted_tokens_per_pos"] == off.get_stats()["num_accepted_tokens_per_pos"]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "fp8"])
+def test_mixture_of_experts_and_fp8_targets_remember_pages_exactly(tmp_path, target, kind):
+    """Caching is the attention's business, whatever the MLP: Qwen3-MoE and Qwen2-MoE targets (routing
+    per row) and FP8 weights quantized at load give, with DSpark, the same tokens and drafts with
+    caching as without, and the later rounds hit."""
+    if kind == "fp8":
+        model, extra = target, {"quantization": "fp8"}
+    else:
+        model, extra = save_moe_target(tmp_path / kind, kind), {}
+    on, off = llm(model, True, "dspark", **extra), llm(model, False, "dspark", **extra)
+    for params in PARAMS:
+        for batch in (prompts(4), prompts(4)):
+            assert ids(on.generate(batch, params, use_tqdm=False)) == ids(off.generate(batch, params, use_tqdm=False))
+    stats = on.get_stats()
+    assert stats["num_prefix_cache_hits"] >= 40 * 5
+    assert stats["num_accepted_tokens_per_pos"] == off.get_stats()["num_accepted_tokens_per_pos"]
 
 
 @pytest.mark.parametrize("method", [None, "dspark"])
