@@ -34,7 +34,7 @@ from blockspec.kernels.attention import resolve_backend
 from blockspec.models.cpu_linear import draft_head_product, use_onednn_linears
 from blockspec.models.kv_cache import PageTable, kv_storage_dtype
 from blockspec.models.llama import CausalLM
-from blockspec.models.quant import is_quantized, quantize_model
+from blockspec.models.quant import is_quantized, quantize_model, use_onednn_fp8
 from blockspec.models.runner import BATCH_BUCKETS, CAPTURES, ModelRunner, bucket, pool_bytes
 from blockspec.request import IncrementalDetokenizer, Logprob, Request, SpecStats, Status, TokenStrings
 from blockspec.sampling_params import SamplingParams
@@ -80,6 +80,7 @@ class Engine:
         for module in (model, drafter):
             if module is not None and self.device.type == "cpu":
                 use_onednn_linears(module)  # the CPU's faster fp32 products (no-op where oneDNN is missing)
+                use_onednn_fp8(module)
         margin, table_len = memory.cache_extent(config, spec_config, drafter)
         self.pages = PageTable(config.max_num_seqs, table_len, config.kv_page_size,
                                memory.plan_pages(model, drafter, config, table_len), self.device)

@@ -20,6 +20,7 @@ that decides the output stays in float32.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -77,10 +78,21 @@ class BF16Product:
 def _packed_copy(state: dict, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`weight` in `dtype`, packed, kept in `state` (an object's __dict__) until the weight changes (its
     version counter; a change through `.data` is not seen)."""
-    key = (weight.data_ptr(), weight._version)
+    return _kept_packed(state, (weight.data_ptr(), weight._version), lambda: weight.to(dtype))
+
+
+def _kept_packed(state: dict, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """make(), packed, kept in `state` while `key` stays the same."""
     if state.get("_packed_key") != key:
-        state["_packed"], state["_packed_key"] = _pack(weight.to(dtype)), key
+        state["_packed"], state["_packed_key"] = _pack(make()), key
     return state["_packed"]
+
+
+def packed_product(state: dict, key: tuple, make: Callable[[], torch.Tensor], x: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T + b through oneDNN, W = make() (float32) packed once and kept in `state` (an object's __dict__)
+    while `key` stays the same: for weights the model holds in another form (FP8 and its scales)."""
+    return _onednn_linear(x, _kept_packed(state, key, make), bias)
 
 
 def _without_packed_copy(state: dict) -> dict:

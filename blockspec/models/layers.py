@@ -161,7 +161,7 @@ def dense(x: Tensor | PreNormed, proj: nn.Linear, *, norm: RMSNorm | None = None
         x = norm(x)
     if swiglu:
         x = silu_mul(x)
-    if fp8:  # its SwiGLU in the product's epilogue where the row count's kernel takes it
+    if fp8 and use_kernels(x):  # its SwiGLU in the product's epilogue where the row count's kernel takes it
         y = fp8_linear(x, proj.weight, proj.weight_scale, proj.block, proj.bias, glu=glu)
     else:
         y = proj(x)

@@ -5,7 +5,8 @@ Weights only: each quantized product reads e4m3 weights with fp32 scales (`kerne
 its activations in the model's dtype, so a step reads half the bytes and every path (plain decode,
 verify, prefill, CPU) computes the same model up to the products' roundings. Embeddings, the LM head
 and the norms stay in the model's dtype. A checkpoint's static activation scales (`input_scale`) are
-therefore not used.
+therefore not used. Where no kernel streams the e4m3 weight (the CPU), a layer keeps its dequantized weight
+and computes the reference product with it.
 
 Checkpoints (`quantization_config.quant_method` "fp8", HF fine-grained FP8 as Qwen/Qwen3-8B-FP8 and
 DeepSeek ship it; and "fbgemm_fp8"): a linear layer is FP8 where its `weight` is float8_e4m3fn, with
@@ -26,7 +27,9 @@ from torch import Tensor, nn
 
 from blockspec.config import QUANTIZATIONS, ConfigError
 from blockspec.errors import ModelLoadError
-from blockspec.kernels.fp8 import FP8, fp8_linear, quantize_per_channel, scale_shape
+from blockspec.kernels.fp8 import FP8, dequantize_reference, fp8_linear, quantize_per_channel, scale_shape
+from blockspec.kernels.ops import use_kernels
+from blockspec.models.cpu_linear import PACK_MAX_BYTES, onednn_available, packed_product
 
 QUANT_METHODS = ("fp8", "fbgemm_fp8")  # checkpoint formats read
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the decoder layers' products
@@ -57,8 +60,35 @@ class Fp8Linear(nn.Module):
         q, scale = quantize_per_channel(linear.weight.detach())
         return Fp8Linear(q, scale, (1, linear.in_features), linear.bias)
 
+    onednn = False  # on the CPU: the float32 product through oneDNN (`use_onednn_fp8`)
+
     def forward(self, x: Tensor) -> Tensor:
-        return fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias)
+        if use_kernels(x):
+            return fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias)
+        if self.onednn and x.dtype == torch.float32 and not (torch.is_grad_enabled() and x.requires_grad):
+            key = self._weight_key(torch.float32)
+            return packed_product(self.__dict__, key, lambda: self._reference_weight(torch.float32), x, self.bias)
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def __getstate__(self) -> dict:  # the packed copy is opaque (neither copied nor pickled): it is made again
+        return {k: v for k, v in self.__dict__.items() if k not in ("_packed", "_packed_key")}
+
+    def _weight_key(self, dtype: torch.dtype) -> tuple:
+        return (self.weight.data_ptr(), self.weight._version, self.weight_scale.data_ptr(),
+                self.weight_scale._version, dtype)
+
+    def _reference_weight(self, dtype: torch.dtype) -> Tensor:
+        return dequantize_reference(self.weight, self.weight_scale, self.block, dtype)
+
+    def dequantized(self, dtype: torch.dtype) -> Tensor:
+        """The weight as the reference path computes with it (`dequantize_reference`), made once and kept
+        until the weight or its scales change: where no kernel streams the e4m3 weight (the CPU),
+        dequantizing it for every product would cost three times the product itself."""
+        key = self._weight_key(dtype)
+        if self.__dict__.get("_dequantized_key") != key:
+            self.__dict__["_dequantized"] = self._reference_weight(dtype)
+            self.__dict__["_dequantized_key"] = key
+        return self.__dict__["_dequantized"]
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Fp8Linear:
         held = {name: self._parameters.pop(name) for name in ("weight", "weight_scale")}
@@ -84,6 +114,8 @@ def linear_rows(proj: nn.Linear | Fp8Linear, x: Tensor, lo: int) -> Tensor:
     b = proj.bias[lo:] if proj.bias is not None else None
     if not isinstance(proj, Fp8Linear):
         return F.linear(x, proj.weight[lo:], b)
+    if not use_kernels(x):
+        return F.linear(x, proj.dequantized(x.dtype)[lo:], b)
     rows = proj.block[0]
     if lo % rows:
         raise ValueError(f"linear_rows: row {lo} falls inside a scale block of {rows} rows")
@@ -243,6 +275,18 @@ def quantize_model(model: nn.Module, method: str) -> int:
                     setattr(block, attr, Fp8Linear.from_linear(linear))
                     done += 1
     return done
+
+
+def use_onednn_fp8(model: nn.Module) -> int:
+    """On the CPU, `use_onednn_linears` for the FP8 linears: each computes in float32 through oneDNN from a
+    packed copy of its dequantized weight (the reference's weight, so the same model within float32
+    rounding), where oneDNN agrees with `F.linear` and the copies fit `PACK_MAX_BYTES`. Returns how many."""
+    linears = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.weight.device.type == "cpu"]
+    if not onednn_available() or sum(4 * m.weight.numel() for m in linears) > PACK_MAX_BYTES:
+        return 0
+    for m in linears:
+        m.onednn = True
+    return len(linears)
 
 
 def is_quantized(model: nn.Module) -> bool:
