@@ -156,12 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--chat", action="store_true", help="apply the chat template")
     from blockspec.bench import add_bench_parser
     from blockspec.demo import add_demo_parser
+    from blockspec.models.fp8_export import add_quantize_parser
     from blockspec.server import add_serve_parser
     from blockspec.train.trainer import build_arg_parser as build_train_parser, run_cli as run_train
 
     add_demo_parser(sub)
     add_serve_parser(sub)
     add_bench_parser(sub)
+    add_quantize_parser(sub)
     train = sub.add_parser("train", help="train a DFlash or DSpark drafter for a target model",
                            description="Train a DFlash or DSpark drafter against a frozen target and export it in the "
                                        "z-lab (DFlash) or DeepSpec (DSpark) format that `--draft-model` loads.")

@@ -1,0 +1,107 @@
+"""`blockspec quantize` (models.fp8_export): the FP8 checkpoint it writes is the HF fine-grained format
+that models.quant reads, holds exactly the block quantization of the source's products (its dequantized
+weights give the same logits within float32 rounding; the source's own weights do not), keeps what
+is not a decoder product as it was, decodes exactly under speculation, and bad requests are refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from blockspec import LLM, SamplingParams
+from blockspec.cli import main as cli_main
+from blockspec.config import ConfigError
+from blockspec.kernels import fp8
+from blockspec.models.fp8_export import write_fp8_checkpoint
+from blockspec.models.loader import load_target
+from blockspec.models.quant import Fp8Linear
+from factories import save_drafter_target, save_moe_target
+from test_quant import IDS, logits
+from test_spec import FIXTURES, prompts, run
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return save_drafter_target(tmp_path_factory.mktemp("source"), tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def exported(source, tmp_path_factory) -> Path:
+    return write_fp8_checkpoint(source, tmp_path_factory.mktemp("fp8") / "out", block=32).out
+
+
+def test_the_checkpoint_is_the_block_quantization_of_the_products(source, exported):
+    config = json.loads((exported / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                             "weight_block_size": [32, 32]}
+    before, after = load_file(str(source / "model.safetensors")), load_file(str(exported / "model.safetensors"))
+    products = [n for n in before if ".layers." in n and n.endswith("_proj.weight")]
+    assert len(products) == 7 * 5
+    for name in products:
+        q, s = fp8.quantize_blocks(before[name], (32, 32))
+        assert after[name].dtype == torch.float8_e4m3fn and torch.equal(after[name].float(), q.float())
+        assert torch.equal(after[name.removesuffix(".weight") + ".weight_scale_inv"], s)
+    kept = [n for n in before if n not in products]
+    assert kept and all(torch.equal(after[n], before[n]) for n in kept)  # embeddings, norms
+    assert (exported / "tokenizer.json").is_file()
+
+
+def test_the_written_model_is_its_dequantized_weights_not_the_sources(source, exported, tmp_path):
+    after = load_file(str(exported / "model.safetensors"))
+    dequantized = {n: t for n, t in after.items() if not n.endswith("_scale_inv")}
+    for name in [n for n in dequantized if n.endswith("_proj.weight")]:
+        scale = after[name.removesuffix(".weight") + ".weight_scale_inv"]
+        dequantized[name] = fp8.dequantize_reference(after[name], scale, (32, 32), torch.float32)
+    ref_dir = tmp_path / "dequantized"
+    ref_dir.mkdir()
+    save_file(dequantized, str(ref_dir / "model.safetensors"))
+    (ref_dir / "config.json").write_text((source / "config.json").read_text())
+    ours, _ = load_target(exported, "float32", "cpu", 128)
+    ref, _ = load_target(ref_dir, "float32", "cpu", 128)
+    orig, _ = load_target(source, "float32", "cpu", 128)
+    assert isinstance(ours.layers[0].self_attn.qkv_proj, Fp8Linear) and isinstance(ours.layers[4].mlp.down_proj,
+                                                                                     Fp8Linear)
+    with torch.no_grad():
+        got = logits(ours, IDS)
+        assert (got - logits(ref, IDS)).abs().max() < 1e-5
+        assert (got - logits(orig, IDS)).abs().max() > 1e-3  # the source's own weights: not what was written
+
+
+@pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
+def test_speculation_on_the_written_checkpoint_equals_its_plain_decoding(exported, method, fixture):
+    ps, params = prompts(4, seed=2), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = run(LLM(str(exported), device="cpu", dtype="float32", max_model_len=128), ps, params)
+    llm = LLM(str(exported), device="cpu", dtype="float32", max_model_len=128,
+              speculative_config={"method": method, "model": str(FIXTURES / fixture), "adaptive_draft_length": False})
+    assert run(llm, ps, params) == plain and llm.get_stats()["num_accepted_tokens"] > 0
+
+
+def test_a_mixture_of_experts_checkpoint_keeps_its_experts(tmp_path):
+    """Attention and the dense layer's MLP in e4m3; experts and routers as they were (models.quant reads FP8
+    into linear layers, and an MoE layer's experts are stacked)."""
+    out = write_fp8_checkpoint(save_moe_target(tmp_path / "moe"), tmp_path / "fp8").out
+    state = load_file(str(out / "model.safetensors"))
+    fp8_names = {n for n, t in state.items() if t.dtype == torch.float8_e4m3fn}
+    assert any(".experts." in n for n in state) and not any(".experts." in n or ".gate.weight" in n for n in fp8_names)
+    assert "model.layers.2.mlp.gate_proj.weight" in fp8_names and "model.layers.0.self_attn.q_proj.weight" in fp8_names
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert len(run(LLM(str(out), device="cpu", dtype="float32", max_model_len=64), prompts(2, seed=0), params)[0]) == 8
+
+
+def test_bad_requests_are_refused_by_name(source, exported, tmp_path, capsys):
+    with pytest.raises(ConfigError, match="new or empty directory"):
+        write_fp8_checkpoint(source, exported)
+    with pytest.raises(ConfigError, match="quantized already"):
+        write_fp8_checkpoint(exported, tmp_path / "again")
+    with pytest.raises(ConfigError, match="positive"):
+        write_fp8_checkpoint(source, tmp_path / "zero", block=0)
+    assert cli_main(["quantize", str(exported), "--out", str(tmp_path / "cli")]) == 2
+    assert "quantized already" in capsys.readouterr().err
+    assert cli_main(["quantize", str(source), "--out", str(tmp_path / "cli"), "--block-size", "64"]) == 0
+    assert "e4m3 (64 x 64 blocks)" in capsys.readouterr().out
+    written = json.loads((tmp_path / "cli" / "config.json").read_text())
+    assert written["quantization_config"]["weight_block_size"] == [64, 64]
