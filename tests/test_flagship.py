@@ -297,6 +297,14 @@ def test_assemble_writes_the_pair_with_cards_read_from_the_run(regenerated, pret
     with safe_open(str(pair / "dspark" / "model.safetensors"), "pt") as f:
         assert not set(TARGET_COPIES) & set(f.keys())  # the shipped one takes the target's
     assert assets["dspark"]["bytes"] == (pair / "dspark" / "model.safetensors").stat().st_size
+    # --fp8-target: the same pair with the target's FP8 twin, fewer bytes, the same parameters, a card that says so
+    fp8_assets = assemble(run, tmp_path / "pair8", {"dspark": "dspark-longer"}, fp8_target=True)
+    config = json.loads((tmp_path / "pair8" / "target" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    assert fp8_assets["target"]["parameters"] == assets["target"]["parameters"]
+    assert fp8_assets["target"]["bytes"] < assets["target"]["bytes"]
+    assert "FP8: the decoder layers' products in e4m3" in (tmp_path / "pair8" / "target" / "README.md").read_text()
+    assert fp8_assets["dspark"] == assets["dspark"]
 
     # a drafter continued from the shipped one replaces it; the card and metrics.json keep both runs
     from blockspec.train.recipes.flagship_cards import continue_drafter
@@ -313,3 +321,18 @@ def test_assemble_writes_the_pair_with_cards_read_from_the_run(regenerated, pret
     card = (pair / "dflash" / "README.md").read_text()
     assert "4,321 more generated tokens" in card and f"{best['acceptance']:.2f} tokens per verify step" in card
     assert load_drafter("dflash", pair / "dflash", device="cpu").recorded_acceptance == tuple(best["per_position"])
+
+
+def test_asset_sizes_price_the_files_the_pair_ships(tmp_path):
+    """`shapes`' asset column for the shipped shape: the shipped target's file, and with --fp8-target the FP8
+    checkpoint `blockspec quantize` writes from it (each within 1 %: the files' headers)."""
+    from blockspec.assets import embedded
+    from blockspec.models.fp8_export import write_fp8_checkpoint
+    from blockspec.train.recipes.flagship import SHAPE, asset_bytes
+
+    target = Path(embedded("default"))
+    tokenizer = (target / "tokenizer.json").stat().st_size
+    bf16, fp8 = asset_bytes(SHAPE, tokenizer)["target"], asset_bytes(SHAPE, tokenizer, fp8_target=True)["target"]
+    shipped = (target / "model.safetensors").stat().st_size
+    written = (write_fp8_checkpoint(target, tmp_path / "fp8").out / "model.safetensors").stat().st_size
+    assert abs(bf16 - shipped) < 0.01 * shipped and abs(fp8 - written) < 0.01 * written and fp8 < 0.75 * bf16

@@ -35,17 +35,17 @@ deep; the machine stays warm 30 s after a call; a session has about 30 device mi
 
 The pair (numbers from ``shapes`` on the project's 2-core CPU, 2 threads, random weights, engine, batch 1)
 -----------------------------------------------------------------------------------------------------
-=================  ======  ==========  ========  ========  ==========  =============  ==========
-shape              params  fp32 bytes  step      floor     step/floor  assets (bf16)  tree after
-=================  ======  ==========  ========  ========  ==========  =============  ==========
-h256 l6 i1024 *    10.1 M   40.4 MB     8.58 ms  1.59 ms   5.4          32.9 MB        46.1 MiB
-h256 l4 i1536       9.7 M   38.8 MB     6.75 ms  1.53 ms   4.4          32.1 MB        45.4 MiB
-h256 l8 i768       10.5 M   42.0 MB    10.59 ms  1.65 ms   6.4          33.6 MB        46.9 MiB
-h320 l8 i1280      17.5 M   70.2 MB    12.06 ms  2.76 ms   4.4          51.9 MB        64.3 MiB
-h384 l6 i1536      19.3 M   77.1 MB    10.38 ms  3.03 ms   3.4          60.0 MB        72.0 MiB
-h384 l8 i1536      23.6 M   94.4 MB    13.81 ms  3.72 ms   3.7          68.6 MB        80.3 MiB
-h512 l8 i2048      39.9 M  159.4 MB    16.61 ms  6.27 ms   2.6         114.4 MB       123.9 MiB
-=================  ======  ==========  ========  ========  ==========  =============  ==========
+=================  ======  ==========  ========  ========  ==========  =============  ==========  ===================
+shape              params  fp32 bytes  step      floor     step/floor  assets (bf16)  tree after  FP8 target: both
+=================  ======  ==========  ========  ========  ==========  =============  ==========  ===================
+h256 l6 i1024 *    10.1 M   40.4 MB     8.58 ms  1.59 ms   5.4          32.9 MB        46.1 MiB   27.0 MB,  40.8 MiB
+h256 l4 i1536       9.7 M   38.8 MB     6.75 ms  1.53 ms   4.4          32.1 MB        45.4 MiB   26.6 MB,  40.4 MiB
+h256 l8 i768       10.5 M   42.0 MB    10.59 ms  1.65 ms   6.4          33.6 MB        46.9 MiB   27.4 MB,  41.2 MiB
+h320 l8 i1280      17.5 M   70.2 MB    12.06 ms  2.76 ms   4.4          51.9 MB        64.3 MiB   39.6 MB,  52.8 MiB
+h384 l6 i1536      19.3 M   77.1 MB    10.38 ms  3.03 ms   3.4          60.0 MB        72.0 MiB   47.0 MB,  59.9 MiB
+h384 l8 i1536      23.6 M   94.4 MB    13.81 ms  3.72 ms   3.7          68.6 MB        80.3 MiB   51.3 MB,  64.0 MiB
+h512 l8 i2048      39.9 M  159.4 MB    16.61 ms  6.27 ms   2.6         114.4 MB       123.9 MiB   82.9 MB,  94.2 MiB
+=================  ======  ==========  ========  ========  ==========  =============  ==========  ===================
 
 step: one plain decode step through the engine, (t(80 tokens) - t(16 tokens)) / 64, best of 5;
 floor: the step's fp32 weight bytes at the read bandwidth of one pass over a 512 MB tensor (25.4 GB/s
@@ -57,8 +57,13 @@ corpus piece while training; a few MiB of kernels caches or wheels afterwards). 
 ships both drafters without an embedding or head: DeepSpec DSpark files carry copies of the
 target's (2 x 16384 x hidden x 2 bytes, 16.8 MB at hidden 256), which the shipped DSpark leaves to the
 target (`blockspec.drafters.strip_target_copies` in ``assemble``; `restore_target_copies` writes the
-reference file back). Even so only the 10 M shapes leave a call room to carry a corpus piece; hidden
-320 and up would need the tree's other files (mostly `benchmarks/data`) smaller as well. Chosen (*):
+reference file back). Even so, with a bf16 target only the 10 M shapes leave a call room to carry a corpus
+piece. The last column ships the target as its FP8 checkpoint (``assemble --fp8-target``, `blockspec
+quantize`: the decoder products in e4m3 with a scale per 128 x 128 block; embeddings, norms and the
+drafters bf16), with the tree's other files at 15.1 MiB (2026-12-05): the 17.5 M shape then leaves 11 MiB
+to carry. On the shipped 10.1 M target the FP8 twin (20.2 -> 14.3 MB) drafts as well with the bf16-trained
+DSpark (acceptance length 4.06 against 3.97 on 8 held-out prompts; CPU speed the same, each FP8 layer
+computing with its dequantized weight there). Chosen (*):
 Qwen3, hidden 256, 6 layers, MLP 1024, 4 heads / 2 KV heads of 64, vocab 16384 (the corpus
 tokenizer), tied, 10.1 M parameters. Assets: target 20.2 MB; DFlash (2 layers, MLP 768, block 16,
 taps from layers 1-4; z-lab format, no embedding) 3.7 MB; DSpark (2 layers, MLP 768, block 8, Markov
@@ -236,15 +241,22 @@ CANDIDATES = {
 }
 
 
-def asset_bytes(shape: TargetShape, tokenizer_bytes: int) -> dict[str, int]:
+def asset_bytes(shape: TargetShape, tokenizer_bytes: int, fp8_target: bool = False) -> dict[str, int]:
     """bf16 bytes of what the pair ships: the target, the z-lab DFlash and the DeepSpec DSpark (neither with an
     embedding or head: the shipped DSpark leaves its copies to the target), the tokenizer; the drafters' MLPs
-    3 x hidden wide."""
+    3 x hidden wide. `fp8_target`: the target's decoder products in e4m3 with an fp32 scale per 128 x 128 block
+    (`assemble --fp8-target`)."""
     from blockspec.train.trainer import build_drafter
 
     cfg = shape.model_config(0)
-    sizes = {"target": 2 * (sum(p.numel() for p in _meta_target(shape).parameters()) - shape.vocab_size
-                            * shape.hidden_size * (not shape.tie_word_embeddings))}
+    target = _meta_target(shape)
+    params = sum(p.numel() for p in target.parameters()) - shape.vocab_size * shape.hidden_size * (
+        not shape.tie_word_embeddings)
+    sizes = {"target": 2 * params}
+    if fp8_target:
+        products = [m.weight.shape for layer in target.layers for block in (layer.self_attn, layer.mlp)
+                    for m in block.children() if isinstance(m, torch.nn.Linear)]
+        sizes["target"] -= sum(n * k + 4 * -(-n // 128) * -(-k // 128) for n, k in products)  # 2 bytes -> 1 + scales
     for name, stage in DRAFTERS.items():
         train = dataclasses.replace(stage.train_config("cpu"), intermediate_size=3 * shape.hidden_size)
         drafter = build_drafter(train, cfg, mask_token_id=2)
@@ -388,6 +400,7 @@ def measure_shapes(tokenizer_dir: Path, names: list[str], threads: int | None) -
             floor = step_bytes(model) / bandwidth
             step = decode_step_seconds(directory)
             assets = asset_bytes(shape, tok_bytes)
+            fp8_assets = asset_bytes(shape, tok_bytes, fp8_target=True)
             report["shapes"][name] = {
                 "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
                 "step_bytes_fp32_mb": round(step_bytes(model) / 1e6, 1),
@@ -395,7 +408,9 @@ def measure_shapes(tokenizer_dir: Path, names: list[str], threads: int | None) -
                 "floor_ms": round(floor * 1e3, 2), "floor_tok_s": round(1 / floor, 1),
                 "step_over_floor": round(step / floor, 2),
                 "assets_mb": {k: round(v / 1e6, 1) for k, v in assets.items()},
-                "tree_after_mib": round((tree + assets["total"]) / MIB, 1)}
+                "tree_after_mib": round((tree + assets["total"]) / MIB, 1),
+                "assets_fp8_target_mb": round(fp8_assets["total"] / 1e6, 1),
+                "tree_after_fp8_target_mib": round((tree + fp8_assets["total"]) / MIB, 1)}
             print(json.dumps({name: report["shapes"][name]}), flush=True)
     return report
 
@@ -642,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--states", nargs="*", default=[], metavar="METHOD=DIR", type=method_state,
                    help="a drafter's state directory under --run, where not METHOD-state "
                         "(e.g. dflash=dflash-e10-state)")
+    a.add_argument("--fp8-target", action="store_true",
+                   help="ship the target as its FP8 checkpoint (`blockspec quantize`; the drafters stay bf16)")
 
     y = sub.add_parser("carry", help="the size of a call carrying these paths (with the working tree)")
     y.add_argument("paths", nargs="*", type=Path)
@@ -736,7 +753,7 @@ def run_command(args: argparse.Namespace) -> int:
         tokens = json.loads(args.regen_metrics.read_text())["total_generated_tokens"]
         write_metrics(None, "", continue_drafter(args.pair, args.method, args.state, tokens))
     elif args.command == "assemble":
-        write_metrics(None, "", assemble(args.run, args.out, dict(args.states)))
+        write_metrics(None, "", assemble(args.run, args.out, dict(args.states), args.fp8_target))
     elif args.command == "carry":
         write_metrics(None, "", carry_bytes(args.paths))
     elif args.command == "ship":

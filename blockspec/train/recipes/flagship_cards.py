@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from blockspec.drafters import load_drafter, strip_target_copies
 from blockspec.drafters.config import DrafterConfig
+from blockspec.models.fp8_export import write_fp8_checkpoint
 from blockspec.train.drafter_stage import DrafterStageConfig, export_best
 from blockspec.train.state import read_index
 
@@ -24,8 +25,9 @@ PAIR = ("target", "dflash", "dspark")
 
 
 def _params(model_dir: Path) -> int:
+    """The model's parameters (an FP8 checkpoint's weight scales are not among them)."""
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if not k.endswith("_scale_inv"))
 
 
 def _pair_bytes(pair: Path) -> int:
@@ -54,7 +56,7 @@ def run_record(run_dir: Path, states: dict[str, str] | None = None) -> dict[str,
     }
 
 
-def target_card(rec: dict[str, Any], params: int, size: int) -> str:
+def target_card(rec: dict[str, Any], params: int, size: int, fp8: bool = False) -> str:
     cfg, last = rec["target"]["config"], rec["target"]["history"][-1]
     shape, c = cfg["shape"], rec["corpus"]
     tokens = sum(h["tokens"] for h in rec["target"]["history"])
@@ -63,6 +65,11 @@ def target_card(rec: dict[str, Any], params: int, size: int) -> str:
         ("heldout_perplexity", "held-out stdlib packages"), ("valid_perplexity", "validation projects"))
         if last.get(key) is not None) or "not measured"
     licenses = "; ".join(f"{name}: {', '.join(projects)}" for name, projects in sorted(c["licenses"].items()))
+    weights = ("FP8: the decoder layers' products in e4m3 with scales over 128 x 128 blocks, as `blockspec quantize` "
+               "writes them from the trained bf16 model, embeddings and norms bf16; on a CPU blockspec computes "
+               "with them dequantized to fp32" if fp8 else "bf16; blockspec loads it as fp32 on a CPU")
+    loads = ("blockspec (`LLM(\"target\")`), vLLM and SGLang, and `transformers` where it reads FP8 checkpoints"
+             if fp8 else "`blockspec` (`LLM(\"target\")`) and with `transformers.AutoModelForCausalLM`")
     return f"""# blockspec flagship target (Qwen3 architecture, Python code)
 
 A small causal LM pretrained from scratch by `python -m blockspec.train.recipes.flagship` so that
@@ -73,7 +80,7 @@ it is not an assistant.
   {shape['num_layers']} layers, {shape['num_heads']} heads / {shape['num_kv_heads']} KV heads of dim {shape['head_dim']},
   MLP {shape['intermediate_size']}, vocab {shape['vocab_size']}, tied embeddings, max positions
   {shape['max_position_embeddings']}.
-- **Parameters**: {params:,} ({size / 1e6:.1f} MB on disk, bf16; blockspec loads it as fp32 on a CPU).
+- **Parameters**: {params:,} ({size / 1e6:.1f} MB on disk, {weights}).
 - **Data**: {c['train_tokens']:,} tokens ({c['train_files']:,} files) of Python source: {c['projects']} pinned
   source distributions from the package index (`blockspec/train/recipes/python_sources.json`; name,
   version and sha256 of every archive in `corpus_manifest.json` beside this card) and the CPython
@@ -91,7 +98,7 @@ it is not an assistant.
 - **Greedy repetition**: {rec['regen']['greedy_repeated_line_share_96']:.1%} of the lines of its 96-token greedy
   continuations (of openings of the training corpus) repeat an earlier line of the same continuation.
 
-Loads with `blockspec` (`LLM("target")`) and with `transformers.AutoModelForCausalLM`.
+Loads with {loads}.
 """
 
 
@@ -142,18 +149,24 @@ The drafter of the flagship target (`../target`), trained by `python -m blockspe
 """
 
 
-def assemble(run_dir: Path, out: Path, states: dict[str, str] | None = None) -> dict[str, Any]:
+def assemble(run_dir: Path, out: Path, states: dict[str, str] | None = None, fp8_target: bool = False
+             ) -> dict[str, Any]:
     """Copy the run's exports (run_dir/{target,dflash,dspark}) to `out` with their cards and metrics.json;
-    `states`: the drafter state directories the exports came from, where not <method>-state."""
+    `states`: the drafter state directories the exports came from, where not <method>-state. `fp8_target`: ship
+    the target as its FP8 twin (`blockspec quantize`: the decoder products in e4m3, about half their bytes), which
+    the drafters, trained on the bf16 target's taps, draft for as well."""
     for name in PAIR:
         if not (run_dir / name / "config.json").is_file():
             raise FileNotFoundError(f"{run_dir / name}: no export (run local.sh export-target / export-drafters)")
     rec = run_record(run_dir, states)
     if out.exists():
         shutil.rmtree(out)
-    shutil.copytree(run_dir / "target", out / "target")
+    if fp8_target:
+        write_fp8_checkpoint(run_dir / "target", out / "target")
+    else:
+        shutil.copytree(run_dir / "target", out / "target")
     params, size = _params(out / "target"), (out / "target" / "model.safetensors").stat().st_size
-    (out / "target" / "README.md").write_text(target_card(rec, params, size))
+    (out / "target" / "README.md").write_text(target_card(rec, params, size, fp8_target))
     shutil.copy2(run_dir / "corpus" / "manifest.json", out / "target" / "corpus_manifest.json")
     rec["assets"] = {"target": {"parameters": params, "bytes": size}}
     for method in PAIR[1:]:
