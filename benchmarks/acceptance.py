@@ -8,6 +8,7 @@ early stopping measures them); `--ignore-eos` drafts on past it, over text no us
     python benchmarks/acceptance.py --out acceptance.json
     python benchmarks/acceptance.py --drafters dflash --dflash out/flagship/dflash-l4 --temperatures 0   # a candidate
     python benchmarks/acceptance.py --target-confidence --drafters none   # how sure the target is of its own tokens
+    python benchmarks/acceptance.py --target DIR --temperatures 0   # another target, e.g. `blockspec quantize`'s
 
 `--target-confidence` adds what bounds a drafter from the target's side: the target's probability of each token of
 its own greedy continuation, and its margin over the runner-up (a drafter matches a near-tie's argmax only by
@@ -31,10 +32,10 @@ from blockspec.models import cpu_linear
 METHODS = [("greedy", "standard"), ("probabilistic", "standard"), ("probabilistic", "block")]
 
 
-def target_confidence(prompts: list[str], max_tokens: int, ignore_eos: bool) -> dict:
+def target_confidence(target: Path, prompts: list[str], max_tokens: int, ignore_eos: bool) -> dict:
     """The target's top-1 probability and its margin over the second, over every token of its greedy
     continuations (plain decoding, the logprobs the engine returns)."""
-    llm = LLM(str(PAIR / "target"), device="cpu", seed=0)
+    llm = LLM(str(target), device="cpu", seed=0)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos,
                                                 logprobs=2), use_tqdm=False)
     top, margin = [], []
@@ -62,6 +63,8 @@ def main() -> None:
                     help="the drafters' LM head in float32 where the CPU would take it in bfloat16 (cpu_linear)")
     ap.add_argument("--target-confidence", action="store_true",
                     help="also report the target's confidence in its own greedy tokens")
+    ap.add_argument("--target", type=Path, default=PAIR / "target",
+                    help="the target measured (default: the shipped one; e.g. its FP8 twin from blockspec quantize)")
     for drafter in ("dflash", "dspark"):
         ap.add_argument(f"--{drafter}", type=Path, default=PAIR / drafter,
                         help=f"the {drafter} drafter measured (default: the shipped one)")
@@ -70,13 +73,13 @@ def main() -> None:
     prompts = heldout_prompts(args.prompts)
     rows = []
     if args.target_confidence:
-        rows.append(target_confidence(prompts, args.max_tokens, args.ignore_eos))
+        rows.append(target_confidence(args.target, prompts, args.max_tokens, args.ignore_eos))
         print(json.dumps(rows[-1]), flush=True)
     for drafter in [d for d in args.drafters.split(",") if d != "none"]:
         for draft_method, rule in METHODS:
             spec = {"method": drafter, "model": str(getattr(args, drafter)), "adaptive_draft_length": False,
                     "draft_sample_method": draft_method, "rejection_sample_method": rule}
-            llm = LLM(str(PAIR / "target"), device="cpu", speculative_config=spec, seed=0)
+            llm = LLM(str(args.target), device="cpu", speculative_config=spec, seed=0)
             for temp in (float(t) for t in args.temperatures.split(",")):
                 if temp == 0 and draft_method != "greedy":
                     continue  # at T = 0 every method is greedy verification
@@ -94,7 +97,8 @@ def main() -> None:
                                 if i < len(before["num_accepted_tokens_per_pos"]) else 0)
                            for i, a in enumerate(after["num_accepted_tokens_per_pos"])]
                 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-                row = {"drafter": drafter, "model": str(getattr(args, drafter)), "draft_sample_method": draft_method,
+                row = {"drafter": drafter, "target": str(args.target), "model": str(getattr(args, drafter)),
+                       "draft_sample_method": draft_method,
                        "rejection_sample_method": rule, "draft_head": "fp32" if args.draft_head_fp32 else "auto",
                        "temperature": temp, "prompts": len(prompts), "ignore_eos": args.ignore_eos,
                        "tokens": tokens, "steps": drafts,
