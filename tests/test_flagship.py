@@ -336,3 +336,23 @@ def test_asset_sizes_price_the_files_the_pair_ships(tmp_path):
     shipped = (target / "model.safetensors").stat().st_size
     written = (write_fp8_checkpoint(target, tmp_path / "fp8").out / "model.safetensors").stat().st_size
     assert abs(bf16 - shipped) < 0.01 * shipped and abs(fp8 - written) < 0.01 * written and fp8 < 0.75 * bf16
+
+
+def test_a_flagship_shape_brings_drafters_that_fit_it(monkeypatch):
+    """FLAGSHIP_SHAPE picks another candidate target, with drafters 3 x its hidden wide and z-lab's uniform taps
+    over its layers; the default plan's drafters are the shipped ones' shape; an unknown name is refused by name."""
+    from blockspec.train.data import DataError
+    from blockspec.train.recipes import flagship
+
+    shipped = json.loads((Path(flagship.__file__).parents[2] / "assets/default/dflash/config.json").read_text())
+    dflash = flagship.active_plan().drafters["dflash"].train
+    assert dflash["target_layer_ids"] == shipped["dflash_config"]["target_layer_ids"]
+    assert dflash["intermediate_size"] == shipped["intermediate_size"]
+    monkeypatch.setenv("FLAGSHIP_SHAPE", "h320-l8-i1280")
+    plan = flagship.active_plan()
+    assert plan.pretrain.shape == flagship.CANDIDATES["h320-l8-i1280"]
+    for stage in plan.drafters.values():
+        assert stage.train["intermediate_size"] == 960 and stage.train["target_layer_ids"] == [1, 2, 4, 5]
+    monkeypatch.setenv("FLAGSHIP_SHAPE", "h999")
+    with pytest.raises(DataError, match="'h999' is not a candidate; candidates: h256-l6-i1024"):
+        flagship.active_plan()

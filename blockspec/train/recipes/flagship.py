@@ -63,7 +63,9 @@ quantize`: the decoder products in e4m3 with a scale per 128 x 128 block; embedd
 drafters bf16), with the tree's other files at 15.1 MiB (2026-12-05): the 17.5 M shape then leaves 11 MiB
 to carry. On the shipped 10.1 M target the FP8 twin (20.2 -> 14.3 MB) drafts as well with the bf16-trained
 DSpark (acceptance length 4.06 against 3.97 on 8 held-out prompts; CPU speed the same, each FP8 layer
-computing with its dequantized weight there). Chosen (*):
+computing with its dequantized weight there). ``FLAGSHIP_SHAPE=NAME`` (e.g. h320-l8-i1280) runs every stage
+for another candidate, its drafters 3 x its hidden wide with z-lab's uniform taps ([1, 2, 4, 5] of 8 layers).
+Chosen (*):
 Qwen3, hidden 256, 6 layers, MLP 1024, 4 heads / 2 KV heads of 64, vocab 16384 (the corpus
 tokenizer), tied, 10.1 M parameters. Assets: target 20.2 MB; DFlash (2 layers, MLP 768, block 16,
 taps from layers 1-4; z-lab format, no embedding) 3.7 MB; DSpark (2 layers, MLP 768, block 8, Markov
@@ -175,7 +177,7 @@ from blockspec.train.regen import RegenConfig, make_prompts, regen_slice
 from blockspec.train.state import MAX_FILE_BYTES, read_index, state_files
 from blockspec.train.stream import manifest_plan
 from blockspec.train.target_lm import TargetShape, save_hf_target
-from blockspec.train.trainer import Labels
+from blockspec.train.trainer import Labels, default_target_layer_ids
 
 RETURN_FILES, RETURN_BYTES = 8, 64 * MIB  # what one device call returns at most
 
@@ -186,15 +188,25 @@ PRETRAIN = PretrainConfig(shape=SHAPE, seq_len=1024, batch_size=64, lr=2e-3, min
 PROMPT_TOKENS, PROMPT_COUNT = 64, 64_000
 REGEN = RegenConfig(new_tokens=448, temperatures=(0.0, 0.7), batch_size=512, chunk_prompts=4096)
 # the pair's shapes and budgets (the module docstring says why these)
-DRAFTER_COMMON = dict(num_layers=2, intermediate_size=768, target_layer_ids=[1, 2, 3, 4], max_len=512, batch_size=64,
-                      lr=2e-3, warmup_frac=0.04, min_lr_ratio=0.05, labels="data", seed=0)
-DRAFTERS = {
-    "dflash": DrafterStageConfig(train=dict(method="dflash", block_size=16, num_anchors=64, **DRAFTER_COMMON),
-                                 epochs=2.0, eval_minutes=2.5),
-    "dspark": DrafterStageConfig(train=dict(method="dspark", block_size=8, num_anchors=128, markov_rank=64,
-                                            markov_head_type="vanilla", confidence_head=True, **DRAFTER_COMMON),
-                                 epochs=2.0, eval_minutes=2.5),
-}
+DRAFTER_COMMON = dict(num_layers=2, max_len=512, batch_size=64, lr=2e-3, warmup_frac=0.04, min_lr_ratio=0.05,
+                      labels="data", seed=0)
+DRAFTER_TAPS = 4  # target layers a drafter reads (z-lab's uniform taps, `default_target_layer_ids`)
+
+
+def drafters_for(shape: TargetShape) -> dict[str, DrafterStageConfig]:
+    """Both drafters of a target shape: MLPs 3 x its hidden wide, DRAFTER_TAPS taps ([1, 2, 3, 4] of 6 layers)."""
+    common = dict(DRAFTER_COMMON, intermediate_size=3 * shape.hidden_size,
+                  target_layer_ids=list(default_target_layer_ids(shape.num_layers, DRAFTER_TAPS)))
+    return {
+        "dflash": DrafterStageConfig(train=dict(method="dflash", block_size=16, num_anchors=64, **common),
+                                     epochs=2.0, eval_minutes=2.5),
+        "dspark": DrafterStageConfig(train=dict(method="dspark", block_size=8, num_anchors=128, markov_rank=64,
+                                                markov_head_type="vanilla", confidence_head=True, **common),
+                                     epochs=2.0, eval_minutes=2.5),
+    }
+
+
+DRAFTERS = drafters_for(SHAPE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +237,17 @@ SMOKE = Plan(
 
 
 def active_plan() -> Plan:
-    return SMOKE if os.environ.get("FLAGSHIP_SMOKE") == "1" else FULL
+    """FLAGSHIP_SMOKE=1: the toy plan; FLAGSHIP_SHAPE=NAME: the full plan for another of the CANDIDATES (the
+    target, and drafters widened and tapped to fit it); else FULL."""
+    if os.environ.get("FLAGSHIP_SMOKE") == "1":
+        return SMOKE
+    name = os.environ.get("FLAGSHIP_SHAPE")
+    if not name:
+        return FULL
+    if name not in CANDIDATES:
+        raise DataError(f"FLAGSHIP_SHAPE={name!r} is not a candidate; candidates: {', '.join(CANDIDATES)}")
+    shape = CANDIDATES[name]
+    return dataclasses.replace(FULL, pretrain=dataclasses.replace(PRETRAIN, shape=shape), drafters=drafters_for(shape))
 
 
 # ---------------------------------------------------------------- sizes and step times (CPU)
@@ -257,8 +279,8 @@ def asset_bytes(shape: TargetShape, tokenizer_bytes: int, fp8_target: bool = Fal
         products = [m.weight.shape for layer in target.layers for block in (layer.self_attn, layer.mlp)
                     for m in block.children() if isinstance(m, torch.nn.Linear)]
         sizes["target"] -= sum(n * k + 4 * -(-n // 128) * -(-k // 128) for n, k in products)  # 2 bytes -> 1 + scales
-    for name, stage in DRAFTERS.items():
-        train = dataclasses.replace(stage.train_config("cpu"), intermediate_size=3 * shape.hidden_size)
+    for name, stage in drafters_for(shape).items():
+        train = stage.train_config("cpu")
         drafter = build_drafter(train, cfg, mask_token_id=2)
         sizes[name] = 2 * sum(p.numel() for p in drafter.parameters())
     sizes["tokenizer"] = tokenizer_bytes
