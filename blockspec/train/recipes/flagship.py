@@ -15,7 +15,7 @@ README
 
 What the device allows, and what follows
 ----------------------------------------
-A call carries the working tree (46.1 MiB, 31.4 MiB of it the embedded pair) and the paths it
+A call carries the working tree (46.4 MiB, 31.4 MiB of it the embedded pair) and the paths it
 names, 64 MiB in all; it returns at most 8 files of at most 16 MiB, 64 MiB together, two folders
 deep; the machine stays warm 30 s after a call; a session has about 30 device minutes. Hence:
 
@@ -78,8 +78,10 @@ Scripts in ``scripts/flagship`` (they travel with the tree); each names in its
 header what it carries (the ``carry`` list to pass; training loads no grammar, so no wheels),
 what it runs and what it returns. Locally, once: ``bash
 scripts/flagship/local.sh prepare``: the train pieces re-cut to at most 20 MiB (4 pieces, the
-largest 19.6 MiB, which a call carries beside the tree with room to spare; the corpus's own 23.7 MiB
-piece would not fit beside the shipped pair), and 64,000 prompts of 64 tokens (3.2 MiB). After every call: ``local.sh collect FILES_AT``.
+largest 19.6 MiB), and 64,000 prompts of 64 tokens (3.2 MiB). After every call: ``local.sh collect FILES_AT``.
+Beside the whole tree (46.4 MiB) a 19.6 MiB piece does not fit: move ``blockspec/assets/default`` out of the
+working tree for the calls that carry pieces or train (the stages work in DEV, not on the shipped pair; the
+tree is then 15.1 MiB) and back before any other call.
 Run every call with timeout_s 600. The drafters' early stopping decodes 24 held-out openings that
 are not among the demo's prompts (`drafter_stage.selection_prompt_ids`).
 
