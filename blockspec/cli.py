@@ -135,6 +135,16 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from blockspec.models.fp8_export import write_fp8_checkpoint
+
+    done = write_fp8_checkpoint(args.model, Path(args.out), args.block_size, revision=args.revision,
+                                download_dir=args.download_dir, token=args.hf_token)
+    print(f"wrote {done.out}: {done.quantized} products in e4m3 ({args.block_size} x {args.block_size} blocks), "
+          f"weights {done.bytes_before / 1e6:.1f} -> {done.bytes_after / 1e6:.1f} MB")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="blockspec",
@@ -156,14 +166,22 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--chat", action="store_true", help="apply the chat template")
     from blockspec.bench import add_bench_parser
     from blockspec.demo import add_demo_parser
-    from blockspec.models.fp8_export import add_quantize_parser
+    from blockspec.models import fp8_export
     from blockspec.server import add_serve_parser
     from blockspec.train.trainer import build_arg_parser as build_train_parser, run_cli as run_train
 
     add_demo_parser(sub)
     add_serve_parser(sub)
     add_bench_parser(sub)
-    add_quantize_parser(sub)
+    q = sub.add_parser("quantize", help="write a model's FP8 checkpoint (e4m3 weights in 128 x 128 blocks)",
+                       description=fp8_export.__doc__, formatter_class=HelpFormatter)
+    q.add_argument("model", help="an HF model directory or hub id")
+    q.add_argument("--out", required=True, help="the FP8 checkpoint's directory (new or empty)")
+    q.add_argument("--block-size", type=int, default=128, help="rows and columns a weight scale covers (default: 128)")
+    q.add_argument("--revision", default=None, help="the model's branch, tag or commit on the hub")
+    q.add_argument("--download-dir", default=None, help="where hub downloads go (default: the Hugging Face cache)")
+    q.add_argument("--hf-token", default=None, help="the hub token for gated or private models")
+    q.set_defaults(func=cmd_quantize)
     train = sub.add_parser("train", help="train a DFlash or DSpark drafter for a target model",
                            description="Train a DFlash or DSpark drafter against a frozen target and export it in the "
                                        "z-lab (DFlash) or DeepSpec (DSpark) format that `--draft-model` loads.")

@@ -10,13 +10,11 @@ the checkpoint has them. Tokenizer files and the rest of the directory are copie
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from huggingface_hub import save_torch_state_dict
@@ -82,24 +80,3 @@ def write_fp8_checkpoint(model: str | Path, out: Path, block: int = 128, **hub) 
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return Fp8Export(out, quantized, before, after)
 
-
-def add_quantize_parser(sub: Any) -> None:
-    from blockspec.cli_options import HelpFormatter
-
-    p = sub.add_parser("quantize", help="write a model's FP8 checkpoint (e4m3 weights in 128 x 128 blocks)",
-                       description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("model", help="an HF model directory or hub id")
-    p.add_argument("--out", required=True, help="the FP8 checkpoint's directory (new or empty)")
-    p.add_argument("--block-size", type=int, default=128, help="rows and columns a weight scale covers (default: 128)")
-    p.add_argument("--revision", default=None, help="the model's branch, tag or commit on the hub")
-    p.add_argument("--download-dir", default=None, help="where hub downloads go (default: the Hugging Face cache)")
-    p.add_argument("--hf-token", default=None, help="the hub token for gated or private models")
-    p.set_defaults(func=run_quantize)
-
-
-def run_quantize(args: argparse.Namespace) -> int:
-    done = write_fp8_checkpoint(args.model, Path(args.out), args.block_size, revision=args.revision,
-                                download_dir=args.download_dir, token=args.hf_token)
-    print(f"wrote {done.out}: {done.quantized} products in e4m3 ({args.block_size} x {args.block_size} blocks), "
-          f"weights {done.bytes_before / 1e6:.1f} -> {done.bytes_after / 1e6:.1f} MB")
-    return 0
