@@ -57,7 +57,7 @@ class OneDNNLinear(nn.Linear):
         return _packed_copy(self.__dict__, self.weight, self.weight.dtype)
 
     def __getstate__(self) -> dict:
-        return _without_packed_copy(self.__dict__)
+        return without_packed_copy(self.__dict__)
 
 
 class BF16Product:
@@ -72,7 +72,7 @@ class BF16Product:
         return _onednn_linear(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), packed, None).view(*x.shape[:-1], -1)
 
     def __getstate__(self) -> dict:
-        return _without_packed_copy(self.__dict__)
+        return without_packed_copy(self.__dict__)
 
 
 def _packed_copy(state: dict, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -95,7 +95,7 @@ def packed_product(state: dict, key: tuple, make: Callable[[], torch.Tensor], x:
     return _onednn_linear(x, _kept_packed(state, key, make), bias)
 
 
-def _without_packed_copy(state: dict) -> dict:
+def without_packed_copy(state: dict) -> dict:
     """`state` without the packed copy (an opaque tensor cannot be copied or pickled): it is made again."""
     return {k: v for k, v in state.items() if k not in ("_packed", "_packed_key")}
 

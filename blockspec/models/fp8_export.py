@@ -79,4 +79,3 @@ def write_fp8_checkpoint(model: str | Path, out: Path, block: int = 128, **hub) 
                                      "weight_block_size": [block, block]}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return Fp8Export(out, quantized, before, after)
-

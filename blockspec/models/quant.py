@@ -29,7 +29,7 @@ from blockspec.config import QUANTIZATIONS, ConfigError
 from blockspec.errors import ModelLoadError
 from blockspec.kernels.fp8 import FP8, dequantize_reference, fp8_linear, quantize_per_channel, scale_shape
 from blockspec.kernels.ops import use_kernels
-from blockspec.models.cpu_linear import PACK_MAX_BYTES, onednn_available, packed_product
+from blockspec.models.cpu_linear import PACK_MAX_BYTES, onednn_available, packed_product, without_packed_copy
 
 QUANT_METHODS = ("fp8", "fbgemm_fp8")  # checkpoint formats read
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the decoder layers' products
@@ -70,8 +70,8 @@ class Fp8Linear(nn.Module):
             return packed_product(self.__dict__, key, lambda: self._reference_weight(torch.float32), x, self.bias)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
-    def __getstate__(self) -> dict:  # the packed copy is opaque (neither copied nor pickled): it is made again
-        return {k: v for k, v in self.__dict__.items() if k not in ("_packed", "_packed_key")}
+    def __getstate__(self) -> dict:
+        return without_packed_copy(self.__dict__)
 
     def _weight_key(self, dtype: torch.dtype) -> tuple:
         return (self.weight.data_ptr(), self.weight._version, self.weight_scale.data_ptr(),
