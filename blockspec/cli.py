@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                        description=fp8_export.__doc__, formatter_class=HelpFormatter)
     q.add_argument("model", help="an HF model directory or hub id")
     q.add_argument("--out", required=True, help="the FP8 checkpoint's directory (new or empty)")
-    q.add_argument("--block-size", type=int, default=128, help="rows and columns a weight scale covers (default: 128)")
+    q.add_argument("--block-size", type=int, default=fp8_export.BLOCK,
+                   help=f"rows and columns a weight scale covers (default: {fp8_export.BLOCK})")
     q.add_argument("--revision", default=None, help="the model's branch, tag or commit on the hub")
     q.add_argument("--download-dir", default=None, help="where hub downloads go (default: the Hugging Face cache)")
     q.add_argument("--hf-token", default=None, help="the hub token for gated or private models")

@@ -26,6 +26,7 @@ from blockspec.models.loader import read_json, read_state_dict, resolve_model_di
 # the products quantized: a decoder layer's attention and dense MLP (an MoE layer's experts stay as they are)
 QUANTIZED = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.weight$")
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
+BLOCK = 128  # rows and columns a weight scale covers, as the published FP8 checkpoints have it
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Fp8Export:
     bytes_after: int
 
 
-def write_fp8_checkpoint(model: str | Path, out: Path, block: int = 128, **hub) -> Fp8Export:
+def write_fp8_checkpoint(model: str | Path, out: Path, block: int = BLOCK, **hub) -> Fp8Export:
     """`model` (an HF directory or hub id; `hub`: `resolve_model_dir`'s revision, download_dir, token) as an FP8
     checkpoint in `out`, which must not exist or be empty."""
     if block <= 0:

@@ -40,6 +40,8 @@ class Fp8Linear(nn.Module):
     """y = x @ W^T + b with W = weight (e4m3) x weight_scale (fp32, over `block` (rows, columns)
     blocks). Both stay as they are under a dtype cast of the model; only the bias follows it."""
 
+    onednn = False  # on the CPU: the float32 product through oneDNN (`use_onednn_fp8`)
+
     def __init__(self, weight: Tensor, weight_scale: Tensor, block: tuple[int, int], bias: Tensor | None = None
                  ) -> None:
         super().__init__()
@@ -59,8 +61,6 @@ class Fp8Linear(nn.Module):
         """`linear` quantized with one scale per output channel."""
         q, scale = quantize_per_channel(linear.weight.detach())
         return Fp8Linear(q, scale, (1, linear.in_features), linear.bias)
-
-    onednn = False  # on the CPU: the float32 product through oneDNN (`use_onednn_fp8`)
 
     def forward(self, x: Tensor) -> Tensor:
         if use_kernels(x):

@@ -39,12 +39,12 @@ The pair (numbers from ``shapes`` on the project's 2-core CPU, 2 threads, random
 shape              params  fp32 bytes  step      floor     step/floor  assets (bf16)  tree after  FP8 target: both
 =================  ======  ==========  ========  ========  ==========  =============  ==========  ===================
 h256 l6 i1024 *    10.1 M   40.4 MB     8.58 ms  1.59 ms   5.4          32.9 MB        46.1 MiB   27.0 MB,  40.8 MiB
-h256 l4 i1536       9.7 M   38.8 MB     6.75 ms  1.53 ms   4.4          32.1 MB        45.4 MiB   26.6 MB,  40.4 MiB
+h256 l4 i1536       9.7 M   38.8 MB     6.75 ms  1.53 ms   4.4          32.1 MB        45.4 MiB   26.3 MB,  40.2 MiB
 h256 l8 i768       10.5 M   42.0 MB    10.59 ms  1.65 ms   6.4          33.6 MB        46.9 MiB   27.4 MB,  41.2 MiB
-h320 l8 i1280      17.5 M   70.2 MB    12.06 ms  2.76 ms   4.4          51.9 MB        64.3 MiB   39.6 MB,  52.8 MiB
+h320 l8 i1280      17.5 M   70.2 MB    12.06 ms  2.76 ms   4.4          51.9 MB        64.3 MiB   39.6 MB,  52.9 MiB
 h384 l6 i1536      19.3 M   77.1 MB    10.38 ms  3.03 ms   3.4          60.0 MB        72.0 MiB   47.0 MB,  59.9 MiB
-h384 l8 i1536      23.6 M   94.4 MB    13.81 ms  3.72 ms   3.7          68.6 MB        80.3 MiB   51.3 MB,  64.0 MiB
-h512 l8 i2048      39.9 M  159.4 MB    16.61 ms  6.27 ms   2.6         114.4 MB       123.9 MiB   82.9 MB,  94.2 MiB
+h384 l8 i1536      23.6 M   94.4 MB    13.81 ms  3.72 ms   3.7          68.6 MB        80.3 MiB   51.4 MB,  64.1 MiB
+h512 l8 i2048      39.9 M  159.4 MB    16.61 ms  6.27 ms   2.6         114.4 MB       123.9 MiB   83.0 MB,  94.2 MiB
 =================  ======  ==========  ========  ========  ==========  =============  ==========  ===================
 
 step: one plain decode step through the engine, (t(80 tokens) - t(16 tokens)) / 64, best of 5;
@@ -60,8 +60,8 @@ target (`blockspec.drafters.strip_target_copies` in ``assemble``; `restore_targe
 reference file back). Even so, with a bf16 target only the 10 M shapes leave a call room to carry a corpus
 piece. The last column ships the target as its FP8 checkpoint (``assemble --fp8-target``, `blockspec
 quantize`: the decoder products in e4m3 with a scale per 128 x 128 block; embeddings, norms and the
-drafters bf16), with the tree's other files at 15.1 MiB (2026-12-05): the 17.5 M shape then leaves 11 MiB
-to carry. On the shipped 10.1 M target the FP8 twin (20.2 -> 14.3 MB) drafts as well with the bf16-trained
+drafters bf16, with `drafters_for`'s taps: two of a 4-layer target), with the tree's other files at 15.1 MiB
+(2026-12-05): the 17.5 M shape then leaves 11 MiB to carry. On the shipped 10.1 M target the FP8 twin (20.2 -> 14.3 MB) drafts as well with the bf16-trained
 DSpark (acceptance length 4.06 against 3.97 on 8 held-out prompts; CPU speed the same, each FP8 layer
 computing with its dequantized weight there). ``FLAGSHIP_SHAPE=NAME`` (e.g. h320-l8-i1280) runs every stage
 for another candidate, its drafters 3 x its hidden wide with z-lab's uniform taps ([1, 2, 4, 5] of 8 layers).
@@ -168,6 +168,7 @@ import torch
 from blockspec.train.corpus import MIB, load_piece, write_split_pieces
 from blockspec.train.data import DataError
 from blockspec.train.drafter_stage import DrafterStageConfig, drafter_slice, export_best
+from blockspec.models.fp8_export import BLOCK
 from blockspec.train.recipes.flagship_cards import assemble, continue_drafter
 from blockspec.train.pretrain import (
     PretrainConfig,
@@ -280,7 +281,8 @@ def asset_bytes(shape: TargetShape, tokenizer_bytes: int, fp8_target: bool = Fal
     if fp8_target:
         products = [m.weight.shape for layer in target.layers for block in (layer.self_attn, layer.mlp)
                     for m in block.children() if isinstance(m, torch.nn.Linear)]
-        sizes["target"] -= sum(n * k + 4 * -(-n // 128) * -(-k // 128) for n, k in products)  # 2 bytes -> 1 + scales
+        b = BLOCK  # 2 bytes a weight -> 1, plus an fp32 scale a block
+        sizes["target"] -= sum(n * k - 4 * -(-n // b) * -(-k // b) for n, k in products)
     for name, stage in drafters_for(shape).items():
         train = stage.train_config("cpu")
         drafter = build_drafter(train, cfg, mask_token_id=2)
