@@ -356,3 +356,20 @@ def test_a_flagship_shape_brings_drafters_that_fit_it(monkeypatch):
     monkeypatch.setenv("FLAGSHIP_SHAPE", "h999")
     with pytest.raises(DataError, match="'h999' is not a candidate; candidates: h256-l6-i1024"):
         flagship.active_plan()
+
+
+def test_a_target_call_refuses_weights_it_could_not_return(monkeypatch, tmp_path, capsys):
+    """A shape whose fp32 weights exceed a call's return is refused before any step when told to return them (the
+    run would otherwise train for minutes and then fail); the shipped shape's weights fit."""
+    from blockspec.train.data import DataError
+    from blockspec.train.recipes import flagship
+
+    flagship.check_weights_return(flagship.SHAPE)
+    monkeypatch.setenv("FLAGSHIP_SHAPE", "h320-l8-i1280")
+    args = ["target", "--pieces", str(tmp_path / "none"), "--state", str(tmp_path / "state"), "--minutes", "1",
+            "--out", str(tmp_path / "out")]
+    assert flagship.main(args) == 2
+    assert "fp32 weights are 66.9 MiB, more than a call returns" in capsys.readouterr().err
+    assert not (tmp_path / "state").exists()
+    with pytest.raises(DataError, match="66.9 MiB"):
+        flagship.check_weights_return(flagship.CANDIDATES["h320-l8-i1280"])

@@ -25,9 +25,15 @@ for d in sys.argv[1:]:
 PY
 }
 
-target_slice() {  # $1: minutes of training; the target's bf16 export is refreshed in DEV/target each call
+target_slice() {  # $1: minutes of training; the target's bf16 export is refreshed in DEV/target each call.
+  # FLAGSHIP_TARGET_SHIP=run (a target whose fp32 weights a call cannot return): the weights stay in DEV, and the
+  # call that ends the stage returns the bf16 export (16 MiB shards, no tokenizer) as target/
+  local groups=${FLAGSHIP_TARGET_SHIP:-model,run}
   flagship target --pieces "$DEV/corpus/pieces" --state "$DEV/target-state" --minutes "$1" \
-    --export "$DEV/target" --out "$OUT"
+    --export "$DEV/target" --out "$OUT" --ship "$groups"
+  if [[ ",$groups," != *,model,* ]] && grep -q '"stop": "done"' "$OUT/target_metrics.json"; then
+    mkdir -p "$OUT/target" && cp "$DEV"/target/{config,generation_config}.json "$DEV"/target/model*.safetensors* "$OUT/target/"
+  fi
 }
 
 regen_slice() {  # $1: minutes of generation; this slice's pieces and the state go to OUT/regen and DEV/regen;

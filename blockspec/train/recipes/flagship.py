@@ -65,6 +65,11 @@ drafters bf16, with `drafters_for`'s taps: two of a 4-layer target), with the tr
 DSpark (acceptance length 4.06 against 3.97 on 8 held-out prompts; CPU speed the same, each FP8 layer
 computing with its dequantized weight there). ``FLAGSHIP_SHAPE=NAME`` (e.g. h320-l8-i1280) runs every stage
 for another candidate, its drafters 3 x its hidden wide with z-lab's uniform taps ([1, 2, 4, 5] of 8 layers).
+A target whose fp32 weights are more than a call returns (h320-l8-i1280: 66.9 MiB; the target command refuses to
+start one told to return them) trains with ``FLAGSHIP_TARGET_SHIP=run``: weights and moments stay in DEV, so the
+target stage runs within one lease, and the call that ends it returns the bf16 export (16 MiB shards) as target/;
+locally, the tokenizer goes beside it (``cp out/flagship/corpus/tokenizer/* out/flagship/target/``) in place of
+``local.sh export-target``.
 Chosen (*):
 Qwen3, hidden 256, 6 layers, MLP 1024, 4 heads / 2 KV heads of 64, vocab 16384 (the corpus
 tokenizer), tied, 10.1 M parameters. Assets: target 20.2 MB; DFlash (2 layers, MLP 768, block 16,
@@ -512,6 +517,15 @@ def ship(files: list[Path], out: Path, max_files: int = RETURN_FILES, max_bytes:
     return copied
 
 
+def check_weights_return(shape: TargetShape) -> None:
+    """Refuse, before any step, a target call told to return fp32 weights larger than a call returns."""
+    fp32 = 4 * sum(p.numel() for p in _meta_target(shape).parameters())
+    if fp32 > RETURN_BYTES - MIB:
+        raise DataError(f"the target's fp32 weights are {fp32 / MIB:.1f} MiB, more than a call returns "
+                        f"({RETURN_BYTES / MIB:.0f} MiB with the rest): ship 'run' only (FLAGSHIP_TARGET_SHIP=run); "
+                        "the weights stay in the state directory and the last call returns the bf16 export")
+
+
 def ship_parts(state_dir: Path, groups: list[str] | None, reserve_files: int = 1) -> list[list[Path]]:
     """The state's index and the groups' shards in parts a call can each return (the index in every part)."""
     files = state_files(state_dir, groups)
@@ -735,6 +749,8 @@ def run_command(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer_dir(tokenizer_dir) if tokenizer_dir.is_dir() else None
         validation = args.validation or args.pieces / "validation-00000.u16.xz"
         cfg = dataclasses.replace(plan.pretrain, epochs=args.epochs) if args.epochs else plan.pretrain
+        if args.out is not None and "model" in (groups_arg(args.ship) or []):
+            check_weights_return(cfg.shape)
         heldout = heldout_examples(tokenizer, cfg.seq_len, cfg.eval_windows) if tokenizer is not None else None
         metrics = pretrain_slice(args.state, args.pieces, cfg=cfg, manifest=args.manifest or root / "manifest.json",
                                  tokenizer=tokenizer, minutes=args.minutes, max_steps=args.max_steps,
