@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blockspec.sample.rng import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL, STREAM_TARGET, gumbel,
-                                  keyed_uniform, row_key)
+                                  gumbel_from_keys, keyed_uniform, row_key, uniform_from_keys)
 from factories import TRITON_SKIP_REASON, triton_interpretable
 
 MASK = (1 << 64) - 1
@@ -192,3 +192,31 @@ def test_gumbel_argmax_kernel_draws_the_reference_token(rows, vocab, programs):
     drawn = gumbel_argmax_kernel(wide, k8, programs)
     assert torch.equal(drawn, (wide + gumbel_from_keys(k8, vocab)).argmax(dim=1))
     assert not torch.equal(drawn, gumbel_argmax_kernel(wide, k8 + 1, programs))
+
+
+def test_uniforms_from_a_column_offset_are_that_slice_of_the_row() -> None:
+    keys = row_key(*_keys()[:2], STREAM_TARGET, None)
+    whole = uniform_from_keys(keys, 40)
+    assert torch.equal(uniform_from_keys(keys, 13, start=21), whole[:, 21:34])
+    seed, position, _ = _keys()
+    assert uniform_from_keys(keys, 1, start=39)[2, 0].item() == _reference(int(seed[2]), int(position[2]),
+                                                                           STREAM_TARGET, None, 39)
+
+
+@pytest.mark.parametrize("rows,vocab,block", [(5, 1000, 256), (3, 300, 1024), (7, 97, 64)])
+def test_blocked_cpu_gumbel_argmax_draws_the_whole_rows_token(monkeypatch, rows, vocab, block) -> None:
+    """The CPU's blocked Gumbel-max (a running argmax over cache-sized blocks) equals argmax over whole rows of
+    scores + noise: rows split over several blocks, several rows a block, a row all -inf (token 0 either way),
+    a row whose scores tie in two blocks (noise decides, as over the whole row)."""
+    from blockspec.sample import sampler
+
+    g = torch.Generator().manual_seed(rows * vocab)
+    scores = torch.randn(rows, vocab, generator=g).log_softmax(-1)
+    scores[1] = float("-inf")
+    scores[2] = -50.0
+    scores[2, [3, vocab - 2]] = 0.0
+    keys = torch.randint(-(2**62), 2**62, (rows,), generator=g)
+    whole = (scores + gumbel_from_keys(keys, vocab)).argmax(dim=1)
+    monkeypatch.setattr(sampler, "CPU_NOISE_BLOCK", block)
+    assert torch.equal(sampler.gumbel_argmax(scores, keys), whole)
+    assert whole[1] == 0 and len(set(whole.tolist())) > 2

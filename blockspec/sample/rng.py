@@ -62,13 +62,14 @@ def row_key(seed: Tensor, position: Tensor, stream: int, round_: Tensor | None) 
     return h
 
 
-def uniform_from_keys(keys: Tensor, width: int) -> Tensor:
-    """Uniforms in the open interval (0, 1), shape [N, width], float64, from `row_key` states.
+def uniform_from_keys(keys: Tensor, width: int, start: int = 0) -> Tensor:
+    """Uniforms in the open interval (0, 1), shape [N, width], float64, from `row_key` states: the row's
+    columns start .. start + width - 1.
 
     Column j of row n is splitmix64(keys[n] + (j + 1) * gamma): the splitmix64 sequence of the
     row's key. The top 52 bits k give (2k + 1) / 2^53, exactly representable, never 0 or 1.
     """
-    cols = (torch.arange(1, width + 1, device=keys.device, dtype=torch.int64) * GAMMA).unsqueeze(0)
+    cols = (torch.arange(start + 1, start + width + 1, device=keys.device, dtype=torch.int64) * GAMMA).unsqueeze(0)
     x = _mix64_(keys.unsqueeze(1) + cols)
     return (_srl(x, 12) * 2 + 1).to(torch.float64) * INV_2_53
 
@@ -78,13 +79,13 @@ def keyed_uniform(seed: Tensor, position: Tensor, stream: int, round_: Tensor | 
     return uniform_from_keys(row_key(seed, position, stream, round_), width)
 
 
-def gumbel_from_keys(keys: Tensor, width: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Standard Gumbel noise -log(-log u) from `uniform_from_keys`, [N, width].
+def gumbel_from_keys(keys: Tensor, width: int, dtype: torch.dtype = torch.float32, start: int = 0) -> Tensor:
+    """Standard Gumbel noise -log(-log u) from `uniform_from_keys` (columns start .. start + width - 1), [N, width].
 
     Computed in float64 (u has 52 random bits, so both tails stay resolved) and then cast; the
     argmax of logprobs + this noise is a sample from the row's distribution (Gumbel-max).
     """
-    return uniform_from_keys(keys, width).log_().neg_().log_().neg_().to(dtype)
+    return uniform_from_keys(keys, width, start).log_().neg_().log_().neg_().to(dtype)
 
 
 def gumbel(seed: Tensor, position: Tensor, stream: int, round_: Tensor | None, width: int,
