@@ -28,13 +28,15 @@ from blockspec import LLM, SamplingParams
 from blockspec.assets import PAIR
 from blockspec.demo import heldout_prompts
 from blockspec.models import cpu_linear
+from blockspec.train.regen import repeated_line_share
 
 METHODS = [("greedy", "standard"), ("probabilistic", "standard"), ("probabilistic", "block")]
 
 
 def target_confidence(target: Path, prompts: list[str], max_tokens: int, ignore_eos: bool) -> dict:
     """The target's top-1 probability and its margin over the second, over every token of its greedy
-    continuations (plain decoding, the logprobs the engine returns)."""
+    continuations (plain decoding, the logprobs the engine returns), and the share of their lines that repeat an
+    earlier line of the same continuation (the flagship issue's measure of degenerate greedy code)."""
     llm = LLM(str(target), device="cpu", seed=0)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos,
                                                 logprobs=2), use_tqdm=False)
@@ -48,7 +50,8 @@ def target_confidence(target: Path, prompts: list[str], max_tokens: int, ignore_
             "top1_mean": statistics.fmean(top), "top1_median": statistics.median(top),
             "share_top1_below_0.5": sum(t < 0.5 for t in top) / len(top),
             "share_top1_above_0.95": sum(t > 0.95 for t in top) / len(top),
-            "share_margin_below_0.1": sum(m < 0.1 for m in margin) / len(margin)}
+            "share_margin_below_0.1": sum(m < 0.1 for m in margin) / len(margin),
+            "repeated_line_share": repeated_line_share([out.outputs[0].text for out in outs])}
 
 
 def main() -> None:

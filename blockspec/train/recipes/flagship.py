@@ -150,6 +150,8 @@ min of steps at 1.01 M tokens/s (the CPU-based estimate said 8.0); regeneration 
 (5.0 min for the first 10.9 M tokens, 4.1 min for the next 10.9 M: the estimate assumed twice that
 rate); DFlash 2 epochs 73 s of steps, DSpark 124 s, plus 10-25 s for the evaluation and save. Session 1
 and the drafters fit one session of 30 minutes: 28.9 minutes in 10 calls.
+The 17.5 M candidate (``FLAGSHIP_SHAPE=h320-l8-i1280``) on an H100 (2026-12-05): the target's 3 epochs 10.7 min of
+steps at 640 k tokens/s, regeneration 24.1 k tokens/s (20 M tokens: 14 min).
 ``FLAGSHIP_SMOKE=1 FLAGSHIP_MINUTES=0.1 OUT=... FLAGSHIP_DEV=...`` runs the same scripts on a CPU
 at toy sizes, to check a change before it spends device time.
 """
