@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
-
 import statistics
-import time
+from pathlib import Path
 
 import torch
 
-from blockspec.bench.timing import add_run, copy_bandwidth, cuda_time, kernel_record
+from blockspec.bench.timing import add_run, copy_bandwidth, cpu_read_bandwidth, cuda_time, kernel_record, wall_seconds
 from blockspec.kernels.gumbel import gumbel_argmax_kernel
 from blockspec.sample.rng import STREAM_TARGET, gumbel_from_keys, row_key
 from blockspec.sample.sampler import gumbel_argmax
@@ -47,19 +45,6 @@ def measure(rows: int, bandwidth: float) -> dict:
     return run
 
 
-def cpu_bandwidth() -> float:
-    """Read bandwidth of one pass over a 512 MB float32 tensor (best of 5), bytes/s."""
-    x = torch.ones(128 * 2**20)
-    best = min(_wall(lambda: x.sum()) for _ in range(5))
-    return x.numel() * 4 / best
-
-
-def _wall(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
 def measure_cpu(rows: int, bandwidth: float, rounds: int = 7) -> dict:
     """The blocked path and whole-row torch ops at one row count, A B A B ..., median and range of each."""
     scores = torch.randn(rows, VOCAB).log_softmax(-1)
@@ -70,7 +55,7 @@ def measure_cpu(rows: int, bandwidth: float, rounds: int = 7) -> dict:
     times: dict[str, list[float]] = {"whole_rows": [], "blocked": []}
     for _ in range(rounds):
         for name, fn in (("whole_rows", whole), ("blocked", blocked)):
-            times[name].append(_wall(fn))
+            times[name].append(wall_seconds(fn))
     floor = scores.numel() * 4 / bandwidth
     run = {"rows": rows, "floor_ms": floor * 1e3}
     for name, ts in times.items():
@@ -88,7 +73,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = ap.parse_args()
     if args.device == "cpu":
-        bw = cpu_bandwidth()
+        bw = cpu_read_bandwidth()
         runs = [measure_cpu(int(r), bw) for r in args.rows.split(",")]
         result = {"device": "cpu", "threads": torch.get_num_threads(), "read_bandwidth_gb_s": bw / 1e9,
                   "vocab": VOCAB, "runs": runs}

@@ -59,6 +59,20 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / med  # the buffers are freed on return
 
 
+def wall_seconds(fn: Callable[[], object]) -> float:
+    """Host wall time of fn (CPU work, which finishes when fn returns)."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def cpu_read_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second of one pass over a 512 MB fp32 tensor (the best of `repeats`): a CPU floor's rate."""
+    x = torch.ones(128 << 20)
+    x.sum()
+    return x.numel() * 4 / min(wall_seconds(x.sum) for _ in range(repeats))
+
+
 def matmul_rate(dtype: torch.dtype, n: int = 8192) -> float:
     """Dense product rate in FLOP/s of an n x n by n x n product in `dtype` on the GPU: the ceiling of the
     products a many-row verify step is made of (the compute floor's rate)."""

@@ -323,18 +323,6 @@ def tree_bytes(exclude: str | None = "blockspec/assets/default/") -> int:
     return sum(disk_bytes(Path(n)) for n in names if n and Path(n).is_file() and not (exclude and n.startswith(exclude)))
 
 
-def read_bandwidth(repeats: int = 5) -> float:
-    """Bytes per second of one pass over a 512 MB fp32 tensor (the best of `repeats`)."""
-    x = torch.ones(128 << 20)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best
-
-
 def decode_step_seconds(target_dir: Path, short: int = 16, long: int = 80, repeats: int = 5) -> float:
     """One batch-1 plain decode step through the engine on the CPU: (t(long) - t(short)) / (long - short), each
     the best of `repeats`, so the prompt's prefill cancels."""
@@ -413,6 +401,7 @@ def measure_shapes(tokenizer_dir: Path, names: list[str], threads: int | None) -
     from transformers import AutoTokenizer
 
     from blockspec.bench.arch import step_bytes
+    from blockspec.bench.timing import cpu_read_bandwidth
     from blockspec.models.loader import load_target
     from blockspec.train.target_lm import new_target
 
@@ -420,7 +409,7 @@ def measure_shapes(tokenizer_dir: Path, names: list[str], threads: int | None) -
         torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tok_bytes = (tokenizer_dir / "tokenizer.json").stat().st_size
-    bandwidth = read_bandwidth()
+    bandwidth = cpu_read_bandwidth()
     tree = tree_bytes()
     report: dict[str, Any] = {"threads": torch.get_num_threads(), "read_bandwidth_gb_s": round(bandwidth / 1e9, 1),
                               "tree_without_assets_mib": round(tree / MIB, 2), "shapes": {}}
