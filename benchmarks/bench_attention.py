@@ -39,11 +39,17 @@ from blockspec.kernels.attention import AttentionTiles, block_attention
 Q_HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 32, 8, 128, 36, 16
 VARIANTS = {
     "default": AttentionTiles(),
+    "wide min 2": AttentionTiles(min_tiles_wide=2),
     "wide min 3": AttentionTiles(min_tiles_wide=3),
     "wide used 4": AttentionTiles(max_used_wide=4),
     "wide used 16": AttentionTiles(max_used_wide=16),
     "wide used 33": AttentionTiles(max_used_wide=33, min_tiles_wide=1),
+    "programs 8": AttentionTiles(target_programs=8),  # batch-1 decode unsplit (8 KV heads)
+    "programs 16": AttentionTiles(target_programs=16),
+    "programs 32": AttentionTiles(target_programs=32),
+    "programs 64": AttentionTiles(target_programs=64),
     "programs 132": AttentionTiles(target_programs=132),
+    "merge unroll 8": AttentionTiles(merge_unroll=8),
     "per-key from 2 splits": AttentionTiles(per_key_splits=2),
     "per-key from 4 splits": AttentionTiles(per_key_splits=4),
     "per-key from 8 splits": AttentionTiles(per_key_splits=8),

@@ -135,12 +135,15 @@ def test_short_context_in_a_long_cache(shape):
     check_kernel(q, k, v, slots, lo, hi, hd**-0.5, 10 * length, torch.float32, True, page_control=False)
     tiles = triton_attention.TILES
     rows = nq * hq // hkv
-    programs = r * hkv * -(-rows // (16 if rows <= 16 else tiles.wide_block_m))
+    wide = rows > 16
+    programs = r * hkv * -(-rows // (tiles.wide_block_m if wide else 16))
     splits = min(-(-10 * length // tiles.block_n), tiles.target_programs // programs)
     key_tiles = -(-(int(hi.max()) + 1) // tiles.block_n)
-    per = max(-(-key_tiles // splits), 1 if rows <= 16 else max(tiles.min_tiles_wide,
-                                                                 -(-key_tiles // tiles.max_used_wide)))
-    assert -(-key_tiles // per) > tiles.merge_unroll
+    fill = max(1, tiles.one_wave // programs)
+    used = max(min(fill, -(-key_tiles // (tiles.min_tiles_wide if wide else 1))),
+               -(-key_tiles // (tiles.long_tiles_wide if wide else tiles.long_tiles)))
+    used = min(used, splits, tiles.max_used_wide if wide else splits)
+    assert splits > used > tiles.merge_unroll  # idle splits beside those merged
 
 
 def check_kernel(q, k, v, slots, lo, hi, scale, max_keys, dtype, split, page_size=64, page_control=True):

@@ -66,7 +66,7 @@ if triton is not None:
 
     # Arguments that follow a request's shape are not specialised on (Triton would compile a variant
     # for 1, for multiples of 16 and for the rest): a new prompt length never compiles mid-request.
-    @triton.jit(do_not_specialize=["stride_br", "num_queries"])
+    @triton.jit(do_not_specialize=["stride_br", "num_queries", "fill"])
     def _block_attention(
         Q, K, V, Table, Slots, Lo, Hi, Out, PartAcc, PartMax, PartSum, Counters,
         stride_qr, stride_qq, stride_qh,
@@ -74,12 +74,13 @@ if triton is not None:
         stride_vp, stride_vh, stride_vl,
         stride_t, stride_br,
         stride_or, stride_oq, stride_oh,
-        num_queries, scale_log2, v_scale,
+        num_queries, scale_log2, v_scale, fill,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, MAX_USED: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, LONG_TILES: tl.constexpr,
+        MAX_USED: tl.constexpr,
         MERGE_UNROLL: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr, PER_KEY: tl.constexpr,
-        F16_DOTS: tl.constexpr = False, V_STAGED: tl.constexpr = False, EDGE_MASKS: tl.constexpr = False,
-        PDL: tl.constexpr = False,
+        SPLIT: tl.constexpr = True, F16_DOTS: tl.constexpr = False, V_STAGED: tl.constexpr = False,
+        EDGE_MASKS: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         """One program: BLOCK_M (query row, head-in-group) pairs of one (request, KV head), over one
         split of the key tiles those rows read. Online softmax in fp32 (base 2). Keys and values of
@@ -110,14 +111,21 @@ if triton is not None:
         lo = tl.load(Lo + r * stride_br + qi, mask=row_ok, other=2147483647)
         hi = tl.load(Hi + r * stride_br + qi, mask=row_ok, other=-1)
         slot = tl.load(Slots + r)
-        # The row block's key tiles, divided evenly among the splits (every split of the block
-        # computes the same division from the same rows).
+        # The row block's key tiles, divided evenly among the splits that hold keys (every split of
+        # the block computes the same division from the same rows): as many as fill one wave of the
+        # GPU (`fill` splits a row block) at MIN_TILES or more a split, more where a split would hold
+        # over LONG_TILES, at most MAX_USED (one program merges their partials in turn) and the grid's.
         n_splits = tl.num_programs(2)
         last = tl.max(hi, 0) + 1
         first_tile = tl.min(lo, 0) // BLOCK_N
         tiles = tl.maximum(tl.cdiv(last, BLOCK_N) - first_tile, 0)
-        # fewer, longer splits when their partials are large: one program merges them in turn
-        per = tl.maximum(tl.maximum(tl.cdiv(tiles, n_splits), tl.cdiv(tiles, MAX_USED)), MIN_TILES)
+        used = 1
+        per = tiles
+        if SPLIT:  # (a grid of one split compiles without the division and the merge)
+            used = tl.maximum(tl.minimum(fill, tl.cdiv(tiles, MIN_TILES)), tl.cdiv(tiles, LONG_TILES))
+            used = tl.maximum(tl.minimum(used, tl.minimum(n_splits, MAX_USED)), 1)
+            per = tl.maximum(tl.cdiv(tiles, used), 1)
+            used = tl.maximum(tl.cdiv(tiles, per), 1)  # the splits past them hold no keys and take no part
         first = (first_tile + pid_s * per) * BLOCK_N
         end = tl.minimum(first + per * BLOCK_N, last)
         pages = Table + slot.to(tl.int64) * stride_t  # the slot's page of each PAGE positions
@@ -164,38 +172,41 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        if n_splits > 1:
-            # Store this split's partial softmax; the last split of the row block to arrive merges
-            # them all (its acquiring ticket makes every other split's stores visible to it).
-            rows_per_head = tl.num_programs(1) * BLOCK_M
-            part = (pid_rh * n_splits + pid_s) * rows_per_head + rows
-            tl.store(PartMax + part, m_i, mask=row_ok)  # only the block's real rows: less to merge
-            tl.store(PartSum + part, l_i, mask=row_ok)
-            tl.store(PartAcc + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
-            counter = Counters + pid_rh * tl.num_programs(1) + pid_m
-            if tl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
-                used = tl.cdiv(tiles, per)  # splits past the last tile hold nothing
-                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                l_i = tl.zeros([BLOCK_M], tl.float32)
-                acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-                # iterations unrolled so the loads of several splits are in flight at once
-                for split in tl.range(0, used, loop_unroll_factor=MERGE_UNROLL):
-                    part = (pid_rh * n_splits + split) * rows_per_head + rows
-                    m_s = tl.load(PartMax + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                    m_new = tl.maximum(m_i, m_s)
-                    base = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = tl.exp2(m_i - base)
-                    beta = tl.exp2(m_s - base)
-                    l_i = l_i * alpha + tl.load(PartSum + part, mask=row_ok, other=0.0, cache_modifier=".cg") * beta
-                    acc = acc * alpha[:, None] + tl.load(PartAcc + part[:, None] * BLOCK_D + d[None, :],
-                                                         mask=row_ok[:, None], other=0.0,
-                                                         cache_modifier=".cg") * beta[:, None]
-                    m_i = m_new
-                tl.atomic_xchg(counter, 0)  # ready for the next launch (and the next graph replay)
-                out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
-                tl.store(Out + r * stride_or + qi[:, None] * stride_oq + head[:, None] * stride_oh + d[None, :],
-                         out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        else:
+        write = pid_s == 0  # the row block's keys in one split: its output, no partials
+        if SPLIT:
+            if used > 1:
+                write = pid_s < 0  # (False, as a tensor: the merging split sets it)
+                if pid_s < used:
+                    # Store this split's partial softmax; the last split of the row block to arrive
+                    # merges them all (its acquiring ticket makes every other split's stores visible).
+                    rows_per_head = tl.num_programs(1) * BLOCK_M
+                    part = (pid_rh * n_splits + pid_s) * rows_per_head + rows
+                    tl.store(PartMax + part, m_i, mask=row_ok)  # only the block's real rows: less to merge
+                    tl.store(PartSum + part, l_i, mask=row_ok)
+                    tl.store(PartAcc + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+                    counter = Counters + pid_rh * tl.num_programs(1) + pid_m
+                    ticket = tl.atomic_add(counter, 1, sem="acq_rel")
+                    if ticket == used - 1:
+                        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                        l_i = tl.zeros([BLOCK_M], tl.float32)
+                        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+                        # iterations unrolled so the loads of several splits are in flight at once
+                        for split in tl.range(0, used, loop_unroll_factor=MERGE_UNROLL):
+                            part = (pid_rh * n_splits + split) * rows_per_head + rows
+                            m_s = tl.load(PartMax + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                            m_new = tl.maximum(m_i, m_s)
+                            base = tl.where(m_new == float("-inf"), 0.0, m_new)
+                            alpha = tl.exp2(m_i - base)
+                            beta = tl.exp2(m_s - base)
+                            l_i = l_i * alpha + tl.load(PartSum + part, mask=row_ok, other=0.0,
+                                                        cache_modifier=".cg") * beta
+                            acc = acc * alpha[:, None] + tl.load(PartAcc + part[:, None] * BLOCK_D + d[None, :],
+                                                                 mask=row_ok[:, None], other=0.0,
+                                                                 cache_modifier=".cg") * beta[:, None]
+                            m_i = m_new
+                        tl.atomic_xchg(counter, 0)  # ready for the next launch (and the next graph replay)
+                        write = pid_s >= 0  # True
+        if write:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
             tl.store(Out + r * stride_or + qi[:, None] * stride_oq + head[:, None] * stride_oh + d[None, :],
                      out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -219,22 +230,28 @@ def split_counters(n: int, device: torch.device) -> Tensor:
 
 @dataclass(frozen=True)
 class AttentionTiles:
-    """Launch shape of `block_attention`: key tile, the programs a launch aims for (about two waves of
-    an H100/H200's 132 SMs), the row block of wide blocks (verify, draft, prefill; decode takes 16
-    when a KV head serves <= 16 query heads), for wide blocks the fewest key tiles a split takes and
-    the most splits that hold keys (one program merges the splits in turn, and a wide block's
-    partials are four times a decode block's), the merge loop's unrolling, and the fewest splits of
-    a decode block at which each key looks its page up (a vector load) instead of its tile's page
-    being loaded a tile ahead: per-key lookups pay where each split holds a tile or two (batch-1
-    decode) and cost where splits hold more (`benchmarks/bench_attention.py` measures both)."""
+    """Launch shape of `block_attention`: key tile; the programs the grid holds (about two waves of an
+    H100/H200's 132 SMs) and how many splits of a row block hold keys: enough to fill one wave with
+    at least `min_tiles` key tiles a split (1 for decode blocks, `min_tiles_wide` for wide ones),
+    more where a split would hold over `long_tiles` (`long_tiles_wide`), at most the grid's and, for
+    wide blocks, `max_used_wide` (one program merges the splits in turn, and a wide block's partials
+    are four times a decode block's; a split costs a merge, which pays only where the GPU would
+    idle or a split is long); the row block of wide blocks (verify, draft, prefill; decode takes 16
+    when a KV head serves <= 16 query heads); the merge loop's unrolling; and the fewest splits of a
+    decode grid at which each key looks its page up (a vector load) instead of its tile's page being
+    loaded a tile ahead: per-key lookups pay where each split holds a tile or two (batch-1 decode)
+    and cost where splits hold more (`benchmarks/bench_attention.py` measures both)."""
 
     block_n: int = 64
     fp8_block_n: int = 128  # an e4m3 tile of 128 keys moves a bf16 tile's bytes
     fp8_v_staged: bool = True  # `_block_attention`'s V_STAGED: FP8 V transposed in fp16, not byte by byte
     edge_masks: bool = True  # `_block_attention`'s EDGE_MASKS: tiles every row sees whole take no mask
     target_programs: int = 264
+    one_wave: int = 132
     wide_block_m: int = 64
-    min_tiles_wide: int = 2
+    min_tiles_wide: int = 4
+    long_tiles: int = 8
+    long_tiles_wide: int = 32
     max_used_wide: int = 8
     merge_unroll: int = 4
     per_key_splits: int = 32
@@ -293,14 +310,15 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         table.stride(0), lo.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        nq, scale * math.log2(math.e) * k_scale, v_scale,
+        nq, scale * math.log2(math.e) * k_scale, v_scale, max(1, t.one_wave // programs),
         # decode blocks: no floor and no cap (splits <= target_programs), and fixed constants, so a
         # new split count never compiles a variant
         BLOCK_M=block_m, BLOCK_N=block_n, MIN_TILES=1 if block_m == 16 else t.min_tiles_wide,
+        LONG_TILES=t.long_tiles if block_m == 16 else t.long_tiles_wide,
         MAX_USED=t.target_programs if block_m == 16 else t.max_used_wide,
         MERGE_UNROLL=t.merge_unroll, IEEE=ieee, PAGE=k_cache.shape[2],
         PER_KEY=block_m == 16 and splits >= t.per_key_splits,
-        F16_DOTS=fp8 and not ieee, V_STAGED=fp8 and not ieee and t.fp8_v_staged and not interpreted(),
+        SPLIT=splits > 1, F16_DOTS=fp8 and not ieee, V_STAGED=fp8 and not ieee and t.fp8_v_staged and not interpreted(),
         EDGE_MASKS=t.edge_masks,
         num_warps=t.num_warps, num_stages=t.num_stages, **consts, **dependent_launch(q),
     )
