@@ -6,9 +6,10 @@ position), the drafter's non-causal block (hi = the block's last position) and s
 (lo > 0). The kernel reads keys in place from the
 cache, so nothing is gathered, repeated per query head or masked with a materialised tensor; the
 query heads that share a KV head are processed together, so each key is loaded once per step.
-When a batch has too few (request, KV head) pairs to fill the GPU (batch-1 decode), the key range
-is split over programs (flash-decoding): each stores its partial softmax, and the last split of a
-row block to finish merges them, in the same kernel (one launch per layer, not two). The grid is
+When a batch has too few (request, KV head) pairs to fill the GPU (batch-1 decode), or a row block's
+keys are many, the key range is split over programs (flash-decoding): each stores its partial
+softmax, and the last split of a row block to finish merges them, in the same kernel (one launch
+per layer, not two). A split costs that merge, so a full GPU splits only long key ranges. The grid is
 fixed by the cache's extent (CUDA graphs capture the whole cache once), but each row block divides
 the keys it actually reads among its splits, so a 512-token context in a 32K cache still spreads
 over the splits rather than landing in the first.
