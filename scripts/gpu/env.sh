@@ -1,7 +1,7 @@
 # Sourced at the start of every device-machine call (see scripts/gpu/README.md).
 # The device machine has no package index: blockspec's dependencies it lacks (llguidance, loaded only to compile a
 # grammar) travel as wheels, downloaded here into .devcarry/whl (git-ignored) and carried by name by the calls that
-# need them (carry: [".devcarry/whl"]; the tracked tree takes 60 of the 64 MiB a call may carry, in disk blocks:
+# need them (carry: [".devcarry/whl"]; the tracked tree takes about 47 of the 64 MiB a call may carry, in disk blocks:
 # scripts/gpu/README.md).
 set -euo pipefail
 export PYTHONUNBUFFERED=1
@@ -15,8 +15,8 @@ export PYTHONPATH=$PWD:/tmp/site
 # Compiled Triton kernels travel between calls and sessions, so a call spends its minutes running, not
 # compiling: the cache a call saved (copied here as .devcarry/triton-cache.tar.xz and carried by name) is
 # unpacked once per machine, and `save_triton_cache` packs it into OUT at the end of a call. What travels
-# to the machine is at most 64 MiB with the tracked tree (60 MiB with the embedded pair), so the pack keeps
-# the newest kernel variants that fit TRITON_CACHE_MAX_MIB (compressed, default 3).
+# to the machine is at most 64 MiB with the tracked tree (about 47 MiB with the embedded pair), so the pack keeps
+# the newest kernel variants that fit TRITON_CACHE_MAX_MIB (compressed one by one, default 8).
 export TRITON_CACHE_DIR=/tmp/triton-cache
 if [ ! -d "$TRITON_CACHE_DIR" ]; then
   mkdir -p "$TRITON_CACHE_DIR"
@@ -28,7 +28,7 @@ if [ ! -d "$TRITON_CACHE_DIR" ]; then
 fi
 
 save_triton_cache() {  # Python's lzma and tarfile: the machine need not have xz
-  python3 - "$TRITON_CACHE_DIR" "$OUT/triton-cache.tar.xz" "${TRITON_CACHE_MAX_MIB:-3}" <<'PY'
+  python3 - "$TRITON_CACHE_DIR" "$OUT/triton-cache.tar.xz" "${TRITON_CACHE_MAX_MIB:-8}" <<'PY'
 import lzma, os, sys, tarfile
 from pathlib import Path
 root, out, budget = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]) * 2**20
