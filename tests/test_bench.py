@@ -19,6 +19,7 @@ from PIL import Image
 
 from blockspec.bench import BenchConfig, markdown, run_bench, write_outputs
 from blockspec.bench.arch import TINY, TINY_DFLASH, random_drafter, random_target
+from blockspec.bench.harness import source_digest
 from blockspec.bench.report import decode_ratio_at_expectation, summary_line
 from blockspec.bench.points import point_name
 from blockspec.cli import main
@@ -101,6 +102,24 @@ def test_outputs_written(result, tmp_path):
             assert "float32) on cpu" in img.info["Title"] and "8-token prompts, 16 output tokens, real acceptance" in \
                 img.info["Title"]
     assert "issue" not in md.lower()
+    assert f"source digest {source_digest()}" in md  # the package that ran, whatever git says
+
+
+def test_the_source_digest_follows_python_sources_only(tmp_path):
+    """The digest a report carries names the code: a changed byte or a renamed module changes it, other
+    files do not."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.py").write_text("y = 2\n")
+    first = source_digest(tmp_path)
+    assert len(first) == 12 and source_digest(tmp_path) == first
+    (tmp_path / "notes.md").write_text("not code")
+    assert source_digest(tmp_path) == first
+    (tmp_path / "b.py").write_text("y = 3\n")
+    changed = source_digest(tmp_path)
+    assert changed != first
+    (tmp_path / "b.py").rename(tmp_path / "c.py")
+    assert source_digest(tmp_path) not in (first, changed)
 
 
 def test_plots_group_colours_by_method_read_plainly_and_mark_what_never_drafted(result):

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import hashlib
 import itertools
 import json
 import platform
@@ -712,6 +713,17 @@ def _memory(engine: Engine, drafter: Any) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------- run
+def source_digest(root: Path | None = None) -> str:
+    """The first 12 hex digits of a sha256 over the Python sources under `root` (the blockspec package by
+    default; paths and bytes): which code ran, where git's metadata is missing or older than the files (a
+    tree copied to another machine)."""
+    root = root or Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def _environment(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
     import transformers
 
@@ -729,6 +741,7 @@ def _environment(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "git_commit": commit,
+        "source_digest": source_digest(),
         "command": cfg.command or " ".join(sys.argv),
     }
 

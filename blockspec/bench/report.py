@@ -213,7 +213,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [f"**{SYNTHETIC_NOTE}.** Profile: `{profile['profile']}`, seed {profile['seed']}.", ""]
     m = result["model"]
     lines.append(f"- date {result['date']}, torch {result['torch']}, transformers {result['transformers']}, "
-                 f"commit {result['git_commit'] or 'n/a'}")
+                 f"commit {result['git_commit'] or 'n/a'}, source digest {result.get('source_digest', 'n/a')}")
     lines.append(f"- command: `{result['command']}`")
     lines.append(f"- target: {m['target']} ({m['dtype']}, {m['target_gb']:.3g} GB; "
                  f"{m['weight_bytes_per_step_gb']:.3g} GB read per decode step)")
