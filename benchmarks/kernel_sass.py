@@ -25,7 +25,8 @@ _ATTENTION_SIGNATURE = {"Q": "*bf16", "K": "*{kv}", "V": "*{kv}", "Out": "*bf16"
 # decode blocks of 16 rows at Qwen3-8B's heads (32 query, 8 KV, head_dim 128), pages of 64, as the engine
 # launches them at 16 requests (no per-key page lookups); the FP8 cache's key tile and fp16 dots
 _ATTENTION_DECODE = {"KV_HEADS": 8, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 16, "MIN_TILES": 1,
-                     "LONG_TILES": 8, "MAX_USED": 264, "MERGE_UNROLL": 4, "IEEE": False, "PAGE": 64, "PER_KEY": False, "PDL": True}
+                     "LONG_TILES": 8, "MAX_USED": 264, "MERGE_UNROLL": 4, "IEEE": False, "PAGE": 64, "PER_KEY": False,
+                     "PDL": True}
 ATTENTION_LAUNCH = {"num_warps": 4, "num_stages": 3, "launch_pdl": True}  # block_attention's (AttentionTiles)
 
 
