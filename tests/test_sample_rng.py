@@ -194,6 +194,37 @@ def test_gumbel_argmax_kernel_draws_the_reference_token(rows, vocab, programs):
     assert not torch.equal(drawn, gumbel_argmax_kernel(wide, k8 + 1, programs))
 
 
+@pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("programs", [528, 1], ids=["split", "unsplit"])
+def test_greedy_ids_kernel_gives_the_reference_ids(programs, dtype):
+    """The greedy pass picks `greedy_ids`'s torch ids: ties to the lowest id within a lane, across lanes
+    and across splits, -1 for a row with NaN, +inf or nothing above -inf, logits in bf16 and fp32. The
+    ties are real: the highest tied id differs from the lowest in those rows."""
+    from blockspec.kernels.gumbel import GREEDY_BLOCK, greedy_ids_kernel
+    from blockspec.sample.sampler import greedy_ids
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    vocab = 3 * GREEDY_BLOCK + 77
+    g = torch.Generator().manual_seed(programs)
+    logits = torch.randn(9, vocab, generator=g).to(dtype)
+    logits[0, [5, 5 + GREEDY_BLOCK]] = 9.0  # one lane, two blocks
+    logits[1, [7, 700]] = 9.0  # two lanes of a block
+    logits[2, [11, vocab - 3]] = 9.0  # the first and the last split
+    logits[3, 40] = float("nan")
+    logits[4, 41] = float("inf")
+    logits[5] = float("-inf")
+    logits[6, :-1] = float("-inf")  # one live column: the last
+    logits[7, 1:] = float("-inf")  # one live column: the first
+    want = greedy_ids(logits)
+    got = greedy_ids_kernel(logits.to(device), programs).cpu()
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert want.tolist()[:8] == [5, 7, 11, -1, -1, -1, vocab - 1, 0]
+    last_tie = vocab - 1 - logits[:3].float().flip(1).argmax(1)  # negative control: ties to the highest id
+    assert (last_tie != want[:3]).all()
+    assert greedy_ids_kernel(logits[:0].to(device), programs).shape == (0,)
+
+
 def test_uniforms_from_a_column_offset_are_that_slice_of_the_row() -> None:
     keys = row_key(*_keys()[:2], STREAM_TARGET, None)
     whole = uniform_from_keys(keys, 40)

@@ -14,7 +14,7 @@ from torch import Tensor
 from blockspec.sample.processors import (CHUNK_ELEMS, RowParams, features, needs_full_processing,
                                          process_logits, row_chunks)
 from blockspec.kernels.ops import use_kernels
-from blockspec.kernels.gumbel import gumbel_argmax_kernel
+from blockspec.kernels.gumbel import greedy_ids_kernel, gumbel_argmax_kernel
 from blockspec.sample.rng import STREAM_DRAFT, STREAM_TARGET, gumbel_from_keys, row_key
 
 
@@ -24,7 +24,10 @@ across the hash's passes, several times faster than a pass over all of a batch's
 
 
 def greedy_ids(logits: Tensor) -> Tensor:
-    """Argmax over the last dim (ties -> lowest id), -1 for bad rows; ids only, no vocab buffer."""
+    """Argmax over the last dim (ties -> lowest id), -1 for bad rows; ids only, no vocab buffer. On the
+    GPU one Triton pass over the logits (`greedy_ids_kernel`), the same ids."""
+    if use_kernels(logits) and logits.stride(-1) == 1:
+        return greedy_ids_kernel(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
     values, ids = logits.max(dim=-1)
     return torch.where(torch.isfinite(values), ids, -1)
 

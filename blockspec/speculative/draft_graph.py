@@ -29,6 +29,7 @@ from blockspec.drafters import DraftModel
 from blockspec.models.kv_cache import KVCache
 from blockspec.models.runner import BATCH_BUCKETS, bucket, capture, kv_extent, kv_extents
 from blockspec.models.llama import CausalLM
+from blockspec.sample.sampler import greedy_ids
 from blockspec.speculative.policy import aligned_lengths
 from blockspec.transfer import to_device
 
@@ -157,9 +158,9 @@ class DraftGraphs:
         d.append_context_tensors(self.cache, slots, starts, counts, held, kv + self.rows)
         hidden = d.block_hidden_tensors(self.cache, slots, starts + counts, anchors, kv, self.target.embed,
                                         d.block_rows(width))
-        # where the drafter's logits are the target's, the argmax of the head's own-dtype logits
+        # where the drafter's logits are the target's, the greedy ids of the head's own-dtype logits (as eager)
         return d.greedy_drafts(d.slot_hidden(hidden, width), anchors, self.markov_top_k,
-                               head_argmax=lambda h: self.target.head_logits(h).argmax(-1))
+                               head_argmax=lambda h: greedy_ids(self.target.head_logits(h)))
 
     def _new_control(self, rows: int, b: int) -> Tensor:
         control = torch.zeros(rows, b, dtype=torch.int64, device=self.pending.device)
