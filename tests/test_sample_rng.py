@@ -9,6 +9,7 @@ import torch
 
 from blockspec.sample.rng import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL, STREAM_TARGET, gumbel,
                                   gumbel_from_keys, keyed_uniform, row_key, uniform_from_keys)
+from blockspec.kernels import interpreted, triton
 from factories import TRITON_SKIP_REASON, triton_interpretable
 
 MASK = (1 << 64) - 1
@@ -192,6 +193,74 @@ def test_gumbel_argmax_kernel_draws_the_reference_token(rows, vocab, programs):
     drawn = gumbel_argmax_kernel(wide, k8, programs)
     assert torch.equal(drawn, (wide + gumbel_from_keys(k8, vocab)).argmax(dim=1))
     assert not torch.equal(drawn, gumbel_argmax_kernel(wide, k8 + 1, programs))
+
+
+def _float32_noise(odd: torch.Tensor) -> torch.Tensor:
+    """`kernels.gumbel._approx_gumbel` of int64 odd numbers (u = odd * 2**-53), through a one-line kernel."""
+    out = torch.empty(odd.shape, dtype=torch.float32, device=odd.device)
+    _noise_kernel[(triton.cdiv(odd.numel(), 1024),)](odd, out, odd.numel(), FAST=not interpreted(), BLOCK=1024)
+    return out
+
+
+if triton is not None:
+    import triton.language as tl
+
+    from blockspec.kernels.gumbel import _approx_gumbel
+
+    @triton.jit
+    def _noise_kernel(Odd, Out, n, FAST: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(Out + i, _approx_gumbel(tl.load(Odd + i, mask=i < n, other=1), FAST), mask=i < n)
+
+
+def _odd(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The odd numbers behind `uniform_from_keys`'s draws: u = odd * 2**-53, exactly."""
+    return (uniform_from_keys(keys, vocab) * 2.0**53).to(torch.int64)
+
+
+@pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
+def test_float32_noise_stays_well_inside_the_margin() -> None:
+    """The kernel skips tiles by float32 noise and lets only tiles within NOISE_MARGIN of the best
+    compete in float64: that needs the float32 noise within half the margin of the float64 noise
+    cast to float32, less the adds' rounding. Held to a sixteenth, over hashed draws and the
+    edges: u at 2**-53 and 1 - 2**-53, either side of one half and of the series' cut (t = 2**-6)."""
+    from blockspec.kernels.gumbel import NOISE_MARGIN
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    keys = row_key(torch.arange(8) + 3, torch.arange(8), STREAM_TARGET, None)
+    edges = torch.tensor([1, 3, 2**52 - 1, 2**52 + 1, 2**53 - 1, 2**53 - 3, 2**53 - 2**47 - 1, 2**53 - 2**47 + 1])
+    odd = torch.cat([_odd(keys, 4096).flatten(), edges])
+    want = (-(-(odd.double() * 2.0**-53).log()).log()).float()
+    error = (_float32_noise(odd.to(device)).cpu() - want).abs()
+    assert error.max().item() < NOISE_MARGIN / 16, error.max().item()
+    assert torch.isfinite(want).all() and want.max() > 36 and want.min() < -3.5  # the edges reach both tails
+
+
+@pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
+@pytest.mark.parametrize("programs", [1, 528], ids=["unsplit", "split"])
+def test_gumbel_argmax_kernel_keeps_float64_ties_and_near_ties(programs) -> None:
+    """Scores that cancel the noise make every column's noisy score tie or differ by an ulp: "flat"
+    (the first column of the tie wins) and "ramp" (a rise of 2**-22 a column, so the winner is
+    near the row's end, tiles after the first). The kernel draws the float64 noise's token in
+    both; argmax over float32 noise alone draws others (the tiles' float64 pass decides), and a
+    negative margin, which skips tiles that hold the winner, draws others too."""
+    from blockspec.kernels.gumbel import gumbel_argmax_kernel
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, vocab = 6, 3000
+    keys = row_key(torch.arange(rows) + 3, torch.arange(rows), STREAM_TARGET, None)
+    noise = gumbel_from_keys(keys, vocab)
+    rough = _float32_noise(_odd(keys, vocab).to(device)).cpu()
+    for name, scores in (("flat", 5.0 - noise), ("ramp", 5.0 - noise + torch.arange(vocab) * 2.0**-22)):
+        want = (scores + noise).argmax(dim=1)
+        got = gumbel_argmax_kernel(scores.to(device), keys.to(device), programs).cpu()
+        assert torch.equal(got, want), name
+        if name == "flat":
+            assert want.tolist() == [0] * rows and not torch.equal((scores + rough).argmax(dim=1), want)
+        elif programs == 1:  # one split: the tiles after the first compete only through the margin
+            assert (want > 2048).all()
+            assert not torch.equal(gumbel_argmax_kernel(scores.to(device), keys.to(device), programs,
+                                                        margin=-1.0).cpu(), want)
 
 
 @pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
