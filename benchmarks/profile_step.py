@@ -2,7 +2,8 @@
 default), with FP8 weights or an FP8 KV cache when asked:
 
 - per-kernel CUDA time of one eager target forward (decode and a 512-token prefill), every kernel visible;
-- per-kernel CUDA time of engine steps (CUDA graphs), plain, DFlash and DSpark (`--batch`, `--k`);
+- per-kernel CUDA time of engine steps (CUDA graphs), plain, DFlash and DSpark (`--batch`, `--k`,
+  `--temperature`);
 - each step's wall time against its kernel time (the difference is the GPU waiting for the host),
   and the host's hottest Python functions (cProfile) over the same steps.
 
@@ -83,9 +84,11 @@ def eager_forwards(target: torch.nn.Module, context: int, steps: int) -> list[st
     return out
 
 
-def engine_steps(engine: Engine, name: str, context: int, steps: int, speculate: bool, batch: int) -> list[str]:
+def engine_steps(engine: Engine, name: str, context: int, steps: int, speculate: bool, batch: int,
+                 temperature: float = 0.0) -> list[str]:
     """Kernel table, wall vs kernel time, and host hot spots of `steps` steady decode steps."""
-    params = SamplingParams(temperature=0, max_tokens=100000, ignore_eos=True, use_speculation=speculate)
+    params = SamplingParams(temperature=temperature, seed=0, max_tokens=100000, ignore_eos=True,
+                            use_speculation=speculate)
     for i in range(batch):
         engine.add_request(f"{name}-{i}", None, torch.randint(0, 150000, (context,)).tolist(), params)
     for _ in range(8 + -(-batch * context // engine.config.max_prefill_tokens)):
@@ -142,6 +145,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--no-pdl", action="store_true",
                     help="plain launches: with programmatic dependent launch a kernel's time counts its wait")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the requests")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     kernels.PDL = not args.no_pdl
@@ -165,7 +169,7 @@ def main() -> None:
         engine.warmup()
         for speculate, name in wanted:
             name = f"{name} K={engine.proposer.num_speculative_tokens}" if speculate else name
-            out += engine_steps(engine, name, args.context, args.steps, speculate, args.batch)
+            out += engine_steps(engine, name, args.context, args.steps, speculate, args.batch, args.temperature)
             print("\n\n".join(out[-3:]), flush=True)
         del engine
         torch.cuda.empty_cache()
