@@ -8,8 +8,8 @@ of GB of traffic; at batch 1 it is some sixty launches. This kernel hashes, draw
 argmax of scores + noise in one read of the scores. It runs the same integer hash as the torch ops
 and screens each tile with float32 noise; the tiles that could hold the winner take the same
 float64 logs as the torch ops and alone compete, so it picks the same token (the tests hold it to
-them, near-ties included). A row's key
-(`rng.row_key`, a few int64 ops a row) is made in one launch too (`row_keys_kernel`). Greedy rows
+them, near-ties included). A row's key (`rng.row_key`, a few int64 ops a row) is made in one launch
+too (`row_keys_kernel`). Greedy rows
 (`greedy_ids_kernel`: the verify's and the draft head's argmax) take the same pass without noise:
 torch's reduction reads 256 x 152K logits at about 2.5x their bytes' time.
 
@@ -103,8 +103,7 @@ if triton is not None:
         some column comes within MARGIN (plus 2**-20 of its size) of the best such score of the
         tiles before takes the float64 noise of the reference, and only those tiles compete. The
         margin bounds twice the float32 noise's error and the adds' rounding, so the row's winner and
-        any column tying it lie in such tiles: the same token as float64 noise over every column,
-        with about one tile in ten past the first at a row's usual spread."""
+        any column tying it lie in such tiles: the same token as float64 noise over every column."""
         row = tl.program_id(0)
         split = tl.program_id(1)
         start = split * per_split
