@@ -9,9 +9,9 @@ argmax of scores + noise in one read of the scores. It runs the same integer has
 and screens each tile with float32 noise; the tiles that could hold the winner take the same
 float64 logs as the torch ops and alone compete, so it picks the same token (the tests hold it to
 them, near-ties included). A row's key (`rng.row_key`, a few int64 ops a row) is made in one launch
-too (`row_keys_kernel`). Greedy rows
-(`greedy_ids_kernel`: the verify's and the draft head's argmax) take the same pass without noise:
-torch's reduction reads 256 x 152K logits at about 2.5x their bytes' time.
+too (`row_keys_kernel`). Greedy rows (`greedy_ids_kernel`: the verify's and the draft head's argmax)
+take the same pass without noise: torch's reduction reads 256 x 152K logits at about 2.5x their
+bytes' time.
 
 The vocabulary is split over programs when there are few rows (one program would walk 152K
 columns alone); each split keeps its first maximum, and a second launch takes the first split
