@@ -40,6 +40,8 @@ INV_2_53 = 2.0**-53
 BLOCK = 1024
 NOISE_MARGIN = 2.0**-8  # tests hold the float32 noise's error under 1/16 of it (CPU: 2e-6)
 TARGET_PROGRAMS = 528  # about four waves of an H100/H200's 132 SMs
+GREEDY_BLOCK = 2048  # columns a greedy program reads at a time: its loads in flight, no hash to hide them behind
+GREEDY_WARPS = 8  # with no hash to compute, more warps a program keep more loads in flight
 
 if triton is not None:
     import triton.language as tl
@@ -174,10 +176,6 @@ def row_keys_kernel(seed: Tensor, position: Tensor, stream: int, round_: Tensor 
                                             STREAM=stream, HAS_ROUND=round_ is not None, GAMMA=GAMMA, M1=MIX1,
                                             M2=MIX2, BLOCK=block, num_warps=1)
     return keys
-
-
-GREEDY_BLOCK = 2048  # columns a greedy program reads at a time: its loads in flight, no hash to hide them behind
-GREEDY_WARPS = 8  # with no hash to compute, more warps a program keep more loads in flight
 
 
 def _argmax_rows(scores: Tensor, keys: Tensor | None, programs: int, block: int, warps: int = 4,
