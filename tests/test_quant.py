@@ -1,7 +1,8 @@
 """FP8 weights on the CPU: FP8 checkpoints (block, per-channel and per-tensor scales, layers kept in
 bf16) equal to their dequantized reference, fused q/k/v and gate/up scales that stay aligned,
-refused quantization methods, `quantization="fp8"` at load, and speculative decoding exact on the
-quantized target (greedy against its own plain decoding, seeded sampling likewise)."""
+refused quantization methods, `quantization="fp8"` at load, a checkpoint's FP8 KV cache scales, and
+speculative decoding exact on the quantized target (greedy against its own plain decoding, seeded
+sampling likewise)."""
 
 from __future__ import annotations
 
@@ -290,6 +291,102 @@ def test_an_fp8_kv_cache_stores_e4m3_and_reads_the_model_dtype(target):
     assert KVCache.page_bytes(2, 2, 8, 64, FP8) * 4 == KVCache.page_bytes(2, 2, 8, 64, torch.float32)
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of"):
         EngineArgs(kv_cache_dtype="int8")
+
+
+def with_kv_scales(src: Path, dst: Path, names: str, scales: dict[int, tuple[float, float]] | None = None,
+                   extra: dict[str, torch.Tensor] | None = None) -> Path:
+    """`src` with its K and V values scaled up past e4m3's +-448 (k_norm x 1000 and q_norm / 1000, v_proj x 2000 and
+    o_proj / 2000, so the fp32 model's output is the same up to rounding), and each layer's cache scales (`scales`, else the
+    K and V amax of a prefill of IDS over 448) under `names` ("{kind}" is k or v; "kv" one tensor for both)."""
+    state = load_file(str(src / "model.safetensors"))
+    for name in list(state):
+        if ".self_attn.k_norm." in name:
+            state[name] = state[name] * 1000
+        elif ".self_attn.q_norm." in name:
+            state[name] = state[name] / 1000
+        elif ".self_attn.v_proj." in name:
+            state[name] = state[name] * 2000
+        elif ".self_attn.o_proj." in name:
+            state[name] = state[name] / 2000
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    save_file(state, str(dst / "model.safetensors"))
+    if scales is None:  # calibrated as a checkpoint's are: amax over 448, here on the text the test decodes
+        model, _ = load_target(dst, "float32", "cpu", 128)
+        cache = model.new_cache(1, 64)
+        meta = causal_meta([0], [0], [IDS.shape[1]], IDS.shape[1], cache.trash, "cpu")
+        with torch.no_grad():
+            model(IDS, meta, cache)
+        scales = {i: (float(cache.k[i].abs().max()) / fp8.E4M3_MAX, float(cache.v[i].abs().max()) / fp8.E4M3_MAX)
+                  for i in range(len(model.layers))}
+    for i, (k, v) in scales.items():
+        if names == "kv":
+            state[f"model.layers.{i}.self_attn.kv_scale"] = torch.tensor(max(k, v))
+        else:
+            for kind, value in (("k", k), ("v", v)):
+                state[f"model.layers.{i}.self_attn.{names.format(kind=kind)}"] = torch.tensor([value])
+    state.update(extra or {})
+    save_file(state, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("names", ["{kind}_scale", "attn.{kind}_scale", "{kind}_proj.{kind}_scale",
+                                   "{kind}_proj.output_scale", "kv"])
+def test_a_checkpoints_kv_cache_scales_keep_large_keys_and_values(target, tmp_path, names):
+    """K and V far past +-448: an FP8 cache at the checkpoint's per-layer scales (every format's names; its
+    query and softmax scales, unused, dropped) stays near the fp32 cache's logits, while scale 1.0
+    saturates them (the control). `kv_cache_dtype="fp8"` then stores under those scales, and speculation
+    stays exact against the scaled cache's plain decoding."""
+    extra = {"model.layers.0.self_attn.q_scale": torch.tensor(1.0),
+             "model.layers.0.self_attn.prob_scale": torch.tensor(1.0),
+             "model.layers.0.self_attn.q_proj.output_scale": torch.tensor([1.0])}
+    path = with_kv_scales(target, tmp_path / "scaled", names, extra=extra)
+    model, _ = load_target(path, "float32", "cpu", 128)
+    assert model.kv_scales is not None and min(model.kv_scales.k + model.kv_scales.v) > 1.0
+    with torch.no_grad():
+        reference = logits(model, IDS)
+        model.kv_cache_dtype = fp8.FP8
+        scaled = logits(model, IDS)
+        scales, model.kv_scales = model.kv_scales, None
+        saturated = logits(model, IDS)
+    error = (scaled - reference).abs().max() / reference.abs().max()
+    assert error < 0.05 and (saturated - reference).abs().max() / reference.abs().max() > 4 * error
+
+    ps = prompts(3, seed=5)
+    plain = LLM(str(path), device="cpu", max_model_len=160, kv_cache_dtype="fp8")
+    assert plain.engine.runner.cache.k_scales == scales.k and plain.engine.runner.cache.v_scales == scales.v
+    expected = run(plain, ps, GREEDY)
+    llm = LLM(str(path), device="cpu", max_model_len=160, kv_cache_dtype="fp8", speculative_config={
+        "method": "dflash", "model": str(FIXTURES / "dflash"), "adaptive_draft_length": False})
+    assert llm.engine.context.cache.k_scales == (1.0,) * len(llm.engine.context.cache.k)  # the drafter's: none
+    add_oracle(llm, {tuple(p["prompt_token_ids"]): e for p, e in zip(ps, expected)}, corrupt=0.2)
+    assert run(llm, ps, GREEDY) == expected
+
+
+@pytest.mark.parametrize("fault, error", [
+    ("per_head", r"layers.1.self_attn.k_scale holds 2 values \(2,\); .* per layer \(per tensor\), not per head"),
+    ("zero", r"layers.2.self_attn.v_scale is 0.0; a KV cache scale must be positive and finite"),
+    ("nan", r"layers.0.self_attn.k_scale is nan"),
+    ("missing", r"KV cache scales for some layers but not layers.3.k_scale, layers.3.v_scale"),
+    ("twice", r"layer 1 has two K cache scales: model.layers.1.self_attn.k_scale and model.layers.1.self_attn.kv_scale"),
+    ("past", r"layers.9.self_attn.k_scale names layer 9, but the model has 5 layers")])
+def test_broken_kv_cache_scales_are_refused_naming_the_tensor(target, tmp_path, fault, error):
+    path = with_kv_scales(target, tmp_path / "scaled", "{kind}_scale", {i: (2.0, 3.0) for i in range(5)})
+    state = load_file(str(path / "model.safetensors"))
+    if fault == "per_head":
+        state["model.layers.1.self_attn.k_scale"] = torch.tensor([2.0, 2.5])
+    elif fault in ("zero", "nan"):
+        name = "model.layers.2.self_attn.v_scale" if fault == "zero" else "model.layers.0.self_attn.k_scale"
+        state[name] = torch.tensor([0.0 if fault == "zero" else math.nan])
+    elif fault == "missing":
+        del state["model.layers.3.self_attn.k_scale"], state["model.layers.3.self_attn.v_scale"]
+    elif fault == "twice":
+        state["model.layers.1.self_attn.kv_scale"] = torch.tensor(2.0)
+    else:
+        state["model.layers.9.self_attn.k_scale"] = torch.tensor(2.0)
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=error):
+        load_target(path, "float32", "cpu", 128)
 
 
 def test_speculation_on_an_fp8_checkpoint_is_exact(target, tmp_path):

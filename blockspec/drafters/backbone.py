@@ -68,7 +68,7 @@ class DraftAttention(nn.Module):
         """Kernel path of `context_kv` + `cache.write`: project, norm, rotate and store in one kernel."""
         qkv_rope_store(self._context_kv_proj(ctx), 0, self.kv_heads, self.head_dim, None, self.k_norm.weight,
                        self.k_norm.eps, cos, sin, cache.k[layer], cache.v[layer], cache.table, meta.slots,
-                       meta.write_pos, cache.k_scale, cache.v_scale)
+                       meta.write_pos, cache.k_scales[layer], cache.v_scales[layer])
 
     def _context_kv_proj(self, ctx: Tensor) -> Tensor:
         """[k | v] of the context rows: the k and v slices of the fused projection."""
@@ -92,12 +92,13 @@ class DraftAttention(nn.Module):
         cache, meta = block.cache, block.meta
         q = qkv_rope_store(dense(x, self.qkv_proj, norm=norm), self.heads, self.kv_heads, self.head_dim,
                            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, cache.k[layer],
-                           cache.v[layer], cache.table, meta.slots, meta.write_pos, cache.k_scale, cache.v_scale)
+                           cache.v[layer], cache.table, meta.slots, meta.write_pos, cache.k_scales[layer],
+                           cache.v_scales[layer])
         lo, hi = block.bounds[layer]
         if rows is not None:
             q, lo, hi, residual = q[:, :rows], lo[:, :rows], hi[:, :rows], residual[:, :rows]
         out = block_attention(q, cache.k[layer], cache.v[layer], cache.table, meta.slots, lo, hi, self.scale,
-                              meta.kv_len, k_scale=cache.k_scale, v_scale=cache.v_scale)
+                              meta.kv_len, k_scale=cache.k_scales[layer], v_scale=cache.v_scales[layer])
         return dense(out.flatten(2), self.o_proj, residual=residual)
 
     def _block_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -17,8 +17,9 @@ prefilling them. A page is freed only when no slot holds it; remembered free pag
 until a reservation needs them, least recently used first.
 
 With `kv_dtype` float8_e4m3fn (`kv_cache_dtype="fp8"`) the pools hold K and V in e4m3, each divided
-by its per-tensor scale (`k_scale`, `v_scale`; 1.0, as vLLM takes uncalibrated FP8 caches) and
-saturated at +-448: half the bytes a step reads and a page holds. Attention dequantizes as it
+by its layer's per-tensor scale (`k_scales`, `v_scales`: a checkpoint's calibrated scales, `KVScales`,
+else 1.0, as vLLM takes uncalibrated FP8 caches) and saturated at +-448: half the bytes a step reads
+and a page holds. Attention dequantizes as it
 loads (the kernels) or after the gather (`gather`, the reference); the model's dtype is unchanged.
 """
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -50,6 +51,16 @@ def kv_storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
 def quantize_kv(x: Tensor, scale: float) -> Tensor:
     """x / scale in e4m3, saturated (the store the kernels do: fp32 times 1 / scale, clamped, rounded)."""
     return (x.float() * (1.0 / scale)).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8)
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """A checkpoint's per-tensor FP8 cache scales, one per layer: layer i stores K / k[i] and V / v[i]
+    (`models.quant.take_kv_scales` reads them). Calibrated scales keep large K and V from saturating
+    at +-448 and small ones in e4m3's normal range."""
+
+    k: tuple[float, ...]
+    v: tuple[float, ...]
 
 
 class OutOfSlots(RuntimeError):
@@ -362,7 +373,7 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str, table: PageTable | int, kv_dtype: torch.dtype | None = None,
-                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                 k_scale: float | Sequence[float] = 1.0, v_scale: float | Sequence[float] = 1.0) -> None:
         if isinstance(table, int):
             table = PageTable.full(table, max_len, device)
         if max_len > table.max_len:
@@ -380,7 +391,9 @@ class KVCache:
             self.k, self.v = shared.take(num_layers, shape, store, torch.device(device))
         self.dtype = dtype  # what attention computes in
         self.quantized = store == FP8
-        self.k_scale, self.v_scale = (k_scale, v_scale) if self.quantized else (1.0, 1.0)
+        # each layer's scales (an unquantized cache stores K and V as they are)
+        self.k_scales = per_layer(k_scale if self.quantized else 1.0, num_layers, "k_scale")
+        self.v_scales = per_layer(v_scale if self.quantized else 1.0, num_layers, "v_scale")
         self.pages = table
         self.max_len = max_len
         self.trash = max_len
@@ -408,7 +421,7 @@ class KVCache:
         """k, v: [R, kv_heads, Q, hd], stored at (slot, write_pos) for every query row."""
         page, offset = self._locate(meta.slots[:, None], meta.write_pos)
         if self.quantized:
-            k, v = quantize_kv(k, self.k_scale), quantize_kv(v, self.v_scale)
+            k, v = quantize_kv(k, self.k_scales[layer]), quantize_kv(v, self.v_scales[layer])
         self.k[layer][page, :, offset] = k.transpose(1, 2)
         self.v[layer][page, :, offset] = v.transpose(1, 2)
 
@@ -424,11 +437,19 @@ class KVCache:
             x = x.transpose(1, 2).reshape(r, h, cols * p, d)[:, :, :kv_len]
             return (x.float() * scale).to(self.dtype) if self.quantized else x
 
-        return pool(self.k[layer], self.k_scale), pool(self.v[layer], self.v_scale)
+        return pool(self.k[layer], self.k_scales[layer]), pool(self.v[layer], self.v_scales[layer])
 
     def read(self, layer: int, meta: "AttnMeta") -> tuple[Tensor, Tensor]:
         """Keys and values of the first kv_len positions of each request's slot: [R, kv_heads, kv_len, hd]."""
         return self.gather(layer, meta.slots, meta.kv_len)
+
+
+def per_layer(scale: float | Sequence[float], num_layers: int, what: str) -> tuple[float, ...]:
+    """One scale for every layer, from one value or a value per layer."""
+    scales = (float(scale),) * num_layers if isinstance(scale, (int, float)) else tuple(map(float, scale))
+    if len(scales) != num_layers:
+        raise ValueError(f"KVCache: {len(scales)} {what} values for {num_layers} layers")
+    return scales
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from blockspec.config import ModelConfig
-from blockspec.models.kv_cache import AttnMeta, KVCache, PageTable
+from blockspec.models.kv_cache import AttnMeta, KVCache, KVScales, PageTable
 from blockspec.models.layers import (GatedMLP, RMSNorm, Rotary, add_rms_norm, additive_mask, attention, dense, few_rows,
                                      qk_norm_rope, stream)
 from blockspec.kernels.attention import block_attention
@@ -65,10 +65,10 @@ class Attention(nn.Module):
             kw = self.k_norm.weight if self.k_norm is not None else None
             q = qkv_rope_store(dense(x, self.qkv_proj, norm=norm), self.heads, self.kv_heads, self.head_dim, qw, kw,
                                self.eps, cos, sin, cache.k[layer], cache.v[layer], cache.table, meta.slots,
-                               meta.write_pos, cache.k_scale, cache.v_scale)
+                               meta.write_pos, cache.k_scales[layer], cache.v_scales[layer])
             lo, hi = meta.bounds[self.layer_type]
             out = block_attention(q, cache.k[layer], cache.v[layer], cache.table, meta.slots, lo, hi, self.scale,
-                                  meta.kv_len, k_scale=cache.k_scale, v_scale=cache.v_scale)
+                                  meta.kv_len, k_scale=cache.k_scales[layer], v_scale=cache.v_scales[layer])
             return dense(out.view(r, n, self.q_size), self.o_proj, residual=residual, next_norm=next_norm)
         q, k, v = self.project(x, cos, sin)
         if cache is not None:
@@ -128,11 +128,13 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
         self.attention_backend = "sdpa"  # the engine sets "triton" on GPUs (see triton_attention)
         self.kv_cache_dtype: torch.dtype | None = None  # the engine sets float8_e4m3fn for an FP8 cache
+        self.kv_scales: KVScales | None = None  # an FP8 cache's per-layer scales, from the checkpoint (else 1.0)
 
     def new_cache(self, table: PageTable | int, max_len: int, device: torch.device | str | None = None) -> KVCache:
         """This model's K/V pools over `table`'s pages, `max_len` positions a slot (see `KVCache`)."""
         w = self.embed_tokens.weight
-        return KVCache(*self._cache_dims(), max_len, w.dtype, device or w.device, table, self.kv_cache_dtype)
+        k, v = (self.kv_scales.k, self.kv_scales.v) if self.kv_scales is not None else (1.0, 1.0)
+        return KVCache(*self._cache_dims(), max_len, w.dtype, device or w.device, table, self.kv_cache_dtype, k, v)
 
     def page_bytes(self, page_size: int, kv_dtype: torch.dtype | None = None) -> int:
         """Bytes one page of this model's cache takes (every layer's K and V), stored in `kv_dtype`

@@ -200,6 +200,7 @@ def load_target(
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, cfg.torch_dtype, dev)
     state = read_state_dict(model_dir)
+    kv_scales = quant.take_kv_scales(state, cfg.num_hidden_layers, str(model_dir))
     packed = quant.take_fp8_weights(state, fp8) if fp8 is not None else {}
     prefix = "model." if any(k.startswith("model.") for k in state) else ""
     mapped = fuse_hf_layer_names(state, prefix, lambda n: n)
@@ -222,5 +223,6 @@ def load_target(
         quant.quantize_model(model, quantization)
     # RoPE tables stay fp32 (built after the dtype cast); they are cast per use.
     model.rotary = Rotary(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings).to(dev)
+    model.kv_scales = kv_scales  # taken by an FP8 cache (`kv_cache_dtype="fp8"`); a model-dtype cache needs none
     model.eval().requires_grad_(False)
     return model, model_dir

@@ -12,12 +12,14 @@ Checkpoints (`quantization_config.quant_method` "fp8", HF fine-grained FP8 as Qw
 DeepSeek ship it; and "fbgemm_fp8"): a linear layer is FP8 where its `weight` is float8_e4m3fn, with
 `weight_scale_inv` over `weight_block_size` blocks, or `weight_scale` per tensor or per output
 channel. Layers a checkpoint keeps in bf16 (`modules_to_not_convert`, vLLM's `ignored_layers`) load
-as ordinary linears.
+as ordinary linears. A checkpoint's calibrated KV cache scales (`take_kv_scales`, in any checkpoint,
+quantized or not) are the target's FP8 cache scales under `kv_cache_dtype="fp8"`.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -29,6 +31,7 @@ from blockspec.config import QUANTIZATIONS, ConfigError
 from blockspec.errors import ModelLoadError
 from blockspec.kernels.fp8 import FP8, dequantize_reference, fp8_linear, quantize_per_channel, scale_shape
 from blockspec.kernels.ops import use_kernels
+from blockspec.models.kv_cache import KVScales
 from blockspec.models.cpu_linear import PACK_MAX_BYTES, onednn_available, packed_product, without_packed_copy
 
 QUANT_METHODS = ("fp8", "fbgemm_fp8")  # checkpoint formats read
@@ -208,6 +211,52 @@ def take_fp8_weights(state: dict[str, Tensor], fmt: Fp8Checkpoint) -> dict[str, 
     for name in [n for n in state if n.endswith(ACTIVATION_SCALES)]:
         del state[name]  # weight-only FP8: activations stay in the model's dtype
     return out
+
+
+# A checkpoint's FP8 cache scales, by the names the formats give them (layer index, module, tensor): `self_attn.k_scale`
+# (llm-compressor, AutoFP8), `self_attn.attn.k_scale` (saved from vLLM), `self_attn.k_proj.k_scale` (ModelOpt),
+# `self_attn.k_proj.output_scale` (older compressed-tensors) and `self_attn.kv_scale` (one for both, deprecated).
+# Query and softmax scales (`q_scale`, `prob_scale`, `q_proj.output_scale`) are for FP8 attention arithmetic,
+# which blockspec does not use: attention computes in the model's dtype.
+KV_SCALE_NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.self_attn\.(?:(attn|[kqv]_proj)\.)?"
+                           r"(k_scale|v_scale|kv_scale|q_scale|prob_scale|output_scale)$")
+KV_SCALE_KINDS = {(None, "k_scale"): "k", (None, "v_scale"): "v", (None, "kv_scale"): "kv", ("attn", "k_scale"): "k",
+                  ("attn", "v_scale"): "v", ("k_proj", "k_scale"): "k", ("v_proj", "v_scale"): "v",
+                  ("k_proj", "output_scale"): "k", ("v_proj", "output_scale"): "v"}
+
+
+def take_kv_scales(state: dict[str, Tensor], num_layers: int, source: str) -> KVScales | None:
+    """Remove a checkpoint's FP8 KV cache scales (and its FP8 attention scales) from `state`; return the K and
+    V scale of every layer, or None where it has none. One positive, finite value per layer and tensor: a
+    checkpoint that scales some layers and not others, or scales per head, is refused by name."""
+    found: dict[tuple[int, str], tuple[float, str]] = {}
+    for name in [n for n in state if KV_SCALE_NAME.match(n)]:
+        layer, module, tensor = KV_SCALE_NAME.match(name).groups()
+        value = state.pop(name)
+        kind = KV_SCALE_KINDS.get((module, tensor))
+        if kind is None:  # a query or softmax scale
+            continue
+        if value.numel() != 1:
+            raise ModelLoadError(f"{source}: {name} holds {value.numel()} values {tuple(value.shape)}; blockspec's "
+                                 "FP8 KV cache takes one K and one V scale per layer (per tensor), not per head")
+        scale = float(value.float().reshape(()))
+        if not (math.isfinite(scale) and scale > 0):
+            raise ModelLoadError(f"{source}: {name} is {scale}; a KV cache scale must be positive and finite")
+        if int(layer) >= num_layers:
+            raise ModelLoadError(f"{source}: {name} names layer {layer}, but the model has {num_layers} layers")
+        for part in kind:  # a deprecated kv_scale serves both
+            if (int(layer), part) in found:
+                raise ModelLoadError(f"{source}: layer {layer} has two {part.upper()} cache scales: "
+                                     f"{found[int(layer), part][1]} and {name}")
+            found[int(layer), part] = (scale, name)
+    if not found:
+        return None
+    missing = [f"{i}.{p}_scale" for i in range(num_layers) for p in "kv" if (i, p) not in found]
+    if missing:
+        raise ModelLoadError(f"{source}: the checkpoint has KV cache scales for some layers but not "
+                             f"layers.{', layers.'.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    return KVScales(tuple(found[i, "k"][0] for i in range(num_layers)),
+                    tuple(found[i, "v"][0] for i in range(num_layers)))
 
 
 def concat_fp8(parts: list[Fp8Weight]) -> Fp8Weight:
