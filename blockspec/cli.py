@@ -136,12 +136,29 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from blockspec.models.fp8_export import write_fp8_checkpoint
+    from blockspec.config import ConfigError
+    from blockspec.engine.build import load_tokenizer
+    from blockspec.models.fp8_export import calibration_sequences, write_fp8_checkpoint
+    from blockspec.models.loader import resolve_model_dir
 
-    done = write_fp8_checkpoint(args.model, Path(args.out), args.block_size, revision=args.revision,
-                                download_dir=args.download_dir, token=args.hf_token)
+    src = resolve_model_dir(args.model, revision=args.revision, download_dir=args.download_dir, token=args.hf_token)
+    calibration = None
+    if args.kv_calibration:
+        missing = [f for f in args.kv_calibration if not Path(f).is_file()]
+        if missing:
+            raise ConfigError(f"--kv-calibration: no such file: {', '.join(missing)}")
+        tokenizer = load_tokenizer(src)
+        if tokenizer is None:
+            raise ConfigError(f"{src}: no tokenizer files; --kv-calibration tokenizes its text with the model's")
+        texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in args.kv_calibration]
+        calibration = calibration_sequences(tokenizer, texts, args.kv_calibration_tokens)
+    done = write_fp8_checkpoint(src, Path(args.out), args.block_size, calibration, args.device)
     print(f"wrote {done.out}: {done.quantized} products in e4m3 ({args.block_size} x {args.block_size} blocks), "
           f"weights {done.bytes_before / 1e6:.1f} -> {done.bytes_after / 1e6:.1f} MB")
+    if done.kv_scales is not None:
+        scales = done.kv_scales.k + done.kv_scales.v
+        print(f"KV cache scales of {len(done.kv_scales.k)} layers from {sum(map(len, calibration))} tokens: "
+              f"{min(scales):.3g} to {max(scales):.3g} (|K| and |V| up to {max(scales) * 448:.3g})")
     return 0
 
 
@@ -182,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--revision", default=None, help="the model's branch, tag or commit on the hub")
     q.add_argument("--download-dir", default=None, help="where hub downloads go (default: the Hugging Face cache)")
     q.add_argument("--hf-token", default=None, help="the hub token for gated or private models")
+    q.add_argument("--kv-calibration", action="append", default=None, metavar="FILE",
+                   help="a text file to calibrate the FP8 KV cache scales on (repeatable; default: none, and no "
+                        "scales are written: an FP8 cache then stores at scale 1.0)")
+    q.add_argument("--kv-calibration-tokens", type=int, default=fp8_export.CALIBRATION_TOKENS,
+                   help=f"tokens of the calibration text prefilled, in prefills of at most "
+                        f"{fp8_export.CALIBRATION_LENGTH} (default: {fp8_export.CALIBRATION_TOKENS})")
+    q.add_argument("--device", default="auto", help="where calibration runs (default: auto, a GPU if there is one)")
     q.set_defaults(func=cmd_quantize)
     train = sub.add_parser("train", help="train a DFlash or DSpark drafter for a target model",
                            description="Train a DFlash or DSpark drafter against a frozen target and export it in the "

@@ -1,7 +1,8 @@
 """`blockspec quantize` (models.fp8_export): the FP8 checkpoint it writes is the HF fine-grained format
 that models.quant reads, holds exactly the block quantization of the source's products (its dequantized
 weights give the same logits within float32 rounding; the source's own weights do not), keeps what
-is not a decoder product as it was, decodes exactly under speculation, and bad requests are refused by name."""
+is not a decoder product as it was, decodes exactly under speculation, writes KV cache scales calibrated on
+text when given some, and bad requests are refused by name."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from blockspec import LLM, SamplingParams
 from blockspec.cli import main as cli_main
 from blockspec.config import ConfigError
 from blockspec.kernels import fp8
-from blockspec.models.fp8_export import write_fp8_checkpoint
+from blockspec.models.fp8_export import calibration_sequences, write_fp8_checkpoint
+from blockspec.models.kv_cache import causal_meta
 from blockspec.models.loader import load_target
 from blockspec.models.quant import Fp8Linear
 from factories import save_drafter_target, save_moe_target
@@ -105,3 +107,35 @@ def test_bad_requests_are_refused_by_name(source, exported, tmp_path, capsys):
     assert "e4m3 (64 x 64 blocks)" in capsys.readouterr().out
     written = json.loads((tmp_path / "cli" / "config.json").read_text())
     assert written["quantization_config"]["weight_block_size"] == [64, 64]
+
+
+def test_kv_cache_scales_are_the_calibration_texts_amax_over_448(source, tmp_path, capsys):
+    """`--kv-calibration`: each layer's k_scale / v_scale is the largest |K| (normed, rotated) and |V| the
+    source's prefills of the text store, over 448, under the names the loader reads back; an FP8 cache of the
+    written checkpoint then stores under them. Calibration text is cut into prefills and capped in tokens."""
+    text = tmp_path / "calibration.txt"
+    text.write_text("def f(x):\n    return [x * i for i in range(10)]\n" * 12)
+    assert cli_main(["quantize", str(source), "--out", str(tmp_path / "cli"), "--block-size", "32",
+                     "--kv-calibration", str(text), "--kv-calibration-tokens", "300", "--device", "cpu"]) == 0
+    assert "KV cache scales of 5 layers from 300 tokens" in capsys.readouterr().out
+    written = load_file(str(tmp_path / "cli" / "model.safetensors"))
+
+    from blockspec.engine.build import load_tokenizer
+
+    sequences = calibration_sequences(load_tokenizer(source), [text.read_text()], 300, length=2048)
+    assert [len(s) for s in sequences] == [300]
+    model, _ = load_target(source, "float32", "cpu", 512)
+    cache = model.new_cache(1, 300)
+    with torch.no_grad():
+        model(torch.tensor(sequences), causal_meta([0], [0], [300], 300, cache.trash, "cpu"), cache)
+    for i in range(5):
+        for kind, pool in (("k", cache.k[i]), ("v", cache.v[i])):
+            expected = pool.abs().max() / fp8.E4M3_MAX
+            assert torch.allclose(written[f"model.layers.{i}.self_attn.{kind}_scale"], expected, rtol=1e-6)
+    llm = LLM(str(tmp_path / "cli"), device="cpu", dtype="float32", max_model_len=128, kv_cache_dtype="fp8")
+    assert llm.engine.runner.cache.k_scales[2] == pytest.approx(float(written["model.layers.2.self_attn.k_scale"]))
+    assert [len(s) for s in calibration_sequences(load_tokenizer(source), ["ab" * 700, "c" * 50], 1000, 512)] == [
+        512, 488]
+    assert cli_main(["quantize", str(source), "--out", str(tmp_path / "none"), "--kv-calibration",
+                     str(tmp_path / "missing.txt")]) == 2
+    assert "--kv-calibration: no such file" in capsys.readouterr().err

@@ -1,11 +1,16 @@
 """Write a checkpoint's FP8 twin: the HF fine-grained FP8 format (`quant_method` "fp8", e4m3 weights with
 `weight_scale_inv` over 128 x 128 blocks), as Qwen/Qwen3-8B-FP8 ships and as vLLM, SGLang and blockspec load.
 
-    blockspec quantize MODEL --out DIR [--block-size 128]
+    blockspec quantize MODEL --out DIR [--block-size 128] [--kv-calibration FILE ...]
 
 Weight-only, as `models.quant` reads it: the decoder layers' attention and dense MLP products become
 e4m3 (a step streams half the bytes); embeddings, the LM head, norms, routers and MoE experts stay as
 the checkpoint has them. Tokenizer files and the rest of the directory are copied as they are.
+
+With calibration text, each layer's FP8 KV cache scales are written too (`self_attn.k_scale` and
+`v_scale`, the names vLLM and llm-compressor use): the largest |K| and |V| the model stores over the
+text, over 448, so a `kv_cache_dtype="fp8"` cache spans e4m3's range without saturating, where the
+default scale of 1.0 clips keys and values past 448 and stores those below 2**-6 at reduced precision.
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from huggingface_hub import save_torch_state_dict
 
 from blockspec.config import ConfigError
-from blockspec.kernels.fp8 import quantize_blocks
-from blockspec.models.loader import read_json, read_state_dict, resolve_model_dir
+from blockspec.kernels.fp8 import E4M3_MAX, quantize_blocks
+from blockspec.models.kv_cache import KVScales, causal_meta
+from blockspec.models.loader import load_target, read_json, read_state_dict, resolve_model_dir
 
 # the products quantized: a decoder layer's attention and dense MLP (an MoE layer's experts stay as they are)
 QUANTIZED = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.weight$")
@@ -37,11 +44,57 @@ class Fp8Export:
     quantized: int
     bytes_before: int
     bytes_after: int
+    kv_scales: KVScales | None = None
 
 
-def write_fp8_checkpoint(model: str | Path, out: Path, block: int = BLOCK, **hub) -> Fp8Export:
+CALIBRATION_TOKENS = 16384  # token ids a KV cache calibration prefills, in all
+CALIBRATION_LENGTH = 2048  # the longest prefill of it: contexts of the lengths a cache holds
+
+
+def calibration_sequences(tokenizer: Any, texts: list[str], tokens: int = CALIBRATION_TOKENS,
+                          length: int = CALIBRATION_LENGTH) -> list[list[int]]:
+    """`texts` tokenized (a tokenizer's `encode`, no special tokens) and cut into prefills of at most `length`
+    ids, `tokens` ids in all, taken from each text in turn."""
+    if tokens <= 0 or length <= 0:
+        raise ConfigError(f"KV cache calibration takes a positive token count and length, got {tokens} and {length}")
+    out: list[list[int]] = []
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False, verbose=False)  # long texts are cut here
+        for i in range(0, len(ids), length):
+            left = tokens - sum(map(len, out))
+            if left <= 0:
+                return out
+            out.append(ids[i : i + min(length, left)])
+    return out
+
+
+def calibrate_kv_scales(model_dir: Path, sequences: list[list[int]], device: str = "auto") -> KVScales:
+    """Each layer's KV cache scales for `model_dir`: the largest |K| (normed and rotated, as the cache stores
+    it) and |V| over prefills of `sequences` (token ids), over 448; 1.0 for a layer whose keys or values are
+    all zero."""
+    if not sequences or not all(sequences):
+        raise ConfigError("KV cache calibration needs at least one non-empty token sequence")
+    model, _ = load_target(model_dir, "auto", device)
+    dev = model.embed_tokens.weight.device
+    amax = torch.zeros(2, len(model.layers), dtype=torch.float64)
+    with torch.no_grad():
+        for seq in sequences:
+            cache = model.new_cache(1, len(seq))  # the model's dtype: the values an FP8 cache would store
+            meta = causal_meta([0], [0], [len(seq)], len(seq), cache.trash, dev, model.config.sliding_window,
+                               model.config.layer_types)
+            model(torch.tensor([seq], device=dev), meta, cache)
+            for i in range(len(model.layers)):  # pages no row wrote hold zeros
+                amax[0, i] = max(amax[0, i], cache.k[i].abs().max().item())
+                amax[1, i] = max(amax[1, i], cache.v[i].abs().max().item())
+    k, v = (tuple(float(a) / E4M3_MAX if a > 0 else 1.0 for a in row) for row in amax)
+    return KVScales(k, v)
+
+
+def write_fp8_checkpoint(model: str | Path, out: Path, block: int = BLOCK, calibration: list[list[int]] | None = None,
+                         device: str = "auto", **hub) -> Fp8Export:
     """`model` (an HF directory or hub id; `hub`: `resolve_model_dir`'s revision, download_dir, token) as an FP8
-    checkpoint in `out`, which must not exist or be empty."""
+    checkpoint in `out`, which must not exist or be empty; with `calibration` (token id sequences), its KV
+    cache scales too, computed on `device` (`calibrate_kv_scales`)."""
     if block <= 0:
         raise ConfigError(f"block_size must be a positive number of rows and columns, got {block}")
     src = resolve_model_dir(str(model), **hub)
@@ -54,6 +107,8 @@ def write_fp8_checkpoint(model: str | Path, out: Path, block: int = BLOCK, **hub
                                                                                    dict) else None
         raise ConfigError(f"{src / 'config.json'}: the checkpoint is quantized already (quant_method {method!r}); "
                           "quantize an unquantized one")
+    # before the state is read: the calibrating model is freed first
+    kv_scales = calibrate_kv_scales(src, calibration, device) if calibration is not None else None
     state = read_state_dict(src)
     written: dict[str, torch.Tensor] = {}
     quantized = before = 0
@@ -69,6 +124,11 @@ def write_fp8_checkpoint(model: str | Path, out: Path, block: int = BLOCK, **hub
     if not quantized:
         raise ConfigError(f"{src}: no decoder layer products to quantize (names like "
                           "model.layers.0.self_attn.q_proj.weight)")
+    if kv_scales is not None:
+        prefix = "model." if any(n.startswith("model.") for n in state) else ""
+        for i, (k, v) in enumerate(zip(kv_scales.k, kv_scales.v)):
+            written[f"{prefix}layers.{i}.self_attn.k_scale"] = torch.tensor(k, dtype=torch.float32)
+            written[f"{prefix}layers.{i}.self_attn.v_scale"] = torch.tensor(v, dtype=torch.float32)
     after = sum(t.nbytes for t in written.values())
     out.mkdir(parents=True, exist_ok=True)
     for path in src.iterdir():  # tokenizer, generation config, chat template, licence, card
@@ -79,4 +139,4 @@ def write_fp8_checkpoint(model: str | Path, out: Path, block: int = BLOCK, **hub
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": [block, block]}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return Fp8Export(out, quantized, before, after)
+    return Fp8Export(out, quantized, before, after, kv_scales)
