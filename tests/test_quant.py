@@ -36,10 +36,14 @@ def target(tmp_path_factory) -> Path:
     return save_drafter_target(tmp_path_factory.mktemp("target"))
 
 
-def write_fp8(src: Path, dst: Path, layout: str, keep: tuple[str, ...] = (), scale_name: str | None = None) -> Path:
+def write_fp8(src: Path, dst: Path, layout: str, keep: tuple[str, ...] = (), scale_name: str | None = None,
+              ignore: list[str] | None = None) -> Path:
     """`src` as an FP8 checkpoint: every decoder linear (but those whose name holds one of `keep`) in
     e4m3 with `layout` scales ("block32", "block16": weight_scale_inv over those blocks; "channel",
-    "tensor": weight_scale), and beside it the same checkpoint with the dequantized weights in fp32."""
+    "tensor": weight_scale), and beside it the same checkpoint with the dequantized weights in fp32.
+    With `ignore` (its `ignore` list), in compressed-tensors' float-quantized format instead, as
+    llm-compressor writes it: weight_scale for every layout, [N, 1] per channel, "group16" scales over
+    16 columns of K."""
     state = load_file(str(src / "model.safetensors"))
     quant, plain = {}, {}
     for name, t in state.items():
@@ -51,6 +55,9 @@ def write_fp8(src: Path, dst: Path, layout: str, keep: tuple[str, ...] = (), sca
             b = int(layout[5:])
             q, s = fp8.quantize_blocks(t, (b, b))
             block = (b, b)
+        elif layout.startswith("group"):
+            block = (1, int(layout[5:]))
+            q, s = fp8.quantize_blocks(t, block)
         elif layout == "channel":
             q, s = fp8.quantize_per_channel(t)
             block = (1, t.shape[1])
@@ -59,15 +66,27 @@ def write_fp8(src: Path, dst: Path, layout: str, keep: tuple[str, ...] = (), sca
             q = (t / s).to(fp8.FP8)
             block = (t.shape[0], t.shape[1])
         quant[name] = q
-        quant[module + (scale_name or (".weight_scale_inv" if layout.startswith("block") else ".weight_scale"))] = (
-            s if layout == "tensor" else s.squeeze(1) if layout == "channel" else s)
+        hf_name = ".weight_scale_inv" if layout.startswith("block") else ".weight_scale"
+        quant[module + (scale_name or (".weight_scale" if ignore is not None else hf_name))] = (
+            s if layout == "tensor" or ignore is not None else s.squeeze(1) if layout == "channel" else s)
         plain[name] = fp8.dequantize_reference(q, s.reshape(1, 1) if layout == "tensor" else s, block, torch.float32)
     config = json.loads((src / "config.json").read_text())
     for out, tensors, qc in ((dst / "fp8", quant, True), (dst / "dequantized", plain, False)):
         out.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out / "model.safetensors"))
         cfg = dict(config, torch_dtype="float32")
-        if qc:
+        if qc and ignore is not None:
+            strategy = "".join(c for c in layout if c.isalpha())
+            weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False,
+                       "group_size": block[1] if strategy == "group" else None,
+                       **({"block_structure": list(block)} if strategy == "block" else {})}
+            activations = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
+            cfg["quantization_config"] = {
+                "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                              "input_activations": activations, "format": None}},
+                "ignore": ignore, "kv_cache_scheme": None}
+        elif qc:
             cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                                           **({"weight_block_size": [b, b]} if layout.startswith("block") else {}),
                                           **({"modules_to_not_convert": list(keep)} if keep else {})}
@@ -144,14 +163,69 @@ def test_concatenated_scales_stay_on_their_rows():
     assert torch.equal(fp8.dequantize_reference(mixed.weight, mixed.scale, mixed.block, torch.float32), want)
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes", "compressed-tensors", None])
+@pytest.mark.parametrize("layout", ["block32", "channel", "tensor", "group16"])
+def test_a_compressed_tensors_fp8_checkpoint_equals_its_dequantized_reference(target, tmp_path, layout):
+    """llm-compressor's float-quantized format (FP8_BLOCK, FP8_DYNAMIC, FP8, and K groups): the same weights
+    and scales as the fine-grained format under other names and shapes. `ignore` keeps modules unquantized by
+    whole name (a name is not a prefix: mlp.gate does not keep mlp.gate_proj) or by "re:" pattern."""
+    keep = ("layers.0.mlp.down_proj", "layers.3.self_attn.")
+    ignore = ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.gate", r"re:model\.layers\.3\.self_attn\."]
+    dirs = write_fp8(target, tmp_path, layout, keep=keep, ignore=ignore)
+    ours, _ = load_target(dirs / "fp8", "float32", "cpu", 128)
+    ref, _ = load_target(dirs / "dequantized", "float32", "cpu", 128)
+    assert isinstance(ours.layers[1].mlp.gate_up_proj, Fp8Linear) and isinstance(ours.layers[0].mlp.gate_up_proj,
+                                                                                   Fp8Linear)
+    assert type(ours.layers[0].mlp.down_proj) is nn.Linear and type(ours.layers[3].self_attn.qkv_proj) is nn.Linear
+    block = {"block32": (1, 32), "channel": (1, 32), "tensor": (1, 32), "group16": (1, 16)}[layout]
+    assert ours.layers[2].self_attn.qkv_proj.block == block  # k's 16 rows do not fit 32-row blocks: one row each
+    with torch.no_grad():
+        assert (logits(ours, IDS) - logits(ref, IDS)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("fault, error", [
+    ("packed", r"config_groups.group_0 is stored 'pack-quantized'; supported: compressed-tensors' float-quantized"),
+    ("int", r"config_groups.group_0.weights are 8-bit int; supported: 8-bit float"),
+    ("fp4", r"config_groups.group_0.weights are 4-bit float; supported: 8-bit float"),
+    ("asymmetric", r"config_groups.group_0.weights.symmetric is false; FP8 weights with zero points"),
+    ("attn_head", r"weights.strategy 'attn_head' is not supported; supported: tensor, channel, block, group"),
+    ("block", r"weights.block_structure must be positive integers \(\[rows, columns\] for a block\), got \[128\]"),
+    ("two blocks", r"declare weight scales over different blocks \[\(32, 32\), \(64, 64\)\]"),
+    ("no groups", r"quantization_config.config_groups must be an object of quantization schemes"),
+    ("ignored", r"layers.0.self_attn.\w_proj.weight is FP8 but quantization_config.ignore lists 're:.*layers.0.self")])
+def test_a_broken_compressed_tensors_checkpoint_names_the_field(target, tmp_path, fault, error):
+    path = write_fp8(target, tmp_path, "block32", ignore=["lm_head"]) / "fp8"
+    cfg = json.loads((path / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    w = qc["config_groups"]["group_0"]["weights"]
+    if fault == "packed":
+        qc["format"] = "pack-quantized"
+    elif fault in ("int", "fp4"):
+        w.update({"type": "int"} if fault == "int" else {"num_bits": 4})
+    elif fault == "asymmetric":
+        w["symmetric"] = False
+    elif fault == "attn_head":
+        w["strategy"] = "attn_head"
+    elif fault == "block":
+        w["block_structure"] = [128]
+    elif fault == "two blocks":
+        qc["config_groups"]["group_1"] = dict(qc["config_groups"]["group_0"], weights=dict(w, block_structure=[64, 64]))
+    elif fault == "no groups":
+        del qc["config_groups"]
+    else:
+        qc["ignore"] = ["re:.*layers.0.self"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises((ConfigError, ModelLoadError), match=error):
+        load_target(path, "float32", "cpu", 128)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes", "modelopt", None])
 def test_other_quantization_methods_are_refused_naming_the_field(target, tmp_path, method):
     cfg = json.loads((target / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": method, "bits": 4}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "model.safetensors").symlink_to(target / "model.safetensors")
     with pytest.raises(ConfigError, match=rf"config.json: quantization_config.quant_method {method!r} is not "
-                                          r"supported; supported: fp8, fbgemm_fp8"):
+                                          r"supported; supported: fp8, fbgemm_fp8, compressed-tensors"):
         load_target(tmp_path, "float32", "cpu", 128)
 
 
@@ -295,9 +369,10 @@ def test_an_fp8_kv_cache_stores_e4m3_and_reads_the_model_dtype(target):
 
 def with_kv_scales(src: Path, dst: Path, names: str, scales: dict[int, tuple[float, float]] | None = None,
                    extra: dict[str, torch.Tensor] | None = None) -> Path:
-    """`src` with its K and V values scaled up past e4m3's +-448 (k_norm x 1000 and q_norm / 1000, v_proj x 2000 and
-    o_proj / 2000, so the fp32 model's output is the same up to rounding), and each layer's cache scales (`scales`, else the
-    K and V amax of a prefill of IDS over 448) under `names` ("{kind}" is k or v; "kv" one tensor for both)."""
+    """`src` with its K and V values scaled up past e4m3's +-448 (k_norm x 1000 and q_norm / 1000, v_proj x 2000
+    and o_proj / 2000, so the fp32 model's output is the same up to rounding), and each layer's cache scales
+    (`scales`, else the K and V amax of a prefill of IDS over 448) under `names` ("{kind}" is k or v; "kv" one
+    tensor for both)."""
     state = load_file(str(src / "model.safetensors"))
     for name in list(state):
         if ".self_attn.k_norm." in name:
@@ -368,7 +443,8 @@ def test_a_checkpoints_kv_cache_scales_keep_large_keys_and_values(target, tmp_pa
     ("zero", r"layers.2.self_attn.v_scale is 0.0; a KV cache scale must be positive and finite"),
     ("nan", r"layers.0.self_attn.k_scale is nan"),
     ("missing", r"KV cache scales for some layers but not layers.3.k_scale, layers.3.v_scale"),
-    ("twice", r"layer 1 has two K cache scales: model.layers.1.self_attn.k_scale and model.layers.1.self_attn.kv_scale"),
+    ("twice", r"layer 1 has two K cache scales: model.layers.1.self_attn.k_scale and "
+              r"model.layers.1.self_attn.kv_scale"),
     ("past", r"layers.9.self_attn.k_scale names layer 9, but the model has 5 layers")])
 def test_broken_kv_cache_scales_are_refused_naming_the_tensor(target, tmp_path, fault, error):
     path = with_kv_scales(target, tmp_path / "scaled", "{kind}_scale", {i: (2.0, 3.0) for i in range(5)})

@@ -9,10 +9,12 @@ therefore not used. Where no kernel streams the e4m3 weight (the CPU), a layer k
 and computes the reference product with it.
 
 Checkpoints (`quantization_config.quant_method` "fp8", HF fine-grained FP8 as Qwen/Qwen3-8B-FP8 and
-DeepSeek ship it; and "fbgemm_fp8"): a linear layer is FP8 where its `weight` is float8_e4m3fn, with
-`weight_scale_inv` over `weight_block_size` blocks, or `weight_scale` per tensor or per output
-channel. Layers a checkpoint keeps in bf16 (`modules_to_not_convert`, vLLM's `ignored_layers`) load
-as ordinary linears. A checkpoint's calibrated KV cache scales (`take_kv_scales`, in any checkpoint,
+DeepSeek ship it; "fbgemm_fp8"; and "compressed-tensors" in its float-quantized format with 8-bit float
+weights, as llm-compressor writes FP8 models): a linear layer is FP8 where its `weight` is
+float8_e4m3fn, with `weight_scale_inv` over `weight_block_size` blocks, or `weight_scale` per tensor,
+per output channel, or over the blocks (or K groups) the config declares. Layers a checkpoint keeps in
+bf16 (`modules_to_not_convert`, vLLM's `ignored_layers`, compressed-tensors' `ignore`) load as
+ordinary linears. A checkpoint's calibrated KV cache scales (`take_kv_scales`, in any checkpoint,
 quantized or not) are the target's FP8 cache scales under `kv_cache_dtype="fp8"`.
 """
 
@@ -34,7 +36,8 @@ from blockspec.kernels.ops import use_kernels
 from blockspec.models.kv_cache import KVScales
 from blockspec.models.cpu_linear import PACK_MAX_BYTES, onednn_available, packed_product, without_packed_copy
 
-QUANT_METHODS = ("fp8", "fbgemm_fp8")  # checkpoint formats read
+QUANT_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors")  # checkpoint formats read
+CT_STRATEGIES = ("tensor", "channel", "block", "group")  # compressed-tensors weight scales read
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the decoder layers' products
 ACTIVATION_SCALES = (".input_scale", ".input_scale_ub", ".activation_scale_ub")
 
@@ -142,6 +145,16 @@ class Fp8Checkpoint:
     block: tuple[int, int] | None
     not_converted: tuple[str, ...]
     source: str
+    # compressed-tensors' `ignore`: whole module names or "re:" patterns; HF's `modules_to_not_convert`: parts of names
+    ignore: bool = False
+
+    def keeps(self, module: str) -> str | None:
+        """The entry of the unconverted list that keeps `module` unquantized, if one does."""
+        def hit(entry: str) -> bool:
+            if not self.ignore:
+                return entry in module
+            return bool(re.match(entry[3:], module)) if entry.startswith("re:") else entry == module
+        return next((s for s in self.not_converted if hit(s)), None)
 
 
 def checkpoint_quantization(raw: dict[str, Any], source: str) -> Fp8Checkpoint | None:
@@ -157,6 +170,8 @@ def checkpoint_quantization(raw: dict[str, Any], source: str) -> Fp8Checkpoint |
         raise ConfigError(f"{source}: quantization_config.quant_method {method!r} is not supported; supported: "
                           f"{', '.join(QUANT_METHODS)} (FP8 e4m3 weights with block, per-channel or per-tensor "
                           "scales, e.g. Qwen/Qwen3-8B-FP8), or an unquantized checkpoint")
+    if method == "compressed-tensors":
+        return compressed_tensors_fp8(qc, source)
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ConfigError(f"{source}: quantization_config.fmt {fmt!r} is not supported; supported: e4m3")
@@ -171,6 +186,52 @@ def checkpoint_quantization(raw: dict[str, Any], source: str) -> Fp8Checkpoint |
     if not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
         raise ConfigError(f"{source}: quantization_config.modules_to_not_convert must be a list of module names")
     return Fp8Checkpoint(block, tuple(skip), source)
+
+
+def compressed_tensors_fp8(qc: dict[str, Any], source: str) -> Fp8Checkpoint:
+    """A compressed-tensors `quantization_config` whose every scheme stores symmetric 8-bit float weights
+    (float-quantized): the scale blocks they declare, and `ignore` (module names, or "re:" patterns) as
+    the modules kept unquantized. Activation schemes are not read: blockspec's FP8 is weight-only."""
+    field = "quantization_config"
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ConfigError(f"{source}: {field}.config_groups must be an object of quantization schemes")
+    blocks = set()
+    for name, scheme in groups.items():
+        where = f"{field}.config_groups.{name}"
+        if not isinstance(scheme, dict) or not isinstance(scheme.get("weights"), dict):
+            raise ConfigError(f"{source}: {where}.weights must describe the weights' quantization "
+                              "(a preset name in place of a scheme is not read)")
+        layout = scheme.get("format") or qc.get("format")
+        if layout != "float-quantized":
+            raise ConfigError(f"{source}: {where} is stored {layout!r}; supported: compressed-tensors' "
+                              "float-quantized format (FP8 e4m3 weights)")
+        w = scheme["weights"]
+        if (w.get("type"), w.get("num_bits")) != ("float", 8):
+            raise ConfigError(f"{source}: {where}.weights are {w.get('num_bits')}-bit {w.get('type')}; supported: "
+                              "8-bit float (FP8 e4m3)")
+        if w.get("symmetric") is False:
+            raise ConfigError(f"{source}: {where}.weights.symmetric is false; FP8 weights with zero points are "
+                              "not supported")
+        strategy = w.get("strategy")
+        if strategy not in CT_STRATEGIES:
+            raise ConfigError(f"{source}: {where}.weights.strategy {strategy!r} is not supported; supported: "
+                              f"{', '.join(CT_STRATEGIES)}")
+        if strategy in ("block", "group"):  # a group is a block of one row
+            key = "block_structure" if strategy == "block" else "group_size"
+            size = w.get(key) if strategy == "block" else [1, w.get(key)]
+            if (not isinstance(size, list) or len(size) != 2
+                    or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in size)):
+                raise ConfigError(f"{source}: {where}.weights.{key} must be positive integers ([rows, columns] for "
+                                  f"a block), got {w.get(key)!r}")
+            blocks.add((size[0], size[1]))
+    if len(blocks) > 1:
+        raise ConfigError(f"{source}: {field}.config_groups declare weight scales over different blocks "
+                          f"{sorted(blocks)}; one block shape a checkpoint is supported")
+    ignore = qc.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(s, str) for s in ignore):
+        raise ConfigError(f"{source}: {field}.ignore must be a list of module names")
+    return Fp8Checkpoint(next(iter(blocks), None), tuple(ignore), source, ignore=True)
 
 
 def _scale_layout(name: str, weight: Tensor, scale: Tensor, fmt: Fp8Checkpoint) -> tuple[Tensor, tuple[int, int]]:
@@ -198,10 +259,10 @@ def take_fp8_weights(state: dict[str, Tensor], fmt: Fp8Checkpoint) -> dict[str, 
         if weight.dtype != FP8 or not name.endswith(".weight") or weight.dim() != 2:
             raise ModelLoadError(f"{fmt.source}: {name} is {weight.dtype} {tuple(weight.shape)}; only linear "
                                  "weights in float8_e4m3fn are supported")
-        skipped = next((s for s in fmt.not_converted if s in module), None)
+        skipped = fmt.keeps(module)
         if skipped is not None:
-            raise ModelLoadError(f"{fmt.source}: {name} is FP8 but quantization_config.modules_to_not_convert "
-                                 f"lists {skipped!r}")
+            field = "ignore" if fmt.ignore else "modules_to_not_convert"
+            raise ModelLoadError(f"{fmt.source}: {name} is FP8 but quantization_config.{field} lists {skipped!r}")
         scale_name = module + (".weight_scale_inv" if module + ".weight_scale_inv" in state else ".weight_scale")
         if scale_name not in state:
             raise ModelLoadError(f"{fmt.source}: {name} is FP8 but the checkpoint has neither "
