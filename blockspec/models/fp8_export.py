@@ -54,7 +54,7 @@ CALIBRATION_LENGTH = 2048  # the longest prefill of it: contexts of the lengths 
 def calibration_sequences(tokenizer: Any, texts: list[str], tokens: int = CALIBRATION_TOKENS,
                           length: int = CALIBRATION_LENGTH) -> list[list[int]]:
     """`texts` tokenized (a tokenizer's `encode`, no special tokens) and cut into prefills of at most `length`
-    ids, `tokens` ids in all, taken from each text in turn."""
+    ids, `tokens` ids in all, taken from the texts in order."""
     if tokens <= 0 or length <= 0:
         raise ConfigError(f"KV cache calibration takes a positive token count and length, got {tokens} and {length}")
     out: list[list[int]] = []

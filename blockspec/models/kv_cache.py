@@ -19,8 +19,8 @@ until a reservation needs them, least recently used first.
 With `kv_dtype` float8_e4m3fn (`kv_cache_dtype="fp8"`) the pools hold K and V in e4m3, each divided
 by its layer's per-tensor scale (`k_scales`, `v_scales`: a checkpoint's calibrated scales, `KVScales`,
 else 1.0, as vLLM takes uncalibrated FP8 caches) and saturated at +-448: half the bytes a step reads
-and a page holds. Attention dequantizes as it
-loads (the kernels) or after the gather (`gather`, the reference); the model's dtype is unchanged.
+and a page holds. Attention dequantizes as it loads (the kernels) or after the gather (`gather`, the
+reference); the model's dtype is unchanged.
 """
 
 from __future__ import annotations
