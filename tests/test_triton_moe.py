@@ -103,6 +103,40 @@ def test_fused_experts_match_reference(dtype, rows, num_experts, k):
     assert (fused(x, swapped, down, logits, k, True).float() - want.float()).abs().max() > 1e-2
 
 
+def fp8_experts(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked experts in e4m3 over `block` blocks, expert by expert: (weights, scales)."""
+    from blockspec.kernels import fp8
+
+    parts = [fp8.quantize_blocks(w[e].float(), block) for e in range(w.shape[0])]
+    return torch.stack([q for q, _ in parts]).to(DEVICE), torch.stack([s for _, s in parts]).to(DEVICE)
+
+
+# blocks that divide the K tile (32 x 32), per channel (one block spans K), rows of one scale each with a
+# block narrower than the default K tile (16 columns), and a width that is not a power of two (48)
+@pytest.mark.parametrize("dtype,rows,up_block,down_block", [(torch.float32, 1, (32, 32), (32, 32)),
+                                                            (torch.float16, 5, (1, 64), (1, 48)),
+                                                            (torch.float32, 17, (1, 16), (16, 48)),
+                                                            (torch.float16, 70, (32, 32), (32, 16))])
+def test_fp8_experts_match_their_dequantized_reference(dtype, rows, up_block, down_block):
+    """e4m3 experts with scales over blocks, dequantized tile by tile in the grouped kernels, against the
+    reference over `dequantize_reference`'s weights; the control drops the scales."""
+    from blockspec.kernels import fp8
+
+    hidden, inter, num_experts, k = 64, 48, 6, 2
+    x = rand(rows, hidden, dtype=dtype)
+    gate_up, down = experts(num_experts, hidden, inter, dtype)
+    (gu, gs), (dw, ds) = fp8_experts(gate_up, up_block), fp8_experts(down, down_block)
+    dequant = [torch.stack([fp8.dequantize_reference(q[e].cpu(), s[e].cpu(), b, dtype) for e in range(num_experts)])
+               .to(DEVICE) for q, s, b in ((gu, gs, up_block), (dw, ds, down_block))]
+    logits = rand(rows, num_experts, dtype=dtype, seed=4)
+    want = reference(x, *dequant, logits, k, True)
+    got = fused(x, gu, dw, logits, k, True, scales=K.ExpertScales(gs, ds, up_block, down_block))
+    assert got.dtype == dtype
+    assert_close(got, want, dtype)
+    ones = K.ExpertScales(torch.ones_like(gs), torch.ones_like(ds), up_block, down_block)
+    assert not torch.allclose(fused(x, gu, dw, logits, k, True, scales=ones).float(), want.float(), atol=1.0)
+
+
 def test_residual_is_added_as_the_unfused_add_rounds():
     x = rand(5, 64, dtype=torch.float16)
     res = rand(5, 64, dtype=torch.float16, seed=9)
@@ -219,8 +253,8 @@ def test_bf16_block_at_one_row_matches_its_reference(monkeypatch):
 def test_the_moe_kernels_compile_for_the_gpu():
     """Through Triton's front end for sm_90 (`compile_for_sm90`), which type-checks what the interpreter
     does not: route, align, both grouped products (K blocks that divide
-    the width and ones that do not; tiles from the table and one row's pairs) and the combine, in bf16
-    and fp32."""
+    the width and ones that do not; tiles from the table and one row's pairs; e4m3 weights with block
+    scales) and the combine, in bf16 and fp32."""
     cases = []
     for dtype in ("bf16", "fp32"):
         t = f"*{dtype}"
@@ -235,6 +269,13 @@ def test_the_moe_kernels_compile_for_the_gpu():
             cases.append(("_moe_down", {"H": t, "W": t, "RouteW": t, "Y": "*fp32", **ints},
                           {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "EVEN_K": even, "IEEE": dtype == "fp32",
                            "ONE_ROW": not even}))
+            fp8 = {"WSCALE": True, "SCALE_BR": 128, "SCALE_BC": 128}  # e4m3 experts over 128 x 128 blocks
+            cases.append(("_moe_gate_up", {"X": t, "W": "*fp8e4nv", "WS": "*fp32", "Out": t, **ints},
+                          {"TOP_K": 8, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "EVEN_K": even,
+                           "IEEE": dtype == "fp32", "ONE_ROW": not even, **fp8}))
+            cases.append(("_moe_down", {"H": t, "W": "*fp8e4nv", "WS": "*fp32", "RouteW": t, "Y": "*fp32", **ints},
+                          {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "EVEN_K": even, "IEEE": dtype == "fp32",
+                           "ONE_ROW": not even, **fp8}))
         cases.append(("_moe_combine", {"Y": "*fp32", "Res": t, "Out": t},
                       {"TOP_K": 8, "HAS_RES": True, "BLOCK": 1024}))
     compile_for_sm90("blockspec.kernels.moe", cases)

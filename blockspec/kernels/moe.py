@@ -110,6 +110,19 @@ if triton is not None:
         return tl.dot(a, tl.trans(b), acc)
 
     @triton.jit
+    def _expert_mma(acc, a, w, S, stride_sn, rows, r_ok, k0, SCALE_BR: tl.constexpr, SCALE_BC: tl.constexpr,
+                    IEEE: tl.constexpr, WSCALE: tl.constexpr):
+        """acc + a @ w^T for the weight rows `rows`. WSCALE: w is an e4m3 tile within the K block k0 //
+        SCALE_BC (BLOCK_K divides the scale blocks' width), converted to a's dtype (exact); its product
+        is times each row's scale of that block (S: the expert's [rows / SCALE_BR, K / SCALE_BC] scales)."""
+        if WSCALE:
+            s = tl.load(S + (rows // SCALE_BR).to(tl.int64) * stride_sn + k0 // SCALE_BC, mask=r_ok, other=0.0)
+            acc = acc + _mma(tl.zeros_like(acc), a, w.to(tl.float32).to(a.dtype), IEEE) * s[None, :]
+        else:
+            acc = _mma(acc, a, w, IEEE)
+        return acc
+
+    @triton.jit
     def _tile_rows(TileLo, TileHi, t, BLOCK_M: tl.constexpr, ONE_ROW: tl.constexpr):
         """Tile t's sorted positions (BLOCK_M from its first) and which of them it holds. ONE_ROW: the
         pairs of a single row, whose experts are distinct, each its own tile in pair order (no table)."""
@@ -142,13 +155,15 @@ if triton is not None:
         return a_ok, w_ok
 
     @triton.jit
-    def _moe_gate_up(X, W, Sorted, TileExpert, TileLo, TileHi, Out, stride_x, stride_we, stride_wn, stride_o,
-                     inter, hidden, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, ONE_ROW: tl.constexpr,
-                     PDL: tl.constexpr = False):
+    def _moe_gate_up(X, W, WS, Sorted, TileExpert, TileLo, TileHi, Out, stride_x, stride_we, stride_wn, stride_o,
+                     stride_se, stride_sn, inter, hidden, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                     ONE_ROW: tl.constexpr, WSCALE: tl.constexpr = False, SCALE_BR: tl.constexpr = 1,
+                     SCALE_BC: tl.constexpr = 1, PDL: tl.constexpr = False):
         """Tile t, columns block n: silu(x W_gate^T) * (x W_up^T) for the tile's pairs' rows x, into
         Out at their sorted positions; each product rounded as a linear layer rounds, SwiGLU as the
-        silu_mul kernel rounds."""
+        silu_mul kernel rounds. WSCALE: W is e4m3 with scales WS over (SCALE_BR x SCALE_BC) blocks
+        (`_expert_mma`)."""
         dependent_start(PDL)
         t = tl.program_id(0)
         expert = tl.load(TileExpert + t)
@@ -161,14 +176,17 @@ if triton is not None:
             x_rows = X + row[:, None] * stride_x
             w_gate = W + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
             w_up = w_gate + inter * stride_wn
+            scales = WS + expert.to(tl.int64) * stride_se
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(0, hidden, BLOCK_K):
                 kk = k0 + offs
                 x_ok, w_ok = _k_masks(m_ok, c_ok, kk, hidden, EVEN_K)
                 xv = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0)
-                acc_g = _mma(acc_g, xv, tl.load(w_gate + kk[None, :], mask=w_ok, other=0.0), IEEE)
-                acc_u = _mma(acc_u, xv, tl.load(w_up + kk[None, :], mask=w_ok, other=0.0), IEEE)
+                acc_g = _expert_mma(acc_g, xv, tl.load(w_gate + kk[None, :], mask=w_ok, other=0.0), scales,
+                                    stride_sn, cols, c_ok, k0, SCALE_BR, SCALE_BC, IEEE, WSCALE)
+                acc_u = _expert_mma(acc_u, xv, tl.load(w_up + kk[None, :], mask=w_ok, other=0.0), scales,
+                                    stride_sn, cols + inter, c_ok, k0, SCALE_BR, SCALE_BC, IEEE, WSCALE)
             dtype = Out.dtype.element_ty
             gate = acc_g.to(dtype).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -176,12 +194,14 @@ if triton is not None:
             tl.store(Out + m.to(tl.int64)[:, None] * stride_o + cols[None, :], y, mask=m_ok[:, None] & c_ok[None, :])
 
     @triton.jit
-    def _moe_down(H, W, Sorted, TileExpert, TileLo, TileHi, RouteW, Y, stride_h, stride_we, stride_wn, stride_y,
-                  hidden, inter, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  EVEN_K: tl.constexpr, IEEE: tl.constexpr, ONE_ROW: tl.constexpr, PDL: tl.constexpr = False):
+    def _moe_down(H, W, WS, Sorted, TileExpert, TileLo, TileHi, RouteW, Y, stride_h, stride_we, stride_wn, stride_y,
+                  stride_se, stride_sn, hidden, inter, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, ONE_ROW: tl.constexpr,
+                  WSCALE: tl.constexpr = False, SCALE_BR: tl.constexpr = 1, SCALE_BC: tl.constexpr = 1,
+                  PDL: tl.constexpr = False):
         """Tile t, columns block n: each pair's SwiGLU row (sorted position) times the expert's down
         projection, rounded to the model dtype, times the pair's router weight, into Y (fp32) at the
-        pair's own index."""
+        pair's own index. WSCALE as in `_moe_gate_up`."""
         dependent_start(PDL)
         t = tl.program_id(0)
         expert = tl.load(TileExpert + t)
@@ -193,12 +213,14 @@ if triton is not None:
             offs = tl.arange(0, BLOCK_K)
             h_rows = H + m.to(tl.int64)[:, None] * stride_h
             w_rows = W + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+            scales = WS + expert.to(tl.int64) * stride_se
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(0, inter, BLOCK_K):
                 kk = k0 + offs
                 h_ok, w_ok = _k_masks(m_ok, c_ok, kk, inter, EVEN_K)
-                acc = _mma(acc, tl.load(h_rows + kk[None, :], mask=h_ok, other=0.0),
-                           tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0), IEEE)
+                acc = _expert_mma(acc, tl.load(h_rows + kk[None, :], mask=h_ok, other=0.0),
+                                  tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0), scales, stride_sn, cols, c_ok,
+                                  k0, SCALE_BR, SCALE_BC, IEEE, WSCALE)
             weight = tl.load(RouteW + pair, mask=m_ok, other=0.0).to(tl.float32)
             y = acc.to(H.dtype.element_ty).to(tl.float32) * weight[:, None]
             tl.store(Y + pair[:, None] * stride_y + cols[None, :], y, mask=m_ok[:, None] & c_ok[None, :])
@@ -327,10 +349,29 @@ def align_torch(ids: Tensor, num_experts: int, block_m: int, tiles: int) -> Sche
     return Schedule(order.int(), expert.int(), lo.int(), hi.int())
 
 
+@dataclass(frozen=True)
+class ExpertScales:
+    """FP8 experts' scales: expert e's weight W[e, n, k] = w[e, n, k] * scale[e, n // rows, k // columns],
+    over `gate_up_block` and `down_block` (rows, columns) blocks."""
+
+    gate_up: Tensor  # [E, ceil(2I / rows), ceil(H / columns)] fp32
+    down: Tensor  # [E, ceil(H / rows), ceil(I / columns)] fp32
+    gate_up_block: tuple[int, int]
+    down_block: tuple[int, int]
+
+
+def scaled_k_tile(block_k: int, columns: int, k: int) -> int:
+    """The K tile of an FP8 expert product over scale blocks `columns` wide: within one block (a power of
+    two that divides the width), unless one block spans all of K."""
+    return block_k if columns >= k else min(block_k, columns & -columns)
+
+
 def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, ids: Tensor,
-                  residual: Tensor | None = None, config: MoeConfig | None = None) -> Tensor:
+                  residual: Tensor | None = None, config: MoeConfig | None = None,
+                  scales: ExpertScales | None = None) -> Tensor:
     """sum_j weights[m, j] * expert_{ids[m, j]}(x[m]) (+ residual[m]) for x [M, H], gate_up [E, 2I, H]
-    (gate rows first), down [E, H, I], weights [M, k], ids [M, k]; as `models.moe.experts_reference`."""
+    (gate rows first), down [E, H, I], weights [M, k], ids [M, k]; as `models.moe.experts_reference`.
+    With `scales`, gate_up and down are e4m3 and each tile is dequantized as it streams."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     m, hidden = x.shape
     experts, two_i, _ = gate_up.shape
@@ -345,19 +386,32 @@ def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, ids
     flat = ids.reshape(-1).to(torch.int32)
     sched = Schedule(flat, flat, flat, flat) if one_row else align(flat, experts, cfg.block_m, tiles)
     ieee = x.dtype == torch.float32
+    up_k, down_k, up_scale, down_scale = cfg.block_k, cfg.block_k, {}, {}
+    if scales is not None:
+        if (scales.gate_up.shape[0], scales.down.shape[0]) != (experts, experts):
+            raise ValueError(f"fused_experts: scales for {scales.gate_up.shape[0]} and {scales.down.shape[0]} "
+                             f"experts, weights for {experts}")
+        (ur, uc), (dr, dc) = scales.gate_up_block, scales.down_block
+        up_k, down_k = scaled_k_tile(cfg.block_k, uc, hidden), scaled_k_tile(cfg.block_k, dc, inter)
+        up_scale = dict(WSCALE=True, SCALE_BR=ur, SCALE_BC=uc)
+        down_scale = dict(WSCALE=True, SCALE_BR=dr, SCALE_BC=dc)
+    up_s = scales.gate_up if scales is not None else x
+    down_s = scales.down if scales is not None else x
     h = torch.empty(m * top_k, inter, dtype=x.dtype, device=x.device)
     _moe_gate_up[(tiles, triton.cdiv(inter, cfg.block_n_up))](
-        x, gate_up, sched.sorted_pairs, sched.tile_expert, sched.tile_lo, sched.tile_hi, h,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), inter, hidden, TOP_K=top_k,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, EVEN_K=hidden % cfg.block_k == 0,
-        IEEE=ieee, ONE_ROW=one_row, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent_launch(x))
+        x, gate_up, up_s, sched.sorted_pairs, sched.tile_expert, sched.tile_lo, sched.tile_hi, h,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), *_scale_strides(scales, "gate_up"), inter,
+        hidden, TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=up_k, EVEN_K=hidden % up_k == 0,
+        IEEE=ieee, ONE_ROW=one_row, **up_scale, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **dependent_launch(x))
     y = torch.empty(m * top_k, hidden, dtype=torch.float32, device=x.device)
     route_w = weights.reshape(-1)
     _moe_down[(tiles, triton.cdiv(hidden, cfg.block_n_down))](
-        h, down, sched.sorted_pairs, sched.tile_expert, sched.tile_lo, sched.tile_hi, route_w, y,
-        h.stride(0), down.stride(0), down.stride(1), y.stride(0), hidden, inter,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0,
-        IEEE=ieee, ONE_ROW=one_row, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent_launch(x))
+        h, down, down_s, sched.sorted_pairs, sched.tile_expert, sched.tile_lo, sched.tile_hi, route_w, y,
+        h.stride(0), down.stride(0), down.stride(1), y.stride(0), *_scale_strides(scales, "down"), hidden, inter,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=down_k, EVEN_K=inter % down_k == 0,
+        IEEE=ieee, ONE_ROW=one_row, **down_scale, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **dependent_launch(x))
     out = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
     res = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
     block = min(1024, triton.next_power_of_2(hidden))
@@ -365,3 +419,13 @@ def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, ids
         y, res if res is not None else out, out, y.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
         hidden, TOP_K=top_k, HAS_RES=res is not None, BLOCK=block, num_warps=4, **dependent_launch(x))
     return out
+
+
+def _scale_strides(scales: ExpertScales | None, part: str) -> tuple[int, int]:
+    """(expert, row) strides of a part's scales (their K blocks are contiguous); zeros without scales."""
+    if scales is None:
+        return 0, 0
+    t = getattr(scales, part)
+    if t.stride(-1) != 1 or t.dtype != torch.float32:
+        raise ValueError(f"fused_experts: {part} scales must be fp32 with contiguous K blocks")
+    return t.stride(0), t.stride(1)
