@@ -82,14 +82,20 @@ def test_speculation_on_the_written_checkpoint_equals_its_plain_decoding(exporte
     assert run(llm, ps, params) == plain and llm.get_stats()["num_accepted_tokens"] > 0
 
 
-def test_a_mixture_of_experts_checkpoint_keeps_its_experts(tmp_path):
-    """Attention and the dense layer's MLP in e4m3; experts and routers as they were (models.quant reads FP8
-    into linear layers, and an MoE layer's experts are stacked)."""
-    out = write_fp8_checkpoint(save_moe_target(tmp_path / "moe"), tmp_path / "fp8").out
+def test_a_mixture_of_experts_checkpoint_has_its_experts_in_e4m3(tmp_path):
+    """Attention, the dense layer's MLP and every expert (one by one, as the hub stores them) in e4m3;
+    routers as they were. It loads into e4m3 `Fp8Experts` and decodes as its dequantized weights do."""
+    from blockspec.models.quant import Fp8Experts
+
+    out = write_fp8_checkpoint(save_moe_target(tmp_path / "moe"), tmp_path / "fp8", block=16).out
     state = load_file(str(out / "model.safetensors"))
     fp8_names = {n for n, t in state.items() if t.dtype == torch.float8_e4m3fn}
-    assert any(".experts." in n for n in state) and not any(".experts." in n or ".gate.weight" in n for n in fp8_names)
+    experts = {n for n in state if ".experts." in n and n.endswith("_proj.weight")}
+    assert experts and experts <= fp8_names and not any(".gate.weight" in n for n in fp8_names)
     assert "model.layers.2.mlp.gate_proj.weight" in fp8_names and "model.layers.0.self_attn.q_proj.weight" in fp8_names
+    assert "model.layers.0.mlp.experts.5.down_proj.weight_scale_inv" in state
+    model, _ = load_target(out, "float32", "cpu", 64)
+    assert isinstance(model.layers[0].mlp.experts, Fp8Experts) and model.layers[0].mlp.experts.down_block == (16, 16)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert len(run(LLM(str(out), device="cpu", dtype="float32", max_model_len=64), prompts(2, seed=0), params)[0]) == 8
 

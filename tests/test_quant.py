@@ -22,8 +22,8 @@ from blockspec.errors import ModelLoadError
 from blockspec.kernels import fp8
 from blockspec.models.kv_cache import causal_meta
 from blockspec.models.loader import load_target
-from blockspec.models.quant import Fp8Linear, Fp8Weight, concat_fp8, is_quantized, use_onednn_fp8
-from factories import save_drafter_target
+from blockspec.models.quant import Fp8Experts, Fp8Linear, Fp8Weight, concat_fp8, is_quantized, use_onednn_fp8
+from factories import save_drafter_target, save_moe_target
 from test_spec import FIXTURES, add_oracle, prompts, run
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -215,6 +215,61 @@ def test_a_broken_compressed_tensors_checkpoint_names_the_field(target, tmp_path
         qc["ignore"] = ["re:.*layers.0.self"]
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises((ConfigError, ModelLoadError), match=error):
+        load_target(path, "float32", "cpu", 128)
+
+
+@pytest.fixture(scope="module")
+def moe_target(tmp_path_factory) -> Path:
+    return save_moe_target(tmp_path_factory.mktemp("moe"))
+
+
+@pytest.mark.parametrize("layout", ["block16", "channel"])
+def test_an_fp8_mixture_of_experts_checkpoint_keeps_its_experts_in_e4m3(moe_target, tmp_path, layout):
+    """Experts stored one by one in e4m3 (as Qwen/Qwen3-30B-A3B-FP8 ships them) stack into e4m3 `Fp8Experts`
+    with their scales (gate/up parts not on a block boundary spread to one row each), equal to the same
+    weights dequantized; the dense middle layer's MLP is an Fp8Linear; speculation is exact on it."""
+    dirs = write_fp8(moe_target, tmp_path, layout)
+    ours, _ = load_target(dirs / "fp8", "float32", "cpu", 128)
+    ref, _ = load_target(dirs / "dequantized", "float32", "cpu", 128)
+    experts = ours.layers[0].mlp.experts
+    assert isinstance(experts, Fp8Experts) and experts.gate_up_proj.dtype == experts.down_proj.dtype == fp8.FP8
+    assert experts.gate_up_proj.shape[0] == 8 and isinstance(ours.layers[2].mlp.gate_up_proj, Fp8Linear)
+    assert (experts.gate_up_block, experts.down_block) == ({"block16": ((1, 16), (16, 16)),
+                                                            "channel": ((1, 32), (1, 24))}[layout])
+    with torch.no_grad():
+        assert (logits(ours, IDS) - logits(ref, IDS)).abs().max() < 1e-5
+    assert ours.to(torch.bfloat16).layers[0].mlp.experts.gate_up_proj.dtype == fp8.FP8  # a cast keeps e4m3
+
+    ps = prompts(3, seed=6)
+    plain = LLM(str(dirs / "fp8"), device="cpu", max_model_len=160)
+    expected = run(plain, ps, GREEDY)
+    llm = LLM(str(dirs / "fp8"), device="cpu", max_model_len=160, speculative_config={
+        "method": "dflash", "model": str(FIXTURES / "dflash"), "adaptive_draft_length": False})
+    add_oracle(llm, {tuple(p["prompt_token_ids"]): e for p, e in zip(ps, expected)}, corrupt=0.2)
+    assert run(llm, ps, GREEDY) == expected
+
+
+def test_quantization_fp8_quantizes_a_mixture_of_experts_experts(moe_target):
+    """quantization="fp8" on an MoE target: the experts per output channel of each expert, beside the
+    attention and dense MLP products; routers stay in the model dtype; greedy speculation equals the
+    quantized model's own plain decoding, which differs from the unquantized one's."""
+    plain = LLM(str(moe_target), device="cpu", max_model_len=160, quantization="fp8")
+    model = plain.engine.model
+    assert all(isinstance(layer.mlp.experts, Fp8Experts) for i, layer in enumerate(model.layers) if i != 2)
+    assert model.layers[0].mlp.gate.weight.dtype == torch.float32 and model.layers[0].mlp.experts.down_block == (1, 24)
+    ps = prompts(3, seed=7)
+    expected = run(plain, ps, GREEDY)
+    assert run(LLM(str(moe_target), device="cpu", max_model_len=160), ps, GREEDY) != expected
+    llm = LLM(str(moe_target), device="cpu", max_model_len=160, quantization="fp8", speculative_config={
+        "method": "dflash", "model": str(FIXTURES / "dflash"), "adaptive_draft_length": False})
+    add_oracle(llm, {tuple(p["prompt_token_ids"]): e for p, e in zip(ps, expected)}, corrupt=0.2)
+    assert run(llm, ps, GREEDY) == expected
+
+
+def test_an_mixture_of_experts_layer_with_some_experts_in_fp8_is_refused(moe_target, tmp_path):
+    path = write_fp8(moe_target, tmp_path, "channel", keep=("layers.1.mlp.experts.3.",)) / "fp8"
+    with pytest.raises(ModelLoadError, match=r"layers.1.mlp.experts: the checkpoint's FP8 gate_up_proj lacks "
+                                             r"experts \[3\] of 8 \(an MoE layer's experts are all FP8 or none\)"):
         load_target(path, "float32", "cpu", 128)
 
 

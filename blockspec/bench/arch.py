@@ -22,6 +22,7 @@ from blockspec.config import ConfigError, ModelConfig, RopeConfig
 from blockspec.models.layers import Rotary
 from blockspec.models.llama import CausalLM
 from blockspec.models.moe import Experts
+from blockspec.models.quant import Fp8Experts
 from blockspec.drafters import DFlashDraft, DSparkDraft, DSparkHeads, DraftModel, DrafterConfig
 
 QWEN3_8B = ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -148,7 +149,7 @@ def step_bytes(model: nn.Module, experts_read: float | None = None) -> int:
     row's top-k, a batch-1 plain step; a verify step reads the union of its rows' experts, measured by
     `bench.expert_union`)."""
     emb = model.embed_tokens.weight
-    stacked = {id(p): m for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
+    stacked = {id(p): m for m in model.modules() if isinstance(m, (Experts, Fp8Experts)) for p in m.parameters()}
     total = 0
     for p in model.parameters():
         if p is emb:
@@ -168,7 +169,7 @@ def row_flops(model: CausalLM) -> tuple[float, float]:
     Sliding windows are not counted: for such a model the attention term is an upper bound."""
     cfg = model.config
     emb = model.embed_tokens.weight
-    stacked = {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
+    stacked = {id(p) for m in model.modules() if isinstance(m, (Experts, Fp8Experts)) for p in m.parameters()}
     products = 0.0
     for p in model.parameters():
         if p.dim() < 2 or p is emb:

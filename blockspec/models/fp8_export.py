@@ -3,9 +3,11 @@
 
     blockspec quantize MODEL --out DIR [--block-size 128] [--kv-calibration FILE ...]
 
-Weight-only, as `models.quant` reads it: the decoder layers' attention and dense MLP products become
-e4m3 (a step streams half the bytes); embeddings, the LM head, norms, routers and MoE experts stay as
-the checkpoint has them. Tokenizer files and the rest of the directory are copied as they are.
+Weight-only, as `models.quant` reads it: the decoder layers' attention, dense MLP and MoE expert
+products become e4m3 (a step streams half the bytes; experts stored one by one, as the hub's
+checkpoints and Qwen/Qwen3-30B-A3B-FP8 store them); embeddings, the LM head, norms, routers and
+shared experts stay as the checkpoint has them. Tokenizer files and the rest of the directory are
+copied as they are.
 
 With calibration text, each layer's FP8 KV cache scales are written too (`self_attn.k_scale` and
 `v_scale`, the names vLLM and llm-compressor use): the largest |K| and |V| the model stores over the
@@ -30,8 +32,9 @@ from blockspec.kernels.fp8 import E4M3_MAX, quantize_blocks
 from blockspec.models.kv_cache import KVScales, causal_meta
 from blockspec.models.loader import load_target, read_json, read_state_dict, resolve_model_dir
 
-# the products quantized: a decoder layer's attention and dense MLP (an MoE layer's experts stay as they are)
-QUANTIZED = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.weight$")
+# the products quantized: a decoder layer's attention, dense MLP and MoE experts (one by one)
+QUANTIZED = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)"
+                       r"\.weight$")
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 BLOCK = 128  # rows and columns a weight scale covers, as the published FP8 checkpoints have it
 

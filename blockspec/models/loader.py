@@ -210,12 +210,14 @@ def load_target(
     if "lm_head.weight" in state and not cfg.tie_word_embeddings:
         mapped["lm_head.weight"] = state["lm_head.weight"]
     mapped = {k: v for k, v in mapped.items() if not k.endswith("rotary_emb.inv_freq")}
-    mapped = stack_experts(mapped, str(model_dir))  # hub checkpoints store MoE experts one by one
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)
     model = model.to_empty(device="cpu")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    # FP8 experts first: a layer whose experts are partly FP8 is then named as such
+    mapped.update(quant.install_fp8_experts(model, packed_mapped, str(model_dir)))
+    mapped = stack_experts(mapped, str(model_dir))  # hub checkpoints store MoE experts one by one
     mapped.update(quant.install_fp8(model, packed_mapped, str(model_dir)))
     assign_weights(model, mapped, str(model_dir))
     model = model.to(device=dev, dtype=torch_dtype)  # FP8 weights and their scales keep their dtypes

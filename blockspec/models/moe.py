@@ -13,7 +13,6 @@ against); on CUDA inference the block runs the fused kernels.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from blockspec.errors import ModelLoadError
 from blockspec.kernels import moe as moe_kernels
 from blockspec.kernels.ops import PreNormed, skinny_linear, use_kernels
 from blockspec.models.layers import GatedMLP, RMSNorm, rms_norm, silu_mul, stream
+from blockspec.models.quant import PER_EXPERT
 
 
 def route(logits: Tensor, top_k: int, renorm: bool) -> tuple[Tensor, Tensor]:
@@ -52,12 +52,19 @@ def experts_reference(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor,
 
 
 class Experts(nn.Module):
-    """The stacked expert weights (named as transformers 5 names them: experts.gate_up_proj, .down_proj)."""
+    """The stacked expert weights (named as transformers 5 names them: experts.gate_up_proj, .down_proj);
+    `models.quant.Fp8Experts` holds them in e4m3."""
+
+    scales: moe_kernels.ExpertScales | None = None  # in the model's dtype: no scales
 
     def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    def reference_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """gate_up and down as the reference path computes with them."""
+        return self.gate_up_proj, self.down_proj
 
 
 @dataclass(frozen=True)
@@ -137,9 +144,10 @@ class SparseMoE(nn.Module):
         add_now = residual is not None and self.shared_expert is None and self.all_reduce is None
         res = residual.reshape(rows.shape) if add_now else None
         if fused:
-            out = moe_kernels.fused_experts(rows, w.gate_up_proj, w.down_proj, weights, ids, residual=res)
+            out = moe_kernels.fused_experts(rows, w.gate_up_proj, w.down_proj, weights, ids, residual=res,
+                                            scales=w.scales)
         else:
-            out = experts_reference(rows, w.gate_up_proj, w.down_proj, weights, ids)
+            out = experts_reference(rows, *w.reference_weights(rows.dtype), weights, ids)
             out = out if res is None else res + out
         if self.shared_expert is not None:
             gate = torch.sigmoid(F.linear(rows, self.shared_expert_gate.weight))
@@ -150,9 +158,6 @@ class SparseMoE(nn.Module):
         return out if residual is None or add_now else residual + out
 
 
-_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_up_proj|down_proj)\.weight$")
-
-
 def stack_experts(state: dict[str, Tensor], source: str) -> dict[str, Tensor]:
     """Per-expert tensors (`...mlp.experts.{e}.gate_up_proj.weight` after gate/up fusion, and
     `.down_proj.weight`: the hub checkpoints' names) stacked into `...mlp.experts.gate_up_proj`
@@ -160,7 +165,7 @@ def stack_experts(state: dict[str, Tensor], source: str) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
     groups: dict[tuple[str, str], dict[int, Tensor]] = {}
     for name, t in state.items():
-        m = _PER_EXPERT.match(name)
+        m = PER_EXPERT.match(name)
         if m is None:
             out[name] = t
         else:

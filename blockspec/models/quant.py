@@ -1,5 +1,5 @@
-"""FP8 weights in the target: the `Fp8Linear` layer, FP8 checkpoints read into it, and on-the-fly
-quantization of a model dtype checkpoint (`quantization="fp8"`).
+"""FP8 weights in the target: the `Fp8Linear` layer and a mixture of experts' `Fp8Experts`, FP8
+checkpoints read into them, and on-the-fly quantization of a model dtype checkpoint (`quantization="fp8"`).
 
 Weights only: each quantized product reads e4m3 weights with fp32 scales (`kernels.fp8`) and keeps
 its activations in the model's dtype, so a step reads half the bytes and every path (plain decode,
@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from blockspec.config import QUANTIZATIONS, ConfigError
 from blockspec.errors import ModelLoadError
 from blockspec.kernels.fp8 import FP8, dequantize_reference, fp8_linear, quantize_per_channel, scale_shape
+from blockspec.kernels.moe import ExpertScales
 from blockspec.kernels.ops import use_kernels
 from blockspec.models.kv_cache import KVScales
 from blockspec.models.cpu_linear import PACK_MAX_BYTES, onednn_available, packed_product, without_packed_copy
@@ -90,28 +91,92 @@ class Fp8Linear(nn.Module):
         """The weight as the reference path computes with it (`dequantize_reference`), made once and kept
         until the weight or its scales change: where no kernel streams the e4m3 weight (the CPU),
         dequantizing it for every product would cost three times the product itself."""
-        key = self._weight_key(dtype)
-        if self.__dict__.get("_dequantized_key") != key:
-            self.__dict__["_dequantized"] = self._reference_weight(dtype)
-            self.__dict__["_dequantized_key"] = key
-        return self.__dict__["_dequantized"]
+        return kept(self.__dict__, "_dequantized", self._weight_key(dtype), lambda: self._reference_weight(dtype))
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Fp8Linear:
-        held = {name: self._parameters.pop(name) for name in ("weight", "weight_scale")}
-        try:
-            super()._apply(fn, recurse)  # the bias: device and dtype
-        finally:
-            self._parameters.update(held)
-        device = fn(torch.zeros((), device=held["weight"].device)).device  # where fn sends tensors
-        for name, p in held.items():
-            if p.device != device:
-                moved = torch.empty_like(p, device=device) if p.is_meta else p.to(device)
-                self._parameters[name] = nn.Parameter(moved, requires_grad=False)
-        return self
+        return apply_keeping_dtypes(self, ("weight", "weight_scale"), fn, recurse, super()._apply)  # bias: both
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"scale_block={self.block}")
+
+
+def apply_keeping_dtypes(module: nn.Module, names: tuple[str, ...], fn: Callable[[Tensor], Tensor], recurse: bool,
+                         apply: Callable[..., nn.Module]) -> nn.Module:
+    """`module._apply(fn)` (`apply`: the base class's) for all but the parameters `names` (e4m3 weights and
+    their scales), which only follow fn's device: a dtype cast of the model leaves them as they are."""
+    held = {name: module._parameters.pop(name) for name in names}
+    try:
+        apply(fn, recurse)
+    finally:
+        module._parameters.update(held)
+    device = fn(torch.zeros((), device=held[names[0]].device)).device  # where fn sends tensors
+    for name, p in held.items():
+        if p.device != device:
+            moved = torch.empty_like(p, device=device) if p.is_meta else p.to(device)
+            module._parameters[name] = nn.Parameter(moved, requires_grad=False)
+    return module
+
+
+def kept(state: dict, name: str, key: tuple, make: Callable[[], Any]) -> Any:
+    """make(), kept in `state` (an object's __dict__) under `name` while `key` stays the same."""
+    if state.get(name + "_key") != key:
+        state[name], state[name + "_key"] = make(), key
+    return state[name]
+
+
+# a hub checkpoint's experts, one by one (after gate/up fusion): `<layer>.mlp.experts.<e>.<part>.weight`
+PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_up_proj|down_proj)\.weight$")
+
+
+class Fp8Experts(nn.Module):
+    """A mixture-of-experts layer's stacked experts in e4m3 (gate_up [E, 2I, H], down [E, H, I], as
+    `models.moe.Experts` stacks them) with fp32 scales over blocks (`kernels.moe.ExpertScales`). They keep
+    their dtypes under a model's dtype cast; on CUDA the grouped kernels dequantize each tile as it
+    streams, elsewhere (the reference) the dequantized weights are made once and kept."""
+
+    PARTS = ("gate_up_proj", "gate_up_scale", "down_proj", "down_scale")
+
+    def __init__(self, gate_up: Tensor, gate_up_scale: Tensor, down: Tensor, down_scale: Tensor,
+                 gate_up_block: tuple[int, int], down_block: tuple[int, int]) -> None:
+        super().__init__()
+        for w, sc, block, name in ((gate_up, gate_up_scale, gate_up_block, "gate_up"),
+                                   (down, down_scale, down_block, "down")):
+            want = (w.shape[0], *scale_shape(w.shape[1], w.shape[2], block))
+            if w.dtype != FP8 or w.dim() != 3 or tuple(sc.shape) != want:
+                raise ValueError(f"Fp8Experts: {name} {w.dtype} {tuple(w.shape)} with scales {tuple(sc.shape)} over "
+                                 f"{block} blocks (want float8_e4m3fn [E, N, K] and {want})")
+        self.gate_up_block, self.down_block = tuple(map(int, gate_up_block)), tuple(map(int, down_block))
+        for name, t in zip(self.PARTS, (gate_up, gate_up_scale.float(), down, down_scale.float())):
+            setattr(self, name, nn.Parameter(t, requires_grad=False))
+
+    @staticmethod
+    def from_experts(gate_up: Tensor, down: Tensor) -> Fp8Experts:
+        """Stacked experts quantized with one scale per output channel of each expert."""
+        parts = [[quantize_per_channel(w[e].detach()) for e in range(w.shape[0])] for w in (gate_up, down)]
+        (gu, gs), (dw, ds) = ((torch.stack([q for q, _ in p]), torch.stack([sc for _, sc in p])) for p in parts)
+        return Fp8Experts(gu, gs, dw, ds, (1, gate_up.shape[2]), (1, down.shape[2]))
+
+    @property
+    def scales(self) -> ExpertScales:
+        return ExpertScales(self.gate_up_scale, self.down_scale, self.gate_up_block, self.down_block)
+
+    def reference_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """gate_up and down dequantized (`dequantize_reference`, expert by expert), kept until they change."""
+        key = tuple((t.data_ptr(), t._version) for t in (self.gate_up_proj, self.gate_up_scale, self.down_proj,
+                                                         self.down_scale)) + (dtype,)
+
+        def make() -> tuple[Tensor, Tensor]:
+            return tuple(torch.stack([dequantize_reference(w[e], sc[e], block, dtype) for e in range(w.shape[0])])
+                         for w, sc, block in ((self.gate_up_proj, self.gate_up_scale, self.gate_up_block),
+                                              (self.down_proj, self.down_scale, self.down_block)))
+        return kept(self.__dict__, "_dequantized", key, make)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Fp8Experts:
+        return apply_keeping_dtypes(self, self.PARTS, fn, recurse, super()._apply)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.gate_up_proj.shape[0]}, blocks={self.gate_up_block}, {self.down_block}"
 
 
 def linear_rows(proj: nn.Linear | Fp8Linear, x: Tensor, lo: int) -> Tensor:
@@ -344,6 +409,46 @@ def concat_fp8(parts: list[Fp8Weight]) -> Fp8Weight:
     return Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat(scales).contiguous(), block)
 
 
+def install_fp8_experts(model: nn.Module, weights: dict[str, Fp8Weight], source: str) -> dict[str, Tensor]:
+    """Take a checkpoint's FP8 experts (one by one, `PER_EXPERT`) out of `weights` and put an `Fp8Experts`
+    of them, stacked, in place of each layer's experts; returns the tensors to load into them."""
+    groups: dict[str, dict[str, dict[int, Fp8Weight]]] = {}
+    for name in [n for n in weights if PER_EXPERT.match(n)]:
+        prefix, e, part = PER_EXPERT.match(name).groups()
+        groups.setdefault(prefix, {}).setdefault(part, {})[int(e)] = weights.pop(name)
+    state: dict[str, Tensor] = {}
+    for prefix, parts in groups.items():
+        parent_name, _, attr = prefix.rpartition(".")
+        try:
+            old = model.get_submodule(prefix)
+        except AttributeError:
+            raise ModelLoadError(f"{source}: FP8 experts {prefix} have no mixture-of-experts layer in the "
+                                 "model") from None
+        count = old.gate_up_proj.shape[0]
+        stacked = []
+        for part in ("gate_up_proj", "down_proj"):
+            experts = parts.get(part, {})
+            missing = sorted(set(range(count)) - set(experts))
+            if missing or len(experts) != count:
+                raise ModelLoadError(f"{source}: {prefix}: the checkpoint's FP8 {part} lacks experts {missing[:8]} "
+                                     f"of {count} (an MoE layer's experts are all FP8 or none)")
+            blocks = {w.block for w in experts.values()}
+            if len(blocks) > 1:
+                raise ModelLoadError(f"{source}: {prefix}.{part}: experts scaled over different blocks "
+                                     f"{sorted(blocks)}")
+            stacked.append((torch.stack([experts[e].weight for e in range(count)]),
+                            torch.stack([experts[e].scale for e in range(count)]), blocks.pop()))
+        (gu, gs, gb), (dw, ds, db) = stacked
+        if (tuple(gu.shape), tuple(dw.shape)) != (tuple(old.gate_up_proj.shape), tuple(old.down_proj.shape)):
+            raise ModelLoadError(f"{source}: {prefix}: FP8 experts {tuple(gu.shape)}, {tuple(dw.shape)} do not fit "
+                                 f"the model's {tuple(old.gate_up_proj.shape)}, {tuple(old.down_proj.shape)}")
+        device = old.gate_up_proj.device
+        setattr(model.get_submodule(parent_name), attr,
+                Fp8Experts(*(torch.empty(t.shape, dtype=t.dtype, device=device) for t in (gu, gs, dw, ds)), gb, db))
+        state.update({f"{prefix}.{name}": t for name, t in zip(Fp8Experts.PARTS, (gu, gs, dw, ds))})
+    return state
+
+
 def install_fp8(model: nn.Module, weights: dict[str, Fp8Weight], source: str) -> dict[str, Tensor]:
     """Put an `Fp8Linear` where each weight goes (names as the model's, `<module>.weight`); returns the
     tensors to load into them (weight and weight_scale), for `assign_weights`."""
@@ -371,8 +476,9 @@ def install_fp8(model: nn.Module, weights: dict[str, Fp8Weight], source: str) ->
 
 def quantize_model(model: nn.Module, method: str) -> int:
     """Quantize the decoder layers' products in place (`PROJECTIONS` directly under a layer's
-    self_attn or mlp), per output channel, on the device they are on; the embedding, the LM head,
-    the norms and anything else (e.g. experts) keep their dtype. Returns the layers quantized."""
+    self_attn or mlp, and a mixture-of-experts layer's stacked experts), per output channel, on the
+    device they are on; the embedding, the LM head, the norms, routers and shared experts keep their
+    dtype. Returns the layers quantized."""
     if method not in QUANTIZATIONS:
         raise ConfigError(f"quantization {method!r} is not supported; supported: {', '.join(QUANTIZATIONS)}")
     done = 0
@@ -384,6 +490,10 @@ def quantize_model(model: nn.Module, method: str) -> int:
                 if type(linear) is nn.Linear:
                     setattr(block, attr, Fp8Linear.from_linear(linear))
                     done += 1
+            experts = getattr(block, "experts", None)
+            if experts is not None and not isinstance(experts, Fp8Experts):
+                block.experts = Fp8Experts.from_experts(experts.gate_up_proj, experts.down_proj)
+                done += 1
     return done
 
 
@@ -400,4 +510,4 @@ def use_onednn_fp8(model: nn.Module) -> int:
 
 
 def is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, Fp8Linear) for m in model.modules())
+    return any(isinstance(m, (Fp8Linear, Fp8Experts)) for m in model.modules())
