@@ -213,6 +213,27 @@ def test_bf16_expert_shapes_match_reference(rows, num_experts, k, renorm):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("rows", [1, 16, 65])
+@pytest.mark.parametrize("block", [(128, 128), None])  # Qwen3-30B-A3B-FP8's blocks; per channel
+def test_fp8_expert_shapes_match_their_dequantized_reference(rows, block):
+    """Qwen3-30B-A3B's experts (128 x top-8, H 2048, I 768) in e4m3 with bf16 activations, at decode,
+    verify and prefill row counts, against the reference over the dequantized weights."""
+    from blockspec.kernels import fp8
+
+    dtype, num_experts, k = torch.bfloat16, 128, 8
+    x = rand(rows, 2048, dtype=dtype)
+    gate_up, down = experts(num_experts, 2048, 768, dtype)
+    up_block, down_block = block or (1, 2048), block or (1, 768)
+    (gu, gs), (dw, ds) = fp8_experts(gate_up, up_block), fp8_experts(down, down_block)
+    dequant = [torch.stack([fp8.dequantize_reference(q[e], s[e], b, dtype) for e in range(num_experts)])
+               for q, s, b in ((gu, gs, up_block), (dw, ds, down_block))]
+    logits = rand(rows, num_experts, dtype=dtype, seed=4)
+    want = reference(x, *dequant, logits, k, True)
+    assert_close(fused(x, gu, dw, logits, k, True, scales=K.ExpertScales(gs, ds, up_block, down_block)), want, dtype)
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("rows", [1, 16, 64, 256])
 def test_bf16_steps_replay_in_a_cuda_graph(rows):
     """Route, align and the grouped products captured once, replayed on new rows and new routing: the
