@@ -428,10 +428,13 @@ def install_fp8_experts(model: nn.Module, weights: dict[str, Fp8Weight], source:
         stacked = []
         for part in ("gate_up_proj", "down_proj"):
             experts = parts.get(part, {})
-            missing = sorted(set(range(count)) - set(experts))
-            if missing or len(experts) != count:
+            missing, extra = sorted(set(range(count)) - set(experts)), sorted(set(experts) - set(range(count)))
+            if missing:
                 raise ModelLoadError(f"{source}: {prefix}: the checkpoint's FP8 {part} lacks experts {missing[:8]} "
                                      f"of {count} (an MoE layer's experts are all FP8 or none)")
+            if extra:
+                raise ModelLoadError(f"{source}: {prefix}: the checkpoint has FP8 {part} of experts {extra[:8]}, "
+                                     f"past the config's {count}")
             blocks = {w.block for w in experts.values()}
             if len(blocks) > 1:
                 raise ModelLoadError(f"{source}: {prefix}.{part}: experts scaled over different blocks "
