@@ -9,9 +9,11 @@ selected experts stream from HBM, not L2), median of repeated replays. The floor
 bytes of the union of its rows' experts over the measured copy bandwidth. Routing comes from random
 router logits: "uniform" (rows independent), or "local" (each request's rows equicorrelated with
 rho = 0.8, the locality model of blockspec.bench.expert_union; rows = requests x rows each). For
-scale, the dense SwiGLU MLP of the same active width (8 x 768) at the same rows.
+scale, the dense SwiGLU MLP of the same active width (8 x 768) at the same rows. With --fp8, the
+experts are e4m3 (per output channel, or over 128 x 128 blocks as Qwen/Qwen3-30B-A3B-FP8 has them),
+dequantized tile by tile in the same kernels, and the floor is their bytes.
 
-    python benchmarks/bench_moe.py --out moe.json [--sweep] [--router-sweep]
+    python benchmarks/bench_moe.py --out moe.json [--sweep] [--router-sweep] [--fp8 channel|block]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from blockspec.bench.timing import copy_bandwidth, graph_seconds
 from blockspec.kernels import moe as K
 from blockspec.kernels.ops import SkinnyConfig, skinny_linear
 from blockspec.models.layers import GatedMLP, rms_norm
+from blockspec.models.quant import Fp8Experts
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 LAYERS = 6  # 6 x 1.2 GB of experts: a step's experts never sit in L2 from the call before
@@ -51,12 +54,19 @@ def router_logits(rows: int, per_request: int, rho: float, gen: torch.Generator)
 
 
 class Layers:
-    def __init__(self) -> None:
+    def __init__(self, fp8: str | None = None) -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
         self.gate_up = [torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
                         * HIDDEN ** -0.5 for _ in range(LAYERS)]
         self.down = [torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", dtype=torch.bfloat16, generator=g)
                      * INTER ** -0.5 for _ in range(LAYERS)]
+        self.scales: list[K.ExpertScales | None] = [None] * LAYERS
+        self.expert_bytes = EXPERT_BYTES
+        if fp8:  # each layer's experts in e4m3, expert by expert (the bf16 copies are dropped)
+            for i in range(LAYERS):
+                f = Fp8Experts.from_experts(self.gate_up[i], self.down[i], (128, 128) if fp8 == "block" else None)
+                self.gate_up[i], self.down[i], self.scales[i] = f.gate_up_proj, f.down_proj, f.scales
+            self.expert_bytes = EXPERT_BYTES // 2
         self.router = [torch.randn(EXPERTS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g) * HIDDEN ** -0.5
                        for _ in range(LAYERS)]
         self.norm = [1.0 + 0.1 * torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -73,15 +83,15 @@ def measure(layers: Layers, rows: int, per_request: int, rho: float, bandwidth: 
     logits = [router_logits(rows, per_request, rho, gen) for _ in range(LAYERS)]
     routes = [K.route(z, TOP_K, True, torch.bfloat16) for z in logits]
     union = statistics.mean(ids.unique().numel() for _, ids in routes)
-    full = [lambda i=i: K.fused_experts(x, layers.gate_up[i], layers.down[i],
-                                        *K.route(logits[i], TOP_K, True, x.dtype), config=cfg) for i in range(LAYERS)]
+    full = [lambda i=i: K.fused_experts(x, layers.gate_up[i], layers.down[i], *K.route(logits[i], TOP_K, True, x.dtype),
+                                        config=cfg, scales=layers.scales[i]) for i in range(LAYERS)]
     block_m = (cfg or K.moe_config(rows)).block_m
     only_routing = [lambda i=i: K.route(logits[i], TOP_K, True, x.dtype) if rows == 1 else  # one row: no align
                     K.align(K.route(logits[i], TOP_K, True, x.dtype)[1].view(-1), EXPERTS, block_m,
                             K.num_tiles(rows, TOP_K, EXPERTS, block_m)) for i in range(LAYERS)]
     t = statistics.median(graph_seconds(full, replays))
     t_route = statistics.median(graph_seconds(only_routing, replays))
-    floor = union * EXPERT_BYTES / bandwidth
+    floor = union * layers.expert_bytes / bandwidth
     return {"rows": rows, "rows_per_request": per_request, "routing": "local" if rho else "uniform",
             "union_experts": union, "us": 1e6 * t, "route_align_us": 1e6 * t_route, "floor_us": 1e6 * floor,
             "of_floor": floor / t, "config": None if cfg is None else cfg.__dict__}
@@ -108,12 +118,13 @@ def one_row(layers: Layers, bandwidth: float, sweep: bool) -> dict:
     def block(i: int) -> torch.Tensor:
         h = rms_norm(x, layers.norm[i], eps)
         weights, ids = K.route(router(i, h), TOP_K, True, x.dtype)
-        return K.fused_experts(h, layers.gate_up[i], layers.down[i], weights, ids, residual=res)
+        return K.fused_experts(h, layers.gate_up[i], layers.down[i], weights, ids, residual=res,
+                               scales=layers.scales[i])
 
     def us(fn) -> float:
         return 1e6 * statistics.median(graph_seconds([lambda i=i: fn(i) for i in range(LAYERS)], 20))
 
-    floor = (TOP_K * EXPERT_BYTES + EXPERTS * HIDDEN * 2) / bandwidth
+    floor = (TOP_K * layers.expert_bytes + EXPERTS * HIDDEN * 2) / bandwidth
     out = {"floor_us": 1e6 * floor, "block_us": us(block), "router_us": us(router), "router": []}
     print(f"one row, norm to residual: {out['block_us']:.1f} us (router {out['router_us']:.1f} us); floor "
           f"{out['floor_us']:.1f} us (8 experts and the router)")
@@ -129,12 +140,15 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also try the SWEEP tiles (at --sweep-rows)")
     p.add_argument("--sweep-rows", default="1,4,16,64")
     p.add_argument("--router-sweep", action="store_true", help="also try the ROUTER_SWEEP tiles at one row")
+    p.add_argument("--fp8", default=None, choices=["channel", "block"],
+                   help="the experts in e4m3, per output channel or over 128 x 128 blocks (default: bf16)")
     p.add_argument("--out", default="moe.json")
     args = p.parse_args()
     bandwidth = copy_bandwidth()
-    layers = Layers()
+    layers = Layers(args.fp8)
     runs = []
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; one expert {EXPERT_BYTES / 1e6:.1f} MB")
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; one expert {layers.expert_bytes / 1e6:.1f} MB"
+          f"{f' (e4m3, {args.fp8} scales)' if args.fp8 else ''}")
     print("rows  routing  per-req  union   us    route+align us  floor us  of floor  dense us")
     for rows in (int(r) for r in args.rows.split(",")):
         for per_request, rho in ((1, 0.0), (min(rows, 16), LOCAL_RHO)):  # local: requests of up to 16 rows
@@ -165,8 +179,8 @@ def main() -> None:
                 print(f"rows {rows:3d} tiles {tiles}: {run['us']:.1f} us ({run['of_floor']:.0%} of floor)")
             if best is not None:
                 print(f"best at {rows} rows: {best['config']} {best['us']:.1f} us")
-    Path(args.out).write_text(json.dumps({"copy_bandwidth_TBps": bandwidth / 1e12, "runs": runs, "sweep": sweep,
-                                          "one_row": decode},
+    Path(args.out).write_text(json.dumps({"copy_bandwidth_TBps": bandwidth / 1e12, "fp8": args.fp8, "runs": runs,
+                                          "sweep": sweep, "one_row": decode},
                                          indent=1))
 
 

@@ -31,7 +31,8 @@ from torch import Tensor, nn
 
 from blockspec.config import QUANTIZATIONS, ConfigError
 from blockspec.errors import ModelLoadError
-from blockspec.kernels.fp8 import FP8, dequantize_reference, fp8_linear, quantize_per_channel, scale_shape
+from blockspec.kernels.fp8 import (FP8, dequantize_reference, fp8_linear, quantize_blocks, quantize_per_channel,
+                                   scale_shape)
 from blockspec.kernels.moe import ExpertScales
 from blockspec.kernels.ops import use_kernels
 from blockspec.models.kv_cache import KVScales
@@ -151,11 +152,13 @@ class Fp8Experts(nn.Module):
             setattr(self, name, nn.Parameter(t, requires_grad=False))
 
     @staticmethod
-    def from_experts(gate_up: Tensor, down: Tensor) -> Fp8Experts:
-        """Stacked experts quantized with one scale per output channel of each expert."""
-        parts = [[quantize_per_channel(w[e].detach()) for e in range(w.shape[0])] for w in (gate_up, down)]
+    def from_experts(gate_up: Tensor, down: Tensor, block: tuple[int, int] | None = None) -> Fp8Experts:
+        """Stacked experts quantized expert by expert: one scale per output channel, or over `block` blocks."""
+        def quantize(w: Tensor) -> tuple[Tensor, Tensor]:
+            return quantize_per_channel(w.detach()) if block is None else quantize_blocks(w.detach(), block)
+        parts = [[quantize(w[e]) for e in range(w.shape[0])] for w in (gate_up, down)]
         (gu, gs), (dw, ds) = ((torch.stack([q for q, _ in p]), torch.stack([sc for _, sc in p])) for p in parts)
-        return Fp8Experts(gu, gs, dw, ds, (1, gate_up.shape[2]), (1, down.shape[2]))
+        return Fp8Experts(gu, gs, dw, ds, block or (1, gate_up.shape[2]), block or (1, down.shape[2]))
 
     @property
     def scales(self) -> ExpertScales:
