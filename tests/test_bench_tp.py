@@ -92,11 +92,10 @@ def test_a_rank_takes_the_fewest_pages_and_rank0s_draft_lengths(monkeypatch):
 @pytest.mark.parametrize("flags, message", [
     (["-tp", "3"], "tensor_parallel_size=3 does not divide num_key_value_heads (2)"),
     (["--compare-tp1"], "--compare-tp1 compares a tensor-parallel run with TP = 1"),
-    (["-tp", "2", "--quantization", "fp8"], "tensor_parallel_size > 1 with FP8 weights"),
     (["-tp", "2", "--peers", "transformers"], "--peers run the whole target in this process"),
     (["-tp", "0"], "--tensor-parallel-size must be an integer >= 1"),
     (["-tp", "2", "--device", "cuda"], "tensor_parallel_size=2 needs that many GPUs; 1 visible"),
-], ids=["shapes", "compare-without-tp", "fp8", "peers", "zero", "gpus"])
+], ids=["shapes", "compare-without-tp", "peers", "zero", "gpus"])
 def test_bad_combinations_are_one_line_before_any_rank_starts(flags, message, monkeypatch, capsys, tmp_path):
     def no_ranks(*args, **kwargs):
         raise AssertionError("a rank process was started")

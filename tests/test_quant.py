@@ -345,9 +345,69 @@ def test_a_dtype_cast_keeps_fp8_weights_and_scales(target):
     assert model.embed_tokens.weight.dtype == torch.float16
 
 
-def test_tensor_parallel_fp8_is_refused_before_spawning(target):
-    with pytest.raises(ConfigError, match="tensor_parallel_size > 1 with FP8 weights"):
-        LLM(str(target), device="cpu", tensor_parallel_size=2, quantization="fp8")
+@pytest.mark.parametrize("fp8", ["quantization", "block4", "tensor"])
+def test_tensor_parallel_shards_fp8_weights_with_their_scales(target, tmp_path, fp8):
+    """2 gloo ranks over FP8 weights give the single process's tokens, greedy and with DFlash: per-channel
+    scales (`quantization="fp8"`) and a per-tensor checkpoint's split with any slice, 4 x 4 blocks along
+    their boundaries."""
+    path = target if fp8 == "quantization" else write_fp8(target, tmp_path, fp8) / "fp8"
+    kw = {"quantization": "fp8"} if fp8 == "quantization" else {}
+    spec = {"method": "dflash", "model": str(FIXTURES / "dflash"), "adaptive_draft_length": False}
+    ps = prompts(3, seed=8)
+    want = run(LLM(str(path), device="cpu", max_model_len=160, seed=0, speculative_config=spec, **kw), ps, GREEDY)
+    with LLM(str(path), device="cpu", max_model_len=160, seed=0, tensor_parallel_size=2, speculative_config=spec,
+             **kw) as tp:
+        assert run(tp, ps, GREEDY) == want
+
+
+@pytest.mark.parametrize("fp8", ["quantization", "block4"])
+def test_tensor_parallel_shards_fp8_experts_with_their_scales(moe_target, tmp_path, fp8):
+    """A mixture's e4m3 experts (per channel on the fly; a checkpoint's 4 x 4 blocks) split by expert width
+    over 2 gloo ranks: the single process's greedy tokens."""
+    path = moe_target if fp8 == "quantization" else write_fp8(moe_target, tmp_path, fp8) / "fp8"
+    kw = {"quantization": "fp8"} if fp8 == "quantization" else {}
+    ps = prompts(3, seed=9)
+    want = run(LLM(str(path), device="cpu", max_model_len=160, seed=0, **kw), ps, GREEDY)
+    with LLM(str(path), device="cpu", max_model_len=160, seed=0, tensor_parallel_size=2, **kw) as tp:
+        assert run(tp, ps, GREEDY) == want
+
+
+def test_a_ranks_slices_of_an_fp8_weight_dequantize_to_its_slices():
+    """Row slices on and off the scale blocks' boundaries (those spread each row its scale), their stacking,
+    and column slices along the blocks: each dequantizes to the same slice of the whole weight."""
+    from blockspec.parallel.tp import _fp8_cat, _fp8_cols, _fp8_rows
+
+    for shape in ((48, 64), (3, 48, 64)):  # a linear's weight, stacked experts
+        w = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        parts = [fp8.quantize_blocks(m, (16, 16)) for m in w.reshape(-1, 48, 64)]
+        q, sc = torch.stack([p[0] for p in parts]).reshape(shape), torch.stack([p[1] for p in parts])
+        sc = sc.reshape(*shape[:-2], *sc.shape[-2:])
+        whole = Fp8Weight(q, sc, (16, 16))
+
+        def dequant(x: Fp8Weight) -> torch.Tensor:
+            flat_w, flat_s = x.weight.reshape(-1, *x.weight.shape[-2:]), x.scale.reshape(-1, *x.scale.shape[-2:])
+            return torch.stack([fp8.dequantize_reference(a, b, x.block, torch.float32) for a, b in zip(flat_w, flat_s)])
+
+        full = dequant(whole)
+        for lo, hi in ((0, 16), (8, 24), (40, 48), (5, 6)):
+            assert torch.equal(dequant(_fp8_rows(whole, lo, hi)), full[:, lo:hi])
+        stacked = _fp8_cat([_fp8_rows(whole, 0, 8), _fp8_rows(whole, 16, 40)])
+        assert torch.equal(dequant(stacked), torch.cat([full[:, 0:8], full[:, 16:40]], dim=1))
+        assert torch.equal(dequant(_fp8_cols(whole, 16, 48, "x")), full[..., 16:48])
+        with pytest.raises(ConfigError, match="x: tensor parallelism splits its 64 input columns at 8 and 40"):
+            _fp8_cols(whole, 8, 40, "x")
+
+
+def test_tensor_parallel_names_fp8_scale_blocks_a_rank_would_cut(target, tmp_path):
+    """down_proj's 72 input columns split 36 a rank, inside 16-column scale blocks: refused by name before
+    any weight is sharded."""
+    from blockspec.parallel import shard_model
+
+    model, _ = load_target(write_fp8(target, tmp_path, "block16") / "fp8", "float32", "cpu", 128)
+    with pytest.raises(ConfigError, match=r"down_proj: tensor parallelism splits its 72 input columns at 0 and 36, "
+                                          r"inside its FP8 scale blocks of 16 columns"):
+        shard_model(model, 0, 2)
+    assert model.layers[0].self_attn.heads == 4 and isinstance(model.layers[0].self_attn.o_proj, Fp8Linear)
 
 
 def test_cli_passes_quantization_and_kv_cache_dtype(monkeypatch):

@@ -283,7 +283,7 @@ class BenchConfig:
                               "dspark); none is selected")
 
     def _validate_ranks(self) -> None:
-        """The tensor-parallel options: shapes that split, no FP8 weights, no more ranks than GPUs, no peers
+        """The tensor-parallel options: shapes that split, no more ranks than GPUs, no peers
         (transformers runs the whole target in one process), checked before any rank process starts."""
         from blockspec.models.loader import read_json, resolve_model_dir
         from blockspec.parallel.tp import check_ranks
@@ -300,13 +300,11 @@ class BenchConfig:
             raise ConfigError(f"--peers run the whole target in this process: leave them out with "
                               f"--tensor-parallel-size {n}")
         if self.random_weights:
-            target, fp8 = get_arch(self.arch).target, bool(self.quantization)
+            target = get_arch(self.arch).target
         else:
             path = resolve_model_dir(self.model) / "config.json"
-            config = read_json(path)
-            target = ModelConfig.from_hf(config, str(path))
-            fp8 = bool(self.quantization) or "quantization_config" in config
-        check_ranks(target, n, self.device, fp8)
+            target = ModelConfig.from_hf(read_json(path), str(path))
+        check_ranks(target, n, self.device)
 
     def selected_methods(self) -> tuple[str, ...]:
         if self.methods is not None:

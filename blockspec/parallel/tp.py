@@ -53,7 +53,7 @@ from blockspec.inputs import ModelInputs
 from blockspec.models.layers import GatedMLP
 from blockspec.models.llama import Attention, CausalLM
 from blockspec.models.moe import SparseMoE
-from blockspec.models.quant import is_quantized
+from blockspec.models.quant import Fp8Experts, Fp8Linear, Fp8Weight
 from blockspec.models.loader import (
     load_target,
     read_json,
@@ -80,6 +80,21 @@ class RowParallelLinear(nn.Module):
         y = F.linear(x, self.weight)
         dist.all_reduce(y, group=self.group)
         return y + self.bias if self.bias is not None else y
+
+
+class RowParallelFp8Linear(Fp8Linear):
+    """`RowParallelLinear` over an e4m3 weight: this rank's input columns with their scales (the product as
+    `Fp8Linear` computes it), summed over ranks, then the bias once."""
+
+    def __init__(self, weight: Fp8Weight, bias: Tensor | None, group: ProcessGroup = None) -> None:
+        super().__init__(weight.weight, weight.scale, weight.block)
+        self.row_bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.group = group
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = super().forward(x)
+        dist.all_reduce(y, group=self.group)
+        return y + self.row_bias if self.row_bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -138,63 +153,159 @@ def check_shardable(cfg: ModelConfig, world_size: int) -> None:
                               "every rank holds every expert with a slice of its width")
 
 
-def _part(t: Tensor, rank: int, world_size: int, dim: int = 0) -> Tensor:
-    """This rank's equal slice of `t` along `dim`, copied so the full tensor can be freed."""
-    return t.chunk(world_size, dim=dim)[rank].clone()
+# FP8 weights (e4m3 with scales over (rows, columns) blocks, `models.quant`) shard with their scales; the helpers
+# slice the last two dims, so a mixture's stacked experts [E, N, K] shard as a linear's [N, K] does.
+def _per_row(w: Fp8Weight) -> Fp8Weight:
+    """The same weight with each row its own scale row (blocks of one row)."""
+    br, bc = w.block
+    if br == 1:
+        return w
+    return Fp8Weight(w.weight, w.scale.repeat_interleave(br, dim=-2)[..., : w.weight.shape[-2], :], (1, bc))
+
+
+def _fp8_rows(w: Fp8Weight, lo: int, hi: int) -> Fp8Weight:
+    """Rows [lo, hi) with the scales that cover them: whole scale blocks where the slice starts and ends on
+    block boundaries (or at the last row), else each row its own scale row."""
+    br = w.block[0]
+    if lo % br or (hi % br and hi != w.weight.shape[-2]):
+        w = _per_row(w)
+        br = 1
+    return Fp8Weight(w.weight[..., lo:hi, :].clone(), w.scale[..., lo // br: -(-hi // br), :].clone(), w.block)
+
+
+def _fp8_cat(parts: list[Fp8Weight]) -> Fp8Weight:
+    """Row slices of one weight stacked along the rows, under their common blocks (one row each where the
+    slices' blocks differ or one but the last ends inside a block)."""
+    br = parts[0].block[0]
+    if any(p.block != parts[0].block for p in parts) or any(p.weight.shape[-2] % br for p in parts[:-1]):
+        parts = [_per_row(p) for p in parts]
+    return Fp8Weight(torch.cat([p.weight for p in parts], dim=-2), torch.cat([p.scale for p in parts], dim=-2),
+                     parts[0].block)
+
+
+def _fp8_cols(w: Fp8Weight, lo: int, hi: int, what: str) -> Fp8Weight:
+    """Input columns [lo, hi) (a row-parallel rank's share) with their scale blocks: per-channel scales span any
+    slice; block scales need it to start and end on their boundaries."""
+    br, bc = w.block
+    k = w.weight.shape[-1]
+    if bc >= k:
+        return Fp8Weight(w.weight[..., lo:hi].clone(), w.scale.clone(), (br, hi - lo))
+    _check_columns(what, k, bc, lo, hi)
+    return Fp8Weight(w.weight[..., lo:hi].clone(), w.scale[..., lo // bc: -(-hi // bc)].clone(), w.block)
+
+
+def _check_columns(what: str, k: int, bc: int, lo: int, hi: int) -> None:
+    """ConfigError where columns [lo, hi) of k cut a scale block `bc` columns wide."""
+    if bc < k and (lo % bc or (hi % bc and hi != k)):
+        raise ConfigError(f"{what}: tensor parallelism splits its {k} input columns at {lo} and {hi}, inside its "
+                          f"FP8 scale blocks of {bc} columns; choose a tensor_parallel_size that keeps each "
+                          f"rank's {hi - lo} columns whole blocks")
+
+
+def _check_fp8_columns(model: CausalLM, world_size: int) -> None:
+    """Every row-parallel FP8 product's share of its input columns on every rank lies on its scale blocks'
+    boundaries (checked before any weight is sharded)."""
+    for layer in model.layers:
+        mlp = layer.mlp
+        parts = [("o_proj", layer.self_attn.o_proj), ("down_proj", getattr(mlp, "down_proj", None)),
+                 ("shared_expert.down_proj", getattr(getattr(mlp, "shared_expert", None), "down_proj", None))]
+        experts = getattr(mlp, "experts", None)
+        if isinstance(experts, Fp8Experts):
+            parts.append(("experts.down_proj", experts))
+        for what, proj in parts:
+            if isinstance(proj, (Fp8Linear, Fp8Experts)):
+                k = proj.down_proj.shape[-1] if isinstance(proj, Fp8Experts) else proj.in_features
+                bc = (proj.down_block if isinstance(proj, Fp8Experts) else proj.block)[1]
+                for rank in range(world_size):
+                    _check_columns(what, k, bc, *_rank_columns(k, rank, world_size))
+
+
+def _column_parallel(proj: nn.Module, bounds: list[tuple[int, int]]) -> nn.Module:
+    """`proj` (a linear, changed in place, or an Fp8Linear, replaced) restricted to the output rows of
+    `bounds`, in order: this rank's heads of each of q, k, v, or its units of gate and of up."""
+    bias = None if proj.bias is None else torch.cat([proj.bias[lo:hi] for lo, hi in bounds])
+    if isinstance(proj, Fp8Linear):
+        w = _fp8_cat([_fp8_rows(Fp8Weight(proj.weight, proj.weight_scale, proj.block), lo, hi) for lo, hi in bounds])
+        return Fp8Linear(w.weight, w.scale, w.block, bias)
+    proj.weight = nn.Parameter(torch.cat([proj.weight[lo:hi] for lo, hi in bounds]), requires_grad=False)
+    proj.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+    proj.out_features = proj.weight.shape[0]
+    return proj
+
+
+def _rank_columns(k: int, rank: int, world_size: int) -> tuple[int, int]:
+    """This rank's equal share of k input columns."""
+    return rank * k // world_size, (rank + 1) * k // world_size
+
+
+def _row_parallel(proj: nn.Module, rank: int, world_size: int, group: ProcessGroup, what: str,
+                  reduce: bool = True) -> nn.Module:
+    """`proj` with this rank's share of the input columns, summed over ranks (`RowParallelLinear`); without
+    `reduce`, unsummed (the block that holds it sums its output once)."""
+    lo, hi = _rank_columns(proj.weight.shape[1], rank, world_size)
+    if isinstance(proj, Fp8Linear):
+        w = _fp8_cols(Fp8Weight(proj.weight, proj.weight_scale, proj.block), lo, hi, what)
+        return RowParallelFp8Linear(w, proj.bias, group) if reduce else Fp8Linear(w.weight, w.scale, w.block, proj.bias)
+    if reduce:
+        return RowParallelLinear(proj.weight[:, lo:hi].clone(), proj.bias, group)
+    proj.weight = nn.Parameter(proj.weight[:, lo:hi].clone(), requires_grad=False)
+    proj.in_features = hi - lo
+    return proj
+
+
+def _rank_rows(sizes: list[int], rank: int, world_size: int) -> list[tuple[int, int]]:
+    """This rank's equal share of each of consecutive parts of `sizes` rows, as (start, end) bounds."""
+    bounds, start = [], 0
+    for size in sizes:
+        per = size // world_size
+        bounds.append((start + rank * per, start + (rank + 1) * per))
+        start += size
+    return bounds
 
 
 def _shard_attention(attn: Attention, rank: int, world_size: int, group: ProcessGroup) -> None:
     """Column-parallel fused qkv (this rank's heads of each of q, k, v), row-parallel o_proj; the head
-    counts become local. Q/K norms are per head (weight [head_dim]) and stay as they are."""
-    qkv = attn.qkv_proj
-    pieces = [qkv.weight.split([attn.q_size, attn.kv_size, attn.kv_size])]
-    if qkv.bias is not None:
-        pieces.append(qkv.bias.split([attn.q_size, attn.kv_size, attn.kv_size]))
-    local = [torch.cat([_part(p, rank, world_size) for p in parts]) for parts in pieces]
+    counts become local. Q/K norms are per head (weight [head_dim]) and stay as they are. FP8 weights
+    shard with their scales."""
+    attn.qkv_proj = _column_parallel(attn.qkv_proj, _rank_rows([attn.q_size, attn.kv_size, attn.kv_size], rank,
+                                                               world_size))
     attn.heads //= world_size
     attn.kv_heads //= world_size
     attn.q_size = attn.heads * attn.head_dim
     attn.kv_size = attn.kv_heads * attn.head_dim
-    qkv.weight = nn.Parameter(local[0], requires_grad=False)
-    qkv.bias = nn.Parameter(local[1], requires_grad=False) if len(local) > 1 else None
-    qkv.out_features = local[0].shape[0]
-    o = attn.o_proj
-    attn.o_proj = RowParallelLinear(_part(o.weight, rank, world_size, dim=1), o.bias, group)
+    attn.o_proj = _row_parallel(attn.o_proj, rank, world_size, group, "o_proj")
 
 
 def _shard_mlp(mlp: GatedMLP, rank: int, world_size: int, group: ProcessGroup) -> None:
     """Column-parallel gate_up (this rank's units of gate and of up), row-parallel down_proj."""
-    gu = mlp.gate_up_proj
-    split = lambda t: torch.cat([_part(h, rank, world_size) for h in t.chunk(2)])
-    gu.weight = nn.Parameter(split(gu.weight), requires_grad=False)
-    if gu.bias is not None:
-        gu.bias = nn.Parameter(split(gu.bias), requires_grad=False)
-    gu.out_features = gu.weight.shape[0]
+    mlp.gate_up_proj = _column_parallel(mlp.gate_up_proj, _rank_rows([mlp.inter, mlp.inter], rank, world_size))
     mlp.inter //= world_size
-    down = mlp.down_proj
-    mlp.down_proj = RowParallelLinear(_part(down.weight, rank, world_size, dim=1), down.bias, group)
+    mlp.down_proj = _row_parallel(mlp.down_proj, rank, world_size, group, "down_proj")
 
 
 def _shard_moe(moe: SparseMoE, rank: int, world_size: int, group: ProcessGroup) -> None:
     """Every rank holds every expert with its slice of the expert width (gate and up rows, down
     columns), and the router whole, so each rank routes alike; the shared expert is split the same
     way. The block's output is then a partial sum: one all_reduce, as for the dense MLP."""
-    experts = moe.experts
-    gate, up = experts.gate_up_proj.chunk(2, dim=1)
-    experts.gate_up_proj = nn.Parameter(torch.cat([_part(gate, rank, world_size, 1), _part(up, rank, world_size, 1)],
-                                                  dim=1), requires_grad=False)
-    experts.down_proj = nn.Parameter(_part(experts.down_proj, rank, world_size, dim=2), requires_grad=False)
+    experts, rows = moe.experts, _rank_rows([moe.inter, moe.inter], rank, world_size)
+    lo, hi = _rank_columns(moe.inter, rank, world_size)
+    if isinstance(experts, Fp8Experts):
+        gu = _fp8_cat([_fp8_rows(Fp8Weight(experts.gate_up_proj, experts.gate_up_scale, experts.gate_up_block), a, b)
+                       for a, b in rows])
+        dw = _fp8_cols(Fp8Weight(experts.down_proj, experts.down_scale, experts.down_block), lo, hi,
+                       "experts.down_proj")
+        moe.experts = Fp8Experts(gu.weight, gu.scale, dw.weight, dw.scale, gu.block, dw.block)
+    else:
+        experts.gate_up_proj = nn.Parameter(torch.cat([experts.gate_up_proj[:, a:b] for a, b in rows], dim=1),
+                                            requires_grad=False)
+        experts.down_proj = nn.Parameter(experts.down_proj[..., lo:hi].clone(), requires_grad=False)
     moe.inter //= world_size
     shared = moe.shared_expert
     if shared is not None:  # column-parallel gate_up, row-parallel down without its own reduction
-        gu = shared.gate_up_proj
-        gu.weight = nn.Parameter(torch.cat([_part(h, rank, world_size) for h in gu.weight.chunk(2)]),
-                                 requires_grad=False)
-        gu.out_features = gu.weight.shape[0]
+        shared.gate_up_proj = _column_parallel(shared.gate_up_proj, _rank_rows([shared.inter] * 2, rank, world_size))
         shared.inter //= world_size
-        shared.down_proj.weight = nn.Parameter(_part(shared.down_proj.weight, rank, world_size, dim=1),
-                                               requires_grad=False)
-        shared.down_proj.in_features = shared.inter
+        shared.down_proj = _row_parallel(shared.down_proj, rank, world_size, group, "shared_expert.down_proj",
+                                         reduce=False)
     moe.all_reduce = lambda t: dist.all_reduce(t, group=group)
 
 
@@ -216,8 +327,7 @@ def shard_model(model: CausalLM, rank: int, world_size: int, group: ProcessGroup
     Call on every rank with the same full weights, after torch.distributed is initialised and before
     the KV cache is allocated (CausalLM.new_cache sizes it with the local KV heads)."""
     check_shardable(model.config, world_size)
-    if world_size > 1 and is_quantized(model):
-        raise ConfigError("tensor_parallel_size > 1 with FP8 weights is not supported yet")
+    _check_fp8_columns(model, world_size)
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} outside [0, {world_size})")
     if world_size == 1:
@@ -385,13 +495,11 @@ def portable(exc: Exception) -> Exception:
         return RuntimeError("".join(traceback.format_exception(exc)))
 
 
-def check_ranks(cfg: ModelConfig, world_size: int, device: str | torch.device, fp8: bool) -> None:
+def check_ranks(cfg: ModelConfig, world_size: int, device: str | torch.device) -> None:
     """Raise ConfigError, before any rank is spawned, when `world_size` ranks cannot run this target:
-    shapes that do not split, FP8 weights (`fp8`: their scales are not sharded), fewer GPUs than ranks."""
+    shapes that do not split, fewer GPUs than ranks. (FP8 scale blocks that a rank's share would cut are
+    named when the ranks shard the weights.)"""
     check_shardable(cfg, world_size)
-    if world_size > 1 and fp8:
-        raise ConfigError("tensor_parallel_size > 1 with FP8 weights (an FP8 checkpoint or quantization='fp8') "
-                          "is not supported yet: the ranks would need the scales sharded with the weights")
     if resolve_device(device).type == "cuda" and torch.cuda.device_count() < world_size:
         raise ConfigError(f"tensor_parallel_size={world_size} needs that many GPUs; "
                           f"{torch.cuda.device_count()} visible")
@@ -472,8 +580,8 @@ class RankGroup(RankProcesses):
         out so the ranks do not oversubscribe the CPU."""
         model_dir = resolve_model_dir(model, **args.hub(args.revision))
         config = read_json(model_dir / "config.json")
-        check_ranks(ModelConfig.from_hf(config, str(model_dir / "config.json")), world_size, args.device,
-                    fp8=bool(args.quantization) or "quantization_config" in config)  # before spawning anything
+        # before spawning anything
+        check_ranks(ModelConfig.from_hf(config, str(model_dir / "config.json")), world_size, args.device)
         num_threads = num_threads or max(1, torch.get_num_threads() // world_size)
         super().__init__(_rank_main, world_size, (str(model_dir), args, num_threads))
         try:
