@@ -47,7 +47,9 @@ class LiveServer:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        # idle keep-alive connections stay open as long as a test waits: with uvicorn's 5 s a busy machine lets a
+        # pooled connection close just as a client sends on it, and that request reads a dropped connection
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=int(PATIENCE)))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         wait_until(lambda: self.server.started, PATIENCE, "uvicorn to start")
