@@ -273,14 +273,73 @@ def test_an_mixture_of_experts_layer_with_some_experts_in_fp8_is_refused(moe_tar
         load_target(path, "float32", "cpu", 128)
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes", "modelopt", None])
+def modelopt(target: Path, tmp_path: Path, where: str, qc: dict | None = None) -> tuple[Path, Path]:
+    """`target` as NVIDIA ModelOpt writes an FP8 checkpoint: per-tensor `weight_scale`s, a static `input_scale`
+    for each FP8 product, ModelOpt-named KV cache scales (0.5, 0.25), layer 3's MLP excluded, its
+    quantization in hf_quant_config.json (or in config.json's quantization_config); and the dequantized twin."""
+    dirs = write_fp8(target, tmp_path, "tensor", keep=("layers.3.mlp.",))
+    path = dirs / "fp8"
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["quantization_config"]
+    qc = qc or {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
+                "exclude_modules": ["lm_head", "model.layers.3.mlp*"]}
+    if where == "config.json":
+        cfg["quantization_config"] = {"quant_method": "modelopt", **qc}
+    else:
+        (path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": qc}))
+    (path / "config.json").write_text(json.dumps(cfg))
+    state = load_file(str(path / "model.safetensors"))
+    for name in [n for n, t in state.items() if t.dtype == fp8.FP8]:
+        state[name.removesuffix(".weight") + ".input_scale"] = torch.tensor([0.02])
+    for i in range(5):
+        state[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(0.5)
+        state[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(0.25)
+    save_file(state, str(path / "model.safetensors"))
+    return path, dirs / "dequantized"
+
+
+@pytest.mark.parametrize("where", ["hf_quant_config.json", "config.json"])
+def test_a_modelopt_fp8_checkpoint_equals_its_dequantized_reference(target, tmp_path, where):
+    """Per-tensor scales of each of q, k, v stay on their rows of the fused product; the static input
+    scales are not used (weight-only FP8); `exclude_modules` wildcards keep layer 3's MLP in fp32; the
+    KV cache scales are the ModelOpt-named ones; `blockspec quantize` refuses it as quantized already."""
+    path, ref_dir = modelopt(target, tmp_path, where)
+    ours, _ = load_target(path, "float32", "cpu", 128)
+    ref, _ = load_target(ref_dir, "float32", "cpu", 128)
+    qkv = ours.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Fp8Linear) and qkv.block == (1, 32)
+    assert type(ours.layers[3].mlp.gate_up_proj) is nn.Linear and isinstance(ours.layers[2].mlp.down_proj, Fp8Linear)
+    assert ours.kv_scales.k == (0.5,) * 5 and ours.kv_scales.v == (0.25,) * 5
+    with torch.no_grad():
+        assert (logits(ours, IDS) - logits(ref, IDS)).abs().max() < 1e-5
+    from blockspec.models.fp8_export import write_fp8_checkpoint
+
+    with pytest.raises(ConfigError, match=rf"{where}: the checkpoint is quantized already \(quant_method 'modelopt'\)"):
+        write_fp8_checkpoint(path, tmp_path / "again")
+
+
+@pytest.mark.parametrize("qc, error", [
+    ({"quant_algo": "NVFP4"}, r"hf_quant_config.json: quantization_config.quant_algo 'NVFP4' is not supported; "
+                              r"supported: FP8"),
+    ({"quant_algo": "FP8", "kv_cache_quant_algo": "INT8"}, r"kv_cache_quant_algo 'INT8' is not supported"),
+    ({"quant_algo": "FP8", "exclude_modules": ["*layers.0.self_attn*"]},
+     r"layers.0.self_attn.\w_proj.weight is FP8 but quantization_config.exclude_modules lists "
+     r"'\*layers.0.self_attn\*'"),
+])
+def test_a_broken_modelopt_checkpoint_names_the_field(target, tmp_path, qc, error):
+    path, _ = modelopt(target, tmp_path, "hf_quant_config.json", qc)
+    with pytest.raises((ConfigError, ModelLoadError), match=error):
+        load_target(path, "float32", "cpu", 128)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes", "quark", None])
 def test_other_quantization_methods_are_refused_naming_the_field(target, tmp_path, method):
     cfg = json.loads((target / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": method, "bits": 4}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "model.safetensors").symlink_to(target / "model.safetensors")
     with pytest.raises(ConfigError, match=rf"config.json: quantization_config.quant_method {method!r} is not "
-                                          r"supported; supported: fp8, fbgemm_fp8, compressed-tensors"):
+                                          r"supported; supported: fp8, fbgemm_fp8, compressed-tensors, modelopt"):
         load_target(tmp_path, "float32", "cpu", 128)
 
 

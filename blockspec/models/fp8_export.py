@@ -30,7 +30,7 @@ from huggingface_hub import save_torch_state_dict
 from blockspec.config import ConfigError
 from blockspec.kernels.fp8 import E4M3_MAX, quantize_blocks
 from blockspec.models.kv_cache import KVScales, causal_meta
-from blockspec.models.loader import load_target, read_json, read_state_dict, resolve_model_dir
+from blockspec.models.loader import load_target, quantization_config, read_json, read_state_dict, resolve_model_dir
 
 # the products quantized: a decoder layer's attention, dense MLP and MoE experts (one by one)
 QUANTIZED = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)"
@@ -105,10 +105,11 @@ def write_fp8_checkpoint(model: str | Path, out: Path, block: int = BLOCK, calib
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out}: the output must be a new or empty directory")
     config = read_json(src / "config.json")
-    if config.get("quantization_config") is not None:
-        method = config["quantization_config"].get("quant_method") if isinstance(config["quantization_config"],
-                                                                                   dict) else None
-        raise ConfigError(f"{src / 'config.json'}: the checkpoint is quantized already (quant_method {method!r}); "
+    quantized, source = quantization_config(src, config)
+    if quantized.get("quantization_config") is not None:
+        qc = quantized["quantization_config"]
+        method = qc.get("quant_method") if isinstance(qc, dict) else None
+        raise ConfigError(f"{source}: the checkpoint is quantized already (quant_method {method!r}); "
                           "quantize an unquantized one")
     # before the state is read: the calibrating model is freed first
     kv_scales = calibrate_kv_scales(src, calibration, device) if calibration is not None else None

@@ -175,6 +175,21 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+MODELOPT_CONFIG = "hf_quant_config.json"  # where NVIDIA ModelOpt checkpoints describe their quantization
+
+
+def quantization_config(model_dir: Path, raw: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The checkpoint's config with its quantization (config.json's `quantization_config`, or ModelOpt's
+    own file beside it, as `quant_method` "modelopt"), and the path that says it."""
+    source = model_dir / MODELOPT_CONFIG
+    if raw.get("quantization_config") is None and source.is_file():
+        quantization = read_json(source).get("quantization")
+        if not isinstance(quantization, dict):
+            raise ModelLoadError(f"{source}: 'quantization' must be an object (quant_algo, exclude_modules, ...)")
+        return dict(raw, quantization_config={"quant_method": "modelopt", **quantization}), str(source)
+    return raw, str(model_dir / "config.json")
+
+
 def load_target(
     name_or_path: str | os.PathLike[str],
     dtype: str | torch.dtype = "auto",
@@ -193,7 +208,7 @@ def load_target(
     model_dir = resolve_model_dir(name_or_path)
     raw = read_json(model_dir / "config.json")
     cfg = ModelConfig.from_hf(raw, str(model_dir / "config.json"))
-    fp8 = quant.checkpoint_quantization(raw, str(model_dir / "config.json"))
+    fp8 = quant.checkpoint_quantization(*quantization_config(model_dir, raw))
     if quantization is not None and quantization not in quant.QUANTIZATIONS:
         raise ConfigError(f"quantization {quantization!r} is not supported; supported: "
                           f"{', '.join(quant.QUANTIZATIONS)} (or None)")

@@ -9,17 +9,19 @@ therefore not used. Where no kernel streams the e4m3 weight (the CPU), a layer k
 and computes the reference product with it.
 
 Checkpoints (`quantization_config.quant_method` "fp8", HF fine-grained FP8 as Qwen/Qwen3-8B-FP8 and
-DeepSeek ship it; "fbgemm_fp8"; and "compressed-tensors" in its float-quantized format with 8-bit float
-weights, as llm-compressor writes FP8 models): a linear layer is FP8 where its `weight` is
-float8_e4m3fn, with `weight_scale_inv` over `weight_block_size` blocks, or `weight_scale` per tensor,
-per output channel, or over the blocks (or K groups) the config declares. Layers a checkpoint keeps in
-bf16 (`modules_to_not_convert`, vLLM's `ignored_layers`, compressed-tensors' `ignore`) load as
-ordinary linears. A checkpoint's calibrated KV cache scales (`take_kv_scales`, in any checkpoint,
+DeepSeek ship it; "fbgemm_fp8"; "compressed-tensors" in its float-quantized format with 8-bit float
+weights, as llm-compressor writes FP8 models; and NVIDIA ModelOpt's FP8, "modelopt", from config.json or
+its hf_quant_config.json): a linear layer is FP8 where its `weight` is float8_e4m3fn, with
+`weight_scale_inv` over `weight_block_size` blocks, or `weight_scale` per tensor, per output channel, or
+over the blocks (or K groups) the config declares. Layers a checkpoint keeps in bf16
+(`modules_to_not_convert`, vLLM's `ignored_layers`, compressed-tensors' `ignore`, ModelOpt's
+`exclude_modules`) load as ordinary linears. A checkpoint's calibrated KV cache scales (`take_kv_scales`, in any checkpoint,
 quantized or not) are the target's FP8 cache scales under `kv_cache_dtype="fp8"`.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
 from dataclasses import dataclass
@@ -38,7 +40,7 @@ from blockspec.kernels.ops import use_kernels
 from blockspec.models.kv_cache import KVScales
 from blockspec.models.cpu_linear import PACK_MAX_BYTES, onednn_available, packed_product, without_packed_copy
 
-QUANT_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors")  # checkpoint formats read
+QUANT_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors", "modelopt")  # checkpoint formats read
 CT_STRATEGIES = ("tensor", "channel", "block", "group")  # compressed-tensors weight scales read
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the decoder layers' products
 ACTIVATION_SCALES = (".input_scale", ".input_scale_ub", ".activation_scale_ub")
@@ -213,15 +215,19 @@ class Fp8Checkpoint:
     block: tuple[int, int] | None
     not_converted: tuple[str, ...]
     source: str
-    # compressed-tensors' `ignore`: whole module names or "re:" patterns; HF's `modules_to_not_convert`: parts of names
-    ignore: bool = False
+    # the config field that lists them, which says how an entry names modules: HF's `modules_to_not_convert` a
+    # part of the name, compressed-tensors' `ignore` the whole name or a "re:" pattern, ModelOpt's
+    # `exclude_modules` the whole name with * wildcards
+    field: str = "modules_to_not_convert"
 
     def keeps(self, module: str) -> str | None:
         """The entry of the unconverted list that keeps `module` unquantized, if one does."""
         def hit(entry: str) -> bool:
-            if not self.ignore:
-                return entry in module
-            return bool(re.match(entry[3:], module)) if entry.startswith("re:") else entry == module
+            if self.field == "exclude_modules":
+                return fnmatch.fnmatchcase(module, entry)
+            if self.field == "ignore":
+                return bool(re.match(entry[3:], module)) if entry.startswith("re:") else entry == module
+            return entry in module
         return next((s for s in self.not_converted if hit(s)), None)
 
 
@@ -240,6 +246,8 @@ def checkpoint_quantization(raw: dict[str, Any], source: str) -> Fp8Checkpoint |
                           "scales, e.g. Qwen/Qwen3-8B-FP8), or an unquantized checkpoint")
     if method == "compressed-tensors":
         return compressed_tensors_fp8(qc, source)
+    if method == "modelopt":
+        return modelopt_fp8(qc, source)
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ConfigError(f"{source}: quantization_config.fmt {fmt!r} is not supported; supported: e4m3")
@@ -254,6 +262,24 @@ def checkpoint_quantization(raw: dict[str, Any], source: str) -> Fp8Checkpoint |
     if not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
         raise ConfigError(f"{source}: quantization_config.modules_to_not_convert must be a list of module names")
     return Fp8Checkpoint(block, tuple(skip), source)
+
+
+def modelopt_fp8(qc: dict[str, Any], source: str) -> Fp8Checkpoint:
+    """NVIDIA ModelOpt's FP8 (`quant_algo` FP8: e4m3 weights with a `weight_scale` per tensor, static
+    `input_scale`s, which weight-only FP8 does not use, and `k_scale` / `v_scale` for an FP8 KV cache);
+    `exclude_modules` (whole names with * wildcards) stay unquantized."""
+    field = "quantization_config"
+    algo = qc.get("quant_algo")
+    if algo != "FP8":
+        raise ConfigError(f"{source}: {field}.quant_algo {algo!r} is not supported; supported: FP8 (ModelOpt's "
+                          "NVFP4 and other algorithms are not)")
+    kv = qc.get("kv_cache_quant_algo")
+    if kv not in (None, "FP8"):
+        raise ConfigError(f"{source}: {field}.kv_cache_quant_algo {kv!r} is not supported; supported: FP8 or none")
+    exclude = qc.get("exclude_modules") or []
+    if not isinstance(exclude, list) or not all(isinstance(s, str) for s in exclude):
+        raise ConfigError(f"{source}: {field}.exclude_modules must be a list of module names")
+    return Fp8Checkpoint(None, tuple(exclude), source, "exclude_modules")
 
 
 def compressed_tensors_fp8(qc: dict[str, Any], source: str) -> Fp8Checkpoint:
@@ -299,7 +325,7 @@ def compressed_tensors_fp8(qc: dict[str, Any], source: str) -> Fp8Checkpoint:
     ignore = qc.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(s, str) for s in ignore):
         raise ConfigError(f"{source}: {field}.ignore must be a list of module names")
-    return Fp8Checkpoint(next(iter(blocks), None), tuple(ignore), source, ignore=True)
+    return Fp8Checkpoint(next(iter(blocks), None), tuple(ignore), source, "ignore")
 
 
 def _scale_layout(name: str, weight: Tensor, scale: Tensor, fmt: Fp8Checkpoint) -> tuple[Tensor, tuple[int, int]]:
@@ -329,8 +355,7 @@ def take_fp8_weights(state: dict[str, Tensor], fmt: Fp8Checkpoint) -> dict[str, 
                                  "weights in float8_e4m3fn are supported")
         skipped = fmt.keeps(module)
         if skipped is not None:
-            field = "ignore" if fmt.ignore else "modules_to_not_convert"
-            raise ModelLoadError(f"{fmt.source}: {name} is FP8 but quantization_config.{field} lists {skipped!r}")
+            raise ModelLoadError(f"{fmt.source}: {name} is FP8 but quantization_config.{fmt.field} lists {skipped!r}")
         scale_name = module + (".weight_scale_inv" if module + ".weight_scale_inv" in state else ".weight_scale")
         if scale_name not in state:
             raise ModelLoadError(f"{fmt.source}: {name} is FP8 but the checkpoint has neither "
