@@ -223,19 +223,23 @@ def moe_target(tmp_path_factory) -> Path:
     return save_moe_target(tmp_path_factory.mktemp("moe"))
 
 
-@pytest.mark.parametrize("layout", ["block16", "channel"])
+@pytest.mark.parametrize("layout", ["block16", "channel", "compressed-tensors"])
 def test_an_fp8_mixture_of_experts_checkpoint_keeps_its_experts_in_e4m3(moe_target, tmp_path, layout):
-    """Experts stored one by one in e4m3 (as Qwen/Qwen3-30B-A3B-FP8 ships them) stack into e4m3 `Fp8Experts`
-    with their scales (gate/up parts not on a block boundary spread to one row each), equal to the same
-    weights dequantized; the dense middle layer's MLP is an Fp8Linear; speculation is exact on it."""
-    dirs = write_fp8(moe_target, tmp_path, layout)
+    """Experts stored one by one in e4m3 (as Qwen/Qwen3-30B-A3B-FP8 ships them, and llm-compressor's FP8 MoE
+    checkpoints with their routers ignored by pattern) stack into e4m3 `Fp8Experts` with their scales
+    (gate/up parts not on a block boundary spread to one row each), equal to the same weights dequantized;
+    the dense middle layer's MLP is an Fp8Linear; speculation is exact on it."""
+    ct = layout == "compressed-tensors"
+    dirs = write_fp8(moe_target, tmp_path, "channel" if ct else layout,
+                     ignore=["lm_head", "re:.*mlp.gate$"] if ct else None)
     ours, _ = load_target(dirs / "fp8", "float32", "cpu", 128)
     ref, _ = load_target(dirs / "dequantized", "float32", "cpu", 128)
     experts = ours.layers[0].mlp.experts
     assert isinstance(experts, Fp8Experts) and experts.gate_up_proj.dtype == experts.down_proj.dtype == fp8.FP8
     assert experts.gate_up_proj.shape[0] == 8 and isinstance(ours.layers[2].mlp.gate_up_proj, Fp8Linear)
     assert (experts.gate_up_block, experts.down_block) == ({"block16": ((1, 16), (16, 16)),
-                                                            "channel": ((1, 32), (1, 24))}[layout])
+                                                            "channel": ((1, 32), (1, 24)),
+                                                            "compressed-tensors": ((1, 32), (1, 24))}[layout])
     with torch.no_grad():
         assert (logits(ours, IDS) - logits(ref, IDS)).abs().max() < 1e-5
     assert ours.to(torch.bfloat16).layers[0].mlp.experts.gate_up_proj.dtype == fp8.FP8  # a cast keeps e4m3
