@@ -386,21 +386,22 @@ def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, ids
     flat = ids.reshape(-1).to(torch.int32)
     sched = Schedule(flat, flat, flat, flat) if one_row else align(flat, experts, cfg.block_m, tiles)
     ieee = x.dtype == torch.float32
-    up_k, down_k, up_scale, down_scale = cfg.block_k, cfg.block_k, {}, {}
+    # without scales the kernels take x in their place, unread (WSCALE off)
+    up_s, down_s, up_k, down_k, up_scale, down_scale = x, x, cfg.block_k, cfg.block_k, {}, {}
     if scales is not None:
-        if (scales.gate_up.shape[0], scales.down.shape[0]) != (experts, experts):
-            raise ValueError(f"fused_experts: scales for {scales.gate_up.shape[0]} and {scales.down.shape[0]} "
-                             f"experts, weights for {experts}")
+        up_s, down_s = scales.gate_up, scales.down
+        if (up_s.shape[0], down_s.shape[0]) != (experts, experts) or any(
+                t.dtype != torch.float32 or t.stride(-1) != 1 for t in (up_s, down_s)):
+            raise ValueError(f"fused_experts: scales for {up_s.shape[0]} and {down_s.shape[0]} experts "
+                             f"({up_s.dtype}, {down_s.dtype}); want fp32 with contiguous K blocks for {experts}")
         (ur, uc), (dr, dc) = scales.gate_up_block, scales.down_block
         up_k, down_k = scaled_k_tile(cfg.block_k, uc, hidden), scaled_k_tile(cfg.block_k, dc, inter)
         up_scale = dict(WSCALE=True, SCALE_BR=ur, SCALE_BC=uc)
         down_scale = dict(WSCALE=True, SCALE_BR=dr, SCALE_BC=dc)
-    up_s = scales.gate_up if scales is not None else x
-    down_s = scales.down if scales is not None else x
     h = torch.empty(m * top_k, inter, dtype=x.dtype, device=x.device)
     _moe_gate_up[(tiles, triton.cdiv(inter, cfg.block_n_up))](
         x, gate_up, up_s, sched.sorted_pairs, sched.tile_expert, sched.tile_lo, sched.tile_hi, h,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), *_scale_strides(scales, "gate_up"), inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), up_s.stride(0), up_s.stride(1), inter,
         hidden, TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=up_k, EVEN_K=hidden % up_k == 0,
         IEEE=ieee, ONE_ROW=one_row, **up_scale, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **dependent_launch(x))
@@ -408,7 +409,7 @@ def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, ids
     route_w = weights.reshape(-1)
     _moe_down[(tiles, triton.cdiv(hidden, cfg.block_n_down))](
         h, down, down_s, sched.sorted_pairs, sched.tile_expert, sched.tile_lo, sched.tile_hi, route_w, y,
-        h.stride(0), down.stride(0), down.stride(1), y.stride(0), *_scale_strides(scales, "down"), hidden, inter,
+        h.stride(0), down.stride(0), down.stride(1), y.stride(0), down_s.stride(0), down_s.stride(1), hidden, inter,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=down_k, EVEN_K=inter % down_k == 0,
         IEEE=ieee, ONE_ROW=one_row, **down_scale, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **dependent_launch(x))
@@ -419,13 +420,3 @@ def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, ids
         y, res if res is not None else out, out, y.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
         hidden, TOP_K=top_k, HAS_RES=res is not None, BLOCK=block, num_warps=4, **dependent_launch(x))
     return out
-
-
-def _scale_strides(scales: ExpertScales | None, part: str) -> tuple[int, int]:
-    """(expert, row) strides of a part's scales (their K blocks are contiguous); zeros without scales."""
-    if scales is None:
-        return 0, 0
-    t = getattr(scales, part)
-    if t.stride(-1) != 1 or t.dtype != torch.float32:
-        raise ValueError(f"fused_experts: {part} scales must be fp32 with contiguous K blocks")
-    return t.stride(0), t.stride(1)
