@@ -121,6 +121,7 @@ def run(args: argparse.Namespace) -> dict:
                 paged = [shuffled_pages(batch, keys, args.page_size, kv)
                          + shuffled_pages(batch, keys, args.page_size, kv)[:1] for _ in range(copies)]
                 slots = torch.arange(batch, device="cuda")
+                head_scale = torch.linspace(0.5, 2.0, KV_HEADS, device="cuda")
                 for kind in args.kinds:
                     lo, hi, rows = bounds(kind, batch, context, args.rows)
                     q = torch.randn(batch, rows, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -133,6 +134,10 @@ def run(args: argparse.Namespace) -> dict:
                             cases[f"{name}, {layout}"] = [
                                 functools.partial(kernel, q, k, v, table, slots, lo, hi, HEAD_DIM**-0.5, keys - 1)
                                 for k, table, v in pools]
+                        if args.head_scales:  # the same pages under a K and a V scale a KV head
+                            cases[f"{name}, pages of {args.page_size}, scale a head"] = [
+                                functools.partial(kernel, q, k, v, table, slots, lo, hi, HEAD_DIM**-0.5, keys - 1,
+                                                  k_scale=head_scale, v_scale=head_scale) for k, table, v in paged]
                     for name, kernel in baselines.items():
                         if "table" in inspect.signature(kernel).parameters:  # a paged kernel: on the same pages
                             cases[name] = [functools.partial(kernel, q, k, v, table, slots, lo, hi, HEAD_DIM**-0.5,
@@ -184,6 +189,8 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS),
                     help="launch shapes to time")
     ap.add_argument("--kv-dtype", default="bf16", choices=list(KV_DTYPES), help="the K/V pages' dtype")
+    ap.add_argument("--head-scales", action="store_true",
+                    help="also time each variant with a K and a V cache scale a KV head (FP8 pages' per-head scales)")
     ap.add_argument("--out", help="JSON file; a markdown table is written beside it")
     args = ap.parse_args()
     if args.baseline and args.kv_dtype != "bf16":

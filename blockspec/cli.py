@@ -141,6 +141,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from blockspec.models.fp8_export import calibration_sequences, write_fp8_checkpoint
     from blockspec.models.loader import resolve_model_dir
 
+    if args.kv_scales == "head" and not args.kv_calibration:
+        raise ConfigError("--kv-scales head: per-head KV cache scales are calibrated; give --kv-calibration FILE")
     src = resolve_model_dir(args.model, revision=args.revision, download_dir=args.download_dir, token=args.hf_token)
     calibration = None
     if args.kv_calibration:
@@ -152,12 +154,14 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             raise ConfigError(f"{src}: no tokenizer files; --kv-calibration tokenizes its text with the model's")
         texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in args.kv_calibration]
         calibration = calibration_sequences(tokenizer, texts, args.kv_calibration_tokens)
-    done = write_fp8_checkpoint(src, Path(args.out), args.block_size, calibration, args.device)
+    done = write_fp8_checkpoint(src, Path(args.out), args.block_size, calibration, args.device,
+                                per_head=args.kv_scales == "head")
     print(f"wrote {done.out}: {done.quantized} products in e4m3 ({args.block_size} x {args.block_size} blocks), "
           f"weights {done.bytes_before / 1e6:.1f} -> {done.bytes_after / 1e6:.1f} MB")
     if done.kv_scales is not None:
-        scales = done.kv_scales.k + done.kv_scales.v
-        print(f"KV cache scales of {len(done.kv_scales.k)} layers from {sum(map(len, calibration))} tokens: "
+        scales = done.kv_scales.values()
+        print(f"KV cache scales of {len(done.kv_scales.k)} layers{' per KV head' if args.kv_scales == 'head' else ''} "
+              f"from {sum(map(len, calibration))} tokens: "
               f"{min(scales):.3g} to {max(scales):.3g} (|K| and |V| up to {max(scales) * 448:.3g})")
     return 0
 
@@ -205,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--kv-calibration-tokens", type=int, default=fp8_export.CALIBRATION_TOKENS,
                    help=f"tokens of the calibration text prefilled, in prefills of at most "
                         f"{fp8_export.CALIBRATION_LENGTH} (default: {fp8_export.CALIBRATION_TOKENS})")
+    q.add_argument("--kv-scales", choices=("tensor", "head"), default="tensor",
+                   help="calibrated scales: one K and one V scale a layer (tensor, what every engine reads from an "
+                        "fp8 checkpoint) or one a KV head (head: a head of small keys keeps its precision beside "
+                        "one of large keys; default: tensor)")
     q.add_argument("--device", default="auto", help="where calibration runs (default: auto, a GPU if there is one)")
     q.set_defaults(func=cmd_quantize)
     train = sub.add_parser("train", help="train a DFlash or DSpark drafter for a target model",

@@ -145,3 +145,20 @@ def test_kv_cache_scales_are_the_calibration_texts_amax_over_448(source, tmp_pat
     assert cli_main(["quantize", str(source), "--out", str(tmp_path / "none"), "--kv-calibration",
                      str(tmp_path / "missing.txt")]) == 2
     assert "--kv-calibration: no such file" in capsys.readouterr().err
+
+    # --kv-scales head: each KV head's amax over 448, [kv_heads, 1, 1], read back per head
+    assert cli_main(["quantize", str(source), "--out", str(tmp_path / "heads"), "--block-size", "32",
+                     "--kv-calibration", str(text), "--kv-calibration-tokens", "300", "--device", "cpu",
+                     "--kv-scales", "head"]) == 0
+    assert "KV cache scales of 5 layers per KV head from 300 tokens" in capsys.readouterr().out
+    heads = load_file(str(tmp_path / "heads" / "model.safetensors"))
+    for i in range(5):
+        for kind, pool in (("k", cache.k[i]), ("v", cache.v[i])):
+            expected = pool.abs().amax(dim=(0, 2, 3)).view(-1, 1, 1) / fp8.E4M3_MAX
+            assert torch.allclose(heads[f"model.layers.{i}.self_attn.{kind}_scale"], expected, rtol=1e-6)
+            assert torch.allclose(expected.max(), written[f"model.layers.{i}.self_attn.{kind}_scale"], rtol=1e-6)
+    llm = LLM(str(tmp_path / "heads"), device="cpu", dtype="float32", max_model_len=128, kv_cache_dtype="fp8")
+    assert torch.allclose(llm.engine.runner.cache.v_scales[3], heads["model.layers.3.self_attn.v_scale"].view(-1))
+    assert cli_main(["quantize", str(source), "--out", str(tmp_path / "none"), "--kv-scales", "head"]) == 2
+    assert "--kv-scales head: per-head KV cache scales are calibrated; give --kv-calibration FILE" in \
+        capsys.readouterr().err

@@ -616,8 +616,71 @@ def test_a_checkpoints_kv_cache_scales_keep_large_keys_and_values(target, tmp_pa
     assert run(llm, ps, GREEDY) == expected
 
 
+def with_one_loud_head(src: Path, dst: Path, per_head: bool) -> Path:
+    """`src` with KV head 0's V 10^5 times what it was (v_proj's head-0 rows x 1e5, the o_proj columns of the
+    query heads reading it / 1e5: the fp32 model's output the same up to rounding) and calibrated V scales:
+    amax over 448 of a prefill of IDS, of each KV head ([kv_heads, 1, 1], compressed-tensors' "attn_head"
+    shape) or of the layer (the loudest head's); K per layer either way."""
+    state = load_file(str(src / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    group = cfg["num_attention_heads"] // cfg["num_key_value_heads"]
+    for name in list(state):
+        if name.endswith(".self_attn.v_proj.weight"):
+            state[name] = torch.cat([state[name][:hd] * 1e5, state[name][hd:]])
+        elif name.endswith(".self_attn.o_proj.weight"):
+            state[name] = torch.cat([state[name][:, : group * hd] / 1e5, state[name][:, group * hd :]], dim=1)
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    save_file(state, str(dst / "model.safetensors"))
+    model, _ = load_target(dst, "float32", "cpu", 128)
+    cache = model.new_cache(1, 64)
+    with torch.no_grad():
+        model(IDS, causal_meta([0], [0], [IDS.shape[1]], IDS.shape[1], cache.trash, "cpu"), cache)
+    for i in range(len(model.layers)):
+        state[f"model.layers.{i}.self_attn.k_scale"] = cache.k[i].abs().max() / fp8.E4M3_MAX
+        v = cache.v[i].abs().amax(dim=(0, 2, 3)) / fp8.E4M3_MAX  # [kv_heads]
+        state[f"model.layers.{i}.self_attn.v_scale"] = v.view(-1, 1, 1) if per_head else v.max()
+    save_file(state, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_per_head_kv_cache_scales_keep_a_quiet_head_beside_a_loud_one(target, tmp_path):
+    """One KV head's V 10^5 times the other's: at one scale a layer (the loud head's amax over 448) the quiet
+    head's values fall below e4m3's normal range and the logits drift; at a scale a KV head both heads keep
+    e4m3's precision, near the fp32 cache's logits. Speculation over the per-head cache is exact, and 2
+    tensor-parallel ranks, each with its own head's scales, give the single process's tokens."""
+    errors = {}
+    for per_head in (True, False):
+        path = with_one_loud_head(target, tmp_path / f"heads_{per_head}", per_head)
+        model, _ = load_target(path, "float32", "cpu", 128)
+        assert all(isinstance(v, tuple) == per_head for v in model.kv_scales.v)
+        with torch.no_grad():
+            reference = logits(model, IDS)
+            model.kv_cache_dtype = fp8.FP8
+            errors[per_head] = float((logits(model, IDS) - reference).abs().max() / reference.abs().max())
+    assert errors[True] < 0.05 and errors[False] > 4 * errors[True], errors
+
+    ps = prompts(3, seed=6)
+    plain = LLM(str(path.parent / "heads_True"), device="cpu", max_model_len=160, kv_cache_dtype="fp8", seed=0)
+    cache = plain.engine.runner.cache
+    assert all(isinstance(s, torch.Tensor) and s.shape == (2,) for s in cache.k_scales + cache.v_scales)
+    assert all(float(v[0]) > 1e3 * float(v[1]) for v in cache.v_scales)
+    expected = run(plain, ps, GREEDY)
+    spec = {"method": "dflash", "model": str(FIXTURES / "dflash"), "adaptive_draft_length": False}
+    llm = LLM(str(path.parent / "heads_True"), device="cpu", max_model_len=160, kv_cache_dtype="fp8",
+              speculative_config=spec, seed=0)
+    add_oracle(llm, {tuple(p["prompt_token_ids"]): e for p, e in zip(ps, expected)}, corrupt=0.2)
+    assert run(llm, ps, GREEDY) == expected
+    with LLM(str(path.parent / "heads_True"), device="cpu", max_model_len=160, kv_cache_dtype="fp8", seed=0,
+             tensor_parallel_size=2) as tp:
+        assert run(tp, ps, GREEDY) == expected
+
+
 @pytest.mark.parametrize("fault, error", [
-    ("per_head", r"layers.1.self_attn.k_scale holds 2 values \(2,\); .* per layer \(per tensor\), not per head"),
+    ("heads", r"layers.1.self_attn.k_scale holds 3 values \(3,\); a KV cache scale is one value or one per KV "
+              r"head \(2\)"),
+    ("head_zero", r"layers.1.self_attn.v_scale holds 0.0; a KV cache scale must be positive and finite"),
     ("zero", r"layers.2.self_attn.v_scale is 0.0; a KV cache scale must be positive and finite"),
     ("nan", r"layers.0.self_attn.k_scale is nan"),
     ("missing", r"KV cache scales for some layers but not layers.3.k_scale, layers.3.v_scale"),
@@ -627,8 +690,10 @@ def test_a_checkpoints_kv_cache_scales_keep_large_keys_and_values(target, tmp_pa
 def test_broken_kv_cache_scales_are_refused_naming_the_tensor(target, tmp_path, fault, error):
     path = with_kv_scales(target, tmp_path / "scaled", "{kind}_scale", {i: (2.0, 3.0) for i in range(5)})
     state = load_file(str(path / "model.safetensors"))
-    if fault == "per_head":
-        state["model.layers.1.self_attn.k_scale"] = torch.tensor([2.0, 2.5])
+    if fault == "heads":
+        state["model.layers.1.self_attn.k_scale"] = torch.tensor([2.0, 2.5, 3.0])
+    elif fault == "head_zero":
+        state["model.layers.1.self_attn.v_scale"] = torch.tensor([[[2.0]], [[0.0]]])
     elif fault in ("zero", "nan"):
         name = "model.layers.2.self_attn.v_scale" if fault == "zero" else "model.layers.0.self_attn.k_scale"
         state[name] = torch.tensor([0.0 if fault == "zero" else math.nan])

@@ -317,15 +317,27 @@ def test_the_kv_store_compiles_for_the_gpu():
     """Through Triton's front end for sm_90 (`compile_for_sm90`): `_qkv_rope_store` writes q rows and
     cache pages of another type (e4m3) in two branches, which the interpreter does not type-check."""
     cases = []
-    for dtype, cache, heads in (("fp32", "*fp32", 1), ("bf16", "*bf16", 2), ("fp32", "*fp8e4nv", 2),
-                                ("bf16", "*fp8e4nv", 1)):
+    for dtype, cache, heads, head_scales in (("fp32", "*fp32", 1, False), ("bf16", "*bf16", 2, False),
+                                             ("fp32", "*fp8e4nv", 2, False), ("bf16", "*fp8e4nv", 1, False),
+                                             ("bf16", "*fp8e4nv", 2, True)):
         signature = {**{n: f"*{dtype}" for n in ("QKV", "QW", "KW", "QOut")}, "Cos": "*fp32", "Sin": "*fp32",
                      "Table": "*i32", "Slots": "*i32", "WritePos": "*i32", "KCache": cache, "VCache": cache,
-                     "eps": "fp32", "k_inv": "fp32", "v_inv": "fp32"}
+                     "KScale": "*fp32", "VScale": "*fp32", "eps": "fp32", "k_inv": "fp32", "v_inv": "fp32"}
         constexprs = {"Q_HEADS": 4, "KV_HEADS": 2, "HEAD_DIM": 128, "HALF_BLOCK": 64, "QK_NORM": True, "PAGE": 16,
-                      "HEADS": heads, "KV_FP8": cache == "*fp8e4nv"}
+                      "HEADS": heads, "KV_FP8": cache == "*fp8e4nv", "HEAD_SCALES": head_scales}
         cases.append(("_qkv_rope_store", signature, constexprs))
     compile_for_sm90("blockspec.kernels.ops", cases)
+
+
+def test_per_head_attention_scales_compile_for_the_gpu():
+    """`_block_attention` with a scale per KV head (HEAD_SCALES) over e4m3 pages, through the sm_90 front end."""
+    signature = {"Q": "*bf16", "K": "*fp8e4nv", "V": "*fp8e4nv", "Out": "*bf16", "Table": "*i32", "Slots": "*i32",
+                 "Lo": "*i32", "Hi": "*i32", "Counters": "*i32", "PartAcc": "*fp32", "PartMax": "*fp32",
+                 "PartSum": "*fp32", "KScale": "*fp32", "VScale": "*fp32", "scale_log2": "fp32", "v_scale": "fp32"}
+    constexprs = {"KV_HEADS": 8, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 16, "BLOCK_N": 128,
+                  "MIN_TILES": 1, "LONG_TILES": 8, "MAX_USED": 264, "MERGE_UNROLL": 4, "IEEE": False, "PAGE": 64,
+                  "PER_KEY": False, "F16_DOTS": True, "EDGE_MASKS": True, "HEAD_SCALES": True}
+    compile_for_sm90("blockspec.kernels.attention", [("_block_attention", signature, constexprs)])
 
 
 @gpu
@@ -364,15 +376,22 @@ def test_graphed_speculation_on_an_fp8_target_is_its_plain_decoding(tmp_path, me
 
 # ---------------------------------------------------------------- FP8 KV cache
 KV_SCALES = (0.5, 2.0)  # K / 0.5 and V / 2.0 stored: the scales are applied, not assumed to be 1
+HEAD_SCALES = ((0.5, 8.0), (2.0, 0.125))  # per KV head (two heads), 16x apart: K's and V's
+
+
+def head_scales(scales: tuple[tuple[float, ...], ...]) -> list[torch.Tensor]:
+    return [torch.tensor(s, dtype=torch.float32, device=DEVICE) for s in scales]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("hq", [4, 0])  # the target's (and the draft block's) rows; the drafter's context K/V
-def test_qkv_rope_store_into_an_fp8_cache(dtype, hq):
-    """K / k_scale and V / v_scale saturated into e4m3 pages, as `KVCache.write` stores them: on the GPU
+@pytest.mark.parametrize("per_head", [False, True])
+def test_qkv_rope_store_into_an_fp8_cache(dtype, hq, per_head):
+    """K / k_scale and V / v_scale saturated into e4m3 pages, as `KVCache.write` stores them, the scales one
+    a tensor or one a KV head: on the GPU
     V bit for bit, K within one e4m3 step (RoPE rounds once where the reference rounds per op). Triton's
     interpreter rounds to e4m3 wrongly where rounding carries into the exponent (1.9375 -> 1.0) and
-    flushes subnormals, so on the CPU nearly every value agrees, not all."""
+    flushes subnormals, so on the CPU most values agree (more than 85 %), not all."""
     from blockspec.config import RopeConfig
     from blockspec.models import layers
     from blockspec.models.kv_cache import FP8, KVCache, PageTable, causal_meta
@@ -385,10 +404,13 @@ def test_qkv_rope_store_into_an_fp8_cache(dtype, hq):
     meta = causal_meta([4, 0, 2], [7, 0, 30], [4, 4, 3], n, length, DEVICE)
     cos, sin = layers.Rotary(RopeConfig(theta=10000.0), hd, 64).to(DEVICE)(meta.positions, dtype)
     table = PageTable.full(slots, length, DEVICE, page_size=8)
-    ref, got = (KVCache(1, hkv, hd, length, dtype, DEVICE, table, FP8, *KV_SCALES) for _ in range(2))
+    scales = ([s] for s in HEAD_SCALES) if per_head else KV_SCALES  # KVCache takes an entry per layer
+    ref, got = (KVCache(1, hkv, hd, length, dtype, DEVICE, table, FP8, *scales) for _ in range(2))
+    if per_head:
+        assert torch.equal(ref.k_scales[0], head_scales(HEAD_SCALES)[0])
     reference_store(qkv, hq, hkv, hd, qw, kw, cos, sin, ref, meta)
     triton_ops.qkv_rope_store(qkv, hq, hkv, hd, qw if hq else None, kw, 1e-6, cos, sin, got.k[0], got.v[0],
-                              table.table, meta.slots, meta.write_pos, *KV_SCALES)
+                              table.table, meta.slots, meta.write_pos, ref.k_scales[0], ref.v_scales[0])
     v, v_ref, k, k_ref = got.v[0].float(), ref.v[0].float(), got.k[0].float(), ref.k[0].float()
     kw_, vw_ = k_ref != 0, v_ref != 0  # the entries this store wrote
     assert got.k[0].dtype == FP8 and v.abs().max() == 448.0 and v.isfinite().all()
@@ -396,11 +418,13 @@ def test_qkv_rope_store_into_an_fp8_cache(dtype, hq):
         assert torch.equal(got.v[0].view(torch.uint8), ref.v[0].view(torch.uint8))
         assert torch.allclose(k, k_ref, rtol=2**-3, atol=2**-9) and (k[kw_] == k_ref[kw_]).float().mean() > 0.95
     else:
-        assert (v[vw_] == v_ref[vw_]).float().mean() > 0.9 and (k[kw_] == k_ref[kw_]).float().mean() > 0.9
-    # negative control: stored without the scales
+        assert (v[vw_] == v_ref[vw_]).float().mean() > 0.85 and (k[kw_] == k_ref[kw_]).float().mean() > 0.85
+    # negative control: stored without the scales (per head: with the heads' scales swapped)
+    wrong = [s.flip(0) for s in head_scales(HEAD_SCALES)] if per_head else [1.0, 1.0]
     triton_ops.qkv_rope_store(qkv, hq, hkv, hd, qw if hq else None, kw, 1e-6, cos, sin, got.k[0], got.v[0],
-                              table.table, meta.slots, meta.write_pos)
+                              table.table, meta.slots, meta.write_pos, *wrong)
     assert (got.k[0].float()[kw_] == k_ref[kw_]).float().mean() < 0.5
+    assert (got.v[0].float()[vw_] == v_ref[vw_]).float().mean() < 0.5
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -428,6 +452,37 @@ def test_block_attention_reads_an_fp8_cache(dtype, shape, v_staged, edge_masks):
     # negative control: the scales left out
     wrong = triton_attention_call(q, k_pool, v_pool, table[slots], lo, hi, hd**-0.5, length, 1.0, 1.0, tiles)
     assert not torch.allclose(wrong.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 8, 2, 64, 300, 16), (2, 16, 4, 2, 32, 100, 64), (2, 3, 4, 1, 32, 70, 16)])
+def test_block_attention_takes_a_scale_per_kv_head(dtype, shape):
+    """Decode (split), verify and wide blocks over e4m3 pages each KV head of which holds K and V over its
+    own scales (16x apart): equal to SDPA over the keys and values dequantized head by head; with the
+    heads' scales swapped (the control) it is not."""
+    from test_triton_attention import case, paged, reference
+
+    r, nq, hq, hkv, hd, length, page = shape
+    q, k, v, slots, lo, hi = case(r, nq, hq, hkv, hd, length, dtype)
+    k_scale, v_scale = (x[:hkv].contiguous() for x in head_scales(HEAD_SCALES))
+    big = torch.tensor([1.0, 16.0][:hkv], device=DEVICE).view(-1, 1, 1)  # head 1's values 16x head 0's
+    kq, vq = fp8_kv(k.float() * big, k_scale), fp8_kv(v.float() * big, v_scale)
+    dequantized = (kq.float() * k_scale.view(-1, 1, 1), vq.float() * v_scale.view(-1, 1, 1))
+    want = reference(q, *dequantized, slots, lo, hi, hd**-0.5, length)
+    (k_pool, table), (v_pool, _) = paged(kq, page), paged(vq, page)
+    got = triton_attention_call(q, k_pool, v_pool, table[slots], lo, hi, hd**-0.5, length, k_scale, v_scale)
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    atol = tol * float(want.abs().max())  # head 1's outputs are 16x head 0's, and so is their rounding
+    assert got.dtype == dtype and torch.allclose(got.float(), want, atol=atol, rtol=tol)
+    if hkv > 1:
+        wrong = triton_attention_call(q, k_pool, v_pool, table[slots], lo, hi, hd**-0.5, length, k_scale.flip(0),
+                                      v_scale.flip(0))
+        assert not torch.allclose(wrong.float(), want, atol=atol, rtol=tol)
+    with pytest.raises(ValueError, match="both be floats or both per-head tensors"):
+        triton_attention_call(q, k_pool, v_pool, table[slots], lo, hi, hd**-0.5, length, k_scale, 1.0)
+    with pytest.raises(ValueError, match=rf"contiguous float32 \[{hkv}\] tensor, got torch.float64"):
+        triton_attention_call(q, k_pool, v_pool, table[slots], lo, hi, hd**-0.5, length, k_scale.double(),
+                              v_scale.double())
 
 
 @gpu

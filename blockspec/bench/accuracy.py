@@ -93,8 +93,8 @@ def fp8_accuracy(model: str | Path = "default", num_prompts: int = 16, new_token
         row["free_running_common_prefix"] = n
     weight = ref.engine.model.embed_tokens.weight
     candidate = str(quant.engine.model.embed_tokens.weight.dtype).replace("torch.", "")
-    cache = quant.engine.runner.cache
-    low, high = min(cache.k_scales + cache.v_scales), max(cache.k_scales + cache.v_scales)
+    scales = quant.engine.model.kv_scales.values() if quant.engine.model.kv_scales is not None else [1.0]
+    low, high = min(scales), max(scales)
     kv = (f", {kv_cache_dtype} KV cache at scale{f's {low:.3g}-{high:.3g}' if low < high else f' {low:.3g}'}"
           if kv_cache_dtype != "auto" else "")
     return {

@@ -51,3 +51,18 @@ def dependent_launch(t: torch.Tensor) -> dict[str, bool]:
     `launch_pdl`) on CUDA devices of compute capability 9.0 and up, else nothing (the kernel's default)."""
     on = PDL and t.is_cuda and _pdl_capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
     return {"PDL": True, "launch_pdl": True} if on else {}
+
+
+def check_head_scales(k_scale: float | torch.Tensor, v_scale: float | torch.Tensor, kv_heads: int, kernel: str) -> bool:
+    """Whether a kernel's FP8 cache scales are per KV head ([kv_heads] fp32 tensors, both) rather than one
+    float each; a mix or a tensor of another shape or dtype is refused."""
+    tensors = [isinstance(s, torch.Tensor) for s in (k_scale, v_scale)]
+    if not any(tensors):
+        return False
+    if not all(tensors):
+        raise ValueError(f"{kernel}: K and V cache scales must both be floats or both per-head tensors")
+    for s in (k_scale, v_scale):
+        if s.shape != (kv_heads,) or s.dtype != torch.float32 or not s.is_contiguous():
+            raise ValueError(f"{kernel}: a per-head cache scale must be a contiguous float32 [{kv_heads}] tensor, "
+                             f"got {s.dtype} {tuple(s.shape)}")
+    return True

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from blockspec.config import ConfigError
 
-from blockspec.kernels import dependent_launch, interpreted, triton, triton_available
+from blockspec.kernels import check_head_scales, dependent_launch, interpreted, triton, triton_available
 
 if triton is not None:
     import triton.language as tl
@@ -69,7 +69,7 @@ if triton is not None:
     # for 1, for multiples of 16 and for the rest): a new prompt length never compiles mid-request.
     @triton.jit(do_not_specialize=["stride_br", "num_queries", "fill"])
     def _block_attention(
-        Q, K, V, Table, Slots, Lo, Hi, Out, PartAcc, PartMax, PartSum, Counters,
+        Q, K, V, Table, Slots, Lo, Hi, Out, PartAcc, PartMax, PartSum, Counters, KScale, VScale,
         stride_qr, stride_qq, stride_qh,
         stride_kp, stride_kh, stride_kl,
         stride_vp, stride_vh, stride_vl,
@@ -81,12 +81,13 @@ if triton is not None:
         MAX_USED: tl.constexpr,
         MERGE_UNROLL: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr, PER_KEY: tl.constexpr,
         SPLIT: tl.constexpr = True, F16_DOTS: tl.constexpr = False, V_STAGED: tl.constexpr = False,
-        EDGE_MASKS: tl.constexpr = False, PDL: tl.constexpr = False,
+        EDGE_MASKS: tl.constexpr = False, HEAD_SCALES: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         """One program: BLOCK_M (query row, head-in-group) pairs of one (request, KV head), over one
         split of the key tiles those rows read. Online softmax in fp32 (base 2). Keys and values of
         an FP8 cache are converted as they load (exact) to q's dtype, or with F16_DOTS to fp16, q
-        and the probabilities too; K's scale is in scale_log2, V's (v_scale) multiplies the output.
+        and the probabilities too; K's scale is in scale_log2, V's (v_scale) multiplies the output;
+        with HEAD_SCALES each KV head's (KScale, VScale [KV_HEADS] fp32) multiply them in as well.
         V_STAGED (fp16 dots): V converted where it is loaded and transposed for the P.V product in fp16
         (ldmatrix), behind an opaque copy: without it the compiler converts after transposing the 8-bit
         tile, which it reads from shared memory a byte at a time. EDGE_MASKS: only the tiles that some
@@ -99,6 +100,9 @@ if triton is not None:
         pid_s = tl.program_id(2)
         r = pid_rh // KV_HEADS
         kvh = pid_rh % KV_HEADS
+        if HEAD_SCALES:
+            scale_log2 = scale_log2 * tl.load(KScale + kvh)
+            v_scale = v_scale * tl.load(VScale + kvh)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         qi = rows // GROUP
         head = kvh * GROUP + rows % GROUP
@@ -265,14 +269,15 @@ TILES = AttentionTiles()
 
 def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, slots: Tensor, lo: Tensor,
                     hi: Tensor, scale: float, max_keys: int, tiles: AttentionTiles | None = None,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> Tensor:
+                    k_scale: float | Tensor = 1.0, v_scale: float | Tensor = 1.0) -> Tensor:
     """q [R, Q, Hq, hd] (any strides with unit last stride); k/v_cache [pages, Hkv, page_size, hd];
     table [S, columns] int32: the page holding each page_size positions of a slot (see
     `PageTable`); slots [R]; lo/hi [R, Q]: the first and last key position each query row attends to
     (inclusive; every key index < max_keys). Returns [R, Q, Hq, hd] in q's dtype.
 
     Shapes and `max_keys` fix the launch grid, so the call is CUDA-graph capturable. Caches in
-    float8_e4m3fn hold K / k_scale and V / v_scale (`kv_cache.quantize_kv`); with 16-bit queries
+    float8_e4m3fn hold K / k_scale and V / v_scale (`kv_cache.quantize_kv`; floats, or [Hkv] fp32 tensors
+    of one scale per KV head, both one way or both the other); with 16-bit queries
     their dots run in fp16: e4m3 converts to fp16 in one instruction per pair of values, to bf16
     through a further slow conversion per value, which made an FP8 decode no faster than a bf16
     one (benchmarks/bench_attention.py --kv-dtype fp8)."""
@@ -282,6 +287,7 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, 
     group = hq // hkv
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("block_attention: the head dimension must be contiguous")
+    head_scales = check_head_scales(k_scale, v_scale, hkv, "block_attention")
     lo = lo.to(torch.int32).contiguous()
     hi = hi.to(torch.int32).contiguous()
     out = torch.empty(r, nq, hq, hd, dtype=q.dtype, device=q.device)
@@ -306,12 +312,14 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, 
     consts = dict(KV_HEADS=hkv, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d)
     _block_attention[(r * hkv, m_blocks, splits)](
         q, k_cache, v_cache, table, slots, lo, hi, out, part_acc, part_max, part_sum, counters,
+        k_scale if head_scales else part_max, v_scale if head_scales else part_max,  # (placeholders: unread)
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         table.stride(0), lo.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        nq, scale * math.log2(math.e) * k_scale, v_scale, max(1, t.one_wave // programs),
+        nq, scale * math.log2(math.e) * (1.0 if head_scales else k_scale), 1.0 if head_scales else v_scale,
+        max(1, t.one_wave // programs),
         # decode blocks: no floor and no cap (splits <= target_programs), and fixed constants, so a
         # new split count never compiles a variant
         BLOCK_M=block_m, BLOCK_N=block_n, MIN_TILES=1 if block_m == 16 else t.min_tiles_wide,
@@ -320,7 +328,7 @@ def block_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, 
         MERGE_UNROLL=t.merge_unroll, IEEE=ieee, PAGE=k_cache.shape[2],
         PER_KEY=block_m == 16 and splits >= t.per_key_splits,
         SPLIT=splits > 1, F16_DOTS=fp8 and not ieee, V_STAGED=fp8 and not ieee and t.fp8_v_staged and not interpreted(),
-        EDGE_MASKS=t.edge_masks,
+        EDGE_MASKS=t.edge_masks, HEAD_SCALES=head_scales,
         num_warps=t.num_warps, num_stages=t.num_stages, **consts, **dependent_launch(q),
     )
     return out

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from blockspec.kernels import dependent_launch, triton, triton_available
+from blockspec.kernels import check_head_scales, dependent_launch, triton, triton_available
 
 if triton is not None:
     import triton.language as tl
@@ -68,18 +68,19 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["rows_per_req"])  # a new prompt length must not compile a variant
     def _qkv_rope_store(
-        QKV, QW, KW, Cos, Sin, Table, Slots, WritePos, QOut, KCache, VCache,
+        QKV, QW, KW, Cos, Sin, Table, Slots, WritePos, QOut, KCache, VCache, KScale, VScale,
         stride_x, stride_cs, stride_qo, stride_qh,
         stride_kp, stride_kh, stride_kl, stride_vp, stride_vh, stride_vl, stride_t,
         rows_per_req, eps, k_inv, v_inv,
         Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr,
         HEADS: tl.constexpr, QK_NORM: tl.constexpr, PAGE: tl.constexpr, KV_FP8: tl.constexpr = False,
-        PDL: tl.constexpr = False,
+        HEAD_SCALES: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         """One program per (row, group of HEADS heads) of the fused projection [q heads | k heads | v heads].
         HEADS divides both head counts, so a group is all q, all k or all v heads, and a row's page is
         looked up once for its group. KV_FP8: K and V stored in e4m3, times k_inv / v_inv (1 / their
-        scales) and saturated."""
+        scales) and saturated; with HEAD_SCALES times 1 / each KV head's scale (KScale, VScale [KV_HEADS]
+        fp32, the reciprocal rounded as torch rounds it) instead."""
         dependent_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) * HEADS  # the group's first head
@@ -124,7 +125,11 @@ if triton is not None:
             else:
                 out = KCache + page * stride_kp + (first - Q_HEADS + h) * stride_kh + at * stride_kl
             if KV_FP8:
-                inv = tl.where(is_v, v_inv, k_inv)
+                if HEAD_SCALES:
+                    kv_head = first - Q_HEADS - tl.where(is_v, KV_HEADS, 0) + h  # [HEADS, 1]
+                    inv = tl.math.div_rn(1.0, tl.where(is_v, tl.load(VScale + kv_head), tl.load(KScale + kv_head)))
+                else:
+                    inv = tl.where(is_v, v_inv, k_inv)
                 y1 = tl.minimum(tl.maximum(x1.to(tl.float32) * inv, -448.0), 448.0)
                 y2 = tl.minimum(tl.maximum(x2.to(tl.float32) * inv, -448.0), 448.0)
                 tl.store(out + d, y1.to(KCache.dtype.element_ty), mask=ok)
@@ -488,21 +493,22 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 
 def qkv_rope_store(qkv: Tensor, q_heads: int, kv_heads: int, head_dim: int, q_weight: Tensor | None,
                    k_weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                   table: Tensor, slots: Tensor, write_pos: Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
-                   group: int | None = None) -> Tensor:
+                   table: Tensor, slots: Tensor, write_pos: Tensor, k_scale: float | Tensor = 1.0,
+                   v_scale: float | Tensor = 1.0, group: int | None = None) -> Tensor:
     """qkv [R, Q, (q_heads + 2 kv_heads) * head_dim] -> q [R, Q, q_heads, head_dim] normed and rotated;
     k (normed, rotated) and v are stored at (slots[r], head, write_pos[r, i]) of the paged caches
     [pages, kv_heads, page_size, head_dim], the page found in `table` [S, columns] (see `PageTable`).
     cos/sin [R, Q, head_dim]. q_heads may be 0 (context K/V only); the q/k RMSNorm runs when
     k_weight is given (Qwen3), else only RoPE (Llama, Qwen2). Caches in float8_e4m3fn take K / k_scale
-    and V / v_scale, saturated (`kv_cache.quantize_kv`). `group`: heads a program (`head_group` by
-    default; benchmarks/bench_qkv_store.py sweeps it)."""
+    and V / v_scale, saturated (`kv_cache.quantize_kv`; floats, or [kv_heads] fp32 tensors of one scale per
+    KV head). `group`: heads a program (`head_group` by default; benchmarks/bench_qkv_store.py sweeps it)."""
     r, nq, width = qkv.shape
     if width != (q_heads + 2 * kv_heads) * head_dim or qkv.stride(-1) != 1:
         raise ValueError(f"qkv_rope_store: qkv {tuple(qkv.shape)} is not [R, Q, ({q_heads} + 2 x {kv_heads}) x "
                          f"{head_dim}] with a contiguous last dim")
     if head_dim % 2:
         raise ValueError(f"qkv_rope_store: head_dim {head_dim} must be even for RoPE")
+    head_scales = check_head_scales(k_scale, v_scale, kv_heads, "qkv_rope_store")
     rows = qkv.view(r * nq, width) if qkv.is_contiguous() else qkv.reshape(r * nq, width)
     cos = cos.reshape(r * nq, head_dim)
     sin = sin.reshape(r * nq, head_dim)
@@ -516,12 +522,14 @@ def qkv_rope_store(qkv: Tensor, q_heads: int, kv_heads: int, head_dim: int, q_we
         raise ValueError(f"qkv_rope_store: {group} heads a program must divide both head counts ({q_heads}, {kv_heads})")
     _qkv_rope_store[(r * nq, (q_heads + 2 * kv_heads) // group)](
         rows, q_weight if q_weight is not None else rows, k_weight if qk_norm else rows, cos, sin, table, slots,
-        write_pos, q, k_cache, v_cache,
+        write_pos, q, k_cache, v_cache, k_scale if head_scales else cos, v_scale if head_scales else cos,
         rows.stride(0), cos.stride(0), q_heads * head_dim, head_dim,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), table.stride(0), nq, eps, 1.0 / k_scale, 1.0 / v_scale,
+        v_cache.stride(2), table.stride(0), nq, eps, 1.0 if head_scales else 1.0 / k_scale,
+        1.0 if head_scales else 1.0 / v_scale,
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF_BLOCK=triton.next_power_of_2(head_dim // 2),
         HEADS=group, QK_NORM=qk_norm, PAGE=k_cache.shape[2], KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        HEAD_SCALES=head_scales,
         num_warps=group,  # a warp a head, as many threads per head as one head a program had
         **dependent_launch(qkv),
     )

@@ -1,7 +1,7 @@
 """Write a checkpoint's FP8 twin: the HF fine-grained FP8 format (`quant_method` "fp8", e4m3 weights with
 `weight_scale_inv` over 128 x 128 blocks), as Qwen/Qwen3-8B-FP8 ships and as vLLM, SGLang and blockspec load.
 
-    blockspec quantize MODEL --out DIR [--block-size 128] [--kv-calibration FILE ...]
+    blockspec quantize MODEL --out DIR [--block-size 128] [--kv-calibration FILE ... [--kv-scales head]]
 
 Weight-only, as `models.quant` reads it: the decoder layers' attention, dense MLP and MoE expert
 products become e4m3 (a step streams half the bytes; experts stored one by one, as the hub's
@@ -13,6 +13,8 @@ With calibration text, each layer's FP8 KV cache scales are written too (`self_a
 `v_scale`, the names vLLM and llm-compressor use): the largest |K| and |V| the model stores over the
 text, over 448, so a `kv_cache_dtype="fp8"` cache spans e4m3's range without saturating, where the
 default scale of 1.0 clips keys and values past 448 and stores those below 2**-6 at reduced precision.
+Per head (`per_head`), each KV head's largest |K| and |V| instead: a head of small values is not pushed
+below e4m3's normal range by its layer's loudest head.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from huggingface_hub import save_torch_state_dict
 
 from blockspec.config import ConfigError
 from blockspec.kernels.fp8 import E4M3_MAX, quantize_blocks
-from blockspec.models.kv_cache import KVScales, causal_meta
+from blockspec.models.kv_cache import KVScales, LayerScale, causal_meta
 from blockspec.models.loader import load_target, quantization_config, read_json, read_state_dict, resolve_model_dir
 
 # the products quantized: a decoder layer's attention, dense MLP and MoE experts (one by one)
@@ -71,33 +73,41 @@ def calibration_sequences(tokenizer: Any, texts: list[str], tokens: int = CALIBR
     return out
 
 
-def calibrate_kv_scales(model_dir: Path, sequences: list[list[int]], device: str = "auto") -> KVScales:
+def calibrate_kv_scales(model_dir: Path, sequences: list[list[int]], device: str = "auto",
+                        per_head: bool = False) -> KVScales:
     """Each layer's KV cache scales for `model_dir`: the largest |K| (normed and rotated, as the cache stores
-    it) and |V| over prefills of `sequences` (token ids), over 448; 1.0 for a layer whose keys or values are
-    all zero."""
+    it) and |V| over prefills of `sequences` (token ids), over 448, of the layer or (`per_head`) of each KV
+    head; 1.0 where the keys or values are all zero."""
     if not sequences or not all(sequences):
         raise ConfigError("KV cache calibration needs at least one non-empty token sequence")
     model, _ = load_target(model_dir, "auto", device)
     dev = model.embed_tokens.weight.device
-    amax = torch.zeros(2, len(model.layers), dtype=torch.float64)
+    amax = torch.zeros(2, len(model.layers), model.config.num_key_value_heads, dtype=torch.float64)
     with torch.no_grad():
         for seq in sequences:
             cache = model.new_cache(1, len(seq))  # the model's dtype: the values an FP8 cache would store
             meta = causal_meta([0], [0], [len(seq)], len(seq), cache.trash, dev, model.config.sliding_window,
                                model.config.layer_types)
             model(torch.tensor([seq], device=dev), meta, cache)
-            for i in range(len(model.layers)):  # pages no row wrote hold zeros
-                amax[0, i] = max(amax[0, i], cache.k[i].abs().max().item())
-                amax[1, i] = max(amax[1, i], cache.v[i].abs().max().item())
-    k, v = (tuple(float(a) / E4M3_MAX if a > 0 else 1.0 for a in row) for row in amax)
+            for i in range(len(model.layers)):  # pages no row wrote hold zeros; pools [pages, heads, page, hd]
+                for part, pool in enumerate((cache.k[i], cache.v[i])):
+                    amax[part, i] = torch.maximum(amax[part, i], pool.abs().amax(dim=(0, 2, 3)).double().cpu())
+    if not per_head:
+        amax = amax.amax(dim=2, keepdim=True)
+
+    def scales(row: torch.Tensor) -> LayerScale:
+        values = tuple(float(a) / E4M3_MAX if a > 0 else 1.0 for a in row)
+        return values if per_head else values[0]
+    k, v = (tuple(map(scales, part)) for part in amax)
     return KVScales(k, v)
 
 
 def write_fp8_checkpoint(model: str | Path, out: Path, block: int = BLOCK, calibration: list[list[int]] | None = None,
-                         device: str = "auto", **hub) -> Fp8Export:
+                         device: str = "auto", per_head: bool = False, **hub) -> Fp8Export:
     """`model` (an HF directory or hub id; `hub`: `resolve_model_dir`'s revision, download_dir, token) as an FP8
     checkpoint in `out`, which must not exist or be empty; with `calibration` (token id sequences), its KV
-    cache scales too, computed on `device` (`calibrate_kv_scales`)."""
+    cache scales too, per layer or `per_head` ([kv_heads, 1, 1], compressed-tensors' "attn_head" shape),
+    computed on `device` (`calibrate_kv_scales`)."""
     if block <= 0:
         raise ConfigError(f"block_size must be a positive number of rows and columns, got {block}")
     src = resolve_model_dir(str(model), **hub)
@@ -112,7 +122,7 @@ def write_fp8_checkpoint(model: str | Path, out: Path, block: int = BLOCK, calib
         raise ConfigError(f"{source}: the checkpoint is quantized already (quant_method {method!r}); "
                           "quantize an unquantized one")
     # before the state is read: the calibrating model is freed first
-    kv_scales = calibrate_kv_scales(src, calibration, device) if calibration is not None else None
+    kv_scales = calibrate_kv_scales(src, calibration, device, per_head) if calibration is not None else None
     state = read_state_dict(src)
     written: dict[str, torch.Tensor] = {}
     quantized = before = 0
@@ -131,8 +141,9 @@ def write_fp8_checkpoint(model: str | Path, out: Path, block: int = BLOCK, calib
     if kv_scales is not None:
         prefix = "model." if any(n.startswith("model.") for n in state) else ""
         for i, (k, v) in enumerate(zip(kv_scales.k, kv_scales.v)):
-            written[f"{prefix}layers.{i}.self_attn.k_scale"] = torch.tensor(k, dtype=torch.float32)
-            written[f"{prefix}layers.{i}.self_attn.v_scale"] = torch.tensor(v, dtype=torch.float32)
+            for kind, scale in (("k", k), ("v", v)):
+                value = torch.tensor(scale, dtype=torch.float32)
+                written[f"{prefix}layers.{i}.self_attn.{kind}_scale"] = value.view(-1, 1, 1) if per_head else value
     after = sum(t.nbytes for t in written.values())
     out.mkdir(parents=True, exist_ok=True)
     for path in src.iterdir():  # tokenizer, generation config, chat template, licence, card

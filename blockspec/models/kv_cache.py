@@ -17,10 +17,10 @@ prefilling them. A page is freed only when no slot holds it; remembered free pag
 until a reservation needs them, least recently used first.
 
 With `kv_dtype` float8_e4m3fn (`kv_cache_dtype="fp8"`) the pools hold K and V in e4m3, each divided
-by its layer's per-tensor scale (`k_scales`, `v_scales`: a checkpoint's calibrated scales, `KVScales`,
-else 1.0, as vLLM takes uncalibrated FP8 caches) and saturated at +-448: half the bytes a step reads
-and a page holds. Attention dequantizes as it loads (the kernels) or after the gather (`gather`, the
-reference); the model's dtype is unchanged.
+by its layer's scale (`k_scales`, `v_scales`: a checkpoint's calibrated scales, `KVScales`, one per layer
+or one per KV head of each layer, else 1.0, as vLLM takes uncalibrated FP8 caches) and saturated at
++-448: half the bytes a step reads and a page holds. Attention dequantizes as it loads (the kernels) or
+after the gather (`gather`, the reference); the model's dtype is unchanged.
 """
 
 from __future__ import annotations
@@ -48,19 +48,42 @@ def kv_storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
     return dtype if kv_cache_dtype == "auto" else FP8
 
 
-def quantize_kv(x: Tensor, scale: float) -> Tensor:
-    """x / scale in e4m3, saturated (the store the kernels do: fp32 times 1 / scale, clamped, rounded)."""
-    return (x.float() * (1.0 / scale)).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8)
+def per_head(scale: float | Tensor) -> float | Tensor:
+    """A cache scale shaped to multiply K or V laid out [..., kv_heads, positions, head_dim]: a per-head
+    scale [kv_heads] as [kv_heads, 1, 1]."""
+    return scale.view(-1, 1, 1) if isinstance(scale, Tensor) else scale
+
+
+def quantize_kv(x: Tensor, scale: float | Tensor) -> Tensor:
+    """x [..., kv_heads, positions, head_dim] / scale in e4m3, saturated (the store the kernels do: fp32
+    times 1 / scale, clamped, rounded); `scale` one value or one fp32 value per KV head."""
+    return (x.float() * per_head(1.0 / scale)).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8)
+
+
+LayerScale = float | tuple[float, ...]  # a layer's K (or V) cache scale: one, or one per KV head
 
 
 @dataclass(frozen=True)
 class KVScales:
-    """A checkpoint's per-tensor FP8 cache scales, one per layer: layer i stores K / k[i] and V / v[i]
-    (`models.quant.take_kv_scales` reads them). Calibrated scales keep large K and V from saturating
-    at +-448 and small ones in e4m3's normal range."""
+    """A checkpoint's FP8 cache scales, an entry per layer: layer i stores K / k[i] and V / v[i], where an
+    entry is one value (per tensor) or a tuple of one per KV head (compressed-tensors' "attn_head"
+    strategy; `models.quant.take_kv_scales` reads them). Calibrated scales keep large K and V from
+    saturating at +-448 and small ones in e4m3's normal range; per head, a head of small values is not
+    pushed below that range by another head's large ones."""
 
-    k: tuple[float, ...]
-    v: tuple[float, ...]
+    k: tuple[LayerScale, ...]
+    v: tuple[LayerScale, ...]
+
+    def values(self) -> list[float]:
+        """Every scale, K's then V's."""
+        return [x for entry in self.k + self.v for x in (entry if isinstance(entry, tuple) else (entry,))]
+
+    def heads(self, first: int, count: int) -> KVScales:
+        """The scales of KV heads first..first + count - 1 (a tensor-parallel rank's): per-head entries cut,
+        per-tensor ones as they are."""
+        def cut(entry: LayerScale) -> LayerScale:
+            return entry[first : first + count] if isinstance(entry, tuple) else entry
+        return KVScales(tuple(map(cut, self.k)), tuple(map(cut, self.v)))
 
 
 class OutOfSlots(RuntimeError):
@@ -373,7 +396,7 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str, table: PageTable | int, kv_dtype: torch.dtype | None = None,
-                 k_scale: float | Sequence[float] = 1.0, v_scale: float | Sequence[float] = 1.0) -> None:
+                 k_scale: float | Sequence[LayerScale] = 1.0, v_scale: float | Sequence[LayerScale] = 1.0) -> None:
         if isinstance(table, int):
             table = PageTable.full(table, max_len, device)
         if max_len > table.max_len:
@@ -391,9 +414,16 @@ class KVCache:
             self.k, self.v = shared.take(num_layers, shape, store, torch.device(device))
         self.dtype = dtype  # what attention computes in
         self.quantized = store == FP8
-        # each layer's scales (an unquantized cache stores K and V as they are)
-        self.k_scales = per_layer(k_scale if self.quantized else 1.0, num_layers, "k_scale")
-        self.v_scales = per_layer(v_scale if self.quantized else 1.0, num_layers, "v_scale")
+        # each layer's scales (an unquantized cache stores K and V as they are): floats, or [kv_heads] fp32
+        # tensors for both K and V where either is per head (the kernels take both one way or the other)
+        k_scales = per_layer(k_scale if self.quantized else 1.0, num_layers, num_kv_heads, "k_scale")
+        v_scales = per_layer(v_scale if self.quantized else 1.0, num_layers, num_kv_heads, "v_scale")
+        pairs = [(k, v) if isinstance(k, float) and isinstance(v, float) else
+                 tuple(torch.tensor(x if isinstance(x, tuple) else (x,) * num_kv_heads, dtype=torch.float32,
+                                    device=device) for x in (k, v))
+                 for k, v in zip(k_scales, v_scales)]
+        self.k_scales: tuple[float | Tensor, ...] = tuple(k for k, _ in pairs)
+        self.v_scales: tuple[float | Tensor, ...] = tuple(v for _, v in pairs)
         self.pages = table
         self.max_len = max_len
         self.trash = max_len
@@ -430,12 +460,12 @@ class KVCache:
         cols = self.pages.pages_for(kv_len, self.pages.page_size)
         pages = self.table[slots, :cols].long()  # [R, cols]
 
-        def pool(t: Tensor, scale: float) -> Tensor:
+        def pool(t: Tensor, scale: float | Tensor) -> Tensor:
             # index_select, not t[pages]: the same copy, at a half to a third of the CPU time
             x = t.index_select(0, pages.reshape(-1)).view(*pages.shape, *t.shape[1:])  # [R, cols, H, P, hd]
             r, _, h, p, d = x.shape
             x = x.transpose(1, 2).reshape(r, h, cols * p, d)[:, :, :kv_len]
-            return (x.float() * scale).to(self.dtype) if self.quantized else x
+            return (x.float() * per_head(scale)).to(self.dtype) if self.quantized else x
 
         return pool(self.k[layer], self.k_scales[layer]), pool(self.v[layer], self.v_scales[layer])
 
@@ -444,11 +474,17 @@ class KVCache:
         return self.gather(layer, meta.slots, meta.kv_len)
 
 
-def per_layer(scale: float | Sequence[float], num_layers: int, what: str) -> tuple[float, ...]:
-    """One scale for every layer, from one value or a value per layer."""
-    scales = (float(scale),) * num_layers if isinstance(scale, (int, float)) else tuple(map(float, scale))
+def per_layer(scale: float | Sequence[LayerScale], num_layers: int, num_kv_heads: int,
+              what: str) -> tuple[LayerScale, ...]:
+    """A scale for every layer, from one value or an entry per layer (a value, or a tuple of one per KV head)."""
+    if isinstance(scale, (int, float)):
+        return (float(scale),) * num_layers
+    scales = tuple(tuple(map(float, x)) if isinstance(x, (tuple, list)) else float(x) for x in scale)
     if len(scales) != num_layers:
         raise ValueError(f"KVCache: {len(scales)} {what} values for {num_layers} layers")
+    for i, x in enumerate(scales):
+        if isinstance(x, tuple) and len(x) != num_kv_heads:
+            raise ValueError(f"KVCache: layer {i}'s {what} has {len(x)} values for {num_kv_heads} KV heads")
     return scales
 
 

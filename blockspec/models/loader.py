@@ -215,7 +215,7 @@ def load_target(
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, cfg.torch_dtype, dev)
     state = read_state_dict(model_dir)
-    kv_scales = quant.take_kv_scales(state, cfg.num_hidden_layers, str(model_dir))
+    kv_scales = quant.take_kv_scales(state, cfg.num_hidden_layers, cfg.num_key_value_heads, str(model_dir))
     packed = quant.take_fp8_weights(state, fp8) if fp8 is not None else {}
     prefix = "model." if any(k.startswith("model.") for k in state) else ""
     mapped = fuse_hf_layer_names(state, prefix, lambda n: n)

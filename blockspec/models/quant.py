@@ -37,7 +37,7 @@ from blockspec.kernels.fp8 import (FP8, dequantize_reference, fp8_linear, quanti
                                    scale_shape)
 from blockspec.kernels.moe import ExpertScales
 from blockspec.kernels.ops import use_kernels
-from blockspec.models.kv_cache import KVScales
+from blockspec.models.kv_cache import KVScales, LayerScale
 from blockspec.models.cpu_linear import PACK_MAX_BYTES, onednn_available, packed_product, without_packed_copy
 
 QUANT_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors", "modelopt")  # checkpoint formats read
@@ -379,30 +379,34 @@ KV_SCALE_KINDS = {(None, "k_scale"): "k", (None, "v_scale"): "v", (None, "kv_sca
                   ("k_proj", "output_scale"): "k", ("v_proj", "output_scale"): "v"}
 
 
-def take_kv_scales(state: dict[str, Tensor], num_layers: int, source: str) -> KVScales | None:
+def take_kv_scales(state: dict[str, Tensor], num_layers: int, num_kv_heads: int, source: str) -> KVScales | None:
     """Remove a checkpoint's FP8 KV cache scales (and its FP8 attention scales) from `state`; return the K and
-    V scale of every layer, or None where it has none. One positive, finite value per layer and tensor: a
-    checkpoint that scales some layers and not others, or scales per head, is refused by name."""
-    found: dict[tuple[int, str], tuple[float, str]] = {}
+    V scales of every layer, or None where it has none. A layer's scale is one positive, finite value, or one
+    per KV head ([kv_heads], or compressed-tensors' "attn_head" [kv_heads, 1, 1]); a checkpoint that scales
+    some layers and not others is refused by name."""
+    found: dict[tuple[int, str], tuple[LayerScale, str]] = {}
     for name in [n for n in state if KV_SCALE_NAME.match(n)]:
         layer, module, tensor = KV_SCALE_NAME.match(name).groups()
         value = state.pop(name)
         kind = KV_SCALE_KINDS.get((module, tensor))
         if kind is None:  # a query or softmax scale
             continue
-        if value.numel() != 1:
-            raise ModelLoadError(f"{source}: {name} holds {value.numel()} values {tuple(value.shape)}; blockspec's "
-                                 "FP8 KV cache takes one K and one V scale per layer (per tensor), not per head")
-        scale = float(value.float().reshape(()))
-        if not (math.isfinite(scale) and scale > 0):
-            raise ModelLoadError(f"{source}: {name} is {scale}; a KV cache scale must be positive and finite")
+        heads = value.numel() > 1
+        if heads and (value.dim() == 0 or value.shape[0] != num_kv_heads or value.numel() != num_kv_heads):
+            raise ModelLoadError(f"{source}: {name} holds {value.numel()} values {tuple(value.shape)}; a KV cache "
+                                 f"scale is one value or one per KV head ({num_kv_heads})")
+        values = [float(x) for x in value.float().reshape(-1)]
+        bad = [x for x in values if not (math.isfinite(x) and x > 0)]
+        if bad:
+            raise ModelLoadError(f"{source}: {name} {'holds' if heads else 'is'} {bad[0]}; a KV cache scale must be "
+                                 "positive and finite")
         if int(layer) >= num_layers:
             raise ModelLoadError(f"{source}: {name} names layer {layer}, but the model has {num_layers} layers")
         for part in kind:  # a deprecated kv_scale serves both
             if (int(layer), part) in found:
                 raise ModelLoadError(f"{source}: layer {layer} has two {part.upper()} cache scales: "
                                      f"{found[int(layer), part][1]} and {name}")
-            found[int(layer), part] = (scale, name)
+            found[int(layer), part] = (tuple(values) if heads else values[0], name)
     if not found:
         return None
     missing = [f"{i}.{p}_scale" for i in range(num_layers) for p in "kv" if (i, p) not in found]

@@ -332,6 +332,9 @@ def shard_model(model: CausalLM, rank: int, world_size: int, group: ProcessGroup
         raise ConfigError(f"rank {rank} outside [0, {world_size})")
     if world_size == 1:
         return model
+    if model.kv_scales is not None:  # per-head FP8 cache scales follow the rank's KV heads
+        local = model.config.num_key_value_heads // world_size
+        model.kv_scales = model.kv_scales.heads(rank * local, local)
     for layer in model.layers:
         _shard_attention(layer.self_attn, rank, world_size, group)
         if isinstance(layer.mlp, SparseMoE):
