@@ -82,13 +82,39 @@ def test_speculation_on_the_written_checkpoint_equals_its_plain_decoding(exporte
     assert run(llm, ps, params) == plain and llm.get_stats()["num_accepted_tokens"] > 0
 
 
-def test_a_mixture_of_experts_checkpoint_has_its_experts_in_e4m3(tmp_path):
+@pytest.mark.parametrize("layout", ["per expert", "stacked"])
+def test_a_mixture_of_experts_checkpoint_has_its_experts_in_e4m3(tmp_path, layout):
     """Attention, the dense layer's MLP and every expert (one by one, as the hub stores them) in e4m3;
-    routers as they were. It loads into e4m3 `Fp8Experts` and decodes as its dequantized weights do."""
+    routers as they were. It loads into e4m3 `Fp8Experts` and decodes as its dequantized weights do.
+    A source in transformers 5's stacked layout (gate_up [E, 2I, H], down [E, H, I]) is written one by
+    one too, each expert's gate, up and down the stacked tensors' slices."""
+    from blockspec.models.moe import stack_experts
     from blockspec.models.quant import Fp8Experts
 
-    out = write_fp8_checkpoint(save_moe_target(tmp_path / "moe"), tmp_path / "fp8", block=16).out
+    source = save_moe_target(tmp_path / "moe")
+    if layout == "stacked":
+        hub = load_file(str(source / "model.safetensors"))
+        fused = {}
+        for name, t in hub.items():  # gate and up fused per expert, then every layer's experts stacked
+            if ".experts." not in name:
+                fused[name] = t
+            elif ".gate_proj." in name:
+                fused[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat(
+                    [t, hub[name.replace(".gate_proj.", ".up_proj.")]])
+            elif ".up_proj." not in name:
+                fused[name] = t
+        stacked = stack_experts(fused, "test")
+        assert stacked["model.layers.0.mlp.experts.gate_up_proj"].dim() == 3
+        save_file(stacked, str(source / "model.safetensors"))
+    out = write_fp8_checkpoint(source, tmp_path / "fp8", block=16).out
     state = load_file(str(out / "model.safetensors"))
+    if layout == "stacked":
+        want = hub["model.layers.3.mlp.experts.6.up_proj.weight"]
+        scale = state["model.layers.3.mlp.experts.6.up_proj.weight_scale_inv"]
+        w = state["model.layers.3.mlp.experts.6.up_proj.weight"].float()
+        w = w * scale.repeat_interleave(16, 0).repeat_interleave(16, 1)[: w.shape[0], : w.shape[1]]
+        assert w.shape == want.shape and torch.allclose(w, want, rtol=2**-3, atol=1e-6)
+        assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in state)
     fp8_names = {n for n, t in state.items() if t.dtype == torch.float8_e4m3fn}
     experts = {n for n in state if ".experts." in n and n.endswith("_proj.weight")}
     assert experts and experts <= fp8_names and not any(".gate.weight" in n for n in fp8_names)

@@ -5,9 +5,9 @@
 
 Weight-only, as `models.quant` reads it: the decoder layers' attention, dense MLP and MoE expert
 products become e4m3 (a step streams half the bytes; experts stored one by one, as the hub's
-checkpoints and Qwen/Qwen3-30B-A3B-FP8 store them); embeddings, the LM head, norms, routers and
-shared experts stay as the checkpoint has them. Tokenizer files and the rest of the directory are
-copied as they are.
+checkpoints and Qwen/Qwen3-30B-A3B-FP8 store them, transformers 5's stacked experts written so too);
+embeddings, the LM head, norms, routers and shared experts stay as the checkpoint has them. Tokenizer
+files and the rest of the directory are copied as they are.
 
 With calibration text, each layer's FP8 KV cache scales are written too (`self_attn.k_scale` and
 `v_scale`, the names vLLM and llm-compressor use): the largest |K| and |V| the model stores over the
@@ -37,7 +37,28 @@ from blockspec.models.loader import load_target, quantization_config, read_json,
 # the products quantized: a decoder layer's attention, dense MLP and MoE experts (one by one)
 QUANTIZED = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)"
                        r"\.weight$")
+# transformers 5's own MoE layout: a layer's experts stacked, gate_up [E, 2I, H] (gate rows first) and down [E, H, I]
+STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with stacked experts (`STACKED_EXPERTS`) written one by one under the hub's names
+    (`experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`), the layout FP8 checkpoints store and engines read."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        m = STACKED_EXPERTS.match(name)
+        if m is None or tensor.dim() != 3:
+            out[name] = tensor
+            continue
+        prefix, part = m.groups()
+        for e, expert in enumerate(tensor.unbind(0)):
+            if part == "down_proj":
+                out[f"{prefix}.{e}.down_proj.weight"] = expert
+            else:
+                gate, up = expert.chunk(2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate, up
+    return out
 BLOCK = 128  # rows and columns a weight scale covers, as the published FP8 checkpoints have it
 
 
@@ -123,7 +144,7 @@ def write_fp8_checkpoint(model: str | Path, out: Path, block: int = BLOCK, calib
                           "quantize an unquantized one")
     # before the state is read: the calibrating model is freed first
     kv_scales = calibrate_kv_scales(src, calibration, device, per_head) if calibration is not None else None
-    state = read_state_dict(src)
+    state = per_expert(read_state_dict(src))
     written: dict[str, torch.Tensor] = {}
     quantized = before = 0
     for name, tensor in state.items():
