@@ -22,7 +22,7 @@ from blockspec.errors import ModelLoadError
 from blockspec.kernels import fp8
 from blockspec.models.kv_cache import causal_meta
 from blockspec.models.loader import load_target
-from blockspec.models.quant import Fp8Experts, Fp8Linear, Fp8Weight, concat_fp8, is_quantized, use_onednn_fp8
+from blockspec.models.quant import Fp8Experts, Fp8Linear, Fp8Weight, concat_fp8, is_quantized
 from factories import save_drafter_target, save_moe_target
 from test_spec import FIXTURES, add_oracle, prompts, run
 
@@ -739,11 +739,8 @@ def test_an_fp8_drafter_drafts_from_e4m3_weights_and_decoding_stays_exact(target
 
 def test_cpu_products_keep_the_dequantized_weight_until_it_changes():
     """Without kernels an FP8 linear computes with `dequantize_reference`'s weight, made once: bit for bit
-    the reference product, through oneDNN within float32 rounding of it, and made again when the weight's
-    scales change in place (a stale copy would keep the old outputs); a copy of the module drops the packed
-    weight and makes its own."""
-    import copy
-
+    the reference product, made again when the weight's scales change in place (a stale copy would keep the
+    old outputs)."""
     g = torch.Generator().manual_seed(5)
     lin = Fp8Linear.from_linear(nn.Linear(64, 48))
     x = torch.randn(3, 64, generator=g)
@@ -752,11 +749,8 @@ def test_cpu_products_keep_the_dequantized_weight_until_it_changes():
         return F.linear(x, fp8.dequantize_reference(lin.weight, lin.weight_scale, lin.block, torch.float32), lin.bias)
 
     assert torch.equal(lin(x), reference()) and lin.dequantized(torch.float32) is lin.dequantized(torch.float32)
-    if use_onednn_fp8(lin):
-        assert lin.onednn and torch.allclose(lin(x), reference(), rtol=1e-5, atol=1e-5)
-        assert torch.allclose(copy.deepcopy(lin)(x), reference(), rtol=1e-5, atol=1e-5)
     before = lin(x)
     with torch.no_grad():
         lin.weight_scale.mul_(2)
-    assert torch.allclose(lin(x), reference(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(lin(x), reference())
     assert not torch.allclose(lin(x), before, rtol=1e-3, atol=1e-3)

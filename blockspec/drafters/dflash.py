@@ -18,7 +18,7 @@ class DFlashDraft(DraftModel):
                       head_argmax: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, None]:
         if head_argmax is not None and self.plain_target_head:
             return head_argmax(slot_hidden), None
-        return self.draft_to_target(self.logits(slot_hidden).argmax(-1)), None
+        return self.draft_to_target(self.logits(slot_hidden).max(-1).indices), None  # argmax, 2-3x faster on the CPU
 
     def sample_drafts(self, slot_hidden: Tensor, anchors: Tensor, params: RowParams, round_: Tensor, vocab: int,
                       top_k: int = 0) -> tuple[Tensor, Tensor, None]:

@@ -31,10 +31,10 @@ from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.timer import StepTimer
 from blockspec.errors import RequestError
 from blockspec.kernels.attention import resolve_backend
-from blockspec.models.cpu_linear import draft_head_product, use_onednn_linears
+from blockspec.models.cpu_linear import draft_head_product
 from blockspec.models.kv_cache import PageTable, kv_storage_dtype
 from blockspec.models.llama import CausalLM
-from blockspec.models.quant import is_quantized, quantize_model, use_onednn_fp8
+from blockspec.models.quant import is_quantized, quantize_model
 from blockspec.models.runner import BATCH_BUCKETS, CAPTURES, ModelRunner, bucket, pool_bytes
 from blockspec.request import IncrementalDetokenizer, Logprob, Request, SpecStats, Status, TokenStrings
 from blockspec.sampling_params import SamplingParams
@@ -77,10 +77,6 @@ class Engine:
             drafter.kv_cache_dtype = model.kv_cache_dtype
             if spec_config.quantization and not is_quantized(drafter):
                 quantize_model(drafter, spec_config.quantization)  # in place: engines sharing it share this
-        for module in (model, drafter):
-            if module is not None and self.device.type == "cpu":
-                use_onednn_linears(module)  # the CPU's faster fp32 products (no-op where oneDNN is missing)
-                use_onednn_fp8(module)
         margin, table_len = memory.cache_extent(config, spec_config, drafter)
         self.pages = PageTable(config.max_num_seqs, table_len, config.kv_page_size,
                                memory.plan_pages(model, drafter, config, table_len), self.device)

@@ -38,7 +38,6 @@ from blockspec.kernels.fp8 import (FP8, dequantize_reference, fp8_linear, quanti
 from blockspec.kernels.moe import ExpertScales
 from blockspec.kernels.ops import use_kernels
 from blockspec.models.kv_cache import KVScales, LayerScale
-from blockspec.models.cpu_linear import PACK_MAX_BYTES, onednn_available, packed_product, without_packed_copy
 
 QUANT_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors", "modelopt")  # checkpoint formats read
 CT_STRATEGIES = ("tensor", "channel", "block", "group")  # compressed-tensors weight scales read
@@ -50,7 +49,6 @@ class Fp8Linear(nn.Module):
     """y = x @ W^T + b with W = weight (e4m3) x weight_scale (fp32, over `block` (rows, columns)
     blocks). Both stay as they are under a dtype cast of the model; only the bias follows it."""
 
-    onednn = False  # on the CPU: the float32 product through oneDNN (`use_onednn_fp8`)
 
     def __init__(self, weight: Tensor, weight_scale: Tensor, block: tuple[int, int], bias: Tensor | None = None
                  ) -> None:
@@ -75,26 +73,16 @@ class Fp8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if use_kernels(x):
             return fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias)
-        if self.onednn and x.dtype == torch.float32 and not (torch.is_grad_enabled() and x.requires_grad):
-            key = self._weight_key(torch.float32)
-            return packed_product(self.__dict__, key, lambda: self._reference_weight(torch.float32), x, self.bias)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
-
-    def __getstate__(self) -> dict:
-        return without_packed_copy(self.__dict__)
-
-    def _weight_key(self, dtype: torch.dtype) -> tuple:
-        return (self.weight.data_ptr(), self.weight._version, self.weight_scale.data_ptr(),
-                self.weight_scale._version, dtype)
-
-    def _reference_weight(self, dtype: torch.dtype) -> Tensor:
-        return dequantize_reference(self.weight, self.weight_scale, self.block, dtype)
 
     def dequantized(self, dtype: torch.dtype) -> Tensor:
         """The weight as the reference path computes with it (`dequantize_reference`), made once and kept
         until the weight or its scales change: where no kernel streams the e4m3 weight (the CPU),
         dequantizing it for every product would cost three times the product itself."""
-        return kept(self.__dict__, "_dequantized", self._weight_key(dtype), lambda: self._reference_weight(dtype))
+        key = (self.weight.data_ptr(), self.weight._version, self.weight_scale.data_ptr(), self.weight_scale._version,
+               dtype)
+        return kept(self.__dict__, "_dequantized", key,
+                    lambda: dequantize_reference(self.weight, self.weight_scale, self.block, dtype))
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Fp8Linear:
         return apply_keeping_dtypes(self, ("weight", "weight_scale"), fn, recurse, super()._apply)  # bias: both
@@ -530,18 +518,6 @@ def quantize_model(model: nn.Module, method: str) -> int:
                 block.experts = Fp8Experts.from_experts(experts.gate_up_proj, experts.down_proj)
                 done += 1
     return done
-
-
-def use_onednn_fp8(model: nn.Module) -> int:
-    """On the CPU, `use_onednn_linears` for the FP8 linears: each computes in float32 through oneDNN from a
-    packed copy of its dequantized weight (the reference's weight, so the same model within float32
-    rounding), where oneDNN agrees with `F.linear` and the copies fit `PACK_MAX_BYTES`. Returns how many."""
-    linears = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.weight.device.type == "cpu"]
-    if not onednn_available() or sum(4 * m.weight.numel() for m in linears) > PACK_MAX_BYTES:
-        return 0
-    for m in linears:
-        m.onednn = True
-    return len(linears)
 
 
 def is_quantized(model: nn.Module) -> bool:
