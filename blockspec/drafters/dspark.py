@@ -79,8 +79,8 @@ class BiasRows:
         self.rows: OrderedDict[int, Tensor] = OrderedDict()  # least recently used first
         self.key: tuple[int, ...] | None = None
 
-    def take(self, head: MarkovHead, prev_ids: Tensor, scale: float) -> Tensor:
-        """[R, V_draft] fp32 bias rows for the previous tokens `prev_ids` [R]."""
+    def take(self, head: MarkovHead, prev_ids: list[int], scale: float) -> Tensor:
+        """[R, V_draft] fp32 bias rows for the previous tokens `prev_ids` (R target ids)."""
         w1, w2 = head.markov_w1.weight, head.markov_w2.weight
         key = (w1.data_ptr(), w1._version, w2.data_ptr(), w2._version)
         if key != self.key:
@@ -88,10 +88,10 @@ class BiasRows:
             self.key = key
         capacity = max(1, BIAS_ROWS_BYTES // (4 * w2.shape[0]))
         out = []
-        for t in prev_ids.tolist():
+        for t in prev_ids:
             row = self.rows.get(t)
             if row is None:
-                row = head.markov_w2(head.markov_w1(prev_ids.new_tensor([t]))).float()[0]
+                row = head.markov_w2(head.markov_w1(torch.tensor([t], device=w1.device))).float()[0]
                 row = row * scale if scale != 1.0 else row
                 self.rows[t] = row
                 if len(self.rows) > capacity:
@@ -162,7 +162,7 @@ class DSparkDraft(DraftModel):
             return None, None
         if (self.markov_head.head_type == "vanilla" and prev_ids.device.type == "cpu"
                 and not torch.is_grad_enabled()):
-            return self.bias_rows.take(self.markov_head, prev_ids, self.config.logit_scale), None
+            return self.bias_rows.take(self.markov_head, prev_ids.tolist(), self.config.logit_scale), None
         latent, state = self.markov_head.latent(h_k, prev_ids, state)
         bias = self.markov_head.markov_w2(latent).float()
         if self.config.logit_scale != 1.0:
@@ -242,6 +242,20 @@ class DSparkDraft(DraftModel):
         bias, state = self.markov_step(i, h, prev, state)
         return base + bias, state
 
+    def _draft_greedy_remembered(self, base_logits: Tensor, anchor_ids: Tensor) -> Tensor:
+        """`draft_greedy`'s loop for a vanilla head on the CPU: each bias row remembered by its previous token
+        (`BiasRows`, the row `markov_step` gives), the previous tokens kept as host ints, so a position costs
+        an add and a max over the vocabulary."""
+        base = base_logits.float()
+        prev = anchor_ids.tolist()
+        columns = []
+        for k in range(base.shape[1]):
+            bias = self.bias_rows.take(self.markov_head, prev, self.config.logit_scale)
+            column = self.draft_to_target((base[:, k] + bias).max(dim=-1).indices)  # argmax's ids, faster
+            columns.append(column)
+            prev = column.tolist()
+        return torch.stack(columns, dim=1)
+
     def draft_greedy(self, base_logits: Tensor, h: Tensor, anchor_ids: Tensor,
                      top_k: int = 0) -> tuple[Tensor, Tensor | None]:
         """Sequential argmax drafting: logits_k = U_k + B_k(prev), token = argmax, prev = token.
@@ -261,6 +275,10 @@ class DSparkDraft(DraftModel):
             d2t = self.d2t if self.use_own_head else None
             toks = markov_greedy(base_logits.float(), head.markov_w1.weight, head.markov_w2.weight, prev, d2t,
                                  self.config.logit_scale)
+            return toks, self.block_confidence(h, anchor_ids, toks)
+        if (head is not None and head.head_type == "vanilla" and not use_topk and base_logits.device.type == "cpu"
+                and not torch.is_grad_enabled()):
+            toks = self._draft_greedy_remembered(base_logits, anchor_ids)
             return toks, self.block_confidence(h, anchor_ids, toks)
         for k in range(k_total):
             h_k = h[:, k]
