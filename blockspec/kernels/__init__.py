@@ -56,10 +56,10 @@ def dependent_launch(t: torch.Tensor) -> dict[str, bool]:
 def check_head_scales(k_scale: float | torch.Tensor, v_scale: float | torch.Tensor, kv_heads: int, kernel: str) -> bool:
     """Whether a kernel's FP8 cache scales are per KV head ([kv_heads] fp32 tensors, both) rather than one
     float each; a mix or a tensor of another shape or dtype is refused."""
-    tensors = [isinstance(s, torch.Tensor) for s in (k_scale, v_scale)]
-    if not any(tensors):
+    k_head, v_head = isinstance(k_scale, torch.Tensor), isinstance(v_scale, torch.Tensor)
+    if not (k_head or v_head):  # the per-tensor launch: two type checks
         return False
-    if not all(tensors):
+    if not (k_head and v_head):
         raise ValueError(f"{kernel}: K and V cache scales must both be floats or both per-head tensors")
     for s in (k_scale, v_scale):
         if s.shape != (kv_heads,) or s.dtype != torch.float32 or not s.is_contiguous():
