@@ -40,6 +40,22 @@ QUANTIZED = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(exp
 # transformers 5's own MoE layout: a layer's experts stacked, gate_up [E, 2I, H] (gate rows first) and down [E, H, I]
 STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
+BLOCK = 128  # rows and columns a weight scale covers, as the published FP8 checkpoints have it
+
+
+@dataclass
+class Fp8Export:
+    """What `write_fp8_checkpoint` wrote: the tensors it quantized and the weight bytes before and after."""
+
+    out: Path
+    quantized: int
+    bytes_before: int
+    bytes_after: int
+    kv_scales: KVScales | None = None
+
+
+CALIBRATION_TOKENS = 16384  # token ids a KV cache calibration prefills, in all
+CALIBRATION_LENGTH = 2048  # the longest prefill of it: contexts of the lengths a cache holds
 
 
 def per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -59,22 +75,6 @@ def per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 gate, up = expert.chunk(2, dim=0)
                 out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate, up
     return out
-BLOCK = 128  # rows and columns a weight scale covers, as the published FP8 checkpoints have it
-
-
-@dataclass
-class Fp8Export:
-    """What `write_fp8_checkpoint` wrote: the tensors it quantized and the weight bytes before and after."""
-
-    out: Path
-    quantized: int
-    bytes_before: int
-    bytes_after: int
-    kv_scales: KVScales | None = None
-
-
-CALIBRATION_TOKENS = 16384  # token ids a KV cache calibration prefills, in all
-CALIBRATION_LENGTH = 2048  # the longest prefill of it: contexts of the lengths a cache holds
 
 
 def calibration_sequences(tokenizer: Any, texts: list[str], tokens: int = CALIBRATION_TOKENS,
