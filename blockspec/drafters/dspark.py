@@ -270,14 +270,14 @@ class DSparkDraft(DraftModel):
         tokens = []
         use_topk = self.markov_head is not None and 0 < top_k < v
         head = self.markov_head
-        kernel = head is not None and head.head_type == "vanilla" and not use_topk and r <= MARKOV_KERNEL_ROWS
-        if kernel and use_kernels(base_logits, head.markov_w1.weight, head.markov_w2.weight):  # a launch a position
+        vanilla = head is not None and head.head_type == "vanilla" and not use_topk
+        if vanilla and r <= MARKOV_KERNEL_ROWS and use_kernels(base_logits, head.markov_w1.weight,
+                                                                head.markov_w2.weight):  # a launch a position
             d2t = self.d2t if self.use_own_head else None
             toks = markov_greedy(base_logits.float(), head.markov_w1.weight, head.markov_w2.weight, prev, d2t,
                                  self.config.logit_scale)
             return toks, self.block_confidence(h, anchor_ids, toks)
-        if (head is not None and head.head_type == "vanilla" and not use_topk and base_logits.device.type == "cpu"
-                and not torch.is_grad_enabled()):
+        if vanilla and base_logits.device.type == "cpu" and not torch.is_grad_enabled():
             toks = self._draft_greedy_remembered(base_logits, anchor_ids)
             return toks, self.block_confidence(h, anchor_ids, toks)
         for k in range(k_total):

@@ -49,7 +49,6 @@ class Fp8Linear(nn.Module):
     """y = x @ W^T + b with W = weight (e4m3) x weight_scale (fp32, over `block` (rows, columns)
     blocks). Both stay as they are under a dtype cast of the model; only the bias follows it."""
 
-
     def __init__(self, weight: Tensor, weight_scale: Tensor, block: tuple[int, int], bias: Tensor | None = None
                  ) -> None:
         super().__init__()
@@ -380,7 +379,7 @@ def take_kv_scales(state: dict[str, Tensor], num_layers: int, num_kv_heads: int,
         if kind is None:  # a query or softmax scale
             continue
         heads = value.numel() > 1
-        if heads and (value.dim() == 0 or value.shape[0] != num_kv_heads or value.numel() != num_kv_heads):
+        if heads and (value.shape[0] != num_kv_heads or value.numel() != num_kv_heads):
             raise ModelLoadError(f"{source}: {name} holds {value.numel()} values {tuple(value.shape)}; a KV cache "
                                  f"scale is one value or one per KV head ({num_kv_heads})")
         values = [float(x) for x in value.float().reshape(-1)]
