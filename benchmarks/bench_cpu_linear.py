@@ -2,9 +2,10 @@
 packed weight, alone and in the engine.
 
 1. Alone (`--shapes`, `--rows`): us per product, the weight hot in cache, medians of a tight loop.
-2. In the engine (`--engine`): the embedded pair (DSpark, policy on) decoding the demo's held-out prompts at
-   batch 1 (and `--batch` requests at once), plain and speculative, every float32 linear of the target and the
-   drafter on `F.linear` or on oneDNN's packed product, the two alternated round by round in one process.
+2. In the engine: the embedded pair (DSpark, policy on) decoding the demo's held-out prompts at batch 1 (and
+   `--batches` requests at once), plain and speculative, in three arms alternated round by round in one process:
+   as shipped (the target's LM head packed from two rows up, `cpu_linear.verify_head_product`), the target's
+   head on `F.linear` too, and every float32 linear of the target and the drafter on oneDNN's packed product.
    Outputs must agree between the arms; each arm's median seconds and the speculative/plain ratio are printed.
 
     python benchmarks/bench_cpu_linear.py --out cpu_linear.json
@@ -64,6 +65,15 @@ class _OneDNNPacked(nn.Linear):
 
 
 @contextlib.contextmanager
+def _head_on_f_linear(model: nn.Module) -> Iterator[None]:
+    product, model.head_product = model.head_product, None
+    try:
+        yield
+    finally:
+        model.head_product = product
+
+
+@contextlib.contextmanager
 def _on_onednn(modules: list[nn.Linear]) -> Iterator[None]:
     for m in modules:
         m.__class__ = _OneDNNPacked
@@ -74,7 +84,15 @@ def _on_onednn(modules: list[nn.Linear]) -> Iterator[None]:
             m.__class__ = nn.Linear
 
 
+def _quartiles(values: list[float]) -> list[float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return [round(v, 4) for v in q]
+
+
 def in_engine(rounds: int, batch: int, max_tokens: int) -> dict:
+    """Each unit (one prompt at batch 1, all of them at once above) runs plain and speculative in every arm back to
+    back, the order reversed unit by unit, so a drift of the machine's speed falls on all; an arm's cost is its
+    time over the first arm's on the same unit (median and quartiles over units)."""
     from blockspec.demo import continued_prompts, default_pair, heldout_prompts
     from blockspec.llm import LLM
     from blockspec.sampling_params import SamplingParams
@@ -86,30 +104,37 @@ def in_engine(rounds: int, batch: int, max_tokens: int) -> dict:
     prompts = continued_prompts(llm, heldout_prompts(16), 8)
     linears = [m for part in (llm.engine.model, llm.engine.proposer.drafter) for m in part.modules()
                if type(m) is nn.Linear and m.weight.dtype == torch.float32]
-    arms = {"F.linear": contextlib.nullcontext, "oneDNN packed": lambda: _on_onednn(linears)}
-    seconds: dict[str, list[float]] = {}
+    arms = {"shipped": contextlib.nullcontext, "head on F.linear": lambda: _head_on_f_linear(llm.engine.model),
+            "every linear packed": lambda: _on_onednn(linears)}
+    units = [[p] for p in prompts] if batch == 1 else [prompts]
+    runs = [(arm, mode) for arm in arms for mode in ("plain", "spec")]
+    seconds: dict[str, list[float]] = {f"{arm}, {mode}": [] for arm, mode in runs}
     outputs: dict[str, set] = {}
-    for _ in range(rounds):
-        for arm, context in arms.items():
-            with context():
-                for mode in ("plain", "spec"):
-                    params = SamplingParams(temperature=0, max_tokens=max_tokens, use_speculation=mode == "spec")
-                    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    for r in range(rounds):
+        for u, unit in enumerate(units):
+            for arm, mode in runs if (r + u) % 2 == 0 else runs[::-1]:
+                params = SamplingParams(temperature=0, max_tokens=max_tokens, use_speculation=mode == "spec")
+                with arms[arm]():
                     start = time.perf_counter()
-                    if batch == 1:
-                        done = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
-                    else:
-                        done = llm.generate(prompts, params, use_tqdm=False)
-                    seconds.setdefault(f"{arm}, {mode}", []).append(time.perf_counter() - start)
-                    outputs.setdefault(mode, set()).add(tuple(tuple(o.outputs[0].token_ids) for o in done))
-    medians = {k: statistics.median(v) for k, v in seconds.items()}
-    result = {"batch": batch, "rounds": rounds, "seconds": seconds, "median_s": medians,
-              "spec_over_plain": {arm: medians[f"{arm}, plain"] / medians[f"{arm}, spec"] for arm in arms},
-              "outputs_agree": all(len(v) == 1 for v in outputs.values())}
-    for key, value in medians.items():
-        print(f"batch {batch}, {key}: {value:.3f} s (rounds {[round(s, 3) for s in seconds[key]]})", flush=True)
-    print(f"batch {batch}: speculative over plain {result['spec_over_plain']}; outputs agree: "
-          f"{result['outputs_agree']}", flush=True)
+                    done = llm.generate(unit, params, use_tqdm=False)
+                    seconds[f"{arm}, {mode}"].append(time.perf_counter() - start)
+                outputs.setdefault(mode, set()).add((u, tuple(tuple(o.outputs[0].token_ids) for o in done)))
+    first = next(iter(arms))
+    result = {"batch": batch, "rounds": rounds, "units": len(units), "seconds": seconds,
+              "total_s": {k: sum(v) for k, v in seconds.items()},
+              "over_shipped": {k: _quartiles([t / t0 for t, t0 in zip(v, seconds[f"{first}, {k.split(', ')[1]}"])])
+                               for k, v in seconds.items()},
+              "spec_over_plain": {arm: _quartiles([p / s for p, s in zip(seconds[f"{arm}, plain"],
+                                                                          seconds[f"{arm}, spec"])])
+                                  for arm in arms},
+              "outputs_agree": all(len(v) == len(units) for v in outputs.values())}
+    for key, q in result["over_shipped"].items():
+        print(f"batch {batch}, {key}: {result['total_s'][key]:.3f} s in all; over {first}'s time on the same unit "
+              f"{q[1]:.3f} (quartiles {q[0]:.3f}-{q[2]:.3f})", flush=True)
+    for arm, q in result["spec_over_plain"].items():
+        print(f"batch {batch}, {arm}: speculative over plain {q[1]:.3f} (quartiles {q[0]:.3f}-{q[2]:.3f})", flush=True)
+    print(f"batch {batch}: outputs agree: {result['outputs_agree']}", flush=True)
     return result
 
 
@@ -119,7 +144,7 @@ def main() -> None:
                     help="out x in of the weights timed alone")
     ap.add_argument("--rows", default="1,2,4,9,16")
     ap.add_argument("--repeats", type=int, default=400)
-    ap.add_argument("--rounds", type=int, default=3, help="alternated rounds of the engine arms")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over the prompts in the engine runs")
     ap.add_argument("--batches", default="1,4", help="requests at once in the engine runs")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path)

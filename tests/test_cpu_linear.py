@@ -1,5 +1,6 @@
-"""A drafter's LM head on the CPU: bfloat16 products where the CPU multiplies bfloat16 in hardware, through
-oneDNN only where oneDNN agrees with `F.linear`; the engine's output stays plain decoding's."""
+"""The LM heads on the CPU: a drafter's in bfloat16 where the CPU multiplies bfloat16 in hardware, the target's
+from a packed float32 copy over more than one row, both through oneDNN only where oneDNN agrees with `F.linear`;
+the engine's output stays plain decoding's."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ from torch.nn import functional as F
 
 from blockspec import LLM, SamplingParams
 from blockspec.models import cpu_linear
-from blockspec.models.cpu_linear import BF16Product, bf16_products, draft_head_product, onednn_available
+from blockspec.models.cpu_linear import (PackedProduct, bf16_products, draft_head_product, onednn_available,
+                                         verify_head_product)
 
 from factories import save_drafter_target
 
 
 def test_a_oneDNN_that_disagrees_with_the_reference_is_not_used(monkeypatch):
-    """The negative control: a oneDNN product that is off by a little fails the self-check, and no drafter
-    head takes it."""
+    """The negative control: a oneDNN product that is off by a little fails the self-check, and no head takes
+    it."""
     monkeypatch.setattr(cpu_linear, "_onednn_linear", lambda x, w, b: F.linear(x, w, b) * 1.001)
     monkeypatch.setattr(cpu_linear, "_pack", lambda w: w)
     onednn_available.cache_clear()
@@ -28,11 +30,13 @@ def test_a_oneDNN_that_disagrees_with_the_reference_is_not_used(monkeypatch):
     try:
         assert not onednn_available() and not bf16_products()
         assert draft_head_product(nn.Linear(4, 8, bias=False)) is None
+        assert verify_head_product(nn.Linear(4, 8, bias=False)) is None
     finally:
         onednn_available.cache_clear()
         bf16_products.cache_clear()
 
 
+needs_onednn = pytest.mark.skipif(not cpu_linear.onednn_available(), reason="oneDNN is not built in or disagrees")
 needs_bf16 = pytest.mark.skipif(not cpu_linear.bf16_products(), reason="this CPU has no bfloat16 products")
 DRAFTERS = Path(__file__).parent / "fixtures" / "drafters"
 
@@ -41,7 +45,7 @@ DRAFTERS = Path(__file__).parent / "fixtures" / "drafters"
 def test_a_bfloat16_product_is_the_product_of_the_rounded_operands_and_follows_its_weight():
     gen = torch.Generator().manual_seed(5)
     w, x = torch.randn(300, 64, generator=gen), torch.randn(2, 5, 64, generator=gen)
-    product = BF16Product(w)
+    product = PackedProduct(w, torch.bfloat16)
     for _ in range(2):  # the second time after an in-place change of the weight
         y = product(x)
         ref = F.linear(x.bfloat16().double(), w.bfloat16().double())
@@ -57,7 +61,7 @@ def test_a_drafter_head_is_bfloat16_only_where_the_cpu_multiplies_it(monkeypatch
     monkeypatch.setattr(cpu_linear, "bf16_products", lambda: False)
     assert draft_head_product(head) is None
     monkeypatch.setattr(cpu_linear, "bf16_products", lambda: True)
-    assert isinstance(draft_head_product(head), BF16Product)
+    assert isinstance(draft_head_product(head), PackedProduct)
     assert draft_head_product(nn.Linear(4, 8)) is None  # a bias: the head's own product
     shard = type("VocabParallelLMHead", (nn.Module,), {})()  # a rank's shard gathers across ranks
     shard.weight, shard.bias = head.weight, None
@@ -76,7 +80,7 @@ def test_the_cpu_engine_drafts_through_the_bfloat16_head_and_decodes_as_plain(tm
     spec = {"method": method.split("_")[0], "model": str(DRAFTERS / method), "adaptive_draft_length": False}
     llm = LLM(str(target), device="cpu", seed=0, speculative_config=spec)
     drafter = llm.engine.proposer.drafter
-    assert isinstance(drafter.head_product, BF16Product) and not drafter.plain_target_head
+    assert isinstance(drafter.head_product, PackedProduct) and not drafter.plain_target_head
     calls = []
     bf16 = drafter.head_product
     drafter.head_product = lambda h: calls.append(h.shape) or bf16(h)
@@ -85,4 +89,53 @@ def test_the_cpu_engine_drafts_through_the_bfloat16_head_and_decodes_as_plain(tm
     fast = llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs[0].token_ids
     plain = llm.generate(prompt, SamplingParams(**params, use_speculation=False), use_tqdm=False)[0].outputs[0].token_ids
     assert calls and fast == plain
+    assert llm.get_stats()["num_drafts"] > 0
+
+
+@needs_onednn
+def test_the_packed_float32_head_is_the_float32_product_above_one_row_and_follows_its_weight():
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(3000, 96, generator=gen)
+    product = verify_head_product(nn.Linear(96, 3000, bias=False).requires_grad_(False))
+    product.weight = w
+    one, rows = torch.randn(1, 1, 96, generator=gen), torch.randn(2, 9, 96, generator=gen)
+    for _ in range(2):  # the second time after an in-place change of the weight
+        assert torch.equal(product(one), F.linear(one, w))  # one row: the head's own product, bit for bit
+        y = product(rows)
+        assert y.dtype == torch.float32 and y.shape == (2, 9, 3000)
+        close = lambda weight: ((y.double() - F.linear(rows.double(), weight.double())).abs()  # noqa: E731
+                                <= F.linear(rows, weight).abs() * 1e-5 + 1e-4).all()
+        assert close(w) and not close(w * 1.0002)  # the tolerance tells the weight from one 2e-4 off
+        w.mul_(3.0)
+    assert torch.equal(pickle.loads(pickle.dumps(product))(rows), product(rows))
+
+
+def test_the_target_head_is_packed_only_where_it_is_one_float32_linear(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "onednn_available", lambda: True)
+    head = nn.Linear(4, 8, bias=False)
+    assert isinstance(verify_head_product(head), PackedProduct) and verify_head_product(head).min_rows == 2
+    assert verify_head_product(nn.Linear(4, 8)) is None  # a bias
+    assert verify_head_product(nn.Linear(4, 8, bias=False).bfloat16()) is None  # not float32
+    shard = type("VocabParallelLMHead", (nn.Module,), {})()
+    shard.weight, shard.bias = head.weight, None
+    assert verify_head_product(shard) is None
+    monkeypatch.setattr(cpu_linear, "PACK_MAX_BYTES", head.weight.numel() * 4 - 1)  # no room for the copy
+    assert verify_head_product(head) is None
+
+
+@needs_onednn
+@pytest.mark.parametrize("method", ["dflash", "dspark_vanilla"])
+def test_the_cpu_engine_verifies_through_the_packed_head_and_decodes_as_plain(tmp_path, method):
+    target = save_drafter_target(tmp_path / "target")
+    spec = {"method": method.split("_")[0], "model": str(DRAFTERS / method), "adaptive_draft_length": False}
+    llm = LLM(str(target), device="cpu", seed=0, speculative_config=spec)
+    model = llm.engine.model
+    assert isinstance(model.head_product, PackedProduct)
+    rows, packed = [], model.head_product
+    model.head_product = lambda h: rows.append(h.numel() // h.shape[-1]) or packed(h)
+    prompt = {"prompt_token_ids": [3, 4, 5, 6]}
+    params = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    fast = llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs[0].token_ids
+    plain = llm.generate(prompt, SamplingParams(**params, use_speculation=False), use_tqdm=False)[0].outputs[0].token_ids
+    assert max(rows) > 1 and 1 in rows and fast == plain
     assert llm.get_stats()["num_drafts"] > 0

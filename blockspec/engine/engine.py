@@ -31,7 +31,7 @@ from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.timer import StepTimer
 from blockspec.errors import RequestError
 from blockspec.kernels.attention import resolve_backend
-from blockspec.models.cpu_linear import draft_head_product
+from blockspec.models.cpu_linear import draft_head_product, verify_head_product
 from blockspec.models.kv_cache import PageTable, kv_storage_dtype
 from blockspec.models.llama import CausalLM
 from blockspec.models.quant import is_quantized, quantize_model
@@ -72,6 +72,8 @@ class Engine:
         model.attention_backend = self.attention_backend
         drafter = drafter if spec_config is not None else None
         model.kv_cache_dtype = kv_storage_dtype(config.kv_cache_dtype, model.embed_tokens.weight.dtype)
+        if self.device.type == "cpu":
+            model.head_product = verify_head_product(model.lm_head)
         if drafter is not None:
             drafter.attention_backend = self.attention_backend
             drafter.kv_cache_dtype = model.kv_cache_dtype

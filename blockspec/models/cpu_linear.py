@@ -1,14 +1,18 @@
-"""A drafter's LM head in bfloat16 on the CPU (`BF16Product`), through oneDNN.
+"""The LM heads' products on the CPU, through oneDNN from packed copies of the head's weight (`PackedProduct`).
 
 Float32 linears stay on `F.linear` (MKL): in the engine it is as fast as oneDNN's product from a packed weight
-or faster at every row count measured, one-row decode through 36-row verify steps (`benchmarks/
-bench_cpu_linear.py`: the embedded pair's plain decode 1.30x faster on `F.linear`, its speculative decode
-1.10x; a 1024-wide model's plain decode 1.19x), since a oneDNN call costs about 14 us more and the weights
-stream from memory, where oneDNN's packed layout gains nothing; and it holds no second copy of the weights.
+or faster for the decoder's products at every row count measured (`benchmarks/bench_cpu_linear.py`: with every
+float32 linear packed the embedded pair's plain decode is 1.30x slower, its speculative decode 1.10x), since a
+oneDNN call costs about 14 us more, which a small product does not win back; and it holds no second copy.
 
-The drafter's LM head is the exception: on a CPU that multiplies bfloat16 in hardware it reads a bfloat16 copy,
-half the bytes of the largest weight a draft streams. Drafts need no more precision than the bfloat16 their
-drafters are trained and published in; the verification that decides the output stays in float32.
+The LM heads are the exceptions, the largest weights a step streams:
+- a drafter's head, on a CPU that multiplies bfloat16 in hardware, reads a bfloat16 copy, half the bytes. Drafts
+  need no more precision than the bfloat16 their drafters are trained and published in;
+- the target's head, over more than one row (a verify step's, a prefill's), reads a packed float32 copy: MKL's
+  product of a few rows with the transposed [vocab, hidden] weight takes 2-3x its one-row time, oneDNN's from
+  the packed copy about its one-row time (the embedded pair's speculative decode about 4 % faster, its plain
+  decode unchanged). One row stays on `F.linear`'s vector product, which is faster there. The output is still
+  decided in float32.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-PACK_ROWS = 16  # the row count oneDNN lays a packed weight out for: a draft block's rows
-PACK_MAX_BYTES = 2 << 30  # the largest bfloat16 head copy made (its memory)
+PACK_ROWS = 16  # the row count oneDNN lays a packed weight out for: a draft or verify block's rows
+PACK_MAX_BYTES = 2 << 30  # the largest packed head copy made (its memory)
 DRAFT_HEAD_BF16 = True  # a drafter's LM head in bfloat16 where the CPU has bf16 products (benchmarks turn it off)
 
 
@@ -33,16 +37,20 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
 
 
-class BF16Product:
-    """x -> x @ weight^T, both rounded to bfloat16, accumulated in float32 and returned in bfloat16 by oneDNN,
-    from a packed bfloat16 copy of `weight` (made on first use, and again when the weight changes in place)."""
+class PackedProduct:
+    """x -> x @ weight^T, both in `dtype` (bfloat16: rounded, accumulated in float32, returned in bfloat16), by
+    oneDNN from a packed copy of `weight` in `dtype` (made on first use, and again when the weight changes in
+    place); inputs of fewer than `min_rows` rows take `F.linear` over `weight` itself."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, min_rows: int = 1) -> None:
+        self.weight, self.dtype, self.min_rows = weight, dtype, min_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        packed = _packed_copy(self.__dict__, self.weight, torch.bfloat16)
-        return _onednn_linear(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), packed, None).view(*x.shape[:-1], -1)
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] < self.min_rows:
+            return F.linear(x, self.weight)
+        packed = _packed_copy(self.__dict__, self.weight, self.dtype)
+        return _onednn_linear(rows.to(self.dtype), packed, None).view(*x.shape[:-1], -1)
 
     def __getstate__(self) -> dict:  # the packed copy (opaque: neither copied nor pickled) is made again
         return {k: v for k, v in self.__dict__.items() if k not in ("_packed", "_packed_key")}
@@ -57,14 +65,26 @@ def _packed_copy(state: dict, weight: torch.Tensor, dtype: torch.dtype) -> torch
     return state["_packed"]
 
 
-def draft_head_product(head: nn.Module) -> BF16Product | None:
-    """The product a drafter's LM head (its own or the target's) takes on the CPU: `BF16Product` over its
-    weight where the head is one linear (not a rank's shard), this CPU multiplies bfloat16 in hardware
-    (AVX512-BF16 or AMX) and the copy fits `PACK_MAX_BYTES`; None, the head's own product, elsewhere."""
-    if not (DRAFT_HEAD_BF16 and type(head) is nn.Linear and head.bias is None
-            and head.weight.device.type == "cpu" and bf16_products()):
-        return None
-    return BF16Product(head.weight) if head.weight.numel() * 2 <= PACK_MAX_BYTES else None
+def _packable(head: nn.Module, dtype: torch.dtype) -> bool:
+    """One linear without a bias (not a rank's shard, which gathers across ranks) on the CPU, whose copy in
+    `dtype` fits `PACK_MAX_BYTES`, where oneDNN agrees with `F.linear`."""
+    return (type(head) is nn.Linear and head.bias is None and head.weight.device.type == "cpu"
+            and head.weight.numel() * dtype.itemsize <= PACK_MAX_BYTES and onednn_available())
+
+
+def draft_head_product(head: nn.Module) -> PackedProduct | None:
+    """The product a drafter's LM head (its own or the target's) takes on the CPU: a bfloat16 `PackedProduct`
+    where the head is packable and this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX); None, the
+    head's own product, elsewhere."""
+    ok = DRAFT_HEAD_BF16 and _packable(head, torch.bfloat16) and bf16_products()
+    return PackedProduct(head.weight, torch.bfloat16) if ok else None
+
+
+def verify_head_product(head: nn.Module) -> PackedProduct | None:
+    """The product the target's LM head takes on the CPU: a float32 `PackedProduct` from two rows up (verify
+    and prefill rows) where the head is a packable float32 linear; None, the head's own product, elsewhere."""
+    ok = head.weight.dtype == torch.float32 and _packable(head, torch.float32)
+    return PackedProduct(head.weight, torch.float32, min_rows=2) if ok else None
 
 
 @functools.cache

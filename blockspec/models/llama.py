@@ -8,7 +8,7 @@ positions into its cache slot. The same pass can return the outputs of chosen de
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -129,6 +129,9 @@ class CausalLM(nn.Module):
         self.attention_backend = "sdpa"  # the engine sets "triton" on GPUs (see triton_attention)
         self.kv_cache_dtype: torch.dtype | None = None  # the engine sets float8_e4m3fn for an FP8 cache
         self.kv_scales: KVScales | None = None  # an FP8 cache's per-layer scales, from the checkpoint (else 1.0)
+        # the LM head's product where it is not the head module's own (the engine sets a packed one on the CPU:
+        # `models.cpu_linear.verify_head_product`)
+        self.head_product: Callable[[Tensor], Tensor] | None = None
 
     def new_cache(self, table: PageTable | int, max_len: int, device: torch.device | str | None = None) -> KVCache:
         """This model's K/V pools over `table`'s pages, `max_len` positions a slot (see `KVCache`)."""
@@ -180,7 +183,7 @@ class CausalLM(nn.Module):
     def head_logits(self, hidden: Tensor) -> Tensor:
         """Logits in the head's own dtype: what an argmax needs, since the fp32 copy that `compute_logits`
         makes keeps every value, so every maximum and its lowest id (a [rows, vocab] pass saved)."""
-        return self.lm_head(hidden)
+        return (self.head_product or self.lm_head)(hidden)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Logits in fp32 for the given final hidden rows."""
