@@ -73,25 +73,6 @@ def test_a_drafter_head_is_bfloat16_only_where_the_cpu_multiplies_it(monkeypatch
     assert draft_head_product(head) is None
 
 
-@needs_bf16
-@pytest.mark.parametrize("method", ["dflash", "dspark_vanilla"])
-def test_the_cpu_engine_drafts_through_the_bfloat16_head_and_decodes_as_plain(tmp_path, method):
-    target = save_drafter_target(tmp_path / "target")
-    spec = {"method": method.split("_")[0], "model": str(DRAFTERS / method), "adaptive_draft_length": False}
-    llm = LLM(str(target), device="cpu", seed=0, speculative_config=spec)
-    drafter = llm.engine.proposer.drafter
-    assert isinstance(drafter.head_product, PackedProduct) and not drafter.plain_target_head
-    calls = []
-    bf16 = drafter.head_product
-    drafter.head_product = lambda h: calls.append(h.shape) or bf16(h)
-    prompt = {"prompt_token_ids": [3, 4, 5, 6]}
-    params = dict(temperature=0, max_tokens=24, ignore_eos=True)
-    fast = llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs[0].token_ids
-    plain = llm.generate(prompt, SamplingParams(**params, use_speculation=False), use_tqdm=False)[0].outputs[0].token_ids
-    assert calls and fast == plain
-    assert llm.get_stats()["num_drafts"] > 0
-
-
 @needs_onednn
 def test_the_packed_float32_head_is_the_float32_product_above_one_row_and_follows_its_weight():
     gen = torch.Generator().manual_seed(6)
@@ -123,19 +104,30 @@ def test_the_target_head_is_packed_only_where_it_is_one_float32_linear(monkeypat
     assert verify_head_product(head) is None
 
 
+def _recording(product, rows: list[int]):
+    return lambda h: rows.append(h.numel() // h.shape[-1]) or product(h)
+
+
 @needs_onednn
 @pytest.mark.parametrize("method", ["dflash", "dspark_vanilla"])
-def test_the_cpu_engine_verifies_through_the_packed_head_and_decodes_as_plain(tmp_path, method):
+def test_the_cpu_engine_drafts_and_verifies_through_the_packed_heads_and_decodes_as_plain(tmp_path, method):
+    """The target's head packed in float32 (verify rows through it, one row on `F.linear`), the drafter's in
+    bfloat16 where the CPU multiplies it; greedy output is plain decoding's."""
     target = save_drafter_target(tmp_path / "target")
     spec = {"method": method.split("_")[0], "model": str(DRAFTERS / method), "adaptive_draft_length": False}
     llm = LLM(str(target), device="cpu", seed=0, speculative_config=spec)
-    model = llm.engine.model
+    drafter, model = llm.engine.proposer.drafter, llm.engine.model
     assert isinstance(model.head_product, PackedProduct)
-    rows, packed = [], model.head_product
-    model.head_product = lambda h: rows.append(h.numel() // h.shape[-1]) or packed(h)
+    assert isinstance(drafter.head_product, PackedProduct) == bf16_products()
+    assert drafter.plain_target_head == (drafter.head_product is None)
+    drafted, verified = [], []
+    model.head_product = _recording(model.head_product, verified)
+    if drafter.head_product is not None:
+        drafter.head_product = _recording(drafter.head_product, drafted)
     prompt = {"prompt_token_ids": [3, 4, 5, 6]}
     params = dict(temperature=0, max_tokens=24, ignore_eos=True)
     fast = llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs[0].token_ids
     plain = llm.generate(prompt, SamplingParams(**params, use_speculation=False), use_tqdm=False)[0].outputs[0].token_ids
-    assert max(rows) > 1 and 1 in rows and fast == plain
+    assert max(verified) > 1 and 1 in verified and fast == plain
+    assert bool(drafted) == bf16_products()
     assert llm.get_stats()["num_drafts"] > 0
