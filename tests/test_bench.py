@@ -25,6 +25,7 @@ from blockspec.bench.points import point_name
 from blockspec.cli import main
 from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import Engine
+from blockspec.models import cpu_linear
 from blockspec.sampling_params import SamplingParams
 from blockspec.models.runner import ModelRunner
 from blockspec.speculative.context import DraftContext
@@ -70,6 +71,10 @@ def test_every_method_batch_and_temperature_reports(result):
                     assert r["vs_plain"]["output_tok_s_ratio"] > 0
                     # exact speculation: same tokens as plain (T > 0 too: sample-and-match, same seeds)
                     assert r["prefix_match_plain"] == 1.0
+    # the LM heads' packed copies on the CPU: the target's (float32) in every run, a drafter's (bfloat16) beside it
+    copies = {m: runs[(m, 1, 0.0)]["memory_gb"].get("head_copies", 0.0) for m in ("plain", "dflash", "dspark")}
+    assert (copies["plain"] > 0) == cpu_linear.onednn_available()
+    assert all((copies[m] > copies["plain"]) == cpu_linear.bf16_products() for m in ("dflash", "dspark"))
     assert not result["synthetic"] and result["synthetic_acceptance"] is None
     assert result["device_type"] == "cpu" and result["torch"] == torch.__version__ and result["command"]
     assert set(result["checks"]["vs_plain"]) == {"dflash", "dspark"}

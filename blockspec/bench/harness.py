@@ -82,6 +82,7 @@ from blockspec.assets import embedded
 from blockspec.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig, output_dir
 from blockspec.engine.engine import Engine
 from blockspec.engine.memory import cache_extent
+from blockspec.models.cpu_linear import PackedProduct
 from blockspec.models.kv_cache import PageTable, SharedKVStore, kv_storage_dtype
 from blockspec.models.llama import CausalLM
 from blockspec.sampling_params import SamplingParams
@@ -696,8 +697,8 @@ def prefix_match(a: list[list[int]], b: list[list[int]]) -> float:
 
 def _memory(engine: Engine, drafter: Any) -> dict[str, float]:
     """GB a run holds, counted from its objects: the target's weights and KV cache, the drafter's and
-    the target taps it holds for its next draft, and on a GPU what each kind of graph added to the graphs'
-    shared memory pool (`Engine.graph_bytes`: "graphs_target", "graphs_draft", "graphs_step"; the
+    the target taps it holds for its next draft, on the CPU the LM heads' packed copies (`cpu_linear.PackedProduct`),
+    and on a GPU what each kind of graph added to the graphs' shared memory pool (`Engine.graph_bytes`: "graphs_target", "graphs_draft", "graphs_step"; the
     intermediates and outputs the captures made, not the static input buffers, which sit in the
     allocator's common pool)."""
     out = {"target_weights": param_bytes(engine.model) / 1e9, "target_kv": engine.runner.cache.bytes / 1e9}
@@ -706,6 +707,10 @@ def _memory(engine: Engine, drafter: Any) -> dict[str, float]:
         out["draft_kv"] = engine.context.cache.bytes / 1e9
         pending = engine.context.pending
         out["draft_pending"] = pending.numel() * pending.element_size() / 1e9
+    products = [engine.model.head_product] + ([drafter.head_product] if engine.proposer is not None else [])
+    copies = sum(p.nbytes for p in products if isinstance(p, PackedProduct))
+    if copies:
+        out["head_copies"] = copies / 1e9
     out.update({f"graphs_{kind}": n / 1e9 for kind, n in engine.graph_bytes.items()})
     return out
 

@@ -45,6 +45,11 @@ class PackedProduct:
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype, min_rows: int = 1) -> None:
         self.weight, self.dtype, self.min_rows = weight, dtype, min_rows
 
+    @property
+    def nbytes(self) -> int:
+        """The packed copy's bytes (held from the first product on)."""
+        return self.weight.numel() * self.dtype.itemsize
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] < self.min_rows:
