@@ -697,10 +697,10 @@ def prefix_match(a: list[list[int]], b: list[list[int]]) -> float:
 
 def _memory(engine: Engine, drafter: Any) -> dict[str, float]:
     """GB a run holds, counted from its objects: the target's weights and KV cache, the drafter's and
-    the target taps it holds for its next draft, on the CPU the LM heads' packed copies (`cpu_linear.PackedProduct`),
-    and on a GPU what each kind of graph added to the graphs' shared memory pool (`Engine.graph_bytes`: "graphs_target", "graphs_draft", "graphs_step"; the
-    intermediates and outputs the captures made, not the static input buffers, which sit in the
-    allocator's common pool)."""
+    the target taps it holds for its next draft, on the CPU the LM heads' packed copies
+    (`cpu_linear.PackedProduct`), and on a GPU what each kind of graph added to the graphs' shared memory
+    pool (`Engine.graph_bytes`: "graphs_target", "graphs_draft", "graphs_step"; the intermediates and
+    outputs the captures made, not the static input buffers, which sit in the allocator's common pool)."""
     out = {"target_weights": param_bytes(engine.model) / 1e9, "target_kv": engine.runner.cache.bytes / 1e9}
     if engine.proposer is not None:
         out["drafter_weights"] = param_bytes(drafter) / 1e9

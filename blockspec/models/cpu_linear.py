@@ -10,7 +10,7 @@ The LM heads are the exceptions, the largest weights a step streams:
   need no more precision than the bfloat16 their drafters are trained and published in;
 - the target's head, over more than one row (a verify step's, a prefill's), reads a packed float32 copy: MKL's
   product of a few rows with the transposed [vocab, hidden] weight takes 2-3x its one-row time, oneDNN's from
-  the packed copy about its one-row time (the embedded pair's speculative decode about 4 % faster, its plain
+  the packed copy about its one-row time (the embedded pair's speculative decode about 5 % faster, its plain
   decode unchanged). One row stays on `F.linear`'s vector product, which is faster there. The output is still
   decided in float32.
 """
