@@ -264,6 +264,39 @@ def test_a_step_computes_only_the_rows_it_verifies(name, backend):
     assert (short - full[:, :rows]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("name", ["dspark_vanilla", "dflash_swa", "dflash_swa_noncausal"])
+def test_a_block_whose_rows_see_every_key_runs_unmasked_as_the_masked_forward(name):
+    """Where every request's context fills the keys gathered (one request always does), the reference
+    path drops the mask of each non-causal full-attention layer, and its rows equal the masked forward's.
+    A causal or sliding-window layer keeps its mask; a batch of unequal contexts keeps every mask."""
+    exp, _ = fixture(name)
+    model = load(name)
+    c = model.config
+    embed = StubTarget(exp["embed"], exp["lm_head"]).embed if "embed" in exp else None
+    feats, toks = exp["features"], exp["tokens"]
+    cache = model.new_cache(2, 64)
+    model.append_context(cache, [1, 0], [0, 0], [9, 6], torch.stack([feats[:9], torch.cat([feats[:6], feats[:3]])]))
+    ctx, slot, anchor = torch.tensor([9]), torch.tensor([1]), toks[9:10]
+    positions = ctx[:, None] + torch.arange(model.block_size)[None, :]
+    opened = [m is None for m in model._block_masks(ctx, positions, 9, every_key=True)]
+    assert opened == [not causal and lt != "sliding_attention" for lt, causal in zip(c.layer_types, c.causal)]
+    assert all(m is not None for m in model._block_masks(ctx, positions, 9))
+    unmasked = model.block_hidden_tensors(cache, slot, ctx, anchor, 9, embed, every_key=True)
+    masked = model.block_hidden_tensors(cache, slot, ctx, anchor, 9, embed)
+    assert (unmasked - masked).abs().max() <= ATOL
+    assert torch.equal(model.block_hidden(cache, [1], [9], anchor, embed), unmasked)
+    # two contexts of 9 and 6 keys: the shorter one's last 3 gathered keys are not its own, so no layer opens
+    both = torch.tensor([9, 6])
+    assert all(m is not None for m in model._block_masks(both, both[:, None] + torch.arange(model.block_size), 9,
+                                                         every_key=False))
+    # negative control: the shorter request run unmasked over 9 gathered keys sees the other's 3 and drafts otherwise
+    if all(opened):
+        wrong = model.block_hidden_tensors(cache, torch.tensor([1, 0]), both, toks[both], 9, embed, every_key=True)
+        right = model.block_hidden(cache, [1, 0], [9, 6], toks[both], embed)
+        assert (wrong[1] - right[1]).abs().max() > 1e-3
+        assert (wrong[0] - right[0]).abs().max() <= ATOL
+
+
 # ------------------------------------------------------------------------------ batching and cache
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["dflash_swa", "dspark_rnn"])

@@ -74,7 +74,7 @@ class DraftAttention(nn.Module):
         """[k | v] of the context rows: the k and v slices of the fused projection."""
         return linear_rows(self.qkv_proj, ctx, self.q_size)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor | None) -> Tensor:
         """Reference: keys are the gathered context K/V [R, kv_heads, C, hd] followed by the block's own."""
         r, n, _ = x.shape
         q, k, v = self._block_qkv(x, cos, sin)
@@ -127,7 +127,7 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor | None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -404,14 +404,24 @@ class DraftModel(nn.Module):
             out.append((lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()))
         return out
 
-    def _block_masks(self, ctx_t: Tensor, positions: Tensor, kv_len: int) -> list[Tensor]:
-        """Reference layout: per layer [R, 1, B, kv_len + B] bool masks over [gathered context ; block]."""
+    def _block_masks(self, ctx_t: Tensor, positions: Tensor, kv_len: int,
+                     every_key: bool = False) -> list[Tensor | None]:
+        """Reference layout: per layer [R, 1, B, kv_len + B] bool masks over [gathered context ; block], or
+        None where every row sees every key: `every_key` (each request's context fills the kv_len keys
+        gathered, as a single request's always does) on a non-causal layer of full attention, which SDPA
+        then runs unmasked (on the CPU the mask's construction and use cost more than that layer's
+        attention)."""
+        c = self.config
+        open_layers = [every_key and not causal and lt != "sliding_attention"
+                       for lt, causal in zip(c.layer_types, c.causal)]
+        if all(open_layers):
+            return [None] * len(open_layers)
         r, b = positions.shape
         key_pos = torch.cat([torch.arange(kv_len, device=positions.device).expand(r, kv_len), positions], dim=-1)
         ctx_valid = torch.cat([key_pos[:, :kv_len] < ctx_t[:, None], torch.ones_like(positions, dtype=torch.bool)],
                               dim=-1)
-        return [(range_mask(lo, hi, key_pos) & ctx_valid[:, None, :]).unsqueeze(1)
-                for lo, hi in self._block_bounds(ctx_t, positions)]
+        return [None if open_ else (range_mask(lo, hi, key_pos) & ctx_valid[:, None, :]).unsqueeze(1)
+                for open_, (lo, hi) in zip(open_layers, self._block_bounds(ctx_t, positions))]
 
     def block_hidden(self, cache: KVCache, slots: list[int], ctx_lens: list[int], anchor_ids: Tensor,
                      embed: Callable[[Tensor], Tensor] | None = None, rows: int | None = None) -> Tensor:
@@ -431,18 +441,20 @@ class DraftModel(nn.Module):
             raise ValueError(f"block_hidden: context length {kv_len} beyond the cache ({cache.max_len})")
         ctx_t = to_device(ctx_lens, torch.int64, dev)
         slot_t = to_device(slots, torch.int64, dev)
-        return self.block_hidden_tensors(cache, slot_t, ctx_t, anchor_ids, kv_len, embed, rows)
+        return self.block_hidden_tensors(cache, slot_t, ctx_t, anchor_ids, kv_len, embed, rows,
+                                         every_key=min(ctx_lens) == kv_len)
 
     def block_hidden_tensors(self, cache: KVCache, slots: Tensor, ctx_lens: Tensor, anchor_ids: Tensor,
                              kv_len: int, embed: Callable[[Tensor], Tensor] | None = None,
-                             rows: int | None = None) -> Tensor:
+                             rows: int | None = None, every_key: bool = False) -> Tensor:
         """Device-only body of `block_hidden` (CUDA-graph capturable); kv_len >= every ctx_lens[r].
 
         With `rows` (`block_rows`: the rows that hold the drafts a step verifies) the kernel path's
         last layer runs attention, o_proj and the MLP for those rows only: every row's K/V still
         enters every layer, so the rows kept are the numbers of the whole block's forward, while a
         step verifying 8 of DFlash's 15 drafts computes 7 fewer rows of that layer. The reference
-        path computes every row and returns the first `rows`."""
+        path computes every row and returns the first `rows`; with `every_key` (every ctx_lens[r] is kv_len,
+        known on the host) its layers of non-causal full attention run unmasked."""
         r, b, dev = anchor_ids.shape[0], self.block_size, anchor_ids.device
         ids = torch.full((r, b), self.mask_token_id, dtype=torch.int64, device=dev)
         ids[:, 0] = anchor_ids
@@ -457,7 +469,7 @@ class DraftModel(nn.Module):
                 x = layer.forward_cached(x, cos, sin, block, i)
             x = last.forward_cached(x, cos, sin, block, len(early), rows if rows and rows < b else None)
             return self.norm(x)
-        masks = self._block_masks(ctx_lens, positions, kv_len)
+        masks = self._block_masks(ctx_lens, positions, kv_len, every_key)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, *cache.gather(i, slots, kv_len), masks[i])
         return self.norm(x[:, :rows])

@@ -214,7 +214,7 @@ def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     """Masked GQA attention. q: [R, Hq, Q, hd]; k, v: [R, Hkv, L, hd]; mask: [R, 1, Q, L], bool (True =
-    attend) or additive float."""
+    attend) or additive float; None: every query sees every key."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
