@@ -30,6 +30,21 @@ def triton_interpretable() -> bool:
     return (major, minor) >= (3, 9)
 
 
+def acceptance_cases(seed: int, r: int, k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows whose ids mostly repeat the drafts (long accepted prefixes), with drafts cut short by -1,
+    ids outside the vocabulary, bad rows (-1) before and after the draft's end, and lengths 0..k."""
+    g = torch.Generator().manual_seed(seed)
+    drafts = torch.randint(0, vocab, (r, k), generator=g)
+    ids = torch.randint(0, vocab, (r, k + 1), generator=g)
+    same = torch.rand(r, k, generator=g) < 0.8
+    ids[:, :k] = torch.where(same, drafts, ids[:, :k])
+    lens = torch.randint(0, k + 1, (r,), generator=g)
+    drafts[torch.rand(r, k, generator=g) < 0.05] = -1
+    drafts[torch.rand(r, k, generator=g) < 0.05] = vocab + 3
+    ids[torch.rand(r, k + 1, generator=g) < 0.04] = -1
+    return ids, drafts, lens
+
+
 def hf_config(family: str, vocab: int = 96, hidden: int = 64, layers: int = 4, heads: int = 4, kv_heads: int = 2,
               head_dim: int | None = None, tie: bool = False, **extra):
     """A transformers config object for a tiny model of `family`."""

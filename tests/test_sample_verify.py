@@ -18,6 +18,7 @@ from blockspec.sample.processors import RowParams, expand_history, process_logit
 from blockspec.sample.sampler import greedy_ids, sample_draft, sample_processed
 from blockspec.sample.verify import (bad_rows, verify_block, verify_greedy, verify_sample_and_match,
                                      verify_standard)
+from factories import acceptance_cases
 
 V, K = 4, 3
 START = V  # context symbol before the first token
@@ -363,6 +364,28 @@ def test_greedy_requests_follow_argmax(rule: str) -> None:
     assert a.tolist() == [3, 1, 2, 0, 0]
     assert out.tolist() == [[1, 0, 2, 0], [1, 0, -1, -1], [1, 0, 2, -1], [1, -1, -1, -1], [1, -1, -1, -1]]
     # an id outside the vocabulary ends the draft (request 2), like the end of the block
+
+
+@pytest.mark.parametrize("k", [0, 1, 7, 15])  # 0: every draft pruned
+@pytest.mark.parametrize("vocab", [50, None])
+def test_the_cpus_host_loop_gives_the_torch_rules_counts_and_tokens(k: int, vocab: int | None,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Acceptance by match on the CPU reads the rows out and loops over ints: the same counts and tokens as
+    the torch rule on every case the rule distinguishes, and the path `verify_greedy` takes there."""
+    ids, drafts, lens = acceptance_cases(k, 64, k, 50)
+    want = verify_mod._verify_ids(ids, drafts, verify_mod._draft_lengths(drafts, lens, vocab))
+    a, out = want
+    assert (a == 0).any() and (a == lens).any() and (out[:, 0] == -1).any()
+    assert k <= 1 or ((a > 0) & (a < lens)).any()
+    monkeypatch.setattr(verify_mod, "_verify_ids", None)  # the torch rule is not what the CPU runs
+    got = verify_greedy(ids, drafts, lens) if vocab is None else verify_mod.accept_matching(ids, drafts, lens, vocab)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # negative control: one request's first row no longer matching its draft is seen
+    row = int(torch.nonzero(a >= 2)[0, 0]) if k > 1 else None
+    if row is not None:
+        ids[row, 0] = (drafts[row, 0] + 1) % 50
+        got = verify_mod._accept_on_host(ids, drafts, lens, vocab)
+        assert got[0][row] == 0 and got[1][row].tolist() == [int(ids[row, 0])] + [-1] * k
 
 
 @pytest.mark.parametrize("rule", ALL_RULES)

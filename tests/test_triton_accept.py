@@ -8,30 +8,19 @@ import torch
 
 from blockspec.kernels.accept import accept_matching
 from blockspec.sample.verify import _draft_lengths, _verify_ids
-from factories import TRITON_SKIP_REASON, compile_for_sm90, triton_interpretable
+from factories import TRITON_SKIP_REASON, acceptance_cases, compile_for_sm90, triton_interpretable
 
 pytestmark = pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 50
 
 
+def cases(seed: int, r: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(x.to(DEVICE) for x in acceptance_cases(seed, r, k, VOCAB))
+
+
 def reference(ids, drafts, lens, vocab):
     return _verify_ids(ids, drafts, _draft_lengths(drafts, lens, vocab))
-
-
-def cases(seed: int, r: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows whose ids mostly repeat the drafts (long accepted prefixes), with drafts cut short by -1,
-    ids outside the vocabulary, bad rows (-1) before and after the draft's end, and lengths 0..k."""
-    g = torch.Generator().manual_seed(seed)
-    drafts = torch.randint(0, VOCAB, (r, k), generator=g)
-    ids = torch.randint(0, VOCAB, (r, k + 1), generator=g)
-    same = torch.rand(r, k, generator=g) < 0.8
-    ids[:, :k] = torch.where(same, drafts, ids[:, :k])
-    lens = torch.randint(0, k + 1, (r,), generator=g)
-    drafts[torch.rand(r, k, generator=g) < 0.05] = -1
-    drafts[torch.rand(r, k, generator=g) < 0.05] = VOCAB + 3
-    ids[torch.rand(r, k + 1, generator=g) < 0.04] = -1
-    return ids.to(DEVICE), drafts.to(DEVICE), lens.to(DEVICE)
 
 
 @pytest.mark.parametrize("k", [0, 1, 7, 15])  # 0: every draft pruned

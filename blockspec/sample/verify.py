@@ -120,10 +120,32 @@ def verify_block(target: Tensor, q_probs: Tensor | None, drafts: Tensor, draft_l
 def accept_matching(ids: Tensor, drafts: Tensor, draft_lens: Tensor, vocab: int | None) -> tuple[Tensor, Tensor]:
     """Accept while draft == the row's token id ([R, K + 1] ids, -1 for a bad row), drafts cut at their
     length and at the first id outside [0, vocab). One Triton program per request on the GPU
-    (`kernels.accept`), these torch ops elsewhere: the same result."""
+    (`kernels.accept`), a loop over host ints on the CPU, these torch ops elsewhere: the same result."""
     if use_kernels(ids):
         return accept_kernel(ids.contiguous(), drafts.contiguous(), draft_lens.contiguous(), vocab)
+    if ids.device.type == "cpu":
+        return _accept_on_host(ids, drafts, draft_lens, vocab)
     return _verify_ids(ids, drafts, _draft_lengths(drafts, draft_lens, vocab))
+
+
+def _accept_on_host(ids: Tensor, drafts: Tensor, draft_lens: Tensor, vocab: int | None) -> tuple[Tensor, Tensor]:
+    """The torch rule (`_verify_ids` after `_draft_lengths`) over Python ints: on the CPU a step's few rows
+    cost less read out whole than the rule's thirty small tensor ops cost to dispatch."""
+    k = drafts.shape[1]
+    counts, rows = [], []
+    for row, draft, n in zip(ids.tolist(), drafts.tolist(), draft_lens.tolist()):
+        n = next((j for j, d in enumerate(draft[:n]) if d < 0 or (vocab is not None and d >= vocab)), min(n, k))
+        a = 0
+        while a < n and draft[a] == row[a]:
+            a += 1
+        if min(row[: n + 1]) < 0:  # a bad row among the request's rows 0..n fails it
+            counts.append(0)
+            rows.append([-1] * (k + 1))
+        else:
+            counts.append(a)
+            rows.append(draft[:a] + [row[a]] + [-1] * (k - a))
+    out = torch.tensor(rows, dtype=torch.int64).view(len(rows), k + 1)
+    return torch.tensor(counts, dtype=torch.int64), out
 
 
 def _draft_lengths(drafts: Tensor, draft_lens: Tensor, vocab: int | None) -> Tensor:
