@@ -409,8 +409,8 @@ class DraftModel(nn.Module):
         """Reference layout: per layer [R, 1, B, kv_len + B] bool masks over [gathered context ; block], or
         None where every row sees every key: `every_key` (each request's context fills the kv_len keys
         gathered, as a single request's always does) on a non-causal layer of full attention, which SDPA
-        then runs unmasked (on the CPU the mask's construction and use cost more than that layer's
-        attention)."""
+        then runs unmasked (on the CPU the masks and SDPA's masked path took about 2 % of a speculative
+        step at batch 1)."""
         c = self.config
         open_layers = [every_key and not causal and lt != "sliding_attention"
                        for lt, causal in zip(c.layer_types, c.causal)]
