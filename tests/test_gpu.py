@@ -197,7 +197,8 @@ def triton_compiled() -> set[str]:
     from blockspec.kernels import gumbel as gumbel_kernel
 
     kernels = [triton_attention._block_attention, triton_ops._rms_norm, triton_ops._silu_mul,
-               triton_ops._qkv_rope_store, triton_ops._skinny_linear, gumbel_kernel._gumbel_argmax]
+               triton_ops._qkv_rope_store, triton_ops._skinny_linear, gumbel_kernel._split_argmax,
+               gumbel_kernel._merge_splits]
     if not hasattr(kernels[0], "device_caches"):
         pytest.skip("this Triton version keeps its kernel cache elsewhere")
     return {f"{k.fn.__name__}: {key}" for k in kernels for caches in k.device_caches.values() for key in caches[0]}
