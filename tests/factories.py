@@ -282,3 +282,16 @@ def assert_incremental_matches_full(model, length: int, chunks: tuple[int, ...],
         pieces.append(model.compute_logits(model(ids[:, start: start + n], meta, cache)[0]))
         start += n
     assert (torch.cat(pieces, 1) - full).abs().max() < 1e-4
+
+
+# the kernels whose compiled variants the GPU warm-up test watches (module under blockspec.kernels, kernel name)
+WATCHED_KERNELS = [("attention", "_block_attention"), ("ops", "_rms_norm"), ("ops", "_silu_mul"),
+                   ("ops", "_qkv_rope_store"), ("ops", "_skinny_linear"), ("gumbel", "_split_argmax"),
+                   ("gumbel", "_merge_splits")]
+
+
+def watched_kernels() -> list:
+    """WATCHED_KERNELS' Triton kernels (an AttributeError names one renamed or gone)."""
+    import importlib
+
+    return [getattr(importlib.import_module(f"blockspec.kernels.{module}"), name) for module, name in WATCHED_KERNELS]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from blockspec import LLM, SamplingParams
-from factories import save_drafter_target, save_tiny
+from factories import save_drafter_target, save_tiny, watched_kernels
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -193,12 +193,7 @@ def test_warmup_captures_every_graph_serving_needs(tmp_path, backend):
 
 def triton_compiled() -> set[str]:
     """Kernel variants Triton has compiled so far for blockspec's kernels (name: specialisation)."""
-    from blockspec.kernels import attention as triton_attention, ops as triton_ops
-    from blockspec.kernels import gumbel as gumbel_kernel
-
-    kernels = [triton_attention._block_attention, triton_ops._rms_norm, triton_ops._silu_mul,
-               triton_ops._qkv_rope_store, triton_ops._skinny_linear, gumbel_kernel._split_argmax,
-               gumbel_kernel._merge_splits]
+    kernels = watched_kernels()
     if not hasattr(kernels[0], "device_caches"):
         pytest.skip("this Triton version keeps its kernel cache elsewhere")
     return {f"{k.fn.__name__}: {key}" for k in kernels for caches in k.device_caches.values() for key in caches[0]}

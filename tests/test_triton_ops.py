@@ -11,7 +11,7 @@ from blockspec.models.kv_cache import KVCache, PageTable, causal_meta
 from blockspec.kernels import ops as triton_ops
 from blockspec.models import layers
 from blockspec.models.quant import Fp8Linear
-from factories import TRITON_SKIP_REASON, triton_interpretable
+from factories import TRITON_SKIP_REASON, triton_interpretable, watched_kernels
 
 pytestmark = pytest.mark.skipif(not triton_interpretable(), reason=TRITON_SKIP_REASON)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -402,3 +402,10 @@ def test_dense_keeps_a_parallel_layer_forward(monkeypatch):
     with torch.enable_grad():
         want = res + torch.nn.functional.linear(layers.silu_mul(gate_up), w) + 100.0
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_the_kernels_the_gpu_warmup_test_watches_exist():
+    """`test_gpu.py`'s warm-up test (GPU only) watches these kernels for variants compiled while serving; naming
+    them here, on every run, makes a renamed kernel fail CI instead of going unseen until a GPU run."""
+    kernels = watched_kernels()
+    assert len({k.fn.__name__ if hasattr(k, "fn") else k.__name__ for k in kernels}) == len(kernels)
