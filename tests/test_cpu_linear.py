@@ -1,6 +1,7 @@
 """The LM heads on the CPU: a drafter's in bfloat16 where the CPU multiplies bfloat16 in hardware, the target's
 from a packed float32 copy over more than one row, both through oneDNN only where oneDNN agrees with `F.linear`;
-the engine's output stays plain decoding's."""
+a greedy verify's ids screened through the drafter's bfloat16 copy and decided in float32; the engine's output
+stays plain decoding's."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from torch.nn import functional as F
 
 from blockspec import LLM, SamplingParams
 from blockspec.models import cpu_linear
-from blockspec.models.cpu_linear import (PackedProduct, bf16_products, draft_head_product, onednn_available,
-                                         verify_head_product)
+from blockspec.models.cpu_linear import (PackedProduct, ScreenedGreedy, bf16_products, draft_head_product,
+                                         onednn_available, screened_greedy, verify_head_product)
 
 from factories import save_drafter_target
 
@@ -104,6 +105,57 @@ def test_the_target_head_is_packed_only_where_it_is_one_float32_linear(monkeypat
     assert verify_head_product(head) is None
 
 
+def near_tie(vocab: int, hidden: int, gap: float, tie: bool, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A head and a row whose two best logits (about 0.1, at two random ids) differ by `gap` or tie exactly (a
+    repeated weight row), from unit weight rows in unrelated directions, so rounding the row to bfloat16 moves
+    the two logits apart by more than the gap; the head's other logits stay far below."""
+    weight = torch.randn(vocab, hidden, generator=g) * 5e-4
+    x = torch.randn(hidden, generator=g) * 3
+
+    def at(logit: float) -> torch.Tensor:  # a unit-sized row whose product with x is `logit`
+        r = torch.randn(hidden, generator=g) / hidden ** 0.5
+        return r - (r @ x) * x / x.norm() ** 2 + logit * x / x.norm() ** 2
+
+    a, b = torch.randperm(vocab, generator=g)[:2].tolist()
+    weight[a] = at(0.1)
+    weight[b] = weight[a] if tie else at(0.1 + gap)
+    return weight, x[None]
+
+
+@needs_onednn
+@pytest.mark.skipif(not bf16_products(), reason="needs bfloat16 products in hardware")
+def test_screened_greedy_ids_are_the_float32_argmax_at_near_and_exact_ties(monkeypatch):
+    """The screened ids equal the float32 product's argmax (ties to the lowest id) on random rows and on rows
+    whose two best logits are 5e-4 apart (either order) or equal; a head that is not bfloat16-exact too.
+    Negative control: with a zero error bound only the bfloat16 maximum is a candidate, and near ties then go
+    wrong."""
+    g = torch.Generator().manual_seed(0)
+    cases = [near_tie(128, 64, 5e-4 * (-1) ** i, i % 3 == 0, g) for i in range(48)]
+    w = torch.randn(512, 64, generator=g)
+    cases += [(w, torch.randn(32, 64, generator=g)), (w.bfloat16().float(), torch.randn(32, 64, generator=g))]
+    screens = [(ScreenedGreedy(w, PackedProduct(w, torch.bfloat16)), x, F.linear(x, w).max(dim=-1).indices)
+               for w, x in cases]
+    assert all(torch.equal(screen(x), want) for screen, x, want in screens)
+    monkeypatch.setattr(cpu_linear, "BF16_ROUNDOFF", 0.0)
+    assert sum(int((screen(x) != want).sum()) for screen, x, want in screens) >= 3
+
+
+@needs_onednn
+@pytest.mark.skipif(not bf16_products(), reason="needs bfloat16 products in hardware")
+def test_screened_greedy_leaves_bad_rows_and_other_heads_to_the_float32_logits():
+    """A row with a non-finite value gives None (the float32 logits then mark it -1); the screen is made only over
+    a bfloat16 copy of the target head's own float32 weight."""
+    head = nn.Linear(64, 512, bias=False)
+    x = torch.randn(3, 64)
+    screen = screened_greedy(head, PackedProduct(head.weight, torch.bfloat16))
+    assert isinstance(screen, ScreenedGreedy) and screen(x) is not None
+    x[1, 5] = float("inf")
+    assert screen(x) is None
+    assert screened_greedy(head, None) is None
+    assert screened_greedy(head, PackedProduct(head.weight, torch.float32)) is None
+    assert screened_greedy(head, PackedProduct(nn.Linear(64, 512, bias=False).weight, torch.bfloat16)) is None
+
+
 def _recording(product, rows: list[int]):
     return lambda h: rows.append(h.numel() // h.shape[-1]) or product(h)
 
@@ -111,23 +163,30 @@ def _recording(product, rows: list[int]):
 @needs_onednn
 @pytest.mark.parametrize("method", ["dflash", "dspark_vanilla"])
 def test_the_cpu_engine_drafts_and_verifies_through_the_packed_heads_and_decodes_as_plain(tmp_path, method):
-    """The target's head packed in float32 (verify rows through it, one row on `F.linear`), the drafter's in
-    bfloat16 where the CPU multiplies it; greedy output is plain decoding's."""
+    """The target's head packed in float32 (rows above one through it, one row on `F.linear`), the drafter's in
+    bfloat16 where the CPU multiplies it, and then a greedy verify's ids screened through the drafter's copy;
+    greedy output is plain decoding's, and sampled output (float32 logits) too."""
     target = save_drafter_target(tmp_path / "target")
     spec = {"method": method.split("_")[0], "model": str(DRAFTERS / method), "adaptive_draft_length": False}
     llm = LLM(str(target), device="cpu", seed=0, speculative_config=spec)
     drafter, model = llm.engine.proposer.drafter, llm.engine.model
     assert isinstance(model.head_product, PackedProduct)
     assert isinstance(drafter.head_product, PackedProduct) == bf16_products()
+    assert isinstance(model.head_screen, ScreenedGreedy) == bf16_products()
     assert drafter.plain_target_head == (drafter.head_product is None)
-    drafted, verified = [], []
+    drafted, verified, screened = [], [], []
     model.head_product = _recording(model.head_product, verified)
     if drafter.head_product is not None:
         drafter.head_product = _recording(drafter.head_product, drafted)
+        model.head_screen = _recording(model.head_screen, screened)
     prompt = {"prompt_token_ids": [3, 4, 5, 6]}
-    params = dict(temperature=0, max_tokens=24, ignore_eos=True)
-    fast = llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs[0].token_ids
-    plain = llm.generate(prompt, SamplingParams(**params, use_speculation=False), use_tqdm=False)[0].outputs[0].token_ids
-    assert max(verified) > 1 and 1 in verified and fast == plain
-    assert bool(drafted) == bf16_products()
+    for params in (dict(temperature=0, max_tokens=24, ignore_eos=True),
+                   dict(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)):
+        fast = llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs[0].token_ids
+        plain = llm.generate(prompt, SamplingParams(**params, use_speculation=False),
+                             use_tqdm=False)[0].outputs[0].token_ids
+        assert fast == plain
+    assert max(verified) > 1 and 1 in verified  # sampled verify rows, and plain's one row
+    assert bool(drafted) == bf16_products() and bool(screened) == bf16_products()
+    assert not screened or max(screened) > 1
     assert llm.get_stats()["num_drafts"] > 0

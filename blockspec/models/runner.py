@@ -321,8 +321,12 @@ class ModelRunner:
 
     def greedy_ids(self, hidden: Tensor, max_bytes: int = 1 << 28) -> Tensor:
         """Argmax token per row (-1 for a non-finite row) of the head's own-dtype logits, holding at most
-        `max_bytes` of them at once. Chunks stay large: each one reads the whole LM head."""
+        `max_bytes` of them at once. Chunks stay large: each one reads the whole LM head. Several rows take the
+        model's `head_screen` where it has one (the same ids)."""
         flat = hidden.reshape(-1, hidden.shape[-1])
+        screen = self.model.head_screen
+        if screen is not None and flat.shape[0] > 1 and (ids := screen(flat)) is not None:
+            return ids.view(hidden.shape[:-1])
         out = torch.empty(flat.shape[0], dtype=torch.int64, device=flat.device)
         row_bytes = self.model.config.vocab_size * flat.element_size()
         chunk_rows = max(1, max_bytes // row_bytes)
