@@ -126,13 +126,18 @@ def near_tie(vocab: int, hidden: int, gap: float, tie: bool, g: torch.Generator)
 @pytest.mark.skipif(not bf16_products(), reason="needs bfloat16 products in hardware")
 def test_screened_greedy_ids_are_the_float32_argmax_at_near_and_exact_ties(monkeypatch):
     """The screened ids equal the float32 product's argmax (ties to the lowest id) on random rows and on rows
-    whose two best logits are 5e-4 apart (either order) or equal; a head that is not bfloat16-exact too.
+    whose two best logits are 5e-4 apart (either order) or equal, or whose best ties more ids than the screen
+    weighs at once; a head that is not bfloat16-exact too.
     Negative control: with a zero error bound only the bfloat16 maximum is a candidate, and near ties then go
     wrong."""
     g = torch.Generator().manual_seed(0)
     cases = [near_tie(128, 64, 5e-4 * (-1) ** i, i % 3 == 0, g) for i in range(48)]
     w = torch.randn(512, 64, generator=g)
     cases += [(w, torch.randn(32, 64, generator=g)), (w.bfloat16().float(), torch.randn(32, 64, generator=g))]
+    many, x = near_tie(128, 64, 0.0, True, g)  # more candidates than SCREEN_TOP: a row's best repeated 20 times
+    best = int(F.linear(x, many).argmax())
+    many[torch.randperm(128, generator=g)[:20]] = many[best].clone()
+    cases.append((many, x))
     screens = [(ScreenedGreedy(w, PackedProduct(w, torch.bfloat16)), x, F.linear(x, w).max(dim=-1).indices)
                for w, x in cases]
     assert all(torch.equal(screen(x), want) for screen, x, want in screens)

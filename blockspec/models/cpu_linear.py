@@ -22,6 +22,7 @@ The LM heads are the exceptions, the largest weights a step streams:
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import nn
@@ -66,6 +67,8 @@ class PackedProduct:
 
 
 BF16_ROUNDOFF = 2.0 ** -9  # bfloat16's unit roundoff: a rounded value is within this share of the exact one
+FLOAT32_SAFE = 1e37  # logits beyond this may overflow float32 where bfloat16 did not: the float32 head decides
+SCREEN_TOP = 8  # bfloat16 logits a row weighed in float32 at once (a row has 1.5 candidates on average)
 
 
 class ScreenedGreedy:
@@ -73,31 +76,40 @@ class ScreenedGreedy:
     a bfloat16 product of the same weight (inputs and weight rounded to bfloat16, products summed in float32,
     each logit rounded to bfloat16).
 
-    Bound: with u the bfloat16 roundoff, a row x, S_v = sum_i |W_vi x_i| <= |W_v| |x| <= w_max |x|, and A the
-    row's largest bfloat16 logit magnitude, each bfloat16 logit is within e = 3u A + 4u w_max |x| of the exact
-    product (input and weight rounding u S_v each, the float32 sums far below u S_v, the output rounding
-    u A / (1 - u), 2u A if it truncates), and so is any float32 evaluation of it. Ids whose bfloat16 logit is below the row's largest
-    minus 2e cannot be the argmax; the others' float32 logits (usually one or two) decide."""
+    Bound: with u the bfloat16 roundoff and S_v = sum_i |W_vi x_i| <= |W_v| |x| <= w_max |x|, each bfloat16 logit is
+    within 5u w_max |x| of the exact product: rounding the input and the weight u S_v each, the float32 sums far
+    below u S_v, rounding the logit u |logit| <= u S_v (2u if it truncates); so is any float32 evaluation of it.
+    Ids whose bfloat16 logit is below the row's largest by more than twice that cannot be the argmax; the others
+    (the row's largest, and near ties) are weighed in float32, ties to the lowest id."""
 
     def __init__(self, weight: torch.Tensor, screen: PackedProduct) -> None:
         self.weight, self.screen = weight, screen
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
-        """ids [R] of x [R, H]; None where a row is not finite (the caller then takes the float32 logits, which
-        say which rows are bad)."""
-        approx = self.screen(x).float()
-        low, high = torch.aminmax(approx, dim=-1)
-        bound = 3 * BF16_ROUNDOFF * torch.maximum(high.abs(), low.abs()) \
-            + 4 * BF16_ROUNDOFF * self._row_norm_max() * torch.linalg.vector_norm(x, dim=-1)
-        if not bool(torch.isfinite(bound).all()):
-            return None
-        rows, ids = (approx >= (high - 2 * bound)[:, None]).nonzero(as_tuple=True)
-        exact = torch.linalg.vecdot(x[rows], self.weight[ids])
-        if not bool(torch.isfinite(exact).all()):
-            return None
-        best = exact.new_full((x.shape[0],), float("-inf")).scatter_reduce(0, rows, exact, "amax")
-        tied = torch.where(exact == best[rows], ids, self.weight.shape[0])
-        return ids.new_full((x.shape[0],), self.weight.shape[0]).scatter_reduce(0, rows, tied, "amin")
+        """ids [R] of x [R, H]; None where a row is not finite or near float32's range (the caller then takes the
+        float32 logits, which say which rows are bad). The rows' SCREEN_TOP largest bfloat16 logits are weighed in
+        float32 in one batched product, and the rest on the host: a verify's rows are few, and each tensor op here
+        costs more than its arithmetic."""
+        approx = self.screen(x)
+        top = min(SCREEN_TOP, approx.shape[-1])
+        top_values, top_ids = approx.topk(top, dim=-1)
+        exact = torch.bmm(self.weight[top_ids], x[:, :, None]).squeeze(-1)
+        margin = 2 * 5 * BF16_ROUNDOFF * self._row_norm_max()
+        out = []
+        for r, (values, ids, logits, norm) in enumerate(zip(top_values.tolist(), top_ids.tolist(), exact.tolist(),
+                                                            torch.linalg.vector_norm(x, dim=-1).tolist())):
+            if not (math.isfinite(values[0]) and math.isfinite(norm) and abs(values[0]) < FLOAT32_SAFE):
+                return None
+            floor = values[0] - margin * norm
+            n = sum(v >= floor for v in values)  # the candidates: a prefix, the values sorted
+            if n == top < approx.shape[-1]:  # more than SCREEN_TOP of them: every id above the floor
+                ids = (approx[r].float() >= floor).nonzero()[:, 0].tolist()
+                logits = (self.weight[ids] @ x[r]).tolist()
+                n = len(ids)
+            if not all(map(math.isfinite, logits[:n])):
+                return None
+            out.append(min(zip(logits[:n], ids[:n]), key=lambda pair: (-pair[0], pair[1]))[1])
+        return torch.tensor(out)
 
     def _row_norm_max(self) -> float:
         """The weight's largest row norm, made again when the weight changes in place."""
