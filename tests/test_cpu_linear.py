@@ -148,12 +148,13 @@ def test_screened_greedy_ids_are_the_float32_argmax_at_near_and_exact_ties(monke
 @needs_onednn
 @pytest.mark.skipif(not bf16_products(), reason="needs bfloat16 products in hardware")
 def test_screened_greedy_leaves_bad_rows_and_other_heads_to_the_float32_logits():
-    """A row with a non-finite value gives None (the float32 logits then mark it -1); the screen is made only over
-    a bfloat16 copy of the target head's own float32 weight."""
+    """A row with a non-finite value gives None (the float32 logits then mark it -1), and so do more rows than the
+    host loop serves; the screen is made only over a bfloat16 copy of the target head's own float32 weight."""
     head = nn.Linear(64, 512, bias=False)
     x = torch.randn(3, 64)
     screen = screened_greedy(head, PackedProduct(head.weight, torch.bfloat16))
     assert isinstance(screen, ScreenedGreedy) and screen(x) is not None
+    assert screen(torch.randn(cpu_linear.SCREEN_MAX_ROWS + 1, 64)) is None  # a wide batch: the float32 head
     x[1, 5] = float("inf")
     assert screen(x) is None
     assert screened_greedy(head, None) is None
@@ -185,13 +186,22 @@ def test_the_cpu_engine_drafts_and_verifies_through_the_packed_heads_and_decodes
         drafter.head_product = _recording(drafter.head_product, drafted)
         model.head_screen = _recording(model.head_screen, screened)
     prompt = {"prompt_token_ids": [3, 4, 5, 6]}
+    outputs = []
     for params in (dict(temperature=0, max_tokens=24, ignore_eos=True),
                    dict(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)):
         fast = llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs[0].token_ids
         plain = llm.generate(prompt, SamplingParams(**params, use_speculation=False),
                              use_tqdm=False)[0].outputs[0].token_ids
         assert fast == plain
+        outputs.append(plain)
+    plain_greedy = outputs[0]
     assert max(verified) > 1 and 1 in verified  # sampled verify rows, and plain's one row
     assert bool(drafted) == bf16_products() and bool(screened) == bf16_products()
     assert not screened or max(screened) > 1
+    declined = []  # a screen that declines (a bad row, a wide batch): the float32 logits decide
+    model.head_screen = lambda h: declined.append(h.shape[0]) and None
+    verified.clear()
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == plain_greedy
+    assert declined and max(verified) > 1
     assert llm.get_stats()["num_drafts"] > 0

@@ -68,7 +68,8 @@ class PackedProduct:
 
 BF16_ROUNDOFF = 2.0 ** -9  # bfloat16's unit roundoff: a rounded value is within this share of the exact one
 FLOAT32_SAFE = 1e37  # logits beyond this may overflow float32 where bfloat16 did not: the float32 head decides
-SCREEN_TOP = 8  # bfloat16 logits a row weighed in float32 at once (a row has 1.5 candidates on average)
+SCREEN_TOP = 8  # bfloat16 logits a row weighed in float32 at once (1.5 candidates a row on the embedded pair)
+SCREEN_MAX_ROWS = 64  # above this many rows (a wide batch's verify, a prefill's) the float32 head's product serves
 
 
 class ScreenedGreedy:
@@ -86,10 +87,12 @@ class ScreenedGreedy:
         self.weight, self.screen = weight, screen
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
-        """ids [R] of x [R, H]; None where a row is not finite or near float32's range (the caller then takes the
-        float32 logits, which say which rows are bad). The rows' SCREEN_TOP largest bfloat16 logits are weighed in
-        float32 in one batched product, and the rest on the host: a verify's rows are few, and each tensor op here
-        costs more than its arithmetic."""
+        """ids [R] of x [R, H]; None where the float32 logits must decide: a row not finite or near float32's range
+        (those logits say which rows are bad), or more than SCREEN_MAX_ROWS rows. The rows' SCREEN_TOP largest
+        bfloat16 logits are weighed in float32 in one batched product, and the rest on the host: a verify's rows
+        are few, and each tensor op here costs more than its arithmetic."""
+        if x.shape[0] > SCREEN_MAX_ROWS:
+            return None
         approx = self.screen(x)
         top = min(SCREEN_TOP, approx.shape[-1])
         top_values, top_ids = approx.topk(top, dim=-1)
