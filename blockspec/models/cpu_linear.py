@@ -85,6 +85,8 @@ class ScreenedGreedy:
 
     def __init__(self, weight: torch.Tensor, screen: PackedProduct) -> None:
         self.weight, self.screen = weight, screen
+        self._norm_key: tuple[int, int] | None = None  # the weight (address, version) `_norm_max` was made from
+        self._norm_max = 0.0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         """ids [R] of x [R, H]; None where the float32 logits must decide: a row not finite or near float32's range
@@ -117,7 +119,7 @@ class ScreenedGreedy:
     def _row_norm_max(self) -> float:
         """The weight's largest row norm, made again when the weight changes in place."""
         key = (self.weight.data_ptr(), self.weight._version)
-        if self.__dict__.get("_norm_key") != key:
+        if self._norm_key != key:
             self._norm_max = torch.linalg.vector_norm(self.weight.detach(), dim=-1, dtype=torch.float64).max().item()
             self._norm_key = key
         return self._norm_max
