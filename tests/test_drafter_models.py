@@ -232,6 +232,40 @@ def test_vanilla_markov_bias_rows_are_remembered_exactly(monkeypatch):
     assert 4 not in rows.rows
 
 
+def test_the_cpus_remembered_vanilla_loop_drafts_as_the_generic_loop(monkeypatch):
+    """On the CPU without autograd a vanilla head drafts through its remembered bias rows and NumPy's add and
+    argmax (`_draft_greedy_remembered`): the same tokens as the generic loop (autograd on: the bias computed per
+    position), over several rows, with ties to the first id, and through a reduced vocabulary's d2t map.
+    Negative control: bias rows that stay the anchors' (the previous draft not fed back) draft differently."""
+    model = load("dspark_vanilla")
+    g = torch.Generator().manual_seed(0)
+    r, k, v = 3, model.num_draft_slots, model.markov_head.markov_w2.weight.shape[0]
+    base = torch.randn(r, k, v, generator=g) * 4
+    base[1, 2, 7] = base[1, 2, 9] = base[1, 2].max() + 50.0  # a tie, far above any bias: the first id wins
+    anchors = torch.tensor([3, 11, 5])
+    sh = torch.zeros(r, k, model.config.hidden_size)
+
+    def both() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            fast = model.draft_greedy(base, sh, anchors)[0]
+        with torch.enable_grad():
+            generic = model.draft_greedy(base, sh, anchors)[0]
+        return fast, generic
+
+    fast, generic = both()
+    assert torch.equal(fast, generic) and fast[1, 2] == 7
+    shift = torch.randperm(v, generator=g)
+    with monkeypatch.context() as m:
+        m.setattr(model, "d2t", shift - torch.arange(v))  # draft id i stands for target id shift[i]
+        m.setattr(model, "use_own_head", True)
+        fast, mapped = both()
+        assert torch.equal(fast, mapped) and fast[1, 2] == shift[7] and not torch.equal(mapped, generic)
+    rows_for = model.bias_rows.rows_for
+    monkeypatch.setattr(model.bias_rows, "rows_for", lambda head, prev, scale: rows_for(head, anchors.tolist(), scale))
+    with torch.no_grad():
+        assert not torch.equal(model.draft_greedy(base, sh, anchors)[0], generic)
+
+
 # ------------------------------------------------------------------------------ the rows a step verifies
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["dflash_swa_noncausal", "dspark_vanilla"])  # later rows are keys of earlier ones

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -81,6 +82,11 @@ class BiasRows:
 
     def take(self, head: MarkovHead, prev_ids: list[int], scale: float) -> Tensor:
         """[R, V_draft] fp32 bias rows for the previous tokens `prev_ids` (R target ids)."""
+        out = self.rows_for(head, prev_ids, scale)
+        return out[0][None] if len(out) == 1 else torch.stack(out)
+
+    def rows_for(self, head: MarkovHead, prev_ids: list[int], scale: float) -> list[Tensor]:
+        """The [V_draft] fp32 bias row of each previous token in `prev_ids`, remembered or computed."""
         w1, w2 = head.markov_w1.weight, head.markov_w2.weight
         key = (w1.data_ptr(), w1._version, w2.data_ptr(), w2._version)
         if key != self.key:
@@ -99,7 +105,7 @@ class BiasRows:
             else:
                 self.rows.move_to_end(t)
             out.append(row)
-        return out[0][None] if len(out) == 1 else torch.stack(out)
+        return out
 
 
 class ConfidenceHead(nn.Module):
@@ -244,17 +250,22 @@ class DSparkDraft(DraftModel):
 
     def _draft_greedy_remembered(self, base_logits: Tensor, anchor_ids: Tensor) -> Tensor:
         """`draft_greedy`'s loop for a vanilla head on the CPU: each bias row remembered by its previous token
-        (`BiasRows`, the row `markov_step` gives), the previous tokens kept as host ints, so a position costs
-        an add and a max over the vocabulary."""
-        base = base_logits.float()
+        (`BiasRows`, the row `markov_step` gives), the previous tokens kept as host ints, and a position's add
+        and argmax over the vocabulary in NumPy over the same float32 values (the same sums, the first of
+        ties), a few microseconds where a torch op's dispatch alone costs about as much."""
+        base = base_logits.float().numpy()
+        r, k_total, v = base.shape
+        d2t = self.d2t.tolist() if self.d2t is not None and self.use_own_head else None
         prev = anchor_ids.tolist()
-        columns = []
-        for k in range(base.shape[1]):
-            bias = self.bias_rows.take(self.markov_head, prev, self.config.logit_scale)
-            column = self.draft_to_target((base[:, k] + bias).max(dim=-1).indices)  # argmax's ids, faster
-            columns.append(column)
-            prev = column.tolist()
-        return torch.stack(columns, dim=1)
+        tokens = np.empty((r, k_total), dtype=np.int64)
+        scratch = np.empty(v, dtype=np.float32)
+        for k in range(k_total):
+            for i, bias in enumerate(self.bias_rows.rows_for(self.markov_head, prev, self.config.logit_scale)):
+                np.add(base[i, k], bias.numpy(), out=scratch)
+                column = int(scratch.argmax())
+                tokens[i, k] = column if d2t is None else column + d2t[column]
+            prev = tokens[:, k].tolist()
+        return torch.from_numpy(tokens)
 
     def draft_greedy(self, base_logits: Tensor, h: Tensor, anchor_ids: Tensor,
                      top_k: int = 0) -> tuple[Tensor, Tensor | None]:
