@@ -691,6 +691,27 @@ def test_plain_steps_of_requests_that_joined_apart_append_their_held_rows_togeth
     assert [r.output_ids for r in reqs] == [o.outputs[0].token_ids for o in want]
 
 
+def test_an_eager_append_computes_only_the_rows_its_requests_hold(target, plain):
+    """Without graphs (the CPU) an append computes each slot's first max(counts) held rows, not the held
+    buffer's whole width (K + 2 rows, a graph's); its requests' output stays plain decoding's."""
+    llm = spec_llm(target, "dspark", "dspark_vanilla", num_speculative_tokens=3)
+    drafter, width = llm.engine.proposer.drafter, llm.engine.proposer.context.pending.shape[1]
+    appended: list[tuple[int, int]] = []
+    append = drafter.append_context_tensors
+
+    def watch(cache, slots, starts, counts, features, max_pos):
+        appended.append((features.shape[1], int(counts.max())))
+        return append(cache, slots, starts, counts, features, max_pos)
+
+    drafter.append_context_tensors = watch
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    got = llm.generate(prompts(2, seed=5), params, use_tqdm=False)
+    decode = [rows for rows, held in appended if held < width]  # prefill chunks hand over their own rows
+    assert decode and all(rows == held for rows, held in appended), appended
+    want = plain.generate(prompts(2, seed=5), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
 def test_draft_context_is_never_more_than_a_draft_step_behind(target, plain):
     """Prefill chunks hand their features to the drafter at once; plain steps hold theirs until they
     fill one draft step's append (K + 1 rows). So when the policy switches to speculation the graphed

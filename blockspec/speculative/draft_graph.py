@@ -118,8 +118,8 @@ class DraftGraphs:
     def append(self, slots: list[int], starts: list[int], counts: list[int]) -> None:
         """Append each slot's first counts[r] held rows to the draft cache at starts[r]... (no block)."""
         b = bucket(len(slots), BATCH_BUCKETS)
-        if not self.use_graphs or b is None:  # the CPU, or more requests than any graph: eager
-            self._append(self._control(slots, starts, counts))
+        if not self.use_graphs or b is None:  # the CPU, or more requests than any graph: eager, only the rows held
+            self._append(self._control(slots, starts, counts), max(counts))
             return
         cap = self.appends.get(b) or self._capture_append(b)
         self._fill(cap.control, slots, starts, counts)
@@ -140,9 +140,11 @@ class DraftGraphs:
         if anchors is not None:
             control[3, :r].copy_(anchors)
 
-    def _append(self, control: Tensor) -> None:
+    def _append(self, control: Tensor, rows: int | None = None) -> None:
+        """Append each slot's held rows (the first `rows` of every slot's, all by default: a graph's width)."""
         slots, starts, counts = control[0], control[1], control[2]
-        self.drafter.append_context_tensors(self.cache, slots, starts, counts, self.pending[slots], self.cache.max_len)
+        held = self.pending[slots] if rows is None else self.pending[slots, :rows]
+        self.drafter.append_context_tensors(self.cache, slots, starts, counts, held, self.cache.max_len)
 
     def _step(self, control: Tensor, kv: int, width: int) -> tuple[Tensor, Tensor | None]:
         return self.step(control[0], control[1], control[2], control[3], kv, width)
