@@ -15,18 +15,19 @@ from blockspec.kernels.fp8 import fp8_linear
 from blockspec.models.quant import Fp8Linear
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """RMSNorm computed in fp32 and cast back, as the HF Llama/Qwen implementations do (a Triton
-    kernel in CUDA inference; these ops are the reference). All-fp32 rows take `F.rms_norm`, the same
-    ops in one call: equal bit for bit, and on the CPU a third of a small row's time, which is op
+    kernel in CUDA inference; these ops are the reference); without a weight, the normalized rows (for a
+    caller that scales several heads by their own weights at once). All-fp32 rows take `F.rms_norm`, the
+    same ops in one call: equal bit for bit, and on the CPU a third of a small row's time, which is op
     overhead (a decode step makes several norms a layer)."""
-    if use_kernels(x, weight) and weight.dtype == x.dtype:
+    if weight is not None and use_kernels(x, weight) and weight.dtype == x.dtype:
         return triton_ops.rms_norm(x, weight, eps)
-    if x.dtype == weight.dtype == torch.float32:
+    if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
         return F.rms_norm(x, x.shape[-1:], weight, eps)
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return normed if weight is None else weight * normed
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
