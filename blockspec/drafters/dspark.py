@@ -255,7 +255,7 @@ class DSparkDraft(DraftModel):
         ties), a few microseconds where a torch op's dispatch alone costs about as much."""
         base = base_logits.float().numpy()
         r, k_total, v = base.shape
-        d2t = self.d2t.tolist() if self.d2t is not None and self.use_own_head else None
+        d2t = self.d2t.numpy() if self.d2t is not None and self.use_own_head else None  # a view, not a copy
         prev = anchor_ids.tolist()
         tokens = np.empty((r, k_total), dtype=np.int64)
         scratch = np.empty(v, dtype=np.float32)
@@ -263,7 +263,7 @@ class DSparkDraft(DraftModel):
             for i, bias in enumerate(self.bias_rows.rows_for(self.markov_head, prev, self.config.logit_scale)):
                 np.add(base[i, k], bias.numpy(), out=scratch)
                 column = int(scratch.argmax())
-                tokens[i, k] = column if d2t is None else column + d2t[column]
+                tokens[i, k] = column if d2t is None else column + int(d2t[column])
             prev = tokens[:, k].tolist()
         return torch.from_numpy(tokens)
 
