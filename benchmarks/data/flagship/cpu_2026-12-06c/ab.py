@@ -11,7 +11,7 @@ names = list(arms)
 prompts = continued_prompts(llm, heldout_prompts(16), 8)
 llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
 import os
-sp = SamplingParams(temperature=0, max_tokens=128, seed=0 if os.environ.get("SEED") else None)
+sp = SamplingParams(temperature=0, max_tokens=128, seed=0 if os.environ.get("SEED") else None, use_speculation=not os.environ.get("PLAIN"))
 times = {a: [] for a in names}; outs = {a: [] for a in names}
 for rnd in range(int(sys.argv[1])):
     for i, p in enumerate(prompts):
