@@ -84,58 +84,16 @@ def _on_onednn(modules: list[nn.Linear]) -> Iterator[None]:
             m.__class__ = nn.Linear
 
 
-def _quartiles(values: list[float]) -> list[float]:
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
-    return [round(v, 4) for v in q]
-
-
 def in_engine(rounds: int, batch: int, max_tokens: int) -> dict:
-    """Each unit (one prompt at batch 1, all of them at once above) runs plain and speculative in every arm back to
-    back, the order reversed unit by unit, so a drift of the machine's speed falls on all; an arm's cost is its
-    time over the first arm's on the same unit (median and quartiles over units)."""
-    from blockspec.demo import continued_prompts, default_pair, heldout_prompts
-    from blockspec.llm import LLM
-    from blockspec.sampling_params import SamplingParams
+    """The three arms paired inside one engine (`cpu_ab.paired`), plain and speculative each."""
+    from cpu_ab import embedded_llm, paired
 
-    base, _ = default_pair()
-    spec = {"method": "dspark", "model": str(base / "dspark")}
-    llm = LLM(str(base / "target"), device="cpu", dtype="float32", speculative_config=spec, seed=0,
-              max_num_seqs=batch)
-    prompts = continued_prompts(llm, heldout_prompts(16), 8)
+    llm = embedded_llm("dspark", batch)
     linears = [m for part in (llm.engine.model, llm.engine.proposer.drafter) for m in part.modules()
                if type(m) is nn.Linear and m.weight.dtype == torch.float32]
     arms = {"shipped": contextlib.nullcontext, "head on F.linear": lambda: _head_on_f_linear(llm.engine.model),
             "every linear packed": lambda: _on_onednn(linears)}
-    units = [[p] for p in prompts] if batch == 1 else [prompts]
-    runs = [(arm, mode) for arm in arms for mode in ("plain", "spec")]
-    seconds: dict[str, list[float]] = {f"{arm}, {mode}": [] for arm, mode in runs}
-    outputs: dict[str, set] = {}
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    for r in range(rounds):
-        for u, unit in enumerate(units):
-            for arm, mode in runs if (r + u) % 2 == 0 else runs[::-1]:
-                params = SamplingParams(temperature=0, max_tokens=max_tokens, use_speculation=mode == "spec")
-                with arms[arm]():
-                    start = time.perf_counter()
-                    done = llm.generate(unit, params, use_tqdm=False)
-                    seconds[f"{arm}, {mode}"].append(time.perf_counter() - start)
-                outputs.setdefault(mode, set()).add((u, tuple(tuple(o.outputs[0].token_ids) for o in done)))
-    first = next(iter(arms))
-    result = {"batch": batch, "rounds": rounds, "units": len(units), "seconds": seconds,
-              "total_s": {k: sum(v) for k, v in seconds.items()},
-              "over_shipped": {k: _quartiles([t / t0 for t, t0 in zip(v, seconds[f"{first}, {k.split(', ')[1]}"])])
-                               for k, v in seconds.items()},
-              "spec_over_plain": {arm: _quartiles([p / s for p, s in zip(seconds[f"{arm}, plain"],
-                                                                          seconds[f"{arm}, spec"])])
-                                  for arm in arms},
-              "outputs_agree": all(len(v) == len(units) for v in outputs.values())}
-    for key, q in result["over_shipped"].items():
-        print(f"batch {batch}, {key}: {result['total_s'][key]:.3f} s in all; over {first}'s time on the same unit "
-              f"{q[1]:.3f} (quartiles {q[0]:.3f}-{q[2]:.3f})", flush=True)
-    for arm, q in result["spec_over_plain"].items():
-        print(f"batch {batch}, {arm}: speculative over plain {q[1]:.3f} (quartiles {q[0]:.3f}-{q[2]:.3f})", flush=True)
-    print(f"batch {batch}: outputs agree: {result['outputs_agree']}", flush=True)
-    return result
+    return paired(llm, arms, rounds, ("plain", "spec"), batch, max_tokens, seed=None)
 
 
 def main() -> None:

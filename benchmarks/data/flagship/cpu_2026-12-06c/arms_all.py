@@ -1,26 +1,24 @@
-import types, importlib.util
+"""The three trims together: the engine before them (the three swaps of the other arms files) against shipped."""
+import contextlib
+import importlib.util
+import types
 from pathlib import Path
-HERE = Path(__file__).parent
-def load(p):
-    spec = importlib.util.spec_from_file_location(p.split("/")[-1][:-3], p); m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); return m
-mk, ap, qk = (load(str(HERE / f)) for f in ("arms_markov.py", "arms_append.py", "arms_qk.py"))
+
+from cpu_ab import swapped
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def arms(llm):
-    import blockspec.drafters.backbone as bb
-    dr = llm.engine.proposer.drafter
-    attns = [l.self_attn for l in dr.layers]
-    a1, a2 = mk.arms(llm), ap.arms(llm)
-    new_qkv = type(attns[0])._block_qkv
-    def old_qkv(self, x, cos, sin):
-        from blockspec.models.layers import apply_rotary
-        r, n, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(self.q_norm(q.view(r, n, self.heads, self.head_dim)).transpose(1, 2), cos, sin)
-        k = apply_rotary(self.k_norm(k.view(r, n, self.kv_heads, self.head_dim)).transpose(1, 2), cos, sin)
-        return q, k, v.view(r, n, self.kv_heads, self.head_dim).transpose(1, 2)
-    def set_old():
-        a1["torch"](); a2["all_rows"]()
-        for a in attns: a._block_qkv = types.MethodType(old_qkv, a)
-    def set_new():
-        a1["numpy"](); a2["held_rows"]()
-        for a in attns: a._block_qkv = types.MethodType(new_qkv, a)
-    return {"old3": set_old, "new3": set_new}
+    markov, qk, append = _load("arms_markov"), _load("arms_qk"), _load("arms_append")
+    dr, g = llm.engine.proposer.drafter, llm.engine.proposer.graphs
+    shipped_append = type(g)._append
+    before = ([(dr, "_draft_greedy_remembered", types.MethodType(markov.torch_loop, dr)),
+               (g, "_append", types.MethodType(lambda self, control, rows=None: shipped_append(self, control, None), g))]
+              + qk.swaps(llm))
+    return {"old3": lambda: swapped(before), "new3": contextlib.nullcontext}

@@ -1,8 +1,13 @@
+"""Eager appends of the held buffer's whole width (before 7723a39) against only the rows held (shipped)."""
+import contextlib
 import types
+
+from cpu_ab import swapped
+
+
 def arms(llm):
     g = llm.engine.proposer.graphs
-    orig = type(g)._append
-    def full(self, control, rows=None): return orig(self, control, None)
-    def set_old(): g._append = types.MethodType(full, g)
-    def set_new(): g._append = types.MethodType(orig, g)
-    return {"all_rows": set_old, "held_rows": set_new}
+    shipped = type(g)._append
+    return {"all_rows": lambda: swapped([(g, "_append", types.MethodType(
+                lambda self, control, rows=None: shipped(self, control, None), g))]),
+            "held_rows": contextlib.nullcontext}

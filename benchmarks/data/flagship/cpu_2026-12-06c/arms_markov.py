@@ -1,5 +1,12 @@
-import types, torch
-def old(self, base_logits, anchor_ids):
+"""The vanilla Markov loop as torch ops (before 68bb9f9) against NumPy's (shipped)."""
+import contextlib
+import types
+
+import torch
+from cpu_ab import swapped
+
+
+def torch_loop(self, base_logits, anchor_ids):
     base = base_logits.float()
     prev = anchor_ids.tolist()
     columns = []
@@ -9,9 +16,9 @@ def old(self, base_logits, anchor_ids):
         columns.append(column)
         prev = column.tolist()
     return torch.stack(columns, dim=1)
+
+
 def arms(llm):
     dr = llm.engine.proposer.drafter
-    new = type(dr)._draft_greedy_remembered
-    def set_old(): dr._draft_greedy_remembered = types.MethodType(old, dr)
-    def set_new(): dr._draft_greedy_remembered = types.MethodType(new, dr)
-    return {"torch": set_old, "numpy": set_new}
+    return {"torch": lambda: swapped([(dr, "_draft_greedy_remembered", types.MethodType(torch_loop, dr))]),
+            "numpy": contextlib.nullcontext}

@@ -1,5 +1,13 @@
-import types, torch
+"""The target's q and k normed and rotated apart (shipped) against together, as the drafter's are (not landed)."""
+import contextlib
+import types
+
+import torch
+from cpu_ab import swapped
+
 from blockspec.models.layers import apply_rotary, rms_norm
+
+
 def joint(self, x, cos, sin):
     r, n, _ = x.shape
     qkv = self.qkv_proj(x)
@@ -10,11 +18,9 @@ def joint(self, x, cos, sin):
     qk = apply_rotary(qk.transpose(1, 2), cos, sin)
     v = qkv[..., self.q_size + self.kv_size:].view(r, n, self.kv_heads, self.head_dim).transpose(1, 2)
     return qk[:, : self.heads], qk[:, self.heads:], v
+
+
 def arms(llm):
-    attns = [l.self_attn for l in llm.engine.model.layers]
-    orig = type(attns[0]).project
-    def set_old():
-        for a in attns: a.project = types.MethodType(orig, a)
-    def set_new():
-        for a in attns: a.project = types.MethodType(joint, a)
-    return {"separate": set_old, "joint": set_new}
+    attns = [layer.self_attn for layer in llm.engine.model.layers]
+    return {"separate": contextlib.nullcontext,
+            "joint": lambda: swapped([(a, "project", types.MethodType(joint, a)) for a in attns])}
