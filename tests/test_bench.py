@@ -795,6 +795,50 @@ def _load_test_module():
     return module
 
 
+def _cpu_ab_module():
+    """benchmarks/cpu_ab.py, a script."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_ab.py"
+    spec = importlib.util.spec_from_file_location("cpu_ab", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_ab_swaps_an_arm_in_for_its_runs_only_and_pairs_them():
+    """`swapped` sets instance attributes for its context and restores them (one the instance did not hold is
+    deleted, so the class's shows again, also after an error); `paired` runs each arm on every unit and mode
+    inside its context, and reports each arm's time over the first arm's and whether the outputs agree."""
+    ab = _cpu_ab_module()
+
+    class Thing:
+        def act(self):
+            return "class"
+
+    thing = Thing()
+    thing.size = 1
+    with ab.swapped([(thing, "act", lambda: "arm"), (thing, "size", 2)]):
+        assert thing.act() == "arm" and thing.size == 2
+    assert thing.act() == "class" and thing.size == 1 and "act" not in thing.__dict__
+    with pytest.raises(RuntimeError), ab.swapped([(thing, "size", 3)]):
+        raise RuntimeError
+    assert thing.size == 1
+
+    llm = ab.embedded_llm("dflash")
+    proposer, calls = llm.engine.proposer, []
+    propose = proposer.propose
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return propose(*args, **kwargs)
+
+    arms = {"as is": lambda: ab.swapped([]), "counted": lambda: ab.swapped([(proposer, "propose", counted)])}
+    result = ab.paired(llm, arms, rounds=1, modes=("plain", "spec"), max_tokens=6)
+    assert calls and "propose" not in proposer.__dict__  # the arm drafted, and left the engine as it was
+    assert result["outputs_agree"] and result["units"] == 8
+    assert set(result["over_as is"]) == {"as is, plain", "as is, spec", "counted, plain", "counted, spec"}
+    assert result["over_as is"]["as is, spec"] == [1.0, 1.0, 1.0] and set(result["spec_over_plain"]) == set(arms)
+
+
 def test_load_test_summary_gives_the_geometric_mean_and_a_bootstrap_interval():
     """The load test's verdict on "speculation never below plain" is the geometric mean of the rounds'
     on / off ratios and its bootstrap interval: exact for known rounds, bracketing the mean, a point
