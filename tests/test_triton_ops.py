@@ -56,14 +56,10 @@ def test_silu_mul_matches_reference(dtype):
 
 
 def reference_store(qkv, hq, hkv, hd, qw, kw, cos, sin, cache, meta):
-    """The reference: split, q/k-norm + RoPE (layers.qk_norm_rope), then KVCache.write."""
-    r, n, _ = qkv.shape
-    q, k, v = qkv.split([hq * hd, hkv * hd, hkv * hd], dim=-1)
-    if hq == 0:
-        q = k  # context K/V: only k is normed and rotated; q is discarded
+    """The reference: q/k-norm + RoPE of the fused projection's heads (layers.qkv_heads), then KVCache.write."""
     with torch.enable_grad():
-        q, k = layers.qk_norm_rope(q.view(r, n, -1, hd), k.view(r, n, hkv, hd), qw if hq else kw, kw, 1e-6, cos, sin)
-    cache.write(0, meta, k, v.view(r, n, hkv, hd).transpose(1, 2))
+        q, k, v = layers.qkv_heads(qkv, hq, hkv, hd, qw, kw, 1e-6, cos, sin)
+    cache.write(0, meta, k, v)
     return q.transpose(1, 2)
 
 

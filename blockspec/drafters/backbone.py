@@ -35,7 +35,7 @@ from blockspec.drafters.config import DrafterConfig
 from blockspec.kernels.attention import block_attention
 from blockspec.kernels.ops import qkv_rope_store
 from blockspec.models.kv_cache import AttnMeta, KVCache, PageTable, range_mask
-from blockspec.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attention, dense, rms_norm
+from blockspec.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attention, dense, qkv_heads
 from blockspec.models.quant import linear_rows
 from blockspec.sample import RowParams, sample_draft
 from blockspec.transfer import to_device
@@ -77,7 +77,8 @@ class DraftAttention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor | None) -> Tensor:
         """Reference: keys are the gathered context K/V [R, kv_heads, C, hd] followed by the block's own."""
         r, n, _ = x.shape
-        q, k, v = self._block_qkv(x, cos, sin)
+        q, k, v = qkv_heads(self.qkv_proj(x), self.heads, self.kv_heads, self.head_dim, self.q_norm.weight,
+                            self.k_norm.weight, self.q_norm.eps, cos, sin)
         keys = torch.cat([ctx_k, k], dim=2)
         values = torch.cat([ctx_v, v], dim=2)
         out = attention(q, keys, values, mask, self.scale)
@@ -100,19 +101,6 @@ class DraftAttention(nn.Module):
         out = block_attention(q, cache.k[layer], cache.v[layer], cache.table, meta.slots, lo, hi, self.scale,
                               meta.kv_len, k_scale=cache.k_scales[layer], v_scale=cache.v_scales[layer])
         return dense(out.flatten(2), self.o_proj, residual=residual)
-
-    def _block_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k (normed and rotated) and v, heads first. q's and k's heads are normed and rotated as one
-        tensor (each head by its own norm's weight): the same values as two passes, in half the ops, which
-        on the CPU cost more than their arithmetic."""
-        r, n, _ = x.shape
-        qkv = self.qkv_proj(x)
-        qk = qkv[..., : self.q_size + self.kv_size].view(r, n, self.heads + self.kv_heads, self.head_dim)
-        weight = torch.cat([self.q_norm.weight.expand(self.heads, -1), self.k_norm.weight.expand(self.kv_heads, -1)])
-        qk = apply_rotary((rms_norm(qk, None, self.q_norm.eps) * weight).transpose(1, 2), cos, sin)
-        v = qkv[..., self.q_size + self.kv_size:].view(r, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        return qk[:, : self.heads], qk[:, self.heads:], v
-
 
 @dataclass
 class CachedBlock:

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from blockspec.config import ModelConfig
 from blockspec.models.kv_cache import AttnMeta, KVCache, KVScales, PageTable
 from blockspec.models.layers import (GatedMLP, RMSNorm, Rotary, add_rms_norm, additive_mask, attention, dense, few_rows,
-                                     qk_norm_rope, stream)
+                                     qkv_heads, stream)
 from blockspec.kernels.attention import block_attention
 from blockspec.kernels.ops import PreNormed, qkv_rope_store
 from blockspec.models.moe import SparseMoE
@@ -40,15 +40,9 @@ class Attention(nn.Module):
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x: [R, Q, H] -> q [R, Hq, Q, hd], k/v [R, Hkv, Q, hd] with q/k-norm and RoPE applied."""
-        r, n, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(r, n, self.heads, self.head_dim)
-        k = k.view(r, n, self.kv_heads, self.head_dim)
-        v = v.view(r, n, self.kv_heads, self.head_dim).transpose(1, 2)
         qw = self.q_norm.weight if self.q_norm is not None else None
         kw = self.k_norm.weight if self.k_norm is not None else None
-        q, k = qk_norm_rope(q, k, qw, kw, self.eps, cos, sin)
-        return q, k, v
+        return qkv_heads(self.qkv_proj(x), self.heads, self.kv_heads, self.head_dim, qw, kw, self.eps, cos, sin)
 
     def forward(
         self, x: Tensor | PreNormed, cos: Tensor, sin: Tensor, layer: int, cache: KVCache | None, meta: AttnMeta,
