@@ -148,7 +148,7 @@ class Engine:
         return self.scheduler.num_preemptions
 
     # ---------------------------------------------------------------- start-up
-    @torch.no_grad()
+    @torch.inference_mode()
     def warmup(self) -> dict[str, float]:
         """Pay every one-time cost before the first request: capture the CUDA graph of each batch
         bucket up to max_num_seqs x verify width (with and without taps), of each prefill batch
@@ -274,7 +274,7 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     # ---------------------------------------------------------------- step
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> list[Request]:
         """Run one engine step; return the requests whose output changed.
 
