@@ -390,6 +390,40 @@ def test_block_kv_never_persists(name, backend):
     assert (a - c).abs().max() <= ATOL
 
 
+def test_every_layers_context_kv_is_each_layers_and_follows_a_weight_changed_in_place():
+    """`DraftModel.context_kv` (every layer's context K/V in one product, norm and rotation) equals each layer's
+    k and v rows of its projection, k normed by its own weight and rotated; its stacked weights are kept, and made
+    again when one changes in place (control: the kept ones give the old values)."""
+    from blockspec.models.layers import apply_rotary, rms_norm
+
+    model = load("dspark_vanilla")
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randn(2, 5, model.config.hidden_size, generator=g)
+    cos, sin = model._rope(torch.arange(3, 8).expand(2, 5), 16)
+
+    def by_layer():
+        ks, vs = [], []
+        for layer in model.layers:
+            a = layer.self_attn
+            k, v = a.qkv_proj(ctx)[..., a.q_size:].split([a.kv_size, a.kv_size], dim=-1)
+            k = rms_norm(k.view(2, 5, a.kv_heads, a.head_dim), a.k_norm.weight, a.k_norm.eps)
+            ks.append(apply_rotary(k.transpose(1, 2), cos, sin))
+            vs.append(v.view(2, 5, a.kv_heads, a.head_dim).transpose(1, 2))
+        return torch.stack(ks), torch.stack(vs)
+
+    k, v = model.context_kv(ctx, cos, sin)
+    want_k, want_v = by_layer()
+    assert len(model.layers) > 1 and torch.allclose(k, want_k, atol=1e-5) and torch.allclose(v, want_v, atol=1e-5)
+    kept = model._context_weights
+    model.layers[1].self_attn.k_norm.weight.mul_(2.0)
+    model.layers[0].self_attn.qkv_proj.weight[-1].add_(1.0)  # a v row of the first layer
+    k, v = model.context_kv(ctx, cos, sin)
+    want_k, want_v = by_layer()
+    assert torch.allclose(k, want_k, atol=1e-5) and torch.allclose(v, want_v, atol=1e-5)
+    stale = nn.functional.linear(ctx, kept[0]).view(2, 5, len(model.layers), 2, -1)[:, :, 0, 1]
+    assert not torch.allclose(stale, want_v[0].transpose(1, 2).flatten(2), atol=1e-3)
+
+
 def test_cache_shape_and_limits():
     model = load("dspark_vanilla")
     cache = model.new_cache(3, 20)

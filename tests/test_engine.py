@@ -781,3 +781,37 @@ def test_a_batch_mixing_penalties_and_none_gives_each_its_own_output(llm):
     assert [o.outputs[0].token_ids for o in together] == alone
     unpenalised = SamplingParams(temperature=0.8, seed=4, max_tokens=20, ignore_eos=True)  # the penalties act
     assert llm.generate("import os", unpenalised, use_tqdm=False)[0].outputs[0].token_ids != alone[1]
+
+
+@pytest.mark.parametrize("store", ["float32", "fp8"])
+def test_every_layers_write_and_gather_equal_each_layers(store):
+    """`KVCache.write_layers` / `gather_layers` (a drafter's context, all its layers at once) against `write` /
+    `gather` a layer at a time: pages interleaved between slots, lengths inside a page, an FP8 store with a scale a
+    layer and a head; the room after each slot's positions is left for the caller."""
+    from blockspec.models.kv_cache import FP8, KVCache, PageTable, causal_meta
+
+    def pair():
+        table = PageTable(3, 24, 4, 14, "cpu")
+        for tokens in (4, 8, 12, 16):  # the slots' pages alternate in the pool
+            for slot in (0, 1, 2):
+                table.reserve(slot, tokens)
+        table.sync()
+        fp8 = dict(kv_dtype=FP8, k_scale=(0.5, (0.25, 2.0), 1.0), v_scale=4.0) if store == "fp8" else {}
+        return KVCache(3, 2, 8, 24, torch.float32, "cpu", table, **fp8), KVCache(3, 2, 8, 24, torch.float32, "cpu",
+                                                                                   table, **fp8)
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(3, 3, 2, 6, 8, generator=g), torch.randn(3, 3, 2, 6, 8, generator=g)
+    meta = causal_meta([2, 0, 1], [0, 5, 9], [6, 4, 2], 6, 24, "cpu")  # rows past a request's count: the trash
+    by_layer, at_once = pair()
+    for layer in range(3):
+        by_layer.write(layer, meta, k[layer], v[layer])
+    at_once.write_layers(meta, k, v)
+    assert torch.equal(by_layer.k_layers, at_once.k_layers) and torch.equal(by_layer.v_layers, at_once.v_layers)
+    slots, kv_len = torch.tensor([0, 2, 1]), 11
+    keys, values = at_once.gather_layers(slots, kv_len, room=5)
+    assert keys.shape[:3] == (3, 3, 2) and keys.shape[3] >= kv_len + 5
+    for layer in range(3):
+        want_k, want_v = by_layer.gather(layer, slots, kv_len)
+        assert torch.equal(keys[layer, :, :, :kv_len], want_k) and torch.equal(values[layer, :, :, :kv_len], want_v)
+    assert not torch.equal(keys[1, :, :, :kv_len], keys[0, :, :, :kv_len])  # control: the layers differ

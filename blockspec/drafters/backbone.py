@@ -29,14 +29,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from blockspec.config import ConfigError, ModelConfig
 from blockspec.drafters.config import DrafterConfig
 from blockspec.kernels.attention import block_attention
 from blockspec.kernels.ops import qkv_rope_store
 from blockspec.models.kv_cache import AttnMeta, KVCache, PageTable, range_mask
-from blockspec.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attention, dense, qkv_heads
-from blockspec.models.quant import linear_rows
+from blockspec.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attention, dense, qkv_heads, rms_norm
+from blockspec.models.quant import kept, linear_rows, reference_weight
 from blockspec.sample import RowParams, sample_draft
 from blockspec.transfer import to_device
 
@@ -55,17 +56,10 @@ class DraftAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim**-0.5
 
-    def context_kv(self, ctx: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """ctx [R, C, H] (fused target features) -> k, v [R, kv_heads, C, hd] (k normed and rotated)."""
-        r, c, _ = ctx.shape
-        k, v = self._context_kv_proj(ctx).split([self.kv_size, self.kv_size], dim=-1)
-        k = self.k_norm(k.view(r, c, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = v.view(r, c, self.kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rotary(k, cos, sin), v
-
     def store_context_kv(self, ctx: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int,
                          meta: AttnMeta) -> None:
-        """Kernel path of `context_kv` + `cache.write`: project, norm, rotate and store in one kernel."""
+        """Kernel path of `DraftModel.context_kv` + `cache.write_layers`, a layer at a time: project, norm, rotate
+        and store in one kernel."""
         qkv_rope_store(self._context_kv_proj(ctx), 0, self.kv_heads, self.head_dim, None, self.k_norm.weight,
                        self.k_norm.eps, cos, sin, cache.k[layer], cache.v[layer], cache.table, meta.slots,
                        meta.write_pos, cache.k_scales[layer], cache.v_scales[layer])
@@ -74,13 +68,15 @@ class DraftAttention(nn.Module):
         """[k | v] of the context rows: the k and v slices of the fused projection."""
         return linear_rows(self.qkv_proj, ctx, self.q_size)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor | None) -> Tensor:
-        """Reference: keys are the gathered context K/V [R, kv_heads, C, hd] followed by the block's own."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+        """Reference: keys and values [R, kv_heads, C + n, hd] hold the gathered context's C positions, and the
+        block's own n K/V are written into the n after them (`KVCache.gather_layers` leaves that room), so no
+        concatenation copies the context each layer."""
         r, n, _ = x.shape
         q, k, v = qkv_heads(self.qkv_proj(x), self.heads, self.kv_heads, self.head_dim, self.q_norm.weight,
                             self.k_norm.weight, self.q_norm.eps, cos, sin)
-        keys = torch.cat([ctx_k, k], dim=2)
-        values = torch.cat([ctx_v, v], dim=2)
+        keys[:, :, -n:] = k
+        values[:, :, -n:] = v
         out = attention(q, keys, values, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(r, n, self.q_size))
 
@@ -120,8 +116,8 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor | None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_cached(self, x: Tensor, cos: Tensor, sin: Tensor, block: CachedBlock, layer: int,
@@ -351,11 +347,40 @@ class DraftModel(nn.Module):
         cos, sin = self._rope(rope_pos, max_pos)
         ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
         meta = AttnMeta(slots, positions, write_pos, 0, {})
-        for i, layer in enumerate(self.layers):
-            if self.attention_backend == "triton":
+        if self.attention_backend == "triton":
+            for i, layer in enumerate(self.layers):
                 layer.self_attn.store_context_kv(ctx, cos, sin, cache, i, meta)
-            else:
-                cache.write(i, meta, *layer.self_attn.context_kv(ctx, cos, sin))
+        else:
+            cache.write_layers(meta, *self.context_kv(ctx, cos, sin))
+
+    def context_kv(self, ctx: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Every layer's K/V of the context rows ctx [R, C, H] (the fused target features): k, v [layers, R,
+        kv_heads, C, hd], k normed and rotated. The layers read the same features, so their k and v rows are
+        one product, their k heads one norm (each head by its own layer's weight) and one rotation."""
+        a = self.layers[0].self_attn
+        weight, bias, norm_weight = self._context_projection(ctx.dtype)
+        r, c, _ = ctx.shape
+        n = len(self.layers)
+        kv = F.linear(ctx, weight, bias).view(r, c, n, 2, a.kv_heads, a.head_dim)
+        k = rms_norm(kv[:, :, :, 0].reshape(r, c, n * a.kv_heads, a.head_dim), None, a.k_norm.eps) * norm_weight
+        k = apply_rotary(k.transpose(1, 2), cos, sin).view(r, n, a.kv_heads, c, a.head_dim).transpose(0, 1)
+        return k, kv[:, :, :, 1].permute(2, 0, 3, 1, 4)
+
+    def _context_projection(self, dtype: torch.dtype) -> tuple[Tensor, Tensor | None, Tensor]:
+        """The layers' k and v rows of their fused projections stacked [layers x 2 kv_size, H] (and biases), and
+        their k norms' weights a head [layers x kv_heads, hd]. Kept while none of those weights changes where no
+        gradient is wanted (a step); made anew where one is (training), so that it reaches each layer's."""
+        atts = [layer.self_attn for layer in self.layers]
+
+        def make() -> tuple[Tensor, Tensor | None, Tensor]:
+            weight = torch.cat([reference_weight(a.qkv_proj, dtype)[a.q_size:] for a in atts])
+            bias = torch.cat([a.qkv_proj.bias[a.q_size:] for a in atts]) if atts[0].qkv_proj.bias is not None else None
+            return weight, bias, torch.cat([a.k_norm.weight.expand(a.kv_heads, -1) for a in atts])
+
+        if torch.is_grad_enabled():
+            return make()
+        sources = [t for a in atts for t in (*a.qkv_proj.parameters(), a.k_norm.weight)]
+        return kept(self.__dict__, "_context_weights", (dtype, *((t.data_ptr(), t._version) for t in sources)), make)
 
     # ------------------------------------------------------------------ block
     def embed_block(self, ids: Tensor, embed: Callable[[Tensor], Tensor] | None) -> Tensor:
@@ -463,8 +488,9 @@ class DraftModel(nn.Module):
             x = last.forward_cached(x, cos, sin, block, len(early), rows if rows and rows < b else None)
             return self.norm(x)
         masks = self._block_masks(ctx_lens, positions, kv_len, every_key)
+        keys, values = cache.gather_layers(slots, kv_len, b)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, *cache.gather(i, slots, kv_len), masks[i])
+            x = layer(x, cos, sin, keys[i, :, :, : kv_len + b], values[i, :, :, : kv_len + b], masks[i])
         return self.norm(x[:, :rows])
 
     def block_rows(self, k: int) -> int:

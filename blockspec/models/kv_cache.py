@@ -354,7 +354,7 @@ class SharedKVStore:
     engine's n-th cache of the same took (zeroed, as a new cache's are); anything else gets its own."""
 
     def __init__(self) -> None:
-        self.tensors: dict[tuple, tuple[list[Tensor], list[Tensor]]] = {}
+        self.tensors: dict[tuple, tuple[Tensor, Tensor]] = {}
         self._made: Counter[tuple] = Counter()  # this engine's caches so far, by kind
 
     @contextlib.contextmanager
@@ -368,22 +368,23 @@ class SharedKVStore:
             _SHARED.reset(token)
 
     def take(self, layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-             ) -> tuple[list[Tensor], list[Tensor]]:
+             ) -> tuple[Tensor, Tensor]:
+        """K and V, each [layers, *shape]."""
         kind = (layers, shape, dtype, device)
         key = (*kind, self._made[kind])
         self._made[kind] += 1
         if key in self.tensors:
             k, v = self.tensors[key]
-            for t in k + v:
-                t.zero_()
+            k.zero_()
+            v.zero_()
         else:
-            k, v = ([torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)] for _ in range(2))
+            k, v = (torch.zeros((layers, *shape), dtype=dtype, device=device) for _ in range(2))
             self.tensors[key] = (k, v)
-        return list(k), list(v)
+        return k, v
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for k, v in self.tensors.values() for t in k + v)
+        return sum(t.numel() * t.element_size() for k, v in self.tensors.values() for t in (k, v))
 
 
 _SHARED: ContextVar[SharedKVStore | None] = ContextVar("shared_kv_store", default=None)
@@ -408,10 +409,13 @@ class KVCache:
             raise ValueError(f"a KV cache stores the model's dtype or float8_e4m3fn, not {store}")
         shared = _SHARED.get()
         if shared is None:
-            self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
-            self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+            self.k_layers, self.v_layers = (torch.zeros((num_layers, *shape), dtype=store, device=device)
+                                            for _ in range(2))
         else:
-            self.k, self.v = shared.take(num_layers, shape, store, torch.device(device))
+            self.k_layers, self.v_layers = shared.take(num_layers, shape, store, torch.device(device))
+        # each layer's pool is a view of one tensor of every layer's: a drafter's context is gathered and
+        # appended for all its layers at once (`gather_layers`, `write_layers`)
+        self.k, self.v = list(self.k_layers.unbind(0)), list(self.v_layers.unbind(0))
         self.dtype = dtype  # what attention computes in
         self.quantized = store == FP8
         # each layer's scales (an unquantized cache stores K and V as they are): floats, or [kv_heads] fp32
@@ -440,7 +444,7 @@ class KVCache:
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in (self.k_layers, self.v_layers))
 
     def _locate(self, slots: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """(page, offset in the page) of each (slot, position); slots broadcast against positions."""
@@ -454,6 +458,38 @@ class KVCache:
             k, v = quantize_kv(k, self.k_scales[layer]), quantize_kv(v, self.v_scales[layer])
         self.k[layer][page, :, offset] = k.transpose(1, 2)
         self.v[layer][page, :, offset] = v.transpose(1, 2)
+
+    def write_layers(self, meta: "AttnMeta", k: Tensor, v: Tensor) -> None:
+        """`write` of every layer at once: k, v [layers, R, kv_heads, Q, hd]."""
+        page, offset = self._locate(meta.slots[:, None], meta.write_pos)
+        if self.quantized:
+            k = torch.stack([quantize_kv(k[i], self.k_scales[i]) for i in range(len(k))])
+            v = torch.stack([quantize_kv(v[i], self.v_scales[i]) for i in range(len(v))])
+        # (page, offset) [R, Q] index dims 1 and 3 around the heads' slice: the indexed view is [R, Q, layers, heads, hd]
+        self.k_layers[:, page, :, offset] = k.permute(1, 3, 0, 2, 4)
+        self.v_layers[:, page, :, offset] = v.permute(1, 3, 0, 2, 4)
+
+    def gather_layers(self, slots: Tensor, kv_len: int, room: int) -> tuple[Tensor, Tensor]:
+        """Every layer's keys and values of positions 0..kv_len-1 of each slot, in one gather, followed by at least
+        `room` positions the caller fills: [layers, R, kv_heads, >= kv_len + room, hd] (a copy in the attention's
+        dtype; what follows position kv_len - 1 is undefined until written)."""
+        p = self.pages.page_size
+        cols = self.pages.pages_for(kv_len, p)
+        r = slots.shape[0]
+        pages = self.table[slots, :cols].long().reshape(-1)
+
+        def pool(t: Tensor, scales: tuple[float | Tensor, ...]) -> Tensor:
+            x = t.index_select(1, pages)  # [L, R * cols, H, P, hd]
+            layers, _, h, _, d = x.shape
+            x = x.view(layers, r, cols, h, p, d).transpose(2, 3)  # [L, R, H, cols, P, hd]
+            out = torch.empty(layers, x.shape[1], h, cols * p + room, d, dtype=self.dtype, device=t.device)
+            out[:, :, :, : cols * p].view(x.shape).copy_(x)
+            if self.quantized:
+                for layer, scale in enumerate(scales):
+                    out[layer, :, :, :kv_len] *= per_head(scale)
+            return out
+
+        return pool(self.k_layers, self.k_scales), pool(self.v_layers, self.v_scales)
 
     def gather(self, layer: int, slots: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
         """Keys and values of positions 0..kv_len-1 of each slot: [R, kv_heads, kv_len, hd] (a copy)."""

@@ -171,14 +171,17 @@ class Fp8Experts(nn.Module):
         return f"experts={self.gate_up_proj.shape[0]}, blocks={self.gate_up_block}, {self.down_block}"
 
 
+def reference_weight(proj: nn.Linear | Fp8Linear, dtype: torch.dtype) -> Tensor:
+    """The weight the reference path multiplies by: a linear's own, an FP8 one's dequantized (kept)."""
+    return proj.dequantized(dtype) if isinstance(proj, Fp8Linear) else proj.weight
+
+
 def linear_rows(proj: nn.Linear | Fp8Linear, x: Tensor, lo: int) -> Tensor:
     """x @ W[lo:]^T + b[lo:]: the outputs of `proj` from row `lo` on (e.g. k and v of a fused qkv), for a
     linear or an FP8 one, whose scale blocks must then start at `lo`."""
     b = proj.bias[lo:] if proj.bias is not None else None
-    if not isinstance(proj, Fp8Linear):
-        return F.linear(x, proj.weight[lo:], b)
-    if not use_kernels(x):
-        return F.linear(x, proj.dequantized(x.dtype)[lo:], b)
+    if not isinstance(proj, Fp8Linear) or not use_kernels(x):
+        return F.linear(x, reference_weight(proj, x.dtype)[lo:], b)
     rows = proj.block[0]
     if lo % rows:
         raise ValueError(f"linear_rows: row {lo} falls inside a scale block of {rows} rows")

@@ -466,7 +466,7 @@ def train_block_hidden(drafter: DraftModel, input_ids: Tensor, features: Tensor,
                        embed: Any) -> Tensor:
     """Final-normed drafter hidden states [b, N, B, H] for all blocks of all sequences in one forward.
 
-    The same modules and formulas as inference: context K/V from ``context_kv`` on the fused
+    The same modules and formulas as inference: context K/V from ``DraftModel.context_kv`` on the fused
     features at positions 0..S-1, block rows through the draft layers at positions p..p+B-1.
     """
     bsz, seq = input_ids.shape
@@ -481,9 +481,10 @@ def train_block_hidden(drafter: DraftModel, input_ids: Tensor, features: Tensor,
     ids[:, :, 0] = input_ids.gather(1, anchors)
     x = drafter.embed_block(ids.view(bsz, n * blk), embed)
     masks = block_attention_masks(drafter.config, anchors, seq)
+    k, v = drafter.context_kv(ctx, cos_c, sin_c)
+    room = k.new_empty(*k.shape[1:3], x.shape[1], k.shape[-1])  # the block rows' own K/V go here
     for i, layer in enumerate(drafter.layers):
-        k, v = layer.self_attn.context_kv(ctx, cos_c, sin_c)
-        x = layer(x, cos_b, sin_b, k, v, masks[i])
+        x = layer(x, cos_b, sin_b, torch.cat([k[i], room], dim=2), torch.cat([v[i], room], dim=2), masks[i])
     return drafter.norm(x).view(bsz, n, blk, -1)
 
 
