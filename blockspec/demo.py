@@ -144,6 +144,8 @@ def run_demo(args: argparse.Namespace) -> int:
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"{p}: not a model directory (no config.json)")
     spec = {"method": args.method, "model": str(drafter), "adaptive_draft_length": args.adaptive_draft_length}
+    if args.method == "dspark" and args.adaptive_verification:
+        spec["adaptive_verification"] = True
     if args.num_speculative_tokens:
         spec["num_speculative_tokens"] = args.num_speculative_tokens
     llm = LLM(str(target), device=args.device, dtype=args.dtype, speculative_config=spec, seed=0, max_num_seqs=1)
@@ -205,6 +207,10 @@ def add_demo_parser(sub: Any) -> None:
                    help="each step verifies the number of drafts with the most measured tokens per second, down to "
                         "none, as the engine does by default (default here: off, every step drafts the whole "
                         "block, so the demo shows what block drafting does)")
+    p.add_argument("--adaptive-verification", action=argparse.BooleanOptionalAction, default=True,
+                   help="dspark: its confidence head decides how many of each block's drafts to verify, admitting "
+                        "them by predicted survival while the measured tokens per second of a step rise "
+                        "(speculative_config's adaptive_verification; default: on)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],

@@ -112,6 +112,28 @@ def test_demo_runs_one_request_at_a_time_in_alternating_rounds(monkeypatch, caps
     assert "interleaved rounds, one prompt each, min" in out or "no drafts: the draft-length policy" in out
 
 
+@needs_pair
+@pytest.mark.parametrize("flag, budget", [([], True), (["--no-adaptive-verification"], False)])
+def test_the_demo_lets_dspark_confidence_choose_what_to_verify(monkeypatch, capsys, flag, budget):
+    """DSpark's confidence budget is on in the demo (the drafter as designed) and off on request, when every
+    step verifies the whole block."""
+    from blockspec.llm import LLM
+
+    engines = []
+    real = LLM.generate
+
+    def generate(self, prompts, params, use_tqdm=True):
+        engines.append(self.engine)
+        return real(self, prompts, params, use_tqdm=use_tqdm)
+
+    monkeypatch.setattr(LLM, "generate", generate)
+    assert main(DEMO + flag) == 0
+    proposer = engines[-1].proposer
+    assert proposer.cfg.adaptive_verification is budget
+    assert (proposer.cost_table is not None) is budget
+    assert "outputs identical to plain decoding: yes" in capsys.readouterr().out
+
+
 def test_the_demo_takes_prompts_the_target_continues(tmp_path):
     """A candidate that the target ends at its first token is passed over, in order."""
     from blockspec.demo import continued_prompts

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 
-from blockspec.speculative.confidence import schedule_prefixes, threshold_lengths
+from blockspec.speculative.confidence import StepCostTable, schedule_prefixes, threshold_lengths
 
 
 def staircase(batch: int, rows: int) -> float:
@@ -56,3 +57,33 @@ def test_greedy_admission_by_survival_and_budgets():
 def test_threshold_cuts_at_first_low_position():
     conf = torch.tensor([[0.9, 0.6, 0.95, 0.9], [0.3, 0.9, 0.9, 0.9], [0.8, 0.8, 0.8, 0.8]])
     assert threshold_lengths(conf, [4, 4, 2], 0.7) == [1, 0, 2]
+
+
+def scripted_verify(log: list[tuple[int, int]]):
+    """A verify forward of 1 + 0.1 x rows seconds, but 50 at its first timing after the warm-up (a stall of the
+    host): the table must not take it."""
+    def measure(batch: int, rows: int) -> float:
+        log.append((batch, rows))
+        nth = sum(1 for b, q in log if (b, q) == (batch, rows))
+        return 50.0 if nth == 2 else 1.0 + 0.1 * rows
+    return measure
+
+
+def test_step_prices_are_robust_verify_timings_plus_the_rest_of_a_step_learned_as_steps_run():
+    log: list[tuple[int, int]] = []
+    table = StepCostTable(scripted_verify(log), max_rows=9, repeats=5)
+    assert table(3, 2) == pytest.approx(1.2)  # batch 3 is priced at its bucket, 4; no step seen: the verify alone
+    assert {b for b, _ in log} == {4} and len(log) == 9 * 6  # a warm-up and 5 timings of every row count
+    assert [table.verify[(4, q)] for q in (1, 9)] == pytest.approx([1.1, 1.9])  # the median drops the stall
+    assert table(4, 20) == pytest.approx(1.9)  # rows past the profiled ones cost the widest's
+    # a draft of survival 0.08: priced by the verify alone its row costs more than it yields
+    survival, budgets = [[0.08]], [1]
+    priced = lambda b, r: table(4, r)  # noqa: E731  (one request's drafts in a step of four requests)
+    assert schedule_prefixes(survival, budgets, priced) == [0]
+    for seconds in (4.9, 4.9, 60.0):  # steps of 9 rows: 3 s besides the verify, and one outlier
+        table.observe(4, 9, seconds)
+    assert table(4, 1) == pytest.approx(4.1)
+    # with the step's other 3 s in the price, the same row costs a smaller share and is worth verifying
+    assert schedule_prefixes(survival, budgets, priced) == [1]
+    table.observe(16, 9, 4.9)  # a bucket never profiled learns nothing (nothing to subtract yet)
+    assert 16 not in table.rest

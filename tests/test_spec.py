@@ -489,6 +489,7 @@ def test_confidence_pruning_stays_exact(target, plain, spec):
     assert len(m["confidence_predicted_per_pos"]) == 4 and len(m["confidence_realised_per_pos"]) == 4
     if spec.get("adaptive_verification"):
         assert m["verify_budget_mean"] >= 0
+        assert llm.engine.proposer.cost_table.rest  # the steps as they ran priced the rest of a step
 
 
 @pytest.mark.parametrize("spec", [{}, {"adaptive_verification": True}], ids=["chained", "cost-table"])

@@ -518,7 +518,8 @@ class Engine:
             touched += self._finish_spec(launch)
             # after a decode step (not a prefill) this step refills a pipeline the steps before ran
             refill = self.async_scheduling and start is not None
-            self._observe_time(len(spec), k, time.perf_counter() - t0, refill=refill)
+            rows = launch.block.tokens.shape[1] + 1 if launch.block is not None else None
+            self._observe_time(len(spec), k, time.perf_counter() - t0, refill=refill, verify_rows=rows)
             self.pipeline.last_commit = ("spec", time.perf_counter())
         if plain:
             t0 = time.perf_counter() if start is None else start
@@ -536,11 +537,16 @@ class Engine:
             return chosen[1]
         return self.agree(self.policy.choose(batch))
 
-    def _observe_time(self, batch: int, k: int, seconds: float, refill: bool = False) -> None:
+    def _observe_time(self, batch: int, k: int, seconds: float, refill: bool = False,
+                      verify_rows: int | None = None) -> None:
         """Feed the policy a step time, unless the step paid a one-off cost (a graph capture). `refill`:
-        a step run start to finish where steps are pipelined (see `DraftLengthPolicy.observe_time`)."""
+        a step run start to finish where steps are pipelined (see `DraftLengthPolicy.observe_time`).
+        `verify_rows`: a speculative step's rows a request, for the prices of DSpark's verify budget
+        (not from a refill, which pays a pipeline's switch)."""
         if not self.timer.step_captured:
             self.policy.observe_time(batch, k, seconds, refill)
+            if verify_rows is not None and not refill:
+                self.proposer.observe_step(batch, verify_rows, seconds)
 
     # ---------------------------------------------------------------- plain steps
     def _pipelines(self, reqs: list[Request], ahead: int) -> bool:

@@ -7,18 +7,22 @@ x_k is drawn. Two uses:
 - static threshold: verify up to the first k with c_k < threshold;
 - load-aware budget (DSpark paper, Algorithm 1): rank every (request, k) by prefix survival
   a_k = c_1...c_k, admit in that order while the estimated throughput (tokens per step over the
-  measured cost of a verify forward of that shape) rises, and stop at the first candidate that does
-  not raise it. Stopping there (rather than searching all subsets) is what keeps the output exact:
+  measured seconds of a step of that verify shape, `StepCostTable`) rises, and stop at the first
+  candidate that does not raise it. Stopping there (rather than searching all subsets) is what keeps the output exact:
   whether x_k is verified never depends on c_{k+1}, which is computed from x_k.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+from blockspec.speculative.policy import batch_bucket
 
 
 def threshold_lengths(confidence: Tensor, budgets: list[int], threshold: float) -> list[int]:
@@ -33,8 +37,8 @@ def schedule_prefixes(survival: list[list[float]], budgets: list[int],
                       cost: Callable[[int, int], float]) -> list[int]:
     """Algorithm 1: greedy admission of (request, position) by prefix survival, with the early break.
 
-    survival[r][j] = a_{r,j+1}; cost(num_requests, rows_per_request) is the seconds of a verify
-    forward of that shape (rows = longest draft + 1, since requests are padded to a common length).
+    survival[r][j] = a_{r,j+1}; cost(num_requests, rows_per_request) is the seconds of a step of
+    that verify shape (rows = longest draft + 1, since requests are padded to a common length).
     """
     r = len(survival)
     lens = [0] * r
@@ -55,21 +59,44 @@ def schedule_prefixes(survival: list[list[float]], budgets: list[int],
     return lens
 
 
-class VerifyCostTable:
-    """Seconds of a verify forward per (batch bucket, rows per request), profiled once per batch bucket."""
+class StepCostTable:
+    """Seconds of a speculative step by (batch, verify rows per request): the reciprocal of Algorithm 1's
+    SPS, the engine's steps per second at that verify shape.
 
-    def __init__(self, measure: Callable[[int, int], float], max_rows: int) -> None:
+    A step is its verify forward, whose cost grows with the rows, and the rest (drafting, heads, acceptance,
+    the host's work), which is the same whatever is verified. The verify forward is profiled once per batch
+    bucket (`measure`, the median of `repeats` timings after a warm-up: one timing on a shared CPU is as
+    large as a row's cost). The rest is learned from the steps as they run (`observe`: each step's seconds
+    less its verify forward's, the median of the latest `window`); until a step is seen it is taken as 0.
+    Priced by its verify forward alone, a row looks dearer than it is, and the budget verifies too little."""
+
+    def __init__(self, measure: Callable[[int, int], float], max_rows: int, repeats: int = 5,
+                 window: int = 16) -> None:
         self.measure = measure
         self.max_rows = max_rows
-        self.table: dict[tuple[int, int], float] = {}
+        self.repeats = repeats
+        self.verify: dict[tuple[int, int], float] = {}
+        self.rest: dict[int, deque[float]] = {}
+        self.window = window
 
     def __call__(self, batch: int, rows: int) -> float:
-        bucket = 1 << max(0, (batch - 1).bit_length())
-        if (bucket, 1) not in self.table:
+        bucket = batch_bucket(batch)
+        rest = self.rest.get(bucket)
+        return self.verify_seconds(bucket, rows) + (statistics.median(rest) if rest else 0.0)
+
+    def verify_seconds(self, bucket: int, rows: int) -> float:
+        if (bucket, 1) not in self.verify:
             for q in range(1, self.max_rows + 1):
                 self.measure(bucket, q)  # warm-up (and CUDA-graph capture) before timing
-                self.table[(bucket, q)] = self.measure(bucket, q)
-        return self.table[(bucket, min(rows, self.max_rows))]
+                self.verify[(bucket, q)] = statistics.median(self.measure(bucket, q) for _ in range(self.repeats))
+        return self.verify[(bucket, min(rows, self.max_rows))]
+
+    def observe(self, batch: int, rows: int, seconds: float) -> None:
+        """A step of `batch` requests verified `rows` rows each in `seconds`, start to finish."""
+        bucket = batch_bucket(batch)
+        if (bucket, 1) in self.verify:
+            rest = self.rest.setdefault(bucket, deque(maxlen=self.window))
+            rest.append(max(0.0, seconds - self.verify_seconds(bucket, rows)))
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> float:

@@ -19,7 +19,7 @@ from blockspec.models.llama import CausalLM
 from blockspec.speculative.context import DraftContext
 from blockspec.speculative.draft_graph import DraftGraphs
 from blockspec.speculative.step_graph import StepGraphs
-from blockspec.speculative.confidence import VerifyCostTable, schedule_prefixes, threshold_lengths, timed
+from blockspec.speculative.confidence import StepCostTable, schedule_prefixes, threshold_lengths, timed
 from blockspec.sample import (
     RowParams,
     process_logits,
@@ -111,7 +111,7 @@ class Proposer:
         self.context = context
         k = self.num_speculative_tokens = context.num_drafts
         self.taps = tuple(drafter.target_layer_ids)
-        self.cost_table: VerifyCostTable | None = None
+        self.cost_table: StepCostTable | None = None
         has_conf = drafter.has_confidence
         if (cfg.confidence_threshold > 0 or cfg.adaptive_verification) and not has_conf:
             raise ConfigError("speculative_config.confidence_threshold / adaptive_verification need a DSpark drafter "
@@ -334,11 +334,17 @@ class Proposer:
         if self.cfg.adaptive_verification:
             if self.cost_table is None:
                 # a function of the runner, not of the proposer, which would then reference itself
-                self.cost_table = VerifyCostTable(partial(profile_verify, self.runner), self.num_speculative_tokens + 1)
+                self.cost_table = StepCostTable(partial(profile_verify, self.runner), self.num_speculative_tokens + 1)
             survival = torch.cumprod(confidence.float(), dim=1).tolist()
             lens = schedule_prefixes(survival, lens, self.cost_table)
             self.budget_history.append(sum(lens))
         return lens
+
+    def observe_step(self, batch: int, rows: int, seconds: float) -> None:
+        """A speculative step's seconds, start to finish, at `rows` verify rows a request: the budget's
+        step prices (`StepCostTable.observe`)."""
+        if self.cost_table is not None:
+            self.cost_table.observe(batch, rows, seconds)
 
     def _record_calibration(self, confidence: Tensor, lens: Tensor) -> None:
         """Predicted prefix survival of every verified draft position (device sums, read only for metrics)."""
