@@ -69,6 +69,13 @@ def continued_prompts(llm: Any, candidates: list[str], limit: int) -> list[str]:
     return [p for p, o in zip(candidates, outs) if len(o.outputs[0].token_ids) > 1][:limit]
 
 
+def budget_on(asked: bool | None, device_type: str) -> bool:
+    """Whether DSpark's confidence budget chooses what each step verifies: as asked, else on the CPU only. On a
+    GPU this small pair's step is host work, and a budgeted step reads the confidences on the host mid-step
+    and runs as separate launches, not as one captured step: it costs more than the rows it saves there."""
+    return asked if asked is not None else device_type == "cpu"
+
+
 def use_color(enabled: bool) -> bool:
     """Colours only on a terminal, and never with NO_COLOR set (https://no-color.org)."""
     return enabled and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
@@ -133,6 +140,7 @@ def summary(rounds: list[Round], acc: dict[str, Any], adaptive: bool = True) -> 
 def run_demo(args: argparse.Namespace) -> int:
     from blockspec.bench.drafts import StepLog, acceptance
     from blockspec.llm import LLM
+    from blockspec.models.loader import resolve_device
     from blockspec.sampling_params import SamplingParams
 
     shipped = True
@@ -144,7 +152,7 @@ def run_demo(args: argparse.Namespace) -> int:
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"{p}: not a model directory (no config.json)")
     spec = {"method": args.method, "model": str(drafter), "adaptive_draft_length": args.adaptive_draft_length}
-    if args.method == "dspark" and args.adaptive_verification:
+    if args.method == "dspark" and budget_on(args.adaptive_verification, resolve_device(args.device).type):
         spec["adaptive_verification"] = True
     if args.num_speculative_tokens:
         spec["num_speculative_tokens"] = args.num_speculative_tokens
@@ -207,10 +215,11 @@ def add_demo_parser(sub: Any) -> None:
                    help="each step verifies the number of drafts with the most measured tokens per second, down to "
                         "none, as the engine does by default (default here: off, every step drafts the whole "
                         "block, so the demo shows what block drafting does)")
-    p.add_argument("--adaptive-verification", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--adaptive-verification", action=argparse.BooleanOptionalAction, default=None,
                    help="dspark: its confidence head decides how many of each block's drafts to verify, admitting "
                         "them by predicted survival while the measured tokens per second of a step rise "
-                        "(speculative_config's adaptive_verification; default: on)")
+                        "(speculative_config's adaptive_verification; default: on the CPU, off on a GPU, where "
+                        "this small pair's budgeted step costs more than the rows it saves)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],

@@ -115,7 +115,7 @@ def test_demo_runs_one_request_at_a_time_in_alternating_rounds(monkeypatch, caps
 @needs_pair
 @pytest.mark.parametrize("flag, budget", [([], True), (["--no-adaptive-verification"], False)])
 def test_the_demo_lets_dspark_confidence_choose_what_to_verify(monkeypatch, capsys, flag, budget):
-    """DSpark's confidence budget is on in the demo (the drafter as designed) and off on request, when every
+    """DSpark's confidence budget is on in the CPU demo (the drafter as designed) and off on request, when every
     step verifies the whole block."""
     from blockspec.llm import LLM
 
@@ -132,6 +132,13 @@ def test_the_demo_lets_dspark_confidence_choose_what_to_verify(monkeypatch, caps
     assert proposer.cfg.adaptive_verification is budget
     assert (proposer.cost_table is not None) is budget
     assert "outputs identical to plain decoding: yes" in capsys.readouterr().out
+
+
+def test_the_demo_budgets_verification_on_the_cpu_unless_told():
+    from blockspec.demo import budget_on
+
+    assert budget_on(None, "cpu") and not budget_on(False, "cpu") and budget_on(True, "cpu")
+    assert not budget_on(None, "cuda") and budget_on(True, "cuda")
 
 
 def test_the_demo_takes_prompts_the_target_continues(tmp_path):
