@@ -26,7 +26,7 @@ from blockspec.drafters import DraftModel
 from blockspec.engine import memory
 from blockspec.engine.batch import BatchSampling, needs_history, needs_processing
 from blockspec.engine.output import OutputProcessor
-from blockspec.engine.pipeline import Pipeline, PlainLaunch, SpecLaunch, priced_from
+from blockspec.engine.pipeline import Pipeline, PlainLaunch, SpecLaunch, priced_from, verify_rows
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.timer import StepTimer
 from blockspec.errors import RequestError
@@ -484,6 +484,8 @@ class Engine:
             # work a pipelined interval pays for is the next step's), so it is no sample
             if seconds is not None and self.pipeline.inflight is not None and launch.captures == CAPTURES[0]:
                 self.policy.observe_time(len(launch.reqs), launch.k, seconds)
+                if (rows := verify_rows(launch)) is not None:
+                    self.proposer.observe_step(len(launch.reqs), rows, seconds)
             return touched  # requests that joined since the launch wait for the next one
         spec = self._speculating(decoding)
         k = self._choose(len(spec)) if spec else 0
@@ -518,8 +520,7 @@ class Engine:
             touched += self._finish_spec(launch)
             # after a decode step (not a prefill) this step refills a pipeline the steps before ran
             refill = self.async_scheduling and start is not None
-            rows = launch.block.tokens.shape[1] + 1 if launch.block is not None else None
-            self._observe_time(len(spec), k, time.perf_counter() - t0, refill=refill, verify_rows=rows)
+            self._observe_time(len(spec), k, time.perf_counter() - t0, refill=refill, verify_rows=verify_rows(launch))
             self.pipeline.last_commit = ("spec", time.perf_counter())
         if plain:
             t0 = time.perf_counter() if start is None else start

@@ -53,6 +53,12 @@ class SpecLaunch:
     captures: int  # CUDA graph captures before the launch (a launch that captured is no timing sample)
 
 
+def verify_rows(launch: SpecLaunch) -> int | None:
+    """A launched step's verify rows a request (its widest draft and the anchor); None for a chained step,
+    whose drafts only the device knows."""
+    return launch.block.tokens.shape[1] + 1 if launch.block is not None else None
+
+
 def priced_from(t0: float, prefill_end: Any, end: Any) -> float:
     """`t0`, or later where a prefill's work outlasted it: the host-clock moment the device passed
     `prefill_end` (once the device has passed `end`: now, less the seconds from one to the other).
