@@ -8,8 +8,9 @@ x_k is drawn. Two uses:
 - load-aware budget (DSpark paper, Algorithm 1): rank every (request, k) by prefix survival
   a_k = c_1...c_k, admit in that order while the estimated throughput (tokens per step over the
   measured seconds of a step of that verify shape, `StepCostTable`) rises, and stop at the first
-  candidate that does not raise it. Stopping there (rather than searching all subsets) is what keeps the output exact:
-  whether x_k is verified never depends on c_{k+1}, which is computed from x_k.
+  candidate that does not raise it. Stopping there (rather than searching all subsets) is what
+  keeps the output exact: whether x_k is verified never depends on c_{k+1}, which is computed
+  from x_k.
 """
 
 from __future__ import annotations
