@@ -77,13 +77,13 @@ class StepCostTable:
         self.max_rows = max_rows
         self.repeats = repeats
         self.verify: dict[tuple[int, int], float] = {}
-        self.rest: dict[int, deque[float]] = {}
+        self.rest: dict[int, deque[float]] = {}  # the latest samples of the rest of a step, by batch bucket
+        self.rest_seconds: dict[int, float] = {}  # their median (Algorithm 1 prices a step several times)
         self.window = window
 
     def __call__(self, batch: int, rows: int) -> float:
         bucket = batch_bucket(batch)
-        rest = self.rest.get(bucket)
-        return self.verify_seconds(bucket, rows) + (statistics.median(rest) if rest else 0.0)
+        return self.verify_seconds(bucket, rows) + self.rest_seconds.get(bucket, 0.0)
 
     def verify_seconds(self, bucket: int, rows: int) -> float:
         if (bucket, 1) not in self.verify:
@@ -98,6 +98,7 @@ class StepCostTable:
         if (bucket, 1) in self.verify:
             rest = self.rest.setdefault(bucket, deque(maxlen=self.window))
             rest.append(max(0.0, seconds - self.verify_seconds(bucket, rows)))
+            self.rest_seconds[bucket] = statistics.median(rest)
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> float:
