@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import enum
 import time
 from dataclasses import dataclass, field
@@ -121,7 +122,12 @@ class IncrementalDetokenizer:
     cleans up spaces after decoding, or a prompt tail that ends mid-character. A step the stream refuses (it checks that
     the text it emitted is still a prefix) hands the request to the offsets, which continue from
     the same state. `fast=False` keeps the offsets throughout (the reference the stream is tested
-    against)."""
+    against).
+
+    The text is kept as the pieces `add` returned, joined only when read whole: a `str` attribute grown by
+    `+=` is copied whole at every token, which over a long output costs more than the decode itself.
+    Readers of the newest text (streaming, stop strings) take `text_from`, which reads only the pieces it
+    spans."""
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool, fast: bool = True) -> None:
         self.tokenizer = tokenizer
@@ -129,7 +135,9 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-6:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
+        self._parts: list[str] = []  # the text as `add` returned it, joined into one on a whole read
+        self._starts: list[int] = []  # each part's first character
+        self.length = 0  # characters of text
         self.stream: Any = None
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
         if fast and self.backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
@@ -148,8 +156,24 @@ class IncrementalDetokenizer:
             return ""
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
-        self.text += new
+        self._parts.append(new)
+        self._starts.append(self.length)
+        self.length += len(new)
         return new
+
+    @property
+    def text(self) -> str:
+        """The whole text (its parts joined once, then kept as one)."""
+        if len(self._parts) > 1:
+            self._parts, self._starts = ["".join(self._parts)], [0]
+        return self._parts[0] if self._parts else ""
+
+    def text_from(self, start: int) -> str:
+        """text[start:], joining only the parts it spans."""
+        if start >= self.length:
+            return ""
+        i = max(0, bisect.bisect_right(self._starts, start) - 1)
+        return "".join(self._parts[i:])[start - self._starts[i]:]
 
     def _step(self, token_id: int) -> str:
         try:
@@ -243,6 +267,18 @@ class Request:
         if self.truncated_text is not None:
             return self.truncated_text
         return self.detok.text if self.detok else ""
+
+    @property
+    def text_length(self) -> int:
+        if self.truncated_text is not None:
+            return len(self.truncated_text)
+        return self.detok.length if self.detok else 0
+
+    def text_from(self, start: int) -> str:
+        """text[start:] without joining the whole text (`IncrementalDetokenizer.text_from`)."""
+        if self.truncated_text is not None:
+            return self.truncated_text[start:]
+        return self.detok.text_from(start) if self.detok else ""
 
     def metrics(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -510,6 +510,29 @@ def test_a_refused_stream_step_hands_over_to_the_offsets():
     assert len(calls) == 9 and fast.stream is None and fast.text == tok.decode(out)
 
 
+def test_text_kept_in_parts_reads_as_the_joined_text():
+    """The detokeniser keeps its text as the pieces it returned: every suffix read (`text_from`) and the whole
+    text equal the pieces joined, before and after a whole read joins them, and the length counts them."""
+    import random
+    from pathlib import Path
+
+    from blockspec.request import IncrementalDetokenizer
+    from blockspec.engine.build import load_tokenizer
+
+    tok = load_tokenizer(Path(__file__).parent.parent / "blockspec" / "assets" / "default" / "target")
+    ids = tok.encode("def parse(s):\n    return {k: v for k, v in s.items()}  # déjà vu, 東京\n" * 12)
+    detok, pieces, rng = IncrementalDetokenizer(tok, ids[:4], True), [], random.Random(0)
+    for i, t in enumerate(ids[4:]):
+        pieces.append(detok.add(t))
+        joined = "".join(pieces)
+        assert detok.length == len(joined)
+        for start in {0, len(joined), len(joined) + 3, rng.randrange(len(joined) + 1)}:
+            assert detok.text_from(start) == joined[start:]
+        if i % 37 == 0:  # a whole read joins the parts; the reads after it still agree
+            assert detok.text == joined
+    assert detok.text == tok.decode(ids[4:]) and len(detok._parts) == 1
+
+
 def test_cache_plan_is_what_the_caches_allocate(tmp_path):
     """The start-up plan prices a page as the pools allocate it (target and drafter, the trash page
     included), and on the CPU allocates what max_num_seqs x max_model_len can use."""

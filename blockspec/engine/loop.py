@@ -240,8 +240,7 @@ class _Tracker:
         n = len(req.output_ids)
         if n == self.sent_tokens and not done:
             return None
-        text = req.text
-        visible = len(text)
+        visible = req.text_length
         if not done and req.params.stop_strings:
             visible = max(self.sent_chars, visible - max(map(len, req.params.stop_strings)) + 1)
         spec = None
@@ -250,7 +249,8 @@ class _Tracker:
             spec.merge(req.spec)
         # the prompt's logprobs are whole once the first token is sampled: they go with the first delta
         prompt = req.prompt_logprobs if not self.sent_prompt else None
-        delta = (self.index, text[self.sent_chars:visible], req.output_ids[self.sent_tokens:n],
+        text = req.text_from(self.sent_chars)[: max(0, visible - self.sent_chars)]
+        delta = (self.index, text, req.output_ids[self.sent_tokens:n],
                  req.logprobs[self.sent_tokens:n] if req.logprobs is not None else None,
                  req.finish_reason, req.stop_reason, req.error, spec, prompt,
                  req.num_cached_tokens if done else None)

@@ -74,14 +74,14 @@ class OutputProcessor:
     def _stop_string(req: Request, new_len: int) -> str | None:
         """The stop string the newest text completes (the text is cut before it, or after it with
         include_stop_str_in_output), or None."""
-        text = req.detok.text
         longest = max(len(s) for s in req.params.stop_strings)
-        window_start = max(0, len(text) - new_len - longest + 1)
+        window_start = max(0, req.detok.length - new_len - longest + 1)
+        window = req.detok.text_from(window_start)
         for s in req.params.stop_strings:
-            at = text.find(s, window_start)
+            at = window.find(s)
             if at >= 0:
-                end = at + len(s) if req.params.include_stop_str_in_output else at
-                req.truncated_text = text[:end]
+                end = window_start + at + (len(s) if req.params.include_stop_str_in_output else 0)
+                req.truncated_text = req.detok.text[:end]
                 return s
         return None
 
