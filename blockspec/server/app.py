@@ -263,9 +263,10 @@ def check_prompts(inputs: ModelInputs, prompts: list[Prompt], params: SamplingPa
 # ---------------------------------------------------------------- outputs
 @dataclass
 class Choice:
-    """One choice's output, accumulated from its deltas."""
+    """One choice's output, accumulated from its deltas (the text as their pieces, joined when read: a `str`
+    grown by `+=` would be copied whole at every delta)."""
 
-    text: str = ""
+    parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
@@ -275,8 +276,15 @@ class Choice:
     spec: SpecStats = field(default_factory=SpecStats)
     cached_tokens: int | None = None
 
+    @property
+    def text(self) -> str:
+        if len(self.parts) > 1:
+            self.parts[:] = ["".join(self.parts)]
+        return self.parts[0] if self.parts else ""
+
     def add(self, d: Delta) -> None:
-        self.text += d.text
+        if d.text:
+            self.parts.append(d.text)
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs or []
         self.prompt_logprobs = self.prompt_logprobs or d.prompt_logprobs
