@@ -56,7 +56,7 @@ def test_greedy_admission_by_survival_and_budgets():
 
 def test_threshold_cuts_at_first_low_position():
     conf = torch.tensor([[0.9, 0.6, 0.95, 0.9], [0.3, 0.9, 0.9, 0.9], [0.8, 0.8, 0.8, 0.8]])
-    assert threshold_lengths(conf, [4, 4, 2], 0.7) == [1, 0, 2]
+    assert threshold_lengths(conf.tolist(), [4, 4, 2], 0.7) == [1, 0, 2]
 
 
 def scripted_verify(log: list[tuple[int, int]]):

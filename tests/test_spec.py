@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import operator
 import time as clock
 from pathlib import Path
 
@@ -490,6 +491,27 @@ def test_confidence_pruning_stays_exact(target, plain, spec):
     if spec.get("adaptive_verification"):
         assert m["verify_budget_mean"] >= 0
         assert llm.engine.proposer.cost_table.rest  # the steps as they ran priced the rest of a step
+
+
+def test_calibration_from_host_survival_equals_the_device_sums(target):
+    """Steps that read the confidences on the host (threshold, budget) record the predicted survival there;
+    captured steps on the device. Both must give the same per-position sums, verified drafts only."""
+    proposer = spec_llm(target, "dspark", "dspark_vanilla", adaptive_verification=True).engine.proposer
+    k = proposer.num_speculative_tokens
+    confidence = torch.rand(5, k, generator=torch.Generator().manual_seed(3), dtype=torch.float64).float()
+    lens = [k, 0, 2, k - 1, 1]
+    survival = [list(itertools.accumulate(row, operator.mul)) for row in confidence.tolist()]
+    proposer.reset_stats()
+    proposer._record_calibration(confidence, torch.tensor(lens))
+    device = proposer.calibration.tolist()
+    proposer.reset_stats()
+    proposer._record_host_calibration(survival, lens)
+    assert proposer.host_calibration[1] == [sum(n > j for n in lens) for j in range(k)]
+    assert proposer.host_calibration[1] == device[1]
+    assert proposer.host_calibration[0] == pytest.approx(device[0], rel=1e-6)
+    assert proposer.host_calibration[0][1] == pytest.approx(survival[0][1] + survival[2][1] + survival[3][1])
+    metrics = proposer.calibration_metrics()["confidence_predicted_per_pos"]
+    assert metrics[1] == pytest.approx(proposer.host_calibration[0][1] / 3)
 
 
 @pytest.mark.parametrize("spec", [{}, {"adaptive_verification": True}], ids=["chained", "cost-table"])

@@ -21,17 +21,15 @@ from collections import deque
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
 
 from blockspec.speculative.policy import batch_bucket
 
 
-def threshold_lengths(confidence: Tensor, budgets: list[int], threshold: float) -> list[int]:
-    """Drafts kept per request: up to (not including) the first position with c_k < threshold."""
-    k = confidence.shape[1]
-    below = (confidence < threshold).float()
-    first_low = torch.where(below.any(1), below.argmax(1), torch.full_like(below[:, 0], k, dtype=torch.long))
-    return [min(b, int(f)) for b, f in zip(budgets, first_low.tolist())]
+def threshold_lengths(confidence: list[list[float]], budgets: list[int], threshold: float) -> list[int]:
+    """Drafts kept per request: up to (not including) the first position with c_k < threshold
+    (confidence[r] the request's c_1..c_K, read on the host)."""
+    return [min(b, next((j for j, c in enumerate(row) if c < threshold), len(row)))
+            for b, row in zip(budgets, confidence)]
 
 
 def schedule_prefixes(survival: list[list[float]], budgets: list[int],

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from itertools import accumulate
+from operator import mul
 from typing import Any
 
 import torch
@@ -137,6 +139,7 @@ class Proposer:
         else:
             self.calibration.zero_()
         self.realised = [0] * k
+        self.host_calibration = [[0.0] * k, [0] * k]  # the same sums, from steps that read survival on the host
         self.budget_history: list[int] = []
         # drafts launched ahead of their step's commit and taken by the next step, on their own (a chained
         # step's draft, launched and taken with it, is counted by the engine)
@@ -213,10 +216,15 @@ class Proposer:
                 tokens, confidence = self._graphed_draft(reqs, anchors, widest)
             else:
                 tokens, q_probs, confidence = self._eager_draft(reqs, anchors, draft_params, widest)
-        lens = list(budgets)
+        lens, survival = list(budgets), None
         if confidence is not None:
-            lens = self._confident_lengths(confidence, lens)
-        block = self._cut(tokens, lens, to_device(lens, torch.int64, device), max(lens), anchors, confidence)
+            lens, survival = self._confident_lengths(confidence, lens)
+        lens_t = to_device(lens, torch.int64, device)
+        if survival is not None:
+            self._record_host_calibration(survival, lens)
+        elif confidence is not None:
+            self._record_calibration(confidence[:, : max(lens)], lens_t)
+        block = self._cut(tokens, lens, lens_t, max(lens), anchors, confidence)
         block.q_probs = q_probs[:, : max(lens)] if q_probs is not None else None
         return block
 
@@ -270,6 +278,8 @@ class Proposer:
         tokens, confidence = self.graphs.step(slots, starts, counts, anchors, ctx_end, k, context)
         lens = (left - counts - 1).clamp(0, k)
         verify_at = starts + counts
+        if confidence is not None:
+            self._record_calibration(confidence[:, :k], lens)
         block = self.keyed(self._cut(tokens, None, lens, k, anchors, confidence), keys, verify_at)
         ids = torch.cat([anchors[:, None], block.tokens.clamp(min=0)], dim=1)
         hidden, verify_taps = self.runner.forward_tensors(ids, slots, verify_at, lens + 1, kv_len)
@@ -288,9 +298,7 @@ class Proposer:
              confidence: Tensor | None) -> DraftBlock:
         """The block verified: `width` columns (the longest draft), drafts past each request's length -1."""
         cut = torch.arange(width, device=tokens.device)[None, :] >= lens_t[:, None]
-        if confidence is not None:
-            confidence = confidence[:, :width]
-            self._record_calibration(confidence, lens_t)
+        confidence = confidence[:, :width] if confidence is not None else None
         return DraftBlock(tokens[:, :width].masked_fill(cut, -1), lens, lens_t, anchors, None, confidence)
 
     def _graphed_draft(self, reqs: list[Request], anchors: Tensor,
@@ -324,21 +332,26 @@ class Proposer:
                                                         head_argmax=self.runner.greedy_ids)
         return tokens, None, confidence
 
-    def _confident_lengths(self, confidence: Tensor, lens: list[int]) -> list[int]:
-        """Prune drafts by DSpark's confidence: static threshold, then the load-aware budget.
+    def _confident_lengths(self, confidence: Tensor, lens: list[int]) -> tuple[list[int], list[list[float]] | None]:
+        """Prune drafts by DSpark's confidence: static threshold, then the load-aware budget. Returns the
+        lengths and, where the confidences were read, each request's prefix survival.
 
-        Reads the [R, K] confidences on the host: one extra sync in steps that use them.
+        Reads the [R, K] confidences on the host once (one extra sync in steps that use them); the rest is
+        host arithmetic over K values a request, cheaper there than as tensor ops on a CPU.
         """
+        if not (self.cfg.confidence_threshold > 0 or self.cfg.adaptive_verification):
+            return lens, None
+        rows = confidence.float().tolist()
+        survival = [list(accumulate(row, mul)) for row in rows]
         if self.cfg.confidence_threshold > 0:
-            lens = threshold_lengths(confidence, lens, self.cfg.confidence_threshold)
+            lens = threshold_lengths(rows, lens, self.cfg.confidence_threshold)
         if self.cfg.adaptive_verification:
             if self.cost_table is None:
                 # a function of the runner, not of the proposer, which would then reference itself
                 self.cost_table = StepCostTable(partial(profile_verify, self.runner), self.num_speculative_tokens + 1)
-            survival = torch.cumprod(confidence.float(), dim=1).tolist()
             lens = schedule_prefixes(survival, lens, self.cost_table)
             self.budget_history.append(sum(lens))
-        return lens
+        return lens, survival
 
     def observe_step(self, batch: int, rows: int, seconds: float) -> None:
         """A speculative step's seconds, start to finish, at `rows` verify rows a request: the budget's
@@ -347,7 +360,8 @@ class Proposer:
             self.cost_table.observe(batch, rows, seconds)
 
     def _record_calibration(self, confidence: Tensor, lens: Tensor) -> None:
-        """Predicted prefix survival of every verified draft position (device sums, read only for metrics)."""
+        """Predicted prefix survival of every verified draft position (device sums, read only for metrics):
+        the steps whose confidences stay on the device (captured steps)."""
         width = confidence.shape[1]
         if width == 0:
             return
@@ -355,6 +369,14 @@ class Proposer:
         keep = torch.arange(width, device=survival.device)[None, :] < lens[:, None]
         self.calibration[0, :width] += (survival * keep).sum(0).double()
         self.calibration[1, :width] += keep.sum(0)
+
+    def _record_host_calibration(self, survival: list[list[float]], lens: list[int]) -> None:
+        """`_record_calibration` for a step that read each request's prefix survival on the host."""
+        predicted, offered = self.host_calibration
+        for row, n in zip(survival, lens):
+            for j in range(n):
+                predicted[j] += row[j]
+                offered[j] += 1
 
     def record_outcome(self, lens: list[int], accepted: list[int]) -> None:
         """Realised acceptance of the verified positions (host counts known after the step's sync)."""
@@ -368,7 +390,8 @@ class Proposer:
         """Predicted vs realised prefix acceptance per position, and the verify budget per step."""
         if self.calibration is None:
             return {}
-        predicted, offered = self.calibration.tolist()
+        device_sums = self.calibration.tolist()
+        predicted, offered = ([d + h for d, h in zip(*sums)] for sums in zip(device_sums, self.host_calibration))
         out: dict[str, Any] = {
             "confidence_predicted_per_pos": [p / o if o else None for p, o in zip(predicted, offered)],
             "confidence_realised_per_pos": [r / o if o else None for r, o in zip(self.realised, offered)],
