@@ -447,7 +447,7 @@ class ChatRenderer(Renderer):
     def __init__(self, *args: Any, tools: ToolUse | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tools = tools if tools is not None and tools.calls_possible else None
-        self.texts: dict[int, str] = {}  # with tools: each streamed choice's text so far
+        self.texts: dict[int, list[str]] = {}  # with tools: each streamed choice's deltas so far, joined at its end
 
     def message(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall] | None, str | None]:
         """(content, tool calls, finish reason) of a choice's whole text."""
@@ -482,8 +482,8 @@ class ChatRenderer(Renderer):
     def chunk(self, d: Delta) -> BaseModel:
         delta, finish_reason = DeltaMessage(content=d.text), d.finish_reason
         if self.tools is not None:
-            self.texts[d.index] = self.texts.get(d.index, "") + d.text
-            content, calls, finish_reason = self.message(self.texts[d.index], d.finish_reason) \
+            self.texts.setdefault(d.index, []).append(d.text)
+            content, calls, finish_reason = self.message("".join(self.texts.pop(d.index)), d.finish_reason) \
                 if d.finish_reason is not None else ("", None, None)
             delta = DeltaMessage(content=content, tool_calls=[DeltaToolCall(index=i, **c.model_dump())
                                                               for i, c in enumerate(calls)] if calls else None)
