@@ -162,6 +162,36 @@ def test_screened_greedy_leaves_bad_rows_and_other_heads_to_the_float32_logits()
     assert screened_greedy(head, PackedProduct(nn.Linear(64, 512, bias=False).weight, torch.bfloat16)) is None
 
 
+@needs_onednn
+def test_a_plain_engine_beside_a_speculative_one_on_the_same_model_decodes_as_alone(tmp_path, monkeypatch):
+    """Engines that share one target (a benchmark's, timed in turns) must each take the path it takes alone:
+    the speculative engine's screen of its drafter's bfloat16 head is its own, never the plain engine's (whose
+    batches would then go through it: another path, other timings)."""
+    from blockspec.config import EngineConfig, SpeculativeConfig
+    from blockspec.engine.engine import Engine
+
+    spec = {"method": "dflash", "model": str(DRAFTERS / "dflash"), "adaptive_draft_length": False}
+    llm = LLM(str(save_drafter_target(tmp_path / "target")), device="cpu", seed=0, speculative_config=spec)
+    model, drafter = llm.engine.model, llm.engine.proposer.drafter
+    plain = Engine(model, None, EngineConfig(max_model_len=64, max_num_seqs=4))
+    fast = Engine(model, None, EngineConfig(max_model_len=64, max_num_seqs=4), SpeculativeConfig(**spec), drafter)
+    screened: list[int] = []
+    call = ScreenedGreedy.__call__
+    monkeypatch.setattr(ScreenedGreedy, "__call__", lambda self, x: screened.append(x.shape[0]) or call(self, x))
+
+    def decode(engine: Engine) -> list[list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        reqs = [engine.add_request(f"r{i}", None, [3 + i, 4, 5], params)[0] for i in range(4)]
+        while engine.has_unfinished():
+            engine.step()
+        return [r.output_ids for r in reqs]
+
+    out = decode(plain)
+    assert not screened  # four rows a step, and not one through the other engine's screen
+    assert decode(fast) == out and bool(screened) == bf16_products()
+    assert isinstance(fast.runner.head_screen, ScreenedGreedy) == bf16_products() and plain.runner.head_screen is None
+
+
 def _recording(product, rows: list[int]):
     return lambda h: rows.append(h.numel() // h.shape[-1]) or product(h)
 
@@ -175,16 +205,16 @@ def test_the_cpu_engine_drafts_and_verifies_through_the_packed_heads_and_decodes
     target = save_drafter_target(tmp_path / "target")
     spec = {"method": method.split("_")[0], "model": str(DRAFTERS / method), "adaptive_draft_length": False}
     llm = LLM(str(target), device="cpu", seed=0, speculative_config=spec)
-    drafter, model = llm.engine.proposer.drafter, llm.engine.model
+    drafter, model, runner = llm.engine.proposer.drafter, llm.engine.model, llm.engine.runner
     assert isinstance(model.head_product, PackedProduct)
     assert isinstance(drafter.head_product, PackedProduct) == bf16_products()
-    assert isinstance(model.head_screen, ScreenedGreedy) == bf16_products()
+    assert isinstance(runner.head_screen, ScreenedGreedy) == bf16_products()
     assert drafter.plain_target_head == (drafter.head_product is None)
     drafted, verified, screened = [], [], []
     model.head_product = _recording(model.head_product, verified)
     if drafter.head_product is not None:
         drafter.head_product = _recording(drafter.head_product, drafted)
-        model.head_screen = _recording(model.head_screen, screened)
+        runner.head_screen = _recording(runner.head_screen, screened)
     prompt = {"prompt_token_ids": [3, 4, 5, 6]}
     outputs = []
     for params in (dict(temperature=0, max_tokens=24, ignore_eos=True),
@@ -199,7 +229,7 @@ def test_the_cpu_engine_drafts_and_verifies_through_the_packed_heads_and_decodes
     assert bool(drafted) == bf16_products() and bool(screened) == bf16_products()
     assert not screened or max(screened) > 1
     declined = []  # a screen that declines (a bad row, a wide batch): the float32 logits decide
-    model.head_screen = lambda h: declined.append(h.shape[0]) and None
+    runner.head_screen = lambda h: declined.append(h.shape[0]) and None
     verified.clear()
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == plain_greedy

@@ -73,7 +73,7 @@ class Engine:
         drafter = drafter if spec_config is not None else None
         model.kv_cache_dtype = kv_storage_dtype(config.kv_cache_dtype, model.embed_tokens.weight.dtype)
         if self.device.type == "cpu":
-            model.head_product, model.head_screen = verify_head_product(model.lm_head), None
+            model.head_product = verify_head_product(model.lm_head)
         if drafter is not None:
             drafter.attention_backend = self.attention_backend
             drafter.kv_cache_dtype = model.kv_cache_dtype
@@ -112,7 +112,7 @@ class Engine:
             self.proposer = (proposer_cls or Proposer)(drafter, model, self.runner, spec_config, context)
             if self.device.type == "cpu":  # after the proposer has the drafter share the target's head
                 drafter.head_product = draft_head_product(drafter.lm_head if drafter.use_own_head else model.lm_head)
-                model.head_screen = screened_greedy(model.lm_head, drafter.head_product)
+                self.runner.head_screen = screened_greedy(model.lm_head, drafter.head_product)
         self.sampling = BatchSampling(self.runner, self.vocab_size, self.eos_ids, config.logprobs_mode,
                                       TokenStrings(tokenizer) if tokenizer is not None else None)
         self.output = OutputProcessor(self.eos_ids, config.max_model_len)

@@ -126,9 +126,6 @@ class CausalLM(nn.Module):
         # the LM head's product where it is not the head module's own (the engine sets a packed one on the CPU:
         # `models.cpu_linear.verify_head_product`)
         self.head_product: Callable[[Tensor], Tensor] | None = None
-        # greedy ids of several rows where not the argmax of `head_logits` (the engine sets one on the CPU that
-        # screens a bfloat16 copy of the head: `models.cpu_linear.ScreenedGreedy`); None where a row is bad
-        self.head_screen: Callable[[Tensor], Tensor | None] | None = None
 
     def new_cache(self, table: PageTable | int, max_len: int, device: torch.device | str | None = None) -> KVCache:
         """This model's K/V pools over `table`'s pages, `max_len` positions a slot (see `KVCache`)."""

@@ -148,6 +148,11 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int, int, bool], CapturedForward] = {}
         self.graph_prefill_tokens = graph_prefill_tokens
         self.context_sink = context_sink
+        # greedy ids of several rows where not the argmax of the head's logits (a speculative engine on the CPU
+        # sets one that screens its drafter's bfloat16 copy of the head: `models.cpu_linear.ScreenedGreedy`);
+        # None where a row is bad. The runner's, not the model's: engines that share a model (a benchmark's) each
+        # decode as they would alone
+        self.head_screen: Callable[[Tensor], Tensor | None] | None = None
         # (hidden [N, H], taps [N, F]) that every prefill graph writes
         self._prefill_out: tuple[Tensor, Tensor] | None = None
         self.pool = None  # the memory pool every graph of this model shares (made at its first capture)
@@ -322,9 +327,9 @@ class ModelRunner:
     def greedy_ids(self, hidden: Tensor, max_bytes: int = 1 << 28) -> Tensor:
         """Argmax token per row (-1 for a non-finite row) of the head's own-dtype logits, holding at most
         `max_bytes` of them at once. Chunks stay large: each one reads the whole LM head. Several rows take the
-        model's `head_screen` where it has one (the same ids)."""
+        runner's `head_screen` where it has one (the same ids)."""
         flat = hidden.reshape(-1, hidden.shape[-1])
-        screen = self.model.head_screen
+        screen = self.head_screen
         if screen is not None and flat.shape[0] > 1 and (ids := screen(flat)) is not None:
             return ids.view(hidden.shape[:-1])
         out = torch.empty(flat.shape[0], dtype=torch.int64, device=flat.device)
