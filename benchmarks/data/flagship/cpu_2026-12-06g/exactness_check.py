@@ -1,18 +1,13 @@
-import dataclasses, sys, collections, math
+import sys, collections
 import torch
 from blockspec.demo import default_pair, heldout_prompts
 from blockspec.llm import LLM
 from blockspec.sampling_params import SamplingParams
+from draft_temperature import scaled  # the draft rows' temperatures scaled (run from this folder)
 base, _ = default_pair()
 prompt = heldout_prompts(8)[int(sys.argv[1]) if len(sys.argv) > 1 else 0]
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 1500
 T = 0.7
-def scaled(fn, f):
-    def propose(reqs, budgets, last_tokens=None, draft_params=None):
-        if draft_params is not None:
-            draft_params = dataclasses.replace(draft_params, temperature=draft_params.temperature * f)
-        return fn(reqs, budgets, last_tokens, draft_params)
-    return propose
 def counts(llm):
     params = [SamplingParams(temperature=T, seed=i, max_tokens=4, ignore_eos=True) for i in range(N)]
     outs = llm.generate([prompt] * N, params, use_tqdm=False)
