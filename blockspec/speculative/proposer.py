@@ -390,8 +390,10 @@ class Proposer:
         """Predicted vs realised prefix acceptance per position, and the verify budget per step."""
         if self.calibration is None:
             return {}
-        device_sums = self.calibration.tolist()
-        predicted, offered = ([d + h for d, h in zip(*sums)] for sums in zip(device_sums, self.host_calibration))
+        device_predicted, device_offered = self.calibration.tolist()
+        host_predicted, host_offered = self.host_calibration
+        predicted = [d + h for d, h in zip(device_predicted, host_predicted)]
+        offered = [d + h for d, h in zip(device_offered, host_offered)]
         out: dict[str, Any] = {
             "confidence_predicted_per_pos": [p / o if o else None for p, o in zip(predicted, offered)],
             "confidence_realised_per_pos": [r / o if o else None for r, o in zip(self.realised, offered)],
