@@ -360,6 +360,37 @@ def test_methods_are_timed_in_interleaved_rounds(monkeypatch):
     assert {m: run["passes"] for m, (run, _) in out.items()} == {"plain": 3, "dflash": 3, "dspark": 3}
 
 
+def test_timed_passes_run_with_every_engine_out_of_the_collectors_walks(monkeypatch):
+    """The timed rounds run with what is alive frozen (a pass beside more engines would otherwise pay for their
+    objects in its full collections), the warm-up passes not, and the freeze ends with the point."""
+    import gc
+
+    from blockspec.bench import harness, timing
+
+    frozen = []
+
+    def fake_drive(engine, prompts, params):
+        frozen.append(gc.get_freeze_count())
+        return harness.Pass(1.0, 10, 1.0, 9, {0: [0.1]}, {0: [1]}, [], [0.01], [0.1], [[1] * 10])
+
+    monkeypatch.setattr(harness, "drive", fake_drive)
+    monkeypatch.setattr(harness, "summarize", lambda engine, passes, *rest: {})
+
+    class FakeEngine:
+        device = torch.device("cpu")
+        timer = dataclasses.make_dataclass("T", [("totals", dict)])({})
+
+    before = gc.get_freeze_count()
+    engines = {m: FakeEngine() for m in ("plain", "dflash")}
+    harness.measure_point(engines, [[1]], [SamplingParams()], 2, dict.fromkeys(engines, 0))
+    assert frozen[:2] == [before, before] and all(n > before for n in frozen[2:]) and len(frozen) == 6
+    assert gc.get_freeze_count() == before
+    frozen.clear()
+    monkeypatch.setattr(timing, "FREEZE_COLLECTOR", False)  # the switch an A/B of the bench itself uses
+    harness.measure_point(engines, [[1]], [SamplingParams()], 1, dict.fromkeys(engines, 0))
+    assert frozen == [before] * 4
+
+
 def test_speedup_is_the_median_of_the_rounds_ratios_with_their_range():
     """Each round's speculative pass over the same round's plain pass: rounds of 100 / 50 plain tok/s and
     110 / 60 speculative give 1.1 and 1.2 (median 1.15), where the medians' ratio would be 85 / 75."""

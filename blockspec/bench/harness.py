@@ -4,7 +4,10 @@ One run sweeps methods x prompt lengths (random-token prompts) x batch sizes (co
 decoded together) x temperatures. At each point every method's engine is warmed up (CUDA graphs captured,
 kernels compiled), then the methods are timed in `repeats` rounds of one pass each, interleaved (plain,
 DFlash, DSpark, then the next round in a rotated order): a pass's speed drifts with the host and the
-device, by tens of per cent on a small model, and a drift must fall on every method alike. A speculative
+device, by tens of per cent on a small model, and a drift must fall on every method alike. What is alive is
+frozen out of the garbage collector's walks over the timed rounds, as a serving process freezes what it
+loaded: a full collection walks every tracked object, so unfrozen, a pass beside more engines pays for their
+objects, and a host-bound pass's time follows when a collection falls in it. A speculative
 row's speedup is the median of its rounds' ratios to the plain pass of the same round, with their min and
 max. Token ids go in and come out (no detokenisation is timed). A point's engines take turns, so their
 KV caches share one store (`SharedKVStore`, every engine with the pages its largest member needs): the
@@ -70,6 +73,7 @@ from blockspec.bench.report import (SYNTHETIC_NOTE, add_step_floors, checks, com
 from blockspec.bench.tp_report import add_rank_figures, compare_tp, rank_figures
 from blockspec.bench.timing import (
     allocated_bytes,
+    collector_frozen,
     copy_bandwidth,
     free_memory,
     matmul_rate,
@@ -623,12 +627,13 @@ def measure_point(engines: dict[Hashable, Engine], prompts: list[list[int]], par
     passes: dict[Hashable, list[Pass]] = {key: [] for key in engines}
     transient = dict.fromkeys(engines, 0)
     order = list(engines)
-    for r in range(repeats):
-        for key in order[r % len(order):] + order[: r % len(order)]:
-            reset_peak_memory(device)
-            start = allocated_bytes(device)
-            passes[key].append(drive(engines[key], prompts, params))
-            transient[key] = max(transient[key], peak_allocated_bytes(device) - start)
+    with collector_frozen():  # every engine's objects out of the collector's walks: a pass pays for its own
+        for r in range(repeats):
+            for key in order[r % len(order):] + order[: r % len(order)]:
+                reset_peak_memory(device)
+                start = allocated_bytes(device)
+                passes[key].append(drive(engines[key], prompts, params))
+                transient[key] = max(transient[key], peak_allocated_bytes(device) - start)
     out = {}
     for key, engine in engines.items():
         run = summarize(engine, passes[key], prompts, before[key])

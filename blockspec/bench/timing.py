@@ -3,11 +3,12 @@ peak memory, and the summary statistics every report uses."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -117,6 +118,25 @@ def free_memory(device: torch.device) -> None:
     if device.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
+
+
+FREEZE_COLLECTOR = True  # `collector_frozen` freezes; an A/B of the bench itself turns it off
+
+
+@contextlib.contextmanager
+def collector_frozen() -> Iterator[None]:
+    """What is alive on entry (models, engines, their graphs and warm-up leftovers) kept out of the garbage
+    collector's reach for the block, as a serving process keeps what it loaded: a full collection walks every
+    tracked object, so a pass timed beside more engines would pay for their objects in its collections."""
+    if not FREEZE_COLLECTOR:
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def spread(values: list[float]) -> dict[str, float]:
