@@ -110,7 +110,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "them (vLLM's automatic prefix caching; default: off)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default=None, choices=["dflash", "dspark"],
-                   help="drafter family (default: dflash when --draft-model is given)")
+                   help="drafter family (default: dflash when --draft-model is given); for the embedded target "
+                        "'default' it alone turns speculation on with that family's embedded drafter")
     s.add_argument("--draft-model", default=None,
                    help="drafter directory or hub id, or 'default' (the embedded drafter of --speculative-method); "
                         "turns speculation on (default: none, plain decoding)")
@@ -175,8 +176,14 @@ def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
         cfg["rejection_sample_method"] = args.rejection_sample_method
     if not cfg:
         return None
+    if "model" not in cfg:  # a method named for the embedded target: its embedded drafter of that method
+        if "method" not in cfg or args.model != "default":
+            raise ConfigError("speculation needs its drafter: --draft-model DIR_OR_HUB_ID (or 'model' in "
+                              "--speculative-config; with the embedded target 'default', --speculative-method "
+                              "alone takes its embedded drafter)")
+        cfg["model"] = "default"
     cfg.setdefault("method", "dflash")
-    if isinstance(cfg.get("model"), str):
+    if isinstance(cfg["model"], str):
         cfg["model"] = embedded(cfg["model"], cfg["method"])
     return cfg
 

@@ -352,6 +352,24 @@ def test_default_names_the_embedded_pair(capsys):
     assert "--- 0 [length]" in out and "speculation:" in err
 
 
+def test_a_method_alone_takes_the_embedded_drafter_and_elsewhere_asks_for_one(target_dir, capsys):
+    """`--speculative-method` with the embedded target speculates with that family's embedded drafter; with another
+    target, or with a speculative option but no method, the error names --draft-model."""
+    from blockspec.cli_options import speculative_config
+
+    assert main(["generate", "default", "--speculative-method", "dspark", "--prompt", "def f(x):", "--max-tokens",
+                 "8", "--device", "cpu", "--ignore-eos"]) == 0
+    assert "speculation:" in capsys.readouterr().err
+    args = argparse.Namespace(model="default", speculative_config=None, draft_model=None, adaptive_draft_length=None,
+                              speculative_method="dspark", num_speculative_tokens=None, draft_sample_method=None,
+                              rejection_sample_method=None)
+    assert speculative_config(args)["model"].endswith("assets/default/dspark")
+    for model, method in ((str(target_dir), "dflash"), ("default", None)):
+        argv = ["generate", model, "--prompt", "x", "--device", "cpu", "--no-adaptive-draft-length"]
+        assert main(argv + (["--speculative-method", method] if method else [])) == 2
+        assert "--draft-model" in capsys.readouterr().err
+
+
 def test_plain_steps_only_are_explained(target_dir, capsys, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt_token_ids": [5, 6, 7, 8]}\n')
