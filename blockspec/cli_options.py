@@ -14,6 +14,17 @@ from blockspec.request import Logprob
 from blockspec.sampling_params import SamplingParams
 
 
+def port_number(text: str) -> int:
+    """A TCP port, 0-65535 (argparse type): refused before anything loads, not by the socket after."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer 0-65535, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0-65535, got {value}")
+    return value
+
+
 def json_object(text: str) -> dict[str, Any]:
     """An option's JSON object (argparse reports the option and this line where it is not one)."""
     try:

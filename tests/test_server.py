@@ -181,6 +181,21 @@ def test_cli_serve_exits_when_the_model_cannot_load(tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def test_cli_serve_refuses_a_port_it_cannot_listen_on_before_loading(tmp_path, capsys):
+    """A port out of range is an argument error, and one in use is said in a line before any model loads
+    (the model named here does not exist, so a load would say that instead)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--model", str(tmp_path / "missing"), "--port", "99999"])
+    assert exc.value.code == 2 and "--port: must be 0-65535, got 99999" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(tmp_path / "missing"), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: cannot listen on 127.0.0.1 port {port}:" in err and "missing" not in err
+
+
 def test_cli_serve_refuses_tensor_parallelism_on_a_thread_by_name(text_dir, capsys):
     assert main(["serve", "--model", str(text_dir), "--tensor-parallel-size", "2", "--no-engine-process",
                  "--port", "0"]) == 2

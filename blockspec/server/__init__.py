@@ -21,7 +21,7 @@ log = logging.getLogger("blockspec")
 
 
 def add_serve_parser(sub: Any) -> None:
-    from blockspec.cli_options import HelpFormatter, add_model_args
+    from blockspec.cli_options import HelpFormatter, add_model_args, port_number
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)",
                        description="Serve a model over the OpenAI API: /v1/completions, /v1/chat/completions, "
@@ -30,7 +30,7 @@ def add_serve_parser(sub: Any) -> None:
     add_model_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on, 0-65535 (0: any free one)")
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
     g.add_argument("--seed", type=int, default=None, help="engine seed for requests that give none (default: 0)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -76,6 +76,20 @@ def loopback(host: str) -> bool:
     return all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), IPv6 where the host is an IPv6 address; raises OSError (address in
+    use, no such address) before the model loads, where uvicorn would find it only after."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until interrupted; exit 2 if the model cannot be loaded or the engine process dies."""
     if args.tensor_parallel_size != 1 and not args.engine_process:  # the ranks take their steps from pipes
@@ -90,6 +104,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        sock = listening_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"error: cannot listen on {args.host} port {args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    port = sock.getsockname()[1]  # the one the system chose for --port 0
     if config.api_key is None and not loopback(args.host):
         print(f"warning: serving on {args.host} with no API key: anyone who reaches this address can use the model "
               "(--api-key or BLOCKSPEC_API_KEY sets one)", file=sys.stderr)
@@ -108,7 +128,7 @@ def run_serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     def ready(_: Any) -> None:
-        log.info("blockspec serve ready on http://%s:%d, model %s, %s", args.host, args.port, name,
+        log.info("blockspec serve ready on http://%s:%d, model %s, %s", args.host, port, name,
                  describe_speculation(speculative_config(args)))
 
     # the server's own lines (ready, throughput) in uvicorn's format, at --log-level
@@ -121,15 +141,16 @@ def run_serve(args: argparse.Namespace) -> int:
     load = functools.partial(build_llm, args)  # pickles, for the engine process (which freezes after it)
     app = create_app(load if args.engine_process else freezing_after(load), name, on_engine_error=engine_failed,
                      engine_process=args.engine_process, config=config, on_ready=ready)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port,
                                            log_level=args.uvicorn_log_level or args.log_level))
     # uvicorn stops gracefully at the first SIGINT or SIGTERM, then raises that signal again for the code
     # around it (a KeyboardInterrupt's traceback, or death by SIGTERM): this is that code, and the stop
     # it asked for is done, so the repeat is dropped and the command exits 0
     dropped = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         for sig, handler_before in dropped.items():
             signal.signal(sig, handler_before)
         log.removeHandler(handler)
