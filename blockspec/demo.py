@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from blockspec.assets import PAIR
+from blockspec.config import ConfigError
 
 CACHE = Path(os.environ.get("BLOCKSPEC_CACHE", Path.home() / ".cache" / "blockspec")) / "default-quick"
 HELDOUT = ("json", "asyncio", "email")  # kept out of all training by the recipe
@@ -121,8 +122,10 @@ def summary(rounds: list[Round], acc: dict[str, Any], adaptive: bool = True) -> 
               f"speculative: {spec_n} tokens in {spec_s:.2f} s = {spec_n / spec_s:.1f} tok/s"]
     agree = f"outputs identical to plain decoding: {'yes' if all(r.same for r in rounds) else 'NO'}"
     if not acc["num_drafts"]:
-        return lines + [f"{NO_DRAFTS_WHY}; the speculative runs decoded as the plain ones did, so there is no "
-                        "speedup to report (--no-adaptive-draft-length drafts every step); " + agree]
+        why = (f"{NO_DRAFTS_WHY} (--no-adaptive-draft-length drafts every step)" if adaptive else
+               "no drafts: no decode step had room for a draft before the token limit (--max-tokens)")
+        return lines + [f"{why}; the speculative runs decoded as the plain ones did, so there is no speedup to "
+                        "report; " + agree]
     # a prompt whose output ended at its first token timed its prefill only: no decoding to compare
     ratios = [r.speedup for r in rounds if r.plain_tokens > 1]
     left_out = len(rounds) - len(ratios)
@@ -143,6 +146,8 @@ def run_demo(args: argparse.Namespace) -> int:
     from blockspec.models.loader import resolve_device
     from blockspec.sampling_params import SamplingParams
 
+    if args.num_prompts < 1:
+        raise ConfigError(f"--num-prompts must be an integer >= 1, got {args.num_prompts}")
     shipped = True
     if args.target is None or args.drafter is None:
         base, shipped = default_pair()

@@ -109,7 +109,7 @@ def test_demo_runs_one_request_at_a_time_in_alternating_rounds(monkeypatch, caps
     out = capsys.readouterr().out
     assert "plain:       16 tokens in" in out and "speculative: 16 tokens in" in out
     assert out.count("x), acceptance length ") + out.count("x), no drafts") == 2  # each round's own
-    assert "interleaved rounds, one prompt each, min" in out or "no drafts: the draft-length policy" in out
+    assert "interleaved rounds, one prompt each, min" in out or "no drafts: no decode step had room" in out
 
 
 @needs_pair
@@ -182,6 +182,13 @@ def test_demo_summary_gives_the_speedup_spread_or_says_no_drafts():
     idle = summary(rounds, {"num_drafts": 0, "per_position": [None] * 3})
     assert idle[-1].startswith("no drafts: the draft-length policy chose plain decoding at every step")
     assert "speedup 1" not in "\n".join(idle) and "no speedup to report" in idle[-1]
+    crowded = summary(rounds, {"num_drafts": 0, "per_position": [None] * 3}, adaptive=False)  # drafts every step
+    assert crowded[-1].startswith("no drafts: no decode step had room for a draft before the token limit")
+
+
+def test_demo_refuses_no_prompts(capsys):
+    assert main(["demo", "--num-prompts", "0"]) == 2
+    assert "--num-prompts must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "demo", "train", "serve", "bench"])
