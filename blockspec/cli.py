@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from blockspec import __version__
+from blockspec.assets import embedded
 from blockspec.cli_options import (
     HelpFormatter,
     add_model_args,
@@ -143,7 +144,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     if args.kv_scales == "head" and not args.kv_calibration:
         raise ConfigError("--kv-scales head: per-head KV cache scales are calibrated; give --kv-calibration FILE")
-    src = resolve_model_dir(args.model, revision=args.revision, download_dir=args.download_dir, token=args.hf_token)
+    src = resolve_model_dir(embedded(args.model), revision=args.revision, download_dir=args.download_dir,
+                            token=args.hf_token)
     calibration = None
     if args.kv_calibration:
         missing = [f for f in args.kv_calibration if not Path(f).is_file()]
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_parser(sub)
     q = sub.add_parser("quantize", help="write a model's FP8 checkpoint (e4m3 weights in 128 x 128 blocks)",
                        description=fp8_export.__doc__, formatter_class=HelpFormatter)
-    q.add_argument("model", help="an HF model directory or hub id")
+    q.add_argument("model", help="an HF model directory or hub id, or 'default' (the embedded target)")
     q.add_argument("--out", required=True, help="the FP8 checkpoint's directory (new or empty)")
     q.add_argument("--block-size", type=int, default=fp8_export.BLOCK,
                    help=f"rows and columns a weight scale covers (default: {fp8_export.BLOCK})")

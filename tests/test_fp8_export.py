@@ -141,6 +141,16 @@ def test_bad_requests_are_refused_by_name(source, exported, tmp_path, capsys):
     assert written["quantization_config"]["weight_block_size"] == [64, 64]
 
 
+def test_quantize_default_names_the_embedded_target(tmp_path, capsys):
+    from blockspec.assets import PAIR
+
+    if not (PAIR / "target" / "config.json").is_file():
+        pytest.skip("the embedded pair is not installed")
+    assert cli_main(["quantize", "default", "--out", str(tmp_path / "fp8")]) == 0
+    assert "e4m3 (128 x 128 blocks)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+
+
 def test_kv_cache_scales_are_the_calibration_texts_amax_over_448(source, tmp_path, capsys):
     """`--kv-calibration`: each layer's k_scale / v_scale is the largest |K| (normed, rotated) and |V| the
     source's prefills of the text store, over 448, under the names the loader reads back; an FP8 cache of the
