@@ -210,7 +210,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def build_llm(args: argparse.Namespace) -> LLM:
-    return LLM(embedded(args.model), tokenizer=args.tokenizer, revision=args.revision,
+    return LLM(args.model, tokenizer=args.tokenizer, revision=args.revision,
                tokenizer_revision=args.tokenizer_revision, download_dir=args.download_dir, hf_token=args.hf_token,
                dtype=args.dtype, device=args.device,
                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,

@@ -118,8 +118,8 @@ class ModelInputs:
             return prompt.get("prompt"), ids
         if isinstance(prompt, dict) and "prompt" in prompt:
             return self.prompt_ids(prompt["prompt"], where)
-        raise RequestError(f"{where}: a prompt is a string or a dict with 'prompt_token_ids'; "
-                           f"got {type(prompt).__name__}")
+        got = f"a dict with keys {sorted(map(str, prompt))}" if isinstance(prompt, dict) else type(prompt).__name__
+        raise RequestError(f"{where}: a prompt is a string or a dict with 'prompt' or 'prompt_token_ids'; got {got}")
 
     def check_prompt(self, ids: list[int], params: SamplingParams, where: str) -> list[int]:
         """The prompt's ids as the engine takes them (the last truncate_prompt_tokens where the request

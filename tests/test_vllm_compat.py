@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from blockspec import LLM, ConfigError, SamplingError, SamplingParams
+from blockspec.errors import RequestError
 from blockspec.cli import main
 from blockspec.cli_options import add_model_args, add_sampling_args, build_llm, format_spec_metrics
 from blockspec.errors import RequestError
@@ -350,6 +351,16 @@ def test_default_names_the_embedded_pair(capsys):
                  "--device", "cpu", "--ignore-eos"]) == 0
     out, err = capsys.readouterr()
     assert "--- 0 [length]" in out and "speculation:" in err
+
+
+def test_llm_default_names_the_embedded_pair_and_a_bad_prompt_dict_is_named():
+    llm = LLM("default", device="cpu", speculative_config={"method": "dspark", "model": "default"})
+    assert llm.engine.proposer is not None
+    out = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(RequestError, match=r"a dict with 'prompt' or 'prompt_token_ids'; got a dict with keys "
+                                           r"\['promt'\]"):
+        llm.generate([{"promt": "def f(x):"}], SamplingParams(max_tokens=2), use_tqdm=False)
 
 
 def test_a_method_alone_takes_the_embedded_drafter_and_elsewhere_asks_for_one(target_dir, capsys):

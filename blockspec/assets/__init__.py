@@ -1,5 +1,5 @@
 """The assets the package ships: the embedded default pair (a Qwen3 code target and its DFlash and DSpark
-drafters, each a Hugging Face directory under `default/`), which every command names `default`."""
+drafters, each a Hugging Face directory under `default/`), which every command and `LLM` name `default`."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from blockspec.assets import embedded
 from blockspec.config import ConfigError, EngineArgs, EngineConfig, ModelConfig, SpeculativeConfig
 from blockspec.drafters import load_drafter
 from blockspec.engine import memory
@@ -123,7 +124,7 @@ def build_engine(
     a = args
     spec = SpeculativeConfig.from_user(a.speculative_config)
     dev = resolve_device(a.device)
-    model_dir = resolve_model_dir(model, **a.hub(a.revision))
+    model_dir = resolve_model_dir(embedded(str(model)), **a.hub(a.revision))
     # the whole config.json is checked before anything hands the directory to transformers (the
     # tokenizer's AutoConfig), whose errors would neither name the file nor stay on one line
     config_path = model_dir / "config.json"
@@ -144,8 +145,8 @@ def build_engine(
     drafter = None
     if spec is not None:
         weight = target.embed_tokens.weight
-        drafter = load_drafter(spec.method, resolve_model_dir(spec.model, f"{spec.method} drafter",
-                                                              **a.hub(spec.revision)), weight.device, weight.dtype)
+        source = resolve_model_dir(embedded(spec.model, spec.method), f"{spec.method} drafter", **a.hub(spec.revision))
+        drafter = load_drafter(spec.method, source, weight.device, weight.dtype)
     config = a.engine_config(max_len)
     if fewest_pages is not None:
         config = agreed_pages(config, target, drafter, spec, fewest_pages)
