@@ -8,6 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Self
 
+from blockspec.assets import embedded
 from blockspec.config import ConfigError, EngineArgs, SpeculativeConfig
 from blockspec.engine.build import build_engine
 from blockspec.engine.loop import OfflineRunner
@@ -40,6 +41,8 @@ class LLM:
         """`options`: the fields of `blockspec.config.EngineArgs` (tokenizer, dtype, device, max_model_len,
         seed, speculative_config, max_num_seqs, ...), by name."""
         args = engine_args(options)
+        self.model_name = str(model)  # as given: the metrics' label
+        model = embedded(self.model_name)  # 'default': the embedded target
         for note in args.unhonoured():
             log.warning(note)
         self.tensor_parallel_size = tensor_parallel_size
@@ -54,7 +57,6 @@ class LLM:
             self.inputs = self.ranks.inputs
             self.speculative_config = SpeculativeConfig.from_user(args.speculative_config)
         self.model_dir, self.tokenizer = self.inputs.model_dir, self.inputs.tokenizer
-        self.model_name = str(model)
         if self.inputs.sampling_defaults:
             log.warning("default sampling parameters from generation_config.json (generation_config=%r): %s; "
                         "generation_config='vllm' ignores the file", args.generation_config,

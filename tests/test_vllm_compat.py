@@ -361,6 +361,9 @@ def test_llm_default_names_the_embedded_pair_and_a_bad_prompt_dict_is_named():
     with pytest.raises(RequestError, match=r"a dict with 'prompt' or 'prompt_token_ids'; got a dict with keys "
                                            r"\['promt'\]"):
         llm.generate([{"promt": "def f(x):"}], SamplingParams(max_tokens=2), use_tqdm=False)
+    with LLM("default", device="cpu", tensor_parallel_size=2) as ranks:  # the rank group resolves it alike
+        out = ranks.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_a_method_alone_takes_the_embedded_drafter_and_elsewhere_asks_for_one(target_dir, capsys):

@@ -124,7 +124,7 @@ def build_engine(
     a = args
     spec = SpeculativeConfig.from_user(a.speculative_config)
     dev = resolve_device(a.device)
-    model_dir = resolve_model_dir(embedded(str(model)), **a.hub(a.revision))
+    model_dir = resolve_model_dir(model, **a.hub(a.revision))
     # the whole config.json is checked before anything hands the directory to transformers (the
     # tokenizer's AutoConfig), whose errors would neither name the file nor stay on one line
     config_path = model_dir / "config.json"
