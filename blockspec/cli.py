@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from blockspec.cli_options import (
     sampling_params,
     settle_model,
 )
+from blockspec.inputs import read_prompts_file
 from blockspec.llm import LLM
 
 EXAMPLES = """examples:
@@ -82,36 +82,11 @@ def cmd_chat_session(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_prompts(path: str) -> list[Any]:
-    """A .jsonl file's prompts, one JSON object a line with 'prompt' (text) or 'prompt_token_ids'; any other
-    file's lines, each one prompt as written (a line of code may start with a brace). Blank lines are skipped."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SystemExit(f"error: --prompts-file {path}: {exc}") from None
-    if not path.endswith(".jsonl"):
-        return [line for line in lines if line.strip()]
-    prompts: list[Any] = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SystemExit(f"error: {path}:{n}: not a JSON object ({exc.msg}); a .jsonl prompts file holds one "
-                             "object a line") from None
-        if isinstance(record, dict) and "prompt_token_ids" in record:
-            prompts.append({"prompt_token_ids": record["prompt_token_ids"]})
-        elif isinstance(record, dict) and isinstance(record.get("prompt"), str):
-            prompts.append(record["prompt"])
-        else:
-            raise SystemExit(f"error: {path}:{n}: give 'prompt' (text) or 'prompt_token_ids' (a list of token ids)")
-    return prompts
-
-
 def cmd_generate(args: argparse.Namespace, chat: bool = False) -> int:
     params = sampling_params(args)
-    prompts: list[Any] = list(args.prompt or []) + (read_prompts(args.prompts_file) if args.prompts_file else [])
+    prompts: list[Any] = list(args.prompt or [])
+    if args.prompts_file:
+        prompts += read_prompts_file(args.prompts_file, "--prompts-file")
     if not prompts and chat:
         return cmd_chat_session(args)
     if not prompts:

@@ -7,6 +7,7 @@ weights: the server's front process, which holds no weights, checks requests wit
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,34 @@ def read_chat_template(value: str) -> str:
     if not path.is_file():
         raise ConfigError(f"chat_template {value!r} is neither a file nor a Jinja template")
     return path.read_text()
+
+
+def read_prompts_file(path: str, flag: str) -> list[PromptType]:
+    """A prompts file (`flag` names the option that gave it): a .jsonl file holds one JSON object a line with
+    'prompt' (text) or 'prompt_token_ids'; any other file's lines are each one prompt as written (a line of
+    code may start with a brace). Blank lines are skipped."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{flag} {path}: {exc}") from None
+    if not path.endswith(".jsonl"):
+        return [line for line in lines if line.strip()]
+    prompts: list[PromptType] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{flag} {path}:{n}: not a JSON object ({exc.msg}); a .jsonl prompts file holds one "
+                              "object a line") from None
+        if isinstance(record, dict) and "prompt_token_ids" in record:
+            prompts.append({"prompt_token_ids": record["prompt_token_ids"]})
+        elif isinstance(record, dict) and isinstance(record.get("prompt"), str):
+            prompts.append(record["prompt"])
+        else:
+            raise ConfigError(f"{flag} {path}:{n}: give 'prompt' (text) or 'prompt_token_ids' (a list of token ids)")
+    return prompts
 
 
 def text_content(parts: list[Any], where: str) -> str:

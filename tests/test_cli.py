@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from blockspec.cli import main
+from blockspec.config import ConfigError
 from blockspec.assets import PAIR
 from factories import save_drafter_target, save_tiny, save_tiny_model_with_tokenizer
 
@@ -225,20 +226,21 @@ def test_async_scheduling_flag_reaches_the_engine(tmp_path, flag, expected):
 def test_prompts_file_text_lines_and_jsonl(tmp_path):
     """A text file's lines are prompts as written, braces and all; a .jsonl file's lines are objects, and a
     line that is not one is named by file and line."""
-    from blockspec.cli import read_prompts
+    from blockspec.inputs import read_prompts_file
 
     text = tmp_path / "p.txt"
     text.write_text('{k: v for k, v in items}\n\ndef f():\n')
-    assert read_prompts(str(text)) == ["{k: v for k, v in items}", "def f():"]
+    assert read_prompts_file(str(text), "--prompts-file") == ["{k: v for k, v in items}", "def f():"]
     lines = tmp_path / "p.jsonl"
     lines.write_text('{"prompt": "a"}\n\n{"prompt_token_ids": [1, 2]}\n')
-    assert read_prompts(str(lines)) == ["a", {"prompt_token_ids": [1, 2]}]
+    assert read_prompts_file(str(lines), "--prompts-file") == ["a", {"prompt_token_ids": [1, 2]}]
     for bad, says in (('{"text": "a"}', "give 'prompt'"), ("{k: v}", "not a JSON object"), ('"a"', "give 'prompt'")):
         lines.write_text('{"prompt": "a"}\n' + bad + "\n")
-        with pytest.raises(SystemExit, match=rf"^error: {lines}:2: {says}"):
-            read_prompts(str(lines))
-    with pytest.raises(SystemExit, match="--prompts-file .*missing"):
-        read_prompts(str(tmp_path / "missing"))
+        with pytest.raises(ConfigError, match=rf"^--prompts-file {lines}:2: {says}"):
+            read_prompts_file(str(lines), "--prompts-file")
+        assert main(["bench", "--model", "default", "--device", "cpu", "--prompts", str(lines)]) == 2  # its reader
+    with pytest.raises(ConfigError, match="--prompts-file .*missing"):
+        read_prompts_file(str(tmp_path / "missing"), "--prompts-file")
 
 
 def test_ctrl_c_ends_a_command_with_one_line_and_130(monkeypatch, capsys):

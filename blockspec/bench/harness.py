@@ -45,7 +45,6 @@ import dataclasses
 import datetime
 import hashlib
 import itertools
-import json
 import platform
 import shlex
 import subprocess
@@ -83,6 +82,7 @@ from blockspec.bench.timing import (
     synchronize,
 )
 from blockspec.assets import embedded
+from blockspec.inputs import read_prompts_file
 from blockspec.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig, output_dir
 from blockspec.engine.engine import Engine
 from blockspec.engine.memory import cache_extent
@@ -138,7 +138,7 @@ class BenchConfig:
     batch_sizes: tuple[int, ...] | None = None
     temperatures: tuple[float, ...] | None = None
     preset: str | None = None  # one of PRESETS: "default" names the embedded pair, the others a workload (WORKLOADS)
-    prompts: str | None = None  # jsonl ("prompt" or "prompt_token_ids") | "builtin" | "heldout" | None: random tokens
+    prompts: str | None = None  # a jsonl ("prompt" or "prompt_token_ids") or text file | "builtin" | "heldout" | None: random tokens
     input_len: tuple[int, ...] | None = None  # random-token prompt lengths: one point each
     output_len: int | None = None
     waves: int | None = None  # requests per point = batch x waves (finished slots are refilled: continuous batching)
@@ -372,20 +372,21 @@ def load_prompts(cfg: BenchConfig, tokenizer: Any, vocab_size: int, count: int) 
 
         items = heldout_prompts(count)
     else:
-        path = Path(cfg.prompts)
-        if not path.is_file():
-            raise FileNotFoundError(f"--prompts {cfg.prompts}: no such file (a jsonl, 'builtin' or 'heldout')")
-        items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if not Path(cfg.prompts).is_file():
+            raise FileNotFoundError(f"--prompts {cfg.prompts}: no such file (a jsonl, a text file, 'builtin' or "
+                                    "'heldout')")
+        items = read_prompts_file(cfg.prompts, "--prompts")
     out = []
     for i, item in enumerate(items):
-        if isinstance(item, dict) and isinstance(item.get("prompt_token_ids"), list):
-            out.append([int(t) for t in item["prompt_token_ids"]])
-        elif isinstance(item, str) or (isinstance(item, dict) and isinstance(item.get("prompt"), str)):
+        if isinstance(item, dict):
+            ids = item["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise ConfigError(f"--prompts {cfg.prompts}: prompt {i}'s prompt_token_ids must be a list of ints")
+            out.append(ids)
+        else:
             if tokenizer is None:
                 raise ConfigError(f"prompt {i} is text but the model has no tokenizer; give prompt_token_ids")
-            out.append(_tokenize(item if isinstance(item, str) else item["prompt"], tokenizer, cfg.chat_template))
-        else:
-            raise ConfigError(f"{cfg.prompts} line {i + 1}: expected an object with 'prompt' or 'prompt_token_ids'")
+            out.append(_tokenize(item, tokenizer, cfg.chat_template))
     if not out:
         raise ConfigError(f"{cfg.prompts}: no prompts")
     return {None: [out[i % len(out)] for i in range(count)]}
@@ -1051,7 +1052,8 @@ def add_bench_parser(sub: Any) -> None:
                    help="comma list of concurrent requests per point, e.g. 1,4,16,64 (default 1, or the preset's)")
     w.add_argument("--temperatures", type=_list(float), default=None,
                    help="comma list, e.g. 0,0.7 (default 0, or the preset's)")
-    w.add_argument("--prompts", default=None, help="jsonl with 'prompt' or 'prompt_token_ids', 'builtin' (chat "
+    w.add_argument("--prompts", default=None, help="a .jsonl with 'prompt' or 'prompt_token_ids' a line, a text "
+                   "file (a prompt a line), 'builtin' (chat "
                    "questions) or 'heldout' (openings of stdlib functions no embedded model saw) (default: "
                    "random-token prompts of --input-len)")
     w.add_argument("--input-len", type=_list(int), default=None,
