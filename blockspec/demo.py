@@ -157,7 +157,8 @@ def run_demo(args: argparse.Namespace) -> int:
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"{p}: not a model directory (no config.json)")
     spec = {"method": args.method, "model": str(drafter), "adaptive_draft_length": args.adaptive_draft_length}
-    if args.method == "dspark" and budget_on(args.adaptive_verification, resolve_device(args.device).type):
+    asked = args.adaptive_verification  # asked for with DFlash, the engine says why it cannot
+    if asked or (args.method == "dspark" and budget_on(asked, resolve_device(args.device).type)):
         spec["adaptive_verification"] = True
     if args.num_speculative_tokens:
         spec["num_speculative_tokens"] = args.num_speculative_tokens

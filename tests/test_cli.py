@@ -192,6 +192,14 @@ def test_demo_refuses_no_prompts(capsys):
     assert "--num-prompts must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
+@needs_pair
+def test_demo_says_dflash_has_no_confidence_budget(capsys):
+    """Asked for with DFlash, adaptive verification is refused by name, not dropped."""
+    assert main(["demo", "--method", "dflash", "--adaptive-verification", "--num-prompts", "1", "--max-tokens", "4",
+                 "--device", "cpu"]) == 2
+    assert "adaptive_verification need a DSpark drafter with a confidence head" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["generate", "chat", "demo", "train", "serve", "bench"])
 def test_help(command, capsys):
     with pytest.raises(SystemExit) as exc:
