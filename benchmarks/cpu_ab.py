@@ -62,7 +62,7 @@ def embedded_llm(method: str = "dspark", batch: int = 1) -> Any:
 
 
 def paired(llm: Any, arms: Arms, rounds: int, modes: tuple[str, ...] = ("spec",), batch: int = 1,
-           max_tokens: int = 128, seed: int | None = 0) -> dict:
+           max_tokens: int = 128, seed: int | None = 0, temperature: float = 0.0) -> dict:
     """Seconds of every (arm, mode) on every unit, each arm's time over the first arm's per unit, speculative over
     plain per arm (with both modes), and whether the arms' outputs agree."""
     from blockspec.demo import continued_prompts, heldout_prompts
@@ -77,7 +77,7 @@ def paired(llm: Any, arms: Arms, rounds: int, modes: tuple[str, ...] = ("spec",)
     for r in range(rounds):
         for u, unit in enumerate(units):
             for arm, mode in runs if (r + u) % 2 == 0 else runs[::-1]:
-                params = SamplingParams(temperature=0, max_tokens=max_tokens, seed=seed,
+                params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed,
                                         use_speculation=mode == "spec")
                 with arms[arm]():
                     start = time.perf_counter()
@@ -85,7 +85,7 @@ def paired(llm: Any, arms: Arms, rounds: int, modes: tuple[str, ...] = ("spec",)
                     seconds[f"{arm}, {mode}"].append(time.perf_counter() - start)
                 outputs.setdefault(mode, set()).add((u, tuple(tuple(o.outputs[0].token_ids) for o in done)))
     first = next(iter(arms))
-    result = {"batch": batch, "rounds": rounds, "units": len(units), "seconds": seconds,
+    result = {"batch": batch, "temperature": temperature, "rounds": rounds, "units": len(units), "seconds": seconds,
               "total_s": {k: round(sum(v), 3) for k, v in seconds.items()},
               f"over_{first}": {k: quartiles([t / t0 for t, t0 in zip(v, seconds[f"{first}, {k.split(', ')[1]}"])])
                                 for k, v in seconds.items()},
@@ -118,11 +118,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="requests at once (above 1: all prompts as one unit)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0, help="the requests' seed (the demo's is 0); -1 for none")
+    ap.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     llm = embedded_llm(args.method, args.batch)
     result = paired(llm, load_arms(args.arms)(llm), args.rounds, tuple(args.modes.split(",")), args.batch,
-                    args.max_tokens, None if args.seed < 0 else args.seed)
+                    args.max_tokens, None if args.seed < 0 else args.seed, args.temperature)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -480,3 +480,39 @@ def test_bonus_is_the_plain_target_sample_at_its_position() -> None:
     for rule in ALL_RULES:
         a, out = _run(rule, processed, none, zero, p, torch.zeros(n, 0, 30))
         assert (a == 0).all() and torch.equal(out[:, 0], plain if rule != "greedy" else processed[:, 0].argmax(-1))
+
+
+def test_sample_and_match_on_the_cpu_samples_only_the_rows_it_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU rows are sampled in position order while each request's drafts match: the same counts and
+    tokens as sampling every row, bad rows (before and after a mismatch) failing their requests as before,
+    with fewer rows drawn; a sampler keyed otherwise is seen."""
+    r, k, vocab = 24, 7, 40
+    g = torch.Generator().manual_seed(3)
+    temps = [0.0 if q % 5 == 0 else 0.9 for q in range(r) for _ in range(k + 1)]  # every fifth request greedy
+    p = _params(r * (k + 1), temps, seed=[q for q in range(r) for _ in range(k + 1)],
+                position=[100 + i for _ in range(r) for i in range(k + 1)])
+    logits = torch.randn(r, k + 1, vocab, generator=g) * 3
+    logits[1, 5] = float("nan")  # request 1's sixth row, reached by its matching drafts
+    logits[2, 0, 3] = float("inf")  # request 2's first row
+    processed = process_logits(logits.view(-1, vocab), p).view(r, k + 1, vocab)
+    every = sample_processed(processed.view(-1, vocab), p).view(r, k + 1)
+    # drafts: each request's sampled tokens for a prefix of its own length, then a wrong one
+    cut = torch.randint(0, k + 1, (r,), generator=g)
+    cut[1] = 6  # request 1 matches through its bad row
+    cut[3] = 2  # request 3 mismatches before its bad row
+    logits_bad = processed.clone()
+    logits_bad[3, 5] = float("nan")
+    drafts = torch.where(torch.arange(k)[None, :] < cut[:, None], every[:, :k], (every[:, :k] + 1) % vocab)
+    lens = torch.full((r,), k)
+    want = verify_mod.accept_matching(sample_processed(logits_bad.view(-1, vocab), p).view(r, k + 1), drafts, lens,
+                                      vocab)
+    drawn = []
+    real = verify_mod.gumbel_argmax
+    monkeypatch.setattr(verify_mod, "gumbel_argmax", lambda rows, keys: drawn.append(len(rows)) or real(rows, keys))
+    got = verify_sample_and_match(logits_bad, drafts, lens, p)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert (got[1][1:4] == -1).all()  # a bad row fails its request, read (1, 2) or past its mismatch (3)
+    assert ((got[0] > 0) & (got[0] < k)).any() and (got[0] == k).any()
+    assert sum(drawn) < 0.6 * sum(t > 0 for t in temps)
+    monkeypatch.setattr(verify_mod, "STREAM_TARGET", verify_mod.STREAM_TARGET + 1)  # negative control
+    assert not torch.equal(verify_sample_and_match(logits_bad, drafts, lens, p)[1], want[1])

@@ -57,8 +57,35 @@ def verify_sample_and_match(target: Tensor, drafts: Tensor, draft_lens: Tensor,
     logits the output equals plain sampling token for token. Lossless for any drafter; for
     one-hot drafts it has the law of token-wise rejection sampling."""
     r, k1, vocab = target.shape
-    ids = sample_processed(target.reshape(r * k1, vocab), params).view(r, k1)
+    if target.device.type == "cpu":
+        ids = _sampled_while_matching(target, drafts, _draft_lengths(drafts, draft_lens, vocab), params)
+    else:
+        ids = sample_processed(target.reshape(r * k1, vocab), params).view(r, k1)
     return accept_matching(ids, drafts, draft_lens, vocab)
+
+
+def _sampled_while_matching(target: Tensor, drafts: Tensor, lens: Tensor, params: RowParams) -> Tensor:
+    """`sample_processed`'s ids [R, K+1] on the CPU for the rows the rule reads: row by row in position order,
+    each request's sampled rows while its drafts match, since the noise (tens of operations a vocabulary
+    element) is most of a row's cost and a mismatch ends what its request emits. A row past the first
+    mismatch keeps its greedy id: never emitted, and -1 exactly where the row is bad, which fails its
+    request as sampling it would."""
+    r, k1, vocab = target.shape
+    flat = target.reshape(r * k1, vocab)
+    ids = greedy_ids(flat)
+    sampled = ((params.temperature > 0) & (ids >= 0)).tolist()
+    drafted, n = drafts.tolist(), lens.tolist()
+    live = list(range(r))
+    for i in range(k1):
+        rows = [q * k1 + i for q in live if sampled[q * k1 + i]]
+        if rows:
+            at = torch.tensor(rows)
+            ids[at] = gumbel_argmax(flat[at], row_key(params.seed[at], params.position[at], STREAM_TARGET, None))
+        if i < k1 - 1:
+            live = [q for q in live if i < n[q] and drafted[q][i] == int(ids[q * k1 + i])]
+        if not live:
+            break
+    return ids.view(r, k1)
 
 
 def verify_standard(target: Tensor, q_probs: Tensor | None, drafts: Tensor, draft_lens: Tensor,
