@@ -394,6 +394,35 @@ def test_a_recorded_acceptance_outweighs_two_unlucky_first_drafts():
         assert without.count(8) == 0, without
 
 
+def sampled_run(sampled: bool | None, steps: int = 300, seed: int = 0) -> list[int]:
+    """The flagship DSpark's recorded greedy acceptance as the prior, and requests that sample (T = 0.7), where
+    its drafts are accepted at 45 % a position: drafting yields about 1.8 tokens an 8 ms step, 0.95 of one
+    token a 4.2 ms plain step's rate. `sampled`: what the engine tells the policy of
+    the requests (None: nothing, as before it told). Returns the choices."""
+    recorded = [0.78, 0.64, 0.53, 0.45, 0.39, 0.34, 0.31, 0.27]
+    step_ms = {0: 4.2, 1: 7.8, 3: 7.9, 5: 8.0, 7: 8.0, 8: 8.0}
+    policy, rng, chosen = DraftLengthPolicy(8, recorded=recorded), random.Random(seed), []
+    for _ in range(steps):
+        k = policy.choose(1)
+        chosen.append(k)
+        policy.observe_time(1, k, step_ms[k] / 1e3)
+        if k:
+            policy.observe_acceptance([k], drawn(rng, k, 0.45, 1), None if sampled is None else [sampled])
+    return chosen
+
+
+def test_sampled_requests_do_not_borrow_the_recorded_greedy_acceptance():
+    """At T > 0 the recorded greedy rates overstate acceptance: told the requests sample, the policy weighs
+    what it sees and settles on the plain path; left to the recorded rates (the control), their eight
+    pseudo-trials a position keep the deep drafts looking good and it drafts most steps, losing. Greedy
+    requests keep the prior as before."""
+    for seed in range(5):
+        told, untold = sampled_run(True, seed=seed), sampled_run(None, seed=seed)
+        assert told[100:].count(0) >= 170, told
+        assert sum(k > 0 for k in untold[100:]) >= 100, untold
+        assert sampled_run(False, seed=seed) == untold  # greedy requests: the recorded prior as before
+
+
 def test_recorded_acceptance_becomes_conditional_rates():
     from blockspec.speculative.policy import conditional_rates
 

@@ -727,7 +727,8 @@ class Engine:
         # draft it asked for counts as offered, so drafts that DSpark's confidence pruned count as not
         # accepted (a step whose drafts were all pruned is a costly plain step, not a plain sample).
         budgets = launch.budgets if launch.budgets is not None else lens
-        self.policy.observe_acceptance([budgets[j] for j in live], [max(num_acc[j], 0) for j in live])
+        self.policy.observe_acceptance([budgets[j] for j in live], [max(num_acc[j], 0) for j in live],
+                                       [not reqs[j].params.greedy for j in live])
         self.proposer.record_outcome([lens[j] for j in live], [num_acc[j] for j in live])
         for j in live:
             req, a = reqs[j], num_acc[j]  # a non-finite row gives a = 0 and token -1: _append fails it alone

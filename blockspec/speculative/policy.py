@@ -125,6 +125,8 @@ class DraftLengthPolicy:
         self.offered = [0.0] * k_max  # decayed count of steps that drafted at least k+1 tokens
         self.reached = [0.0] * k_max  # ... and had the first k accepted: the trials of draft k+1's rate
         self.accepted = [0.0] * k_max  # ... and had the first k+1 accepted
+        self.greedy_seen = 0.0  # decayed counts of the requests observed greedy and sampled: the recorded
+        self.sampled_seen = 0.0  # (greedy) acceptance is the prior for the greedy share of them only
         # (batch bucket, K) -> recent step seconds; estimates take their lower median (`typical`)
         self.samples: dict[tuple[int, int], deque[float]] = {}
         self.last_tried: dict[tuple[int, int], int] = {}
@@ -154,13 +156,18 @@ class DraftLengthPolicy:
                                  self.candidates[1:])
 
     # ---------------------------------------------------------------- observations
-    def observe_acceptance(self, lens: list[int], accepted: list[int]) -> None:
+    def observe_acceptance(self, lens: list[int], accepted: list[int], sampled: list[bool] | None = None) -> None:
+        """Each request's drafts offered and accepted; `sampled`: which requests sample (T > 0), whose acceptance
+        the drafter's recorded greedy rates overstate."""
         if self.trace is not None:
             self.trace.append(("acceptance", list(lens), list(accepted)))
         for i in range(self.k_max):
             self.offered[i] *= self.decay
             self.reached[i] *= self.decay
             self.accepted[i] *= self.decay
+        n_sampled = sum(sampled) if sampled is not None else 0
+        self.greedy_seen = self.greedy_seen * self.decay + len(lens) - n_sampled
+        self.sampled_seen = self.sampled_seen * self.decay + n_sampled
         for n, a in zip(lens, accepted):
             for i in range(min(n, self.k_max)):
                 self.offered[i] += 1
@@ -201,8 +208,10 @@ class DraftLengthPolicy:
         """P(first k drafts accepted), k = 1..k_max.
 
         Each position's conditional rate borrows RECORDED_TRIALS pseudo-trials at the drafter's recorded
-        rate where it has one (so two unlucky first drafts of a good drafter do not condemn it), else
-        PRIOR_TRIALS at the rate of the position before it (the first: at one half), so an unseen
+        rate where it has one (so two unlucky first drafts of a good drafter do not condemn it), scaled by
+        the share of greedy requests among those seen: the rates were recorded greedy, and a sampled
+        request accepts less (the rest of the weight, and a position without a record, borrows
+        PRIOR_TRIALS at the rate of the position before it, the first at one half). So an unseen
         position extrapolates the last rate and a rarely offered one moves from it only as evidence
         comes. Shrunk towards one half instead, the few trials deep positions get while short drafts
         are explored would read as a collapse (0 of 2 accepted gives 0.17), and longer drafts would
@@ -210,12 +219,16 @@ class DraftLengthPolicy:
         With `optimism` z each rate counts z standard errors above its estimate (at most 1): the most
         its trials allow, which an unmeasured K is scored at (the next position still borrows the
         estimate itself)."""
+        seen = self.greedy_seen + self.sampled_seen
+        greedy = self.greedy_seen / seen if seen > 0 else 1.0  # the share the recorded greedy rates speak for
         out, survive, rate = [], 1.0, 0.5
         for i in range(self.k_max):
-            base, weight = (self.recorded_rates[i], RECORDED_TRIALS) if i < len(self.recorded_rates) \
-                else (rate, PRIOR_TRIALS)
-            trials = self.reached[i] + weight
-            rate = (self.accepted[i] + weight * base) / trials
+            has_record = i < len(self.recorded_rates)
+            recorded = RECORDED_TRIALS * greedy if has_record else 0.0
+            extrapolated = PRIOR_TRIALS * (1.0 - greedy) if has_record else PRIOR_TRIALS
+            trials = self.reached[i] + recorded + extrapolated
+            prior = (recorded * self.recorded_rates[i] if has_record else 0.0) + extrapolated * rate
+            rate = (self.accepted[i] + prior) / trials
             bound = rate + optimism * math.sqrt(max(rate * (1 - rate), 0.0) / trials)
             survive *= min(bound, 1.0)
             out.append(survive)
