@@ -82,7 +82,8 @@ def _sampled_while_matching(target: Tensor, drafts: Tensor, lens: Tensor, params
             at = torch.tensor(rows)
             ids[at] = gumbel_argmax(flat[at], row_key(params.seed[at], params.position[at], STREAM_TARGET, None))
         if i < k1 - 1:
-            live = [q for q in live if i < n[q] and drafted[q][i] == int(ids[q * k1 + i])]
+            row = ids[i::k1].tolist()  # position i's token of every request
+            live = [q for q in live if i < n[q] and drafted[q][i] == row[q]]
         if not live:
             break
     return ids.view(r, k1)
