@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from blockspec.sample.processors import RowParams, process_logits
@@ -127,3 +128,31 @@ def test_logprobs() -> None:
     assert top_ids[2, 0].item() == 1 and torch.isclose(top_lp[2].exp().sum(), torch.tensor(1.0))
     empty = logprobs(processed, tokens, 0)
     assert empty[1].shape == (3, 0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_a_batch_that_only_samples_skips_the_greedy_rows_work_and_keeps_every_token(device: str) -> None:
+    """With no greedy row, processing skips the greedy rows' selections and sampling skips its greedy pass
+    (-1 rows from the processed rows' maxima instead): the same processed values bit for bit and the same
+    tokens as the general path, bad rows (NaN, +inf, all -inf; a temperature that overflows) included."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(12, 300, generator=g) * 4
+    logits[2, 7] = float("nan")
+    logits[5] = float("-inf")
+    logits[8, 3] = float("inf")
+    logits[10, 0] = 3.0e38  # over a temperature of 1e-5: +inf before the log-softmax
+    logits = logits.to(device)
+    temps = [0.7, 1.0, 1.3, 0.5, 2.0, 0.9, 0.8, 1.1, 0.6, 1.2, 1e-5, 0.75]
+    for filters in ({}, {"top_k": [0, 5, 50] * 4, "top_p": [1.0, 0.9, 0.5, 0.95] * 3, "min_p": [0.0, 0.05] * 6}):
+        p = _uniform_params(12, temperature=temps, position=list(range(40, 52)), device=device, **filters)
+        assert not p.features.greedy
+        general = dataclasses.replace(p, features=dataclasses.replace(p.features, greedy=True))
+        fast, ref = process_logits(logits, p), process_logits(logits, general)
+        torch.testing.assert_close(fast, ref, rtol=0, atol=0, equal_nan=True)
+        tokens = sample_processed(fast, p)
+        assert torch.equal(tokens, sample_processed(ref, general))
+        assert tokens[[2, 5, 8, 10]].tolist() == [-1] * 4 and bool((tokens[[0, 1, 3, 4, 6, 7, 9, 11]] >= 0).all())
+        assert torch.equal(sample(logits, p), tokens)

@@ -60,6 +60,7 @@ class Features:
     top_k: bool
     top_p: bool
     min_p: bool
+    greedy: bool = True  # some row has temperature 0 (False: every row samples, no greedy-row work)
 
 
 @dataclass
@@ -110,7 +111,8 @@ class RowParams:
         feats = Features(sampled=any(t > 0 for t in temperature),
                          top_k=top_k is not None and any(k > 0 for k in top_k),
                          top_p=top_p is not None and any(v < 1 for v in top_p),
-                         min_p=min_p is not None and any(v > 0 for v in min_p))
+                         min_p=min_p is not None and any(v > 0 for v in min_p),
+                         greedy=any(t <= 0 for t in temperature))
         return cls(temperature=floats[0], top_p=floats[1], min_p=floats[2], presence_penalty=floats[3],
                    frequency_penalty=floats[4], repetition_penalty=floats[5], top_k=ints[0], seed=ints[1],
                    position=ints[2], suppress_eos=ints[3].bool(), output_counts=output_counts,
@@ -156,7 +158,7 @@ def features(p: RowParams) -> Features:
     if p.features is not None:
         return p.features
     flags = torch.stack([(p.temperature > 0).any(), (p.top_k > 0).any(), (p.top_p < 1).any(),
-                         (p.min_p > 0).any()]).tolist()
+                         (p.min_p > 0).any(), (p.temperature <= 0).any()]).tolist()
     return Features(*flags)
 
 
@@ -213,7 +215,10 @@ def process_logits(logits: Tensor, p: RowParams, chunk_elems: int = CHUNK_ELEMS)
         rows, toks, bias = p.logit_bias
         out.index_put_((rows, toks), bias.to(torch.float32), accumulate=True)
     f = features(p)
-    for s in row_chunks(out.shape[0], out.shape[1], chunk_elems):
+    chunks = list(row_chunks(out.shape[0], out.shape[1], chunk_elems))
+    if len(chunks) == 1:  # the rows' own result, not copied back into `out`
+        return _process_rows(out, p, chunks[0], f)
+    for s in chunks:
         out[s] = _process_rows(out[s], p, s, f)
     return out
 
@@ -224,18 +229,25 @@ def _process_rows(x: Tensor, p: RowParams, s: slice, f: Features) -> Tensor:
         x[:, p.eos_ids] = x[:, p.eos_ids].masked_fill(p.suppress_eos[s].unsqueeze(1), float("-inf"))
     if p.output_counts is not None or p.prompt_mask is not None:
         x = _apply_penalties(x, p, s)
-    greedy = (p.temperature[s] <= 0).unsqueeze(1)
     bad = bad_rows(x).unsqueeze(1)
-    shifted = x - x.amax(dim=1, keepdim=True)
-    if f.sampled:
-        y = x / torch.where(greedy[:, 0], 1.0, p.temperature[s]).unsqueeze(1)
-        if f.min_p:
-            y = _min_p(y, torch.where(greedy[:, 0], 0.0, p.min_p[s]))
-        if f.top_k or f.top_p:
-            y = _top_k_top_p(y, torch.where(greedy[:, 0], 0, p.top_k[s]) if f.top_k else None,
-                             torch.where(greedy[:, 0], 1.0, p.top_p[s]) if f.top_p else None)
-        shifted = torch.where(greedy, shifted, torch.log_softmax(y, dim=1))
-    return shifted.masked_fill_(bad, float("nan"))
+    if not f.sampled:
+        return (x - x.amax(dim=1, keepdim=True)).masked_fill_(bad, float("nan"))
+    greedy = (p.temperature[s] <= 0) if f.greedy else None  # None: every row samples
+
+    def sampled_rows(value: Tensor, identity: float) -> Tensor:
+        """A processor's per-row value, its identity on greedy rows (no selection where none is greedy)."""
+        return value if greedy is None else torch.where(greedy, identity, value)
+
+    y = x / sampled_rows(p.temperature[s], 1.0).unsqueeze(1)
+    if f.min_p:
+        y = _min_p(y, sampled_rows(p.min_p[s], 0.0))
+    if f.top_k or f.top_p:
+        y = _top_k_top_p(y, sampled_rows(p.top_k[s], 0) if f.top_k else None,
+                         sampled_rows(p.top_p[s], 1.0) if f.top_p else None)
+    out = torch.log_softmax(y, dim=1)
+    if greedy is not None:
+        out = torch.where(greedy.unsqueeze(1), x - x.amax(dim=1, keepdim=True), out)
+    return out.masked_fill_(bad, float("nan"))
 
 
 def _apply_penalties(x: Tensor, p: RowParams, s: slice) -> Tensor:

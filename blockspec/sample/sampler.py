@@ -73,8 +73,16 @@ def sample_processed(processed: Tensor, p: RowParams, stream: int = STREAM_TARGE
                      round_: Tensor | None = None, chunk_elems: int = CHUNK_ELEMS) -> Tensor:
     """Tokens [N] from processed log-probs [N, V]: greedy rows argmax, other rows Gumbel-max with
     noise keyed (seed, position, stream, round_). Noise is built in row chunks (CHUNK_ELEMS)."""
+    f = features(p)
+    if f.sampled and not f.greedy:  # every row draws: no greedy pass, -1 where it would give -1
+        drawn = [gumbel_argmax(processed[s], row_key(p.seed[s], p.position[s], stream,
+                                                     None if round_ is None else round_[s]))
+                 for s in row_chunks(processed.shape[0], processed.shape[1], chunk_elems)]
+        # greedy_ids' -1 rows hold a NaN or nothing above -inf (a drawing row's log-probabilities are never
+        # +inf): those whose maximum is not above -inf, as NaN compares false
+        return torch.where(processed.amax(dim=1) > float("-inf"), drawn[0] if len(drawn) == 1 else torch.cat(drawn), -1)
     ids = greedy_ids(processed)
-    if not features(p).sampled:
+    if not f.sampled:
         return ids
     greedy = p.temperature <= 0
     if processed.device.type == "cpu" and bool(greedy.any()):
