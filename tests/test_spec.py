@@ -877,23 +877,31 @@ def test_policy_prices_a_step_from_the_end_of_the_one_before(target):
     # the first decode step follows the prefill, whose end prices nothing; every later one holds the gap
     assert seen[0][1] < gap and all(seconds >= gap for _, seconds in seen[1:]), seen
 
-def test_the_time_split_holds_steps_not_the_idle_time_between_requests(target):
-    """Requests aborted after a step that launched their next draft leave the engine idle with that
-    launch open; it is dropped, so its timer marks do not span the idle time until the next request's
-    first step (they did: seconds of "draft" a bench pass on the GPU, more than the pass took). The
-    split's growth over the next generate() call lies within that call's wall time."""
+@pytest.mark.parametrize("open_launch", ["draft", "step"])
+def test_the_time_split_holds_steps_not_the_idle_time_between_requests(target, open_launch):
+    """Requests aborted after a step that launched their next draft (sampling that reads the committed
+    history: a presence penalty), or their whole next step (sample-and-match keyed by position), leave
+    the engine idle with that launch open; it is dropped, so its timer marks do not span the idle time
+    until the next request's first step (they did: seconds of "draft" a bench pass on the GPU, more than
+    the pass took). The split's growth over the next generate() call lies within that call's wall time."""
     llm = spec_llm(target, "dflash", "dflash", num_speculative_tokens=3)
     engine = llm.engine
     engine.async_scheduling = True
     engine.policy.choose = lambda batch: 3
-    params = SamplingParams(temperature=0.8, seed=1, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=40, ignore_eos=True,
+                            presence_penalty=0.5 if open_launch == "draft" else 0.0)
     for i, p in enumerate(prompts(2, seed=5)):
         engine.add_request(f"r{i}", None, p["prompt_token_ids"], params)
-    while engine.proposer.ahead is None:  # decode until a step has launched the next one's draft
+    opened = (lambda: engine.proposer.ahead is not None) if open_launch == "draft" else \
+        (lambda: engine.pipeline.inflight is not None)
+    for _ in range(20):  # decode until a step has launched the next one's draft, or the next step
         engine.step()
+        if opened():
+            break
+    assert opened()
     for i in range(2):
         engine.abort(f"r{i}")
-    assert not engine.has_unfinished() and engine.proposer.ahead is None
+    assert not engine.has_unfinished() and engine.proposer.ahead is None and engine.pipeline.inflight is None
     before = sum(engine.timer.totals.values())
     clock.sleep(1.0)  # idle: longer than the next call takes here
     t0 = clock.perf_counter()
@@ -958,21 +966,49 @@ def test_steps_launched_ahead_of_the_commit_are_the_synchronous_steps(target, pl
     assert launched["num_drafts_launched_ahead_taken"] == launched["num_spec_steps_launched_ahead"]
 
 
+def run_sampled_with_oracle(target, method, fixture, ps, params, expected, ahead: bool,
+                            device: str = "cpu") -> tuple[list[list[int]], dict]:
+    """Outputs and metrics of a fixed-K speculative run whose drafts are the plain continuation, wrong at
+    fixed output positions (`add_device_oracle`), launching ahead or not."""
+    llm = spec_llm(target, method, fixture, device, num_speculative_tokens=3)
+    llm.engine.async_scheduling = ahead
+    llm.engine.policy.choose = lambda batch: 3
+    add_device_oracle(llm, {tuple(p["prompt_token_ids"]): e for p, e in zip(ps, expected)})
+    return run(llm, ps, params), llm.get_stats()
+
+
 @pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
-def test_drafts_launched_ahead_of_sampled_verification_are_the_synchronous_drafts(target, method, fixture):
-    """Sampled verification reads the committed history, so at T > 0 only the next draft is launched
-    before the commit. Seeded outputs and the acceptance at every position equal the synchronous
-    run's, and the next step takes every launch (none after a step that ends every request)."""
+@pytest.mark.parametrize("history", [False, True], ids=["keyed", "penalised"])
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_sampled_steps_launched_ahead_of_the_commit_are_the_synchronous_steps(target, plain, method, fixture,
+                                                                              history, device):
+    """Sample-and-match draws each verify row's token from its logits and its (seed, position) alone, so at
+    T > 0 a step is launched whole (draft, verify, acceptance) before the one before it commits, as a greedy
+    step is: seeded outputs equal plain sampling's and the synchronous run's, with the same acceptance at
+    every position, and every decode step after the first is launched ahead. A request whose sampling
+    reads the committed history (a presence penalty on the longest here) keeps its batch's verification
+    on the host: then only the next draft is launched ahead, and the next step takes every such launch."""
     ps = prompts(4, seed=13)
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=n, ignore_eos=True)
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=n, ignore_eos=True,
+                             presence_penalty=0.5 if history and i == 0 else 0.0)
               for i, n in enumerate((31, 7, 18, 26))]
-    sync_out, sync = run_launching_ahead(target, method, fixture, ps, params, ahead=False)
-    out, launched = run_launching_ahead(target, method, fixture, ps, params, ahead=True)
-    assert out == sync_out
+    if device != "cpu":  # the GPU's own plain sampling: its float32 logits round apart from the CPU's
+        plain = LLM(str(target), device=device, dtype="float32", max_model_len=160)
+    expected = run(plain, ps, params)
+    sync_out, sync = run_sampled_with_oracle(target, method, fixture, ps, params, expected, False, device)
+    out, launched = run_sampled_with_oracle(target, method, fixture, ps, params, expected, True, device)
+    assert out == sync_out == expected
     assert launched["num_accepted_tokens_per_pos"] == sync["num_accepted_tokens_per_pos"]
-    assert sync["num_drafts_launched_ahead"] == launched["num_spec_steps_launched_ahead"] == 0
-    taken = launched["num_drafts_launched_ahead_taken"]
-    assert taken == launched["num_drafts_launched_ahead"] > 5
+    assert launched["num_drafts"] == sync["num_drafts"] and launched["mean_acceptance_length"] > 2.0
+    assert sync["num_spec_steps_launched_ahead"] == sync["num_drafts_launched_ahead"] == 0
+    if history:
+        assert launched["num_spec_steps_launched_ahead"] == 0
+        assert launched["num_drafts_launched_ahead_taken"] == launched["num_drafts_launched_ahead"] > 5
+    else:
+        # every decode step but the first was launched ahead (one step prefilled all four prompts; no chained
+        # launch follows the last, which ends every request)
+        assert launched["num_spec_steps_launched_ahead"] == launched["num_steps"] - 2 > 5
+        assert launched["num_drafts_launched_ahead_taken"] == launched["num_spec_steps_launched_ahead"]
 
 
 def oracle_tokens(want: list[int], n: int, width: int) -> list[int]:

@@ -72,9 +72,10 @@ class BatchSampling:
         self.device = runner.device
 
     def params(self, reqs: list[Request], rows_per_req: list[int], block_tokens: Tensor | None = None,
-               ahead: int = 0, constrained: bool = True) -> RowParams:
+               ahead: int | list[int] = 0, constrained: bool = True) -> RowParams:
         """Per-row sampling parameters; row j of request r samples the token at position length + ahead + j
-        (`ahead`: tokens launched but not yet committed, see `needs_history`). `block_tokens`: the drafts
+        (`ahead`: tokens launched but not yet committed, see `needs_history`; one for every request, or each
+        request's). `block_tokens`: the drafts
         a verify's rows follow. `constrained`: the rows of a request with a grammar get its masks, and
         those of a request with bad words their bans, each after the drafts before the row (not for
         drafting, which is unconstrained)."""
@@ -83,6 +84,7 @@ class BatchSampling:
         offset = [j for c in rows_per_req for j in range(c)]
         ps = [reqs[i].params for i in req_of_row]
         drafts = self._host_drafts(reqs, rows_per_req, block_tokens) if constrained else None
+        aheads = ahead if isinstance(ahead, list) else [ahead] * len(reqs)
 
         def col(values: list[Any], dtype: torch.dtype) -> Tensor:
             return to_device(values, dtype, dev)
@@ -117,7 +119,7 @@ class BatchSampling:
         return RowParams.from_host(
             temperature=[p.temperature for p in ps],
             seed=[reqs[i].seed for i in req_of_row],
-            position=[reqs[i].length + ahead + j for i, j in zip(req_of_row, offset)],
+            position=[reqs[i].length + aheads[i] + j for i, j in zip(req_of_row, offset)],
             device=dev,
             top_k=[max(p.top_k, 0) for p in ps],
             top_p=[p.top_p for p in ps],

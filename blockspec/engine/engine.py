@@ -694,8 +694,19 @@ class Engine:
         result = host = ready = None
         if not needs_processing(reqs):
             result = self.proposer.accept_greedy(block, hidden)
+        elif self._accepted_on_device(reqs):
+            params = self.sampling.params(reqs, [hidden.shape[1]] * len(reqs), block.tokens, ahead=ahead)
+            result = self.proposer.accept_sampled(block, hidden, params)
+        if result is not None:
             host, ready = self._copy_back(result)
         return SpecLaunch(reqs, k, budgets, block, hidden, feats, result, host, ready, captures)
+
+    def _accepted_on_device(self, reqs: list[Request]) -> bool:
+        """Whether a speculative step of `reqs` is accepted on the device at its launch, with nothing read
+        on the host before its results: greedy rows, or sampled ones verified by sample-and-match whose
+        sampling reads no committed history (no penalties, min_tokens, grammar or longer bad word) and
+        keeps no logprobs. Such a step can be launched before the one before it is committed."""
+        return not needs_processing(reqs) or (self.proposer.matches_samples and not needs_history(reqs))
 
     def _finish_spec(self, launch: SpecLaunch) -> list[Request]:
         """Read a speculative step's results, launch what comes next, then commit the emitted tokens.
@@ -766,7 +777,8 @@ class Engine:
         last steps. Returns whether it launched."""
         reqs = [launch.reqs[j] for j in live]
         proposer = self.proposer
-        if not (self.async_scheduling and launch.result is not None and reqs and proposer.chains):
+        if not (self.async_scheduling and launch.result is not None and reqs and proposer.chains
+                and not needs_processing(reqs)):  # the step graph accepts greedy rows only
             return False
         carried = {id(r) for r in reqs}
         decoding = [r for r in self.scheduler.running if r.num_cached >= r.prefill_len]
@@ -813,10 +825,11 @@ class Engine:
 
     def _launch_ahead(self, verified: list[Request], emitted: list[int], last: list[int]) -> None:
         """Launch the next speculative step before committing this one: if every request that will
-        decode next is greedy and speculates, the policy's K for that step is chosen now, its draft
-        launched through the heads of that K (not of all K_max) and then its verify and acceptance;
-        for sampled verification only the draft, of every K_max. A draft launched for a step that
-        then takes the plain path is dropped: it goes through the narrowest heads."""
+        decode next speculates and is accepted on the device (`_accepted_on_device`), the policy's K for
+        that step is chosen now, its draft launched through the heads of that K (not of all K_max) and
+        then its verify and acceptance; for verification on the host only the draft, of every K_max. A
+        draft launched for a step that then takes the plain path is dropped: it goes through the
+        narrowest heads."""
         verified_now = {id(r): (n, t) for r, n, t in zip(verified, emitted, last)}
 
         def pending(r: Request) -> tuple[int, int]:  # (tokens not yet committed, the last token)
@@ -826,7 +839,7 @@ class Engine:
                and self._has_room(r, pending(r)[0])]  # the next step's decode set
         if not nxt:  # every request this step verified ends with it: no step would take a draft
             return
-        whole = not needs_processing(nxt) and len(self._speculating(nxt)) == len(nxt)
+        whole = self._accepted_on_device(nxt) and len(self._speculating(nxt)) == len(nxt)
         reqs = nxt if whole else verified
         steps = [pending(r) for r in reqs]
         tokens = [t for _, t in steps]

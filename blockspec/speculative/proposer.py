@@ -146,6 +146,13 @@ class Proposer:
         self.ahead_stats = [0, 0]
 
     @property
+    def matches_samples(self) -> bool:
+        """Whether sampled rows are verified by sample-and-match (greedy drafts, token-wise rule): then a
+        sampled row's token is a pure function of its logits and its (seed, position), and the step's
+        acceptance needs nothing from the host between launch and read (`accept_sampled`)."""
+        return self.cfg.draft_sample_method == "greedy" and self.cfg.rejection_sample_method == "standard"
+
+    @property
     def chains(self) -> bool:
         """Whether a step can be launched from the last one's device results (`step_after`): not when
         drafts are pruned by confidences read on the host."""
@@ -420,7 +427,7 @@ class Proposer:
         processed3 = processed.view(r, rows, -1)
         round_ = to_device([q.length for q in reqs], torch.int64, hidden.device)
         method = self.cfg.rejection_sample_method
-        if block.q_probs is None and method == "standard" and self.cfg.draft_sample_method == "greedy":
+        if self.matches_samples:
             num_acc, out = verify_sample_and_match(processed3, block.tokens, lens, params)
         elif method == "block":
             num_acc, out = verify_block(processed3, block.q_probs, block.tokens, lens, params, round_)
@@ -433,6 +440,15 @@ class Proposer:
         """Greedy acceptance on the device, packed for one host copy (see `pack`)."""
         ids = self.runner.greedy_ids(hidden)
         num_acc, out = verify_greedy(ids, block.tokens, block.lens_t)
+        return self.pack(num_acc, out, block)
+
+    def accept_sampled(self, block: DraftBlock, hidden: Tensor, params: RowParams) -> Tensor:
+        """Sample-and-match acceptance on the device (`matches_samples`), packed for one host copy as
+        `accept_greedy`'s; `params` fix each row's (seed, position), so the step may be launched before
+        the tokens before it are committed."""
+        r, rows, _ = hidden.shape
+        processed = process_logits(self.runner.logits(hidden).view(r * rows, -1), params)
+        num_acc, out = verify_sample_and_match(processed.view(r, rows, -1), block.tokens, block.lens_t, params)
         return self.pack(num_acc, out, block)
 
     def outcome(self, num_acc: Tensor, out: Tensor, block: DraftBlock) -> tuple[Tensor, Tensor]:
