@@ -74,11 +74,10 @@ class BatchSampling:
     def params(self, reqs: list[Request], rows_per_req: list[int], block_tokens: Tensor | None = None,
                ahead: int | list[int] = 0, constrained: bool = True) -> RowParams:
         """Per-row sampling parameters; row j of request r samples the token at position length + ahead + j
-        (`ahead`: tokens launched but not yet committed, see `needs_history`; one for every request, or each
-        request's). `block_tokens`: the drafts
-        a verify's rows follow. `constrained`: the rows of a request with a grammar get its masks, and
-        those of a request with bad words their bans, each after the drafts before the row (not for
-        drafting, which is unconstrained)."""
+        (`ahead`: tokens launched but not yet committed, see `needs_history`; one for every request, or a
+        list of each request's). `block_tokens`: the drafts a verify's rows follow. `constrained`: the rows
+        of a request with a grammar get its masks, and those of a request with bad words their bans, each
+        after the drafts before the row (not for drafting, which is unconstrained)."""
         dev = self.device
         req_of_row = [i for i, c in enumerate(rows_per_req) for _ in range(c)]
         offset = [j for c in rows_per_req for j in range(c)]

@@ -80,7 +80,8 @@ def sample_processed(processed: Tensor, p: RowParams, stream: int = STREAM_TARGE
                  for s in row_chunks(processed.shape[0], processed.shape[1], chunk_elems)]
         # greedy_ids' -1 rows hold a NaN or nothing above -inf (a drawing row's log-probabilities are never
         # +inf): those whose maximum is not above -inf, as NaN compares false
-        return torch.where(processed.amax(dim=1) > float("-inf"), drawn[0] if len(drawn) == 1 else torch.cat(drawn), -1)
+        tokens = drawn[0] if len(drawn) == 1 else torch.cat(drawn)
+        return torch.where(processed.amax(dim=1) > float("-inf"), tokens, -1)
     ids = greedy_ids(processed)
     if not f.sampled:
         return ids
