@@ -236,6 +236,9 @@ class Request:
     # sampling reads committed tokens (penalties, min_tokens, a grammar, a longer bad word) or keeps logprobs
     needs_history: bool = field(init=False)
     needs_processing: bool = field(init=False)  # more than the raw logits' argmax (see Engine.needs_processing)
+    # its rows sample from their own values alone (temperature, top-k / top-p / min-p, seed, position): no
+    # history, bias, bans or token masks (`Columns`)
+    row_values_only: bool = field(init=False)
 
     def __post_init__(self) -> None:
         p = self.params
@@ -244,6 +247,8 @@ class Request:
                               or p.structured_outputs is not None or any(len(w) > 1 for w in self.bad_words))
         self.needs_processing = (self.needs_history or not p.greedy or bool(p.logit_bias) or bool(self.bad_words)
                                  or p.allowed_token_ids is not None)
+        self.row_values_only = not (self.needs_history or p.logit_bias or self.bad_words
+                                    or p.allowed_token_ids is not None)
 
     @property
     def length(self) -> int:

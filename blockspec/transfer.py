@@ -28,3 +28,12 @@ def to_device(values: Sequence | Tensor, dtype: torch.dtype, device: torch.devic
     else:
         host = torch.tensor(values, dtype=dtype, device="cpu", pin_memory=True)
     return host.to(device, non_blocking=True)
+
+
+def copy_from_host(dst: Tensor, values: Sequence) -> None:
+    """Write a host list into `dst` (a captured graph's static input) in one copy that does not wait for the
+    device."""
+    if dst.device.type != "cuda":
+        dst.copy_(torch.tensor(values, dtype=dst.dtype))
+        return
+    dst.copy_(torch.tensor(values, dtype=dst.dtype, device="cpu", pin_memory=True), non_blocking=True)

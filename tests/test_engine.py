@@ -403,6 +403,64 @@ def test_padded_query_rows_leave_real_rows_unchanged(llm):
         pages.release(slot)
 
 
+def test_the_plain_step_head_graph_logic_gives_the_eager_tokens(tmp_path, monkeypatch):
+    """The head graphs' inputs, padding and variants, with a stand-in for the CUDA graph (its replay re-runs
+    the captured function into the same output buffer): greedy ids and sampled tokens equal the eager head
+    and sampler's for batches padded to their bucket, greedy and sampled rows mixed, min-p, top-k / top-p (a
+    graph of their own), a bad row; all-greedy columns take the greedy graph. tests/test_gpu.py runs the
+    real graphs."""
+    from blockspec.models import runner as runner_module
+    from blockspec.sample import Columns
+
+    def stand_in(fn, pool, outputs_outside=False):
+        buffers = tuple(t.clone() for t in fn())
+
+        class Replayed:
+            def replay(self) -> None:
+                for buf, t in zip(buffers, fn()):
+                    buf.copy_(t)
+        return Replayed(), buffers
+
+    monkeypatch.setattr(runner_module, "capture", stand_in)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    runner = LLM(str(save_tiny(tmp_path / "m", "qwen3", seed=2)), device="cpu", dtype="float32", warmup=False
+                 ).engine.runner
+    gen = torch.Generator().manual_seed(0)
+
+    def both(hidden, columns):
+        runner.use_graphs = True
+        graphed = runner.next_ids(hidden, columns).clone()
+        runner.use_graphs = False
+        return graphed.tolist(), runner.next_ids(hidden, columns).tolist()
+
+    h = runner.model.config.hidden_size
+    for rows in (1, 3, 5):
+        hidden = torch.randn(rows, h, generator=gen) * 4
+        if rows > 1:
+            hidden[-1, 0] = float("nan")
+        for columns in (None, Columns.from_values([0.7] * rows, [11] * rows, list(range(rows))),
+                        Columns.from_values([0.0] * rows, [1] * rows, [2] * rows),
+                        Columns.from_values([0.0, 0.7, 1.3, 0.0, 2.0][:rows], [1, 2, 3, 4, 5][:rows], [9] * rows,
+                                            min_p=[0.0, 0.1, 0.0, 0.2, 0.0][:rows]),
+                        Columns.from_values([1.0] * rows, [7] * rows, [3] * rows, top_k=[0, 5, 3, 0, 2][:rows],
+                                            top_p=[0.9, 1.0, 0.5, 0.7, 1.0][:rows])):
+            graphed, eager = both(hidden, columns)
+            assert graphed == eager and (graphed[-1] == -1) == (rows > 1), (rows, columns)
+    heads = runner.head_graphs
+    variants = (None, runner_module.SAMPLED_HEAD, runner_module.FILTERED_HEAD)
+    assert {(b, f) for b in (1, 4, 8) for f in variants} == set(heads)
+    # the rows' own values reach each replay: another seed draws other tokens, the eager ones for that seed
+    hidden = torch.randn(4, h, generator=gen)
+    drawn = [both(hidden, Columns.from_values([1.0] * 4, [seed] * 4, [5] * 4)) for seed in (1, 2)]
+    assert drawn[0][0] == drawn[0][1] and drawn[1][0] == drawn[1][1] and drawn[0][0] != drawn[1][0]
+    # a negative control: a replay that kept its first columns would give the first seed's tokens again
+    cap = heads[(4, runner_module.SAMPLED_HEAD)]
+    cap.floats, cap.ints = cap.floats.clone(), cap.ints.clone()  # writes now miss what the graph reads
+    runner.use_graphs = True
+    assert runner.next_ids(hidden, Columns.from_values([1.0] * 4, [1] * 4, [5] * 4)).tolist() == drawn[1][0]
+
+
 def test_graph_key_extents():
     """SDPA graphs are bucketed by key length up to the cache; the kernel's one extent serves all."""
     from blockspec.models.runner import kv_extent, kv_extents
@@ -417,8 +475,9 @@ def test_graph_key_extents():
 def test_prefill_batches_within_the_token_cap_take_a_graph(tmp_path):
     """A prefill batch replays a captured graph when its padded size (batch bucket x width, widths
     powers of two from 16) is within graph_prefill_tokens, with the Triton kernel only; decode and
-    verify widths keep their own graphs; capture_all makes exactly the keys requests can ask for."""
-    from blockspec.models.runner import ModelRunner, prefill_graph_widths
+    verify widths keep their own graphs; capture_all makes exactly the keys requests can ask for, and the
+    plain step's head graphs."""
+    from blockspec.models.runner import SAMPLED_HEAD, ModelRunner, prefill_graph_widths
 
     assert prefill_graph_widths(256) == [16, 32, 64, 128, 256] and prefill_graph_widths(15) == []
     model = LLM(str(save_tiny(tmp_path / "m", "qwen3", seed=2)), device="cpu", dtype="float32", warmup=False).model
@@ -431,9 +490,12 @@ def test_prefill_batches_within_the_token_cap_take_a_graph(tmp_path):
                     (1, 40): (1, 64, kv, False), (3, 64): (4, 64, kv, False), (4, 64): (4, 64, kv, False),
                     (5, 64): None, (8, 32): (8, 32, kv, False), (1, 256): (1, 256, kv, False), (1, 257): None,
                     (2, 200): None}
-    captured = []
+    captured, heads = [], []
     runner._capture = captured.append
+    runner._capture_head = lambda b, feats: heads.append((b, feats))
     runner.capture_all([1, 2, 4, 8], tapped=False, untapped=True)
+    # the plain step's heads, greedy (None) and sampled, at every bucket (a tiny vocabulary: all within the cap)
+    assert set(heads) == {(b, feats) for b in (1, 2, 4, 8) for feats in (None, SAMPLED_HEAD)} and len(heads) == 8
     prefill = sorted((b, w) for b, w, _, _ in captured if w >= 16)
     assert prefill == [(b, w) for b in (1, 2, 4, 8) for w in (16, 32, 64, 128, 256) if b * w <= 256]
     assert sum(w < 16 for _, w, _, _ in captured) == 4 * 3  # widths 1, 2, 5 at each batch bucket

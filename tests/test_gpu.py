@@ -12,10 +12,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 @pytest.mark.gpu
-def test_cuda_graph_decode_equals_eager(tmp_path):
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.7, seed=3),
+                                      dict(temperature=0.9, top_p=0.8, top_k=20, seed=4)])
+def test_cuda_graph_decode_equals_eager(tmp_path, sampling):
+    """Graphed decode steps (the forward, then the head and sampler) emit the eager path's tokens, greedy,
+    sampled, and sampled through top-k / top-p."""
     path = save_tiny(tmp_path / "m", "qwen3", seed=2)
     prompts = [{"prompt_token_ids": list(range(2, 2 + n))} for n in (3, 40, 11)]
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    params = SamplingParams(**sampling, max_tokens=48, ignore_eos=True)
     graphed = LLM(str(path), device="cuda", dtype="float32", max_model_len=256)
     eager = LLM(str(path), device="cuda", dtype="float32", max_model_len=256)
     eager.engine.runner.use_graphs = False
@@ -23,10 +27,53 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
     runner = graphed.engine.runner
     replay = runner._replay
     runner._replay = lambda *a, **k: replayed.append(a[5]) or replay(*a, **k)
+    heads, head_key = [], runner.head_key
+    runner.head_key = lambda *a: heads.append(head_key(*a)) or heads[-1]
     a = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     assert a == b
     assert replayed[0][:2] == (4, 64) and replayed[1][:2] == (4, 1)  # the prefill of all three, then decode
+    assert heads and all(key is not None for key in heads)  # every plain step's head was a graph's
+
+
+@pytest.mark.gpu
+def test_the_plain_step_head_graphs_give_the_eager_tokens(tmp_path):
+    """Greedy ids and sampled tokens through the head graphs equal the eager head and sampler's, row for
+    row: batches padded to their bucket, greedy and sampled rows mixed, min-p, top-k and top-p (their own
+    graph), a bad row (-1). Each replay reads the columns written for it: another seed draws other tokens,
+    the eager ones for that seed."""
+    from blockspec.models.runner import FILTERED_HEAD, SAMPLED_HEAD
+    from blockspec.sample import Columns
+
+    llm = LLM(str(save_tiny(tmp_path / "m", "qwen3", seed=2)), device="cuda", dtype="float32", warmup=False)
+    runner = llm.engine.runner
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def both(hidden, columns):
+        runner.use_graphs = True
+        graphed = runner.next_ids(hidden, columns).clone()
+        runner.use_graphs = False
+        eager = runner.next_ids(hidden, columns)
+        runner.use_graphs = True
+        return graphed.tolist(), eager.tolist()
+
+    h = runner.model.config.hidden_size
+    for rows in (1, 3, 5):
+        hidden = torch.randn(rows, h, device="cuda", generator=gen) * 4
+        hidden[-1, 0] = float("nan") if rows > 1 else hidden[-1, 0]
+        cases = [None,
+                 Columns.from_values([0.7] * rows, [11] * rows, list(range(rows))),
+                 Columns.from_values([0.0, 0.7, 1.3, 0.0, 2.0][:rows], [1, 2, 3, 4, 5][:rows], [9] * rows,
+                                     min_p=[0.0, 0.1, 0.0, 0.2, 0.0][:rows]),
+                 Columns.from_values([1.0] * rows, [7] * rows, [3] * rows, top_k=[0, 5, 3, 0, 2][:rows],
+                                     top_p=[0.9, 1.0, 0.5, 0.7, 1.0][:rows])]
+        for columns in cases:
+            graphed, eager = both(hidden, columns)
+            assert graphed == eager, (rows, columns)
+            assert (graphed[-1] == -1) == (rows > 1)
+        reseeded = Columns.from_values([1.0] * rows, [99] * rows, list(range(rows)))
+        assert both(hidden, reseeded)[0] != both(hidden, cases[1])[0] or rows == 1
+    assert {(4, None), (4, SAMPLED_HEAD), (4, FILTERED_HEAD), (8, SAMPLED_HEAD)} <= set(runner.head_graphs)
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ from torch import Tensor
 from blockspec.bad_words import banned_tokens
 from blockspec.models.runner import ModelRunner
 from blockspec.request import Logprob, Request
-from blockspec.sample import RowParams, expand_history, logprobs as top_logprobs, process_logits, sample
+from blockspec.sample import Columns, RowParams, expand_history, logprobs as top_logprobs, process_logits, sample
 from blockspec.sample.processors import row_chunks, token_bitmask
 from blockspec.structured import Masks
 from blockspec.transfer import to_device
@@ -174,7 +174,12 @@ class BatchSampling:
         past each request's committed ones: the noise is keyed by position, so a step launched
         before the commit draws what the step after the commit would."""
         if not needs_processing(reqs):
-            return self.runner.greedy_ids(hidden_rows)
+            return self.runner.next_ids(hidden_rows)
+        if all(r.row_values_only for r in reqs):  # the values alone, which a graph of the head takes as they are
+            ps = [r.params for r in reqs]
+            return self.runner.next_ids(hidden_rows, Columns.from_values(
+                [p.temperature for p in ps], [r.seed for r in reqs], [r.length + ahead for r in reqs],
+                top_k=[max(p.top_k, 0) for p in ps], top_p=[p.top_p for p in ps], min_p=[p.min_p for p in ps]))
         return sample(self.runner.logits(hidden_rows), self.params(reqs, [1] * len(reqs), ahead=ahead))
 
     def sample(self, reqs: list[Request], hidden_rows: Tensor) -> tuple[list[int], LogprobEntries | None]:

@@ -21,8 +21,9 @@ from torch import Tensor
 
 from blockspec.models.kv_cache import KVCache, PageTable, causal_meta, meta_from_tensors
 from blockspec.models.llama import CausalLM
-from blockspec.sample.sampler import greedy_ids
-from blockspec.transfer import to_device
+from blockspec.sample.processors import Columns, Features, RowParams
+from blockspec.sample.sampler import greedy_ids, sample
+from blockspec.transfer import copy_from_host, to_device
 
 T = TypeVar("T")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -53,6 +54,15 @@ def prefill_graph_widths(tokens: int) -> list[int]:
     pads to at most twice its length, and a batch of b runs of width w is graphed if b x w <= tokens)."""
     return [MIN_PREFILL_WIDTH << i for i in range(32) if MIN_PREFILL_WIDTH << i <= tokens]
 
+
+HEAD_GRAPH_ELEMS = 1 << 21
+"""Rows x vocab a graph of the plain step's head and sampler serves at most: its logits and the sampler's
+temporaries (a top-k / top-p sort's values and indices, about 50 bytes an element) stay in the graphs' pool
+for the engine's life. Larger batches of a large vocabulary run eagerly, where the launches cost relatively
+little."""
+
+SAMPLED_HEAD = Features(sampled=True, top_k=False, top_p=False, min_p=True, greedy=True)
+FILTERED_HEAD = Features(sampled=True, top_k=True, top_p=True, min_p=True, greedy=True)
 
 CAPTURES = [0]  # graphs captured so far in this process (a step that captured is not a timing sample)
 
@@ -117,6 +127,15 @@ class CapturedForward:
     features: Tensor | None  # [B, Q, F] static output
 
 
+@dataclass
+class CapturedHead:
+    graph: "torch.cuda.CUDAGraph"
+    hidden: Tensor  # [B, H] static input
+    floats: Tensor | None  # [6, B] and [4, B] static inputs: the rows' `Columns` (None for the greedy head)
+    ints: Tensor | None
+    ids: Tensor  # [B] static output, outside the graphs' pool
+
+
 class ModelRunner:
     """Owns the target model and its KV cache; every forward is `tokens at positions -> hidden (+ taps)`.
 
@@ -146,6 +165,7 @@ class ModelRunner:
         self.taps = tuple(taps)
         self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self.graphs: dict[tuple[int, int, int, bool], CapturedForward] = {}
+        self.head_graphs: dict[tuple[int, Features | None], CapturedHead] = {}  # (batch bucket, sampled rows' features)
         self.graph_prefill_tokens = graph_prefill_tokens
         self.context_sink = context_sink
         # greedy ids of several rows where not the argmax of the head's logits (a speculative engine on the CPU
@@ -245,8 +265,8 @@ class ModelRunner:
 
     def capture_all(self, batch_sizes: Sequence[int], tapped: bool, untapped: bool) -> None:
         """Capture every graph a step of these batch buckets can replay: each query width, each key
-        extent, with taps (steps where requests may draft) and / or without, and the prefill graphs
-        of each width that holds the batch within `graph_prefill_tokens`."""
+        extent, with taps (steps where requests may draft) and / or without, the prefill graphs
+        of each width that holds the batch within `graph_prefill_tokens`, and the plain step's heads."""
         kinds = [t for t, wanted in ((True, tapped), (False, untapped)) if wanted]
         extents = kv_extents(self.cache.max_len + 1, self.whole_cache_graphs)
         keys = [(b, width, kv, taps) for b in batch_sizes for kv in extents for width in self.query_buckets
@@ -256,6 +276,10 @@ class ModelRunner:
         for key in keys:
             if key not in self.graphs:
                 self._capture(key)
+        # the plain step's head, greedy and sampled (a batch that filters by top-k / top-p captures its own)
+        for head in {self.head_key(b, feats) for b in batch_sizes for feats in (None, SAMPLED_HEAD)} - {None}:
+            if head not in self.head_graphs:
+                self._capture_head(*head)
 
     def _replay(self, ids: Tensor, q_lens: Sequence[int], starts: Sequence[int], slots: Sequence[int],
                 with_taps: bool, key: tuple[int, int, int, bool], hold: tuple[list[int], list[int]] | None = None,
@@ -338,3 +362,60 @@ class ModelRunner:
         for i in range(0, flat.shape[0], chunk_rows):
             out[i : i + chunk_rows] = greedy_ids(self.model.head_logits(flat[i : i + chunk_rows]))
         return out.view(hidden.shape[:-1])
+
+    def next_ids(self, hidden: Tensor, columns: Columns | None = None) -> Tensor:
+        """The plain step's token for each row of `hidden` [R, H]: greedy (`columns` None), or drawn by
+        `sample` with the rows' values as host `Columns` (sampling that needs nothing else: no history, bias
+        or masks). On a GPU one replay of a graph of the head and the sampler (`head_key`): the tokens of the
+        eager path, without a launch from the host for each of its kernels, which is most of a small model's
+        plain step."""
+        if columns is not None and not columns.features.sampled:
+            columns = None  # greedy rows with nothing to apply: `sample` takes the raw argmax too
+        key = self.head_key(hidden.shape[0], None if columns is None else columns.features)
+        if key is None or torch.cuda.is_current_stream_capturing():
+            if columns is None:
+                return self.greedy_ids(hidden)
+            return sample(self.logits(hidden), columns.params(self.device))
+        cap = self.head_graphs.get(key) or self._capture_head(*key)
+        r = hidden.shape[0]
+        cap.hidden[:r].copy_(hidden)
+        if columns is not None:
+            padded = columns.padded(key[0])
+            copy_from_host(cap.floats, padded.floats)
+            copy_from_host(cap.ints, padded.ints)
+        cap.graph.replay()
+        return cap.ids[:r]
+
+    def head_key(self, rows: int, feats: Features | None) -> tuple[int, Features | None] | None:
+        """The head graph that serves `rows` rows sampled with `feats` (None: greedy ids): (batch bucket, the
+        features it is captured for), or None (eager: no graphs, or more rows x vocab than HEAD_GRAPH_ELEMS).
+        A processor a row leaves off is an exact identity on it (processors.py), so two sampled graphs a
+        bucket serve every batch: one without top-k and top-p, one with both (a sort of every row)."""
+        b = bucket(rows, BATCH_BUCKETS)
+        if not self.use_graphs or b is None or b * self.model.config.vocab_size > HEAD_GRAPH_ELEMS:
+            return None
+        if feats is None:
+            return b, None
+        return b, FILTERED_HEAD if feats.top_k or feats.top_p else SAMPLED_HEAD
+
+    def _capture_head(self, b: int, feats: Features | None) -> CapturedHead:
+        """The graph of the head and sampler for `b` rows: greedy ids, or `sample` for rows of these features
+        (inputs written before each replay)."""
+        h = self.model.config.hidden_size
+        hidden = torch.zeros(b, h, dtype=self.model.embed_tokens.weight.dtype, device=self.device)
+        floats = ints = None
+        if feats is not None:  # every row greedy-free and neutral until the first replay writes them
+            floats = torch.tensor([[1.0] * b, [1.0] * b, [0.0] * b, [0.0] * b, [0.0] * b, [1.0] * b],
+                                  device=self.device)
+            ints = torch.zeros(4, b, dtype=torch.int64, device=self.device)
+
+        def run() -> tuple[Tensor]:
+            if feats is None:
+                return (greedy_ids(self.model.head_logits(hidden)),)
+            return (sample(self.logits(hidden), RowParams.from_columns(floats, ints, feats)),)
+
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph, (ids,) = capture(run, self.pool, outputs_outside=True)
+        cap = self.head_graphs[(b, feats)] = CapturedHead(graph, hidden, floats, ints, ids)
+        return cap

@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -61,6 +62,52 @@ class Features:
     top_p: bool
     min_p: bool
     greedy: bool = True  # some row has temperature 0 (False: every row samples, no greedy-row work)
+
+
+@dataclass(frozen=True)
+class Columns:
+    """A batch's per-row sampling values on the host, in the layout of `RowParams`' device columns: two
+    tables (float32 and int64) that reach the device in one copy each, or straight into a captured
+    graph's inputs (`ModelRunner.next_ids`)."""
+
+    floats: list[list[float]]  # temperature, top_p, min_p, presence, frequency and repetition penalties
+    ints: list[list[int]]  # top_k, seed, position, suppress_eos
+    features: Features
+
+    @classmethod
+    def from_values(cls, temperature: Sequence[float], seed: Sequence[int], position: Sequence[int],
+                    top_k: Sequence[int] | None = None, top_p: Sequence[float] | None = None,
+                    min_p: Sequence[float] | None = None, presence_penalty: Sequence[float] | None = None,
+                    frequency_penalty: Sequence[float] | None = None,
+                    repetition_penalty: Sequence[float] | None = None,
+                    suppress_eos: Sequence[bool] | None = None) -> Columns:
+        """Per-row values (None = off for every row) and the `Features` they use."""
+        n = len(temperature)
+
+        def host(values: Sequence[float] | Sequence[int] | Sequence[bool] | None, default: float | int | bool
+                 ) -> list:
+            return list(values) if values is not None else [default] * n
+
+        feats = Features(sampled=any(t > 0 for t in temperature),
+                         top_k=top_k is not None and any(k > 0 for k in top_k),
+                         top_p=top_p is not None and any(v < 1 for v in top_p),
+                         min_p=min_p is not None and any(v > 0 for v in min_p),
+                         greedy=any(t <= 0 for t in temperature))
+        return cls([host(temperature, 0.0), host(top_p, 1.0), host(min_p, 0.0), host(presence_penalty, 0.0),
+                    host(frequency_penalty, 0.0), host(repetition_penalty, 1.0)],
+                   [host(top_k, 0), host(seed, 0), host(position, 0), [int(v) for v in host(suppress_eos, False)]],
+                   feats)
+
+    def padded(self, rows: int) -> Columns:
+        """The columns with rows appended up to `rows`: each a copy of row 0 (valid values of this batch's
+        features; a graph's padding rows are computed and never read)."""
+        pad = rows - len(self.floats[0])
+        return Columns([c + c[:1] * pad for c in self.floats], [c + c[:1] * pad for c in self.ints], self.features)
+
+    def params(self, device: torch.device | str, **extra: Any) -> RowParams:
+        """The rows' `RowParams` on `device` (two host-to-device copies, neither waits for the device)."""
+        return RowParams.from_columns(to_device(self.floats, torch.float32, device),
+                                      to_device(self.ints, torch.int64, device), self.features, **extra)
 
 
 @dataclass
@@ -96,28 +143,17 @@ class RowParams:
                   eos_ids: Tensor | None = None, allowed: Tensor | None = None) -> RowParams:
         """Build from per-row host values (None = off for every row), with ``features`` filled in
         from the host values so that no later call needs to read them back from the device."""
-        n = len(temperature)
+        columns = Columns.from_values(temperature, seed, position, top_k, top_p, min_p, presence_penalty,
+                                      frequency_penalty, repetition_penalty, suppress_eos)
+        return columns.params(device, output_counts=output_counts, prompt_mask=prompt_mask, logit_bias=logit_bias,
+                              eos_ids=eos_ids, allowed=allowed)
 
-        def host(values: Sequence[float] | Sequence[int] | Sequence[bool] | None, default: float | int | bool
-                 ) -> list:
-            return list(values) if values is not None else [default] * n
-
-        # two host-to-device copies for every column (one per dtype), none of which waits for the device
-        floats = to_device([host(temperature, 0.0), host(top_p, 1.0), host(min_p, 0.0), host(presence_penalty, 0.0),
-                            host(frequency_penalty, 0.0), host(repetition_penalty, 1.0)], torch.float32, device)
-        ints = to_device([host(top_k, 0), host(seed, 0), host(position, 0), host(suppress_eos, False)], torch.int64,
-                         device)
-
-        feats = Features(sampled=any(t > 0 for t in temperature),
-                         top_k=top_k is not None and any(k > 0 for k in top_k),
-                         top_p=top_p is not None and any(v < 1 for v in top_p),
-                         min_p=min_p is not None and any(v > 0 for v in min_p),
-                         greedy=any(t <= 0 for t in temperature))
+    @classmethod
+    def from_columns(cls, floats: Tensor, ints: Tensor, feats: Features, **extra: Any) -> RowParams:
+        """Views of the device columns [6, N] float32 and [4, N] int64 (`Columns`' order), plus `extra` fields."""
         return cls(temperature=floats[0], top_p=floats[1], min_p=floats[2], presence_penalty=floats[3],
                    frequency_penalty=floats[4], repetition_penalty=floats[5], top_k=ints[0], seed=ints[1],
-                   position=ints[2], suppress_eos=ints[3].bool(), output_counts=output_counts,
-                   prompt_mask=prompt_mask, logit_bias=logit_bias, eos_ids=eos_ids, features=feats,
-                   allowed=allowed)
+                   position=ints[2], suppress_eos=ints[3].bool(), features=feats, **extra)
 
     def take(self, rows: Tensor) -> RowParams:
         """The parameters of a subset of rows (e.g. one block position of every request)."""
