@@ -152,7 +152,7 @@ class Engine:
     def warmup(self) -> dict[str, float]:
         """Pay every one-time cost before the first request: capture the CUDA graph of each batch
         bucket up to max_num_seqs x verify width (with and without taps), of each prefill batch
-        within graph_prefill_tokens, and of the draft step,
+        within graph_prefill_tokens, of the plain step's head (greedy and sampled), and of the draft step,
         then run short requests end to end, greedy and sampled (each Triton kernel variant prefill,
         decode, the drafter and sampling use, the eager draft path). Counters and the draft-length
         policy start afresh afterwards, so no request and no policy estimate pays for a capture or
