@@ -115,22 +115,21 @@ class BatchSampling:
                 block_tokens = torch.full((len(reqs), 1), -1, dtype=torch.int64, device=dev)
             output_counts = expand_history(counts, req_idx, block_tokens, col(offset, torch.int64))
             prompt_mask = masks[req_idx]
-        return RowParams.from_host(
-            temperature=[p.temperature for p in ps],
-            seed=[reqs[i].seed for i in req_of_row],
-            position=[reqs[i].length + aheads[i] + j for i, j in zip(req_of_row, offset)],
-            device=dev,
-            top_k=[max(p.top_k, 0) for p in ps],
-            top_p=[p.top_p for p in ps],
-            min_p=[p.min_p for p in ps],
-            presence_penalty=[p.presence_penalty for p in ps],
-            frequency_penalty=[p.frequency_penalty for p in ps],
-            repetition_penalty=[p.repetition_penalty for p in ps],
-            output_counts=output_counts,
-            prompt_mask=prompt_mask,
-            logit_bias=logit_bias,
-            allowed=self._allowed(reqs, rows_per_req, drafts) if constrained else None,
-        )
+        return self._columns(reqs, req_of_row, offset, aheads).params(
+            dev, output_counts=output_counts, prompt_mask=prompt_mask, logit_bias=logit_bias,
+            allowed=self._allowed(reqs, rows_per_req, drafts) if constrained else None)
+
+    @staticmethod
+    def _columns(reqs: list[Request], req_of_row: list[int], offset: list[int], aheads: list[int]) -> Columns:
+        """The rows' own sampling values: row n of request reqs[req_of_row[n]] samples the token at position
+        length + aheads[request] + offset[n]."""
+        ps = [reqs[i].params for i in req_of_row]
+        return Columns.from_values(
+            [p.temperature for p in ps], [reqs[i].seed for i in req_of_row],
+            [reqs[i].length + aheads[i] + j for i, j in zip(req_of_row, offset)],
+            top_k=[max(p.top_k, 0) for p in ps], top_p=[p.top_p for p in ps], min_p=[p.min_p for p in ps],
+            presence_penalty=[p.presence_penalty for p in ps], frequency_penalty=[p.frequency_penalty for p in ps],
+            repetition_penalty=[p.repetition_penalty for p in ps])
 
     def _allowed(self, reqs: list[Request], rows_per_req: list[int], drafts: list[list[int]] | None
                  ) -> Tensor | None:
@@ -176,10 +175,8 @@ class BatchSampling:
         if not needs_processing(reqs):
             return self.runner.next_ids(hidden_rows)
         if all(r.row_values_only for r in reqs):  # the values alone, which a graph of the head takes as they are
-            ps = [r.params for r in reqs]
-            return self.runner.next_ids(hidden_rows, Columns.from_values(
-                [p.temperature for p in ps], [r.seed for r in reqs], [r.length + ahead for r in reqs],
-                top_k=[max(p.top_k, 0) for p in ps], top_p=[p.top_p for p in ps], min_p=[p.min_p for p in ps]))
+            rows = list(range(len(reqs)))
+            return self.runner.next_ids(hidden_rows, self._columns(reqs, rows, [0] * len(reqs), [ahead] * len(reqs)))
         return sample(self.runner.logits(hidden_rows), self.params(reqs, [1] * len(reqs), ahead=ahead))
 
     def sample(self, reqs: list[Request], hidden_rows: Tensor) -> tuple[list[int], LogprobEntries | None]:
