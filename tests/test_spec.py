@@ -1059,12 +1059,11 @@ def add_device_oracle(llm: LLM, expected: dict[tuple, list[int]]) -> dict[tuple,
     return drafted
 
 
-def oracle_run(target, method, fixture, ps, params, table, chained, arrivals=None, lengths=(3,), calls=None):
+def oracle_run(target, method, fixture, ps, params, table, chained, arrivals=None, lengths=(3,)):
     """Outputs, stats and the drafter's drafts of a speculative engine drafting up to 3 tokens a step with
     oracle drafts, steps launched from device results (`chained`) or waiting for the read-back. `arrivals`:
     the engine step before which each request is added (default: all at once); `lengths`: the draft
-    lengths its steps take, in turn; `calls`: a list that gets (engine step, "forward" or "step_after",
-    request ids) for each target forward of prompt tokens and each chained launch, in order."""
+    lengths its steps take, in turn."""
     llm = spec_llm(target, method, fixture, num_speculative_tokens=3)
     engine = llm.engine
     engine.async_scheduling = chained
@@ -1075,11 +1074,6 @@ def oracle_run(target, method, fixture, ps, params, table, chained, arrivals=Non
     for name in ("propose", "launch_next"):
         method_ = getattr(engine.proposer, name)
         setattr(engine.proposer, name, lambda *a, _m=method_, _n=name, **kw: host_drafts.append(_n) or _m(*a, **kw))
-    if calls is not None:
-        prefill, step_after = engine._prefill, engine.proposer.step_after
-        engine._prefill = lambda rs: calls.append((step, "forward", [r.request_id for r in rs])) or prefill(rs)
-        engine.proposer.step_after = lambda rs, *a: (calls.append((step, "step_after", [r.request_id for r in rs]))
-                                                     or step_after(rs, *a))
     arrivals = arrivals or {0: list(range(len(ps)))}
     reqs, step = {}, 0
     while step <= max(arrivals) or engine.has_unfinished():
@@ -1163,23 +1157,6 @@ def test_requests_that_arrive_join_the_chained_step(target, plain, method, fixtu
     chain = chain_run[1]
     assert chain["num_spec_steps_chained"] == chain["num_spec_steps_launched_ahead"] > 5
     assert chain["host_drafts"] == 0  # the first step too (`Engine._from_committed`)
-
-
-def test_an_arrival_is_prefilled_after_the_chained_step_in_flight_is_followed(target, plain):
-    """A request that arrives while a chained step is in flight is prefilled after that step is read and
-    its successor launched (so its prefill's host work and first-token read overlap a step on the
-    device instead of standing between two), and joins the chained step after that one."""
-    ps, params, expected, table = oracle_case(plain, 16, (34, 25, 20, 12))
-    calls = []
-    out, stats, _ = oracle_run(target, "dspark", "dspark_vanilla", ps, params, table, True,
-                               {0: [0, 1], 3: [2], 6: [3]}, calls=calls)
-    assert out == expected
-    for step, arrival in ((3, "2"), (6, "3")):
-        here = [(name, ids) for s, name, ids in calls if s == step]
-        assert [name for name, _ in here] == ["step_after", "forward"] and here[1][1] == [arrival]
-        assert arrival not in here[0][1]
-        after = [ids for s, name, ids in calls if s == step + 1 and name == "step_after"]
-        assert after and arrival in after[0]
 
 
 def test_steps_launched_ahead_survive_stops_aborts_and_arrivals(target, plain):

@@ -290,20 +290,15 @@ class Engine:
 
     def _step(self) -> list[Request]:
         """Schedule, then prefill chunks of new requests beside the decode of the running ones (two
-        forwards in one step), so a long prompt arriving never stalls the others. Where a speculative
-        step is in flight the decode goes first: that step is read and the next one launched before the
-        prefill, whose host work and first-token read then overlap the next step on the device (the
-        arrivals join the step after it), not stand between two steps."""
+        forwards in one step), so a long prompt arriving never stalls the others."""
         self._schedule()
         self.pages.sync()
         running = self.scheduler.running
         prefilling = [r for r in running if r.num_cached < r.prefill_len]
         decoding = [r for r in running if r.num_cached >= r.prefill_len]
         touched = []
-        if prefilling and decoding and isinstance(self.pipeline.inflight, SpecLaunch):
-            touched, decoding = self._decode(decoding), []
         if prefilling:  # prefill steps start no pipeline, and no step's price spans one
-            touched += self._commit_plain_inflight()
+            touched = self._commit_plain_inflight()
             self.pipeline.last_commit = self.pipeline.step_end = None
             touched += self._prefill(prefilling)
             self.pipeline.prefill_end = self.timer.stamp()
