@@ -61,6 +61,9 @@ def test_every_method_batch_and_temperature_reports(result):
                 assert r["num_requests"] == b and r["output_tok_s"]["median"] > 0
                 assert r["tpot_ms"]["p50"] > 0 and r["ttft_ms"]["p90"] >= r["ttft_ms"]["p50"]
                 assert r["memory_gb_total"] == pytest.approx(sum(r["memory_gb"].values()))  # CPU: no pass peak
+                # every request is admitted and prefilled in a pass's first step, which the decode figures leave out
+                pre = r["prefill_steps"]
+                assert pre["steps"] == 1 and pre["ms_median"] > 0 and 0 < pre["share"] < 1
                 # the drafter's held taps: a verify's rows and a plain step's per slot, target taps wide
                 parts = r["memory_gb"]
                 assert ("draft_pending" in parts) == (method != "plain") and not any(p.startswith("graphs") for p in parts)
@@ -101,6 +104,9 @@ def test_outputs_written(result, tmp_path):
     parts = ", ".join(f"{k.replace('_', ' ')} {v:.3g}" for k, v in run["memory_gb"].items())
     assert f"- dspark {point_name(run)}: {parts}" in md.split("What a speculative run holds, by part")[1]
     assert "draft pending" in parts and "drafter weights" in parts
+    pre = run["prefill_steps"]
+    assert (f"- dspark {point_name(run)}: 1 x {pre['ms_median']:.2f} ms, {pre['share']:.0%}"
+            in md.split("Steps that admit or prefill")[1])
     for key in ("plot_speedup", "plot_throughput", "plot_acceptance"):
         with Image.open(paths[key]) as img:
             assert img.format == "PNG" and "SYNTHETIC" not in img.info["Title"]

@@ -550,6 +550,9 @@ class Pass:
     tpot_s: list[float]
     outputs: list[list[int]]
     preemptions: int = 0  # requests the engine preempted (its KV pool ran short): their prefill ran again
+    # times of the steps that admitted or prefilled (any decode they ran beside included): a speculative
+    # engine's requests finish, and are replaced, one at a time, so it meets an arrival every few steps
+    prefill_s: list[float] = field(default_factory=list)
 
 
 _ids = itertools.count()
@@ -576,6 +579,7 @@ def drive(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
     step_s: dict[int, list[float]] = {}
     step_rows: dict[int, list[int]] = {}
     drafts: list[tuple[int, int]] = []
+    prefill_s: list[float] = []
     while engine.has_unfinished():
         prefill = bool(engine.waiting and engine.pages.num_free_slots) or any(
             r.num_cached < r.prefill_len for r in engine.running)
@@ -585,6 +589,7 @@ def drive(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
         step = log.drain()
         if prefill:
             launched_s = 0.0  # what a launch-only call started, a prefill step commits
+            prefill_s.append(dt)
             continue
         decode_s += dt
         decode_tokens += engine.num_generated - n0
@@ -603,7 +608,7 @@ def drive(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
     return Pass(wall, sum(len(r.output_ids) for r in reqs), decode_s, decode_tokens, step_s, step_rows, drafts,
                 [r.first_token_time - r.arrival_time for r in reqs],
                 [(r.finish_time - r.first_token_time) / (len(r.output_ids) - 1) for r in reqs if len(r.output_ids) > 1],
-                [list(r.output_ids) for r in reqs], engine.num_preemptions - preempted)
+                [list(r.output_ids) for r in reqs], engine.num_preemptions - preempted, prefill_s)
 
 
 def measure_point(engines: dict[Hashable, Engine], prompts: list[list[int]], params: list[SamplingParams],
@@ -674,6 +679,9 @@ def summarize(engine: Engine, passes: list[Pass], prompts: list[list[int]], befo
         "tpot_ms": {"p50": 1e3 * float(np.percentile(tpot, 50)), "p90": 1e3 * float(np.percentile(tpot, 90))}
         if tpot else None,
         "ttft_ms": {"p50": 1e3 * float(np.percentile(ttft, 50)), "p90": 1e3 * float(np.percentile(ttft, 90))},
+        "prefill_steps": {"steps": sum(map(len, (p.prefill_s for p in passes))) / len(passes),
+                          "ms_median": 1e3 * spread([t for p in passes for t in p.prefill_s] or [0.0])["median"],
+                          "share": spread([sum(p.prefill_s) / p.wall_s for p in passes])["median"]},
         "preemptions": sum(p.preemptions for p in passes),
         "time_split_s_per_pass": {k[:-2]: (v - before.get(k, 0.0)) / len(passes)
                                   for k, v in engine.timer.totals.items()},

@@ -266,6 +266,12 @@ def markdown(result: dict[str, Any]) -> str:
     if preempted:
         lines += ["", "**KV pool short: these runs preempted requests (their prefill ran again, and is in their "
                       "timings): " + ", ".join(preempted) + ".**"]
+    admitting = [r for r in result["runs"] if r["status"] == "ok" and r.get("prefill_steps")]
+    if admitting:
+        lines += ["", ("Steps that admit or prefill (left out of the decode figures; any decode beside the prefill "
+                       "included): steps a pass, median step time, share of the pass's time:"), ""]
+        lines += [f"- {r['method']} {point_name(r)}: {r['prefill_steps']['steps']:.3g} x "
+                  f"{r['prefill_steps']['ms_median']:.2f} ms, {r['prefill_steps']['share']:.0%}" for r in admitting]
     spec_runs = [r for r in result["runs"] if r.get("acceptance")]
     if any(not drafted(r) for r in spec_runs):
         lines += ["", f"{NO_DRAFTS}."]
