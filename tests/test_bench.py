@@ -841,6 +841,34 @@ def _cpu_ab_module():
     return module
 
 
+def test_step_trace_records_every_step_and_leaves_the_engine_as_it_was():
+    """benchmarks/step_trace.py: each engine step of a pass is timed with the requests it prefilled (every
+    prompt once: the sum over steps is the number of requests) and decoded (never more than in flight), and
+    the speculative steps it launched; `split` sums the calls' times; afterwards the engine has none of the
+    wrappers."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "step_trace.py"
+    spec = importlib.util.spec_from_file_location("step_trace", path)
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)
+    from blockspec.demo import default_pair, heldout_prompts
+    from blockspec.llm import LLM
+
+    base, _ = default_pair()
+    llm = LLM(str(base / "target"), device="cpu", dtype="float32", seed=0, max_num_seqs=2,
+              speculative_config={"method": "dspark", "model": str(base / "dspark"), "adaptive_draft_length": False})
+    prompts = heldout_prompts(5)
+    wall, tokens, steps, totals = trace.traced_pass(llm, prompts, SamplingParams(temperature=0, max_tokens=6,
+                                                                                 ignore_eos=True), split=True)
+    assert tokens == 30 and wall > 0 and all(s["ms"] > 0 for s in steps)
+    assert sum(s.get("prefill", 0) for s in steps) == 5 and max(s.get("decode", 0) for s in steps) <= 2
+    assert any(k > 0 for s in steps for _, k, _ in s.get("launch", []))  # it drafted
+    assert totals["_prefill"][1] == sum(1 for s in steps if s.get("prefill")) and totals["_decode"][0] > 0
+    assert not {"_step", "_prefill", "_decode", "_launch_spec", "_schedule", "_append"} & set(vars(llm.engine))
+    assert "forward" not in vars(llm.engine.runner) and "sample" not in vars(llm.engine.sampling)
+    lines = trace.report("dspark", wall, tokens, steps, totals)
+    assert lines[0].startswith(f"dspark: 30 tokens in {1e3 * wall:.1f} ms") and any("[split] _prefill" in x for x in lines)
+
+
 def test_cpu_ab_swaps_an_arm_in_for_its_runs_only_and_pairs_them():
     """`swapped` sets instance attributes for its context and restores them (one the instance did not hold is
     deleted, so the class's shows again, also after an error); `paired` runs each arm on every unit and mode

@@ -1,0 +1,184 @@
+"""Where a pass's engine steps go: every step of an `LLM.generate` over the embedded pair timed, with the requests it
+prefilled and decoded and the speculative steps it launched (K, chained or not), grouped by kind.
+
+At 16 in flight a speculative engine's requests finish, and are replaced, one at a time, so it meets an arrival
+every few steps; the bench leaves those steps out of its decode figures. This shows what they cost beside the
+drafting steps. With `--split`, the wall time of the calls a step makes (schedule, prefill, the first token's
+sampling, decode, ...) summed over the pass; with `--profile`, a further pass under cProfile (the device waits show
+as the calls that read results back).
+
+    PYTHONPATH=. python benchmarks/step_trace.py --methods plain,dspark --temperatures 0,0.7 --out step_trace
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import pstats
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from blockspec.demo import default_pair, heldout_prompts
+from blockspec.llm import LLM
+from blockspec.sampling_params import SamplingParams
+
+
+def patch(obj: Any, name: str, value: Any) -> Callable[[], None]:
+    """Set obj.name on the instance; returns what undoes it (the instance's own value back, or none, so the
+    class's method shows again and the instance holds no bound method of itself)."""
+    had, old = name in vars(obj), vars(obj).get(name)
+    setattr(obj, name, value)
+    return lambda: setattr(obj, name, old) if had else delattr(obj, name)
+
+
+def wrap(obj: Any, name: str, before: Callable[..., None]) -> Callable[[], None]:
+    """Call `before` with obj.name's arguments ahead of it; returns what undoes it."""
+    orig = getattr(obj, name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        before(*args, **kwargs)
+        return orig(*args, **kwargs)
+
+    return patch(obj, name, wrapped)
+
+
+def timed(obj: Any, name: str, label: str, totals: dict[str, list[float]]) -> Callable[[], None]:
+    """Add obj.name's wall time and calls to totals[label]; returns what undoes it."""
+    orig = getattr(obj, name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = orig(*args, **kwargs)
+        totals[label][0] += time.perf_counter() - t0
+        totals[label][1] += 1
+        return out
+
+    return patch(obj, name, wrapped)
+
+
+def traced_pass(llm: LLM, prompts: list[str], params: SamplingParams, split: bool
+                ) -> tuple[float, int, list[dict[str, Any]], dict[str, list[float]]]:
+    """One timed pass: wall seconds, tokens, each step's record, and with `split` the calls' totals."""
+    eng = llm.engine
+    steps: list[dict[str, Any]] = []
+    cur: dict[str, Any] = {}
+    undo = [wrap(eng, "_prefill", lambda reqs: cur.__setitem__("prefill", cur.get("prefill", 0) + len(reqs))),
+            wrap(eng, "_decode", lambda reqs: cur.__setitem__("decode", len(reqs))),
+            wrap(eng, "_launch_spec", lambda reqs, k, *a, after=None, **kw: cur.setdefault("launch", []).append(
+                (len(reqs), k, after is not None)))]
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    if split:
+        undo += [timed(eng, n, n, totals) for n in ("_schedule", "_prefill", "_decode", "_append")]
+        undo += [timed(eng.sampling, "sample", "first tokens (sampling.sample)", totals),
+                 timed(eng.runner, "forward", "prefill forward (runner.forward)", totals),
+                 timed(eng.pages, "sync", "pages.sync", totals)]
+    step = eng._step
+
+    def one_step() -> Any:
+        cur.clear()
+        t0 = time.perf_counter()
+        out = step()
+        cur["ms"] = 1e3 * (time.perf_counter() - t0)
+        steps.append(dict(cur))
+        return out
+
+    undo.append(patch(eng, "_step", one_step))
+    gc.collect()
+    gc.freeze()  # as the bench times its rounds: what is alive stays out of the collector's walks
+    try:
+        sync(llm)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync(llm)
+        wall = time.perf_counter() - t0
+    finally:
+        gc.unfreeze()
+        for u in reversed(undo):
+            u()
+    return wall, sum(len(o.outputs[0].token_ids) for o in outs), steps, totals
+
+
+def sync(llm: LLM) -> None:
+    if llm.engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def kind(step: dict[str, Any]) -> str:
+    """"prefill+decode15 launch16K8c": the step's prefill, its decode's requests, its launches (c: chained)."""
+    return (("prefill+" if step.get("prefill") else "") + f"decode{step.get('decode', 0)}"
+            + "".join(f" launch{n}K{k}{'c' if c else ''}" for n, k, c in step.get("launch", [])))
+
+
+def report(name: str, wall: float, tokens: int, steps: list[dict[str, Any]], totals: dict[str, list[float]]) -> list[str]:
+    pre = [s for s in steps if s.get("prefill")]
+    dec = [s for s in steps if not s.get("prefill") and s.get("decode")]
+    lines = [f"{name}: {tokens} tokens in {1e3 * wall:.1f} ms = {tokens / wall:,.0f} tok/s; {len(steps)} steps, "
+             f"{len(pre)} with a prefill ({sum(s['ms'] for s in pre):.1f} ms); decode-only steps {len(dec)}, mean "
+             f"{sum(s['decode'] for s in dec) / max(len(dec), 1):.2f} requests, {sum(s['ms'] for s in dec):.1f} ms"]
+    by: dict[str, list[float]] = defaultdict(list)
+    for s in steps:
+        by[kind(s)].append(s["ms"])
+    for k, ms in sorted(by.items(), key=lambda kv: -sum(kv[1]))[:25]:
+        lines.append(f"    {k}: {len(ms)} steps, {sum(ms):.1f} ms, {sum(ms) / len(ms):.3f} ms each")
+    for label, (seconds, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"    [split] {label}: {1e3 * seconds:.1f} ms over {calls} calls")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--methods", default="plain,dspark", help="plain, dflash, dspark (comma-separated)")
+    ap.add_argument("--temperatures", default="0")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--in-flight", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--split", action="store_true", help="time the calls each step makes")
+    ap.add_argument("--profile", action="store_true", help="a further pass under cProfile")
+    ap.add_argument("--out", default="step_trace")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base, _ = default_pair()
+    prompts = heldout_prompts(args.requests)
+    lines = []
+    for method in args.methods.split(","):
+        spec = None if method == "plain" else {"method": method, "model": str(base / method)}
+        llm = LLM(str(base / "target"), device=args.device, dtype="float32", seed=0, max_num_seqs=args.in_flight,
+                  speculative_config=spec)
+        for temp in (float(t) for t in args.temperatures.split(",")):
+            params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, ignore_eos=True)
+            for _ in range(2):  # graphs captured, kernels compiled, the draft-length policy settled
+                llm.generate(prompts, params, use_tqdm=False)
+            wall, tokens, steps, totals = traced_pass(llm, prompts, params, args.split)
+            run = report(f"{method} T={temp}", wall, tokens, steps, totals)
+            lines += run
+            print(run[0], flush=True)
+            (out / f"steps_{method}_T{temp}.json").write_text(json.dumps(steps))
+            if args.profile:
+                prof = cProfile.Profile()
+                prof.enable()
+                llm.generate(prompts, params, use_tqdm=False)
+                sync(llm)
+                prof.disable()
+                buf = io.StringIO()
+                stats = pstats.Stats(prof, stream=buf)
+                stats.sort_stats("tottime").print_stats(45)
+                stats.sort_stats("cumulative").print_callees("_prefill")
+                (out / f"profile_{method}_T{temp}.txt").write_text(buf.getvalue())
+        del llm
+        gc.collect()
+    (out / "step_trace.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
