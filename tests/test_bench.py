@@ -822,21 +822,12 @@ def test_kernel_benchmark_records_keep_every_run(monkeypatch, capsys):
     assert [json.loads(line) for line in lines] == record["runs"]
 
 
-def _load_test_module():
-    """benchmarks/load_test.py, which is a script, not part of the package."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "load_test.py"
-    spec = importlib.util.spec_from_file_location("load_test", path)
+def _script(name: str):
+    """benchmarks/<name>.py, a script, not part of the package, loaded as a module."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-def _cpu_ab_module():
-    """benchmarks/cpu_ab.py, a script."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_ab.py"
-    spec = importlib.util.spec_from_file_location("cpu_ab", path)
-    module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
@@ -846,10 +837,7 @@ def test_step_trace_records_every_step_and_leaves_the_engine_as_it_was():
     prompt once: the sum over steps is the number of requests) and decoded (never more than in flight), and
     the speculative steps it launched; `split` sums the calls' times; afterwards the engine has none of the
     wrappers."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "step_trace.py"
-    spec = importlib.util.spec_from_file_location("step_trace", path)
-    trace = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(trace)
+    trace = _script("step_trace")
     from blockspec.demo import default_pair, heldout_prompts
     from blockspec.llm import LLM
 
@@ -873,7 +861,7 @@ def test_cpu_ab_swaps_an_arm_in_for_its_runs_only_and_pairs_them():
     """`swapped` sets instance attributes for its context and restores them (one the instance did not hold is
     deleted, so the class's shows again, also after an error); `paired` runs each arm on every unit and mode
     inside its context, and reports each arm's time over the first arm's and whether the outputs agree."""
-    ab = _cpu_ab_module()
+    ab = _script("cpu_ab")
 
     class Thing:
         def act(self):
@@ -908,7 +896,7 @@ def test_load_test_summary_gives_the_geometric_mean_and_a_bootstrap_interval():
     """The load test's verdict on "speculation never below plain" is the geometric mean of the rounds'
     on / off ratios and its bootstrap interval: exact for known rounds, bracketing the mean, a point
     for identical rounds, below 1 for rounds that all lose, and pooled over cells."""
-    lt = _load_test_module()
+    lt = _script("load_test")
     mean, low, high = lt.geomean_interval([0.5, 2.0, 1.0, 1.0])
     assert mean == pytest.approx(1.0) and low < 1.0 < high
     assert lt.geomean_interval([0.9] * 6) == pytest.approx((0.9, 0.9, 0.9))
@@ -935,7 +923,7 @@ def test_load_test_warm_up_rounds_run_first_and_are_not_reported(tmp_path, monke
     """`--warmup-rounds N` runs N on / off rounds of each cell before the timed ones (a server's policy then
     prices what it has learnt, not its exploration); the report keeps the timed rounds only, numbered from
     1, and says how many warm-up rounds there were. A negative count is refused."""
-    lt = _load_test_module()
+    lt = _script("load_test")
     calls = []
 
     def fake_cell(pool, processes, url, model, prompts, level, temperature, spec, max_tokens, timeout):

@@ -679,7 +679,7 @@ def summarize(engine: Engine, passes: list[Pass], prompts: list[list[int]], befo
         "tpot_ms": {"p50": 1e3 * float(np.percentile(tpot, 50)), "p90": 1e3 * float(np.percentile(tpot, 90))}
         if tpot else None,
         "ttft_ms": {"p50": 1e3 * float(np.percentile(ttft, 50)), "p90": 1e3 * float(np.percentile(ttft, 90))},
-        "prefill_steps": {"steps": sum(map(len, (p.prefill_s for p in passes))) / len(passes),
+        "prefill_steps": {"steps": sum(len(p.prefill_s) for p in passes) / len(passes),
                           "ms_median": 1e3 * spread([t for p in passes for t in p.prefill_s] or [0.0])["median"],
                           "share": spread([sum(p.prefill_s) / p.wall_s for p in passes])["median"]},
         "preemptions": sum(p.preemptions for p in passes),
