@@ -143,6 +143,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--split", action="store_true", help="time the calls each step makes")
     ap.add_argument("--profile", action="store_true", help="a further pass under cProfile")
+    ap.add_argument("--spec-options", type=json.loads, default={},
+                    help='speculative_config fields as JSON, e.g. \'{"adaptive_draft_length": false}\' (a fixed K)')
     ap.add_argument("--out", default="step_trace")
     args = ap.parse_args()
     out = Path(args.out)
@@ -151,7 +153,7 @@ def main() -> None:
     prompts = heldout_prompts(args.requests)
     lines = []
     for method in args.methods.split(","):
-        spec = None if method == "plain" else {"method": method, "model": str(base / method)}
+        spec = None if method == "plain" else {"method": method, "model": str(base / method), **args.spec_options}
         llm = LLM(str(base / "target"), device=args.device, dtype="float32", seed=0, max_num_seqs=args.in_flight,
                   speculative_config=spec)
         for temp in (float(t) for t in args.temperatures.split(",")):
