@@ -5,7 +5,9 @@ At 16 in flight a speculative engine's requests finish, and are replaced, one at
 every few steps; the bench leaves those steps out of its decode figures. This shows what they cost beside the
 drafting steps. With `--split`, the wall time of the calls a step makes (schedule, prefill, the first token's
 sampling, decode, ...) summed over the pass; with `--profile`, a further pass under cProfile (the device waits show
-as the calls that read results back).
+as the calls that read results back); with `--timeline` (CUDA), a further pass under the torch profiler: each
+step's kernels' busy time and the device's idle gaps that open during it, by kind of step (a step whose device
+sits idle waits on the host), and the pass's Chrome trace.
 
     PYTHONPATH=. python benchmarks/step_trace.py --methods plain,dspark --temperatures 0,0.7 --out step_trace
 """
@@ -13,8 +15,10 @@ as the calls that read results back).
 from __future__ import annotations
 
 import argparse
+import bisect
 import cProfile
 import gc
+import gzip
 import io
 import json
 import pstats
@@ -64,9 +68,10 @@ def timed(obj: Any, name: str, label: str, totals: dict[str, list[float]]) -> Ca
     return patch(obj, name, wrapped)
 
 
-def traced_pass(llm: LLM, prompts: list[str], params: SamplingParams, split: bool
+def traced_pass(llm: LLM, prompts: list[str], params: SamplingParams, split: bool, marks: bool = False
                 ) -> tuple[float, int, list[dict[str, Any]], dict[str, list[float]]]:
-    """One timed pass: wall seconds, tokens, each step's record, and with `split` the calls' totals."""
+    """One timed pass: wall seconds, tokens, each step's record, and with `split` the calls' totals. `marks`:
+    each step runs inside a profiler range named "engine step <i>" (what `device_idle` reads)."""
     eng = llm.engine
     steps: list[dict[str, Any]] = []
     cur: dict[str, Any] = {}
@@ -85,7 +90,11 @@ def traced_pass(llm: LLM, prompts: list[str], params: SamplingParams, split: boo
     def one_step() -> Any:
         cur.clear()
         t0 = time.perf_counter()
-        out = step()
+        if marks:
+            with torch.profiler.record_function(f"{STEP_MARK}{len(steps)}"):
+                out = step()
+        else:
+            out = step()
         cur["ms"] = 1e3 * (time.perf_counter() - t0)
         steps.append(dict(cur))
         return out
@@ -104,6 +113,62 @@ def traced_pass(llm: LLM, prompts: list[str], params: SamplingParams, split: boo
         for u in reversed(undo):
             u()
     return wall, sum(len(o.outputs[0].token_ids) for o in outs), steps, totals
+
+
+STEP_MARK = "engine step "
+
+
+def device_idle(kernels: list[tuple[float, float]], steps: dict[int, tuple[float, float]], min_gap: float = 5.0
+                ) -> dict[int, dict[str, float]]:
+    """Per step (its host range, us on the profiler's clock): the busy time of the kernels that start in it (their
+    union) and the device's idle gaps of at least `min_gap` us that open in it (between the end of all work so far
+    and the next kernel's start)."""
+    out = {i: {"busy_us": 0.0, "idle_us": 0.0, "gaps": 0} for i in steps}
+    order = sorted(steps.items(), key=lambda kv: kv[1][0])
+    starts = [r[0] for _, r in order]
+
+    def owner(t: float) -> int | None:  # the last step that began at or before t
+        j = bisect.bisect_right(starts, t) - 1
+        return order[j][0] if j >= 0 else None
+
+    end = None
+    for a, b in sorted(kernels):
+        if end is not None and a - end >= min_gap and (i := owner(end)) is not None:
+            out[i]["idle_us"] += a - end
+            out[i]["gaps"] += 1
+        if (i := owner(a)) is not None:
+            out[i]["busy_us"] += max(0.0, b - max(a, end if end is not None else a))
+        end = b if end is None else max(end, b)
+    return out
+
+
+def timeline(llm: LLM, prompts: list[str], params: SamplingParams, out: Path, name: str) -> list[str]:
+    """A pass under the torch profiler: the device's busy and idle time by kind of step, and its Chrome trace."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _, _, steps, _ = traced_pass(llm, prompts, params, split=False, marks=True)
+    events = prof.events()
+    kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
+    ranges = {int(e.name[len(STEP_MARK):]): (e.time_range.start, e.time_range.end)
+              for e in events if e.name.startswith(STEP_MARK)}
+    idle = device_idle(kernels, ranges)
+    by: dict[str, list[dict[str, float]]] = defaultdict(list)
+    for i, step in enumerate(steps):
+        if i in idle:
+            by[kind(step)].append(idle[i])
+    lines = [f"{name} timeline: {len(kernels)} kernels over {len(ranges)} steps"]
+    for k, rows in sorted(by.items(), key=lambda kv: -sum(r["idle_us"] + r["busy_us"] for r in kv[1]))[:25]:
+        n = len(rows)
+        lines.append(f"    {k}: {n} steps, device busy {sum(r['busy_us'] for r in rows) / n / 1e3:.3f} ms, idle "
+                     f"{sum(r['idle_us'] for r in rows) / n / 1e3:.3f} ms in {sum(r['gaps'] for r in rows) / n:.1f} gaps a step")
+    trace = out / f"timeline_{name.replace(' ', '_')}.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+        dst.write(src.read())
+    trace.unlink()
+    return lines
 
 
 def sync(llm: LLM) -> None:
@@ -143,6 +208,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--split", action="store_true", help="time the calls each step makes")
     ap.add_argument("--profile", action="store_true", help="a further pass under cProfile")
+    ap.add_argument("--timeline", action="store_true", help="a further pass under the torch profiler (CUDA)")
     ap.add_argument("--spec-options", type=json.loads, default={},
                     help='speculative_config fields as JSON, e.g. \'{"adaptive_draft_length": false}\' (a fixed K)')
     ap.add_argument("--out", default="step_trace")
@@ -165,6 +231,10 @@ def main() -> None:
             lines += run
             print(run[0], flush=True)
             (out / f"steps_{method}_T{temp}.json").write_text(json.dumps(steps))
+            if args.timeline and llm.engine.device.type == "cuda":
+                run = timeline(llm, prompts, params, out, f"{method} T={temp}")
+                lines += run
+                print("\n".join(run), flush=True)
             if args.profile:
                 prof = cProfile.Profile()
                 prof.enable()

@@ -857,6 +857,31 @@ def test_step_trace_records_every_step_and_leaves_the_engine_as_it_was():
     assert lines[0].startswith(f"dspark: 30 tokens in {1e3 * wall:.1f} ms") and any("[split] _prefill" in x for x in lines)
 
 
+def test_step_trace_timeline_splits_the_device_time_into_busy_and_idle_by_step():
+    """`device_idle`: kernels' busy time is their union, credited to the step whose host range holds each start;
+    an idle gap of at least min_gap opens when all work so far has ended and goes to the step running then. With
+    `marks` each step of a pass is a profiler range the timeline reads."""
+    trace = _script("step_trace")
+    steps = {0: (0.0, 100.0), 1: (100.0, 200.0)}
+    kernels = [(10.0, 30.0), (20.0, 50.0), (52.0, 60.0), (90.0, 140.0), (180.0, 190.0)]
+    idle = trace.device_idle(kernels, steps, min_gap=5.0)
+    assert idle[0] == {"busy_us": 40.0 + 8.0 + 50.0, "idle_us": 30.0, "gaps": 1}  # 52-60 follows a 2 us gap: none
+    assert idle[1] == {"busy_us": 10.0, "idle_us": 40.0, "gaps": 1}
+    assert trace.device_idle([], steps) == {i: {"busy_us": 0.0, "idle_us": 0.0, "gaps": 0} for i in steps}
+
+    from blockspec.demo import default_pair, heldout_prompts
+    from blockspec.llm import LLM
+    from torch.profiler import ProfilerActivity, profile
+
+    base, _ = default_pair()
+    llm = LLM(str(base / "target"), device="cpu", dtype="float32", seed=0, max_num_seqs=2)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _, _, recorded, _ = trace.traced_pass(llm, heldout_prompts(3), SamplingParams(temperature=0, max_tokens=4),
+                                              split=False, marks=True)
+    marks = sorted(int(e.name[len(trace.STEP_MARK):]) for e in prof.events() if e.name.startswith(trace.STEP_MARK))
+    assert marks == list(range(len(recorded))) and len(recorded) >= 4
+
+
 def test_cpu_ab_swaps_an_arm_in_for_its_runs_only_and_pairs_them():
     """`swapped` sets instance attributes for its context and restores them (one the instance did not hold is
     deleted, so the class's shows again, also after an error); `paired` runs each arm on every unit and mode
