@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import cProfile
 import gc
 import gzip
@@ -33,6 +34,9 @@ import torch
 from blockspec.demo import default_pair, heldout_prompts
 from blockspec.llm import LLM
 from blockspec.sampling_params import SamplingParams
+
+
+STEP_MARK = "engine step "  # the profiler range each step of a marked pass runs in, then its index
 
 
 def patch(obj: Any, name: str, value: Any) -> Callable[[], None]:
@@ -90,10 +94,7 @@ def traced_pass(llm: LLM, prompts: list[str], params: SamplingParams, split: boo
     def one_step() -> Any:
         cur.clear()
         t0 = time.perf_counter()
-        if marks:
-            with torch.profiler.record_function(f"{STEP_MARK}{len(steps)}"):
-                out = step()
-        else:
+        with torch.profiler.record_function(f"{STEP_MARK}{len(steps)}") if marks else contextlib.nullcontext():
             out = step()
         cur["ms"] = 1e3 * (time.perf_counter() - t0)
         steps.append(dict(cur))
@@ -113,9 +114,6 @@ def traced_pass(llm: LLM, prompts: list[str], params: SamplingParams, split: boo
         for u in reversed(undo):
             u()
     return wall, sum(len(o.outputs[0].token_ids) for o in outs), steps, totals
-
-
-STEP_MARK = "engine step "
 
 
 def device_idle(kernels: list[tuple[float, float]], steps: dict[int, tuple[float, float]], min_gap: float = 5.0
