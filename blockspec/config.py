@@ -11,6 +11,7 @@ import math
 import os
 from pathlib import Path
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 
@@ -313,6 +314,40 @@ def moe_from_hf(cfg: dict[str, Any], model_type: str, layers: int, source: str) 
 
 
 SPEC_METHODS = ("dflash", "dspark")
+SEED_RANGE = (-(2**63), 2**63 - 1)  # an engine's seed is kept as an int64, as a request's is
+
+
+def check_integer(cfg: Any, name: str, low: int, high: int | None = None, optional: bool = False,
+                  prefix: str = "") -> None:
+    """A ConfigError naming the field (after `prefix`) unless cfg.<name> is an integer (not a bool) in
+    [low, high] (or None where optional)."""
+    value = getattr(cfg, name)
+    if optional and value is None:
+        return
+    if isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high):
+        return
+    bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+    raise ConfigError(f"{prefix}{name} must be an integer {bounds}{' or None' if optional else ''}, got {value!r}")
+
+
+def check_number(cfg: Any, name: str, allowed: str, inside: Callable[[float], bool], prefix: str = "") -> None:
+    """A ConfigError naming the field unless cfg.<name> is a number (not a bool) for which `inside` holds;
+    `allowed` says which in the message ("in (0, 1]")."""
+    value = getattr(cfg, name)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and inside(value):
+        return
+    raise ConfigError(f"{prefix}{name} must be a number {allowed}, got {value!r}")
+
+
+def check_bool(cfg: Any, name: str, optional: bool = False, prefix: str = "") -> None:
+    """A ConfigError naming the field unless cfg.<name> is True or False (or None where optional): a
+    string "false" would otherwise count as true."""
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or (optional and value is None):
+        return
+    raise ConfigError(f"{prefix}{name} must be {'true, false or None' if optional else 'true or false'}, got {value!r}")
+
+
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REJECTION_SAMPLE_METHODS = ("standard", "block")
 
@@ -339,7 +374,10 @@ class SpeculativeConfig:
 
     @staticmethod
     def from_user(value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":
-        if value is None or isinstance(value, SpeculativeConfig):
+        if value is None:
+            return None
+        if isinstance(value, SpeculativeConfig):  # built by hand: checked as a dict is
+            value.validate()
             return value
         if not isinstance(value, dict):
             raise ConfigError(f"speculative_config must be a dict or None, got {type(value).__name__}")
@@ -354,36 +392,32 @@ class SpeculativeConfig:
         return cfg
 
     def validate(self) -> None:
+        at = "speculative_config."
         if self.method not in SPEC_METHODS:
-            raise ConfigError(f"speculative_config.method {self.method!r} not supported; allowed: {SPEC_METHODS}")
-        k = self.num_speculative_tokens
-        if k is not None and (not isinstance(k, int) or k < 1):
-            raise ConfigError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
+            raise ConfigError(f"{at}method {self.method!r} not supported; allowed: {SPEC_METHODS}")
+        if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
+            raise ConfigError(f"{at}model must be a drafter directory or hub id, got {self.model!r}")
+        check_integer(self, "num_speculative_tokens", 1, optional=True, prefix=at)
         if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
-            raise ConfigError(
-                f"speculative_config.draft_sample_method {self.draft_sample_method!r}; allowed: {DRAFT_SAMPLE_METHODS}"
-            )
+            raise ConfigError(f"{at}draft_sample_method {self.draft_sample_method!r}; allowed: {DRAFT_SAMPLE_METHODS}")
         if self.rejection_sample_method not in REJECTION_SAMPLE_METHODS:
-            raise ConfigError(
-                "speculative_config.rejection_sample_method "
-                f"{self.rejection_sample_method!r}; allowed: {REJECTION_SAMPLE_METHODS}"
-            )
-        if not 0.0 <= float(self.confidence_threshold) < 1.0:
-            raise ConfigError(
-                f"speculative_config.confidence_threshold must be in [0, 1), got {self.confidence_threshold!r}"
-            )
-        if not isinstance(self.markov_top_k, int) or self.markov_top_k < 0:
-            raise ConfigError(f"speculative_config.markov_top_k must be an integer >= 0, got {self.markov_top_k!r}")
+            raise ConfigError(f"{at}rejection_sample_method {self.rejection_sample_method!r}; allowed: "
+                              f"{REJECTION_SAMPLE_METHODS}")
+        check_number(self, "confidence_threshold", "in [0, 1)", lambda v: 0.0 <= v < 1.0, prefix=at)
+        for name in ("adaptive_verification", "adaptive_draft_length"):
+            check_bool(self, name, prefix=at)
+        check_integer(self, "markov_top_k", 0, prefix=at)
         c = self.draft_length_candidates
         if c is not None and (not isinstance(c, (list, tuple)) or not c
                               or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in c)):
-            raise ConfigError(f"speculative_config.draft_length_candidates must be a non-empty list of draft lengths "
+            raise ConfigError(f"{at}draft_length_candidates must be a non-empty list of draft lengths "
                               f">= 1 (at most num_speculative_tokens), got {c!r}")
-        if self.max_batch_for_speculation is not None and self.max_batch_for_speculation < 1:
-            raise ConfigError("speculative_config.max_batch_for_speculation must be >= 1 or None")
+        check_integer(self, "max_batch_for_speculation", 1, optional=True, prefix=at)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ConfigError(f"speculative_config.quantization {self.quantization!r} is not supported; supported: "
+            raise ConfigError(f"{at}quantization {self.quantization!r} is not supported; supported: "
                               f"{', '.join(QUANTIZATIONS)} or None")
+        if self.revision is not None and not isinstance(self.revision, str):
+            raise ConfigError(f"{at}revision must be a branch, tag or commit name, got {self.revision!r}")
 
 
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
@@ -408,21 +442,6 @@ def output_dir(path: str | os.PathLike[str], flag: str) -> Path:
     if not os.access(out, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {path}: not writable")
     return out
-
-
-SEED_RANGE = (-(2**63), 2**63 - 1)  # an engine's seed is kept as an int64, as a request's is
-
-
-def check_integer(cfg: Any, name: str, low: int, high: int | None = None, optional: bool = False) -> None:
-    """A ConfigError naming the field unless cfg.<name> is an integer (not a bool) in [low, high] (or None
-    where optional)."""
-    value = getattr(cfg, name)
-    if optional and value is None:
-        return
-    if isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high):
-        return
-    bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-    raise ConfigError(f"{name} must be an integer {bounds}{' or None' if optional else ''}, got {value!r}")
 
 
 @dataclass
@@ -479,14 +498,10 @@ class EngineConfig:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         check_integer(self, "kv_page_size", 1, 1024)
         check_integer(self, "num_kv_pages", 1, optional=True)  # None: auto
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.enable_prefix_caching not in (None, True, False):
-            raise ConfigError(f"enable_prefix_caching must be true, false or None, got {self.enable_prefix_caching!r}")
-        if self.async_scheduling not in (None, True, False):
-            raise ConfigError(f"async_scheduling must be true, false or None (auto), got {self.async_scheduling!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        check_number(self, "gpu_memory_utilization", "in (0, 1]", lambda v: 0 < v <= 1)
+        for name in ("enable_prefix_caching", "async_scheduling"):  # None: off / auto
+            check_bool(self, name, optional=True)
+        check_bool(self, "enforce_eager")
 
 
 @dataclass
@@ -534,21 +549,16 @@ class EngineArgs(EngineConfig):
             raise ConfigError(f"quantization {self.quantization!r} is not supported; supported: "
                               f"{', '.join(QUANTIZATIONS)} (FP8 checkpoints load as FP8 without it)")
         for name in ("trust_remote_code", "warmup", "disable_custom_all_reduce"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.enable_chunked_prefill not in (None, True, False):
-            raise ConfigError("enable_chunked_prefill must be true, false or None, got "
-                              f"{self.enable_chunked_prefill!r}")
-        swap = self.swap_space
-        if swap is not None and (isinstance(swap, bool) or not isinstance(swap, (int, float)) or swap < 0):
-            raise ConfigError(f"swap_space must be a number of GiB >= 0 or None, got {self.swap_space!r}")
+            check_bool(self, name)
+        check_bool(self, "enable_chunked_prefill", optional=True)
+        if self.swap_space is not None:
+            check_number(self, "swap_space", "of GiB >= 0 or None", lambda v: v >= 0)
         check_integer(self, "max_seq_len_to_capture", 1, optional=True)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ConfigError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
         batched = self.max_num_batched_tokens
+        check_integer(self, "max_num_batched_tokens", 1, optional=True)
         if batched is not None:
-            if not isinstance(batched, int) or isinstance(batched, bool) or batched < 1:
-                raise ConfigError(f"max_num_batched_tokens must be an integer >= 1, got {batched!r}")
             default = EngineConfig.max_prefill_tokens
             if self.max_prefill_tokens not in (default, batched):
                 raise ConfigError(f"max_num_batched_tokens={batched} and max_prefill_tokens={self.max_prefill_tokens} "

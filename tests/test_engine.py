@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from blockspec import LLM, SamplingError, SamplingParams
-from blockspec.config import ConfigError
+from blockspec.config import ConfigError, SpeculativeConfig
 from blockspec.errors import RequestError
 from factories import FAIL_PROMPT, FAMILIES, llm_with_faults, save_tiny, save_tiny_model_with_tokenizer
 
@@ -319,6 +319,24 @@ def test_llm_config_errors(tmp_path):
                                                               "draft_length_candidates": bad})
     with pytest.raises(ConfigError, match="async_scheduling must be true, false or None"):
         LLM(str(path), device="cpu", async_scheduling="yes")
+    # a wrong type names its field (it used to raise float()'s or '<''s own error, or pass: "false" as true),
+    # and a SpeculativeConfig built by hand is checked as its dict is (num_speculative_tokens=0 used to
+    # load and silently become the drafter's block)
+    for field, bad, says in [("confidence_threshold", "x", r"a number in \[0, 1\)"),
+                             ("confidence_threshold", 5.0, r"a number in \[0, 1\)"),
+                             ("max_batch_for_speculation", "4", ">= 1 or None"),
+                             ("num_speculative_tokens", True, ">= 1 or None"),
+                             ("adaptive_draft_length", "false", "true or false"),
+                             ("adaptive_verification", 1, "true or false"),
+                             ("model", None, "a drafter directory or hub id")]:
+        spec = {"method": "dspark", "model": "x", field: bad}
+        for given in (spec, SpeculativeConfig(**spec)):
+            with pytest.raises(ConfigError, match=rf"^speculative_config\.{field} must be .*{says}.*got {bad!r}"):
+                LLM(str(path), device="cpu", speculative_config=given)
+    for field, bad, says in [("gpu_memory_utilization", "0.5", r"a number in \(0, 1\]"),
+                             ("swap_space", -1, "a number of GiB >= 0 or None"), ("enforce_eager", "no", "true or false")]:
+        with pytest.raises(ConfigError, match=rf"^{field} must be {says}, got {bad!r}"):
+            LLM(str(path), device="cpu", **{field: bad})
     # every integer limit is checked before any work, its name and range in the message (a prefill limit of
     # 0 used to start and then fail every request; a bad seed to fail deep in torch)
     for field, bad, says in [("max_prefill_tokens", 0, ">= 1"), ("max_prefill_tokens", 1.5, ">= 1"),
@@ -671,7 +689,7 @@ def test_gpu_memory_utilization_out_of_range_is_refused():
     from blockspec.config import EngineConfig
 
     for bad in (0, 1.5, -0.1):
-        with pytest.raises(ConfigError, match="gpu_memory_utilization must be in"):
+        with pytest.raises(ConfigError, match=r"gpu_memory_utilization must be a number in \(0, 1\]"):
             EngineConfig(gpu_memory_utilization=bad)
 
 
