@@ -50,8 +50,9 @@ def cmd_chat_session(args: argparse.Namespace) -> int:
     so far; a turn the model cannot take (too long for the context) is reported and dropped."""
     from blockspec.errors import USER_ERRORS
 
-    params = sampling_params(args)
+    sampling_params(args)  # bad flags fail before the model loads
     llm = build_llm(args)
+    params = sampling_params(args, llm.inputs.sampling_defaults)
     messages: list[dict[str, str]] = []
     tty = sys.stdin.isatty()
     if tty:
@@ -83,7 +84,7 @@ def cmd_chat_session(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace, chat: bool = False) -> int:
-    params = sampling_params(args)
+    sampling_params(args)  # bad flags fail before the model loads
     prompts: list[Any] = list(args.prompt or [])
     if args.prompts_file:
         prompts += read_prompts_file(args.prompts_file, "--prompts-file")
@@ -92,6 +93,7 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> int:
     if not prompts:
         raise SystemExit("error: give at least one --prompt or --prompts-file")
     llm = build_llm(args)
+    params = sampling_params(args, llm.inputs.sampling_defaults)
     t0 = time.perf_counter()
     if chat or args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)

@@ -139,19 +139,31 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the whole speculative_config as JSON (default: none; the flags above override its fields)")
 
 
+CLI_SAMPLING = {"max_tokens": 128, "temperature": 0.0}
+"""Where the command line's defaults differ from SamplingParams': more than 16 tokens, and greedy decoding."""
+
+FROM_MODEL = "the model's generation_config.json where it sets it"
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help=f"tokens to generate at most (default: {FROM_MODEL}, else {CLI_SAMPLING['max_tokens']})")
     g.add_argument("--min-tokens", type=int, default=0, help="tokens to generate before EOS or a stop may end it")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set with this probability")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 or -1 = off)")
-    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top probability")
+    g.add_argument("--temperature", type=float, default=None,
+                   help=f"0 = greedy (default: {FROM_MODEL}, else {CLI_SAMPLING['temperature']:g})")
+    g.add_argument("--top-p", type=float, default=None,
+                   help=f"nucleus sampling: the smallest set with this probability (default: {FROM_MODEL}, else 1)")
+    g.add_argument("--top-k", type=int, default=None,
+                   help=f"sample among the k most likely tokens, 0 or -1 = off (default: {FROM_MODEL}, else off)")
+    g.add_argument("--min-p", type=float, default=None,
+                   help=f"drop tokens below this fraction of the top probability (default: {FROM_MODEL}, else 0)")
     g.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from tokens already generated")
     g.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="subtracted per occurrence of tokens already generated")
-    g.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="divides the logits of tokens in the prompt or the output (1 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help=f"divides the logits of tokens in the prompt or the output, 1 = off (default: {FROM_MODEL}, "
+                        "else off)")
     g.add_argument("--seed", type=int, default=None, help="per-request seed: same seed, same tokens (default: none)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable; default: none)")
     g.add_argument("--stop-token-ids", type=int, nargs="*", default=None, help="token ids that end the output "
@@ -199,13 +211,16 @@ def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
     return cfg
 
 
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
+def sampling_params(args: argparse.Namespace, model_defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """The flags' sampling parameters: a flag given wins, then the model's generation_config.json values
+    (`model_defaults`, as `LLM.generate` takes them), then the command line's own defaults."""
+    flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+             "repetition_penalty": args.repetition_penalty, "max_tokens": args.max_tokens}
+    values = {**CLI_SAMPLING, **(model_defaults or {}), **{k: v for k, v in flags.items() if v is not None}}
     return SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty, seed=args.seed, max_tokens=args.max_tokens,
-        min_tokens=args.min_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids,
-        ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, seed=args.seed,
+        min_tokens=args.min_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs, **values,
     )
 
 

@@ -160,7 +160,7 @@ def run_demo(args: argparse.Namespace) -> int:
     asked = args.adaptive_verification  # asked for with DFlash, the engine says why it cannot
     if asked or (args.method == "dspark" and budget_on(asked, resolve_device(args.device).type)):
         spec["adaptive_verification"] = True
-    if args.num_speculative_tokens:
+    if args.num_speculative_tokens is not None:  # the engine refuses 0 or less by name
         spec["num_speculative_tokens"] = args.num_speculative_tokens
     llm = LLM(str(target), device=args.device, dtype=args.dtype, speculative_config=spec, seed=0, max_num_seqs=1)
     engine = llm.engine

@@ -41,6 +41,17 @@ def test_text_prompt_without_tokenizer_is_one_line(tmp_path, capsys):
     assert "has no tokenizer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, tokens", [([], 3), (["--max-tokens", "5"], 5), (["--generation-config", "vllm"], 128)])
+def test_generate_takes_unset_sampling_flags_from_generation_config(tmp_path, capsys, flags, tokens):
+    """As LLM.generate does: the file's max_new_tokens where no --max-tokens is given (it used to log the
+    file's values and decode with the flags' defaults), the command line's 128 where neither sets it."""
+    path = save_tiny_model_with_tokenizer(tmp_path / "m")
+    (path / "generation_config.json").write_text('{"max_new_tokens": 3, "temperature": 0.0}')
+    assert main(["generate", "--model", str(path), "--prompt", "def f(x):", "--ignore-eos", "--device", "cpu",
+                 *flags]) == 0
+    assert f"--- {tokens} tokens in" in capsys.readouterr().err
+
+
 def test_bad_model_path_is_one_line(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
@@ -51,6 +62,15 @@ def test_invalid_sampling_flag_is_one_line(tmp_path, capsys):
     path = save_tiny_model_with_tokenizer(tmp_path / "m")
     assert main(["generate", "--model", str(path), "--prompt", "x", "--top-p", "1.5", "--device", "cpu"]) == 2
     assert "top_p" in capsys.readouterr().err
+
+
+def test_a_speculative_config_field_of_the_wrong_type_is_one_line(tmp_path, capsys):
+    path = save_tiny_model_with_tokenizer(tmp_path / "m")
+    assert main(["generate", "--model", str(path), "--prompt", "x", "--device", "cpu", "--speculative-config",
+                 '{"method": "dspark", "model": "x", "confidence_threshold": "high"}']) == 2
+    err = capsys.readouterr().err
+    assert "speculative_config.confidence_threshold must be a number in [0, 1), got 'high'" in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "bench"])
