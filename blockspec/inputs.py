@@ -171,6 +171,12 @@ class ModelInputs:
         if bad:
             raise RequestError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         params.check_vocab(vocab)
+        if params.allowed_token_ids and params.min_tokens:  # every allowed token banned until min_tokens
+            ends = set(params.stop_token_ids or []) | (set() if params.ignore_eos else set(self.eos_ids))
+            if set(params.allowed_token_ids) <= ends:
+                raise RequestError(f"{where}: allowed_token_ids {sorted(set(params.allowed_token_ids))[:5]} are all "
+                                   f"EOS or stop_token_ids, which min_tokens={params.min_tokens} bans: no token can "
+                                   "be sampled")
         if params.structured_outputs is not None:  # compiles it: a grammar that cannot fails here
             new_matcher(params.structured_outputs, self.tokenizer, vocab, self.eos_ids, where)
         if params.bad_words:  # tokenized as the engine will: no tokenizer, or ids past the vocabulary, fail here

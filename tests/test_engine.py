@@ -261,6 +261,29 @@ def test_nonfinite_logits_fail_one_request_only(llm, monkeypatch):
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 3
 
 
+def test_constraints_that_leave_no_token_are_named_not_blamed_on_the_model(llm):
+    """allowed_token_ids that bad_words then bans: that request fails at its first token naming its masks
+    (it used to say the target produced non-finite logits); the request beside it runs on. Allowed ids
+    that min_tokens bans (all EOS or stop ids) are refused before any work."""
+    tok = llm.tokenizer.encode("x")[0]
+    stuck = SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[tok], bad_words=["x"])
+    outs = llm.generate(["aa", "bb"], [stuck, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)],
+                        use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and "non-finite logits (NaN" not in outs[0].error
+    assert outs[0].error.startswith("no token could be sampled at output token 1: this request's "
+                                    "allowed_token_ids, bad_words leave no token allowed there")
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 3
+    eos = llm.engine.output.eos_ids[0]
+    with pytest.raises(RequestError, match=rf"allowed_token_ids \[{eos}\] are all EOS or stop_token_ids, which "
+                                           r"min_tokens=2 bans: no token can be sampled"):
+        llm.generate("aa", SamplingParams(max_tokens=4, allowed_token_ids=[eos], min_tokens=2), use_tqdm=False)
+    both = SamplingParams(max_tokens=4, allowed_token_ids=[eos, 9], stop_token_ids=[9], min_tokens=2)
+    with pytest.raises(RequestError, match="are all EOS or stop_token_ids"):
+        llm.generate("aa", both, use_tqdm=False)
+    ok = SamplingParams(max_tokens=2, allowed_token_ids=[eos], min_tokens=2, ignore_eos=True)  # EOS is no stop
+    assert llm.generate("aa", ok, use_tqdm=False)[0].outputs[0].token_ids == [eos, eos]
+
+
 def test_the_extreme_seeds_and_biases_that_are_allowed_work(llm):
     params = [SamplingParams(temperature=0.7, seed=seed, max_tokens=4, ignore_eos=True, logit_bias={7: -100.0})
               for seed in (2**63 - 1, -(2**63))]

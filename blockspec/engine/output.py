@@ -17,6 +17,19 @@ if TYPE_CHECKING:
 NON_FINITE = "the target produced non-finite logits (NaN or inf) for this request"
 
 
+def no_token(req: Request) -> str:
+    """Why a row gave no token: its logits were not finite, or the request's own masks left no token (an
+    allowed_token_ids that a grammar or bad_words rules out): those it has are named."""
+    p = req.params
+    masks = [name for name, on in (("allowed_token_ids", p.allowed_token_ids), ("bad_words", p.bad_words),
+                                   ("structured_outputs", p.structured_outputs),
+                                   ("min_tokens", len(req.output_ids) < p.min_tokens)) if on]
+    if not masks:
+        return NON_FINITE
+    return (f"no token could be sampled at output token {len(req.output_ids) + 1}: this request's "
+            f"{', '.join(masks)} leave no token allowed there, or the target's logits were not finite")
+
+
 @dataclass(frozen=True)
 class Ending:
     """How a request ended: finish reason (stop, length, error), what stopped it, the error message."""
@@ -41,7 +54,7 @@ class OutputProcessor:
         p = req.params
         for j, tok in enumerate(tokens):
             if tok < 0:
-                return Ending("error", error=NON_FINITE)
+                return Ending("error", error=no_token(req))
             req.output_ids.append(tok)
             self.num_generated += 1
             if lps is not None and req.logprobs is not None:
