@@ -5,9 +5,9 @@ At 16 in flight a speculative engine's requests finish, and are replaced, one at
 every few steps; the bench leaves those steps out of its decode figures. This shows what they cost beside the
 drafting steps. With `--split`, the wall time of the calls a step makes (schedule, prefill, the first token's
 sampling, decode, ...) summed over the pass; with `--profile`, a further pass under cProfile (the device waits show
-as the calls that read results back); with `--timeline` (CUDA), a further pass under the torch profiler: each
-step's kernels' busy time and the device's idle gaps that open during it, by kind of step (a step whose device
-sits idle waits on the host), and the pass's Chrome trace.
+as the calls that read results back); with `--timeline` (CUDA), a further pass under the torch profiler: by kind
+of step, the device time of the work each step launched and the device's idle time while it ran on the host (a step
+whose device sits idle waits on the host), and the pass's Chrome trace.
 
     PYTHONPATH=. python benchmarks/step_trace.py --methods plain,dspark --temperatures 0,0.7 --out step_trace
 """
@@ -116,41 +116,75 @@ def traced_pass(llm: LLM, prompts: list[str], params: SamplingParams, split: boo
     return wall, sum(len(o.outputs[0].token_ids) for o in outs), steps, totals
 
 
-def device_idle(kernels: list[tuple[float, float]], steps: dict[int, tuple[float, float]], min_gap: float = 5.0
-                ) -> dict[int, dict[str, float]]:
-    """Per step (its host range, us on the profiler's clock): the busy time of the kernels that start in it (their
-    union) and the device's idle gaps of at least `min_gap` us that open in it (between the end of all work so far
-    and the next kernel's start)."""
-    out = {i: {"busy_us": 0.0, "idle_us": 0.0, "gaps": 0} for i in steps}
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # a Chrome trace's device events (not its ranges projected there)
+
+
+def trace_kernels(events: list[dict[str, Any]]) -> tuple[list[tuple[float, float, int | None]],
+                                                          dict[int, tuple[float, float]]]:
+    """From a Chrome trace's events (us): each kernel, copy and set on the device with the step whose host range holds
+    the call that launched it (a graph replay's kernels are the replay's), and each marked step's host range."""
+    steps = {int(e["name"][len(STEP_MARK):]): (e["ts"], e["ts"] + e["dur"]) for e in events
+             if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(STEP_MARK)}
+    launched = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     order = sorted(steps.items(), key=lambda kv: kv[1][0])
     starts = [r[0] for _, r in order]
 
-    def owner(t: float) -> int | None:  # the last step that began at or before t
-        j = bisect.bisect_right(starts, t) - 1
-        return order[j][0] if j >= 0 else None
+    def owner(t: float | None) -> int | None:  # the step whose host range holds t
+        j = bisect.bisect_right(starts, t) - 1 if t is not None else -1
+        return order[j][0] if j >= 0 and t <= order[j][1][1] else None
 
-    end = None
-    for a, b in sorted(kernels):
-        if end is not None and a - end >= min_gap and (i := owner(end)) is not None:
-            out[i]["idle_us"] += a - end
-            out[i]["gaps"] += 1
-        if (i := owner(a)) is not None:
+    kernels = [(e["ts"], e["ts"] + e["dur"], owner(launched.get(e.get("args", {}).get("correlation"))))
+               for e in events if e.get("cat") in DEVICE_WORK]
+    return kernels, steps
+
+
+def device_idle(kernels: list[tuple[float, float, int | None]], steps: dict[int, tuple[float, float]],
+                min_gap: float = 5.0) -> dict[int, dict[str, float]]:
+    """Per step: the device time of the work it launched (the union of those kernels' intervals: it may run in a
+    later step's range) and the device's idle time while the step ran on the host (gaps of at least `min_gap` us
+    between any kernels, clipped to the step's host range): a step whose device sits idle waits on the host. Under
+    the profiler the host runs slower (a step about twice its unprofiled time), so this idle time bounds the
+    unprofiled pass's from above."""
+    out = {i: {"busy_us": 0.0, "idle_us": 0.0, "gaps": 0} for i in steps}
+    mine: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for a, b, i in kernels:
+        if i in out:
+            mine[i].append((a, b))
+    for i, spans in mine.items():
+        end = None
+        for a, b in sorted(spans):
             out[i]["busy_us"] += max(0.0, b - max(a, end if end is not None else a))
+            end = b if end is None else max(end, b)
+    gaps, end = [], None
+    for a, b, _ in sorted(kernels):
+        if end is not None and a - end >= min_gap:
+            gaps.append((end, a))
         end = b if end is None else max(end, b)
+    for i, (lo, hi) in steps.items():
+        for g0, g1 in gaps[max(0, bisect.bisect_right(gaps, (lo,)) - 1):]:  # from the gap open at lo, if any
+            if g0 >= hi:
+                break
+            if min(hi, g1) > max(lo, g0):
+                out[i]["idle_us"] += min(hi, g1) - max(lo, g0)
+                out[i]["gaps"] += 1
     return out
 
 
 def timeline(llm: LLM, prompts: list[str], params: SamplingParams, out: Path, name: str) -> list[str]:
-    """A pass under the torch profiler: the device's busy and idle time by kind of step, and its Chrome trace."""
-    from torch.autograd import DeviceType
+    """A pass under the torch profiler: by kind of step, the device time of what it launched and the device's idle
+    time while it ran, and the pass's Chrome trace."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _, _, steps, _ = traced_pass(llm, prompts, params, split=False, marks=True)
-    events = prof.events()
-    kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
-    ranges = {int(e.name[len(STEP_MARK):]): (e.time_range.start, e.time_range.end)
-              for e in events if e.name.startswith(STEP_MARK)}
+    trace = out / f"timeline_{name.replace(' ', '_')}.json"
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+        dst.write(src.read())
+    trace.unlink()
+    kernels, ranges = trace_kernels(events)
     idle = device_idle(kernels, ranges)
     by: dict[str, list[dict[str, float]]] = defaultdict(list)
     for i, step in enumerate(steps):
@@ -159,13 +193,9 @@ def timeline(llm: LLM, prompts: list[str], params: SamplingParams, out: Path, na
     lines = [f"{name} timeline: {len(kernels)} kernels over {len(ranges)} steps"]
     for k, rows in sorted(by.items(), key=lambda kv: -sum(r["idle_us"] + r["busy_us"] for r in kv[1]))[:25]:
         n = len(rows)
-        lines.append(f"    {k}: {n} steps, device busy {sum(r['busy_us'] for r in rows) / n / 1e3:.3f} ms, idle "
-                     f"{sum(r['idle_us'] for r in rows) / n / 1e3:.3f} ms in {sum(r['gaps'] for r in rows) / n:.1f} gaps a step")
-    trace = out / f"timeline_{name.replace(' ', '_')}.json"
-    prof.export_chrome_trace(str(trace))
-    with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
-        dst.write(src.read())
-    trace.unlink()
+        lines.append(f"    {k}: {n} steps, device time of its launches {sum(r['busy_us'] for r in rows) / n / 1e3:.3f} "
+                     f"ms, device idle while it ran {sum(r['idle_us'] for r in rows) / n / 1e3:.3f} ms in "
+                     f"{sum(r['gaps'] for r in rows) / n:.1f} gaps a step")
     return lines
 
 

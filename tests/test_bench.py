@@ -858,15 +858,37 @@ def test_step_trace_records_every_step_and_leaves_the_engine_as_it_was():
 
 
 def test_step_trace_timeline_splits_the_device_time_into_busy_and_idle_by_step():
-    """`device_idle`: kernels' busy time is their union, credited to the step whose host range holds each start;
-    an idle gap of at least min_gap opens when all work so far has ended and goes to the step running then. With
-    `marks` each step of a pass is a profiler range the timeline reads."""
+    """`trace_kernels` credits each device kernel to the step whose host range holds its launch call (a graph's
+    kernels to the replay's step, though they run in the next step's range) and ignores the step ranges the profiler
+    projects onto the device (counted as work, they hid every idle gap); `device_idle` gives a step the union of its
+    kernels and the device's idle gaps of at least min_gap inside its host range. With `marks` each step of a pass is
+    a profiler range the timeline reads."""
     trace = _script("step_trace")
-    steps = {0: (0.0, 100.0), 1: (100.0, 200.0)}
-    kernels = [(10.0, 30.0), (20.0, 50.0), (52.0, 60.0), (90.0, 140.0), (180.0, 190.0)]
+    mark = trace.STEP_MARK
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": f"{mark}0", "ts": 0.0, "dur": 100.0},
+        {"ph": "X", "cat": "user_annotation", "name": f"{mark}1", "ts": 100.0, "dur": 100.0},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": f"{mark}0", "ts": 10.0, "dur": 180.0},  # not work
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 5.0, "dur": 3.0, "args": {"correlation": 1}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 80.0, "dur": 2.0,
+         "args": {"correlation": 2}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 150.0, "dur": 2.0,
+         "args": {"correlation": 3}},
+        {"ph": "X", "cat": "kernel", "name": "a", "ts": 10.0, "dur": 20.0, "args": {"correlation": 1}},
+        {"ph": "X", "cat": "kernel", "name": "b", "ts": 20.0, "dur": 30.0, "args": {"correlation": 1}},
+        {"ph": "X", "cat": "kernel", "name": "c", "ts": 52.0, "dur": 8.0, "args": {"correlation": 1}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "m", "ts": 90.0, "dur": 50.0, "args": {"correlation": 2}},
+        {"ph": "X", "cat": "kernel", "name": "d", "ts": 180.0, "dur": 10.0, "args": {"correlation": 3}},
+    ]
+    kernels, steps = trace.trace_kernels(events)
+    assert steps == {0: (0.0, 100.0), 1: (100.0, 200.0)}
+    assert sorted(kernels) == [(10.0, 30.0, 0), (20.0, 50.0, 0), (52.0, 60.0, 0), (90.0, 140.0, 0), (180.0, 190.0, 1)]
     idle = trace.device_idle(kernels, steps, min_gap=5.0)
     assert idle[0] == {"busy_us": 40.0 + 8.0 + 50.0, "idle_us": 30.0, "gaps": 1}  # 52-60 follows a 2 us gap: none
     assert idle[1] == {"busy_us": 10.0, "idle_us": 40.0, "gaps": 1}
+    # a gap across two steps' ranges is split between them
+    spanning = trace.device_idle([(0.0, 80.0, 0), (130.0, 150.0, 1)], steps)
+    assert spanning[0]["idle_us"] == 20.0 and spanning[1]["idle_us"] == 30.0
     assert trace.device_idle([], steps) == {i: {"busy_us": 0.0, "idle_us": 0.0, "gaps": 0} for i in steps}
 
     from blockspec.demo import default_pair, heldout_prompts
