@@ -503,6 +503,21 @@ def test_a_workload_preset_refuses_a_conflicting_option_in_one_line(given):
     assert "--preset long-context runs random weights" in str(exc.value) and "\n" not in str(exc.value)
 
 
+def test_what_a_random_weights_run_cannot_do_is_refused_before_the_weights_are_built(monkeypatch, capsys, tmp_path):
+    """A mean acceptance length no drafter's block can reach fails with the options (it used to fail after the
+    weights were built), and on the CPU an --arch whose weights do not fit the host's free memory is refused by
+    name (it used to be killed by the kernel without a word)."""
+    with pytest.raises(ConfigError, match=r"synthetic acceptance length 100.0 must be in \[1, 9\) for 8 drafts"):
+        BenchConfig(random_weights=True, arch="tiny", methods=("dspark",), synthetic_acceptance="100").validate()
+    BenchConfig(random_weights=True, arch="tiny", methods=("dspark",), synthetic_acceptance="6.5").validate()
+    monkeypatch.setattr("blockspec.bench.harness.available_memory", lambda: 2**30)
+    assert main(["bench", "--random-weights", "--arch", "qwen3-8b", "--methods", "plain", "--device", "cpu",
+                 "--no-plots", "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "--arch qwen3-8b: its random float32 weights take 30.5 GiB, more than this host's 1.0 GiB" in err
+    assert "Traceback" not in err
+
+
 def test_cli_presets_run_small_on_the_cpu_with_overrides(tmp_path, capsys):
     """The presets as a user runs them on the CPU: --arch tiny and short lengths override the workload,
     the rest (methods, T, synthetic acceptance) is the preset's; long-context's prompt lengths are separate

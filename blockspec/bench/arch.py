@@ -132,6 +132,24 @@ def random_target(cfg: ModelConfig, max_positions: int, device: str | torch.devi
     return model.eval().requires_grad_(False)
 
 
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """The target's parameters in `dtype`, counted on the meta device (nothing is allocated)."""
+    with torch.device("meta"), default_dtype(dtype):
+        return param_bytes(CausalLM(cfg, 1))
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory available now (Linux's MemAvailable; None where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def random_drafter(cfg: DrafterConfig, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
                    std: float = 0.02, seed: int = 1, heads: DSparkHeads | None = None) -> DraftModel:
     """A DFlash drafter (heads=None) or a DSpark one with random weights, sharing the target's embedding and

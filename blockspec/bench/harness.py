@@ -60,8 +60,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from blockspec.bench.arch import (ARCHS, draft_step_terms, get_arch, param_bytes, random_drafter, random_target,
-                                  row_flops, step_bytes)
+from blockspec.bench.arch import (ARCHS, available_memory, draft_step_terms, get_arch, param_bytes, random_drafter,
+                                  random_target, row_flops, step_bytes, weight_bytes)
 from blockspec.models.quant import is_quantized, quantize_model
 from blockspec.bench.expert_union import ROUTING_MODELS, set_routing
 from blockspec.bench.drafts import StepLog, acceptance
@@ -253,7 +253,12 @@ class BenchConfig:
             if getattr(self, name) < (2 if name == "output_len" else 1):
                 raise ConfigError(f"{name} must be >= {2 if name == 'output_len' else 1}, got {getattr(self, name)}")
         if self.synthetic_acceptance is not None:
-            AcceptanceProfile(self.synthetic_acceptance)  # parses or raises
+            profile = AcceptanceProfile(self.synthetic_acceptance)  # parses or raises
+            if self.random_weights and profile.is_mean_length:  # a mean length each drafter's block can reach
+                arch = get_arch(self.arch)
+                blocks = {"dflash": arch.dflash, "dspark": arch.dspark(self.dspark_block_size)}
+                for m in set(self.selected_methods()) & set(blocks):
+                    profile.rates(blocks[m].num_draft_slots)
             if self.selected_methods() == ("plain",):
                 raise ConfigError("--synthetic-acceptance applies to speculative methods (dflash, dspark); "
                                   "none is selected")
@@ -423,6 +428,12 @@ def _prepare_random(cfg: BenchConfig, device: torch.device, rank: Rank | None) -
     dtype = resolve_dtype(cfg.dtype, "bfloat16", device)
     prompts = load_prompts(cfg, None, arch.target.vocab_size, max(cfg.batch_sizes) * cfg.waves)
     max_len = context_len([p for group in prompts.values() for p in group], cfg.output_len)
+    if device.type == "cpu":  # the host's memory is the limit: refused by name, not killed without a word
+        need, free, name = weight_bytes(arch.target, dtype), available_memory(), str(dtype).removeprefix("torch.")
+        if free is not None and need > 0.8 * free:
+            raise ConfigError(f"--arch {cfg.arch}: its random {name} weights take {need / 2**30:.1f} GiB, more than "
+                              f"this host's {free / 2**30:.1f} GiB available can hold beside the run; on the CPU use "
+                              "a small --arch (tiny), or a GPU")
     target = random_target(arch.target, max_len + 64, device, dtype, arch.init_std, cfg.seed)
     if rank is not None:  # every rank builds the same seeded weights and keeps its slices
         shard_model(target, rank.rank, rank.world_size)
