@@ -11,7 +11,10 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Required, TypedDict
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from blockspec.bad_words import word_sequences
 from blockspec.config import ConfigError
@@ -19,7 +22,21 @@ from blockspec.errors import RequestError
 from blockspec.sampling_params import SamplingError, SamplingParams, is_int
 from blockspec.structured import new_matcher
 
-PromptType = str | dict[str, Any]
+class TextPrompt(TypedDict):
+    """A text prompt as vLLM's `vllm.inputs.TextPrompt` spells it."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict, total=False):
+    """A prompt of token ids as vLLM's `vllm.inputs.TokensPrompt` spells it (`prompt`: its text, if known)."""
+
+    prompt_token_ids: Required[list[int]]
+    prompt: str
+
+
+PromptType = str | TextPrompt | TokensPrompt | dict[str, Any]
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 Prompt = tuple[str | None, list[int]]  # (text or None, token ids)
 
 
@@ -37,11 +54,21 @@ def read_chat_template(value: str) -> str:
     """A chat template given as a file or as the Jinja text itself (vLLM's `--chat-template`): text with
     a brace or a newline is a template; anything else must be a file."""
     if any(c in value for c in "{}\n"):
-        return value
+        return checked_template(value, "chat_template")
     path = Path(value).expanduser()
     if not path.is_file():
         raise ConfigError(f"chat_template {value!r} is neither a file nor a Jinja template")
-    return path.read_text()
+    return checked_template(path.read_text(), f"chat_template {path}")
+
+
+def checked_template(text: str, where: str) -> str:
+    """A chat template that Jinja can parse (in the sandbox and with the loop controls transformers renders
+    templates with), else a ConfigError naming its line: before any model loads, not at the first chat."""
+    try:
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"{where}: not a valid Jinja template (line {exc.lineno}: {exc.message})") from None
+    return text
 
 
 def read_prompts_file(path: str, flag: str) -> list[PromptType]:
@@ -101,6 +128,8 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prom
             raise RequestError(f"{where}: continue_final_message: the chat template does not render the final "
                                "message's content as written, so it cannot be left open") from None
         raise
+    except jinja2.TemplateError as exc:  # the template's raise_exception, or an error rendering these messages
+        raise RequestError(f"{where}: the chat template failed on these messages: {exc}") from None
     return list(ids if isinstance(ids, list) else ids["input_ids"])
 
 
@@ -128,7 +157,9 @@ class ModelInputs:
         tokens = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
         return self.max_model_len * 4 * max(len(t) for t in tokens if t)
 
-    def prompt_ids(self, prompt: PromptType, where: str) -> tuple[str | None, list[int]]:
+    def prompt_ids(self, prompt: PromptType, where: str, truncating: bool = False) -> tuple[str | None, list[int]]:
+        """A prompt's (text, ids). A text too long for the context is refused before it is tokenized, unless
+        the request truncates its prompt (`truncating`: truncate_prompt_tokens keeps its last tokens)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError(f"{where}: text prompt given but {self.model_dir} has no tokenizer; "
@@ -136,17 +167,21 @@ class ModelInputs:
             if not prompt:
                 raise RequestError(f"{where}: the prompt is empty")
             check_text(prompt, where)
-            if len(prompt) > self.max_prompt_chars:
+            if len(prompt) > self.max_prompt_chars and not truncating:
                 raise RequestError(f"{where}: the prompt has {len(prompt)} characters, more than max_model_len "
                                    f"({self.max_model_len}) tokens can hold (at most {self.max_prompt_chars})")
             return prompt, self.tokenizer.encode(prompt)
+        if (isinstance(prompt, dict) and set(prompt) & set(PROMPT_KEYS)
+                and (other := sorted(map(str, set(prompt) - set(PROMPT_KEYS))))):
+            raise RequestError(f"{where}: a prompt dict takes {' and '.join(PROMPT_KEYS)} only; {other} is not "
+                               "supported (blockspec serves text models)")
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list) or not all(is_int(t) for t in ids):
                 raise RequestError(f"{where}: prompt_token_ids must be a list of ints")
             return prompt.get("prompt"), ids
         if isinstance(prompt, dict) and "prompt" in prompt:
-            return self.prompt_ids(prompt["prompt"], where)
+            return self.prompt_ids(prompt["prompt"], where, truncating)
         got = f"a dict with keys {sorted(map(str, prompt))}" if isinstance(prompt, dict) else type(prompt).__name__
         raise RequestError(f"{where}: a prompt is a string or a dict with 'prompt' or 'prompt_token_ids'; got {got}")
 
@@ -171,6 +206,9 @@ class ModelInputs:
         if bad:
             raise RequestError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         params.check_vocab(vocab)
+        if params.stop_strings and self.tokenizer is None:  # matched in the text, which nothing decodes
+            raise RequestError(f"{where}: stop strings are matched in the output's text and {self.model_dir} has no "
+                               "tokenizer to decode it; use stop_token_ids")
         if params.allowed_token_ids and params.min_tokens:  # every allowed token banned until min_tokens
             ends = set(params.stop_token_ids or []) | (set() if params.ignore_eos else set(self.eos_ids))
             if set(params.allowed_token_ids) <= ends:
@@ -209,7 +247,8 @@ class ModelInputs:
                               f"{type(sampling_params).__name__}")
         if len(params) != len(prompts):
             raise ConfigError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each")
-        prepared = [self.prompt_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        prepared = [self.prompt_ids(p, f"prompt {i}", getattr(q, "truncate_prompt_tokens", None) is not None)
+                    for i, (p, q) in enumerate(zip(prompts, params))]
         for i, (text, ids) in enumerate(prepared):
             try:
                 if isinstance(params[i], SamplingParams):
@@ -233,7 +272,7 @@ class ModelInputs:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptType] = []
         for i, conv in enumerate(conversations):
-            if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
+            if not isinstance(conv, (list, tuple)) or not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
                 raise RequestError(f"conversation {i}: messages must be a non-empty list of {{'role', 'content'}}")
             conv = [{**m, "content": text_content(m["content"], f"conversation {i}, message {j}")}
                     if isinstance(m["content"], list) else m for j, m in enumerate(conv)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Self
 
 from blockspec.assets import embedded
@@ -75,9 +75,10 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
-        """Generate for all prompts as one batch; outputs come back in prompt order.
+        """Generate for all prompts as one batch; outputs come back in prompt order (`use_tqdm`: a progress
+        bar, or the bar's class, as vLLM takes it).
 
         Every prompt and parameter is checked before any work starts, so one bad prompt cannot
         cost the others their results.
@@ -96,11 +97,16 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template (the tokenizer's, or `chat_template`: Jinja text or a file) to one
         conversation or a list of them, then generate. `chat_template_kwargs` are the template's extra
         variables, e.g. {"enable_thinking": False} for Qwen3. `continue_final_message` (with
-        add_generation_prompt=False): the model continues the last message, e.g. a reply's first words."""
+        add_generation_prompt=False): the model continues the last message, e.g. a reply's first words.
+        `tools`: function definitions (OpenAI's form) the template shows the model, as vLLM's chat takes them;
+        the reply is text (the server's tool_choice parses calls out of it)."""
+        if tools is not None:
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         prompts = self.inputs.chat_prompts(messages, add_generation_prompt, chat_template, chat_template_kwargs,
                                            continue_final_message)
         return self.generate(prompts, sampling_params, use_tqdm)

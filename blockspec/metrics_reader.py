@@ -50,7 +50,8 @@ class Histogram(Metric):
 
 
 # the engine's counters (`Engine.metrics()` keys) and vLLM's names for them
-ENGINE_COUNTERS = {"num_generated_tokens": "vllm:generation_tokens", "num_preemptions": "vllm:num_preemptions",
+ENGINE_COUNTERS = {"num_generated_tokens": "vllm:generation_tokens", "num_prompt_tokens": "vllm:prompt_tokens",
+                   "num_preemptions": "vllm:num_preemptions",
                    "num_prefix_cache_queries": "vllm:prefix_cache_queries",
                    "num_prefix_cache_hits": "vllm:prefix_cache_hits"}
 SPEC_COUNTERS = {"num_drafts": "vllm:spec_decode_num_drafts", "num_draft_tokens": "vllm:spec_decode_num_draft_tokens",

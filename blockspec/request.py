@@ -94,6 +94,10 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     cumulative_logprob: float | None = None
 
+    def finished(self) -> bool:
+        """Whether this sequence has ended (vLLM's `CompletionOutput.finished()`)."""
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestOutput:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import reprlib
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ def token_id(key: object) -> int | None:
 class StructuredOutputsParams:
     """A constraint every generated token must keep: the output matches a JSON schema (`json`, a dict or
     its text), any JSON object (`json_object`), a regular expression (`regex`), one of `choice`, or a
-    Lark grammar (`grammar`). Exactly one is given (vLLM's names)."""
+    Lark or GBNF grammar (`grammar`). Exactly one is given (vLLM's names)."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
@@ -59,7 +60,7 @@ class StructuredOutputsParams:
                   "choice": isinstance(self.choice, (list, tuple)) and bool(self.choice)
                   and all(isinstance(c, str) and c for c in self.choice)}
         if not checks[given[0]]:
-            allowed = {"json": "a JSON schema (dict or text)", "regex": "a string", "grammar": "a Lark grammar string",
+            allowed = {"json": "a JSON schema (dict or text)", "regex": "a string", "grammar": "a Lark or GBNF grammar string",
                        "choice": "a non-empty list of non-empty strings"}[given[0]]
             raise SamplingError(f"SamplingParams.structured_outputs.{given[0]}={SHORT.repr(getattr(self, given[0]))} "
                                 f"is invalid; allowed: {allowed}")
@@ -116,10 +117,15 @@ class SamplingParams:
     best_of: int | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    logits_processors: list[Any] | None = None  # vLLM's name, refused unless empty: see `verify`
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
         self.verify()
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's `SamplingParams.clone`): changing it leaves this one as it is."""
+        return copy.deepcopy(self)
 
     def verify(self) -> None:
         """Check every field (SamplingError naming the first bad one) and derive stop_strings. Construction
@@ -129,6 +135,10 @@ class SamplingParams:
         def check(ok: bool, name: str, allowed: str) -> None:
             if not ok:
                 raise SamplingError(f"SamplingParams.{name}={SHORT.repr(getattr(self, name))} is invalid; allowed: {allowed}")
+
+        check(not self.logits_processors, "logits_processors", "None: per-request logits processors (Python "
+              "callables on every row) are not supported, as in vLLM V1; logit_bias, allowed_token_ids, bad_words "
+              "and structured_outputs run on the device")
 
         def number(name: str) -> float:
             value = getattr(self, name)

@@ -1,5 +1,5 @@
 """Structured output: the grammar a request's tokens must keep (a JSON schema, any JSON object, a regex, a
-choice, a Lark grammar), compiled by llguidance, and the token bitmask it allows at each sampled row.
+choice, a Lark or GBNF grammar), compiled by llguidance, and the token bitmask it allows at each sampled row.
 
 A request's matcher advances only on committed tokens. A verify row j of a speculative step gets the
 mask of the state after drafts 1..j (the matcher consumes them, fills the masks, and rolls back), so
@@ -40,7 +40,13 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
         return LLMatcher.grammar_from_regex(spec.regex)
     if spec.choice is not None:
         return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in spec.choice))
-    return LLMatcher.grammar_from_lark(spec.grammar)
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:  # Lark as written; GBNF (llama.cpp's, as vLLM's docs write grammars) translated to it
+        lark = any_to_lark(spec.grammar)
+    except Exception as exc:  # the translator raises plain exceptions for the grammar's faults
+        raise ValueError(f"grammar: {exc}") from None
+    return LLMatcher.grammar_from_lark(lark)
 
 
 class _TextTokens:

@@ -673,9 +673,9 @@ def test_speculators_errors(tmp_path):
     with pytest.raises(ModelLoadError, match="unknown markov_head_type"):
         load_dspark(d, device="cpu")
     _edit(d, markov_head_type="gated")
-    with pytest.raises(ModelLoadError, match="use load_dspark"):
+    with pytest.raises(ModelLoadError, match="speculative_config method 'dspark'"):
         load_dflash(d, device="cpu")
-    with pytest.raises(ModelLoadError, match="use load_dflash"):
+    with pytest.raises(ModelLoadError, match="speculative_config method 'dflash'"):
         load_dspark(_spec_dflash(tmp_path), device="cpu")
     with pytest.raises(ConfigError, match="method"):
         load_drafter("eagle", d)

@@ -180,6 +180,9 @@ def test_regex_choice_and_grammar_hold_with_every_drafter(target, plain, method,
     cases = [(StructuredOutputsParams(regex=r"[a-c]{3}-[0-9]{2}"), lambda t, _: re.fullmatch(r"[a-c]{3}-[0-9]{2}", t)),
              (StructuredOutputsParams(choice=["red", "green", "blue"]), lambda t, _: t in ("red", "green", "blue")),
              (StructuredOutputsParams(grammar='start: "yes" | "no" | "maybe"'), lambda t, _: t in ("yes", "no", "maybe")),
+             # GBNF, as llama.cpp and vLLM's docs write grammars
+             (StructuredOutputsParams(grammar='root ::= "x = " [0-9]+'), lambda t, f: re.fullmatch(r"x = [0-9]+", t)
+              or (f == "length" and re.fullmatch(r"x = [0-9]*", t))),
              (StructuredOutputsParams(json_object=True), an_object)]
     llm = speculative(target, method, fixture)
     for spec, valid in cases:
@@ -212,7 +215,8 @@ def test_bad_constraints_fail_before_any_work(plain, target):
         plain.generate(["a"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-")), use_tqdm=False)
     # one line: llguidance's drawing of the source with carets under the fault is dropped
     assert "\n" not in str(caught.value) and "unclosed character class" in str(caught.value), str(caught.value)
-    for spec in (StructuredOutputsParams(grammar="start: ("), StructuredOutputsParams(grammar="start: foo")):
+    for spec in (StructuredOutputsParams(grammar="start: ("), StructuredOutputsParams(grammar="start: foo"),
+                 StructuredOutputsParams(grammar='root ::= "a" undefined_rule')):
         with pytest.raises(RequestError, match="prompt 1: structured_outputs: ") as caught:
             plain.generate(["a", "b"], [SamplingParams(), SamplingParams(structured_outputs=spec)], use_tqdm=False)
         assert "\n" not in str(caught.value) and "^" not in str(caught.value), str(caught.value)

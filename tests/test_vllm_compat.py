@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from blockspec import LLM, ConfigError, SamplingError, SamplingParams
-from blockspec.errors import RequestError
 from blockspec.cli import main
 from blockspec.cli_options import add_model_args, add_sampling_args, build_llm, format_spec_metrics
 from blockspec.errors import RequestError
@@ -209,6 +208,61 @@ def test_chat_template_option_replaces_the_tokenizers(text_dir, tmp_path):
         LLM(str(text_dir), device="cpu", chat_template=str(tmp_path / "missing.jinja"))
 
 
+def test_chat_template_and_conversation_mistakes_are_one_line(text_llm, text_dir):
+    """A template Jinja cannot parse is refused when given, naming its line (it used to surface as a jinja2
+    traceback at the first chat); one that fails on the messages, or messages that are no conversation, are
+    RequestErrors; `tools` reach the template as vLLM's chat passes them."""
+    with pytest.raises(ConfigError, match=r"^chat_template: not a valid Jinja template \(line 1: Unexpected end"):
+        text_llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False,
+                      chat_template="{% for m in messages %}")
+    with pytest.raises(ConfigError, match="^chat_template: not a valid Jinja template"):
+        LLM(str(text_dir), device="cpu", max_model_len=96, chat_template="{{ messages ")
+    failing = "{{ raise_exception('no system role here') }}"
+    with pytest.raises(RequestError, match="^conversation 0: the chat template failed on these messages: no system"):
+        text_llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, chat_template=failing)
+    for bad in ([1, 2], [[{"role": "user"}]]):
+        with pytest.raises(RequestError, match=r"^conversation 0: messages must be a non-empty list of"):
+            text_llm.chat(bad, GREEDY, use_tqdm=False)
+    shown = "{% for t in tools %}{{ t['function']['name'] }};{% endfor %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    out = text_llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, chat_template=shown, tools=tools)
+    assert out[0].prompt_token_ids == text_llm.get_tokenizer().encode("get_time;hi")
+
+
+def test_vllm_prompt_and_params_helpers(text_llm, target_dir):
+    """vLLM's TokensPrompt / TextPrompt, SamplingParams.clone(), CompletionOutput.finished() and a tqdm class as
+    use_tqdm work as there; per-request logits_processors and a prompt's multi_modal_data are refused by name
+    (they used to be a TypeError, or silently dropped); stop strings on a model without a tokenizer are refused
+    (nothing decodes the text they are matched in; they used to be ignored)."""
+    from tqdm import tqdm
+
+    from blockspec.inputs import TextPrompt, TokensPrompt
+
+    ids = text_llm.get_tokenizer().encode("ab")
+    bars = []
+
+    class Bar(tqdm):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **{**kw, "disable": True})
+            bars.append(self)
+
+    outs = text_llm.generate([TokensPrompt(prompt_token_ids=ids), TextPrompt(prompt="ab")], GREEDY, use_tqdm=Bar)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids and len(bars) == 1
+    assert outs[0].outputs[0].finished() and outs[0].outputs[0].finish_reason == "length"
+    params = SamplingParams(stop=["x"], logit_bias={3: 1.0})
+    copy = params.clone()
+    copy.logit_bias[3] = -1.0
+    assert params.logit_bias == {3: 1.0} and copy.stop_strings == ("x",)
+    with pytest.raises(SamplingError, match=r"^SamplingParams.logits_processors=.* per-request logits processors"):
+        SamplingParams(logits_processors=[lambda ids, logits: logits])
+    with pytest.raises(RequestError, match=r"^prompt 0: a prompt dict takes prompt and prompt_token_ids only; "
+                                           r"\['multi_modal_data'\] is not supported"):
+        text_llm.generate({"prompt": "ab", "multi_modal_data": {"image": None}}, GREEDY, use_tqdm=False)
+    bare = LLM(str(target_dir), device="cpu", max_model_len=64)
+    with pytest.raises(RequestError, match="stop strings are matched in the output's text and .* has no tokenizer"):
+        bare.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=3, stop="x"), use_tqdm=False)
+
+
 # ---------------------------------------------------------------- logprobs and metrics
 def test_every_top_alternative_has_its_rank(text_llm):
     params = SamplingParams(temperature=0, max_tokens=5, logprobs=4, ignore_eos=True)
@@ -272,8 +326,9 @@ def test_get_metrics_gives_vllms_reader_objects(target_dir):
     assert stats["num_drafts"] > 0
     for name, key in (("vllm:spec_decode_num_drafts", "num_drafts"), ("vllm:spec_decode_num_draft_tokens",
                       "num_draft_tokens"), ("vllm:spec_decode_num_accepted_tokens", "num_accepted_tokens"),
-                      ("vllm:generation_tokens", "num_generated_tokens")):
+                      ("vllm:generation_tokens", "num_generated_tokens"), ("vllm:prompt_tokens", "num_prompt_tokens")):
         assert isinstance(by_name[name], Counter) and by_name[name].value == stats[key], name
+    assert stats["num_prompt_tokens"] == 4  # the prompt's tokens (the warm-up's are not counted)
     per_pos = by_name["vllm:spec_decode_num_accepted_tokens_per_pos"]
     k = llm.engine.proposer.num_speculative_tokens
     assert isinstance(per_pos, Vector) and len(per_pos.values) == k

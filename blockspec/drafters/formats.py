@@ -197,7 +197,7 @@ def _native(method: str, raw: dict[str, Any], state: dict[str, Tensor],
     arch = raw.get("architectures") or []
     if method == "dflash":
         if any("DSpark" in a for a in arch):
-            raise ModelLoadError(f"{source}: {raw['architectures']} is a DSpark checkpoint (use load_dspark)")
+            raise ModelLoadError(f"{source}: {raw['architectures']} is a DSpark checkpoint (speculative_config method 'dspark')")
         cfg = parse_zlab_config(raw, source)
         for old, new in (("encoder.fc.weight", "fc.weight"), ("encoder.output_norm_enc.weight", "hidden_norm.weight")):
             if old in state and new not in state:  # Muse-Glimmer "assistant" naming
@@ -225,7 +225,7 @@ def _speculators(method: str, raw: dict[str, Any], state: dict[str, Tensor],
     if kind != method:
         other = next((m for m in NAMES if m == kind), None)
         raise ModelLoadError(f"{source}: speculators_model_type {kind!r} is not a {NAMES[method]} drafter"
-                             + (f" (use load_{other})" if other else ""))
+                             + (f" (speculative_config method {other!r})" if other else ""))
     cfg, _ = parse_speculators_config(raw, source, method)
     heads = _speculators_heads(raw, state, cfg, source) if method == "dspark" else None
     return cfg, heads, _speculators_vocab(state, cfg, source), "speculators"

@@ -121,6 +121,7 @@ class Engine:
         self.spec_totals = SpecStats()
         self.timer = StepTimer(self.device)
         self.num_steps = 0
+        self.num_prompt_tokens = 0
         self.num_steps_launched_ahead = 0
         self.num_spec_steps_chained = 0
         self.num_spec_steps_from_committed = 0  # a batch's first steps run as the chained step's body
@@ -216,6 +217,7 @@ class Engine:
         self.timer = StepTimer(self.device)
         self.num_steps = 0
         self.output.num_generated = 0
+        self.num_prompt_tokens = 0
         self.num_steps_launched_ahead = 0
         self.num_spec_steps_chained = 0
         self.num_spec_steps_from_committed = 0
@@ -261,6 +263,7 @@ class Engine:
                 req.grammar = grammar.deep_copy()
             reqs.append(req)
         self.scheduler.add(reqs)
+        self.num_prompt_tokens += len(prompt_ids)  # once for the n copies, which read one prompt
         return reqs
 
     def abort(self, request_id: str, error: str | None = None) -> None:
@@ -919,6 +922,7 @@ class Engine:
             out["num_parked_requests"] = self.policy.parked_joins
         out["num_steps"] = self.num_steps
         out["num_generated_tokens"] = self.num_generated
+        out["num_prompt_tokens"] = self.num_prompt_tokens
         out["num_preemptions"] = self.num_preemptions
         prefix = self.pages.prefix
         out["num_prefix_cache_queries"] = prefix.queried_tokens if prefix else 0  # prompt tokens looked up

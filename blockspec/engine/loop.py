@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from blockspec.engine.engine import Engine
 from blockspec.errors import USER_ERRORS
@@ -37,7 +37,8 @@ class OfflineRunner:
         self.engine = engine
         self._ids = itertools.count()
 
-    def run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool = True) -> list[RequestOutput]:
+    def run(self, prompts: list[Prompt], params: list[SamplingParams],
+            use_tqdm: bool | Callable[..., Any] = True) -> list[RequestOutput]:
         engine = self.engine
         groups = [engine.add_request(str(next(self._ids)), text, ids, sp) for (text, ids), sp in zip(prompts, params)]
         try:
@@ -57,12 +58,15 @@ class OfflineRunner:
             outputs.append(first)
         return outputs
 
-    def _steps(self, total: int, use_tqdm: bool) -> None:
+    def _steps(self, total: int, use_tqdm: bool | Callable[..., Any]) -> None:
+        """Step until every request is done; `use_tqdm` True shows tqdm's bar, a callable is the bar's class
+        (vLLM's habit: a tqdm subclass or `tqdm.notebook.tqdm`)."""
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=total, desc="Generating", unit="req", dynamic_ncols=True)
+            bar_type = use_tqdm if callable(use_tqdm) else tqdm
+            bar = bar_type(total=total, desc="Generating", unit="req", dynamic_ncols=True)
         while self.engine.has_unfinished():
             changed = self.engine.step()
             if bar is not None:
