@@ -36,6 +36,17 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def json_strings(text: str) -> list[str]:
+    """An option's JSON list of strings (vLLM's form for --allowed-origins and its kin)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings ([\"...\"]), got {text!r}")
+    return value
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Every option's help ends with its default, unless the help already says it in words (as it does
     where the default is None and means something: "the model's")."""

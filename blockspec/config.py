@@ -620,6 +620,11 @@ class ServerConfig:
     metrics_prefix: str = "vllm"
     # seconds between the log's throughput lines while the server is busy (None: no such lines)
     log_stats_interval_s: float | None = 10.0
+    # CORS, as vLLM's defaults: browsers on any origin may call the API (the API key still guards /v1/)
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allowed_credentials: bool = False
 
     def __post_init__(self) -> None:
         if self.metrics_prefix not in ("vllm", "blockspec"):
@@ -630,5 +635,10 @@ class ServerConfig:
             raise ConfigError(f"max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
         if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key.strip()):
             raise ConfigError("api_key must be a non-empty string or None")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+                raise ConfigError(f"{name} must be a list of non-empty strings, got {value!r}")
+        check_bool(self, "allowed_credentials")
         if self.tool_call_parser not in (None, "hermes", "llama3_json"):
             raise ConfigError(f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}")

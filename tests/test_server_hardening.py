@@ -129,10 +129,10 @@ def test_an_internal_failure_is_a_500_that_keeps_the_connection_and_names_nothin
     inputs = server.app.state.engine.inputs
     prompt_ids = inputs.prompt_ids
 
-    def explode(prompt, where):
+    def explode(prompt, where, *rest):
         if prompt == "explode":
             raise KeyError("internal detail")
-        return prompt_ids(prompt, where)
+        return prompt_ids(prompt, where, *rest)
 
     monkeypatch.setattr(inputs, "prompt_ids", explode)
     host, port = server.url.removeprefix("http://").split(":")
@@ -184,6 +184,35 @@ def test_tokenizing_and_templates_run_off_the_event_loop(server, monkeypatch):
     assert post(f"{server.url}/v1/completions", json=DONE).status_code == 200
     assert post(f"{server.url}/v1/chat/completions", json=CHAT).status_code == 200
     assert len(threads) >= 2 and all(t.startswith(("blockspec-tokenize", "blockspec-template")) for t in threads)
+
+
+def test_browsers_may_call_from_any_origin_by_default_and_a_preflight_needs_no_key(guarded):
+    """CORS as vLLM's defaults set it: a preflight is answered (it used to be a 405) before the API key is
+    asked for, and a keyed request from a browser gets the origin header back; a wrong key is still a 401."""
+    origin = {"origin": "http://ui.example"}
+    r = httpx.options(f"{guarded.url}/v1/chat/completions", timeout=PATIENCE,
+                      headers={**origin, "access-control-request-method": "POST",
+                               "access-control-request-headers": "authorization, content-type"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", origin["origin"])
+    ok = post(f"{guarded.url}/v1/completions", json=DONE, headers={**origin, "authorization": "Bearer s3cret"})
+    assert ok.status_code == 200 and "access-control-allow-origin" in ok.headers
+    assert post(f"{guarded.url}/v1/completions", json=DONE, headers=origin).status_code == 401
+
+
+def test_several_served_names_each_answer_under_its_own_name(text_dir):
+    """--served-model-name a b: /v1/models lists both, a request may give either and its response carries that
+    name, another name is a 404 that lists them."""
+    live = LiveServer(create_app(functools.partial(text_llm, text_dir), ["tiny", "alias"])).wait_ready()
+    try:
+        assert [m["id"] for m in get(f"{live.url}/v1/models").json()["data"]] == ["tiny", "alias"]
+        for name in ("tiny", "alias"):
+            r = post(f"{live.url}/v1/completions", json={**DONE, "model": name})
+            assert r.status_code == 200 and r.json()["model"] == name
+        assert get(f"{live.url}/v1/models/alias").json()["id"] == "alias"
+        r = post(f"{live.url}/v1/completions", json={**DONE, "model": "other"})
+        assert r.status_code == 404 and "serves 'tiny' or 'alias'" in r.json()["error"]["message"]
+    finally:
+        live.close()
 
 
 def test_api_key_body_limit_and_trusted_templates(guarded):

@@ -244,6 +244,39 @@ def test_allowed_token_ids_and_truncate_prompt_tokens_in_extra_body(server, offl
         assert field in exc.value.body["message"], (field, bad, exc.value.body)
 
 
+def test_truncation_takes_a_text_longer_than_the_context_and_own_masks_that_leave_no_token_are_a_400(server,
+                                                                                                     tokenizer):
+    """A text prompt past what max_model_len tokens can hold is tokenized and cut when the request truncates it (it
+    used to be refused by its length in characters first); a request whose allowed_token_ids its bad_words then
+    ban is a 400 naming both, streamed or not (it was a 500 saying the model produced non-finite logits);
+    top_logprobs 0 without logprobs asks for nothing and is accepted, as OpenAI accepts it."""
+    client = server.client()
+    inputs = server.app.state.engine.inputs
+    long_text = "ab " * (inputs.max_prompt_chars // 3 + 10)
+    r = client.completions.create(model=NAME, prompt=long_text, max_tokens=2, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": 3})
+    assert r.usage.prompt_tokens == 3
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": long_text}], max_tokens=2,
+                                       extra_body={"truncate_prompt_tokens": 5})
+    assert r.usage.prompt_tokens == 5
+    with pytest.raises(openai.BadRequestError, match="characters, more than max_model_len"):
+        client.completions.create(model=NAME, prompt=long_text, max_tokens=2)
+    stuck = {"allowed_token_ids": tokenizer.encode("a")[:1], "bad_words": ["a"]}
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=NAME, prompt="ab", max_tokens=3, extra_body=stuck)
+    assert exc.value.body["message"].startswith("no token could be sampled at output token 1: this request's "
+                                                "allowed_token_ids, bad_words leave no token allowed there")
+    with pytest.raises(openai.APIError, match="no token could be sampled"):
+        for _ in client.completions.create(model=NAME, prompt="ab", max_tokens=3, stream=True, extra_body=stuck):
+            pass
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "ab"}], max_tokens=2,
+                                       top_logprobs=0)
+    assert r.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "ab"}], max_tokens=2,
+                                       top_logprobs=2)
+
+
 def test_continue_final_message_in_extra_body(server, offline):
     """vLLM's continue_final_message: the reply continues the last message, as the offline engine's chat does;
     with add_generation_prompt left on it is a 400 naming the field."""

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from blockspec.structured import GrammarMatcher
 
 NON_FINITE = "the target produced non-finite logits (NaN or inf) for this request"
+NO_TOKEN = "no token could be sampled"  # how the error of a request whose own masks leave no token begins
 
 
 def no_token(req: Request) -> str:
@@ -26,7 +27,7 @@ def no_token(req: Request) -> str:
                                    ("min_tokens", len(req.output_ids) < p.min_tokens)) if on]
     if not masks:
         return NON_FINITE
-    return (f"no token could be sampled at output token {len(req.output_ids) + 1}: this request's "
+    return (f"{NO_TOKEN} at output token {len(req.output_ids) + 1}: this request's "
             f"{', '.join(masks)} leave no token allowed there, or the target's logits were not finite")
 
 

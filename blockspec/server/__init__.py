@@ -21,7 +21,7 @@ log = logging.getLogger("blockspec")
 
 
 def add_serve_parser(sub: Any) -> None:
-    from blockspec.cli_options import HelpFormatter, add_model_args, port_number
+    from blockspec.cli_options import HelpFormatter, add_model_args, json_strings, port_number
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)",
                        description="Serve a model over the OpenAI API: /v1/completions, /v1/chat/completions, "
@@ -31,7 +31,8 @@ def add_serve_parser(sub: Any) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     g.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on, 0-65535 (0: any free one)")
-    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model names clients may send; a response carries its request's, else the first (default: MODEL)")
     g.add_argument("--seed", type=int, default=None, help="engine seed for requests that give none (default: 0)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server log's level")
@@ -50,6 +51,13 @@ def add_serve_parser(sub: Any) -> None:
                         "while busy)")
     g.add_argument("--api-key", default=os.environ.get("BLOCKSPEC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $BLOCKSPEC_API_KEY; none: open)")
+    g.add_argument("--allowed-origins", type=json_strings, default=list(ServerConfig.allowed_origins),
+                   help="CORS: the origins browsers may call from, as a JSON list (vLLM's flag)")
+    g.add_argument("--allowed-methods", type=json_strings, default=list(ServerConfig.allowed_methods),
+                   help="CORS: the methods browsers may use, as a JSON list")
+    g.add_argument("--allowed-headers", type=json_strings, default=list(ServerConfig.allowed_headers),
+                   help="CORS: the request headers browsers may send, as a JSON list")
+    g.add_argument("--allowed-credentials", action="store_true", help="CORS: browsers may send credentials")
     g.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
                    help="refuse request bodies larger than this with a 413 (default: %(default)s)")
     g.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
@@ -100,7 +108,9 @@ def run_serve(args: argparse.Namespace) -> int:
         config = ServerConfig(api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                               trust_request_chat_template=args.trust_request_chat_template,
                               tool_call_parser=args.tool_call_parser, metrics_prefix=args.metrics_prefix,
-                              log_stats_interval_s=None if args.disable_log_stats else ServerConfig.log_stats_interval_s)
+                              log_stats_interval_s=None if args.disable_log_stats else ServerConfig.log_stats_interval_s,
+                              allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
+                              allowed_headers=tuple(args.allowed_headers), allowed_credentials=args.allowed_credentials)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -121,14 +131,14 @@ def run_serve(args: argparse.Namespace) -> int:
     from blockspec.server.app import create_app
     from blockspec.server.async_engine import freezing_after
 
-    name = args.served_model_name or args.model
+    names = args.served_model_name or [args.model]
 
     def engine_failed(message: str) -> None:
         print(f"error: {message}", file=sys.stderr)
         server.should_exit = True
 
     def ready(_: Any) -> None:
-        log.info("blockspec serve ready on http://%s:%d, model %s, %s", args.host, port, name,
+        log.info("blockspec serve ready on http://%s:%d, model %s, %s", args.host, port, " / ".join(names),
                  describe_speculation(speculative_config(args)))
 
     # the server's own lines (ready, throughput) in uvicorn's format, at --log-level
@@ -139,7 +149,7 @@ def run_serve(args: argparse.Namespace) -> int:
     log.setLevel(args.log_level.upper())
     log.propagate = False
     load = functools.partial(build_llm, args)  # pickles, for the engine process (which freezes after it)
-    app = create_app(load if args.engine_process else freezing_after(load), name, on_engine_error=engine_failed,
+    app = create_app(load if args.engine_process else freezing_after(load), names, on_engine_error=engine_failed,
                      engine_process=args.engine_process, config=config, on_ready=ready)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port,
                                            log_level=args.uvicorn_log_level or args.log_level))

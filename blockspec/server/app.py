@@ -17,12 +17,13 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -37,6 +38,7 @@ from blockspec.inputs import ModelInputs, Prompt, chat_ids, check_text
 from blockspec.llm import LLM
 from blockspec.sampling_params import SamplingParams
 from blockspec.engine.loop import Delta
+from blockspec.engine.output import NO_TOKEN
 from blockspec.server.async_engine import AsyncEngine, EngineError
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.middleware import APIKey, BodyLimit, InternalErrors
@@ -62,6 +64,14 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status)
+
+
+def request_failed(message: str) -> APIError:
+    """The error a request ended with: a 400 where its own masks left no token to sample (the request's fault,
+    whatever the model does), else a 500."""
+    if message.startswith(NO_TOKEN):
+        return APIError(400, message)
+    return APIError(500, message, type="internal_server_error")
 
 
 def user_error(exc: Exception, param: str | None = None) -> APIError:
@@ -134,8 +144,10 @@ def http_error(request: Request, exc: HTTPException, body: bytes = b"") -> APIEr
 
 
 # ---------------------------------------------------------------- inputs
-def completion_prompts(inputs: ModelInputs, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
-    """One (text, ids) per prompt: a string, a list of strings, token ids or a list of token-id lists."""
+def completion_prompts(inputs: ModelInputs, prompt: str | list[str] | list[int] | list[list[int]],
+                       truncating: bool = False) -> list[Prompt]:
+    """One (text, ids) per prompt: a string, a list of strings, token ids or a list of token-id lists
+    (`truncating`: the request keeps its prompts' last tokens, so a long text is not refused untokenized)."""
     single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
     items = [prompt] if single else list(prompt)
     if not items:
@@ -144,7 +156,7 @@ def completion_prompts(inputs: ModelInputs, prompt: str | list[str] | list[int] 
     for i, p in enumerate(items):
         where = "prompt" if single else f"prompt[{i}]"
         try:
-            out.append(inputs.prompt_ids(p if isinstance(p, str) else {"prompt_token_ids": p}, where))
+            out.append(inputs.prompt_ids(p if isinstance(p, str) else {"prompt_token_ids": p}, where, truncating))
         except RequestError as exc:
             raise user_error(exc, "prompt") from None
     return out
@@ -223,7 +235,7 @@ def chat_prompt(inputs: ModelInputs, body: ChatCompletionRequest, trusted_templa
     except RequestError as exc:
         raise user_error(exc, "messages") from None
     chars = sum(len(m.get("content") or "") for m in messages)
-    if chars > inputs.max_prompt_chars:
+    if chars > inputs.max_prompt_chars and body.truncate_prompt_tokens is None:  # truncating keeps the last tokens
         raise APIError(400, f"messages have {chars} characters, more than max_model_len ({inputs.max_model_len}) "
                             f"tokens can hold (at most {inputs.max_prompt_chars})", param="messages")
     kwargs = template_arguments(tok, body, trusted_templates)
@@ -526,13 +538,16 @@ async def abort_on_disconnect(request: Request, engine: AsyncEngine, request_id:
 
 
 # ---------------------------------------------------------------- app
-def create_app(load: Callable[[], LLM], served_model_name: str,
+def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
                on_engine_error: Callable[[str], None] | None = None, engine_process: bool = False,
                config: ServerConfig = ServerConfig(), on_ready: Callable[[ModelInputs], None] | None = None) -> FastAPI:
     """An app that loads its model (`load()`, on the engine's thread, or in the engine process with
     `engine_process`) when it starts serving; /health answers 503 until the model is ready.
     `on_engine_error` hears why the engine cannot serve: it failed to load, or its process died;
-    `on_ready`, that it is loaded."""
+    `on_ready`, that it is loaded. `served_model_name`: the names requests may give (one, or several: a response
+    carries the one its request gave, else the first)."""
+    names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
+    served_model_name = names[0]
     metrics = ServerMetrics(served_model_name, config.metrics_prefix)
     engine = AsyncEngine(load, metrics, on_engine_error, process=engine_process, on_ready=on_ready)
     # tokenizing and template rendering run in threads, so the event loop answers others meanwhile; chat
@@ -566,6 +581,9 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     if config.api_key is not None:
         app.add_middleware(APIKey, key=config.api_key)
+    app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),  # outermost: preflights need no key
+                       allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
+                       allow_credentials=config.allowed_credentials)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -596,9 +614,9 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
         if engine.inputs is None:
             message = f"the model failed to load: {engine.load_error}" if engine.load_error else "the model is loading"
             raise APIError(503, message, type="service_unavailable")
-        if model is not None and model != served_model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {served_model_name!r}",
-                           param="model", code="model_not_found")
+        if model is not None and model not in names:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{' or '.join(map(repr, names))}", param="model", code="model_not_found")
         return engine.inputs
 
     async def generate(request: Request, body: GenerationRequest, inputs: ModelInputs, prompts: list[Prompt],
@@ -609,8 +627,8 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
         # a constraint the request did not give is a forced tool call's
         prompts = check_prompts(inputs, prompts, params, body.constraint_field or "tool_choice",
                                 "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
-        renderer = renderer_type(body, served_model_name, prompts, params, TokenStrings(inputs.tokenizer),
-                                 inputs.speculative)
+        name = body.model if body.model in names else served_model_name
+        renderer = renderer_type(body, name, prompts, params, TokenStrings(inputs.tokenizer), inputs.speculative)
         choices = [Choice() for _ in range(len(prompts) * params.n)]
         deltas = engine.generate(renderer.id, prompts, params)
         if body.stream:
@@ -620,7 +638,7 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
                 choices[d.index].add(d)
         errors = [c.error for c in choices if c.error]
         if errors:
-            raise APIError(500, errors[0], type="internal_server_error")
+            raise request_failed(errors[0])
         return JSONResponse(renderer.response(choices).model_dump())
 
     async def stream(request: Request, renderer: Renderer, deltas: AsyncIterator[Delta],
@@ -632,7 +650,7 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
                 async for d in deltas:
                     choices[d.index].add(d)
                     if d.error:
-                        raise APIError(500, d.error, type="internal_server_error")
+                        raise request_failed(d.error)
                     for chunk in renderer.chunks(d):
                         yield sse(chunk)
             except Exception as exc:
@@ -646,13 +664,14 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
     async def completions(body: CompletionRequest, request: Request) -> Response:
         inputs = ready_inputs(body.model)
         params = body.to_sampling_params(body.max_tokens, body.logprobs, inputs.sampling_defaults)
-        prompts = await in_thread(tokenizing, completion_prompts, inputs, body.prompt)
+        prompts = await in_thread(tokenizing, completion_prompts, inputs, body.prompt,
+                                  params.truncate_prompt_tokens is not None)
         return await generate(request, body, inputs, prompts, params, CompletionRenderer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         inputs = ready_inputs(body.model)
-        if body.top_logprobs is not None and not body.logprobs:
+        if body.top_logprobs and not body.logprobs:  # 0 asks for nothing: accepted, as OpenAI does
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.to_sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
@@ -671,16 +690,17 @@ def create_app(load: Callable[[], LLM], served_model_name: str,
         prompt = await in_thread(templating, chat_prompt, inputs, body, config.trust_request_chat_template, tools)
         return await generate(request, body, inputs, [prompt], params, functools.partial(ChatRenderer, tools=tools))
 
-    def model_card(inputs: ModelInputs) -> ModelCard:
-        return ModelCard(id=served_model_name, root=str(inputs.model_dir), max_model_len=inputs.max_model_len)
+    def model_card(inputs: ModelInputs, name: str) -> ModelCard:
+        return ModelCard(id=name, root=str(inputs.model_dir), max_model_len=inputs.max_model_len)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[model_card(ready_inputs())])
+        inputs = ready_inputs()
+        return ModelList(data=[model_card(inputs, name) for name in names])
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
-        return model_card(ready_inputs(model_id))
+        return model_card(ready_inputs(model_id), model_id)
 
     def tokenizer_of(inputs: ModelInputs) -> Any:
         if inputs.tokenizer is None:
