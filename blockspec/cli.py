@@ -10,6 +10,7 @@ from typing import Any
 
 from blockspec import __version__
 from blockspec.assets import embedded
+from blockspec.config import ConfigError
 from blockspec.cli_options import (
     HelpFormatter,
     add_model_args,
@@ -91,7 +92,7 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> int:
     if not prompts and chat:
         return cmd_chat_session(args)
     if not prompts:
-        raise SystemExit("error: give at least one --prompt or --prompts-file")
+        raise ConfigError("give at least one --prompt or --prompts-file")
     llm = build_llm(args)
     params = sampling_params(args, llm.inputs.sampling_defaults)
     t0 = time.perf_counter()
@@ -114,7 +115,6 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from blockspec.config import ConfigError
     from blockspec.engine.build import load_tokenizer
     from blockspec.models.fp8_export import calibration_sequences, write_fp8_checkpoint
     from blockspec.models.loader import resolve_model_dir

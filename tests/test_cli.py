@@ -52,6 +52,11 @@ def test_generate_takes_unset_sampling_flags_from_generation_config(tmp_path, ca
     assert f"--- {tokens} tokens in" in capsys.readouterr().err
 
 
+def test_generate_without_a_prompt_is_a_usage_error(capsys):
+    assert main(["generate", "default", "--device", "cpu"]) == 2  # as argparse's own usage errors
+    assert "error: give at least one --prompt or --prompts-file" in capsys.readouterr().err
+
+
 def test_bad_model_path_is_one_line(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
