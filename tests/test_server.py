@@ -223,6 +223,13 @@ def test_streaming_completion_with_usage(text_server):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert len(chunks) > 3 and chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far, counting up to the total
+    running = list(client.completions.create(model="tiny", prompt="import os", **GREEDY, stream=True,
+                                             extra_body=NO_EOS, stream_options={"include_usage": True,
+                                                                                "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in running]
+    assert counts == sorted(counts) and counts[-1] == 24 and counts[0] < 24
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in running)
     with stream("POST", f"{text_server.url}/v1/completions",
                       json={"prompt": "x", "max_tokens": 3, "stream": True}) as r:
         lines = [line for line in r.iter_lines() if line]

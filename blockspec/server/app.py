@@ -652,6 +652,8 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
                     if d.error:
                         raise request_failed(d.error)
                     for chunk in renderer.chunks(d):
+                        if renderer.body.continuous_usage:  # the usage so far, on every chunk
+                            chunk.usage, chunk.spec_decode = renderer.usage(choices)
                         yield sse(chunk)
             except Exception as exc:
                 yield sse(ErrorResponse(error=api_error_of(exc).info))

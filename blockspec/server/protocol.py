@@ -72,6 +72,7 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class JsonSchemaFormat(StrictModel):
@@ -208,6 +209,10 @@ class GenerationRequest(StrictModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     @property
     def wanted_prompt_logprobs(self) -> int | None:
