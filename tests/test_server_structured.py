@@ -15,7 +15,7 @@ from blockspec import LLM, SamplingParams
 from blockspec.config import ServerConfig
 from blockspec.sampling_params import StructuredOutputsParams
 from blockspec.server.app import create_app
-from blockspec.server.tools import Call, hermes, llama3_json, required_schema
+from blockspec.server.tools import PARSERS, Call, ToolStream, ToolUse, hermes, llama3_json, required_schema
 from factories import save_drafter_target
 from live_server import LiveServer, post
 
@@ -113,6 +113,43 @@ def test_a_named_tool_choice_returns_its_call(server):
     (call,) = choice.message.tool_calls
     args = json.loads(call.function.arguments)
     assert call.function.name == "weather" and args["city"] in ("Oslo", "Lima") and 1 <= args["days"] <= 7
+
+
+def test_a_named_tool_choice_streams_its_arguments_as_they_come(server):
+    """The first piece opens the call (id, type, name), the rest add to its arguments (they used to arrive in one
+    delta at the end, after empty chunks); joined they are the call a non-streamed request returns."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER, TIME], max_tokens=60,
+              temperature=0, tool_choice={"type": "function", "function": {"name": "weather"}})
+    whole = server.client().chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    chunks = list(server.client().chat.completions.create(**kw, stream=True))
+    pieces = [c for chunk in chunks for choice in chunk.choices for c in (choice.delta.tool_calls or [])]
+    assert len(pieces) > 3 and pieces[0].id and pieces[0].function.name == "weather"
+    assert all(p.index == 0 and p.id is None and p.function.name is None for p in pieces[1:])
+    assert "".join(p.function.arguments for p in pieces) == whole.function.arguments
+    finishes = [choice.finish_reason for chunk in chunks for choice in chunk.choices if choice.finish_reason]
+    assert finishes == ["tool_calls"]
+
+
+def test_auto_tool_streams_send_content_until_a_call_can_begin():
+    """Under "auto" a stream sends content while no call can have begun (never a piece of a call's opening tag)
+    and the calls when the choice ends; the content sent and the rest add up to the whole output's content."""
+    use = ToolUse([WEATHER["function"]], "auto", parser=PARSERS["hermes"])
+    stream = ToolStream(use)
+    pieces = ["Sure", ", one", " moment.\n<tool", '_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}',
+              "\n</tool_call>"]
+    sent = [stream.feed(p)[0] for p in pieces]
+    assert sent == ["Sure", ", one", " moment.", "", ""]
+    rest, calls = stream.finish()
+    assert rest is None and calls == [Call("weather", '{"city": "Oslo"}')]
+    assert "".join(sent) == use.split("".join(pieces))[0]
+    plain = ToolStream(use)
+    assert [plain.feed(p)[0] for p in ("no <", "call ", "here ")] == ["no", " <call", " here"]
+    assert plain.finish() == (" ", [])  # the held-back tail goes at the end: the whole text, as sent unstreamed
+    llama = ToolStream(ToolUse([TIME["function"]], "auto", parser=PARSERS["llama3_json"]))
+    assert [llama.feed(p)[0] for p in (" ", '{"name": "time", ', '"parameters": {"zone": "UTC"}}')] == ["", "", ""]
+    assert llama.finish() == (None, [Call("time", '{"zone": "UTC"}')])
+    prose = ToolStream(ToolUse([TIME["function"]], "auto", parser=PARSERS["llama3_json"]))
+    assert [prose.feed(p)[0] for p in (" ", "It is", " noon")] == ["", " It is", " noon"]
 
 
 def test_required_tool_choice_streams_its_calls_when_the_choice_ends(server):

@@ -42,7 +42,7 @@ from blockspec.engine.output import NO_TOKEN
 from blockspec.server.async_engine import AsyncEngine, EngineError
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.middleware import APIKey, BodyLimit, InternalErrors
-from blockspec.server.tools import PARSERS, ToolUse
+from blockspec.server.tools import PARSERS, Call, ToolStream, ToolUse
 from blockspec.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
@@ -450,8 +450,9 @@ class CompletionRenderer(Renderer):
 
 
 class ChatRenderer(Renderer):
-    """Chat responses; with tools, each choice's text is split into content and tool calls (streamed
-    as one delta when the choice ends, since a call is known only once its text is whole)."""
+    """Chat responses; with tools, each choice's text is split into content and tool calls. Streamed, a named
+    function's arguments go as they come; under "auto", content while no call can have begun, and the calls
+    when the choice ends (a call is known only once its text is whole); "required" calls when it ends."""
 
     prefix = "chatcmpl"
     chunk_type = ChatCompletionChunk
@@ -459,7 +460,7 @@ class ChatRenderer(Renderer):
     def __init__(self, *args: Any, tools: ToolUse | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tools = tools if tools is not None and tools.calls_possible else None
-        self.texts: dict[int, list[str]] = {}  # with tools: each streamed choice's deltas so far, joined at its end
+        self.streams: dict[int, ToolStream] = {}  # with tools: each streamed choice's output so far
 
     def message(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall] | None, str | None]:
         """(content, tool calls, finish reason) of a choice's whole text."""
@@ -494,11 +495,17 @@ class ChatRenderer(Renderer):
     def chunk(self, d: Delta) -> BaseModel:
         delta, finish_reason = DeltaMessage(content=d.text), d.finish_reason
         if self.tools is not None:
-            self.texts.setdefault(d.index, []).append(d.text)
-            content, calls, finish_reason = self.message("".join(self.texts.pop(d.index)), d.finish_reason) \
-                if d.finish_reason is not None else ("", None, None)
-            delta = DeltaMessage(content=content, tool_calls=[DeltaToolCall(index=i, **c.model_dump())
-                                                              for i, c in enumerate(calls)] if calls else None)
+            stream = self.streams.setdefault(d.index, ToolStream(self.tools))
+            content, named = stream.feed(d.text)
+            calls = [DeltaToolCall(index=0, **named)] if named else []
+            if d.finish_reason is not None:
+                rest, found = stream.finish()
+                content += rest or ""
+                calls += [DeltaToolCall(index=i, **Call.as_openai(c)) for i, c in enumerate(found)]
+                if stream.call_id is not None or found:
+                    finish_reason = "tool_calls" if d.finish_reason == "stop" else d.finish_reason
+                del self.streams[d.index]
+            delta = DeltaMessage(content=content if content or not calls else None, tool_calls=calls or None)
         choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=self.logprobs(d.logprobs, d.token_ids),
                                  finish_reason=finish_reason, stop_reason=d.stop_reason,
                                  token_ids=self.token_ids(d.token_ids))

@@ -418,8 +418,19 @@ class ToolCall(BaseModel):
     function: ToolCallFunction
 
 
-class DeltaToolCall(ToolCall):
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None  # a piece of the JSON text
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call, or a piece of one: the first piece carries its id, type and name, later ones more of
+    its arguments (OpenAI's and vLLM's streaming)."""
+
     index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
 
 
 class AssistantMessage(BaseModel):

@@ -58,6 +58,15 @@ def constraint(tools: list[dict[str, Any]], choice: str | dict[str, Any], parall
     return None
 
 
+@dataclass(frozen=True)
+class Parser:
+    """A model family's tool-call format: `split` finds the calls in a whole output; `streamable` is the
+    content of an output so far that no call can have begun in (what a stream may send before the end)."""
+
+    split: Callable[[str], tuple[str, list[Call]]]
+    streamable: Callable[[str], str]
+
+
 @dataclass
 class ToolUse:
     """A chat request's tools (OpenAI function definitions), its tool choice ("none", "auto", "required",
@@ -66,7 +75,7 @@ class ToolUse:
     tools: list[dict[str, Any]]
     choice: str | dict[str, Any]
     parallel: bool = True
-    parser: Callable[[str], tuple[str, list[Call]]] | None = None
+    parser: Parser | None = None
 
     @property
     def calls_possible(self) -> bool:
@@ -92,9 +101,47 @@ class ToolUse:
                 return text, []
             return None, [Call(c["name"], json.dumps(c["parameters"])) for c in listed]
         if self.choice == "auto" and self.parser is not None:
-            content, calls = self.parser(text)
+            content, calls = self.parser.split(text)
             return (content or None) if calls else text, calls
         return text, []
+
+
+@dataclass
+class ToolStream:
+    """One streamed choice's output under a tool choice, piece by piece: a named function's arguments as they
+    come (the call's id and name with the first piece); under "auto", content while no call can have begun,
+    the rest and the calls when the choice ends; a "required" list of calls when it ends."""
+
+    use: ToolUse
+    text: str = ""
+    sent: str = ""  # content streamed so far
+    call_id: str | None = None  # a named function's call, once opened
+
+    def feed(self, piece: str) -> tuple[str, dict[str, Any] | None]:
+        """(content to send now, a piece of the named call to send now: its OpenAI delta fields)."""
+        self.text += piece
+        if isinstance(self.use.choice, dict):
+            if self.call_id is None:
+                self.call_id = f"call_{uuid.uuid4().hex[:24]}"
+                return "", {"id": self.call_id, "type": "function",
+                            "function": {"name": self.use.choice["name"], "arguments": piece}}
+            return "", {"function": {"arguments": piece}} if piece else None
+        if self.use.choice == "auto" and self.use.parser is not None:
+            ready = self.use.parser.streamable(self.text)
+            if ready.startswith(self.sent) and len(ready) > len(self.sent):
+                new, self.sent = ready[len(self.sent):], ready
+                return new, None
+        return "", None
+
+    def finish(self) -> tuple[str | None, list[Call]]:
+        """(content not sent yet, calls not sent yet) once the choice has ended."""
+        if isinstance(self.use.choice, dict):
+            return None, []
+        content, calls = self.use.split(self.text)
+        for head in (self.sent, self.sent.strip()):  # a whole output's content may be the stripped text
+            if content is not None and content.startswith(head):
+                return content[len(head):] or None, calls
+        return None, calls
 
 
 def _loads(text: str) -> Any:
@@ -128,4 +175,28 @@ def llama3_json(text: str) -> tuple[str, list[Call]]:
     return "", calls
 
 
-PARSERS: dict[str, Callable[[str], tuple[str, list[Call]]]] = {"hermes": hermes, "llama3_json": llama3_json}
+def before(text: str, marker: str) -> str:
+    """`text` up to `marker`, or up to a tail that may be its beginning (the rest of it not yet written)."""
+    at = text.find(marker)
+    if at >= 0:
+        return text[:at]
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return text[:-n]
+    return text
+
+
+def hermes_streamable(text: str) -> str:
+    """Content before the first `<tool_call>` (trailing whitespace held back: the split strips it)."""
+    return before(text, "<tool_call>").rstrip()
+
+
+def llama3_streamable(text: str) -> str:
+    """All of it once it cannot be a call (a call's output starts with `{` or `<|python_tag|>`), else nothing."""
+    body, tag = text.lstrip(), "<|python_tag|>"
+    if not body or body.startswith(("{", tag)) or tag.startswith(body):
+        return ""
+    return text
+
+
+PARSERS = {"hermes": Parser(hermes, hermes_streamable), "llama3_json": Parser(llama3_json, llama3_streamable)}
