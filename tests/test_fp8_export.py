@@ -131,7 +131,7 @@ def test_bad_requests_are_refused_by_name(source, exported, tmp_path, capsys):
         write_fp8_checkpoint(source, exported)
     with pytest.raises(ConfigError, match="quantized already"):
         write_fp8_checkpoint(exported, tmp_path / "again")
-    with pytest.raises(ConfigError, match="positive"):
+    with pytest.raises(ConfigError, match=r"block_size must be in \[1, 1024\]"):
         write_fp8_checkpoint(source, tmp_path / "zero", block=0)
     assert cli_main(["quantize", str(exported), "--out", str(tmp_path / "cli")]) == 2
     assert "quantized already" in capsys.readouterr().err
@@ -139,6 +139,19 @@ def test_bad_requests_are_refused_by_name(source, exported, tmp_path, capsys):
     assert "e4m3 (64 x 64 blocks)" in capsys.readouterr().out
     written = json.loads((tmp_path / "cli" / "config.json").read_text())
     assert written["quantization_config"]["weight_block_size"] == [64, 64]
+
+
+def test_quantize_refuses_a_drafter_and_a_block_past_its_bound(tmp_path, capsys):
+    """A drafter's FP8 twin would not load (a drafter goes FP8 at load); a 100000-wide block tried to allocate
+    tens of GB. Both one line, before any work."""
+    from blockspec.assets import PAIR
+
+    if not (PAIR / "dflash" / "config.json").is_file():
+        pytest.skip("the embedded pair is not installed")
+    assert cli_main(["quantize", str(PAIR / "dflash"), "--out", str(tmp_path / "d")]) == 2
+    assert "is a drafter (DFlashDraftModel): quantize writes FP8 targets" in capsys.readouterr().err
+    assert cli_main(["quantize", "default", "--out", str(tmp_path / "b"), "--block-size", "100000"]) == 2
+    assert "block_size must be in [1, 1024]" in capsys.readouterr().err
 
 
 def test_quantize_default_names_the_embedded_target(tmp_path, capsys):

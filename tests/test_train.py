@@ -319,6 +319,73 @@ def test_resume_gives_the_same_next_step(tiny_target, tmp_path):
         assert torch.equal(p, q), n
 
 
+def test_a_resume_that_would_change_the_restored_optimiser_or_data_order_is_refused(tiny_target, tmp_path):
+    """The optimiser, schedule and data order come back from the checkpoint, so a new --lr (or weight decay,
+    batch size, seed, ...) would be ignored while the new checkpoint recorded it; it is refused by name."""
+    target, _ = tiny_target
+    kw = dict(method="dspark", num_layers=1, block_size=3, markov_rank=8, max_len=24, batch_size=4, num_anchors=4,
+              max_steps=4, device="cpu", progress=False)
+    data = _pattern_examples(10, 24, seed=3)
+    a = DrafterTrainer(target, data, DrafterTrainConfig(**kw), mask_token_id=95, pad_id=0)
+    a.step(4)
+    a.save_checkpoint(tmp_path / "ckpt")
+    b = DrafterTrainer(target, data, DrafterTrainConfig(**kw, lr=0.05, weight_decay=0.3), mask_token_id=95, pad_id=0)
+    with pytest.raises(ConfigError, match=r"a resumed run keeps its checkpoint's --lr .* \(this run: 0.05\); "
+                                          r"--weight-decay 0.0 \(this run: 0.3\)"):
+        b.load_checkpoint(tmp_path / "ckpt")
+    DrafterTrainer(target, data, DrafterTrainConfig(**{**kw, "max_steps": 8}), mask_token_id=95,
+                   pad_id=0).load_checkpoint(tmp_path / "ckpt")  # more steps: the one change a resume takes
+
+
+def test_train_refuses_an_export_over_a_model_and_reads_jsonl_records_wherever_they_are(tiny_target, tmp_path,
+                                                                                          capsys):
+    """--out that is the target's directory, or holds another model, would have the export overwrite it; a
+    directory or glob of .jsonl files is read as records (it used to be packed as text, JSON syntax and all), and
+    a .json file is refused. Shapes that cannot work are one line, not a tensor error."""
+    from blockspec.cli import main
+    from blockspec.train.data import DataError, load_examples
+    from factories import save_tiny_tokenizer
+
+    _, target_dir = tiny_target
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "x"}\n')
+    for out in (target_dir, tmp_path / "other"):
+        if out != target_dir:
+            out.mkdir()
+            (out / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
+        assert main(["train", "--target", str(target_dir), "--data", str(data), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "the export would overwrite the target" in err or "holds a model (Qwen3ForCausalLM)" in err, err
+    tok_dir = tmp_path / "tok"
+    save_tiny_tokenizer(tok_dir)
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    records = tmp_path / "records"
+    records.mkdir()
+    line = '{"prompt": "ab", "response": "cd"}\n'
+    for name in ("a.jsonl", "b.jsonl"):
+        (records / name).write_text(line * 3)
+    one = load_examples(records / "a.jsonl", tok, 32)
+    both = load_examples(records, tok, 32)
+    assert len(both) == 2 * len(one) and [e.input_ids for e in both[: len(one)]] == [e.input_ids for e in one]
+    assert len(load_examples(str(records / "*.jsonl"), tok, 32)) == len(both)
+    (records / "c.json").write_text("[" + line.strip() + "]")
+    with pytest.raises(DataError, match=r"c.json: a .json file is not read .* give records as .jsonl"):
+        load_examples(records, tok, 32)
+    same_vocab = save_tiny(tmp_path / "t", "qwen3", seed=5, vocab=len(tok) + 1, hidden=64, layers=4)  # + a mask row
+    for target, flags, says in (
+            (same_vocab, ["--num-heads", "3"], "--num-heads 3 must divide the hidden size 64"),
+            (same_vocab, ["--num-kv-heads", "3"], "--num-kv-heads 3 must divide --num-heads"),
+            (target_dir, [], f"the tokenizer has {len(tok)} tokens and the target's embedding 96 rows")):
+        assert main(["train", "--target", str(target), "--data", str(records / "a.jsonl"), "--tokenizer",
+                     str(tok_dir), "--out", str(tmp_path / "o"), "--max-steps", "1", "--no-progress", *flags]) == 2
+        assert says in capsys.readouterr().err
+    assert main(["train", "--target", str(target_dir), "--data", str(data), "--tokenizer", str(tmp_path / "none"),
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "--tokenizer" in capsys.readouterr().err
+
+
 def test_checkpoint_is_safetensors_and_a_weights_only_state(tiny_target, tmp_path):
     """The weights load with safetensors alone and the rest with torch.load(weights_only=True): no pickled
     objects; the state names its format version, and a weights file from another step is refused."""
@@ -508,7 +575,11 @@ def test_train_cli_flags_have_help_choices_and_one_line_errors(tmp_path, capsys)
     ("lr", float("nan"), "--lr must be a number > 0"), ("lr", -1.0, "--lr must be"), ("warmup_frac", 2.0, "in \\[0, 1\\)"),
     ("min_lr_ratio", -1.0, "--min-lr-ratio"), ("grad_clip", -1.0, "--grad-clip"), ("eval_frac", 1.5, "--eval-frac"),
     ("max_minutes", 0.0, "--max-minutes must be a number > 0"), ("num_target_features", 0, "--num-target-features"),
-    ("num_layers", 0, "--num-layers")])
+    ("num_layers", 0, "--num-layers"), ("block_size", 100000, "--block-size must be at most 256"),
+    ("num_heads", 0, "--num-heads must be an integer >= 1, or None"), ("hidden_size", -8, "--hidden-size"),
+    ("eval_batches", 0, "--eval-batches must be an integer >= 1"), ("eval_every", -1, "--eval-every"),
+    ("checkpoint_every", -2, "--checkpoint-every"), ("regen_max_new_tokens", 0, "--regen-max-new-tokens"),
+    ("ce_alpha", 0.0, "no loss trains the drafts")])
 def test_training_numbers_out_of_range_are_refused_by_name(field, value, says):
     """Each used to train (gamma 0: on NaN losses, exported with exit 0), never stop (max_steps 0), or fail
     deep in the optimiser; now a ConfigError naming the flag before any work."""

@@ -41,6 +41,7 @@ QUANTIZED = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(exp
 STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 BLOCK = 128  # rows and columns a weight scale covers, as the published FP8 checkpoints have it
+MAX_BLOCK = 1024  # scale blocks past this have no use and would pad a weight to gigabytes
 
 
 @dataclass
@@ -129,13 +130,17 @@ def write_fp8_checkpoint(model: str | Path, out: Path, block: int = BLOCK, calib
     checkpoint in `out`, which must not exist or be empty; with `calibration` (token id sequences), its KV
     cache scales too, per layer or `per_head` ([kv_heads, 1, 1], compressed-tensors' "attn_head" shape),
     computed on `device` (`calibrate_kv_scales`)."""
-    if block <= 0:
-        raise ConfigError(f"block_size must be a positive number of rows and columns, got {block}")
+    if not 1 <= block <= MAX_BLOCK:
+        raise ConfigError(f"block_size must be in [1, {MAX_BLOCK}] rows and columns, got {block}")
     src = resolve_model_dir(str(model), **hub)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out}: the output must be a new or empty directory")
     config = read_json(src / "config.json")
+    drafter = [a for a in config.get("architectures") or [] if any(k in str(a) for k in ("DFlash", "DSpark"))]
+    if drafter or "speculators_model_type" in config:  # its FP8 twin would not load: a drafter quantizes at load
+        raise ConfigError(f"{src} is a drafter ({', '.join(drafter) or config['speculators_model_type']}): quantize "
+                          "writes FP8 targets; a drafter goes FP8 at load with speculative_config quantization 'fp8'")
     quantized, source = quantization_config(src, config)
     if quantized.get("quantization_config") is not None:
         qc = quantized["quantization_config"]

@@ -307,11 +307,19 @@ def jsonl_examples(path: str | Path, tokenizer: Any, max_len: int) -> list[Examp
 
 
 def load_examples(spec: str | Path, tokenizer: Any, max_len: int) -> list[Example]:
-    """A .jsonl file of records (conversations, or {"text"} documents), or text/source files (file, directory or
-    glob) packed with full loss."""
-    if str(spec).endswith(".jsonl") and Path(spec).is_file():
-        return jsonl_examples(spec, tokenizer, max_len)
-    return text_examples(read_texts(text_files(spec)), tokenizer, max_len)
+    """The files of `spec` (a file, a directory or a glob): each .jsonl one's records (conversations, or {"text"}
+    documents), and the other files as text packed with full loss. A .json file is refused: read as text its
+    records' syntax would be trained on."""
+    files = text_files(spec)
+    arrays = [str(p) for p in files if p.suffix == ".json"]
+    if arrays:
+        raise DataError(f"{arrays[0]}: a .json file is not read (as text its JSON would be trained on); give records "
+                        "as .jsonl, one object a line")
+    out = [ex for p in files if p.suffix == ".jsonl" for ex in jsonl_examples(p, tokenizer, max_len)]
+    texts = [p for p in files if p.suffix != ".jsonl"]
+    if texts:
+        out += text_examples(read_texts(texts), tokenizer, max_len)
+    return out
 
 
 def split_examples(examples: list[Example], eval_frac: float, seed: int) -> tuple[list[Example], list[Example]]:

@@ -197,6 +197,12 @@ def option(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+MAX_BLOCK_SIZE = 256  # block lengths past this draft nothing a verify could take (the references use 8-16)
+
+RESUME_KEEPS = ("lr", "weight_decay", "warmup_frac", "min_lr_ratio", "batch_size", "seed", "max_len", "num_anchors")
+"""Training options a resumed run cannot change: its optimiser, schedule, data order and batches are restored."""
+
+
 @dataclass
 class DrafterTrainConfig:
     """Everything a drafter training run needs besides the target and the data; each field is a
@@ -289,6 +295,8 @@ class DrafterTrainConfig:
         for name in ("ce_alpha", "l1_alpha", "conf_alpha", "kl_alpha"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be a number >= 0, got {getattr(self, name)!r}")
+        if not self.ce_alpha + self.l1_alpha + self.kl_alpha > 0:  # else nothing trains the drafts
+            raise ConfigError("ce_alpha, l1_alpha and kl_alpha are all 0: no loss trains the drafts; give one > 0")
         if self.target_layer_ids is not None:
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if self.labels not in get_args(Labels):
@@ -309,7 +317,14 @@ class DrafterTrainConfig:
                 ("max_steps", lambda v: v is None or v >= 1, "an integer >= 1, or None with max_minutes"),
                 ("max_minutes", lambda v: v is None or 0 < v < math.inf, "a number > 0, or None"),
                 ("num_target_features", lambda v: v is None or v >= 1, "an integer >= 1, or None"),
-                ("num_layers", lambda v: v >= 1, "an integer >= 1")):
+                ("num_layers", lambda v: v >= 1, "an integer >= 1"),
+                ("block_size", lambda v: v <= MAX_BLOCK_SIZE, f"at most {MAX_BLOCK_SIZE}"),
+                *((name, lambda v: v is None or v >= 1, "an integer >= 1, or None (the target's)")
+                  for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")),
+                ("eval_batches", lambda v: v >= 1, "an integer >= 1"),
+                ("eval_every", lambda v: v >= 0, "an integer >= 0 (0: only at the end)"),
+                ("checkpoint_every", lambda v: v >= 0, "an integer >= 0 (0: only at the end)"),
+                ("regen_max_new_tokens", lambda v: v is None or v >= 1, "an integer >= 1, or None")):
             value = getattr(self, name)
             if not ok(value):
                 raise ConfigError(f"--{name.replace('_', '-')} must be {allowed}, got {value!r}")
@@ -375,12 +390,19 @@ def build_drafter(cfg: DrafterTrainConfig, target_cfg: ModelConfig, mask_token_i
     taps = target_taps(cfg, target_cfg.num_hidden_layers)
     hidden = cfg.hidden_size or target_cfg.hidden_size
     heads = cfg.num_heads or target_cfg.num_attention_heads
+    # not given: the target's, cut to a divisor of the heads (each key/value head serves a group of them)
+    kv_heads = cfg.num_kv_heads or math.gcd(heads, min(target_cfg.num_key_value_heads, heads))
+    if heads % kv_heads:
+        raise ConfigError(f"--num-kv-heads {kv_heads} must divide --num-heads {heads} (each key/value head serves a "
+                          "group of query heads)")
+    if cfg.num_heads is not None and cfg.head_dim is None and hidden % heads:
+        raise ConfigError(f"--num-heads {heads} must divide the hidden size {hidden}, or give --head-dim")
     dcfg = DrafterConfig(
         hidden_size=hidden,
         intermediate_size=cfg.intermediate_size or (target_cfg.intermediate_size if hidden == target_cfg.hidden_size
                                                     else 3 * hidden),
         num_layers=cfg.num_layers, num_heads=heads,
-        num_kv_heads=cfg.num_kv_heads or min(target_cfg.num_key_value_heads, heads),
+        num_kv_heads=kv_heads,
         head_dim=cfg.head_dim or (target_cfg.head_dim if cfg.num_heads is None else hidden // heads),
         vocab_size=target_cfg.vocab_size, block_size=cfg.block_size, mask_token_id=mask_token_id,
         target_layer_ids=tuple(taps), target_hidden_size=target_cfg.hidden_size,
@@ -789,6 +811,12 @@ class DrafterTrainer:
                               f"reads format {CHECKPOINT_VERSION}")
         if state["drafter_config"] != dataclasses.asdict(self.drafter.config):
             raise ConfigError(f"{where}: checkpoint drafter shape differs from this run's configuration")
+        saved = state.get("train_config") or {}
+        changed = [f"--{k.replace('_', '-')} {saved[k]!r} (this run: {getattr(self.cfg, k)!r})" for k in RESUME_KEEPS
+                   if k in saved and saved[k] != getattr(self.cfg, k)]
+        if changed:  # the restored optimiser, schedule and data order would silently keep the checkpoint's
+            raise ConfigError(f"{where}: a resumed run keeps its checkpoint's {'; '.join(changed)}: give the same "
+                              "values, or start a new run in another --checkpoint-dir")
 
     def restore_state(self, state: dict[str, Any]) -> None:
         """Optimiser, step, schedule, data position, anchor and global RNG from a `checkpoint_state()` dict (the
@@ -1026,8 +1054,11 @@ def train_drafter(
             tokenizer = load_tokenizer(target_dir)
     if not isinstance(data, list) or (eval_data is not None and not isinstance(eval_data, list)):
         if tokenizer is None:
-            raise ConfigError("train_drafter: a tokenizer is needed to read text/jsonl data (the target directory "
-                              "has none; pass tokenizer=)")
+            raise ConfigError("a tokenizer is needed to read text/jsonl data and the target directory has none "
+                              "(blockspec train --tokenizer DIR; train_drafter(tokenizer=...))")
+        if len(tokenizer) > target.config.vocab_size:  # its ids past the embedding would fail deep in a forward
+            raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens and the target's embedding "
+                              f"{target.config.vocab_size} rows: it is not the target's tokenizer")
     examples = data if isinstance(data, list) else load_examples(data, tokenizer, cfg.max_len)
     if eval_data is None:
         examples, heldout = split_examples(examples, cfg.eval_frac, cfg.seed)
@@ -1084,6 +1115,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_cli(build_arg_parser().parse_args(argv))
 
 
+def check_export_dir(out: str, target: str) -> None:
+    """--out must not be the target's directory, nor hold another model (the export writes config.json and
+    model.safetensors over theirs); a drafter exported there before may be replaced."""
+    if not out:
+        raise ConfigError("--out: give the directory the trained drafter is exported to")
+    path, config = Path(out), Path(out) / "config.json"
+    if Path(target).is_dir() and path.resolve() == Path(target).resolve():
+        raise ConfigError(f"--out {out} is the target's directory: the export would overwrite the target")
+    if config.is_file():
+        try:
+            archs = json.loads(config.read_text()).get("architectures") or []
+        except (json.JSONDecodeError, AttributeError, OSError):
+            archs = ["an unreadable config.json"]
+        if any(not any(k in str(a) for k in ("DFlash", "DSpark")) for a in archs):
+            raise ConfigError(f"--out {out} holds a model ({', '.join(map(str, archs))}) that the export would "
+                              "overwrite; give a new directory")
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """`blockspec train`: train, export, and write the metrics next to the exported drafter."""
     for flag, spec in (("--data", args.data), ("--eval-data", args.eval_data)):
@@ -1094,6 +1143,7 @@ def run_cli(args: argparse.Namespace) -> int:
                 raise DataError(f"{flag} {exc}") from None
     fields = {f.name for f in dataclasses.fields(DrafterTrainConfig)}
     cfg = DrafterTrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    check_export_dir(args.out, embedded(args.target))
     output_dir(args.out, "--out")  # before the training: its export and checkpoints must have somewhere to go
     if cfg.checkpoint_dir:
         output_dir(cfg.checkpoint_dir, "--checkpoint-dir")
@@ -1103,7 +1153,11 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.tokenizer:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--tokenizer {args.tokenizer}: not a tokenizer directory or hub id "
+                              f"({str(exc).splitlines()[0]})") from None
     result = train_drafter(embedded(args.target), args.data, cfg, tokenizer, args.eval_data, args.out)
     (Path(args.out) / "train_metrics.json").write_text(json.dumps(result.metrics, indent=2) + "\n")
     print(json.dumps(result.metrics, indent=2))
