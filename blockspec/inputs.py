@@ -22,6 +22,7 @@ from blockspec.errors import RequestError
 from blockspec.sampling_params import SamplingError, SamplingParams, is_int
 from blockspec.structured import new_matcher
 
+
 class TextPrompt(TypedDict):
     """A text prompt as vLLM's `vllm.inputs.TextPrompt` spells it."""
 
@@ -272,7 +273,8 @@ class ModelInputs:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptType] = []
         for i, conv in enumerate(conversations):
-            if not isinstance(conv, (list, tuple)) or not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
+            if not isinstance(conv, (list, tuple)) or not conv or not all(
+                    isinstance(m, dict) and "role" in m and "content" in m for m in conv):
                 raise RequestError(f"conversation {i}: messages must be a non-empty list of {{'role', 'content'}}")
             conv = [{**m, "content": text_content(m["content"], f"conversation {i}, message {j}")}
                     if isinstance(m["content"], list) else m for j, m in enumerate(conv)]

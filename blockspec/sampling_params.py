@@ -60,7 +60,8 @@ class StructuredOutputsParams:
                   "choice": isinstance(self.choice, (list, tuple)) and bool(self.choice)
                   and all(isinstance(c, str) and c for c in self.choice)}
         if not checks[given[0]]:
-            allowed = {"json": "a JSON schema (dict or text)", "regex": "a string", "grammar": "a Lark or GBNF grammar string",
+            allowed = {"json": "a JSON schema (dict or text)", "regex": "a string",
+                       "grammar": "a Lark or GBNF grammar string",
                        "choice": "a non-empty list of non-empty strings"}[given[0]]
             raise SamplingError(f"SamplingParams.structured_outputs.{given[0]}={SHORT.repr(getattr(self, given[0]))} "
                                 f"is invalid; allowed: {allowed}")

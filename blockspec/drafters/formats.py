@@ -197,7 +197,8 @@ def _native(method: str, raw: dict[str, Any], state: dict[str, Tensor],
     arch = raw.get("architectures") or []
     if method == "dflash":
         if any("DSpark" in a for a in arch):
-            raise ModelLoadError(f"{source}: {raw['architectures']} is a DSpark checkpoint (speculative_config method 'dspark')")
+            raise ModelLoadError(f"{source}: {raw['architectures']} is a DSpark checkpoint (speculative_config "
+                                 "method 'dspark')")
         cfg = parse_zlab_config(raw, source)
         for old, new in (("encoder.fc.weight", "fc.weight"), ("encoder.output_norm_enc.weight", "hidden_norm.weight")):
             if old in state and new not in state:  # Muse-Glimmer "assistant" naming

@@ -32,7 +32,8 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     g.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on, 0-65535 (0: any free one)")
     g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="the model names clients may send; a response carries its request's, else the first (default: MODEL)")
+                   help="the model names clients may send; a response carries its request's, else the first "
+                        "(default: MODEL)")
     g.add_argument("--seed", type=int, default=None, help="engine seed for requests that give none (default: 0)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server log's level")
@@ -108,7 +109,8 @@ def run_serve(args: argparse.Namespace) -> int:
         config = ServerConfig(api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                               trust_request_chat_template=args.trust_request_chat_template,
                               tool_call_parser=args.tool_call_parser, metrics_prefix=args.metrics_prefix,
-                              log_stats_interval_s=None if args.disable_log_stats else ServerConfig.log_stats_interval_s,
+                              log_stats_interval_s=(None if args.disable_log_stats
+                                                    else ServerConfig.log_stats_interval_s),
                               allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
                               allowed_headers=tuple(args.allowed_headers), allowed_credentials=args.allowed_credentials)
     except ConfigError as exc:
