@@ -42,7 +42,7 @@ from blockspec.engine.output import NO_TOKEN
 from blockspec.server.async_engine import AsyncEngine, EngineError
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.middleware import APIKey, BodyLimit, InternalErrors
-from blockspec.server.tools import PARSERS, Call, ToolStream, ToolUse
+from blockspec.server.tools import PARSERS, ToolStream, ToolUse
 from blockspec.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
@@ -501,7 +501,7 @@ class ChatRenderer(Renderer):
             if d.finish_reason is not None:
                 rest, found = stream.finish()
                 content += rest or ""
-                calls += [DeltaToolCall(index=i, **Call.as_openai(c)) for i, c in enumerate(found)]
+                calls += [DeltaToolCall(index=i, **c.as_openai()) for i, c in enumerate(found)]
                 if stream.call_id is not None or found:
                     finish_reason = "tool_calls" if d.finish_reason == "stop" else d.finish_reason
                 del self.streams[d.index]

@@ -28,8 +28,12 @@ class Call:
     arguments: str  # JSON text
 
     def as_openai(self) -> dict[str, Any]:
-        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {"id": call_id(), "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def call_id() -> str:
+    """A new tool call's id, in OpenAI's form."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
@@ -122,7 +126,7 @@ class ToolStream:
         self.text += piece
         if isinstance(self.use.choice, dict):
             if self.call_id is None:
-                self.call_id = f"call_{uuid.uuid4().hex[:24]}"
+                self.call_id = call_id()
                 return "", {"id": self.call_id, "type": "function",
                             "function": {"name": self.use.choice["name"], "arguments": piece}}
             return "", {"function": {"arguments": piece}} if piece else None
