@@ -314,6 +314,13 @@ def moe_from_hf(cfg: dict[str, Any], model_type: str, layers: int, source: str) 
 
 
 SPEC_METHODS = ("dflash", "dspark")
+
+
+def drafter_kind(config: dict[str, Any]) -> str | None:
+    """What names a checkpoint's config.json as a drafter's (a DFlash / DSpark architecture, or speculators'
+    model type), or None for any other model's."""
+    named = [str(a) for a in config.get("architectures") or [] if any(k in str(a) for k in ("DFlash", "DSpark"))]
+    return ", ".join(named) or config.get("speculators_model_type")
 SEED_RANGE = (-(2**63), 2**63 - 1)  # an engine's seed is kept as an int64, as a request's is
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from huggingface_hub import save_torch_state_dict
 
-from blockspec.config import ConfigError
+from blockspec.config import ConfigError, drafter_kind
 from blockspec.kernels.fp8 import E4M3_MAX, quantize_blocks
 from blockspec.models.kv_cache import KVScales, LayerScale, causal_meta
 from blockspec.models.loader import load_target, quantization_config, read_json, read_state_dict, resolve_model_dir
@@ -137,10 +137,10 @@ def write_fp8_checkpoint(model: str | Path, out: Path, block: int = BLOCK, calib
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out}: the output must be a new or empty directory")
     config = read_json(src / "config.json")
-    drafter = [a for a in config.get("architectures") or [] if any(k in str(a) for k in ("DFlash", "DSpark"))]
-    if drafter or "speculators_model_type" in config:  # its FP8 twin would not load: a drafter quantizes at load
-        raise ConfigError(f"{src} is a drafter ({', '.join(drafter) or config['speculators_model_type']}): quantize "
-                          "writes FP8 targets; a drafter goes FP8 at load with speculative_config quantization 'fp8'")
+    drafter = drafter_kind(config)
+    if drafter:  # its FP8 twin would not load: a drafter quantizes at load
+        raise ConfigError(f"{src} is a drafter ({drafter}): quantize writes FP8 targets; a drafter goes FP8 at load "
+                          "with speculative_config quantization 'fp8'")
     quantized, source = quantization_config(src, config)
     if quantized.get("quantization_config") is not None:
         qc = quantized["quantization_config"]

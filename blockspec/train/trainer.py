@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockspec.assets import embedded
-from blockspec.config import ConfigError, ModelConfig, output_dir
+from blockspec.config import ConfigError, ModelConfig, drafter_kind, output_dir
 from blockspec.models.kv_cache import dense_causal_meta
 from blockspec.models.llama import CausalLM
 from blockspec.models.loader import load_target, resolve_device
@@ -1125,12 +1125,13 @@ def check_export_dir(out: str, target: str) -> None:
         raise ConfigError(f"--out {out} is the target's directory: the export would overwrite the target")
     if config.is_file():
         try:
-            archs = json.loads(config.read_text()).get("architectures") or []
-        except (json.JSONDecodeError, AttributeError, OSError):
-            archs = ["an unreadable config.json"]
-        if any(not any(k in str(a) for k in ("DFlash", "DSpark")) for a in archs):
-            raise ConfigError(f"--out {out} holds a model ({', '.join(map(str, archs))}) that the export would "
-                              "overwrite; give a new directory")
+            held = json.loads(config.read_text())
+        except (json.JSONDecodeError, OSError):
+            held = {"architectures": ["an unreadable config.json"]}
+        if not isinstance(held, dict) or not drafter_kind(held):
+            names = held.get("architectures") if isinstance(held, dict) else None
+            raise ConfigError(f"--out {out} holds a model ({', '.join(map(str, names or ['unnamed']))}) that the "
+                              "export would overwrite; give a new directory")
 
 
 def run_cli(args: argparse.Namespace) -> int:
