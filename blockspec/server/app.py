@@ -469,8 +469,7 @@ class ChatRenderer(Renderer):
         content, calls = self.tools.split(text)
         if not calls:
             return text, None, finish_reason
-        return content, [ToolCall(**c.as_openai()) for c in calls], "tool_calls" if finish_reason == "stop" \
-            else finish_reason
+        return content, [ToolCall(**c.as_openai()) for c in calls], self.tools.finish_reason(finish_reason)
 
     def logprobs(self, entries: list[dict[int, Logprob]] | None, ids: list[int]) -> ChatLogprobs | None:
         if entries is None or self.params.logprobs is None:
@@ -503,7 +502,7 @@ class ChatRenderer(Renderer):
                 content += rest or ""
                 calls += [DeltaToolCall(index=i, **c.as_openai()) for i, c in enumerate(found)]
                 if stream.call_id is not None or found:
-                    finish_reason = "tool_calls" if d.finish_reason == "stop" else d.finish_reason
+                    finish_reason = self.tools.finish_reason(d.finish_reason)
                 del self.streams[d.index]
             delta = DeltaMessage(content=content if content or not calls else None, tool_calls=calls or None)
         choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=self.logprobs(d.logprobs, d.token_ids),

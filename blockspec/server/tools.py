@@ -94,6 +94,13 @@ class ToolUse:
     def constraint(self) -> StructuredOutputsParams | None:
         return constraint(self.tools, self.choice, self.parallel)
 
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """A choice's finish reason once it made calls: "tool_calls" where the model chose to call ("auto",
+        "required"); a named choice forced the call, so it stays "stop", as OpenAI's API answers."""
+        if engine_reason == "stop" and not isinstance(self.choice, dict):
+            return "tool_calls"
+        return engine_reason
+
     def split(self, text: str) -> tuple[str | None, list[Call]]:
         """(content, calls) of an output; content None where the output is all calls."""
         if isinstance(self.choice, dict):
