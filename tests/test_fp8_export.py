@@ -141,6 +141,27 @@ def test_bad_requests_are_refused_by_name(source, exported, tmp_path, capsys):
     assert written["quantization_config"]["weight_block_size"] == [64, 64]
 
 
+def test_an_interrupted_export_leaves_no_half_checkpoint(source, tmp_path, monkeypatch):
+    """The checkpoint is written beside --out and renamed into place whole: a run stopped while writing leaves
+    --out as it was (absent, or the empty directory given) and nothing else behind."""
+    import blockspec.models.fp8_export as fp8_export
+
+    def stopped(state, directory):
+        (Path(directory) / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fp8_export, "save_torch_state_dict", stopped)
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "new", tmp_path / "empty"):
+        with pytest.raises(KeyboardInterrupt):
+            write_fp8_checkpoint(source, out, block=32)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
+    monkeypatch.undo()
+    out = write_fp8_checkpoint(source, tmp_path / "empty", block=32).out
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
 def test_quantize_refuses_a_drafter_and_a_block_past_its_bound(tmp_path, capsys):
     """A drafter's FP8 twin would not load (a drafter goes FP8 at load); a 100000-wide block tried to allocate
     tens of GB. Both one line, before any work."""

@@ -20,8 +20,10 @@ below e4m3's normal range by its layer's loudest head.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -171,13 +173,23 @@ def write_fp8_checkpoint(model: str | Path, out: Path, block: int = BLOCK, calib
                 value = torch.tensor(scale, dtype=torch.float32)
                 written[f"{prefix}layers.{i}.self_attn.{kind}_scale"] = value.view(-1, 1, 1) if per_head else value
     after = sum(t.nbytes for t in written.values())
-    out.mkdir(parents=True, exist_ok=True)
-    for path in src.iterdir():  # tokenizer, generation config, chat template, licence, card
-        if path.is_file() and path.name != "config.json" and not path.name.endswith(WEIGHT_FILES) \
-                and not path.name.endswith(".index.json"):
-            shutil.copy2(path, out / path.name)
-    save_torch_state_dict(written, out)
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": [block, block]}
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # written beside `out` and renamed into place whole: an interrupted run leaves no half checkpoint there
+    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        for path in src.iterdir():  # tokenizer, generation config, chat template, licence, card
+            if path.is_file() and path.name != "config.json" and not path.name.endswith(WEIGHT_FILES) \
+                    and not path.name.endswith(".index.json"):
+                shutil.copy2(path, partial / path.name)
+        save_torch_state_dict(written, partial)
+        (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        partial.chmod(0o777 & ~umask)  # a new directory's mode (mkdtemp's is 0o700)
+        partial.replace(out)  # an empty `out` is replaced
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     return Fp8Export(out, quantized, before, after, kv_scales)
