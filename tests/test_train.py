@@ -297,6 +297,12 @@ def test_drafter_training_lowers_loss_and_exports(tiny_target, method, tmp_path)
                                max_steps=2, device="cpu", progress=False)
     again = train_drafter(target, data, tuned, eval_data=data[:4], out_dir=tmp_path / "tuned")
     assert again.drafter.config == loaded.config and (tmp_path / "tuned" / "model.safetensors").is_file()
+    # a shape the checkpoint does not have is refused by name (it was ignored); one it has may be given
+    clash = dataclasses.replace(tuned, num_layers=3, block_size=4, markov_rank=32)
+    with pytest.raises(ConfigError, match=r"drop or match --num-layers 3 \(the checkpoint's: 1\)") as err:
+        train_drafter(target, data, clash, eval_data=data[:4])
+    assert ("--markov-rank 32 (the checkpoint's: 16)" in str(err.value)) == (method == "dspark")
+    assert "--block-size" not in str(err.value)
 
 
 def test_resume_gives_the_same_next_step(tiny_target, tmp_path):
@@ -546,6 +552,8 @@ def test_train_cli_flags_have_help_choices_and_one_line_errors(tmp_path, capsys)
     text = parser.format_help()
     assert "drafter family (default: dflash)" in text and "--max-steps MAX_STEPS" in text
     assert "(default: None)" not in text  # a None default is said in words: "(None: the target's)"
+    negations = {a.option_strings[0]: a.help for a in options if a.option_strings[0].startswith("--no_")}
+    assert negations["--no_progress"] == "turn --progress off (show a progress bar; default: on)", negations
     args = parser.parse_args(["--target", "t", "--data", "d", "--out", "o", "--target-layer-ids", "1", "3",
                               "--no-confidence-head", "--resume", "--max-steps", "40"])
     assert args.target_layer_ids == [1, 3] and args.confidence_head is False and args.resume is True
@@ -658,3 +666,19 @@ def test_regenerate_replaces_responses_with_target_greedy(tiny_target):
         assert ex.loss_mask == [0] * cut + [1] * (len(ex.input_ids) - cut)
         prompt = ex.input_ids[:cut]
         assert ex.input_ids[cut:] == _plain_greedy(target, prompt, 20 - cut, {1})
+
+
+def test_max_len_is_bounded_by_the_targets_positions(tiny_target):
+    """--max-len past the target's max_position_embeddings trained on positions the target never learned (it was
+    accepted); at the bound, regenerating continuations fits the engine's context (it asked for one more)."""
+    from blockspec.train.trainer import regenerate_examples
+
+    target, path = tiny_target
+    bound = target.config.max_position_embeddings
+    over = DrafterTrainConfig(method="dflash", max_len=bound + 1, max_steps=1, device="cpu", progress=False)
+    with pytest.raises(ConfigError, match=rf"--max-len {bound + 1} exceeds the target's max_position_embeddings "
+                                          rf"\({bound}\)"):
+        train_drafter(path, _pattern_examples(4, 16, seed=1), over)
+    at = DrafterTrainConfig(method="dflash", max_len=bound, regen_max_new_tokens=3, device="cpu", progress=False)
+    (out,) = regenerate_examples(path, [Example(list(range(10, 18)), [0] * 5 + [1] * 3)], at, device="cpu")
+    assert out.loss_mask == [0] * 5 + [1] * 3

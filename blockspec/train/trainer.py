@@ -385,6 +385,29 @@ def resolve_mask_token_id(cfg: DrafterTrainConfig, tokenizer: Any, target_cfg: M
     return mask
 
 
+def check_init_shape(cfg: DrafterTrainConfig, drafter: DraftModel) -> None:
+    """--init-from fine-tunes a checkpoint as it is: a shape option set away from its default (or a block size
+    away from the method's) that the checkpoint does not have is refused by name, not silently ignored."""
+    c = drafter.config
+    held: dict[str, Any] = {name: getattr(c, name) for name in (
+        "num_layers", "block_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+        "mask_token_id")}
+    held["target_layer_ids"] = list(c.target_layer_ids)
+    held["num_target_features"] = len(c.target_layer_ids)
+    if isinstance(drafter, DSparkDraft):
+        h = drafter.heads
+        held.update(markov_rank=h.markov_rank, markov_head_type=h.markov_head_type or "vanilla",
+                    confidence_head=h.enable_confidence_head)
+    defaults = {f.name: f.default for f in dataclasses.fields(DrafterTrainConfig)}
+    defaults["block_size"] = DrafterTrainConfig(method=cfg.method).block_size
+    clashes = [f"--{name.replace('_', '-')} {getattr(cfg, name)} (the checkpoint's: {value})"
+               for name, value in held.items()
+               if getattr(cfg, name) not in (None, defaults[name]) and getattr(cfg, name) != value]
+    if clashes:
+        raise ConfigError(f"--init-from {cfg.init_from} fixes the drafter's shape; drop or match "
+                          + ", ".join(clashes))
+
+
 def build_drafter(cfg: DrafterTrainConfig, target_cfg: ModelConfig, mask_token_id: int, seed: int = 0) -> DraftModel:
     """A freshly initialised drafter (HF-style N(0, 0.02) init) sharing the target's embedding and LM head."""
     taps = target_taps(cfg, target_cfg.num_hidden_layers)
@@ -910,7 +933,7 @@ def regenerate_examples(target_dir: str | Path, examples: list[Example], cfg: Dr
     from blockspec.llm import LLM
     from blockspec.sampling_params import SamplingParams
 
-    llm = LLM(str(target_dir), device=device, max_model_len=cfg.max_len + 1, seed=cfg.seed,
+    llm = LLM(str(target_dir), device=device, max_model_len=cfg.max_len, seed=cfg.seed,
               max_num_seqs=min(64, max(1, len(examples))))
     prompts, params = [], []
     for ex in examples:
@@ -1052,6 +1075,9 @@ def train_drafter(
             from blockspec.engine.build import load_tokenizer
 
             tokenizer = load_tokenizer(target_dir)
+    if cfg.max_len > target.config.max_position_embeddings:  # positions the target never learned
+        raise ConfigError(f"--max-len {cfg.max_len} exceeds the target's max_position_embeddings "
+                          f"({target.config.max_position_embeddings})")
     if not isinstance(data, list) or (eval_data is not None and not isinstance(eval_data, list)):
         if tokenizer is None:
             raise ConfigError("a tokenizer is needed to read text/jsonl data and the target directory has none "
@@ -1072,6 +1098,7 @@ def train_drafter(
     drafter = None
     if cfg.init_from:
         drafter = load_drafter(cfg.method, cfg.init_from, device="cpu", dtype=torch.float32)
+        check_init_shape(cfg, drafter)
         mask_id = drafter.mask_token_id
     else:
         mask_id = resolve_mask_token_id(cfg, tokenizer, target.config)
@@ -1108,6 +1135,9 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
         resolved = copy.copy(f)  # HfArgumentParser reads (and rewrites) the field's type: a copy keeps the class's
         resolved.type = hints[f.name]
         HfArgumentParser._parse_dataclass_field(group, resolved)
+        negation = group._group_actions[-1]  # a field true by default also gets --no_<field>, with its help as is
+        if isinstance(negation, argparse._StoreFalseAction):
+            negation.help = f"turn --{f.name.replace('_', '-')} off ({f.metadata['help']}; default: on)"
     return p
 
 
