@@ -97,14 +97,23 @@ class Round:
         return (self.spec_tokens / self.spec_s) / (self.plain_tokens / self.plain_s)
 
 
-def summary(rounds: list[Round], acc: dict[str, Any], adaptive: bool = True) -> list[str]:
+BUDGET_CHOSE = "DSpark's confidence budget verified none of the drafts"
+BUDGET_OFF = "--no-adaptive-verification verifies every draft"
+
+
+def summary(rounds: list[Round], acc: dict[str, Any], adaptive: bool = True, budget: bool = False) -> list[str]:
     """The closing lines: acceptance, tok/s of both runs, and the speedup with its spread; or, when no step
-    drafted, that the policy chose plain decoding, and no speedup. `adaptive`: the draft-length policy
-    chose each step's drafts (else a step drafts unless no draft fits before the token limit)."""
+    drafted, what chose plain decoding, and no speedup. `adaptive`: the draft-length policy chose each step's
+    drafts; `budget`: DSpark's confidence budget chose how many of them to verify (with neither, a step drafts
+    unless no draft fits before the token limit)."""
     from blockspec.bench.drafts import NO_DRAFTS_WHY
 
     plain_n, plain_s = sum(r.plain_tokens for r in rounds), sum(r.plain_s for r in rounds)
     spec_n, spec_s = sum(r.spec_tokens for r in rounds), sum(r.spec_s for r in rounds)
+    choosers = (["the draft-length policy chose plain decoding (--no-adaptive-draft-length drafts every step)"]
+                if adaptive else []) + ([f"{BUDGET_CHOSE} ({BUDGET_OFF})"] if budget else [])
+    why_fewer = f"for the others, {' or '.join(choosers)}" if choosers else \
+        "the others had no room for a draft before the token limit"
     lines = []
     if acc["num_drafts"]:
         per = " ".join("-" if x is None else f"{x:.2f}" for x in acc["per_position"])
@@ -113,9 +122,7 @@ def summary(rounds: list[Round], acc: dict[str, Any], adaptive: bool = True) -> 
         lines += [f"speculation: acceptance length {acc['mean_acceptance_length']:.2f} (tokens per verify step, "
                   f"bonus included) over {acc['num_drafts']} verify step(s) of {acc['mean_draft_length']:.1f} "
                   f"drafts on average; {acc['num_drafts']} of {steps} decode steps drafted"
-                  + ("" if acc["num_drafts"] >= steps else " (the draft-length policy chose plain decoding for the "
-                     "others; --no-adaptive-draft-length drafts every step)" if adaptive else
-                     " (the others had no room for a draft before the token limit)"),
+                  + ("" if acc["num_drafts"] >= steps else f" ({why_fewer})"),
                   f"  per-position acceptance (of the steps drafting position i, the share accepting it; - = never "
                   f"drafted): {per}"]
     lines += [f"plain:       {plain_n} tokens in {plain_s:.2f} s = {plain_n / plain_s:.1f} tok/s",
@@ -123,7 +130,8 @@ def summary(rounds: list[Round], acc: dict[str, Any], adaptive: bool = True) -> 
     agree = f"outputs identical to plain decoding: {'yes' if all(r.same for r in rounds) else 'NO'}"
     if not acc["num_drafts"]:
         why = (f"{NO_DRAFTS_WHY} (--no-adaptive-draft-length drafts every step)" if adaptive else
-               "no drafts: no decode step had room for a draft before the token limit (--max-tokens)")
+               f"no drafts: {BUDGET_CHOSE} at any step (a step priced faster without them; {BUDGET_OFF})"
+               if budget else "no drafts: no decode step had room for a draft before the token limit (--max-tokens)")
         return lines + [f"{why}; the speculative runs decoded as the plain ones did, so there is no speedup to "
                         "report; " + agree]
     # a prompt whose output ended at its first token timed its prefill only: no decoding to compare
@@ -198,7 +206,7 @@ def run_demo(args: argparse.Namespace) -> int:
               + ("" if rounds[-1].same else "; the outputs differ"))
     acc = acceptance(drafted, engine.proposer.num_speculative_tokens)
     print("=" * 60)
-    print("\n".join(summary(rounds, acc, args.adaptive_draft_length)))
+    print("\n".join(summary(rounds, acc, args.adaptive_draft_length, spec.get("adaptive_verification", False))))
     return 0 if all(r.same for r in rounds) or args.temperature > 0 else 1
 
 
@@ -216,11 +224,13 @@ def add_demo_parser(sub: Any) -> None:
     p.add_argument("--num-prompts", type=int, default=8, help="held-out prompts, one round each (default: 8)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default: 128)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="drafts verified per step at most (default: the drafter's block)")
+                   help="drafts verified per step at most (default: the drafter's draft positions: its block "
+                        "less the anchor for DFlash, the whole block for DSpark)")
     p.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction, default=False,
                    help="each step verifies the number of drafts with the most measured tokens per second, down to "
                         "none, as the engine does by default (default here: off, every step drafts the whole "
-                        "block, so the demo shows what block drafting does)")
+                        "block, so the demo shows what block drafting does; see --adaptive-verification for "
+                        "how many of them are verified)")
     p.add_argument("--adaptive-verification", action=argparse.BooleanOptionalAction, default=None,
                    help="dspark: its confidence head decides how many of each block's drafts to verify, admitting "
                         "them by predicted survival while the measured tokens per second of a step rise "

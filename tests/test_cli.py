@@ -192,7 +192,7 @@ def test_demo_summary_gives_the_speedup_spread_or_says_no_drafts():
     drafted = {"num_drafts": 4, "mean_acceptance_length": 2.5, "mean_draft_length": 3.0,
                "per_position": [0.75, 0.5, None]}
     lines = summary(rounds, drafted)
-    assert "4 of 192 decode steps drafted (the draft-length policy chose plain decoding for the others" in lines[0]
+    assert "4 of 192 decode steps drafted (for the others, the draft-length policy chose plain decoding" in lines[0]
     assert "per-position acceptance" in lines[1] and lines[1].endswith("0.75 0.50 -")
     assert "4 of 192 decode steps drafted (the others had no room for a draft before the token limit)" in \
         summary(rounds, drafted, adaptive=False)[0]
@@ -210,6 +210,12 @@ def test_demo_summary_gives_the_speedup_spread_or_says_no_drafts():
     assert "speedup 1" not in "\n".join(idle) and "no speedup to report" in idle[-1]
     crowded = summary(rounds, {"num_drafts": 0, "per_position": [None] * 3}, adaptive=False)  # drafts every step
     assert crowded[-1].startswith("no drafts: no decode step had room for a draft before the token limit")
+    # DSpark's confidence budget (the demo's default on a CPU) is named when it verified fewer drafts or none
+    budgeted = summary(rounds, drafted, adaptive=False, budget=True)[0]
+    assert ("4 of 192 decode steps drafted (for the others, DSpark's confidence budget verified none of the drafts "
+            "(--no-adaptive-verification verifies every draft))") in budgeted
+    unverified = summary(rounds, {"num_drafts": 0, "per_position": [None] * 3}, adaptive=False, budget=True)
+    assert unverified[-1].startswith("no drafts: DSpark's confidence budget verified none of the drafts at any step")
 
 
 def test_demo_refuses_no_prompts(capsys):

@@ -69,6 +69,24 @@ def scripted_verify(log: list[tuple[int, int]]):
     return measure
 
 
+def test_a_busy_stretch_of_the_host_does_not_price_a_row_count_by_itself():
+    """Timings taken in rounds over every row count: six consecutive timings 20x slow (another process on a
+    shared CPU) land in two rounds, not in all five of a row count's (which made eight drafts look dear, and
+    the budget verify one). The table stays non-decreasing in rows."""
+    calls = []
+
+    def measure(batch: int, rows: int) -> float:
+        calls.append(rows)
+        slow = 20.0 if 4 * 9 <= len(calls) < 4 * 9 + 6 else 1.0  # a stretch inside the timings
+        return slow * (1.0 + 0.01 * rows)
+
+    table = StepCostTable(measure, max_rows=9, repeats=5)
+    prices = [table(1, q) for q in range(1, 10)]
+    assert prices == pytest.approx([1.0 + 0.01 * q for q in range(1, 10)])
+    ragged = StepCostTable(lambda b, q: 1.0 + 0.01 * q + (0.5 if q == 3 else 0.0), max_rows=9, repeats=3)
+    assert [ragged(1, q) for q in (2, 3, 4)] == pytest.approx([1.02, 1.04, 1.04])  # dearer than 4 rows: noise
+
+
 def test_step_prices_are_robust_verify_timings_plus_the_rest_of_a_step_learned_as_steps_run():
     log: list[tuple[int, int]] = []
     table = StepCostTable(scripted_verify(log), max_rows=9, repeats=5)

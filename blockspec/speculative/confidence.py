@@ -15,6 +15,7 @@ x_k is drawn. Two uses:
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -85,9 +86,16 @@ class StepCostTable:
 
     def verify_seconds(self, bucket: int, rows: int) -> float:
         if (bucket, 1) not in self.verify:
-            for q in range(1, self.max_rows + 1):
+            shapes = range(1, self.max_rows + 1)
+            for q in shapes:
                 self.measure(bucket, q)  # warm-up (and CUDA-graph capture) before timing
-                self.verify[(bucket, q)] = statistics.median(self.measure(bucket, q) for _ in range(self.repeats))
+            # rounds over every row count: a stretch of a busy host lands in a round, which the median drops,
+            # not in all the timings of one row count
+            times = list(zip(*([self.measure(bucket, q) for q in shapes] for _ in range(self.repeats))))
+            cheapest_wider = math.inf  # more rows never cost less: a count dearer than a wider one was noise
+            for q, samples in reversed(list(zip(shapes, times))):
+                cheapest_wider = min(cheapest_wider, statistics.median(samples))
+                self.verify[(bucket, q)] = cheapest_wider
         return self.verify[(bucket, min(rows, self.max_rows))]
 
     def observe(self, batch: int, rows: int, seconds: float) -> None:
