@@ -179,9 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--out", required=True, help="the FP8 checkpoint's directory (new or empty)")
     q.add_argument("--block-size", type=int, default=fp8_export.BLOCK,
                    help=f"rows and columns a weight scale covers (default: {fp8_export.BLOCK})")
-    q.add_argument("--revision", default=None, help="the model's branch, tag or commit on the hub")
+    q.add_argument("--revision", default=None, help="the model's branch, tag or commit on the hub (default: its "
+                                                     "default branch)")
     q.add_argument("--download-dir", default=None, help="where hub downloads go (default: the Hugging Face cache)")
-    q.add_argument("--hf-token", default=None, help="the hub token for gated or private models")
+    q.add_argument("--hf-token", default=None, help="the hub token for gated or private models (default: "
+                                                     "huggingface_hub's, e.g. HF_TOKEN)")
     q.add_argument("--kv-calibration", action="append", default=None, metavar="FILE",
                    help="a text file to calibrate the FP8 KV cache scales on (repeatable; default: none, and no "
                         "scales are written: an FP8 cache then stores at scale 1.0)")

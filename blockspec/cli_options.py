@@ -48,12 +48,13 @@ def json_strings(text: str) -> list[str]:
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Every option's help ends with its default, unless the help already says it in words (as it does
-    where the default is None and means something: "the model's")."""
+    """Every option's help ends with its default, unless the help already says it in words, "(default: the
+    model's)", as it must where the default is None and means something."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+        if "default:" in text or "(default" in text or action.default in (None, argparse.SUPPRESS) \
+                or not action.option_strings:
             return text
         return f"{text} (default: %(default)s)"
 
@@ -67,7 +68,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
     g.add_argument("--revision", default=None, help="the model's branch, tag or commit on the hub (default: its "
                                                      "default branch; the drafter's: speculative_config's revision)")
-    g.add_argument("--tokenizer-revision", default=None, help="the tokenizer's branch, tag or commit on the hub")
+    g.add_argument("--tokenizer-revision", default=None, help="--tokenizer's branch, tag or commit on the hub (default: its default branch; "
+                                                                 "without --tokenizer the model's own files are used)")
     g.add_argument("--download-dir", default=None, help="where hub downloads go (default: the Hugging Face cache)")
     g.add_argument("--hf-token", default=None, help="the hub token for gated or private models (default: "
                                                      "huggingface_hub's, e.g. HF_TOKEN)")
@@ -78,11 +80,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "embeddings and LM head stay in --dtype); FP8 checkpoints load as FP8 without it "
                         "(default: none)")
     g.add_argument("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, choices=["auto", "fp8", "fp8_e4m3"],
-                   help="the target's and the drafter's KV cache: auto (the model's dtype) or fp8 (e4m3, per-tensor "
-                        "scales 1.0: half the bytes per cached token)")
+                   help="the target's and the drafter's KV cache: auto (the model's dtype) or fp8 (e4m3: half the "
+                        "bytes per cached token; scaled by the checkpoint's calibrated k_scale / v_scale, per layer "
+                        "or per head, else 1.0)")
     g.add_argument("--logprobs-mode", default=EngineConfig.logprobs_mode, choices=list(LOGPROBS_MODES),
-                   help="what a sampled token's logprobs are: of the raw logits (vLLM's default), the raw logits, or "
-                        "of the processed distribution it was sampled from (temperature, penalties, top-k/p, masks)")
+                   help="what a sampled token's logprobs are: raw_logprobs, of the raw logits (as vLLM's default); "
+                        "raw_logits, the raw logits; or processed_logprobs, of the distribution it was sampled from "
+                        "(temperature, penalties, top-k/p, masks)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length to plan memory for (default: the model's, at most 4096)")
     g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, help="requests decoded together at most")

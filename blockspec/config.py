@@ -482,8 +482,9 @@ class EngineConfig:
     # no CUDA graph anywhere (target decode and prefill, the draft step): every forward launches its
     # kernels from Python (vLLM's enforce_eager); for debugging, and a faster start-up
     enforce_eager: bool = False
-    # the target's and the drafter's K/V pools: "auto", the model's dtype; "fp8", e4m3 with per-tensor
-    # scales of 1.0 (half the bytes a decode step reads and a page holds; models.kv_cache)
+    # the target's and the drafter's K/V pools: "auto", the model's dtype; "fp8", e4m3 scaled by the
+    # checkpoint's calibrated k/v scales, else 1.0 (half the bytes a decode step reads and a page holds;
+    # models.kv_cache)
     kv_cache_dtype: str = "auto"
     logprobs_mode: str = "raw_logprobs"  # LOGPROBS_MODES
     # vLLM's automatic prefix caching: full KV pages are remembered by their tokens and a prompt that

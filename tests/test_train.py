@@ -682,3 +682,26 @@ def test_max_len_is_bounded_by_the_targets_positions(tiny_target):
     at = DrafterTrainConfig(method="dflash", max_len=bound, regen_max_new_tokens=3, device="cpu", progress=False)
     (out,) = regenerate_examples(path, [Example(list(range(10, 18)), [0] * 5 + [1] * 3)], at, device="cpu")
     assert out.loss_mask == [0] * 5 + [1] * 3
+
+
+def test_the_export_records_its_engine_acceptance_for_the_draft_length_policy(tiny_target, tmp_path):
+    """A drafter trained for a target directory is measured through the engine on held-out prompts (every step
+    verifying the whole block) and the figures written beside it as acceptance.json, which the loader reads
+    as the draft-length policy's prior; acceptance_prompts 0 writes none."""
+    from blockspec.drafters.formats import ACCEPTANCE_FILE, read_recorded_acceptance
+
+    _, target_dir = tiny_target
+    data = _pattern_examples(24, 24, seed=1)
+    cfg = DrafterTrainConfig(method="dflash", num_layers=1, block_size=4, max_len=24, batch_size=8, num_anchors=8,
+                             lr=1e-2, warmup_frac=0.0, max_steps=20, device="cpu", progress=False, eval_batches=1,
+                             mask_token_id=95, acceptance_prompts=3)
+    result = train_drafter(target_dir, data, cfg, eval_data=_pattern_examples(4, 24, seed=2), out_dir=tmp_path / "d")
+    measured = result.metrics["engine_acceptance"]
+    recorded = read_recorded_acceptance(tmp_path / "d", 4)
+    assert measured["num_drafts"] > 0 and recorded == pytest.approx(measured["acceptance_rate_per_pos"])
+    assert len(recorded) == 3 and all(a >= b for a, b in zip(recorded, recorded[1:]))
+    assert "on 3 held-out prompts (blockspec train)" in json.loads((tmp_path / "d" / ACCEPTANCE_FILE).read_text())[
+        "measured_on"]
+    none = dataclasses.replace(cfg, acceptance_prompts=0, max_steps=1)
+    train_drafter(target_dir, data, none, eval_data=data[:2], out_dir=tmp_path / "n")
+    assert not (tmp_path / "n" / ACCEPTANCE_FILE).exists()

@@ -1090,7 +1090,8 @@ def add_bench_parser(sub: Any) -> None:
     w.add_argument("--max-prefill-tokens", type=int, default=4096, help="prompt tokens one step prefills at most")
     w.add_argument("--seed", type=int, default=0, help="seed of the random prompts, weights and sampling")
     s = p.add_argument_group("speculation")
-    s.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts verified per step")
+    s.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="drafts verified per step at most (default: the drafter's draft positions)")
     s.add_argument("--k-sweep", type=_list(int), default=(), metavar="K,K,...",
                    help="comma list of fixed draft lengths, e.g. 2,4,8,15: at every point each speculative method "
                         "also runs at each K (num_speculative_tokens K, adaptive_draft_length off) in the same "
@@ -1107,12 +1108,12 @@ def add_bench_parser(sub: Any) -> None:
                    help="benchmark-only: accepted counts drawn from per-position rates ('0.9,0.85,0.8') or a "
                         "mean acceptance length of the drafter's whole block ('6.5', geometric; a step verifying "
                         "fewer drafts keeps the first rates); output tokens are then NOT the target's and the "
-                        "report is labelled synthetic")
+                        "report is labelled synthetic (default: none, the drafter's real acceptance)")
     s.add_argument("--synthetic-seed", type=int, default=0, help="seed of the synthetic acceptance draws")
     q = p.add_argument_group("peers (same weights, same device)")
     q.add_argument("--peers", type=_list(str), default=(), help="comma list: transformers (default: none)")
     q.add_argument("--peer-assistant", default=None, help="draft model directory for transformers assisted "
-                   "generation (same tokenizer as the target)")
+                   "generation (same tokenizer as the target; default: none)")
     q.add_argument("--peer-batch-sizes", type=_list(int), default=None, help="default: --batch-sizes")
     q.add_argument("--peer-temperatures", type=_list(float), default=(0.0,), help="default: 0")
     q.add_argument("--peer-output-len", type=int, default=None, help="default: --output-len")

@@ -60,6 +60,7 @@ from blockspec.drafters import (
     save_dspark,
 )
 from blockspec.drafters.config import MARKOV_HEAD_TYPES
+from blockspec.drafters.formats import write_recorded_acceptance
 from blockspec.train.data import Batches, DataError, Example, collate, load_examples, split_examples, text_files
 
 Method = Literal["dflash", "dspark"]
@@ -214,7 +215,7 @@ class DrafterTrainConfig:
     """
 
     method: Method = option("dflash", "drafter family")
-    init_from: str | None = option(None, "fine-tune this drafter checkpoint instead of building a new one")
+    init_from: str | None = option(None, "fine-tune this drafter checkpoint (default: none, a new drafter)")
     num_layers: int = option(2, "draft decoder layers")
     block_size: int | None = option(None, "block length: the anchor and the positions drafted after it "
                                           "(None: 16 for dflash, 7 for dspark)")
@@ -257,11 +258,13 @@ class DrafterTrainConfig:
     max_steps: int | None = option(1000, "stop after this many optimiser steps in all (a resume counts the "
                                          "checkpoint's)")
     max_minutes: float | None = option(None, "stop after this many minutes of this run (the step count is "
-                                             "fixed from the first steps' speed)")
+                                             "fixed from the first steps' speed; default: none, "
+                                             "max_steps alone)")
     eval_every: int = option(0, "evaluate on the held-out data every N steps (0: only at the end)")
     eval_batches: int = option(8, "held-out batches per evaluation")
     checkpoint_dir: str | None = option(None, "directory for the checkpoint (drafter.safetensors and "
-                                              "trainer_state.pt); --resume continues from it")
+                                              "trainer_state.pt); --resume continues from it (default: none, "
+                                              "no checkpoint)")
     checkpoint_every: int = option(0, "save a checkpoint every N steps (0: only at the end)")
     resume: bool = option(False, "continue from the checkpoint in --checkpoint-dir, or start a new run there when "
                                  "it holds none (a checkpoint is never overwritten by a new run)")
@@ -275,6 +278,10 @@ class DrafterTrainConfig:
     regen_temperature: float = option(0.0, "temperature of the regenerated continuations")
     regen_prompt_tokens: int = option(64, "prompt length for regenerating fully supervised text chunks")
     regen_max_new_tokens: int | None = option(None, "regenerated tokens per example at most (None: up to max_len)")
+    # the export's recorded acceptance
+    acceptance_prompts: int = option(16, "held-out prompts on which the exported drafter's greedy acceptance is "
+                                         "measured through the engine, whole block verified, and written beside "
+                                         "it as acceptance.json (where the draft-length policy starts); 0: none")
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -324,7 +331,8 @@ class DrafterTrainConfig:
                 ("eval_batches", lambda v: v >= 1, "an integer >= 1"),
                 ("eval_every", lambda v: v >= 0, "an integer >= 0 (0: only at the end)"),
                 ("checkpoint_every", lambda v: v >= 0, "an integer >= 0 (0: only at the end)"),
-                ("regen_max_new_tokens", lambda v: v is None or v >= 1, "an integer >= 1, or None")):
+                ("regen_max_new_tokens", lambda v: v is None or v >= 1, "an integer >= 1, or None"),
+                ("acceptance_prompts", lambda v: v >= 0, "an integer >= 0 (0: none)")):
             value = getattr(self, name)
             if not ok(value):
                 raise ConfigError(f"--{name.replace('_', '-')} must be {allowed}, got {value!r}")
@@ -923,6 +931,14 @@ class DrafterTrainer:
 
 
 # ================================================================ regeneration
+def prompt_cut(ex: Example, cfg: DrafterTrainConfig) -> int:
+    """How many of an example's tokens prompt the target: those before its first supervised token, or the
+    first regen_prompt_tokens of a fully supervised text chunk; at least 1, leaving 2 of max_len to generate."""
+    first = ex.loss_mask.index(1) if 1 in ex.loss_mask else len(ex.input_ids)
+    cut = first if first > 0 else min(cfg.regen_prompt_tokens, len(ex.input_ids) - 1)
+    return max(1, min(cut, cfg.max_len - 2))
+
+
 def regenerate_examples(target_dir: str | Path, examples: list[Example], cfg: DrafterTrainConfig,
                         device: str = "auto") -> list[Example]:
     """Replace each example's supervised part by the target's own continuation (blockspec's engine).
@@ -937,9 +953,7 @@ def regenerate_examples(target_dir: str | Path, examples: list[Example], cfg: Dr
               max_num_seqs=min(64, max(1, len(examples))))
     prompts, params = [], []
     for ex in examples:
-        first = ex.loss_mask.index(1) if 1 in ex.loss_mask else len(ex.input_ids)
-        cut = first if first > 0 else min(cfg.regen_prompt_tokens, len(ex.input_ids) - 1)
-        cut = max(1, min(cut, cfg.max_len - 2))
+        cut = prompt_cut(ex, cfg)
         room = cfg.max_len - cut
         new = min(room, cfg.regen_max_new_tokens or room)
         prompts.append({"prompt_token_ids": list(ex.input_ids[:cut])})
@@ -1109,7 +1123,24 @@ def train_drafter(
     metrics["params"] = sum(p.numel() for p in trainer.drafter.parameters())
     export = trainer.export(out_dir) if out_dir is not None else None
     trainer.drafter.eval().requires_grad_(False)
+    if export is not None and target_dir is not None and heldout and cfg.acceptance_prompts:
+        metrics["engine_acceptance"] = record_acceptance(target_dir, export, heldout, cfg, str(device))
     return TrainResult(trainer.drafter, metrics, export, trainer.history)
+
+
+def record_acceptance(target_dir: Path, export: Path, heldout: list[Example], cfg: DrafterTrainConfig,
+                      device: str) -> dict[str, Any]:
+    """The exported drafter's greedy acceptance through the engine on the first held-out examples' prompts,
+    every step verifying the whole block, written as its acceptance.json (`read_recorded_acceptance`)."""
+    prompts = [ex.input_ids[:prompt_cut(ex, cfg)] for ex in heldout[:cfg.acceptance_prompts]]
+    new_tokens = max(1, min(64, cfg.max_len - max(map(len, prompts))))
+    result = engine_acceptance(target_dir, cfg.method, export, prompts, new_tokens, device,
+                               {"adaptive_draft_length": False})
+    if result["num_drafts"]:
+        write_recorded_acceptance(export, result["acceptance_rate_per_pos"],
+                                  f"greedy, whole block verified, {result['num_drafts']} drafts on "
+                                  f"{len(prompts)} held-out prompts (blockspec train)")
+    return result
 
 
 def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
