@@ -273,6 +273,14 @@ def test_constraints_that_leave_no_token_are_named_not_blamed_on_the_model(llm):
     assert outs[0].error.startswith("no token could be sampled at output token 1: this request's "
                                     "allowed_token_ids, bad_words leave no token allowed there")
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 3
+    # asking for logprobs too: the row's missing token (-1) was decoded as a logprob entry's text, which
+    # failed the whole step (every request in it recomputed) and reported an engine failure
+    logged = [SamplingParams(**{**kw, "logprobs": 1}) for kw in (
+        dict(temperature=0, max_tokens=3, allowed_token_ids=[tok], bad_words=["x"]),
+        dict(temperature=0, max_tokens=3, ignore_eos=True))]
+    outs = llm.generate(["aa", "bb"], logged, use_tqdm=False)
+    assert outs[0].error.startswith("no token could be sampled at output token 1"), outs[0].error
+    assert outs[1].error is None and len(outs[1].outputs[0].logprobs) == 3
     eos = llm.engine.output.eos_ids[0]
     with pytest.raises(RequestError, match=rf"allowed_token_ids \[{eos}\] are all EOS or stop_token_ids, which "
                                            r"min_tokens=2 bans: no token can be sampled"):

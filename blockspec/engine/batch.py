@@ -37,6 +37,9 @@ def entries(scores: Tensor, tokens: Tensor, tops: list[int], normalize: bool = T
     out = []
     for row, top in enumerate(tops):
         tok = ids[row][0]
+        if tok < 0:  # no token was sampled: the commit fails that request alone, with no entry to report
+            out.append({})
+            continue
         entry = {tok: Logprob(host[row][0], int(host[row][1]))}
         # the alternatives come sorted, most likely first: the i-th has rank i + 1
         for place, (t, v) in enumerate(zip(ids[row][1 : 1 + top], host[row][2:]), 1):
