@@ -499,3 +499,39 @@ def test_serve_says_when_it_is_ready_and_stops_cleanly(text_dir, stop):
     text = "".join(lines)
     assert "error:" not in text and "exited with code" not in text and "Traceback" not in text, text
     assert "swap_space: blockspec recomputes a preempted request" in text and "disable_custom_all_reduce" in text
+
+
+EXIT_WITHOUT_SHUTDOWN = """
+import asyncio, functools, sys
+from blockspec import LLM
+from blockspec.server.async_engine import AsyncEngine
+from blockspec.server.metrics import ServerMetrics
+
+async def main():
+    ready = asyncio.Event()
+    engine = AsyncEngine(functools.partial(LLM, sys.argv[1], device="cpu", max_model_len=64), ServerMetrics("m"),
+                         process=True, on_ready=lambda inputs: ready.set())
+    engine.start()
+    await asyncio.wait_for(ready.wait(), 600)
+    print(engine.process_id, flush=True)
+
+if __name__ == "__main__":  # the engine process is spawned: it imports this file
+    asyncio.run(main())  # ends with no engine.shutdown(), as a forced exit (a second Ctrl-C) skips the app's
+"""
+
+
+def test_an_exit_that_skips_shutdown_still_stops_the_engine_process(text_dir, tmp_path):
+    """A second Ctrl-C makes uvicorn exit without the app's shutdown; the interpreter then waited forever on the
+    engine process (not a daemon, waiting for commands). It now stops it at exit."""
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_WITHOUT_SHUTDOWN)
+    proc = subprocess.Popen([sys.executable, str(script), str(text_dir)], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.wait(PATIENCE) == 0
+        child = int(proc.stdout.read().split()[0])
+        with pytest.raises(ProcessLookupError):
+            os.kill(child, 0)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

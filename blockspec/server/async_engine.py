@@ -12,6 +12,7 @@ so it sends fewer, larger chunks instead of falling further behind.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import gc
 import logging
 import multiprocessing
@@ -157,9 +158,14 @@ class AsyncEngine:
         for t in self._threads:
             t.start()
 
+    def _stop_at_exit(self) -> None:
+        if not self._stopping:
+            self.shutdown(timeout=5.0)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort whatever is running and stop the engine (a load in progress on a thread is left to die
         with the process; an engine process is terminated if it does not stop in time)."""
+        atexit.unregister(self._stop_at_exit)
         self._stopping = True
         self._commands.put(Stop())
         if self._proc is not None:
@@ -258,6 +264,9 @@ class AsyncEngine:
         self._proc = ctx.Process(target=_engine_process, args=(self._load, commands_out, reports_in),
                                  name="blockspec-engine")
         self._proc.start()
+        # a forced exit (a second Ctrl-C) skips the app's shutdown, and interpreter exit would wait forever on
+        # this non-daemon child waiting for commands: stop it then too
+        atexit.register(self._stop_at_exit)
         log.info("engine process started (pid %d)", self._proc.pid)
         commands_out.close()
         reports_in.close()
