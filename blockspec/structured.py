@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -101,12 +102,23 @@ def new_matcher(spec: StructuredOutputsParams, tokenizer: Any, vocab_size: int, 
         grammar = grammar_of(spec)
     except ValueError as exc:
         raise ConstraintError.of(where, one_line(str(exc))) from None
+    compiled = _compiled(grammar, ll_tokenizer(tokenizer, vocab_size, eos_ids))
+    if compiled.is_error():
+        raise ConstraintError.of(where, one_line(compiled.get_error()))
+    with _copying:
+        return compiled.deep_copy()
+
+
+_copying = threading.Lock()  # the server checks requests' constraints from several threads
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(grammar: str, tokenizer: LLTokenizer) -> GrammarMatcher:
+    """A grammar compiled once, at the start of an output: each request (each prompt of a list, each of n
+    copies) takes a copy, not a compile of its own (a large choice or schema takes a large part of a second)."""
     from llguidance import LLMatcher
 
-    matcher = LLMatcher(ll_tokenizer(tokenizer, vocab_size, eos_ids), grammar, log_level=0)
-    if matcher.is_error():
-        raise ConstraintError.of(where, one_line(matcher.get_error()))
-    return matcher
+    return LLMatcher(tokenizer, grammar, log_level=0)
 
 
 class Masks:

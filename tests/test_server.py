@@ -322,7 +322,13 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": MAX_LEN}, 400,
-     "max_tokens"),
+     "max_completion_tokens"),
+    # a value given under the chat field's name is named by it (they were named max_tokens and logprobs)
+    ("chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21},
+     400, "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 0}, 400, "max_tokens"),
 ]
 
 

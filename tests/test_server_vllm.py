@@ -233,6 +233,11 @@ def test_allowed_token_ids_and_truncate_prompt_tokens_in_extra_body(server, offl
     want = offline.generate({"prompt_token_ids": tokenizer.encode("abcdefgh")[-3:]},
                             SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
     assert r.usage.prompt_tokens == 3 and r.choices[0].text == want.text
+    # echoed, the prompt is the one the model read: the kept tokens' text, which the logprobs' tokens spell
+    r = client.completions.create(model=NAME, prompt="abcdefgh", max_tokens=4, temperature=0, echo=True, logprobs=0,
+                                  extra_body={"truncate_prompt_tokens": 3})
+    kept = tokenizer.decode(tokenizer.encode("abcdefgh")[-3:])
+    assert r.choices[0].text == kept + want.text and "".join(r.choices[0].logprobs.tokens) == r.choices[0].text
     r = client.completions.create(model=NAME, prompt="abc", max_tokens=4, temperature=0,
                                   extra_body={"spaces_between_special_tokens": False})
     assert r.choices[0].text == offline.generate("abc", SamplingParams(temperature=0, max_tokens=4),

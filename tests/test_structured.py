@@ -208,6 +208,21 @@ def test_copies_and_preempted_requests_keep_their_grammar(target, plain):
     assert ids(got) == ids(plain.generate(many, single, use_tqdm=False))
 
 
+def test_a_constraint_is_compiled_once_for_every_prompt_and_copy(plain):
+    """Each prompt of a list, and each of n copies, takes a copy of one compiled grammar (each compiled its
+    own, twice: at the check and at the engine; a large choice made a list of prompts take seconds); the
+    copies advance apart, so each output keeps the grammar."""
+    from blockspec.structured import _compiled
+
+    choice = [f"option {i}" for i in range(300)] + ["the answer"]
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=40,
+                            structured_outputs=StructuredOutputsParams(choice=choice))
+    before = _compiled.cache_info().misses
+    outs = plain.generate(PROMPTS, params, use_tqdm=False)
+    assert _compiled.cache_info().misses == before + 1
+    assert all(c.text in choice for o in outs for c in o.outputs) and len({c.text for o in outs for c in o.outputs}) > 1
+
+
 def test_bad_constraints_fail_before_any_work(plain, target):
     with pytest.raises(SamplingError, match="exactly one of"):
         StructuredOutputsParams(regex="a", choice=["b"])

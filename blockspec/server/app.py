@@ -251,24 +251,27 @@ def chat_prompt(inputs: ModelInputs, body: ChatCompletionRequest, trusted_templa
 
 
 def check_prompts(inputs: ModelInputs, prompts: list[Prompt], params: SamplingParams,
-                  constraint_field: str = "response_format", prompt_field: str = "prompt") -> list[Prompt]:
+                  constraint_field: str = "response_format", prompt_field: str = "prompt",
+                  max_tokens_field: str = "max_tokens") -> list[Prompt]:
     """The prompts as the engine takes them (`ModelInputs.check_prompt`), everything it would refuse refused
     here with a 400; plus prompt + max_tokens <= context. Errors name the request's fields: the prompt's
     (`prompt_field`: messages for a chat), and the one a constraint that does not compile came from."""
     limit = inputs.max_model_len
     checked = []
-    for i, (text, ids) in enumerate(prompts):
+    for i, (text, given) in enumerate(prompts):
         where = prompt_field if len(prompts) == 1 else f"{prompt_field}[{i}]"
         try:
-            ids = inputs.check_prompt(ids, params, where)
+            ids = inputs.check_prompt(given, params, where)
         except ConstraintError as exc:
             raise APIError(400, f"{constraint_field}: {exc.reason}", param=constraint_field) from None
         except RequestError as exc:
             raise user_error(exc, prompt_field) from None
         if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; {where} has {len(ids)} "
-                                f"tokens and max_tokens is {params.max_tokens}: reduce one of them", param="max_tokens")
-        checked.append((text, ids))
+                                f"tokens and {max_tokens_field} is {params.max_tokens}: reduce one of them",
+                           param=max_tokens_field)
+        # cut by truncate_prompt_tokens: the prompt the model reads (and echo returns) is the kept ids' text
+        checked.append((text if len(ids) == len(given) else None, ids))
     return checked
 
 
@@ -630,9 +633,13 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
         if body.stream and body.prompt_logprobs:
             raise APIError(400, "prompt_logprobs are not streamed (as in vLLM): drop stream, or on /v1/completions "
                                 "use echo with logprobs", param="prompt_logprobs")
-        # a constraint the request did not give is a forced tool call's
-        prompts = check_prompts(inputs, prompts, params, body.constraint_field or "tool_choice",
-                                "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+        # a constraint the request did not give is a forced tool call's; off the event loop, as it compiles
+        # the constraint (a large choice or schema takes a large part of a second)
+        chat = isinstance(body, ChatCompletionRequest)
+        prompts = await in_thread(tokenizing, check_prompts, inputs, prompts, params,
+                                  body.constraint_field or "tool_choice", "messages" if chat else "prompt",
+                                  "max_completion_tokens" if chat and body.max_completion_tokens is not None
+                                  else "max_tokens")
         name = body.model if body.model in names else served_model_name
         renderer = renderer_type(body, name, prompts, params, TokenStrings(inputs.tokenizer), inputs.speculative)
         choices = [Choice() for _ in range(len(prompts) * params.n)]
@@ -682,8 +689,10 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
         if body.top_logprobs and not body.logprobs:  # 0 asks for nothing: accepted, as OpenAI does
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        fields = {"logprobs": "top_logprobs"} | (
+            {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {})
         params = body.to_sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
-                                         inputs.sampling_defaults)
+                                         inputs.sampling_defaults, fields)
         tools = tool_use(body, config.tool_call_parser)
         if tools is not None:
             try:

@@ -151,10 +151,22 @@ class GenerationRequest(StrictModel):
         return options
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                           defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+                           defaults: Mapping[str, Any] | None = None,
+                           fields: Mapping[str, str] | None = None) -> SamplingParams:
         """SamplingParams validates every value. A field the request leaves unset takes the model's
         default (`defaults`: generation_config.json's values, as vLLM's server applies them), else
-        SamplingParams' own (OpenAI-equal) default."""
+        SamplingParams' own (OpenAI-equal) default. `fields`: the request's name of a value given under
+        another (max_tokens: "max_completion_tokens"), which its errors name."""
+        try:
+            return self._sampling_params(max_tokens, logprobs, defaults)
+        except SamplingError as exc:
+            message = str(exc)
+            for ours, theirs in (fields or {}).items():
+                message = message.replace(f"SamplingParams.{ours}=", f"SamplingParams.{theirs}=")
+            raise SamplingError(message) from None
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         defaults: Mapping[str, Any] | None) -> SamplingParams:
         given = dict(defaults or {})
         given.update({name: getattr(self, name) for name in (
             "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
