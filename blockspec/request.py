@@ -232,6 +232,7 @@ class Request:
     finish_time: float | None = None
     truncated_text: str | None = None
     num_preemptions: int = 0  # times its pages were taken back and its tokens recomputed later
+    requeues: int = 0  # times it went back to the queue: rows of a step launched in an earlier stay are stale
     num_failed_steps: int = 0  # engine steps it took part in that raised
     suspect: bool = False  # in a step that raised: it runs alone until it commits a token past suspect_since
     suspect_since: int = 0

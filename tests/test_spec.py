@@ -1365,3 +1365,39 @@ def test_a_draft_launched_ahead_takes_the_heads_of_the_k_chosen_for_its_step(tar
                                                      plain.generate(ps, params, use_tqdm=False)]
     assert {k for k, _ in widths} >= {0, 3}, widths
     assert all(w == {0: 1, 1: 1, 3: 3, None: 3}[k] for k, w in widths), widths
+
+
+@pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
+def test_a_request_preempted_with_a_step_in_flight_and_admitted_again_drops_that_steps_rows(target, plain, method,
+                                                                                             fixture):
+    """A request preempted while a step launched ahead carries its rows, and admitted again before that step
+    is read (the step's other requests were all prefilling, so nothing read it): its rows are of the old stay,
+    whose pages are gone. They were committed into the new stay (K/V counted that was never written there,
+    tokens appended to a request still prefilling) and the output left plain decoding's; now they are
+    dropped, for a plain and for a speculative launch."""
+    ps = [p["prompt_token_ids"] for p in prompts(2, seed=31)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in ps], params,
+                                                              use_tqdm=False)]
+    for k in (0, 3):
+        llm = spec_llm(target, method, fixture, num_speculative_tokens=3)
+        engine = llm.engine
+        engine.async_scheduling = True
+        engine.policy.choose = lambda batch, _k=k: _k
+        add_device_oracle(llm, {tuple(p): e for p, e in zip(ps, expected)})
+        reqs = [engine.add_request(str(i), None, p, params)[0] for i, p in enumerate(ps)]
+        while not (engine.pipeline.inflight is not None and all(r.output_ids for r in reqs)):
+            engine.step()
+        stale = engine.pipeline.inflight
+        for req in reversed(reqs):  # both out: the next step re-prefills them and reads no launch
+            engine.scheduler.preempt(req)
+        cache = engine.runner.cache  # pages no request holds: whatever another request would write there
+        cache.k_layers.normal_(generator=torch.Generator().manual_seed(k))
+        cache.v_layers.normal_(generator=torch.Generator().manual_seed(k + 1))
+        engine.step()
+        # a speculative launch waits for a decode to read it; a plain one is committed by the prefill step
+        assert engine.pipeline.inflight is (stale if k else None)
+        assert isinstance(stale, SpecLaunch) == bool(k)
+        while engine.has_unfinished():
+            engine.step()
+        assert [r.output_ids for r in reqs] == expected, k

@@ -26,7 +26,7 @@ from blockspec.drafters import DraftModel
 from blockspec.engine import memory
 from blockspec.engine.batch import BatchSampling, needs_history, needs_processing
 from blockspec.engine.output import OutputProcessor
-from blockspec.engine.pipeline import Pipeline, PlainLaunch, SpecLaunch, priced_from, verify_rows
+from blockspec.engine.pipeline import Pipeline, PlainLaunch, SpecLaunch, current_rows, priced_from, verify_rows
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.timer import StepTimer
 from blockspec.errors import RequestError
@@ -499,7 +499,8 @@ class Engine:
         plain = [r for r in decoding if k == 0 or r not in spec]
         touched = []
         inflight = self.pipeline.inflight
-        if inflight is not None and (k or inflight.reqs != plain or not self._pipelines(plain, ahead=1)):
+        if inflight is not None and (k or inflight.reqs != plain or len(current_rows(inflight)) < len(plain)
+                                     or not self._pipelines(plain, ahead=1)):
             touched += self._commit_plain_inflight()  # the pipeline cannot go on: commit what is in flight
             spec = [r for r in spec if r.status is Status.RUNNING]
             plain = [r for r in plain if r.status is Status.RUNNING]
@@ -599,11 +600,12 @@ class Engine:
         if launch.ready is not None:
             launch.ready.synchronize()
         touched = []
-        for j, (req, tok) in enumerate(zip(launch.reqs, launch.host.tolist())):
-            if req.status is Status.RUNNING:
-                req.num_cached += 1
-                self._append(req, [tok], launch.logprobs[j] if launch.logprobs else None)
-                touched.append(req)
+        tokens = launch.host.tolist()
+        for j in current_rows(launch):
+            req = launch.reqs[j]
+            req.num_cached += 1
+            self._append(req, [tokens[j]], launch.logprobs[j] if launch.logprobs else None)
+            touched.append(req)
         return touched
 
     def _plain_step(self, reqs: list[Request], t0: float) -> float:
@@ -720,7 +722,7 @@ class Engine:
         whole for greedy rows (`_launch_ahead`) or, for sampled verification, its draft: the GPU
         works while the host detokenises."""
         reqs, block = launch.reqs, launch.block
-        live = [j for j, r in enumerate(reqs) if r.status is Status.RUNNING]
+        live = current_rows(launch)
         chained = self._launch_chained(launch, live)
         lps = None
         if launch.host is not None:
@@ -760,7 +762,7 @@ class Engine:
         for j in live:
             self._append(reqs[j], out_tokens[j][: num_acc[j] + 1], lps[j] if lps else None)
         nxt = self.pipeline.inflight
-        if nxt is not None and all(r.status is not Status.RUNNING for r in nxt.reqs):
+        if nxt is not None and not current_rows(nxt):
             self.pipeline.inflight = None  # every request it carries stopped at this commit: nothing to read
             self.timer.discard()
         return [reqs[j] for j in live]

@@ -9,7 +9,7 @@ step is priced by: from its predecessor's commit to its own, when both were step
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ from torch import Tensor
 
 from blockspec.engine.batch import LogprobEntries
 from blockspec.engine.timer import StepTimer
-from blockspec.request import Request
+from blockspec.request import Request, Status
 from blockspec.speculative.proposer import DraftBlock
 
 
@@ -34,6 +34,10 @@ class PlainLaunch:
     # launched behind a prefill's work: when the launch began (host clock) and `StepTimer.stamp`s of that
     # work's end and of this step's launches' (it is priced from `priced_from` of them)
     after_prefill: tuple[float, Any, Any] | None = None
+    lives: tuple[int, ...] = field(init=False)  # each request's `requeues` at the launch
+
+    def __post_init__(self) -> None:
+        self.lives = tuple(r.requeues for r in self.reqs)
 
 
 @dataclass
@@ -51,6 +55,18 @@ class SpecLaunch:
     host: Tensor | None  # pinned copy of `result`, valid once `ready`
     ready: Any  # torch.cuda.Event (None on the CPU, where the copy is synchronous)
     captures: int  # CUDA graph captures before the launch (a launch that captured is no timing sample)
+    lives: tuple[int, ...] = field(init=False)  # each request's `requeues` at the launch
+
+    def __post_init__(self) -> None:
+        self.lives = tuple(r.requeues for r in self.reqs)
+
+
+def current_rows(launch: PlainLaunch | SpecLaunch) -> list[int]:
+    """The rows of a launch whose request still runs in the stay it was launched in: not finished, aborted,
+    or preempted since (and maybe admitted again, with new pages and a recomputed context: its rows of the
+    old stay would commit tokens and K/V that no longer exist)."""
+    return [j for j, (r, life) in enumerate(zip(launch.reqs, launch.lives))
+            if r.status is Status.RUNNING and r.requeues == life]
 
 
 def verify_rows(launch: SpecLaunch) -> int | None:

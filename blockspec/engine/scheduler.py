@@ -104,6 +104,7 @@ class Scheduler:
         self.running.remove(req)
         self.pages.release(req.slot)
         req.status = Status.WAITING
+        req.requeues += 1
         req.slot = -1
         req.num_cached = req.kv_capacity = req.cached_draft_ctx = 0
         req.shares_settled = False
