@@ -93,6 +93,14 @@ def test_stops_and_lengths(llm):
     kept = llm.generate("a", SamplingParams(temperature=0, max_tokens=40, stop=needle,
                                             include_stop_str_in_output=True), use_tqdm=False)[0]
     assert kept.outputs[0].text == text[: text.index(needle) + len(needle)]
+    # a stop string completed before min_tokens stops nothing later, whatever other strings are listed (a
+    # longer one widened the search over text older than the newest token for every string)
+    once = next(text[i:i + 3] for i in range(len(text) - 3) if text.count(text[i:i + 3]) == 1)
+    done = next(m for m in range(1, 41) if once in decode(ids[:m]))
+    for stops in ([once], [once, "a stop string this output never holds"]):
+        late = llm.generate("a", SamplingParams(temperature=0, max_tokens=40, min_tokens=done + 1, stop=stops,
+                                                ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        assert (late.token_ids, late.finish_reason) == (ids, "length"), stops
 
 
 def test_eos_and_min_tokens(llm):

@@ -87,14 +87,15 @@ class OutputProcessor:
     @staticmethod
     def _stop_string(req: Request, new_len: int) -> str | None:
         """The stop string the newest text completes (the text is cut before it, or after it with
-        include_stop_str_in_output), or None."""
-        longest = max(len(s) for s in req.params.stop_strings)
-        window_start = max(0, req.detok.length - new_len - longest + 1)
-        window = req.detok.text_from(window_start)
+        include_stop_str_in_output), or None. Each string is looked for where it could end in the newest
+        text only: one completed earlier (before min_tokens) does not stop the request later."""
+        oldest = max(0, req.detok.length - new_len - max(len(s) for s in req.params.stop_strings) + 1)
+        text = req.detok.text_from(oldest)
         for s in req.params.stop_strings:
-            at = window.find(s)
+            start = max(0, req.detok.length - new_len - len(s) + 1)
+            at = text.find(s, start - oldest)
             if at >= 0:
-                end = window_start + at + (len(s) if req.params.include_stop_str_in_output else 0)
+                end = oldest + at + (len(s) if req.params.include_stop_str_in_output else 0)
                 req.truncated_text = req.detok.text[:end]
                 return s
         return None
