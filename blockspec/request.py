@@ -291,18 +291,7 @@ class Request:
         return self.detok.text_from(start) if self.detok else ""
 
     def metrics(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "arrival_time": self.arrival_time,
-            "first_token_time": self.first_token_time,
-            "finished_time": self.finish_time,
-            "ttft_s": (self.first_token_time - self.arrival_time) if self.first_token_time else None,
-            "num_prompt_tokens": len(self.prompt_token_ids),
-            "num_generated_tokens": len(self.output_ids),
-        }
-        if self.finish_time and self.first_token_time and len(self.output_ids) > 1:
-            out["tpot_s"] = (self.finish_time - self.first_token_time) / (len(self.output_ids) - 1)
-        out.update(self.spec.as_dict())
-        return out
+        return group_metrics([self])
 
     def to_output(self) -> RequestOutput:
         completion = CompletionOutput(
@@ -317,3 +306,29 @@ class Request:
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion],
                              self.status is Status.FINISHED, self.metrics(), self.error, self.prompt_logprobs,
                              self.num_cached_tokens)
+
+
+def group_metrics(copies: list[Request]) -> dict[str, Any]:
+    """One prompt's metrics over its n copies (one request for n = 1): from the first token of any copy to
+    the last one's finish, tokens and speculation counters summed, the time per output token the copies'
+    mean."""
+    first = copies[0]
+    firsts = [c.first_token_time for c in copies if c.first_token_time]
+    ends = [c.finish_time for c in copies]
+    out: dict[str, Any] = {
+        "arrival_time": first.arrival_time,
+        "first_token_time": min(firsts) if firsts else None,
+        "finished_time": max(ends) if all(ends) else None,
+        "ttft_s": min(firsts) - first.arrival_time if firsts else None,
+        "num_prompt_tokens": len(first.prompt_token_ids),
+        "num_generated_tokens": sum(len(c.output_ids) for c in copies),
+    }
+    tpots = [(c.finish_time - c.first_token_time) / (len(c.output_ids) - 1) for c in copies
+             if c.finish_time and c.first_token_time and len(c.output_ids) > 1]
+    if tpots:
+        out["tpot_s"] = sum(tpots) / len(tpots)
+    spec = SpecStats()
+    for c in copies:
+        spec.merge(c.spec)
+    out.update(spec.as_dict())
+    return out

@@ -446,6 +446,12 @@ def test_metrics_names_and_per_request(target):
     assert m["acceptance_rate"] == pytest.approx(m["num_accepted_tokens"] / m["num_draft_tokens"])
     assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
     assert {"draft_s", "verify_s", "rest_s"} <= set(m)
+    # n copies: a prompt's metrics count every copy's tokens and drafts (they were the first copy's)
+    llm = spec_llm(target, "dflash", "dflash")
+    (many,) = llm.generate(prompts(1), SamplingParams(n=3, temperature=0.8, seed=2, max_tokens=9, stop_token_ids=[5]),
+                           use_tqdm=False)
+    assert many.metrics["num_generated_tokens"] == sum(len(c.token_ids) for c in many.outputs)
+    assert many.metrics["num_draft_tokens"] == llm.get_stats()["num_draft_tokens"] > 0
 
 
 def test_drafter_that_does_not_fit_the_target(tmp_path):

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 from blockspec.engine.engine import Engine
 from blockspec.errors import USER_ERRORS
 from blockspec.inputs import ModelInputs, Prompt
-from blockspec.request import Logprob, Request, RequestOutput, SpecStats
+from blockspec.request import Logprob, Request, RequestOutput, SpecStats, group_metrics
 from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.policy import PolicyView
 
@@ -53,6 +53,7 @@ class OfflineRunner:
             first = group[0].to_output()
             first.request_id = group[0].request_id.rsplit("-", 1)[0] if len(group) > 1 else first.request_id
             first.outputs = [req.to_output().outputs[0] for req in group]
+            first.metrics = group_metrics(group)
             errors = [req.error for req in group if req.error]
             first.error = errors[0] if errors else None
             outputs.append(first)
