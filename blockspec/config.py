@@ -392,6 +392,8 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ConfigError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        if value.get("method", SPEC_METHODS[0]) not in SPEC_METHODS:  # before the model: ngram takes none
+            raise ConfigError(f"speculative_config: method {value['method']!r} not supported; allowed: {SPEC_METHODS}")
         if "method" not in value or "model" not in value:
             raise ConfigError("speculative_config needs 'method' and 'model' (a drafter directory or hub id)")
         cfg = SpeculativeConfig(**value)
@@ -545,6 +547,8 @@ class EngineArgs(EngineConfig):
     max_num_batched_tokens: int | None = None
     # accepted for vLLM's sake: blockspec runs no code from a model's repository, so there is nothing to trust
     trust_remote_code: bool = False
+    # vLLM's switch for the counters `get_metrics` reads (its examples pass False): blockspec always keeps them
+    disable_log_stats: bool = False
     # vLLM knobs with nothing to set here (`unhonoured` says what blockspec does instead)
     enable_chunked_prefill: bool | None = None
     swap_space: float | None = None
@@ -556,7 +560,7 @@ class EngineArgs(EngineConfig):
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization {self.quantization!r} is not supported; supported: "
                               f"{', '.join(QUANTIZATIONS)} (FP8 checkpoints load as FP8 without it)")
-        for name in ("trust_remote_code", "warmup", "disable_custom_all_reduce"):
+        for name in ("trust_remote_code", "warmup", "disable_custom_all_reduce", "disable_log_stats"):
             check_bool(self, name)
         check_bool(self, "enable_chunked_prefill", optional=True)
         if self.swap_space is not None:
@@ -585,6 +589,9 @@ class EngineArgs(EngineConfig):
         if self.trust_remote_code:
             notes.append("trust_remote_code=True is not needed: blockspec runs no code from the model's repository "
                          "(it loads Llama / Qwen weights into its own model classes); ignored")
+        if self.disable_log_stats:
+            notes.append("disable_log_stats=True: blockspec keeps its counters (get_stats, get_metrics) whatever it "
+                         "is and logs none of them periodically offline; ignored")
         if self.enable_chunked_prefill is False:
             notes.append("enable_chunked_prefill=False: blockspec always prefills a prompt longer than "
                          f"max_prefill_tokens ({self.max_prefill_tokens}) in chunks beside running decodes; ignored")

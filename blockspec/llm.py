@@ -76,13 +76,21 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for all prompts as one batch; outputs come back in prompt order (`use_tqdm`: a progress
-        bar, or the bar's class, as vLLM takes it).
+        bar, or the bar's class, as vLLM takes it). `lora_request` and `priority` are vLLM's, taken where
+        they ask for nothing: no adapter, equal priorities.
 
         Every prompt and parameter is checked before any work starts, so one bad prompt cannot
         cost the others their results.
         """
+        if lora_request is not None:
+            raise ConfigError("lora_request: blockspec serves no LoRA adapters; merge the adapter into the model")
+        if priority is not None and any(p != 0 for p in priority):
+            raise ConfigError("priority: blockspec schedules requests first come, first served; give none, or 0 "
+                              "for every prompt")
         prepared, params = self.inputs.prepare(prompts, sampling_params)
         if self.ranks is not None:
             return self.ranks.call("run", prepared, params, use_tqdm=use_tqdm)
@@ -98,18 +106,28 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: None = None,
+        chat_template_content_format: str = "auto",
+        mm_processor_kwargs: None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template (the tokenizer's, or `chat_template`: Jinja text or a file) to one
         conversation or a list of them, then generate. `chat_template_kwargs` are the template's extra
         variables, e.g. {"enable_thinking": False} for Qwen3. `continue_final_message` (with
         add_generation_prompt=False): the model continues the last message, e.g. a reply's first words.
         `tools`: function definitions (OpenAI's form) the template shows the model, as vLLM's chat takes them;
-        the reply is text (the server's tool_choice parses calls out of it)."""
+        the reply is text (the server's tool_choice parses calls out of it). `lora_request`,
+        `chat_template_content_format` and `mm_processor_kwargs` are vLLM's, taken where they ask for nothing
+        blockspec lacks (text content is given to the template as text: "auto" or "string")."""
+        if chat_template_content_format not in ("auto", "string"):
+            raise ConfigError(f"chat_template_content_format {chat_template_content_format!r}: blockspec gives "
+                              "text content to the template as a string; allowed: 'auto', 'string'")
+        if mm_processor_kwargs is not None:
+            raise ConfigError("mm_processor_kwargs: blockspec serves text models; give none")
         if tools is not None:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         prompts = self.inputs.chat_prompts(messages, add_generation_prompt, chat_template, chat_template_kwargs,
                                            continue_final_message)
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def get_stats(self) -> dict[str, Any]:
         """The engine's counters as a dict: speculation (vLLM's names), the draft-length policy's choices

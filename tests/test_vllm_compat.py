@@ -116,9 +116,26 @@ def test_enforce_eager_captures_no_graph_and_decodes_as_the_graphs_do(target_dir
     assert not eager.engine.runner.use_graphs and eager.engine.runner.graph_prefill_tokens == 0
 
 
-def test_an_option_blockspec_lacks_is_a_config_error_naming_it(text_dir):
+def test_an_option_blockspec_lacks_is_a_config_error_naming_it(text_dir, text_llm):
     with pytest.raises(ConfigError, match="no option pipeline_parallel_size"):
         LLM(str(text_dir), device="cpu", pipeline_parallel_size=2)
+    with pytest.raises(ConfigError, match=r"method 'ngram' not supported; allowed: \('dflash', 'dspark'\)"):
+        LLM(str(text_dir), device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    # vLLM's generate / chat arguments that ask for nothing blockspec lacks are taken (they were TypeErrors)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    want = text_llm.generate("ab", params, use_tqdm=False)[0].outputs[0].token_ids
+    assert text_llm.generate("ab", params, use_tqdm=False, lora_request=None, priority=[0])[0].outputs[0].token_ids \
+        == want
+    chat = [{"role": "user", "content": "hi"}]
+    assert text_llm.chat(chat, params, use_tqdm=False, lora_request=None, chat_template_content_format="string",
+                         mm_processor_kwargs=None)[0].outputs[0].token_ids == \
+        text_llm.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids
+    for call, says in ((lambda: text_llm.generate("ab", params, priority=[2]), "priority: blockspec schedules"),
+                       (lambda: text_llm.generate("ab", params, lora_request=object()), "lora_request: blockspec"),
+                       (lambda: text_llm.chat(chat, params, chat_template_content_format="openai"),
+                        "chat_template_content_format 'openai'")):
+        with pytest.raises(ConfigError, match=says):
+            call()
     with pytest.raises(ConfigError, match="name the same limit"):
         LLM(str(text_dir), device="cpu", max_num_batched_tokens=32, max_prefill_tokens=64)
 
@@ -316,11 +333,17 @@ def test_spaces_between_special_tokens_is_accepted_and_checked(text_llm):
         SamplingParams(spaces_between_special_tokens=1)
 
 
-def test_get_metrics_gives_vllms_reader_objects(target_dir):
+def test_get_metrics_gives_vllms_reader_objects(target_dir, caplog):
+    """As vLLM's metrics and speculative-decoding examples read them, disable_log_stats=False included (it was
+    refused as an unknown option); True is accepted with a note, since the counters are always kept."""
     spec = {"method": "dflash", "model": str(FIXTURES / "dflash"), "adaptive_draft_length": False}
-    llm = LLM(str(target_dir), device="cpu", max_model_len=96, speculative_config=spec)
+    llm = LLM(str(target_dir), device="cpu", max_model_len=96, speculative_config=spec, disable_log_stats=False)
     llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                  use_tqdm=False)
+    from blockspec.config import EngineArgs
+
+    assert any(n.startswith("disable_log_stats=True: blockspec keeps its counters")
+               for n in EngineArgs(disable_log_stats=True).unhonoured()) and not EngineArgs().unhonoured()
     stats = llm.get_stats()
     by_name = {m.name: m for m in llm.get_metrics()}
     assert stats["num_drafts"] > 0
