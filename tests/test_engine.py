@@ -957,3 +957,20 @@ def test_every_layers_write_and_gather_equal_each_layers(store):
         want_k, want_v = by_layer.gather(layer, slots, kv_len)
         assert torch.equal(keys[layer, :, :, :kv_len], want_k) and torch.equal(values[layer, :, :, :kv_len], want_v)
     assert not torch.equal(keys[1, :, :, :kv_len], keys[0, :, :, :kv_len])  # control: the layers differ
+
+
+def test_abort_takes_a_request_and_its_copies_not_a_request_whose_id_starts_alike(llm):
+    """Aborting "job" ends job and its n copies (job-0, job-1); another caller's "job-2" (or "job-x") runs on
+    (its id starting with "job-" made it one of job's copies)."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    job = engine.add_request("job", None, [5, 6, 7], params)
+    copies = engine.add_request("pair", None, [5, 6, 7], SamplingParams(n=2, temperature=0, max_tokens=6))
+    others = [engine.add_request(rid, None, [8, 9], params)[0] for rid in ("job-2", "job-x", "pair-5")]
+    engine.step()
+    engine.abort("job")
+    engine.abort("pair")
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.finish_reason for r in job + copies] == ["abort"] * 3
+    assert [(r.finish_reason, len(r.output_ids)) for r in others] == [("length", 6)] * 3

@@ -38,9 +38,10 @@ class Scheduler:
         self.waiting.extend(reqs)
 
     def find(self, request_id: str) -> list[Request]:
-        """The requests of `request_id` (its n copies are `request_id-i`), waiting or running."""
+        """The requests of `request_id` (its n > 1 copies are `request_id-i`), waiting or running; not another
+        caller's request whose id merely starts with it."""
         return [r for r in itertools.chain(self.waiting, self.running)
-                if r.request_id == request_id or r.request_id.startswith(f"{request_id}-")]
+                if r.request_id == request_id or (r.params.n > 1 and r.request_id == f"{request_id}-{r.index}")]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
