@@ -292,8 +292,9 @@ class EngineLoop:
                     return
                 if isinstance(cmd, Add):
                     self._add(cmd, outputs)
-                else:
-                    engine.abort(cmd.request_id)
+                else:  # the front's request: every engine request of its prompts and copies
+                    for tracker in [t for t in self._trackers.values() if t.request_id == cmd.request_id]:
+                        engine.abort(tracker.req.request_id)
             if engine.has_unfinished():
                 try:
                     engine.step()
@@ -311,7 +312,8 @@ class EngineLoop:
                 for req in self.engine.add_request(f"{cmd.request_id}-{i}", text, ids, cmd.params):
                     added.append(_Tracker(req, cmd.request_id, i * cmd.params.n + req.index, cmd.arrival))
         except USER_ERRORS as exc:  # all prompts go in, or none
-            self.engine.abort(cmd.request_id)
+            for tracker in added:
+                self.engine.abort(tracker.req.request_id)
             outputs.append((cmd.request_id, exc))
             return
         self._trackers.update((t.req.request_id, t) for t in added)
