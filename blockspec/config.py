@@ -393,7 +393,7 @@ class SpeculativeConfig:
         if unknown:
             raise ConfigError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
         if value.get("method", SPEC_METHODS[0]) not in SPEC_METHODS:  # before the model: ngram takes none
-            raise ConfigError(f"speculative_config: method {value['method']!r} not supported; allowed: {SPEC_METHODS}")
+            raise ConfigError(f"speculative_config.method {value['method']!r} not supported; allowed: {SPEC_METHODS}")
         if "method" not in value or "model" not in value:
             raise ConfigError("speculative_config needs 'method' and 'model' (a drafter directory or hub id)")
         cfg = SpeculativeConfig(**value)
