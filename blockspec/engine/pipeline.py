@@ -22,7 +22,17 @@ from blockspec.speculative.proposer import DraftBlock
 
 
 @dataclass
-class PlainLaunch:
+class Launch:
+    """What every launched step records: each of its requests' `requeues` at the launch (`current_rows`)."""
+
+    lives: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lives = tuple(r.requeues for r in self.reqs)  # type: ignore[attr-defined]
+
+
+@dataclass
+class PlainLaunch(Launch):
     """A plain step launched, not committed: the next plain step is launched from its device ids."""
 
     reqs: list[Request]
@@ -34,14 +44,9 @@ class PlainLaunch:
     # launched behind a prefill's work: when the launch began (host clock) and `StepTimer.stamp`s of that
     # work's end and of this step's launches' (it is priced from `priced_from` of them)
     after_prefill: tuple[float, Any, Any] | None = None
-    lives: tuple[int, ...] = field(init=False)  # each request's `requeues` at the launch
-
-    def __post_init__(self) -> None:
-        self.lives = tuple(r.requeues for r in self.reqs)
-
 
 @dataclass
-class SpecLaunch:
+class SpecLaunch(Launch):
     """A speculative step launched (draft, verify forward and, for greedy rows, acceptance on the
     device) whose results the host has not read yet."""
 
@@ -55,13 +60,9 @@ class SpecLaunch:
     host: Tensor | None  # pinned copy of `result`, valid once `ready`
     ready: Any  # torch.cuda.Event (None on the CPU, where the copy is synchronous)
     captures: int  # CUDA graph captures before the launch (a launch that captured is no timing sample)
-    lives: tuple[int, ...] = field(init=False)  # each request's `requeues` at the launch
-
-    def __post_init__(self) -> None:
-        self.lives = tuple(r.requeues for r in self.reqs)
 
 
-def current_rows(launch: PlainLaunch | SpecLaunch) -> list[int]:
+def current_rows(launch: Launch) -> list[int]:
     """The rows of a launch whose request still runs in the stay it was launched in: not finished, aborted,
     or preempted since (and maybe admitted again, with new pages and a recomputed context: its rows of the
     old stay would commit tokens and K/V that no longer exist)."""
