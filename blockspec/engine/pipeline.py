@@ -45,6 +45,7 @@ class PlainLaunch(Launch):
     # work's end and of this step's launches' (it is priced from `priced_from` of them)
     after_prefill: tuple[float, Any, Any] | None = None
 
+
 @dataclass
 class SpecLaunch(Launch):
     """A speculative step launched (draft, verify forward and, for greedy rows, acceptance on the
