@@ -87,6 +87,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="what a sampled token's logprobs are: raw_logprobs, of the raw logits (as vLLM's default); "
                         "raw_logits, the raw logits; or processed_logprobs, of the distribution it was sampled from "
                         "(temperature, penalties, top-k/p, masks)")
+    g.add_argument("--max-logprobs", type=int, default=EngineConfig.max_logprobs,
+                   help="the most logprobs a request may ask for a token (-1: the whole vocabulary)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length to plan memory for (default: the model's, at most 4096)")
     g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, help="requests decoded together at most")
@@ -247,7 +249,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
                max_model_len=args.max_model_len, seed=args.seed, speculative_config=speculative_config(args),
                max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
                graph_prefill_tokens=args.graph_prefill_tokens, logprobs_mode=args.logprobs_mode,
-               tensor_parallel_size=args.tensor_parallel_size,
+               max_logprobs=args.max_logprobs, tensor_parallel_size=args.tensor_parallel_size,
                attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization,
                kv_page_size=args.kv_page_size, num_kv_pages=args.num_kv_pages,
                async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],

@@ -489,6 +489,9 @@ class EngineConfig:
     # models.kv_cache)
     kv_cache_dtype: str = "auto"
     logprobs_mode: str = "raw_logprobs"  # LOGPROBS_MODES
+    # the most logprobs a request may ask for a token (SamplingParams.logprobs, prompt_logprobs; vLLM's
+    # default); -1: the whole vocabulary
+    max_logprobs: int = 20
     # vLLM's automatic prefix caching: full KV pages are remembered by their tokens and a prompt that
     # starts with them skips their prefill (None: off, as False; kv_cache.PrefixCache)
     enable_prefix_caching: bool | None = None
@@ -507,6 +510,7 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         check_integer(self, "kv_page_size", 1, 1024)
+        check_integer(self, "max_logprobs", -1)
         check_integer(self, "num_kv_pages", 1, optional=True)  # None: auto
         check_number(self, "gpu_memory_utilization", "in (0, 1]", lambda v: 0 < v <= 1)
         for name in ("enable_prefix_caching", "async_scheduling"):  # None: off / auto
@@ -549,6 +553,15 @@ class EngineArgs(EngineConfig):
     trust_remote_code: bool = False
     # vLLM's switch for the counters `get_metrics` reads (its examples pass False): blockspec always keeps them
     disable_log_stats: bool = False
+    # vLLM's name for kv_page_size (a KV block's positions)
+    block_size: int | None = None
+    # vLLM's tokenizer choice: "auto" and "hf" load the fast tokenizer, as blockspec always does
+    tokenizer_mode: str = "auto"
+    # vLLM's model task ("auto", "generate") and runner ("auto", "generate"): blockspec generates text only
+    task: str = "auto"
+    runner: str = "auto"
+    # the name metrics label the model with (vLLM's; a list: its first); None: the model as given
+    served_model_name: str | list[str] | None = None
     # vLLM knobs with nothing to set here (`unhonoured` says what blockspec does instead)
     enable_chunked_prefill: bool | None = None
     swap_space: float | None = None
@@ -568,6 +581,21 @@ class EngineArgs(EngineConfig):
         check_integer(self, "max_seq_len_to_capture", 1, optional=True)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ConfigError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
+        for name, allowed in (("tokenizer_mode", ("auto", "hf")), ("task", ("auto", "generate")),
+                              ("runner", ("auto", "generate"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} {getattr(self, name)!r} is not supported; allowed: "
+                                  f"{', '.join(map(repr, allowed))} (blockspec generates text with a fast tokenizer)")
+        names = self.served_model_name
+        if names is not None and not (isinstance(names, str) and names or isinstance(names, (list, tuple)) and names
+                                      and all(isinstance(n, str) and n for n in names)):
+            raise ConfigError(f"served_model_name must be a non-empty string, a list of them, or None; got {names!r}")
+        check_integer(self, "block_size", 1, 1024, optional=True)
+        if self.block_size is not None:
+            if self.kv_page_size not in (EngineConfig.kv_page_size, self.block_size):
+                raise ConfigError(f"block_size={self.block_size} and kv_page_size={self.kv_page_size} name the same "
+                                  "limit; give one of them")
+            self.kv_page_size = self.block_size
         batched = self.max_num_batched_tokens
         check_integer(self, "max_num_batched_tokens", 1, optional=True)
         if batched is not None:

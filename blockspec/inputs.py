@@ -146,6 +146,7 @@ class ModelInputs:
     vocab_size: int
     speculative: bool
     eos_ids: tuple[int, ...] = ()
+    max_logprobs: int = 20  # EngineConfig.max_logprobs
     # SamplingParams fields the model's generation_config.json sets (engine/build.py reads it)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
@@ -206,7 +207,7 @@ class ModelInputs:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        params.check_vocab(vocab)
+        params.check_model(vocab, self.max_logprobs)
         if params.stop_strings and self.tokenizer is None:  # matched in the text, which nothing decodes
             raise RequestError(f"{where}: stop strings are matched in the output's text and {self.model_dir} has no "
                                "tokenizer to decode it; use stop_token_ids")

@@ -41,8 +41,9 @@ class LLM:
         """`options`: the fields of `blockspec.config.EngineArgs` (tokenizer, dtype, device, max_model_len,
         seed, speculative_config, max_num_seqs, ...), by name."""
         args = engine_args(options)
-        self.model_name = str(model)  # as given: the metrics' label
-        model = embedded(self.model_name)  # 'default': the embedded target
+        served = args.served_model_name
+        self.model_name = served if isinstance(served, str) else served[0] if served else str(model)  # metrics' label
+        model = embedded(str(model))  # 'default': the embedded target
         for note in args.unhonoured():
             log.warning(note)
         self.tensor_parallel_size = tensor_parallel_size
@@ -100,29 +101,41 @@ class LLM:
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-        add_generation_prompt: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: None = None,
         chat_template: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
-        lora_request: None = None,
-        chat_template_content_format: str = "auto",
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template (the tokenizer's, or `chat_template`: Jinja text or a file) to one
-        conversation or a list of them, then generate. `chat_template_kwargs` are the template's extra
-        variables, e.g. {"enable_thinking": False} for Qwen3. `continue_final_message` (with
-        add_generation_prompt=False): the model continues the last message, e.g. a reply's first words.
+        conversation or a list of them, then generate; the arguments in vLLM's order. `chat_template_kwargs`
+        are the template's extra variables, e.g. {"enable_thinking": False} for Qwen3. `continue_final_message`
+        (with add_generation_prompt=False): the model continues the last message, e.g. a reply's first words.
         `tools`: function definitions (OpenAI's form) the template shows the model, as vLLM's chat takes them;
         the reply is text (the server's tool_choice parses calls out of it). `lora_request`,
-        `chat_template_content_format` and `mm_processor_kwargs` are vLLM's, taken where they ask for nothing
-        blockspec lacks (text content is given to the template as text: "auto" or "string")."""
+        `chat_template_content_format`, `tokenization_kwargs` and `mm_processor_kwargs` are vLLM's, taken where
+        they ask for nothing blockspec lacks (text content is given to the template as text: "auto" or
+        "string"; truncation is SamplingParams.truncate_prompt_tokens)."""
         if chat_template_content_format not in ("auto", "string"):
             raise ConfigError(f"chat_template_content_format {chat_template_content_format!r}: blockspec gives "
                               "text content to the template as a string; allowed: 'auto', 'string'")
         if mm_processor_kwargs is not None:
             raise ConfigError("mm_processor_kwargs: blockspec serves text models; give none")
+        if tokenization_kwargs:
+            raise ConfigError(f"tokenization_kwargs {sorted(tokenization_kwargs)}: blockspec tokenizes a conversation "
+                              "through its chat template alone; give none (truncate with "
+                              "SamplingParams.truncate_prompt_tokens)")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ConfigError(f"chat_template_kwargs must be a dict of the template's variables or None, got "
+                              f"{type(chat_template_kwargs).__name__}")
+        if tools is not None and not (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
+            raise ConfigError("tools must be a list of tool definitions (dicts, OpenAI's form) or None, got "
+                              f"{type(tools).__name__}")
         if tools is not None:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         prompts = self.inputs.chat_prompts(messages, add_generation_prompt, chat_template, chat_template_kwargs,

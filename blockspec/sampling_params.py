@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import enum
 import math
+import numbers
 import reprlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,14 +26,35 @@ SHORT.maxlong = 40
 
 
 def is_int(value: object) -> bool:
-    """An integer that is not a bool (True is an int to Python, never a count to a user)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer that is not a bool (True is an int to Python, never a count to a user); NumPy's integer
+    scalars count, as they do to vLLM."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """A real number that is not a bool (NumPy's scalars included)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def plain_ints(values: Any) -> Any:
+    """A list or tuple of integers as Python ints (NumPy's scalars converted), anything else as it is."""
+    return [int(v) for v in values] if isinstance(values, (list, tuple)) and all(map(is_int, values)) else values
+
+
+class RequestOutputKind(enum.Enum):
+    """vLLM's `SamplingParams.output_kind`: what each output of a request holds. The offline `LLM` returns
+    every request's final output whichever is given (vLLM's `LLM` does the same); the server streams
+    deltas by the request's `stream` flag."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def token_id(key: object) -> int | None:
     """A token id given as an int or a string of digits (JSON object keys are strings), else None."""
     if is_int(key):
-        return key if key >= 0 else None
+        return int(key) if key >= 0 else None
     if isinstance(key, str) and key.isascii() and key.isdigit():
         return int(key)
     return None
@@ -89,7 +112,12 @@ class SamplingParams:
     as the context holds beside one output token.
     `spaces_between_special_tokens`: accepted as vLLM accepts it, and, as with vLLM's detokenizer for a fast
     tokenizer, the text does not depend on it: the tokenizers blockspec loads (the `tokenizers` library's
-    decoders, transformers 5's Python tokenizers) join special tokens without that choice."""
+    decoders, transformers 5's Python tokenizers) join special tokens without that choice.
+    vLLM's conventions: `seed=-1` is no seed; `logprobs` / `prompt_logprobs` True is 1 and -1 is the whole
+    vocabulary (both bounded by the engine's `max_logprobs`); NumPy scalars are numbers.
+    `skip_reading_prefix_cache`: prefill the whole prompt even where prefix caching remembers its start
+    (always so with prompt_logprobs). `output_kind` and `extra_args` (vLLM's, for plugins) are taken and
+    change nothing here."""
 
     n: int = 1
     temperature: float = 1.0
@@ -119,6 +147,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     logits_processors: list[Any] | None = None  # vLLM's name, refused unless empty: see `verify`
+    skip_reading_prefix_cache: bool | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra_args: dict[str, Any] | None = None
+    flat_logprobs: bool = False  # vLLM's flat logprobs container: refused unless False
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -141,16 +173,24 @@ class SamplingParams:
               "callables on every row) are not supported, as in vLLM V1; logit_bias, allowed_token_ids, bad_words "
               "and structured_outputs run on the device")
 
+        if self.seed == -1 and is_int(self.seed):  # vLLM's "no seed"
+            self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's True = 1 (False = 0)
+            if isinstance(getattr(self, name), bool):
+                setattr(self, name, int(getattr(self, name)))
+
         def number(name: str) -> float:
             value = getattr(self, name)
-            check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
-                  name, "a finite number")
+            check(is_number(value) and math.isfinite(value), name, "a finite number")
+            setattr(self, name, float(value))
             return float(value)
 
         def integer(name: str, low: int, high: int | None, allowed: str, optional: bool = False) -> None:
             value = getattr(self, name)
             check((optional and value is None) or (is_int(value) and low <= value and (high is None or value <= high)),
                   name, allowed)
+            if value is not None:
+                setattr(self, name, int(value))
 
         integer("n", 1, 128, "an integer in [1, 128]")
         integer("best_of", self.n, self.n, f"None or n ({self.n}): every sample is returned and none is ranked "
@@ -169,16 +209,22 @@ class SamplingParams:
         integer("min_tokens", 0, None, "an integer >= 0")
         if self.max_tokens is not None:
             check(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})")
-        integer("logprobs", 0, MAX_LOGPROBS, f"None or an integer in [0, {MAX_LOGPROBS}] (number of top alternatives)",
-                optional=True)
-        integer("prompt_logprobs", 0, MAX_LOGPROBS,
-                f"None or an integer in [0, {MAX_LOGPROBS}] (number of top alternatives per prompt token)",
-                optional=True)
+        integer("logprobs", -1, None, "None or an integer >= -1 (number of top alternatives; -1: the whole "
+                "vocabulary)", optional=True)
+        integer("prompt_logprobs", -1, None, "None or an integer >= -1 (number of top alternatives per prompt "
+                "token; -1: the whole vocabulary)", optional=True)
+        check(self.skip_reading_prefix_cache in (None, True, False), "skip_reading_prefix_cache",
+              "None, True or False")
+        check(isinstance(self.output_kind, RequestOutputKind), "output_kind", "a RequestOutputKind")
+        check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args", "None or a dict")
+        check(self.flat_logprobs is False, "flat_logprobs", "False: logprobs come as vLLM's list of dicts")
         check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
               "structured_outputs", "None or a StructuredOutputsParams")
         for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens", "detokenize", "use_speculation"):
             check(isinstance(getattr(self, flag), bool), flag, "True or False")
+        self.stop_token_ids = plain_ints(self.stop_token_ids)
+        self.allowed_token_ids = plain_ints(self.allowed_token_ids)
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         check(isinstance(stops, (list, tuple)) and all(isinstance(s, str) and s for s in stops), "stop",
               "a non-empty string or a list of them")
@@ -190,8 +236,8 @@ class SamplingParams:
               "a list of token ids >= 0")
         bias = self.logit_bias or {}
         check(isinstance(bias, dict) and all(
-            token_id(k) is not None and isinstance(v, (int, float)) and not isinstance(v, bool)
-            and abs(v) <= MAX_LOGIT_BIAS for k, v in bias.items()), "logit_bias",
+            token_id(k) is not None and is_number(v) and abs(v) <= MAX_LOGIT_BIAS for k, v in bias.items()),
+            "logit_bias",
             f"a dict of token id (>= 0) -> bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         self.logit_bias = {token_id(k): float(v) for k, v in bias.items()} or None
         allowed = self.allowed_token_ids
@@ -216,11 +262,30 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-    def check_vocab(self, vocab_size: int) -> None:
-        """Token ids named by the request must exist in the model's vocabulary."""
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether prefix caching may skip the prompt's remembered start: not where the request asks for
+        every prompt token's logprobs, or says not to (vLLM's rule)."""
+        return self.prompt_logprobs is None and not self.skip_reading_prefix_cache
+
+    def check_model(self, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> None:
+        """Token ids named by the request must exist in the model's vocabulary, and the logprobs it asks
+        for fit the engine's `max_logprobs` (-1 on either side: the whole vocabulary)."""
+        most = vocab_size if max_logprobs == -1 else max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = top_count(getattr(self, name), vocab_size)
+            if asked > most:
+                raise SamplingError(f"SamplingParams.{name}={getattr(self, name)} asks for {asked} logprobs a token; "
+                                    f"the engine's max_logprobs is {max_logprobs} (LLM(max_logprobs=...), "
+                                    "--max-logprobs; -1: the whole vocabulary)")
         for name, ids in (("stop_token_ids", self.stop_token_ids or []), ("logit_bias", self.logit_bias or {}),
                           ("allowed_token_ids", self.allowed_token_ids or [])):
             bad = [i for i in ids if i >= vocab_size]
             if bad:
                 raise SamplingError(f"SamplingParams.{name} has token ids {bad[:5]} outside the vocabulary "
                                     f"[0, {vocab_size})")
+
+
+def top_count(k: int | None, vocab_size: int) -> int:
+    """The alternatives `logprobs` / `prompt_logprobs` k asks for: -1 is the whole vocabulary, None none."""
+    return vocab_size if k == -1 else k or 0

@@ -183,10 +183,11 @@ def test_chat_content_parts_are_their_texts(llm):
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"), (dict(max_tokens=0), "max_tokens"),
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(presence_penalty=3), "presence_penalty"),
-    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=99), "logprobs"), (dict(stop=[""]), "stop"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=-2), "logprobs"), (dict(stop=[""]), "stop"),
     (dict(temperature=float("nan")), "temperature"), (dict(n=0), "n"),
-    # bools are not counts, values must fit the device's int64 seeds and OpenAI's logit_bias range
-    (dict(n=True), "n"), (dict(max_tokens=True), "max_tokens"), (dict(logprobs=True), "logprobs"),
+    # bools are not counts (but vLLM's logprobs=True, which is 1), values must fit the device's int64 seeds and
+    # OpenAI's logit_bias range
+    (dict(n=True), "n"), (dict(max_tokens=True), "max_tokens"), (dict(logprobs=1.0), "logprobs"),
     (dict(stop_token_ids=[True]), "stop_token_ids"), (dict(logit_bias={5: 1e308}), "logit_bias"),
     (dict(logit_bias={"abc": 1}), "logit_bias"), (dict(logit_bias={-1: 5}), "logit_bias"), (dict(stop=123), "stop"),
     (dict(seed=2**63), "seed"), (dict(seed=-(2**63) - 1), "seed"), (dict(seed=1.5), "seed"),
@@ -240,7 +241,7 @@ def test_sampling_params_changed_after_construction_are_checked_before_any_work(
     prompt, and honours the change."""
     good = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     generated = llm.engine.num_generated
-    for field, value in (("n", 0), ("max_tokens", 0), ("temperature", -1.0), ("logprobs", 1000)):
+    for field, value in (("n", 0), ("max_tokens", 0), ("temperature", -1.0), ("logprobs", -2)):
         bad = SamplingParams(temperature=0, max_tokens=6)
         setattr(bad, field, value)
         with pytest.raises(SamplingError, match=rf"prompt 1: SamplingParams\.{field}=.*allowed"):

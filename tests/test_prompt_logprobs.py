@@ -97,7 +97,7 @@ def test_preempted_requests_keep_their_prompt_logprobs_and_compute_them_once(tar
     assert sum(rows) == sum(len(p) - 1 for p in ps)
 
 
-@pytest.mark.parametrize("value", [-1, 21, True, 1.0, "2"])
+@pytest.mark.parametrize("value", [-2, 1.0, "2"])
 def test_invalid_prompt_logprobs_name_the_field(value):
     with pytest.raises(SamplingError, match=r"^SamplingParams\.prompt_logprobs=.* is invalid; allowed: None or an"):
         SamplingParams(prompt_logprobs=value)

@@ -584,3 +584,87 @@ def test_the_hub_token_reaches_the_download(monkeypatch):
     with pytest.raises(ModelLoadError, match=r"'org/gated' at revision 'r1' .*PermissionError: gated"):
         LLM("org/gated", device="cpu", hf_token="hf_abc", revision="r1", download_dir="/tmp/d")
     assert (seen["token"], seen["revision"], seen["cache_dir"], seen["repo_id"]) == ("hf_abc", "r1", "/tmp/d", "org/gated")
+
+
+# ---------------------------------------------------------------- vLLM's conventions
+def test_sampling_params_take_vllms_conventions(text_dir, text_llm):
+    """seed=-1 is no seed, logprobs=True is 1, NumPy scalars are numbers (each was refused, or -1 a fixed
+    seed); logprobs=-1 is the whole vocabulary within the engine's max_logprobs; output_kind and extra_args
+    are taken, flat_logprobs=True refused by name."""
+    import numpy as np
+
+    from blockspec.sampling_params import RequestOutputKind
+
+    assert SamplingParams(seed=-1).seed is None
+    assert (SamplingParams(logprobs=True).logprobs, SamplingParams(prompt_logprobs=True).prompt_logprobs) == (1, 1)
+    numpy = SamplingParams(temperature=np.float32(0.5), top_k=np.int32(3), max_tokens=np.int64(5), seed=np.int64(4),
+                           stop_token_ids=[np.int64(9)], logit_bias={np.int64(3): np.float64(1.5)}, ignore_eos=True)
+    python = SamplingParams(temperature=0.5, top_k=3, max_tokens=5, seed=4, stop_token_ids=[9], logit_bias={3: 1.5},
+                            ignore_eos=True)
+    assert [type(v) for v in (numpy.temperature, numpy.top_k, numpy.max_tokens, numpy.seed,
+                              numpy.stop_token_ids[0])] == [float, int, int, int, int]
+    assert text_llm.generate("ab", numpy, use_tqdm=False)[0].outputs[0].token_ids == \
+        text_llm.generate("ab", python, use_tqdm=False)[0].outputs[0].token_ids
+    kept = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, extra_args={"plugin": 1}, max_tokens=3,
+                          temperature=0)
+    assert text_llm.generate("ab", kept, use_tqdm=False)[0].outputs[0].token_ids == \
+        text_llm.generate("ab", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(SamplingError, match=r"^SamplingParams\.flat_logprobs=True is invalid"):
+        SamplingParams(flat_logprobs=True)
+    with pytest.raises(SamplingError, match=r"^prompt 0: SamplingParams\.logprobs=-1 asks for \d+ logprobs a token; the "
+                                            r"engine's max_logprobs is 20"):
+        text_llm.generate("ab", SamplingParams(logprobs=-1, max_tokens=2), use_tqdm=False)
+    every = LLM(str(text_dir), device="cpu", max_model_len=96, max_logprobs=-1)
+    vocab = every.engine.vocab_size
+    out = every.generate("abc", SamplingParams(logprobs=-1, prompt_logprobs=-1, max_tokens=2, temperature=0),
+                         use_tqdm=False)[0]
+    assert [len(e) for e in out.outputs[0].logprobs] == [vocab, vocab]
+    assert all(len(e) == vocab for e in out.prompt_logprobs[1:])
+    assert out.outputs[0].logprobs[0][out.outputs[0].token_ids[0]].rank == 1
+
+
+def test_chat_takes_vllms_positional_order_and_names_bad_arguments(text_llm):
+    """vLLM's chat(messages, sampling_params, use_tqdm, lora_request, chat_template, chat_template_content_format,
+    add_generation_prompt, ...): a script passing them by position gets what vLLM gives (the fourth was
+    add_generation_prompt, so `chat(conv, sp, False, None)` dropped the generation prompt); arguments of the
+    wrong type are one-line errors (they were a TypeError and a transformers traceback)."""
+    conv = [{"role": "user", "content": "hi"}]
+    opened = text_llm.chat(conv, GREEDY, use_tqdm=False)[0].prompt_token_ids
+    assert text_llm.chat(conv, GREEDY, False, None)[0].prompt_token_ids == opened
+    closed = text_llm.chat(conv, GREEDY, False, None, None, "auto", False)[0].prompt_token_ids
+    assert closed == text_llm.chat(conv, GREEDY, use_tqdm=False, add_generation_prompt=False)[0].prompt_token_ids
+    assert closed != opened
+    assert text_llm.chat(conv, GREEDY, use_tqdm=False, tokenization_kwargs={})[0].prompt_token_ids == opened
+    for kw, says in (({"chat_template_kwargs": "x"}, "^chat_template_kwargs must be a dict"),
+                     ({"tools": "x"}, "^tools must be a list of tool definitions"),
+                     ({"tokenization_kwargs": {"truncation": True}}, r"^tokenization_kwargs \['truncation'\]")):
+        with pytest.raises(ConfigError, match=says):
+            text_llm.chat(conv, GREEDY, use_tqdm=False, **kw)
+
+
+def test_vllms_llm_names_are_taken(text_dir):
+    """LLM(block_size=..., served_model_name=..., tokenizer_mode="auto", task="generate") as vLLM scripts pass
+    them (each was refused as an unknown option); values blockspec cannot honour are refused by name."""
+    llm = LLM(str(text_dir), device="cpu", max_model_len=96, block_size=16, served_model_name=["svc", "alias"],
+              tokenizer_mode="auto", task="generate", runner="generate")
+    assert llm.engine.config.kv_page_size == 16
+    assert {m.labels["model_name"] for m in llm.get_metrics()} == {"svc"}
+    for kw, says in (({"block_size": 16, "kv_page_size": 32}, "block_size=16 and kv_page_size=32 name the same"),
+                     ({"tokenizer_mode": "slow"}, "tokenizer_mode 'slow' is not supported"),
+                     ({"task": "embed"}, "task 'embed' is not supported"),
+                     ({"served_model_name": ""}, "served_model_name must be a non-empty string")):
+        with pytest.raises(ConfigError, match=says):
+            LLM(str(text_dir), device="cpu", max_model_len=96, **kw)
+
+
+def test_skip_reading_prefix_cache_prefills_the_whole_prompt(text_dir):
+    """vLLM's skip_reading_prefix_cache: a prompt whose start prefix caching remembers is prefilled whole, with
+    the same output; without it the remembered pages are mapped in."""
+    llm = LLM(str(text_dir), device="cpu", max_model_len=96, block_size=8, enable_prefix_caching=True)
+    prompt = {"prompt_token_ids": list(range(5, 45))}
+    first = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    skipped = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                  skip_reading_prefix_cache=True), use_tqdm=False)[0]
+    cached = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert skipped.num_cached_tokens == 0 and cached.num_cached_tokens >= 32
+    assert skipped.outputs[0].token_ids == cached.outputs[0].token_ids == first.outputs[0].token_ids

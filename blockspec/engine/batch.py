@@ -20,6 +20,7 @@ from blockspec.models.runner import ModelRunner
 from blockspec.request import Logprob, Request
 from blockspec.sample import Columns, RowParams, expand_history, logprobs as top_logprobs, process_logits, sample
 from blockspec.sample.processors import row_chunks, token_bitmask
+from blockspec.sampling_params import top_count
 from blockspec.structured import Masks
 from blockspec.transfer import to_device
 
@@ -197,7 +198,7 @@ class BatchSampling:
                         rows_per_req: list[int]) -> LogprobEntries:
         """Logprob dicts (sampled token + top-n) per emitted row, of the raw `logits` or the `processed`
         distribution the rows were sampled from (None unless logprobs_mode asks for it)."""
-        tops = [r.params.logprobs or 0 for r, c in zip(reqs, rows_per_req) for _ in range(c)]
+        tops = [top_count(r.params.logprobs, self.vocab_size) for r, c in zip(reqs, rows_per_req) for _ in range(c)]
         if self.logprobs_mode == "processed_logprobs":
             flat = entries(processed, tokens, tops)
         else:
@@ -225,7 +226,7 @@ class BatchSampling:
             rows = slice(first + s.start, first + s.stop)
             tokens = to_device(prompt[start + rows.start + 1 : start + rows.stop + 1], torch.int64, self.device)
             logits = self.runner.logits(hidden[rows]).float()
-            done.extend(self.named(req, entries(logits, tokens, [req.params.prompt_logprobs] * len(tokens))))
+            done.extend(self.named(req, entries(logits, tokens, [top_count(req.params.prompt_logprobs, self.vocab_size)] * len(tokens))))
 
     def start_device_state(self, req: Request) -> None:
         """What the request's sampling reads on the device: for penalties the prompt's tokens and counts of

@@ -239,7 +239,7 @@ class Engine:
         if len(prompt_ids) >= limit:
             raise RequestError(f"request {request_id}: prompt has {len(prompt_ids)} tokens; the context holds "
                                f"{limit} (max_model_len), leaving no room to generate")
-        params.check_vocab(self.vocab_size)
+        params.check_model(self.vocab_size, self.config.max_logprobs)
         grammar = None
         if params.structured_outputs is not None:  # compiled before queueing: a bad grammar fails here
             grammar = new_matcher(params.structured_outputs, self.tokenizer, self.vocab_size, tuple(self.eos_ids),

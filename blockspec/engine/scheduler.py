@@ -148,8 +148,8 @@ class Scheduler:
     def _share_prefix(self, req: Request, slot: int) -> int:
         """Map the remembered pages the request's tokens start with into its new slot and count them as
         computed; returns the positions looked up (0 without prefix caching). A request that wants its
-        prompt's logprobs computes every position."""
-        if self.pages.prefix is None or req.params.prompt_logprobs is not None:
+        prompt's logprobs, or skips reading the cache, computes every position."""
+        if self.pages.prefix is None or not req.params.reads_prefix_cache:
             return 0
         pages = self._remembered(req, needs_draft=False)  # whether it feeds the drafter is decided after
         self.pages.share(slot, pages)
@@ -177,7 +177,7 @@ class Scheduler:
         False where the pool then lacks its remaining pages: it waits again, first in the queue, as an
         admission that did not fit."""
         prefix, size = self.pages.prefix, self.pages.page_size
-        if prefix is None or req.params.prompt_logprobs is not None:
+        if prefix is None or not req.params.reads_prefix_cache:
             return True
         pages = self._remembered(req, self._needs_draft(req))
         held = self.pages.shared_columns(req.slot, pages)
@@ -201,7 +201,7 @@ class Scheduler:
         same tokens up to that page's end, and remembers it; the next step maps it in (`share_more`)."""
         size = self.pages.page_size
         start, end = req.num_cached, req.num_cached + size
-        if self.pages.prefix is None or req.params.prompt_logprobs is not None or end > req.prefill_len - 1:
+        if self.pages.prefix is None or not req.params.reads_prefix_cache or end > req.prefill_len - 1:
             return False
         needs_draft, want = self._needs_draft(req), req.token_slice(0, end)
         return any(lo <= start and hi >= end and other.token_slice(0, end) == want
