@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import operator
 import time as clock
 from pathlib import Path
@@ -432,6 +433,26 @@ def test_probabilistic_drafts_run_and_greedy_rows_stay_exact(target, plain, meth
     assert outs[1].outputs[0].token_ids == run(plain, [ps[1]], GREEDY)[0]
     assert [len(o.outputs[0].token_ids) for o in outs] == [20, 40, 20]
     assert all(0 <= t < 96 for o in outs for t in o.outputs[0].token_ids)
+    assert llm.get_stats()["num_drafts"] > 0
+
+
+@pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
+def test_probabilistic_drafts_near_the_end_keep_each_requests_parameters(target, method, fixture, caplog):
+    """A step drafting fewer than K positions (its requests near max_tokens) took its draft rows' sampling
+    parameters from a table of K rows a request: DFlash's sampler failed on the size (every request of the
+    step recomputed, a logit_bias request failed), DSpark's drew with another request's seed, position and
+    temperature, so a seeded request's tokens changed with its batch. Each must draw alone as batched."""
+    llm = spec_llm(target, method, fixture, draft_sample_method="probabilistic")
+    ps = prompts(3, seed=6)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=n, ignore_eos=True, logit_bias={3: 2.0})
+              for s, n in ((5, 11), (7, 12), (9, 13))]
+    with caplog.at_level(logging.ERROR, logger="blockspec"):
+        alone = [llm.generate([p], q, use_tqdm=False)[0] for p, q in zip(ps, params)]
+        batched = llm.generate(ps, params, use_tqdm=False)
+    assert "engine step failed" not in caplog.text
+    assert all(o.error is None for o in alone + batched)
+    assert [o.outputs[0].token_ids for o in batched] == [o.outputs[0].token_ids for o in alone]
+    assert [len(o.outputs[0].token_ids) for o in batched] == [11, 12, 13]
     assert llm.get_stats()["num_drafts"] > 0
 
 

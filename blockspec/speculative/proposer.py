@@ -331,6 +331,11 @@ class Proposer:
                                            self.target.embed, self.drafter.block_rows(width))
         slot_hidden = self.drafter.slot_hidden(hidden, width)
         if draft_params is not None:
+            per = draft_params.temperature.shape[0] // len(reqs)  # the K rows a request's parameters hold
+            if per != width:  # drafted: each request's first `width` of them, at their positions and keys
+                rows = torch.arange(len(reqs), device=slot_hidden.device)[:, None] * per + \
+                    torch.arange(width, device=slot_hidden.device)[None, :]
+                draft_params = draft_params.take(rows.flatten())
             round_ = to_device([req.length for req in reqs], torch.int64, slot_hidden.device)
             return self.drafter.sample_drafts(slot_hidden, anchors, draft_params, round_,
                                               self.target.config.vocab_size, self.cfg.markov_top_k)
