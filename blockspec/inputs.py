@@ -159,9 +159,11 @@ class ModelInputs:
         tokens = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
         return self.max_model_len * 4 * max(len(t) for t in tokens if t)
 
-    def prompt_ids(self, prompt: PromptType, where: str, truncating: bool = False) -> tuple[str | None, list[int]]:
+    def prompt_ids(self, prompt: PromptType, where: str, truncating: bool = False,
+                   add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """A prompt's (text, ids). A text too long for the context is refused before it is tokenized, unless
-        the request truncates its prompt (`truncating`: truncate_prompt_tokens keeps its last tokens)."""
+        the request truncates its prompt (`truncating`: truncate_prompt_tokens keeps its last tokens);
+        `add_special_tokens` as the tokenizer takes it (the server's vLLM field)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError(f"{where}: text prompt given but {self.model_dir} has no tokenizer; "
@@ -172,7 +174,7 @@ class ModelInputs:
             if len(prompt) > self.max_prompt_chars and not truncating:
                 raise RequestError(f"{where}: the prompt has {len(prompt)} characters, more than max_model_len "
                                    f"({self.max_model_len}) tokens can hold (at most {self.max_prompt_chars})")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if (isinstance(prompt, dict) and set(prompt) & set(PROMPT_KEYS)
                 and (other := sorted(map(str, set(prompt) - set(PROMPT_KEYS))))):
             raise RequestError(f"{where}: a prompt dict takes {' and '.join(PROMPT_KEYS)} only; {other} is not "

@@ -107,6 +107,61 @@ def test_fields_that_change_nothing_are_accepted_and_named_in_the_log(server, ca
     assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
 
 
+def test_vllm_extras_are_honoured_or_refused_by_name(server, tokenizer):
+    """Fields vLLM's clients send (each was a 400 "unrecognized request argument"): add_special_tokens,
+    request_id and return_tokens_as_token_ids are honoured; priority, use_beam_search, length_penalty and
+    guided_whitespace_pattern are taken at their defaults, guided_decoding_backend is ignored, and other
+    values are refused naming the field. A guided_choice error names guided_choice, a stop string with a
+    lone surrogate is refused as a prompt's is, and a body not sent as JSON is a 415 that says so."""
+    url = f"{server.url}/v1/completions"
+    chat = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1, "return_token_ids": True}
+    for where, payload in ((url, {"prompt": "hello", "max_tokens": 1}), (f"{server.url}/v1/chat/completions", chat)):
+        assert post(where, json={**payload, "add_special_tokens": True}).status_code == 200
+    body = {"prompt": "hello", "max_tokens": 3, "logprobs": 2, "temperature": 0, "request_id": "job-7",
+            "return_tokens_as_token_ids": True, "priority": 0, "use_beam_search": False, "length_penalty": 1.0,
+            "guided_whitespace_pattern": None, "guided_decoding_backend": "xgrammar", "return_token_ids": True}
+    r = post(url, json=body).json()
+    assert r["id"] == "cmpl-job-7"
+    choice = r["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(k.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"] for k in top)
+    assert post(f"{server.url}/v1/chat/completions", json={**chat, "request_id": "c1"}).json()["id"] == "chatcmpl-c1"
+    for where, extra, param in ((url, {"priority": 1}, "priority"), (url, {"use_beam_search": True}, "use_beam_search"),
+                                (url, {"length_penalty": 0.5}, "length_penalty"),
+                                (url, {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+                                (url, {"guided_choice": []}, "guided_choice"), (url, {"stop": ["a\ud800"]}, "stop"),
+                                (f"{server.url}/v1/chat/completions", {"echo": True}, "echo")):
+        payload = {"prompt": "hello", "max_tokens": 1} if where == url else dict(chat)
+        r = post(where, content=json.dumps({**payload, **extra}), headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.json())
+    r = post(url, content=json.dumps({"prompt": "hello", "max_tokens": 1}),
+             headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+
+
+def test_add_special_tokens_puts_the_tokenizers_bos_where_vllm_does(offline, text_dir):
+    """Completions tokenize a text with the tokenizer's special tokens unless add_special_tokens is false;
+    chat renders the template without them unless it is true (vLLM's defaults), here with a tokenizer
+    that adds a BOS."""
+    import dataclasses
+
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    from blockspec.server.app import chat_prompt, completion_prompts
+    from blockspec.server.protocol import ChatCompletionRequest
+
+    tok = AutoTokenizer.from_pretrained(text_dir)
+    tok._tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    inputs = dataclasses.replace(offline.inputs, tokenizer=tok)
+    bare = tok.encode("hello", add_special_tokens=False)
+    assert [completion_prompts(inputs, "hello", False, flag)[0][1] for flag in (True, False)] == [[0] + bare, bare]
+    chat = {"messages": [{"role": "user", "content": "a"}]}
+    opened = chat_prompt(inputs, ChatCompletionRequest(**chat), False)[1]
+    assert opened[0] != 0
+    assert chat_prompt(inputs, ChatCompletionRequest(**chat, add_special_tokens=True), False)[1] == [0] + opened
+
+
 def test_best_of_must_equal_n(server):
     client = server.client()
     r = client.completions.create(model=NAME, prompt="ab", n=2, best_of=2, max_tokens=2, temperature=1, seed=1)

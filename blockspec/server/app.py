@@ -145,9 +145,10 @@ def http_error(request: Request, exc: HTTPException, body: bytes = b"") -> APIEr
 
 # ---------------------------------------------------------------- inputs
 def completion_prompts(inputs: ModelInputs, prompt: str | list[str] | list[int] | list[list[int]],
-                       truncating: bool = False) -> list[Prompt]:
+                       truncating: bool = False, add_special_tokens: bool = True) -> list[Prompt]:
     """One (text, ids) per prompt: a string, a list of strings, token ids or a list of token-id lists
-    (`truncating`: the request keeps its prompts' last tokens, so a long text is not refused untokenized)."""
+    (`truncating`: the request keeps its prompts' last tokens, so a long text is not refused untokenized;
+    `add_special_tokens`: a text's ids with the tokenizer's special tokens, e.g. a BOS)."""
     single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
     items = [prompt] if single else list(prompt)
     if not items:
@@ -156,7 +157,8 @@ def completion_prompts(inputs: ModelInputs, prompt: str | list[str] | list[int] 
     for i, p in enumerate(items):
         where = "prompt" if single else f"prompt[{i}]"
         try:
-            out.append(inputs.prompt_ids(p if isinstance(p, str) else {"prompt_token_ids": p}, where, truncating))
+            out.append(inputs.prompt_ids(p if isinstance(p, str) else {"prompt_token_ids": p}, where, truncating,
+                                         add_special_tokens))
         except RequestError as exc:
             raise user_error(exc, "prompt") from None
     return out
@@ -247,6 +249,8 @@ def chat_prompt(inputs: ModelInputs, body: ChatCompletionRequest, trusted_templa
         raise user_error(exc, "continue_final_message") from None
     except Exception as exc:  # template errors (jinja raise_exception, bad kwargs) are the request's fault
         raise APIError(400, f"the chat template failed on these messages: {exc}", param="messages") from None
+    if body.add_special_tokens:  # vLLM's: the tokenizer's leading special tokens (a BOS) before the template's
+        ids = tok.encode("", add_special_tokens=True) + ids
     return None, ids
 
 
@@ -318,7 +322,7 @@ class Renderer:
 
     def __init__(self, body: GenerationRequest, model: str, prompts: list[Prompt], params: SamplingParams,
                  strings: TokenStrings, with_spec: bool) -> None:
-        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.id = f"{self.prefix}-{body.request_id or uuid.uuid4().hex}"
         self.body, self.model, self.prompts, self.params = body, model, prompts, params
         self.strings, self.with_spec = strings, with_spec
 
@@ -329,8 +333,11 @@ class Renderer:
         return ids if self.body.return_token_ids else None
 
     def token_text(self, tok: int, lp: Logprob | None) -> str:
-        """A logprob token's text: the decoded_token the engine gave it, else (no tokenizer: 'token_id:N';
-        an echoed prompt's first token, which has no entry) from the token strings."""
+        """A logprob token's text: 'token_id:N' where the request asks so (return_tokens_as_token_ids), the
+        decoded_token the engine gave it, else (no tokenizer: 'token_id:N'; an echoed prompt's first token,
+        which has no entry) from the token strings."""
+        if self.body.return_tokens_as_token_ids:
+            return f"token_id:{tok}"
         return lp.decoded_token if lp is not None and lp.decoded_token is not None else self.strings(tok)
 
     def prompt_logprobs(self, entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
@@ -599,7 +606,12 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        kind = request.headers.get("content-type", "")
+        if request.method == "POST" and kind.split(";")[0].strip().lower() != "application/json":
+            # the body was never read as JSON (curl -d sends a form): say so, not that it is no object
+            return APIError(415, f"Unsupported Media Type: the body must be JSON sent as application/json (got "
+                                 f"Content-Type {kind or 'none'!r})", code="unsupported_media_type").response()
         return validation_error(exc).response()
 
     @app.exception_handler(EngineError)
@@ -680,7 +692,7 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
         inputs = ready_inputs(body.model)
         params = body.to_sampling_params(body.max_tokens, body.logprobs, inputs.sampling_defaults)
         prompts = await in_thread(tokenizing, completion_prompts, inputs, body.prompt,
-                                  params.truncate_prompt_tokens is not None)
+                                  params.truncate_prompt_tokens is not None, body.add_special_tokens)
         return await generate(request, body, inputs, prompts, params, CompletionRenderer)
 
     @app.post("/v1/chat/completions")

@@ -17,7 +17,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from blockspec.inputs import text_content
+from blockspec.errors import RequestError
+from blockspec.inputs import check_text, text_content
 from blockspec.sampling_params import SamplingError, SamplingParams, StructuredOutputsParams
 
 
@@ -36,7 +37,19 @@ IGNORED_FIELDS = {
     # o-series reasoning budget; the Llama / Qwen chat templates read none (Qwen3's thinking is
     # chat_template_kwargs.enable_thinking)
     "reasoning_effort": "a reasoning budget no supported chat template reads",
+    # vLLM's per-request choice of structured-output backend: this server compiles every constraint with llguidance
+    "guided_decoding_backend": "a structured-output backend choice (one backend here)",
 }
+
+
+def at_default(name: str, default: Any, why: str) -> Any:
+    """A validator for a vLLM field this server takes at its default only; another value is a 400 naming
+    it and why."""
+    def check(value: Any) -> Any:
+        if value != default:
+            raise PydanticCustomError(name, f"only {default!r} here: {why}")
+        return value
+    return field_validator(name)(classmethod(lambda cls, value: check(value)))
 
 
 def drop_ignored_fields(data: Any) -> Any:
@@ -137,11 +150,34 @@ class GenerationRequest(StrictModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     return_token_ids: bool = Field(False, description="also return prompt and output token ids (vLLM extra)")
+    return_tokens_as_token_ids: bool = Field(False, description="logprobs name tokens as 'token_id:N' (vLLM extra)")
+    request_id: str | None = Field(None, description="the response's id is the endpoint's prefix and this (vLLM "
+                                                     "extra; default: a random one)")
+    # vLLM extras taken at their defaults (this server schedules first come, first served, and samples; it
+    # has no beam search or whitespace pattern for JSON)
+    priority: int = 0
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    guided_whitespace_pattern: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
     drop_ignored = model_validator(mode="before")(drop_ignored_fields)
+    priority_at_default = at_default("priority", 0, "requests are served first come, first served")
+    beams_at_default = at_default("use_beam_search", False, "this server samples; it has no beam search")
+    length_penalty_at_default = at_default("length_penalty", 1.0, "it weighs beam search's candidates, which this server lacks")
+    whitespace_at_default = at_default("guided_whitespace_pattern", None, "JSON constraints take the grammar's whitespace")
+
+    @field_validator("stop")
+    @classmethod
+    def _valid_unicode(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        for s in [stop] if isinstance(stop, str) else stop or []:
+            try:
+                check_text(s, "stop")
+            except RequestError as exc:
+                raise PydanticCustomError("stop", str(exc).removeprefix("stop: ")) from None
+        return stop
 
     @field_validator("stream_options")
     @classmethod
@@ -163,6 +199,10 @@ class GenerationRequest(StrictModel):
             message = str(exc)
             for ours, theirs in (fields or {}).items():
                 message = message.replace(f"SamplingParams.{ours}=", f"SamplingParams.{theirs}=")
+            named = self.constraint_field
+            if named is not None and named.startswith("guided_"):  # StructuredOutputsParams names its own field
+                message = message.replace(f"SamplingParams.structured_outputs.{named.removeprefix('guided_')}=",
+                                          f"SamplingParams.{named}=")
             raise SamplingError(message) from None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
@@ -239,6 +279,8 @@ class CompletionRequest(GenerationRequest):
     echo: bool = Field(False, description="the prompt's text before each choice's output (with logprobs: its "
                                           "tokens' logprobs before the output's, the first null)")
     best_of: int | None = Field(None, description="only n (or unset): every sample is returned, none is ranked")
+    add_special_tokens: bool = Field(True, description="the tokenizer's special tokens (BOS) around a text prompt "
+                                                       "(vLLM extra)")
 
     @property
     def wanted_prompt_logprobs(self) -> int | None:
@@ -325,6 +367,10 @@ class ChatCompletionRequest(GenerationRequest):
     chat_template: str | None = Field(None, description="a template of the request's own (only where the server "
                                                         "trusts request templates)")
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = Field(False, description="the tokenizer's special tokens (BOS) before the chat "
+                                                        "template's text (vLLM extra)")
+    echo: bool = False  # vLLM's: the last message repeated before the reply; not here
+    echo_at_default = at_default("echo", False, "the reply holds only the generated message")
 
 
 # ---------------------------------------------------------------- responses
