@@ -445,7 +445,7 @@ def families(live: LiveServer) -> dict:
     return {f.name: f for f in text_string_to_metric_families(get(f"{live.url}/metrics").text)}
 
 
-def test_metrics_have_vllms_names_and_labels_and_no_created_series(server):
+def test_metrics_have_vllms_names_and_labels_and_no_created_series(server, tokenizer):
     before = server.metrics()
     server.client().completions.create(model=NAME, prompt="abc", max_tokens=5, temperature=0,
                                        extra_body={"ignore_eos": True})
@@ -462,6 +462,24 @@ def test_metrics_have_vllms_names_and_labels_and_no_created_series(server):
     assert metric(after, "vllm:generation_tokens_total") - metric(before, "vllm:generation_tokens_total") == 5
     assert {"vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:request_success",
             "blockspec:request_failure"} <= set(families(server))
+    # the token-count panels of vLLM's dashboard: per request, and a prompt's n copies' longest once all finish
+    mid = server.metrics()
+    server.client().completions.create(model=NAME, prompt="abcd", n=3, max_tokens=6, temperature=1, seed=2,
+                                       extra_body={"ignore_eos": True})
+    end = server.metrics()
+
+    def grew(name: str, at: dict, since: dict) -> float:
+        return metric(at, name) - metric(since, name)
+
+    assert grew("vllm:request_prompt_tokens_count", after, before) == 1
+    assert grew("vllm:request_prompt_tokens_sum", after, before) == len(tokenizer.encode("abc"))
+    assert grew("vllm:request_generation_tokens_sum", after, before) == 5
+    assert grew("vllm:request_params_max_tokens_sum", after, before) == 5
+    assert grew("vllm:request_generation_tokens_count", end, mid) == 3
+    assert grew("vllm:request_generation_tokens_sum", end, mid) == 18
+    assert grew("vllm:request_params_n_sum", end, mid) == 9
+    assert grew("vllm:request_max_num_generation_tokens_count", end, mid) == 1
+    assert grew("vllm:request_max_num_generation_tokens_sum", end, mid) == 6
     assert not any(name.startswith("blockspec:") and name[len("blockspec:"):] in ("num_requests_running",
                                                                                  "generation_tokens")
                    for name in families(server))

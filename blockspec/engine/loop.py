@@ -118,6 +118,11 @@ class Finish(NamedTuple):
     decode: float | None  # from its first token to its last
     inference: float | None  # from its first slot to its last token
     tpot: float | None  # decode time per output token after the first
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    n: int = 1  # the copies its prompt asked for (SamplingParams.n)
+    max_tokens: int | None = None  # its SamplingParams.max_tokens
+    group: tuple[str, int] = ("", 0)  # its prompt: the front's request id and the prompt's index in it
 
 
 @dataclass
@@ -135,14 +140,15 @@ class StepMetrics:
         assert req.first_token_time is not None
         self.first_tokens.append((len(req.prompt_token_ids), max(req.first_token_time - arrival, 0.0)))
 
-    def finish(self, req: Request, arrival: float, finish_time: float) -> None:
+    def finish(self, req: Request, arrival: float, finish_time: float, group: tuple[str, int] = ("", 0)) -> None:
         first = req.first_token_time
         decode = span(first, finish_time)
         n = len(req.output_ids)
         self.finishes.append(Finish(req.finish_reason or "abort", max(finish_time - arrival, 0.0),
                                     span(req.arrival_time, req.scheduled_time), span(req.scheduled_time, first),
                                     decode, span(req.scheduled_time, finish_time),
-                                    decode / (n - 1) if decode is not None and n > 1 else None))
+                                    decode / (n - 1) if decode is not None and n > 1 else None,
+                                    len(req.prompt_token_ids), n, req.params.n, req.params.max_tokens, group))
 
 
 @dataclass
@@ -338,7 +344,7 @@ class EngineLoop:
                 t.last_tokens_at = now
             outputs.append((t.request_id, delta))
             if req.finish_reason is not None:  # its last delta
-                metrics.finish(req, t.arrival, req.finish_time or now)
+                metrics.finish(req, t.arrival, req.finish_time or now, (t.request_id, t.index // req.params.n))
                 del self._trackers[rid]
                 finished = True
         drained = finished and not self.engine.has_unfinished()  # the last answer: exact counts at rest

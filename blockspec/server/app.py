@@ -690,7 +690,8 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         inputs = ready_inputs(body.model)
-        params = body.to_sampling_params(body.max_tokens, body.logprobs, inputs.sampling_defaults)
+        params = body.to_sampling_params(body.max_tokens, body.logprobs, inputs.sampling_defaults,
+                                         model=(inputs.vocab_size, inputs.max_logprobs))
         prompts = await in_thread(tokenizing, completion_prompts, inputs, body.prompt,
                                   params.truncate_prompt_tokens is not None, body.add_special_tokens)
         return await generate(request, body, inputs, prompts, params, CompletionRenderer)
@@ -704,7 +705,7 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
         fields = {"logprobs": "top_logprobs"} | (
             {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {})
         params = body.to_sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
-                                         inputs.sampling_defaults, fields)
+                                         inputs.sampling_defaults, fields, (inputs.vocab_size, inputs.max_logprobs))
         tools = tool_use(body, config.tool_call_parser)
         if tools is not None:
             try:

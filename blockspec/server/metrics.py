@@ -17,7 +17,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from blockspec.engine.loop import StepMetrics
+from blockspec.engine.loop import Finish, StepMetrics
 from blockspec.request import SpecStats
 from blockspec.speculative.policy import PolicyView
 
@@ -28,6 +28,9 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.1
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0)
+# vLLM's 1-2-5 series for token counts (vLLM ends it at max_model_len; here at a million)
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
+N_BUCKETS = (1, 2, 5, 10, 20)
 LABELS = ["model_name", "engine"]  # vLLM's; this server runs one engine, "0"
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -83,6 +86,17 @@ class ServerMetrics:
                                 buckets=REQUEST_BUCKETS)
         self.inference_time = vllm(Histogram, "request_inference_time_seconds", "From the first slot to the last "
                                    "token (RUNNING).", buckets=REQUEST_BUCKETS)
+        self.request_prompt_tokens = vllm(Histogram, "request_prompt_tokens", "Prompt tokens of each finished "
+                                          "request.", buckets=TOKEN_BUCKETS)
+        self.request_generation_tokens = vllm(Histogram, "request_generation_tokens", "Generated tokens of each "
+                                              "finished request.", buckets=TOKEN_BUCKETS)
+        self.request_max_generation = vllm(Histogram, "request_max_num_generation_tokens", "The most tokens one "
+                                           "of a prompt's n copies generated, once its copies all finished.",
+                                           buckets=TOKEN_BUCKETS)
+        self.request_params_n = vllm(Histogram, "request_params_n", "The n of each finished request.",
+                                     buckets=N_BUCKETS)
+        self.request_params_max_tokens = vllm(Histogram, "request_params_max_tokens", "The max_tokens of each "
+                                              "finished request that gave one.", buckets=TOKEN_BUCKETS)
         self.request_failure = own(Counter, "request_failure", "Requests the engine failed (a step that failed while "
                                    "it ran alone, or non-finite logits); not in the latency histograms.")
         self.policy_steps = own(Counter, "spec_decode_policy_steps",
@@ -101,7 +115,9 @@ class ServerMetrics:
         for metric in (self.running, self.waiting, self.kv_usage, self.preemptions, self.prompt_tokens,
                        self.generation_tokens, self.request_failure, self.drafts, self.draft_tokens, self.accepted,
                        self.ttft, self.itl, self.tpot, self.request_tpot, self.e2e, self.queue_time, self.prefill_time,
-                       self.decode_time, self.inference_time):
+                       self.decode_time, self.inference_time, self.request_prompt_tokens,
+                       self.request_generation_tokens, self.request_max_generation, self.request_params_n,
+                       self.request_params_max_tokens):
             metric.labels(*self.labels)  # export every series from the start, at zero
         for reason in FINISH_REASONS:
             self.request_success.labels(*self.labels, reason)
@@ -111,6 +127,7 @@ class ServerMetrics:
         self._seen_prefix = (0, 0)
         self._prompt_total = 0
         self._seen_chosen: dict[int, int] = {}
+        self._copies: dict[tuple[str, int], tuple[int, int]] = {}  # a prompt's copies not finished, most generated
         self._seen_parked: tuple[set[int], int] = (set(), 0)  # buckets parked, requests that joined them
         self._last_gauges = (0, 0, 0.0)  # running, waiting, KV usage of the latest report
         # the periodic log's interval: its start, and the totals then (prompt, generated, speculation)
@@ -151,14 +168,37 @@ class ServerMetrics:
         for f in report.finishes:
             if f.reason == "error":
                 self.request_failure.labels(*labels).inc()
+                self._observe_copies(f)
                 continue
             self.request_success.labels(*labels, f.reason).inc()
             self.e2e.labels(*labels).observe(f.e2e)
+            self._observe_tokens(f)
             for histogram, seconds in ((self.queue_time, f.queue), (self.prefill_time, f.prefill),
                                        (self.decode_time, f.decode), (self.inference_time, f.inference),
                                        (self.request_tpot, f.tpot)):
                 if seconds is not None:
                     histogram.labels(*labels).observe(seconds)
+
+    def _observe_tokens(self, f: Finish) -> None:
+        """A finished request's token counts and parameters."""
+        labels = self.labels
+        self.request_prompt_tokens.labels(*labels).observe(f.prompt_tokens)
+        self.request_generation_tokens.labels(*labels).observe(f.generation_tokens)
+        self.request_params_n.labels(*labels).observe(f.n)
+        if f.max_tokens is not None:
+            self.request_params_max_tokens.labels(*labels).observe(f.max_tokens)
+        self._observe_copies(f)
+
+    def _observe_copies(self, f: Finish) -> None:
+        """The most any of a prompt's copies generated, once the last of them finishes (a failed copy
+        counts as finished with what it had)."""
+        labels = self.labels
+        left, most = self._copies.pop(f.group, (f.n, 0))
+        most = max(most, f.generation_tokens)
+        if left > 1:
+            self._copies[f.group] = (left - 1, most)
+        else:
+            self.request_max_generation.labels(*labels).observe(most)
 
     def interval_summary(self) -> list[str]:
         """Lines for the periodic log, over the time since the last call (vLLM's fields: prompt and

@@ -188,13 +188,18 @@ class GenerationRequest(StrictModel):
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            defaults: Mapping[str, Any] | None = None,
-                           fields: Mapping[str, str] | None = None) -> SamplingParams:
+                           fields: Mapping[str, str] | None = None,
+                           model: tuple[int, int] | None = None) -> SamplingParams:
         """SamplingParams validates every value. A field the request leaves unset takes the model's
         default (`defaults`: generation_config.json's values, as vLLM's server applies them), else
         SamplingParams' own (OpenAI-equal) default. `fields`: the request's name of a value given under
-        another (max_tokens: "max_completion_tokens"), which its errors name."""
+        another (max_tokens: "max_completion_tokens"), which its errors name. `model`: its vocabulary size
+        and max_logprobs, which the token ids and logprobs asked for are checked against."""
         try:
-            return self._sampling_params(max_tokens, logprobs, defaults)
+            params = self._sampling_params(max_tokens, logprobs, defaults)
+            if model is not None:
+                params.check_model(*model)
+            return params
         except SamplingError as exc:
             message = str(exc)
             for ours, theirs in (fields or {}).items():
