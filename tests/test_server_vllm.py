@@ -184,6 +184,36 @@ def test_echo_puts_the_prompt_before_the_output(server, tokenizer):
     assert chunks[0].choices[0].text == "abc" and "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
 
 
+def test_return_token_ids_puts_the_prompt_ids_where_vllm_does(server, tokenizer):
+    """With return_token_ids: a chat response's prompt_token_ids at its top level (it was in each choice), a
+    completion choice's in the choice; streamed, on each choice's first chunk only (they were never streamed),
+    echo's first chunk included."""
+    chat = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 3, "return_token_ids": True, "n": 2,
+            "temperature": 1, "seed": 3}
+    whole = post(f"{server.url}/v1/chat/completions", json=chat).json()
+    prompt = whole["prompt_token_ids"]
+    assert prompt and all("prompt_token_ids" not in c for c in whole["choices"])
+    client = server.client()
+    chunks = [c.model_dump() for c in client.chat.completions.create(model=NAME, stream=True, **{
+        k: v for k, v in chat.items() if k in ("messages", "max_tokens", "n", "temperature", "seed")},
+        extra_body={"return_token_ids": True})]
+    carrying = [c for c in chunks if c.get("prompt_token_ids")]
+    assert [c["choices"][0]["index"] for c in carrying] == [0, 1] and all(c["prompt_token_ids"] == prompt
+                                                                          for c in carrying)
+    ids = tokenizer.encode("abc")
+    for echo in (False, True):
+        chunks = [c.model_dump() for c in client.completions.create(
+            model=NAME, prompt="abc", max_tokens=3, n=2, temperature=1, seed=3, stream=True, echo=echo,
+            extra_body={"return_token_ids": True})]
+        carrying = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0].get("prompt_token_ids")]
+        assert sorted(c["index"] for c in carrying) == [0, 1] and all(c["prompt_token_ids"] == ids for c in carrying)
+        firsts = {}
+        for c in chunks:
+            if c["choices"]:
+                firsts.setdefault(c["choices"][0]["index"], c["choices"][0])
+        assert all(f.get("prompt_token_ids") == ids for f in firsts.values())
+
+
 @pytest.fixture(scope="module")
 def offline(text_dir) -> LLM:
     return load(text_dir)

@@ -392,6 +392,7 @@ class CompletionRenderer(Renderer):
         # with echo, each prompt's text, which its choices' text starts with
         self.echoed = [self.prompt_text(text, ids) for text, ids in self.prompts] if self.body.echo else None
         self.opened: set[int] = set()  # streamed choices whose echo went out
+        self.ids_sent: set[int] = set()  # streamed choices whose prompt ids went out
 
     def prompt_text(self, text: str | None, ids: list[int]) -> str:
         """A prompt as text: as given, or its token ids decoded."""
@@ -411,6 +412,13 @@ class CompletionRenderer(Renderer):
             return [], []
         return list(prompt_entries or []), self.prompts[index // self.params.n][1]
 
+    def first_prompt_ids(self, index: int) -> list[int] | None:
+        """The prompt's ids on a streamed choice's first chunk only (vLLM's, with return_token_ids)."""
+        if index in self.ids_sent:
+            return None
+        self.ids_sent.add(index)
+        return self.prompt_ids(index)
+
     def chunks(self, d: Delta) -> list[BaseModel]:
         """With echo, a streamed choice opens with its prompt's text (and its logprobs with logprobs) once
         the first delta brings them, as vLLM sends it."""
@@ -418,7 +426,8 @@ class CompletionRenderer(Renderer):
             return [self.chunk(d)]
         self.opened.add(d.index)
         echo = CompletionChoice(index=d.index, text=self.echo(d.index),
-                                logprobs=self.logprobs(d.index, *self.echoed_logprobs(d.index, d.prompt_logprobs)))
+                                logprobs=self.logprobs(d.index, *self.echoed_logprobs(d.index, d.prompt_logprobs)),
+                                prompt_token_ids=self.first_prompt_ids(d.index))
         return [CompletionResponse(id=self.id, model=self.model, choices=[echo]), self.chunk(d)]
 
     def logprobs(self, index: int, entries: list[dict[int, Logprob] | None] | None,
@@ -443,7 +452,8 @@ class CompletionRenderer(Renderer):
     def chunk(self, d: Delta) -> BaseModel:
         choice = CompletionChoice(index=d.index, text=d.text, logprobs=self.logprobs(d.index, d.logprobs, d.token_ids),
                                   finish_reason=d.finish_reason, stop_reason=d.stop_reason,
-                                  token_ids=self.token_ids(d.token_ids))
+                                  token_ids=self.token_ids(d.token_ids),
+                                  prompt_token_ids=self.first_prompt_ids(d.index))
         return CompletionResponse(id=self.id, model=self.model, choices=[choice])
 
     def response(self, choices: list[Choice]) -> BaseModel:
@@ -497,7 +507,7 @@ class ChatRenderer(Renderer):
         return ChatLogprobs(content=content)
 
     def opening_chunks(self) -> list[BaseModel]:
-        return [ChatCompletionChunk(id=self.id, model=self.model, choices=[
+        return [ChatCompletionChunk(id=self.id, model=self.model, prompt_token_ids=self.prompt_ids(i), choices=[
             ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
             for i in range(len(self.prompts) * self.params.n)]
 
@@ -527,10 +537,10 @@ class ChatRenderer(Renderer):
             content, calls, finish_reason = self.message(c.text, c.finish_reason)
             out.append(ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls),
                                   logprobs=self.logprobs(c.logprobs, c.token_ids), finish_reason=finish_reason,
-                                  stop_reason=c.stop_reason, token_ids=self.token_ids(c.token_ids),
-                                  prompt_token_ids=self.prompt_ids(i)))
+                                  stop_reason=c.stop_reason, token_ids=self.token_ids(c.token_ids)))
         return ChatCompletionResponse(id=self.id, model=self.model, usage=usage, spec_decode=spec, choices=out,
-                                      prompt_logprobs=self.prompt_logprobs(choices[0].prompt_logprobs))
+                                      prompt_logprobs=self.prompt_logprobs(choices[0].prompt_logprobs),
+                                      prompt_token_ids=self.prompt_ids(0))
 
 
 def sse(payload: BaseModel) -> str:

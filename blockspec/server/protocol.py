@@ -509,13 +509,14 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(ResponseBase):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
-    prompt_logprobs: PromptLogprobs | None = None  # vLLM's place for them: every choice has the one prompt
+    # vLLM's place for them: every choice has the one prompt
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -536,6 +537,7 @@ class ChatChunkChoice(BaseModel):
 class ChatCompletionChunk(ResponseBase):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
+    prompt_token_ids: list[int] | None = None  # on each choice's first chunk, with return_token_ids
 
 
 class ModelCard(BaseModel):
