@@ -659,6 +659,9 @@ class ServerConfig:
     # how tool calls are found in a model's text for tool_choice "auto" ("hermes": Qwen, "llama3_json":
     # Llama 3; None: "auto" is refused, "required" and named functions still work)
     tool_call_parser: str | None = None
+    # tool_choice "none" leaves the request's tools out of the chat template (vLLM's flag; by default the
+    # model is shown the tools it may not call)
+    exclude_tools_when_tool_choice_none: bool = False
     # the prefix of the metrics vLLM also has: "vllm" (vLLM's dashboards read them unchanged) or "blockspec"
     metrics_prefix: str = "vllm"
     # seconds between the log's throughput lines while the server is busy (None: no such lines)
@@ -683,5 +686,6 @@ class ServerConfig:
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
                 raise ConfigError(f"{name} must be a list of non-empty strings, got {value!r}")
         check_bool(self, "allowed_credentials")
+        check_bool(self, "exclude_tools_when_tool_choice_none")
         if self.tool_call_parser not in (None, "hermes", "llama3_json"):
             raise ConfigError(f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}")

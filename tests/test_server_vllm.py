@@ -643,3 +643,18 @@ def test_an_exit_that_skips_shutdown_still_stops_the_engine_process(text_dir, tm
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_tool_choice_none_shows_the_tools_unless_the_server_excludes_them(offline, tokenizer):
+    """As vLLM (and OpenAI's models): under tool_choice "none" the template still sees the tools, which the
+    model may not call; --exclude-tools-when-tool-choice-none leaves them out (they were always left out)."""
+    from blockspec.server.app import chat_prompt, tool_use
+    from blockspec.server.protocol import ChatCompletionRequest
+
+    shown = ("{% for t in tools or [] %}{{ t['function']['name'] }};{% endfor %}"
+             "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], chat_template=shown, tool_choice="none",
+                                 tools=[{"type": "function", "function": {"name": "get_time", "parameters": {}}}])
+    for hide, text in ((False, "get_time;hi"), (True, "hi")):
+        ids = chat_prompt(offline.inputs, body, True, tool_use(body, None, hide))[1]
+        assert ids == tokenizer.encode(text, add_special_tokens=False), hide

@@ -203,9 +203,9 @@ def template_arguments(tokenizer: Any, body: ChatCompletionRequest, trusted: boo
     return kwargs
 
 
-def tool_use(body: ChatCompletionRequest, parser_name: str | None) -> ToolUse | None:
+def tool_use(body: ChatCompletionRequest, parser_name: str | None, hide_when_none: bool = False) -> ToolUse | None:
     """The request's tools and tool choice (None without tools); a choice that needs tools, or "auto"
-    without a parser configured, is a 400."""
+    without a parser configured, is a 400. `hide_when_none`: ServerConfig.exclude_tools_when_tool_choice_none."""
     choice = body.tool_choice
     named = {"name": choice.function.name} if isinstance(choice, NamedToolChoice) else None
     if not body.tools:
@@ -213,7 +213,7 @@ def tool_use(body: ChatCompletionRequest, parser_name: str | None) -> ToolUse | 
             raise APIError(400, "tool_choice asks for a tool call, but the request has no tools", param="tool_choice")
         return None
     use = ToolUse([t.function.model_dump(exclude_none=True) for t in body.tools], named or choice or "auto",
-                  body.parallel_tool_calls, PARSERS[parser_name] if parser_name else None)
+                  body.parallel_tool_calls, PARSERS[parser_name] if parser_name else None, hide_when_none)
     if use.choice == "auto" and use.parser is None:
         raise APIError(400, 'tool_choice "auto" needs the server started with --tool-call-parser (hermes for Qwen, '
                             'llama3_json for Llama 3); "required" or a named function work without one',
@@ -716,7 +716,7 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
             {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {})
         params = body.to_sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                                          inputs.sampling_defaults, fields, (inputs.vocab_size, inputs.max_logprobs))
-        tools = tool_use(body, config.tool_call_parser)
+        tools = tool_use(body, config.tool_call_parser, config.exclude_tools_when_tool_choice_none)
         if tools is not None:
             try:
                 constraint = tools.constraint()

@@ -80,14 +80,16 @@ class ToolUse:
     choice: str | dict[str, Any]
     parallel: bool = True
     parser: Parser | None = None
+    hide_when_none: bool = False  # tool choice "none": leave the tools out of the template (vLLM's opt-in)
 
     @property
     def calls_possible(self) -> bool:
         return self.choice != "none" and (self.choice != "auto" or self.parser is not None)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template takes them (none for "none": the model is not told of them)."""
-        if self.choice == "none":
+        """The tools as the chat template takes them; under "none" too (the model sees what it may not call, as
+        OpenAI's and vLLM's do), unless `hide_when_none`."""
+        if self.choice == "none" and self.hide_when_none:
             return None
         return [{"type": "function", "function": t} for t in self.tools]
 
