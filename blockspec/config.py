@@ -36,6 +36,11 @@ class RopeConfig:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     attention_factor: float | None = None
+    # yarn: the attention factor's log(factor) weights, above and below the ratio (DeepSeek's), where both are
+    # given and attention_factor is not; and whether the correction range is rounded out to whole dimensions
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
@@ -108,7 +113,8 @@ class ModelConfig:
             raise ConfigError(
                 f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
             )
-        head_dim = hf_field(cfg, "head_dim", source, cfg["hidden_size"] // heads)
+        # transformers' defaults where config.json has none: Qwen3Config's 128, else hidden / heads
+        head_dim = hf_field(cfg, "head_dim", source, 128 if model_type == "qwen3" else cfg["hidden_size"] // heads)
         if head_dim % 2:
             raise ConfigError(f"{source}: head_dim must be even for RoPE, got {head_dim}")
         layers = cfg["num_hidden_layers"]
@@ -120,7 +126,10 @@ class ModelConfig:
             raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries for {layers} layers")
         # sliding_window is read only where a layer may slide (Qwen2 configs carry one they do not use)
         slides = hf_flag(cfg, "use_sliding_window", source, model_type == "mistral")
-        window = hf_field(cfg, "sliding_window", source) if slides or "sliding_attention" in layer_types else None
+        window = None
+        if slides or "sliding_attention" in layer_types:  # MistralConfig's window where the key is absent: 4096
+            window = hf_field(cfg, "sliding_window", source, 4096 if "sliding_window" not in cfg and
+                              model_type == "mistral" else None)
         if not layer_types:
             if window is not None:
                 full = cfg.get("max_window_layers", layers)  # Qwen2: the first layers attend in full
@@ -207,15 +216,16 @@ class ModelConfig:
 HF_DTYPES = ("float32", "float", "bfloat16", "float16", "half")  # a checkpoint's torch_dtype
 
 
-def hf_field(cfg: dict[str, Any], name: str, source: str, default: Any = None, kind: type = int) -> Any:
-    """cfg[name] as a positive `kind` (int: not a bool; float: a finite int or float), `default` where it is
-    absent or null; a ConfigError naming the file and field otherwise."""
+def hf_field(cfg: dict[str, Any], name: str, source: str, default: Any = None, kind: type = int,
+             zero: bool = False) -> Any:
+    """cfg[name] as a positive `kind` (int: not a bool; float: a finite int or float; `zero`: 0 too), `default`
+    where it is absent or null; a ConfigError naming the file and field otherwise."""
     value = cfg.get(name)
     if value is None:
         return default
     number = isinstance(value, int) if kind is int else isinstance(value, (int, float)) and math.isfinite(value)
-    if not number or isinstance(value, bool) or value <= 0:
-        what = "a positive integer" if kind is int else "a positive number"
+    if not number or isinstance(value, bool) or value < 0 or (value == 0 and not zero):
+        what = ("a positive integer" if kind is int else "a positive number") + (" or 0" if zero else "")
         raise ConfigError(f"{source}: field {name!r} must be {what}, got {value!r}")
     return kind(value)
 
@@ -277,6 +287,9 @@ def rope_from_hf(cfg: dict[str, Any], source: str) -> RopeConfig:
         beta_fast=hf_field(params, "beta_fast", where, 32.0, float),
         beta_slow=hf_field(params, "beta_slow", where, 1.0, float),
         attention_factor=hf_field(params, "attention_factor", where, None, float),
+        mscale=hf_field(params, "mscale", where, None, float, zero=True),
+        mscale_all_dim=hf_field(params, "mscale_all_dim", where, None, float, zero=True),
+        truncate=hf_flag(params, "truncate", where, True),
     )
 
 

@@ -47,6 +47,30 @@ def test_prefill_logits_and_taps_match_transformers(pair):
     assert (feats - expect).abs().max() < 1e-4
 
 
+def test_a_tied_config_with_its_own_head_keeps_the_head_as_transformers_does(tmp_path, caplog):
+    """tie_word_embeddings true, yet the checkpoint holds an lm_head.weight unlike the embedding: transformers
+    keeps the two apart (with a warning), so blockspec does too; it used to tie them and drop the head, giving
+    another model's logits without a word."""
+    import logging
+
+    from safetensors.torch import save_file
+
+    path = save_tiny(tmp_path / "m", "qwen3", seed=3, tie=True)
+    weights = path / "model.safetensors"
+    state = load_file(str(weights))
+    state["lm_head.weight"] = torch.randn_like(state["model.embed_tokens.weight"])
+    save_file(state, str(weights), metadata={"format": "pt"})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with caplog.at_level(logging.WARNING, logger="blockspec"):
+        ours, _ = load_target(path, dtype="float32", device="cpu", max_positions=64)
+    assert "lm_head.weight differs from the embedding" in caplog.text
+    assert torch.equal(ours.lm_head.weight, state["lm_head.weight"])
+    assert torch.equal(hf.lm_head.weight, state["lm_head.weight"])
+    tied, _ = load_target(save_tiny(tmp_path / "t", "qwen3", seed=3, tie=True), dtype="float32", device="cpu",
+                          max_positions=64)
+    assert tied.lm_head.weight is tied.embed_tokens.weight  # a checkpoint without its own head stays tied
+
+
 def test_incremental_decode_matches_full_forward(pair):
     """Cache written in chunks of different sizes gives the same logits as one pass."""
     _, ours = pair
@@ -256,6 +280,10 @@ def test_missing_weights_file(tmp_path):
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "beta_fast": 16.0, "beta_slow": 2.0,
      "attention_factor": 1.3},
+    # DeepSeek's attention factor from mscale / mscale_all_dim, and an unrounded correction range (both were ignored)
+    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+     "mscale_all_dim": 0.707},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "truncate": False},
 ])
 def test_rope_tables_equal_transformers(scaling):
     """RoPE frequencies and attention scaling, read from the config.json transformers writes, equal
@@ -277,6 +305,26 @@ def test_rope_tables_equal_transformers(scaling):
     if kind != "default":  # negative control
         other = rope_from_hf({**raw, "rope_parameters": {**raw.get("rope_parameters", {}), "factor": 2.0}}, "c")
         assert not torch.equal(rope_inv_freq(other, 128)[0], inv)
+
+
+@pytest.mark.parametrize("name", ["Qwen3Config", "Qwen2Config", "LlamaConfig", "MistralConfig"])
+def test_fields_a_config_leaves_out_take_transformers_defaults(name):
+    """A config.json without head_dim or sliding_window reads as transformers reads it: Qwen3Config's head_dim
+    is 128 (not hidden / heads) and MistralConfig's window 4096 (not full attention); loading them otherwise
+    made another model of the same weights, or refused it with a list of shape mismatches."""
+    from blockspec.config import ModelConfig
+
+    kind = getattr(transformers, name)
+    raw = kind(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+               num_hidden_layers=2, vocab_size=128).to_dict()
+    for field in ("head_dim", "sliding_window"):
+        raw.pop(field, None)
+    hf = kind.from_dict(dict(raw))
+    ours = ModelConfig.from_hf(raw)
+    assert ours.head_dim == (getattr(hf, "head_dim", None) or 16)
+    assert ours.sliding_window == getattr(hf, "sliding_window", None)
+    assert (ours.head_dim, ours.sliding_window) == {"Qwen3Config": (128, None), "MistralConfig": (16, 4096)}.get(
+        name, (16, None))
 
 
 def test_rope_scaling_beside_rope_parameters_wins_as_in_transformers():

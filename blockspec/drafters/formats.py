@@ -313,8 +313,11 @@ def backbone_hf_config(cfg: DrafterConfig, dtype: torch.dtype | None = None) -> 
             rope_params.update(low_freq_factor=cfg.rope.low_freq_factor, high_freq_factor=cfg.rope.high_freq_factor)
         if cfg.rope.type == "yarn":
             rope_params.update(beta_fast=cfg.rope.beta_fast, beta_slow=cfg.rope.beta_slow)
-            if cfg.rope.attention_factor is not None:
-                rope_params["attention_factor"] = cfg.rope.attention_factor
+            for name in ("attention_factor", "mscale", "mscale_all_dim"):
+                if getattr(cfg.rope, name) is not None:
+                    rope_params[name] = getattr(cfg.rope, name)
+            if not cfg.rope.truncate:
+                rope_params["truncate"] = False
     dtype_name = str(dtype).replace("torch.", "") if dtype is not None else cfg.torch_dtype
     out: dict[str, Any] = {
         "model_type": "qwen3",

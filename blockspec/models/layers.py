@@ -50,7 +50,8 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[Tensor, float]:
     """Inverse frequencies and the attention scaling for a RoPE config (default, linear, llama3, yarn)."""
-    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    wave = rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    inv = 1.0 / wave
     scale = 1.0
     if rope.type == "linear":
         inv = inv / rope.factor
@@ -71,14 +72,24 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[Tensor, float]:
         def correction_dim(rotations: float) -> float:
             return (head_dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
-        low = max(math.floor(correction_dim(rope.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(rope.beta_slow)), head_dim - 1)
+        def mscale(weight: float = 1.0) -> float:  # the paper's 0.1 * weight * ln(factor) + 1
+            return 0.1 * weight * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
+
+        low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+        if rope.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
         if low == high:
             high += 0.001
         ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
         extrapolation = 1 - ramp
-        inv = (inv / rope.factor) * (1 - extrapolation) + inv * extrapolation
-        scale = rope.attention_factor or (0.1 * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0)
+        inv = 1.0 / (rope.factor * wave) * (1 - extrapolation) + inv * extrapolation  # rounded as transformers does
+        if rope.attention_factor is not None:
+            scale = rope.attention_factor
+        elif rope.mscale and rope.mscale_all_dim:
+            scale = mscale(rope.mscale) / mscale(rope.mscale_all_dim)
+        else:
+            scale = mscale()
     return inv, scale
 
 

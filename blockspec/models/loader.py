@@ -5,7 +5,9 @@ Every failure names the path and the field at fault, before any weights are touc
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +18,8 @@ from torch import Tensor, nn
 
 from blockspec.config import ConfigError, ModelConfig
 from blockspec.errors import ModelLoadError
+
+log = logging.getLogger("blockspec")
 
 if TYPE_CHECKING:
     from blockspec.models.llama import CausalLM
@@ -218,6 +222,12 @@ def load_target(
     kv_scales = quant.take_kv_scales(state, cfg.num_hidden_layers, cfg.num_key_value_heads, str(model_dir))
     packed = quant.take_fp8_weights(state, fp8) if fp8 is not None else {}
     prefix = "model." if any(k.startswith("model.") for k in state) else ""
+    embed, head = state.get(f"{prefix}embed_tokens.weight"), state.get("lm_head.weight")
+    if cfg.tie_word_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
+        log.warning("%s: tie_word_embeddings is true but lm_head.weight differs from the embedding; the two are "
+                    "kept apart, as transformers keeps them (set tie_word_embeddings false to silence this)",
+                    model_dir / "config.json")
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     mapped = fuse_hf_layer_names(state, prefix, lambda n: n)
     packed_mapped = fuse_hf_layer_names(packed, prefix, lambda n: n, concat=quant.concat_fp8)
     if "lm_head.weight" in packed:
