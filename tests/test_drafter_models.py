@@ -5,6 +5,7 @@ tests/fixtures/drafters/README.md says which reference commit produced each fixt
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -587,6 +588,15 @@ def _edit(d: Path, **changes) -> None:
     ({"hidden_size": None}, "hidden_size"),
     ({"architectures": ["DFlash2DraftModel"]}, "DFlash2"),
     ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": None}, "sliding_window"),
+    # strings where JSON has booleans and numbers: bool("false") read as true (every layer causal), int("16")
+    # and float("x") took or failed in Python's words; each is named now
+    ({"is_causal": "false"}, r"field 'is_causal' must be true or false, got 'false'"),
+    ({"attention_bias": "false"}, r"field 'attention_bias' must be true or false"),
+    ({"head_dim": "16"}, r"field 'head_dim' must be a positive integer, got '16'"),
+    ({"rms_norm_eps": "abc"}, r"field 'rms_norm_eps' must be a positive number"),
+    ({"max_position_embeddings": "x"}, r"field 'max_position_embeddings' must be a positive integer"),
+    ({"target_hidden_size": "x"}, r"field 'target_hidden_size' must be a positive integer"),
+    ({"dflash_config.input_embedding_scale": "x"}, r"field 'input_embedding_scale' must be a positive number"),
 ])
 def test_dflash_config_errors(tmp_path, changes, match):
     d = _copy(tmp_path, "dflash")
@@ -702,6 +712,14 @@ def test_check_target_mismatches():
         dflash.check_target(target_config(rope_theta=10000.0))
     with pytest.raises(ConfigError, match="markov_w1|embed_tokens|vocab"):
         dspark.check_target(target_config(vocab=128))
+    # a drafter of another width that reads the target's features (fc fits them) but shares its embedding and head:
+    # it loaded, then failed its first step in an RMSNorm of the wrong size
+    wide = target_config(hidden=2 * dflash.config.hidden_size)
+    dflash.config = dataclasses.replace(dflash.config, target_hidden_size=wide.hidden_size)
+    with pytest.raises(ConfigError, match=r"hidden_size \d+ != the target's hidden_size \d+; the drafter shares the "
+                                          r"target's embedding and LM head"):
+        dflash.check_target(wide)
+    dflash = load("dflash")
     dflash.check_target(target_config())  # the last layer is a valid DFlash tap (post-norm, as in HF)
     load("dspark_speculators").check_target(target_config())
 

@@ -283,6 +283,11 @@ class DraftModel(nn.Module):
                 f"{name}: fc expects target features of hidden_size {c.target_hidden_size} x "
                 f"{len(c.target_layer_ids)} layers (fc input {self.fc.in_features}) but the target's hidden_size is "
                 f"{target_cfg.hidden_size}")
+        shares = [what for what, own in (("embedding", self.use_own_embedding), ("LM head", self.use_own_head))
+                  if not own]
+        if shares and c.hidden_size != target_cfg.hidden_size:
+            raise ConfigError(f"{name}: hidden_size {c.hidden_size} != the target's hidden_size "
+                              f"{target_cfg.hidden_size}; the drafter shares the target's {' and '.join(shares)}")
         layers = target_cfg.num_hidden_layers
         for lid in c.target_layer_ids:
             if not -1 <= lid < layers:

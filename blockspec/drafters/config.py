@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from blockspec.config import ConfigError, RopeConfig, rope_from_hf
+from blockspec.config import ConfigError, RopeConfig, hf_field, hf_flag, rope_from_hf
 from blockspec.errors import ModelLoadError
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -91,6 +91,23 @@ def _int_field(value: Any, name: str, source: str, minimum: int = 0) -> int:
     return value
 
 
+def _number(raw: dict[str, Any], name: str, source: str, default: float | None, kind: type = float) -> Any:
+    """raw[name] (`default` where absent or null) as a positive `kind`, else a ModelLoadError naming it: int()
+    and float() would take "16" or fail with Python's own words."""
+    try:
+        return hf_field(raw, name, source, default, kind)
+    except ConfigError as exc:
+        raise ModelLoadError(str(exc)) from None
+
+
+def _flag(raw: dict[str, Any], name: str, source: str, default: bool | None) -> bool | None:
+    """raw[name] as true / false (`default` where absent or null): bool("false") would be true."""
+    try:
+        return hf_flag(raw, name, source, default)
+    except ConfigError as exc:
+        raise ModelLoadError(str(exc)) from None
+
+
 def _layer_ids(value: Any, name: str, source: str) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)) or not value or not all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
@@ -103,6 +120,9 @@ def _arch_fields(tl: dict[str, Any], source: str) -> dict[str, Any]:
     """Backbone shape from a Qwen3-style config dict (z-lab, DeepSpec, speculators transformer_layer_config)."""
     for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         _need(tl, name, source)
+    for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        _number(tl, name, source, None, int)
     heads = tl["num_attention_heads"]
     kv_heads = tl.get("num_key_value_heads") or heads
     if heads % kv_heads:
@@ -127,9 +147,9 @@ def _arch_fields(tl: dict[str, Any], source: str) -> dict[str, Any]:
     return dict(
         hidden_size=tl["hidden_size"], intermediate_size=tl["intermediate_size"], num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=tl["vocab_size"],
-        rms_norm_eps=float(tl.get("rms_norm_eps", 1e-6)), rope=rope,
-        max_position_embeddings=int(tl.get("max_position_embeddings", 4096)),
-        attention_bias=bool(tl.get("attention_bias", False)), layer_types=layer_types, sliding_window=window,
+        rms_norm_eps=_number(tl, "rms_norm_eps", source, 1e-6), rope=rope,
+        max_position_embeddings=_number(tl, "max_position_embeddings", source, 4096, int),
+        attention_bias=_flag(tl, "attention_bias", source, False), layer_types=layer_types, sliding_window=window,
         torch_dtype=str(dtype).replace("torch.", ""),
     )
 
@@ -169,19 +189,23 @@ def parse_zlab_config(raw: dict[str, Any], source: str) -> DrafterConfig:
         ids = build_target_layer_ids(_int_field(num_target_layers, "num_target_layers", source, 1),
                                      fields["num_layers"])
     ids = _layer_ids(ids, "dflash_config.target_layer_ids", source)
-    explicit = raw.get("is_causal")
+    explicit = _flag(raw, "is_causal", source, None)
     if explicit is None:
-        explicit = dcfg.get("is_causal", dcfg.get("causal"))
+        explicit = _flag(dcfg, "is_causal", f"{source} dflash_config", _flag(dcfg, "causal", f"{source} dflash_config",
+                                                                             None))
     layer_types = fields["layer_types"]
     causal = tuple(lt == "sliding_attention" if explicit is None else bool(explicit) for lt in layer_types)
     softcap = value("final_logit_softcapping")
     return DrafterConfig(
         **fields, block_size=block, mask_token_id=mask, target_layer_ids=ids,
-        target_hidden_size=int(raw.get("target_hidden_size") or fields["hidden_size"]),
+        target_hidden_size=_number(raw, "target_hidden_size", source, fields["hidden_size"], int),
         causal=causal, window_mode="query", anchor_first=False, draft_vocab_size=None,
-        num_target_layers=num_target_layers, input_embedding_scale=float(value("input_embedding_scale") or 1.0),
-        output_multiplier=float(value("output_multiplier") or 1.0),
-        final_logit_softcapping=float(softcap) if softcap else None,
+        num_target_layers=num_target_layers,
+        input_embedding_scale=_number({"input_embedding_scale": value("input_embedding_scale")},
+                                      "input_embedding_scale", source, 1.0),
+        output_multiplier=_number({"output_multiplier": value("output_multiplier")}, "output_multiplier", source, 1.0),
+        final_logit_softcapping=_number({"final_logit_softcapping": softcap}, "final_logit_softcapping", source,
+                                        None) if softcap else None,
         is_causal=None if explicit is None else bool(explicit),
     )
 
@@ -207,16 +231,16 @@ def parse_speculators_config(raw: dict[str, Any], source: str, kind: str) -> tup
     if draft_vocab is None:
         raise ModelLoadError(f"{source}: missing required field 'draft_vocab_size'")
     draft_vocab = _int_field(draft_vocab, "draft_vocab_size", source, 1)
-    sample_from_anchor = bool(raw.get("sample_from_anchor", kind == "dspark"))
-    non_causal = bool(raw.get("sliding_window_non_causal", False))
+    sample_from_anchor = _flag(raw, "sample_from_anchor", source, kind == "dspark")
+    non_causal = _flag(raw, "sliding_window_non_causal", source, False)
     causal = tuple(lt == "sliding_attention" and not non_causal for lt in fields["layer_types"])
     cfg = DrafterConfig(
         **fields, block_size=block, mask_token_id=mask,
         # speculators ids index HF hidden_states (0 = embeddings): tap = id - 1
         target_layer_ids=tuple(i - 1 for i in aux),
-        target_hidden_size=int(raw.get("target_hidden_size") or fields["hidden_size"]),
+        target_hidden_size=_number(raw, "target_hidden_size", source, fields["hidden_size"], int),
         causal=causal, window_mode="anchor", anchor_first=sample_from_anchor, draft_vocab_size=draft_vocab,
-        logit_scale=float(raw.get("logit_scale") or tl.get("logit_scale") or 1.0),
+        logit_scale=_number(raw, "logit_scale", source, _number(tl, "logit_scale", source, 1.0)),
         sliding_window_non_causal=non_causal,
     )
     return cfg, raw
@@ -240,11 +264,9 @@ class DSparkHeads:
 
 
 def _bool_field(raw: dict[str, Any], name: str, source: str, default: bool | None = None) -> bool:
-    value = raw.get(name, default)
+    value = _flag(raw, name, source, default)
     if value is None:
         raise ModelLoadError(f"{source}: missing required field {name!r}")
-    if not isinstance(value, bool):
-        raise ModelLoadError(f"{source}: field {name!r} must be true or false, got {value!r}")
     return value
 
 
@@ -286,5 +308,5 @@ def parse_deepspec_config(raw: dict[str, Any], source: str) -> tuple[DrafterConf
         causal=(False,) * fields["num_layers"], window_mode="query", anchor_first=True,
         num_target_layers=raw.get("num_target_layers"),
     )
-    heads = DSparkHeads(rank, head_type, conf, with_markov, int(raw.get("num_anchors") or 512))
+    heads = DSparkHeads(rank, head_type, conf, with_markov, _number(raw, "num_anchors", source, 512, int))
     return cfg, heads
