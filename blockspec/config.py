@@ -98,6 +98,10 @@ class ModelConfig:
             )
         if "text_config" in cfg and "hidden_size" not in cfg:
             raise ConfigError(f"{source}: multimodal configs (text_config) are not supported")
+        heads_on = [str(a) for a in cfg.get("architectures") or [] if not str(a).endswith("ForCausalLM")]
+        if heads_on:  # a classifier's or reward model's weights under a causal LM's model_type
+            raise ConfigError(f"{source}: architectures {heads_on} are not supported; blockspec generates text with "
+                              "*ForCausalLM models")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if cfg.get(name) is None:
                 raise ConfigError(f"{source}: field {name!r} must be a positive integer, got None")

@@ -137,6 +137,11 @@ def test_unsupported_architecture_is_named(tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
         load_target(path)
+    # a classifier under a causal LM's model_type loaded as a causal LM, its score head dropped without a word
+    cfg["model_type"], cfg["architectures"] = "qwen3", ["Qwen3ForSequenceClassification"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"architectures \['Qwen3ForSequenceClassification'\] are not supported"):
+        load_target(path)
 
 
 def test_malformed_config_and_bad_shapes(tmp_path):
@@ -153,6 +158,16 @@ def test_malformed_config_and_bad_shapes(tmp_path):
     cfg["num_key_value_heads"] = 3
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="num_key_value_heads"):
+        load_target(path)
+    # one part of a fused product of the wrong width: named (it was torch.cat's "Sizes of tensors must match")
+    from safetensors.torch import save_file
+
+    path = save_tiny(tmp_path / "m3", "llama")
+    state = load_file(str(path / "model.safetensors"))
+    state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"][:, :-2].contiguous()
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"layers\.0\.mlp\.gate_up_proj\.weight: its parts' shapes past the "
+                                             r"output rows differ: gate_proj \[\d+, \d+\], up_proj"):
         load_target(path)
 
 

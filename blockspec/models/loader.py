@@ -148,6 +148,10 @@ def fuse_hf_layer_names(state: dict[str, Any], prefix: str, rename: Callable[[st
         need = order[fused]
         if set(parts) != set(need):
             raise ModelLoadError(f"{key}: checkpoint has {sorted(parts)} but needs all of {list(need)}")
+        widths = {tuple(parts[p].shape[1:]) for p in need if isinstance(parts[p], Tensor)}
+        if len(widths) > 1:  # torch.cat would fail in its own words, naming no tensor
+            raise ModelLoadError(f"{key}: its parts' shapes past the output rows differ: "
+                                 + ", ".join(f"{p} {list(parts[p].shape)}" for p in need))
         out[key] = concat([parts[p] for p in need])
     return out
 
