@@ -52,6 +52,8 @@ def cmd_chat_session(args: argparse.Namespace) -> int:
     from blockspec.errors import USER_ERRORS
 
     sampling_params(args)  # bad flags fail before the model loads
+    if sys.stdin is None:  # started with stdin closed: no conversation to read
+        raise ConfigError("chat without --prompt reads the conversation from stdin, which is closed")
     llm = build_llm(args)
     params = sampling_params(args, llm.inputs.sampling_defaults)
     messages: list[dict[str, str]] = []
@@ -92,7 +94,12 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> int:
     if not prompts and chat:
         return cmd_chat_session(args)
     if not prompts:
-        raise ConfigError("give at least one --prompt or --prompts-file")
+        raise ConfigError("give at least one --prompt or --prompts-file" + (f" ({args.prompts_file} holds no "
+                          "prompt)" if args.prompts_file else ""))
+    ids = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+    if (chat or args.chat) and ids:
+        raise ConfigError(f"chat takes text prompts; prompt {ids[0]} holds token ids (generate without --chat takes "
+                          "them as given)")
     llm = build_llm(args)
     params = sampling_params(args, llm.inputs.sampling_defaults)
     t0 = time.perf_counter()
@@ -143,6 +150,15 @@ def cmd_quantize(args: argparse.Namespace) -> int:
               f"from {sum(map(len, calibration))} tokens: "
               f"{min(scales):.3g} to {max(scales):.3g} (|K| and |V| up to {max(scales) * 448:.3g})")
     return 0
+
+
+def dashed_flags(argv: list[str]) -> list[str]:
+    """vLLM's spelling rule: --max_model_len is --max-model-len (flag names only, never a value; `train` keeps its
+    own parser's names)."""
+    if argv[:1] == ["train"]:
+        return argv
+    return [a.split("=", 1)[0].replace("_", "-") + ("=" + a.split("=", 1)[1] if "=" in a else "")
+            if a.startswith("--") else a for a in argv]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                            description="Train a DFlash or DSpark drafter against a frozen target and export it in the "
                                        "z-lab (DFlash) or DeepSpec (DSpark) format that `--draft-model` loads.")
     build_train_parser(train).set_defaults(func=run_train)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(dashed_flags(sys.argv[1:] if argv is None else argv))
     from blockspec.errors import USER_ERRORS
 
     try:

@@ -122,6 +122,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="default sampling parameters: 'auto' reads the model's generation_config.json "
                         "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), 'vllm' ignores "
                         "it, or a directory with one")
+    g.add_argument("--tokenizer-mode", default=EngineArgs.tokenizer_mode, choices=["auto", "hf"],
+                   help="vLLM's tokenizer choice: the fast tokenizer either way")
+    g.add_argument("--task", "--runner", dest="task", default=EngineArgs.task, choices=["auto", "generate"],
+                   help="vLLM's model task / runner: text generation either way")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM's sake and ignored: blockspec runs no code from a model's repository")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
@@ -144,7 +148,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="drafter directory or hub id, or 'default' (the embedded drafter of --speculative-method); "
                         "turns speculation on (default: none, plain decoding)")
     s.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="draft tokens verified per step at most (default: the drafter's block size - 1 for DFlash)")
+                   help="draft tokens verified per step at most (default: the drafter's draft positions: its block less "
+                        "the anchor for DFlash, the whole block for DSpark)")
     s.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction, default=None,
                    help="each step verifies the number of drafts with the most measured tokens per second, down to "
                         "none (default: on); --no-adaptive-draft-length pins it to --num-speculative-tokens")
@@ -255,6 +260,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
                async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
                enforce_eager=args.enforce_eager, chat_template=args.chat_template,
                generation_config=args.generation_config, trust_remote_code=args.trust_remote_code,
+               tokenizer_mode=args.tokenizer_mode, task=args.task,
                enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
                swap_space=args.swap_space, disable_custom_all_reduce=args.disable_custom_all_reduce,
                max_seq_len_to_capture=args.max_seq_len_to_capture)
@@ -268,6 +274,9 @@ def why_no_drafts(m: dict[str, Any]) -> str:
         return ("speculation: configured, but the draft-length policy chose plain decoding for every step"
                 + (f" ({parked} requests joined a batch size where plain decoding won)" if parked else "")
                 + " (adaptive_draft_length=false pins K)")
+    if any(k and n for k, n in chosen.items()):  # the policy chose drafts; each request's budget left none
+        return ("speculation: configured, but no step drafted: the steps that chose drafts had no room left for "
+                "any (max_tokens or the context ended the requests first)")
     return ("speculation: configured, but no step drafted (every request opted out with use_speculation=False, the "
             "batch was over max_batch_for_speculation, or no request decoded past its first token)")
 

@@ -279,6 +279,10 @@ class ModelInputs:
             if not isinstance(conv, (list, tuple)) or not conv or not all(
                     isinstance(m, dict) and "role" in m and "content" in m for m in conv):
                 raise RequestError(f"conversation {i}: messages must be a non-empty list of {{'role', 'content'}}")
+            for j, m in enumerate(conv):  # a dict or a number would reach the template as its Python text
+                if not isinstance(m["content"], str | list | None):
+                    raise RequestError(f"conversation {i}, message {j}: content must be text or a list of text parts, "
+                                       f"got {type(m['content']).__name__}")
             conv = [{**m, "content": text_content(m["content"], f"conversation {i}, message {j}")}
                     if isinstance(m["content"], list) else m for j, m in enumerate(conv)]
             ids = chat_ids(self.tokenizer, conv, add_generation_prompt, continue_final_message, f"conversation {i}",

@@ -461,6 +461,10 @@ def test_preset_default_benchmarks_the_embedded_pair_with_real_acceptance(tmp_pa
     runs = json.loads((out / "bench.json").read_text())["runs"]
     assert {r["method"] for r in runs} == {"plain", "dflash", "dspark"}
     assert all(r["prefix_match_plain"] == 1.0 for r in runs if r["method"] != "plain")
+    # lengths past the positions the model was trained on are refused (they ran, and called it real acceptance)
+    assert main(["bench", "--model", "default", "--input-len", "5000", "--output-len", "4", "--device", "cpu",
+                 "--no-plots", "--out", str(tmp_path / "long")]) == 2
+    assert "need 5004 positions; " in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------- workload presets

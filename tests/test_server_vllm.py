@@ -569,6 +569,25 @@ def test_serve_help_shows_defaults(capsys):
         assert default in text, default
 
 
+def test_serve_takes_vllms_key_variable_and_cors_flag(monkeypatch):
+    """vLLM's server reads its key from VLLM_API_KEY where --api-key is not given (blockspec's server ran open
+    with it set) and names the CORS credentials flag --allow-credentials."""
+    import argparse
+
+    from blockspec.server import add_serve_parser
+
+    monkeypatch.delenv("BLOCKSPEC_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "m", "--allow-credentials"])
+    assert args.api_key == "secret" and args.allowed_credentials is True
+    monkeypatch.setenv("BLOCKSPEC_API_KEY", "ours")
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["serve", "m"]).api_key == "ours"
+
+
 def serve_command(text_dir: Path, *extra: str) -> tuple[subprocess.Popen, str, list[str]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -383,6 +383,30 @@ def test_model_as_argument_or_flag(text_dir, capsys):
     assert "give the target model" in capsys.readouterr().err
 
 
+def test_command_line_mistakes_a_vllm_user_makes_are_named(text_dir, tmp_path, capsys, monkeypatch):
+    """vLLM's --flag_name spelling is taken; token-id prompts given to chat (they reached the template as the
+    dict's Python text), chat with stdin closed (an AttributeError), a --tokenizer directory without tokenizer
+    files (blamed on the model) and --enable-auto-tool-choice without a parser (vLLM refuses it) are one-line
+    errors."""
+    import sys
+
+    base = ["--device", "cpu", "--max-tokens", "2"]
+    assert main(["generate", str(text_dir), "--max_model_len", "96", "--prompt", "ab", *base]) == 0
+    assert capsys.readouterr().out
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text('{"prompt_token_ids": [5, 6, 7]}\n')
+    assert main(["chat", str(text_dir), "--prompts-file", str(ids), *base]) == 2
+    assert "chat takes text prompts; prompt 0 holds token ids" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", None)
+    assert main(["chat", str(text_dir), *base]) == 2
+    assert "reads the conversation from stdin, which is closed" in capsys.readouterr().err
+    assert main(["generate", str(text_dir), "--tokenizer", str(tmp_path), "--prompt", "ab", *base]) == 2
+    assert f"tokenizer '{tmp_path}': no tokenizer files there" in capsys.readouterr().err
+    assert main(["serve", str(text_dir), "--enable-auto-tool-choice", "--port", "0"]) == 2
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+    assert "no room left" in format_spec_metrics({"num_drafts": 0, "policy_steps": {0: 2, 1: 1}})
+
+
 def test_vllm_flag_names_reach_the_engine(text_dir):
     args = parsed([str(text_dir), "-tp", "1", "--block-size", "16", "--max-num-batched-tokens", "48",
                    "--enforce-eager", "--device", "cpu", "--max-model-len", "96"])

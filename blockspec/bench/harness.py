@@ -461,9 +461,14 @@ def _prepare_checkpoints(cfg: BenchConfig, device: torch.device, rank: Rank | No
 
     model_dir = resolve_model_dir(cfg.model)
     tokenizer = load_tokenizer(model_dir)
-    vocab = int(read_json(model_dir / "config.json")["vocab_size"])
+    raw = read_json(model_dir / "config.json")
+    vocab = int(raw["vocab_size"])
     prompts = load_prompts(cfg, tokenizer, vocab, max(cfg.batch_sizes) * cfg.waves)
     max_len = context_len([p for group in prompts.values() for p in group], cfg.output_len)
+    positions = raw.get("max_position_embeddings")
+    if isinstance(positions, int) and max_len - 8 > positions:  # past the positions it was trained on
+        raise ConfigError(f"--input-len and --output-len need {max_len - 8} positions; {cfg.model} has "
+                          f"{positions} (max_position_embeddings)")
     load = load_target if rank is None else shard_loader(rank.rank, rank.world_size)
     target, model_dir = load(model_dir, cfg.dtype, device, max_len + 64, cfg.quantization)
     weight = target.embed_tokens.weight

@@ -137,6 +137,9 @@ def build_engine(
     target, model_dir = load(model_dir, a.dtype, dev, max_len + margin, a.quantization)
     tok = load_tokenizer(resolve_model_dir(a.tokenizer, "tokenizer", **a.hub(a.tokenizer_revision)) if a.tokenizer
                          else model_dir)
+    if a.tokenizer and tok is None:  # asked for by name: its absence is the mistake, not the model's
+        raise ModelLoadError(f"tokenizer {str(a.tokenizer)!r}: no tokenizer files there (tokenizer.json or "
+                             "tokenizer_config.json)")
     if a.chat_template is not None:
         if tok is None:
             raise ConfigError(f"chat_template needs a tokenizer; {model_dir} has none")

@@ -50,15 +50,17 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--disable-log-stats", action="store_true",
                    help=f"no throughput lines in the log (otherwise one every {ServerConfig.log_stats_interval_s:g} s "
                         "while busy)")
-    g.add_argument("--api-key", default=os.environ.get("BLOCKSPEC_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $BLOCKSPEC_API_KEY; none: open)")
+    g.add_argument("--api-key", default=os.environ.get("BLOCKSPEC_API_KEY") or os.environ.get("VLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $BLOCKSPEC_API_KEY, else vLLM's "
+                        "$VLLM_API_KEY; none: open)")
     g.add_argument("--allowed-origins", type=json_strings, default=list(ServerConfig.allowed_origins),
                    help="CORS: the origins browsers may call from, as a JSON list (vLLM's flag)")
     g.add_argument("--allowed-methods", type=json_strings, default=list(ServerConfig.allowed_methods),
                    help="CORS: the methods browsers may use, as a JSON list")
     g.add_argument("--allowed-headers", type=json_strings, default=list(ServerConfig.allowed_headers),
                    help="CORS: the request headers browsers may send, as a JSON list")
-    g.add_argument("--allowed-credentials", action="store_true", help="CORS: browsers may send credentials")
+    g.add_argument("--allow-credentials", "--allowed-credentials", dest="allowed_credentials", action="store_true",
+                   help="CORS: browsers may send credentials (vLLM's flag)")
     g.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
                    help="refuse request bodies larger than this with a 413 (default: %(default)s)")
     g.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
@@ -69,7 +71,7 @@ def add_serve_parser(sub: Any) -> None:
                         "model is shown the tools it may not call, as vLLM does)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice \"auto\" is on whenever --tool-call-parser "
-                        "is given")
+                        "is given (and, as vLLM, refused without one)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat template (rendering one runs the request's template "
                         "code on the server; default: refused)")
@@ -107,6 +109,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size != 1 and not args.engine_process:  # the ranks take their steps from pipes
         print(f"error: --tensor-parallel-size {args.tensor_parallel_size} needs the engine process: drop "
               "--no-engine-process", file=sys.stderr)
+        return 2
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:  # vLLM refuses this at start too
+        print("error: --enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)", file=sys.stderr)
         return 2
     try:
         config = ServerConfig(api_key=args.api_key, max_request_bytes=args.max_request_bytes,
