@@ -505,6 +505,7 @@ def test_metrics_have_vllms_names_and_labels_and_no_created_series(server, token
     assert grew("vllm:request_prompt_tokens_sum", after, before) == len(tokenizer.encode("abc"))
     assert grew("vllm:request_generation_tokens_sum", after, before) == 5
     assert grew("vllm:request_params_max_tokens_sum", after, before) == 5
+    assert grew("vllm:iteration_tokens_total_sum", after, before) == len(tokenizer.encode("abc")) + 5
     assert grew("vllm:request_generation_tokens_count", end, mid) == 3
     assert grew("vllm:request_generation_tokens_sum", end, mid) == 18
     assert grew("vllm:request_params_n_sum", end, mid) == 9

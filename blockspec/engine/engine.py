@@ -122,6 +122,7 @@ class Engine:
         self.timer = StepTimer(self.device)
         self.num_steps = 0
         self.num_prompt_tokens = 0
+        self.num_prefilled_tokens = 0  # prompt positions through the target (recomputed ones too)
         self.num_steps_launched_ahead = 0
         self.num_spec_steps_chained = 0
         self.num_spec_steps_from_committed = 0  # a batch's first steps run as the chained step's body
@@ -218,6 +219,7 @@ class Engine:
         self.num_steps = 0
         self.output.num_generated = 0
         self.num_prompt_tokens = 0
+        self.num_prefilled_tokens = 0
         self.num_steps_launched_ahead = 0
         self.num_spec_steps_chained = 0
         self.num_spec_steps_from_committed = 0
@@ -419,6 +421,7 @@ class Engine:
             return []
         self.timer.mark("rest")
         counts = [len(run) for run in runs]
+        self.num_prefilled_tokens += sum(counts)
         context = self._draft_context(chosen, counts) if self._drafts_any(chosen) else None
         hidden, feats = self.runner.forward(runs, starts, [r.slot for r in chosen], with_taps=context is not None,
                                             context=context)

@@ -91,6 +91,7 @@ class EngineGauges:
     policy: PolicyView | None = None  # the draft-length policy's view, when this report carries it
     num_preemptions: int = 0
     prefix_cache: tuple[int, int] = (0, 0)  # prompt tokens looked up in the prefix cache, and found
+    num_prefilled: int = 0  # prompt positions the target has run (Engine.num_prefilled_tokens)
 
     @classmethod
     def of(cls, engine: Engine) -> EngineGauges:
@@ -99,7 +100,8 @@ class EngineGauges:
         spec.merge(engine.spec_totals)
         prefix = (pages.prefix.queried_tokens, pages.prefix.hit_tokens) if pages.prefix else (0, 0)
         return cls(len(engine.running), len(engine.waiting), 1 - pages.num_free_pages / pages.num_pages,
-                   engine.num_generated, spec, num_preemptions=engine.num_preemptions, prefix_cache=prefix)
+                   engine.num_generated, spec, num_preemptions=engine.num_preemptions, prefix_cache=prefix,
+                   num_prefilled=engine.num_prefilled_tokens)
 
 
 def span(start: float | None, end: float | None) -> float | None:

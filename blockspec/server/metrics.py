@@ -31,6 +31,7 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 # vLLM's 1-2-5 series for token counts (vLLM ends it at max_model_len; here at a million)
 TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
 N_BUCKETS = (1, 2, 5, 10, 20)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
 LABELS = ["model_name", "engine"]  # vLLM's; this server runs one engine, "0"
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -97,6 +98,8 @@ class ServerMetrics:
                                      buckets=N_BUCKETS)
         self.request_params_max_tokens = vllm(Histogram, "request_params_max_tokens", "The max_tokens of each "
                                               "finished request that gave one.", buckets=TOKEN_BUCKETS)
+        self.iteration_tokens = vllm(Histogram, "iteration_tokens_total", "Tokens of each engine step: prompt "
+                                     "positions prefilled and tokens generated.", buckets=ITERATION_BUCKETS)
         self.request_failure = own(Counter, "request_failure", "Requests the engine failed (a step that failed while "
                                    "it ran alone, or non-finite logits); not in the latency histograms.")
         self.policy_steps = own(Counter, "spec_decode_policy_steps",
@@ -117,12 +120,13 @@ class ServerMetrics:
                        self.ttft, self.itl, self.tpot, self.request_tpot, self.e2e, self.queue_time, self.prefill_time,
                        self.decode_time, self.inference_time, self.request_prompt_tokens,
                        self.request_generation_tokens, self.request_max_generation, self.request_params_n,
-                       self.request_params_max_tokens):
+                       self.request_params_max_tokens, self.iteration_tokens):
             metric.labels(*self.labels)  # export every series from the start, at zero
         for reason in FINISH_REASONS:
             self.request_success.labels(*self.labels, reason)
         self._seen_spec = SpecStats()
         self._seen_generated = 0
+        self._seen_prefilled = 0
         self._seen_preemptions = 0
         self._seen_prefix = (0, 0)
         self._prompt_total = 0
@@ -142,7 +146,10 @@ class ServerMetrics:
         self.waiting.labels(*labels).set(s.waiting)
         self.kv_usage.labels(*labels).set(s.kv_usage)
         self.generation_tokens.labels(*labels).inc(s.num_generated - self._seen_generated)
-        self._seen_generated = s.num_generated
+        step_tokens = s.num_generated - self._seen_generated + s.num_prefilled - self._seen_prefilled
+        if step_tokens > 0:
+            self.iteration_tokens.labels(*labels).observe(step_tokens)
+        self._seen_generated, self._seen_prefilled = s.num_generated, s.num_prefilled
         self.preemptions.labels(*labels).inc(s.num_preemptions - self._seen_preemptions)
         self._seen_preemptions = s.num_preemptions
         self.prefix_queries.labels(*labels).inc(s.prefix_cache[0] - self._seen_prefix[0])
