@@ -220,6 +220,9 @@ def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.rejection_sample_method:
         cfg["rejection_sample_method"] = args.rejection_sample_method
     if not cfg:
+        if args.speculative_config == {}:  # asked for, yet naming nothing: it ran plain decoding without a word
+            raise ConfigError("--speculative-config {} names no drafter: give at least 'method' and 'model' (or "
+                              "leave the flag out for plain decoding)")
         return None
     if "model" not in cfg:  # a method named for the embedded target: its embedded drafter of that method
         if "method" not in cfg or args.model != "default":

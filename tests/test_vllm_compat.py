@@ -405,6 +405,8 @@ def test_command_line_mistakes_a_vllm_user_makes_are_named(text_dir, tmp_path, c
     assert main(["serve", str(text_dir), "--enable-auto-tool-choice", "--port", "0"]) == 2
     assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
     assert "no room left" in format_spec_metrics({"num_drafts": 0, "policy_steps": {0: 2, 1: 1}})
+    assert main(["generate", str(text_dir), "--speculative-config", "{}", "--prompt", "ab", *base]) == 2
+    assert "--speculative-config {} names no drafter" in capsys.readouterr().err  # it ran plain without a word
 
 
 def test_vllm_flag_names_reach_the_engine(text_dir):
