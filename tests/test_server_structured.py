@@ -183,3 +183,37 @@ def test_the_parsers_find_calls_in_each_family_format():
     assert llama3_json("plain text")[1] == []
     schema = required_schema([WEATHER["function"]], parallel=False)
     assert schema["maxItems"] == 1 and schema["items"]["anyOf"][0]["properties"]["name"] == {"const": "weather"}
+
+
+def test_required_tool_choice_keeps_each_tools_definitions_and_auto_honours_parallel_false(plain):
+    """Tools whose parameters use $defs (as Pydantic writes them) or refer to themselves ("#"): under "required"
+    their schemas sit inside a list of calls, where the references pointed at nothing (a 400, "Pointer
+    '/$defs/loc' does not exist"); the definitions are gathered at the top, renamed per tool. Under "auto",
+    parallel_tool_calls false keeps the first call only (both were returned)."""
+    import jsonschema
+
+    from blockspec.structured import new_matcher
+
+    place = {"name": "place", "parameters": {"type": "object", "properties": {"at": {"$ref": "#/$defs/loc"}},
+                                             "required": ["at"], "$defs": {"loc": {"type": "string"}}}}
+    other = {"name": "other", "parameters": {"type": "object", "properties": {"at": {"$ref": "#/definitions/loc"}},
+                                             "definitions": {"loc": {"type": "integer"}}}}
+    tree = {"name": "tree", "parameters": {"type": "object", "properties": {"kids": {"type": "array",
+                                                                                     "items": {"$ref": "#"}}}}}
+    schema = required_schema([place, other, tree], parallel=True)
+    jsonschema.validate([{"name": "place", "parameters": {"at": "Oslo"}}, {"name": "other", "parameters": {"at": 3}},
+                         {"name": "tree", "parameters": {"kids": [{"kids": []}]}}], schema)
+    for wrong in ([{"name": "place", "parameters": {"at": 3}}], [{"name": "other", "parameters": {"at": "x"}}],
+                  [{"name": "tree", "parameters": {"kids": [{"kids": 1}]}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, schema)
+    inputs = plain.inputs
+    new_matcher(StructuredOutputsParams(json=schema), inputs.tokenizer, inputs.vocab_size, inputs.eos_ids, "t")
+    two = ('<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "weather", "arguments": {"city": "Lima"}}\n</tool_call>')
+    for parallel, found in ((True, 2), (False, 1)):
+        use = ToolUse([WEATHER["function"]], "auto", parallel, PARSERS["hermes"])
+        assert len(use.split(two)[1]) == found
+        stream = ToolStream(use)
+        stream.feed(two)
+        assert len(stream.finish()[1]) == found

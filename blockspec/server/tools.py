@@ -36,12 +36,48 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def hoisted(parameters: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameter schema to nest inside another: its definitions ($defs, definitions) moved into `defs`
+    under `prefix` (so two tools' names cannot collide) and its references rewritten to them, the schema's own
+    root ("#") included, since a reference resolves from the schema that finally holds it."""
+    own = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
+    body = {k: v for k, v in parameters.items() if k not in ("$defs", "definitions")}
+    root = f"{prefix}root"
+
+    def moved(node: Any) -> Any:
+        if isinstance(node, list):
+            return [moved(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: moved(v) for k, v in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            if ref == "#":
+                out["$ref"], defs[root] = f"#/$defs/{root}", None  # filled below
+            for kind in ("#/$defs/", "#/definitions/"):
+                if ref.startswith(kind):
+                    out["$ref"] = f"#/$defs/{prefix}{ref[len(kind):]}"
+        return out
+
+    result = moved(body)
+    for name, schema in own.items():
+        defs[f"{prefix}{name}"] = moved(schema)
+    if root in defs:
+        defs[root] = result
+    return result
+
+
 def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    """A JSON list of calls, each {"name": one tool's, "parameters": that tool's schema}."""
-    calls = [{"type": "object", "properties": {"name": {"const": t["name"]},
-                                               "parameters": t.get("parameters") or {"type": "object"}},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    """A JSON list of calls, each {"name": one tool's, "parameters": that tool's schema}; the tools' definitions
+    gathered at the top, where their references resolve."""
+    defs: dict[str, Any] = {}
+    calls = [{"type": "object",
+              "properties": {"name": {"const": t["name"]},
+                             "parameters": hoisted(t.get("parameters") or {"type": "object"}, f"tool{i}_", defs)},
+              "required": ["name", "parameters"], "additionalProperties": False} for i, t in enumerate(tools)]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if defs:
+        schema["$defs"] = defs
     if not parallel:
         schema["maxItems"] = 1
     return schema
@@ -115,6 +151,8 @@ class ToolUse:
             return None, [Call(c["name"], json.dumps(c["parameters"])) for c in listed]
         if self.choice == "auto" and self.parser is not None:
             content, calls = self.parser.split(text)
+            if not self.parallel:  # parallel_tool_calls false: at most one call, as OpenAI's API answers
+                calls = calls[:1]
             return (content or None) if calls else text, calls
         return text, []
 
