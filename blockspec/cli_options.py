@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from blockspec.assets import embedded
-from blockspec.config import LOGPROBS_MODES, ConfigError, EngineArgs, EngineConfig
+from blockspec.config import LOGPROBS_MODES, ConfigError, EngineArgs, EngineConfig, drafter_method
 from blockspec.llm import LLM
 from blockspec.request import Logprob
 from blockspec.sampling_params import SamplingParams
@@ -142,7 +142,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "them (vLLM's automatic prefix caching; default: off)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default=None, choices=["dflash", "dspark"],
-                   help="drafter family (default: dflash when --draft-model is given); for the embedded target "
+                   help="drafter family (default: the --draft-model checkpoint's, else dflash); for the embedded target "
                         "'default' it alone turns speculation on with that family's embedded drafter")
     s.add_argument("--draft-model", default=None,
                    help="drafter directory or hub id, or 'default' (the embedded drafter of --speculative-method); "
@@ -230,7 +230,8 @@ def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
                               "--speculative-config; with the embedded target 'default', --speculative-method "
                               "alone takes its embedded drafter)")
         cfg["model"] = "default"
-    cfg.setdefault("method", "dflash")
+    if "method" not in cfg:  # the checkpoint says which family it is, else DFlash
+        cfg["method"] = (drafter_method(cfg["model"]) if cfg["model"] != "default" else None) or "dflash"
     if isinstance(cfg["model"], str):
         cfg["model"] = embedded(cfg["model"], cfg["method"])
     return cfg

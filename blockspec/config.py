@@ -7,6 +7,7 @@ message names the field and the allowed values.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from pathlib import Path
@@ -331,6 +332,17 @@ def moe_from_hf(cfg: dict[str, Any], model_type: str, layers: int, source: str) 
 
 
 SPEC_METHODS = ("dflash", "dspark")
+
+
+def drafter_method(model: str | os.PathLike[str]) -> str | None:
+    """The speculative method a local drafter checkpoint's config.json names (its architectures or speculators'
+    model type), or None (a hub id, no such file, or a config that names neither)."""
+    path = Path(model) / "config.json"
+    try:
+        kind = (drafter_kind(json.loads(path.read_text())) or "").lower()
+    except (OSError, ValueError, AttributeError):
+        return None
+    return next((m for m in SPEC_METHODS if m in kind), None)
 
 
 def drafter_kind(config: dict[str, Any]) -> str | None:

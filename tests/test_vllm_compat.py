@@ -421,6 +421,10 @@ def test_vllm_flag_names_reach_the_engine(text_dir):
 
     assert speculative_config(flags)["adaptive_draft_length"] is False
     assert "adaptive_draft_length" not in speculative_config(parsed([str(text_dir), "--draft-model", "d"]))
+    # no method given: the checkpoint's family (a DSpark drafter was taken for DFlash, then refused), else DFlash
+    assert [speculative_config(parsed([str(text_dir), "--draft-model", d]))["method"]
+            for d in (str(FIXTURES / "dspark_vanilla"), str(FIXTURES / "dflash"), "org/hub-id")] == \
+        ["dspark", "dflash", "dflash"]
 
 
 def test_every_engine_limit_has_its_flag(text_dir):
