@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -152,6 +153,21 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+# option names whose flags a user may have typed under another name (vLLM's)
+FLAG_ALIASES = {"kv_page_size": "--block-size / --kv-page-size",
+                "max_prefill_tokens": "--max-num-batched-tokens / --max-prefill-tokens"}
+
+
+def flagged(message: str) -> str:
+    """An error that opens with an option's name (an engine limit's, or SamplingParams.<field>=) with the flag
+    that sets it named beside it, so `--block-size 0` is not answered in kv_page_size's words alone."""
+    found = re.match(r"(SamplingParams\.)?([a-z_]+)[ =]", message)
+    if found is None or "_" not in found.group(2) and not found.group(1):
+        return message
+    name = found.group(2)
+    return f"{message} ({FLAG_ALIASES.get(name, '--' + name.replace('_', '-'))})"
+
+
 def dashed_flags(argv: list[str]) -> list[str]:
     """vLLM's spelling rule: --max_model_len is --max-model-len (flag names only, never a value; `train` keeps its
     own parser's names)."""
@@ -226,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args, chat=args.command == "chat")
         return args.func(args)
     except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {flagged(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: what was printed stands; the shell's code for SIGINT, no traceback
         print("interrupted", file=sys.stderr)

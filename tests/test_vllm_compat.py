@@ -407,6 +407,12 @@ def test_command_line_mistakes_a_vllm_user_makes_are_named(text_dir, tmp_path, c
     assert "no room left" in format_spec_metrics({"num_drafts": 0, "policy_steps": {0: 2, 1: 1}})
     assert main(["generate", str(text_dir), "--speculative-config", "{}", "--prompt", "ab", *base]) == 2
     assert "--speculative-config {} names no drafter" in capsys.readouterr().err  # it ran plain without a word
+    # an error in an option's own name also names the flag typed (kv_page_size alone answered --block-size 0)
+    assert main(["generate", str(text_dir), "--block-size", "0", "--prompt", "ab", *base]) == 2
+    assert "kv_page_size must be an integer in [1, 1024], got 0 (--block-size / --kv-page-size)" in \
+        capsys.readouterr().err
+    assert main(["generate", str(text_dir), "--prompt", "ab", "--device", "cpu", "--max-tokens", "-5"]) == 2
+    assert capsys.readouterr().err.rstrip().endswith("(--max-tokens)")
 
 
 def test_vllm_flag_names_reach_the_engine(text_dir):
