@@ -125,8 +125,9 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from blockspec.engine.build import load_tokenizer
     from blockspec.models.fp8_export import calibration_sequences, write_fp8_checkpoint
-    from blockspec.models.loader import resolve_model_dir
+    from blockspec.models.loader import resolve_device, resolve_model_dir
 
+    resolve_device(args.device)  # a device that does not exist is named whether or not calibration uses it
     if args.kv_scales == "head" and not args.kv_calibration:
         raise ConfigError("--kv-scales head: per-head KV cache scales are calibrated; give --kv-calibration FILE")
     src = resolve_model_dir(embedded(args.model), revision=args.revision, download_dir=args.download_dir,

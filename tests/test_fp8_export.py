@@ -173,6 +173,8 @@ def test_quantize_refuses_a_drafter_and_a_block_past_its_bound(tmp_path, capsys)
     assert "is a drafter (DFlashDraftModel): quantize writes FP8 targets" in capsys.readouterr().err
     assert cli_main(["quantize", "default", "--out", str(tmp_path / "b"), "--block-size", "100000"]) == 2
     assert "block_size must be in [1, 1024]" in capsys.readouterr().err
+    assert cli_main(["quantize", "default", "--out", str(tmp_path / "t"), "--device", "tpu"]) == 2  # it passed
+    assert "device 'tpu' not understood" in capsys.readouterr().err and not (tmp_path / "t").exists()
 
 
 def test_quantize_default_names_the_embedded_target(tmp_path, capsys):
