@@ -165,9 +165,7 @@ def parse_zlab_config(raw: dict[str, Any], source: str) -> DrafterConfig:
     dcfg = raw.get("dflash_config") or {}
     if not isinstance(dcfg, dict):
         raise ModelLoadError(f"{source}: 'dflash_config' must be an object")
-
-    def value(name: str) -> Any:  # newest z-lab: dflash_config first, then top level
-        return dcfg[name] if dcfg.get(name) is not None else raw.get(name)
+    merged = {**raw, **{k: v for k, v in dcfg.items() if v is not None}}  # newest z-lab: dflash_config first
 
     top, inner = raw.get("block_size"), dcfg.get("block_size")
     if top is not None and inner is not None and top != inner:
@@ -176,12 +174,12 @@ def parse_zlab_config(raw: dict[str, Any], source: str) -> DrafterConfig:
     if block is None:
         raise ModelLoadError(f"{source}: missing required field 'block_size' (top level or dflash_config.block_size)")
     block = _int_field(block, "block_size", source, 2)
-    mask = value("mask_token_id")
+    mask = merged.get("mask_token_id")
     if mask is None:
         raise ModelLoadError(f"{source}: missing required field 'dflash_config.mask_token_id'")
     mask = _int_field(mask, "dflash_config.mask_token_id", source)
     num_target_layers = raw.get("num_target_layers")
-    ids = value("target_layer_ids")
+    ids = merged.get("target_layer_ids")
     if ids is None:
         if num_target_layers is None:
             raise ModelLoadError(f"{source}: missing 'dflash_config.target_layer_ids' (and no 'num_target_layers' "
@@ -195,17 +193,16 @@ def parse_zlab_config(raw: dict[str, Any], source: str) -> DrafterConfig:
                                                                              None))
     layer_types = fields["layer_types"]
     causal = tuple(lt == "sliding_attention" if explicit is None else bool(explicit) for lt in layer_types)
-    softcap = value("final_logit_softcapping")
     return DrafterConfig(
         **fields, block_size=block, mask_token_id=mask, target_layer_ids=ids,
         target_hidden_size=_number(raw, "target_hidden_size", source, fields["hidden_size"], int),
         causal=causal, window_mode="query", anchor_first=False, draft_vocab_size=None,
         num_target_layers=num_target_layers,
-        input_embedding_scale=_number({"input_embedding_scale": value("input_embedding_scale")},
-                                      "input_embedding_scale", source, 1.0),
-        output_multiplier=_number({"output_multiplier": value("output_multiplier")}, "output_multiplier", source, 1.0),
-        final_logit_softcapping=_number({"final_logit_softcapping": softcap}, "final_logit_softcapping", source,
-                                        None) if softcap else None,
+        input_embedding_scale=_number(merged, "input_embedding_scale", source, 1.0),
+        output_multiplier=_number(merged, "output_multiplier", source, 1.0),
+        # 0 (as some configs write it) is no cap
+        final_logit_softcapping=_number(merged, "final_logit_softcapping", source, None)
+        if merged.get("final_logit_softcapping") != 0 else None,
         is_causal=None if explicit is None else bool(explicit),
     )
 
