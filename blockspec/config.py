@@ -620,19 +620,19 @@ class EngineArgs(EngineConfig):
                                       and all(isinstance(n, str) and n for n in names)):
             raise ConfigError(f"served_model_name must be a non-empty string, a list of them, or None; got {names!r}")
         check_integer(self, "block_size", 1, 1024, optional=True)
-        if self.block_size is not None:
-            if self.kv_page_size not in (EngineConfig.kv_page_size, self.block_size):
-                raise ConfigError(f"block_size={self.block_size} and kv_page_size={self.kv_page_size} name the same "
-                                  "limit; give one of them")
-            self.kv_page_size = self.block_size
-        batched = self.max_num_batched_tokens
         check_integer(self, "max_num_batched_tokens", 1, optional=True)
-        if batched is not None:
-            default = EngineConfig.max_prefill_tokens
-            if self.max_prefill_tokens not in (default, batched):
-                raise ConfigError(f"max_num_batched_tokens={batched} and max_prefill_tokens={self.max_prefill_tokens} "
-                                  "name the same limit; give one of them")
-            self.max_prefill_tokens = batched
+        for theirs, ours in (("block_size", "kv_page_size"), ("max_num_batched_tokens", "max_prefill_tokens")):
+            self._take_alias(theirs, ours)
+
+    def _take_alias(self, theirs: str, ours: str) -> None:
+        """vLLM's name `theirs` for the limit `ours`: its value, given, sets ours; both given and differing is
+        a ConfigError naming both."""
+        value = getattr(self, theirs)
+        if value is None:
+            return
+        if getattr(self, ours) not in (getattr(EngineConfig, ours), value):
+            raise ConfigError(f"{theirs}={value} and {ours}={getattr(self, ours)} name the same limit; give one of them")
+        setattr(self, ours, value)
 
     def unhonoured(self) -> list[str]:
         """One line for each vLLM option given that blockspec accepts but cannot honour, and for a
