@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Required, TypedDict
+from typing import Any, NamedTuple, NotRequired, Required, TypedDict
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -24,9 +24,10 @@ from blockspec.structured import new_matcher
 
 
 class TextPrompt(TypedDict):
-    """A text prompt as vLLM's `vllm.inputs.TextPrompt` spells it."""
+    """A text prompt as vLLM's `vllm.inputs.TextPrompt` spells it (`cache_salt`: see `Prompt`)."""
 
     prompt: str
+    cache_salt: NotRequired[str]
 
 
 class TokensPrompt(TypedDict, total=False):
@@ -34,11 +35,28 @@ class TokensPrompt(TypedDict, total=False):
 
     prompt_token_ids: Required[list[int]]
     prompt: str
+    cache_salt: str
 
 
 PromptType = str | TextPrompt | TokensPrompt | dict[str, Any]
-PROMPT_KEYS = ("prompt", "prompt_token_ids")
-Prompt = tuple[str | None, list[int]]  # (text or None, token ids)
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
+class Prompt(NamedTuple):
+    """A checked prompt: its text (None for token ids), its ids, and its cache salt: the prefix cache
+    shares pages only between prompts of the same salt (vLLM's `cache_salt`: a secret per tenant keeps
+    one from learning another's prompts by the time a cache hit saves)."""
+
+    text: str | None
+    ids: list[int]
+    cache_salt: str | None = None
+
+
+def check_salt(salt: Any, where: str) -> str | None:
+    """A cache salt is a non-empty string, or None."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise RequestError(f"{where}: cache_salt must be a non-empty string, got {salt!r}")
+    return salt
 
 
 def check_text(text: str, where: str) -> None:
@@ -160,10 +178,10 @@ class ModelInputs:
         return self.max_model_len * 4 * max(len(t) for t in tokens if t)
 
     def prompt_ids(self, prompt: PromptType, where: str, truncating: bool = False,
-                   add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
-        """A prompt's (text, ids). A text too long for the context is refused before it is tokenized, unless
-        the request truncates its prompt (`truncating`: truncate_prompt_tokens keeps its last tokens);
-        `add_special_tokens` as the tokenizer takes it (the server's vLLM field)."""
+                   add_special_tokens: bool = True) -> Prompt:
+        """A prompt's text, ids and cache salt. A text too long for the context is refused before it is
+        tokenized, unless the request truncates its prompt (`truncating`: truncate_prompt_tokens keeps its
+        last tokens); `add_special_tokens` as the tokenizer takes it (the server's vLLM field)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError(f"{where}: text prompt given but {self.model_dir} has no tokenizer; "
@@ -174,18 +192,19 @@ class ModelInputs:
             if len(prompt) > self.max_prompt_chars and not truncating:
                 raise RequestError(f"{where}: the prompt has {len(prompt)} characters, more than max_model_len "
                                    f"({self.max_model_len}) tokens can hold (at most {self.max_prompt_chars})")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        if (isinstance(prompt, dict) and set(prompt) & set(PROMPT_KEYS)
+            return Prompt(prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        if (isinstance(prompt, dict) and set(prompt) & set(PROMPT_KEYS[:2])
                 and (other := sorted(map(str, set(prompt) - set(PROMPT_KEYS))))):
-            raise RequestError(f"{where}: a prompt dict takes {' and '.join(PROMPT_KEYS)} only; {other} is not "
+            raise RequestError(f"{where}: a prompt dict takes {', '.join(PROMPT_KEYS)} only; {other} is not "
                                "supported (blockspec serves text models)")
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list) or not all(is_int(t) for t in ids):
                 raise RequestError(f"{where}: prompt_token_ids must be a list of ints")
-            return prompt.get("prompt"), ids
+            return Prompt(prompt.get("prompt"), ids, check_salt(prompt.get("cache_salt"), where))
         if isinstance(prompt, dict) and "prompt" in prompt:
-            return self.prompt_ids(prompt["prompt"], where, truncating)
+            text, ids, _ = self.prompt_ids(prompt["prompt"], where, truncating, add_special_tokens)
+            return Prompt(text, ids, check_salt(prompt.get("cache_salt"), where))
         got = f"a dict with keys {sorted(map(str, prompt))}" if isinstance(prompt, dict) else type(prompt).__name__
         raise RequestError(f"{where}: a prompt is a string or a dict with 'prompt' or 'prompt_token_ids'; got {got}")
 
@@ -253,11 +272,11 @@ class ModelInputs:
             raise ConfigError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each")
         prepared = [self.prompt_ids(p, f"prompt {i}", getattr(q, "truncate_prompt_tokens", None) is not None)
                     for i, (p, q) in enumerate(zip(prompts, params))]
-        for i, (text, ids) in enumerate(prepared):
+        for i, prompt in enumerate(prepared):
             try:
                 if isinstance(params[i], SamplingParams):
                     params[i].verify()  # a field set after construction is checked here, not met mid-run
-                prepared[i] = text, self.check_prompt(ids, params[i], f"prompt {i}")
+                prepared[i] = prompt._replace(ids=self.check_prompt(prompt.ids, params[i], f"prompt {i}"))
             except SamplingError as exc:
                 raise SamplingError(f"prompt {i}: {exc}") from None
         return prepared, params

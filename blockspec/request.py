@@ -202,6 +202,7 @@ class Request:
     params: SamplingParams
     seed: int
     index: int = 0
+    cache_salt: str | None = None  # prefix-cache pages are shared only with requests of the same salt
     arrival_time: float = field(default_factory=time.perf_counter)
     status: Status = Status.WAITING
     slot: int = -1

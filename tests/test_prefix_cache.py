@@ -17,6 +17,7 @@ import torch
 
 from blockspec import LLM, SamplingParams
 from blockspec.config import ConfigError
+from blockspec.errors import RequestError
 from blockspec.models.kv_cache import PageTable, SharedKVStore
 from factories import save_drafter_target, save_moe_target
 
@@ -42,6 +43,21 @@ def test_pages_are_found_by_every_token_up_to_their_end():
     assert t.prefix.lookup(tokens, 7) == [first]  # at most `limit` positions
     assert t.prefix.lookup(tokens[:5] + [99] + tokens[6:], 11) == [first]  # differs in the second page
     assert t.prefix.lookup([99] + tokens[1:], 11) == []  # differs in the first: the second is not reached
+
+
+def test_a_cache_salt_keeps_pages_to_the_requests_of_that_salt():
+    t = table()
+    a = t.allocate()
+    tokens = list(range(10, 21))
+    t.reserve(a, 11)
+    t.remember(a, tokens, 11, 11, salt="tenant-a")
+    assert len(t.prefix.lookup(tokens, 11, "tenant-a")) == 2
+    assert t.prefix.lookup(tokens, 11) == [] and t.prefix.lookup(tokens, 11, "tenant-b") == []
+    b = t.allocate()
+    t.reserve(b, 11)
+    t.remember(b, tokens, 11, 11)  # the same tokens unsalted: pages of their own, not the salted ones
+    unsalted = t.prefix.lookup(tokens, 11)
+    assert len(unsalted) == 2 and not set(unsalted) & set(t.prefix.lookup(tokens, 11, "tenant-a"))
 
 
 def test_shared_pages_stay_until_no_slot_holds_them_then_idle_pages_go_oldest_first():
@@ -288,6 +304,29 @@ def test_a_corrupted_remembered_page_changes_the_output(target):
 
     assert second_run(corrupt_remembered=False) == expected
     assert second_run(corrupt_remembered=True) != expected
+
+
+@pytest.mark.parametrize("method", [None, "dspark"])
+def test_prompts_of_another_cache_salt_find_nothing(target, method):
+    """vLLM's cache_salt on a prompt dict: a salted prompt finds only pages written under its salt, in a
+    later call and in a burst admitted together (which otherwise waits a step for the first one's
+    pages); the tokens are those of an engine without caching."""
+    batch = prompts(8)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    on = llm(target, True, method)
+    expected = ids(llm(target, False, method).generate(batch, params, use_tqdm=False))
+
+    def run(salts: list[str | None]) -> list[int | None]:
+        outs = on.generate([{**p, "cache_salt": s} if s else p for p, s in zip(batch, salts)], params, use_tqdm=False)
+        assert ids(outs) == expected
+        return [o.num_cached_tokens for o in outs]
+
+    assert run(["a", "b", "a", "b", None]) == [0, 0, 40, 40, 0]  # a burst: each salt writes its own opening
+    assert run(["c"] * 5) == [0, 40, 40, 40, 40]
+    # the fourth's own pages (53 tokens) were written under "c"; the fifth is the first prompt again
+    assert run(["a", "b", None, "c", "a"]) == [40, 40, 40, 48, 40]
+    with pytest.raises(RequestError, match=r"^prompt 0: cache_salt must be a non-empty string, got ''"):
+        on.generate({**batch[0], "cache_salt": ""}, params, use_tqdm=False)
 
 
 def test_prompt_logprobs_requests_prefill_every_position(target):

@@ -545,6 +545,13 @@ def test_prefix_caching_reports_cached_prompt_tokens_in_usage_and_metrics(text_d
                    "the prefix-cache counter")
         queries = metric(live.metrics(), "vllm:prefix_cache_queries_total")
         assert queries == 2 * (outs[0].usage.prompt_tokens - 1)  # each looks up all but its last token
+        # vLLM's cache_salt: a salted request finds only its salt's pages
+        salted = [client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0,
+                                            extra_body={"cache_salt": salt}) for salt in ("s1", "s1", "s2")]
+        assert [o.usage.prompt_tokens_details.cached_tokens for o in salted] == [0, second, 0]
+        assert {o.choices[0].text for o in salted} == {outs[0].choices[0].text}
+        with pytest.raises(openai.BadRequestError, match="cache_salt.*non-empty"):
+            client.completions.create(model=NAME, prompt=prompt, max_tokens=6, extra_body={"cache_salt": ""})
     finally:
         live.close()
 

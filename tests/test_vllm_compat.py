@@ -272,7 +272,7 @@ def test_vllm_prompt_and_params_helpers(text_llm, target_dir):
     assert params.logit_bias == {3: 1.0} and copy.stop_strings == ("x",)
     with pytest.raises(SamplingError, match=r"^SamplingParams.logits_processors=.* per-request logits processors"):
         SamplingParams(logits_processors=[lambda ids, logits: logits])
-    with pytest.raises(RequestError, match=r"^prompt 0: a prompt dict takes prompt and prompt_token_ids only; "
+    with pytest.raises(RequestError, match=r"^prompt 0: a prompt dict takes prompt, prompt_token_ids, cache_salt only; "
                                            r"\['multi_modal_data'\] is not supported"):
         text_llm.generate({"prompt": "ab", "multi_modal_data": {"image": None}}, GREEDY, use_tqdm=False)
     bare = LLM(str(target_dir), device="cpu", max_model_len=64)

@@ -230,8 +230,9 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int],
-                    params: SamplingParams) -> list[Request]:
-        """Validate and queue a request (n copies for n > 1); errors are raised before any work starts."""
+                    params: SamplingParams, cache_salt: str | None = None) -> list[Request]:
+        """Validate and queue a request (n copies for n > 1); errors are raised before any work starts.
+        `cache_salt`: it shares prefix-cache pages only with requests of the same salt."""
         if not prompt_ids:
             raise RequestError(f"request {request_id}: the prompt is empty (no tokens)")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
@@ -255,7 +256,7 @@ class Engine:
             if params.n > 1:
                 seed = hash((seed, i)) & (2**62 - 1)
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
-            req = Request(rid, prompt, list(prompt_ids), params, seed, index=i, bad_words=bad)
+            req = Request(rid, prompt, list(prompt_ids), params, seed, index=i, cache_salt=cache_salt, bad_words=bad)
             req.prompt_logprobs = prompt_logprobs
             if params.detokenize:
                 req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)

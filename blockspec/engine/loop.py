@@ -40,7 +40,8 @@ class OfflineRunner:
     def run(self, prompts: list[Prompt], params: list[SamplingParams],
             use_tqdm: bool | Callable[..., Any] = True) -> list[RequestOutput]:
         engine = self.engine
-        groups = [engine.add_request(str(next(self._ids)), text, ids, sp) for (text, ids), sp in zip(prompts, params)]
+        groups = [engine.add_request(str(next(self._ids)), p.text, p.ids, sp, p.cache_salt)
+                  for p, sp in zip(prompts, params)]
         try:
             self._steps(sum(len(g) for g in groups), use_tqdm)
         except BaseException:  # interrupted (Ctrl-C) or the engine broke: nothing of this call stays queued
@@ -316,8 +317,8 @@ class EngineLoop:
     def _add(self, cmd: Add, outputs: Outputs) -> None:
         added = []
         try:
-            for i, (text, ids) in enumerate(cmd.prompts):
-                for req in self.engine.add_request(f"{cmd.request_id}-{i}", text, ids, cmd.params):
+            for i, p in enumerate(cmd.prompts):
+                for req in self.engine.add_request(f"{cmd.request_id}-{i}", p.text, p.ids, cmd.params, p.cache_salt):
                     added.append(_Tracker(req, cmd.request_id, i * cmd.params.n + req.index, cmd.arrival))
         except USER_ERRORS as exc:  # all prompts go in, or none
             for tracker in added:

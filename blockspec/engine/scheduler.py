@@ -6,7 +6,7 @@ steps launched before the next reservation); where the pool runs short the newes
 slot and pages go back and it waits first, to be recomputed through a prefill. Suspects (the
 requests of a step that raised) are admitted one at a time, so one that breaks a step does so alone.
 With prefix caching, an admitted request starts from the remembered pages its tokens begin with
-(never its last token: the prefill computes at least one), and the full pages of final K/V it writes
+under its cache salt (never its last token: the prefill computes at least one), and the full pages of final K/V it writes
 are remembered after each prefill chunk, when it is preempted and when it finishes.
 """
 
@@ -161,7 +161,7 @@ class Scheduler:
         """The remembered pages the request's tokens start with (never its last token); with `needs_draft`,
         only those that hold the drafter's context too."""
         limit = req.prefill_len - 1
-        pages = self.pages.prefix.lookup(req.token_slice(0, limit), limit)
+        pages = self.pages.prefix.lookup(req.token_slice(0, limit), limit, req.cache_salt)
         return pages[: self.pages.prefix.with_draft(pages)] if needs_draft else pages
 
     def _needs_draft(self, req: Request) -> bool:
@@ -204,15 +204,16 @@ class Scheduler:
         if self.pages.prefix is None or not req.params.reads_prefix_cache or end > req.prefill_len - 1:
             return False
         needs_draft, want = self._needs_draft(req), req.token_slice(0, end)
-        return any(lo <= start and hi >= end and other.token_slice(0, end) == want
-                   and (not needs_draft or self._needs_draft(other)) for other, lo, hi in writing)
+        return any(lo <= start and hi >= end and other.cache_salt == req.cache_salt
+                   and other.token_slice(0, end) == want and (not needs_draft or self._needs_draft(other))
+                   for other, lo, hi in writing)
 
     def remember(self, req: Request) -> None:
         """Remember the request's full pages of final K/V, and which of them hold its drafter context."""
         if self.pages.prefix is None:
             return
         draft = min(req.num_cached, req.num_draft_ctx) if self.with_drafter else req.num_cached
-        self.pages.remember(req.slot, req.token_slice(0, req.num_cached), req.num_cached, draft)
+        self.pages.remember(req.slot, req.token_slice(0, req.num_cached), req.num_cached, draft, req.cache_salt)
 
     def clear_suspect(self) -> None:
         """After a step that did not raise: a suspect (running alone) that committed a token is cleared;

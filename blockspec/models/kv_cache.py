@@ -190,11 +190,11 @@ class PageTable:
         held = self._held[slot]
         return next((i for i, (a, b) in enumerate(zip(held, pages)) if a != b), min(len(held), len(pages)))
 
-    def remember(self, slot: int, tokens: list[int], final: int, draft_final: int) -> None:
+    def remember(self, slot: int, tokens: list[int], final: int, draft_final: int, salt: str | None = None) -> None:
         """The slot's full pages within its first `final` positions hold final K/V of `tokens` (within
-        `draft_final`, the drafter's context too): remember them."""
+        `draft_final`, the drafter's context too): remember them, under `salt` (`PrefixCache`)."""
         if self.prefix is not None:
-            self._free_pages.extend(self.prefix.insert(self._held[slot], tokens, final, draft_final))
+            self._free_pages.extend(self.prefix.insert(self._held[slot], tokens, final, draft_final, salt))
 
     def forget_prefixes(self) -> None:
         """Forget every remembered page: idle ones are free, held ones stay with their holders."""
@@ -230,7 +230,9 @@ class PageTable:
 
 class PrefixCache:
     """Full pages remembered by content: a page's key is its tokens and the key of the page before it
-    (exact, so two prompts share a page only if every token up to its end agrees). A page may hold the
+    (exact, so two prompts share a page only if every token up to its end agrees); a first page's "page
+    before" is the request's cache salt (vLLM's `cache_salt`), so requests of different salts share
+    nothing and a tenant cannot time another's prompts through cache hits. A page may hold the
     target's K/V alone (written by a request that fed no drafter) or the drafter's context too (`draft`):
     a request that will draft can use only the latter. Pages in use count their holders; a remembered
     page no slot holds is idle, evicted least recently used first when a reservation finds no free
@@ -238,8 +240,9 @@ class PrefixCache:
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self.page_of: dict[tuple[int, tuple[int, ...]], int] = {}  # (key of the page before, tokens) -> page
-        self.key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
+        # (id of the page before, or the salt for a first page, tokens) -> page
+        self.page_of: dict[tuple[int | str | None, tuple[int, ...]], int] = {}
+        self.key_of: dict[int, tuple[int | str | None, tuple[int, ...]]] = {}
         self.node: dict[int, int] = {}  # page -> its key's id (what the next page's key starts with)
         self.draft: set[int] = set()  # remembered pages that hold the drafter's context too
         self.holders: Counter[int] = Counter()
@@ -249,9 +252,10 @@ class PrefixCache:
         self.queried_tokens = 0
         self.hit_tokens = 0
 
-    def lookup(self, tokens: list[int], limit: int) -> list[int]:
-        """The remembered pages that hold `tokens` from position 0, over at most `limit` positions."""
-        pages, parent = [], -1
+    def lookup(self, tokens: list[int], limit: int, salt: str | None = None) -> list[int]:
+        """The remembered pages that hold `tokens` from position 0 under `salt`, over at most `limit` positions."""
+        pages: list[int] = []
+        parent: int | str | None = salt
         for start in range(0, limit - self.page_size + 1, self.page_size):
             page = self.page_of.get((parent, tuple(tokens[start:start + self.page_size])))
             if page is None:
@@ -273,13 +277,15 @@ class PrefixCache:
         self.holders[page] += 1
         self.idle.pop(page, None)
 
-    def insert(self, pages: list[int], tokens: list[int], final: int, draft_final: int) -> list[int]:
+    def insert(self, pages: list[int], tokens: list[int], final: int, draft_final: int,
+               salt: str | None = None) -> list[int]:
         """Remember `pages` (a slot's, in position order) whose positions below `final` hold tokens' K/V, and
-        below `draft_final` the drafter's context too; returns the pages this frees. A page whose key another
+        below `draft_final` the drafter's context too, under `salt`; returns the pages this frees. A page whose key another
         page has stays unremembered (its holder keeps it to itself), unless it holds the drafter's context
         and the other does not: then the key moves to it, and the other is freed (or when its holders let
         go: an orphan, which takes its key back if the page that took it is gone)."""
-        parent, size, freed = -1, self.page_size, []
+        parent: int | str | None = salt
+        size, freed = self.page_size, []
         for col in range(min(final // size, len(pages))):
             page, with_draft = pages[col], (col + 1) * size <= draft_final
             if page in self.key_of:  # remembered before, maybe since then given the drafter's context

@@ -251,18 +251,19 @@ def chat_prompt(inputs: ModelInputs, body: ChatCompletionRequest, trusted_templa
         raise APIError(400, f"the chat template failed on these messages: {exc}", param="messages") from None
     if body.add_special_tokens:  # vLLM's: the tokenizer's leading special tokens (a BOS) before the template's
         ids = tok.encode("", add_special_tokens=True) + ids
-    return None, ids
+    return Prompt(None, ids)
 
 
 def check_prompts(inputs: ModelInputs, prompts: list[Prompt], params: SamplingParams,
                   constraint_field: str = "response_format", prompt_field: str = "prompt",
-                  max_tokens_field: str = "max_tokens") -> list[Prompt]:
-    """The prompts as the engine takes them (`ModelInputs.check_prompt`), everything it would refuse refused
-    here with a 400; plus prompt + max_tokens <= context. Errors name the request's fields: the prompt's
-    (`prompt_field`: messages for a chat), and the one a constraint that does not compile came from."""
+                  max_tokens_field: str = "max_tokens", cache_salt: str | None = None) -> list[Prompt]:
+    """The prompts as the engine takes them (`ModelInputs.check_prompt`), with the request's cache salt,
+    everything the engine would refuse refused here with a 400; plus prompt + max_tokens <= context. Errors
+    name the request's fields: the prompt's (`prompt_field`: messages for a chat), and the one a constraint
+    that does not compile came from."""
     limit = inputs.max_model_len
     checked = []
-    for i, (text, given) in enumerate(prompts):
+    for i, (text, given, _) in enumerate(prompts):
         where = prompt_field if len(prompts) == 1 else f"{prompt_field}[{i}]"
         try:
             ids = inputs.check_prompt(given, params, where)
@@ -275,7 +276,7 @@ def check_prompts(inputs: ModelInputs, prompts: list[Prompt], params: SamplingPa
                                 f"tokens and {max_tokens_field} is {params.max_tokens}: reduce one of them",
                            param=max_tokens_field)
         # cut by truncate_prompt_tokens: the prompt the model reads (and echo returns) is the kept ids' text
-        checked.append((text if len(ids) == len(given) else None, ids))
+        checked.append(Prompt(text if len(ids) == len(given) else None, ids, cache_salt))
     return checked
 
 
@@ -327,7 +328,7 @@ class Renderer:
         self.strings, self.with_spec = strings, with_spec
 
     def prompt_ids(self, index: int) -> list[int] | None:
-        return self.prompts[index // self.params.n][1] if self.body.return_token_ids else None
+        return self.prompts[index // self.params.n].ids if self.body.return_token_ids else None
 
     def token_ids(self, ids: list[int]) -> list[int] | None:
         return ids if self.body.return_token_ids else None
@@ -363,7 +364,7 @@ class Renderer:
         raise NotImplementedError
 
     def usage(self, choices: list[Choice]) -> tuple[Usage, SpecDecodeStats | None]:
-        prompt = sum(len(ids) for _, ids in self.prompts)
+        prompt = sum(len(p.ids) for p in self.prompts)
         completion = sum(len(c.token_ids) for c in choices)
         spec = None
         if self.with_spec:
@@ -390,7 +391,7 @@ class CompletionRenderer(Renderer):
         super().__init__(*args, **kwargs)
         self.offsets: dict[int, int] = {}  # per choice: text offset of its next logprobs token
         # with echo, each prompt's text, which its choices' text starts with
-        self.echoed = [self.prompt_text(text, ids) for text, ids in self.prompts] if self.body.echo else None
+        self.echoed = [self.prompt_text(p.text, p.ids) for p in self.prompts] if self.body.echo else None
         self.opened: set[int] = set()  # streamed choices whose echo went out
         self.ids_sent: set[int] = set()  # streamed choices whose prompt ids went out
 
@@ -410,7 +411,7 @@ class CompletionRenderer(Renderer):
         """With echo and logprobs, the entries and ids of a choice's prompt, which its logprobs start with."""
         if self.echoed is None or self.params.logprobs is None:
             return [], []
-        return list(prompt_entries or []), self.prompts[index // self.params.n][1]
+        return list(prompt_entries or []), self.prompts[index // self.params.n].ids
 
     def first_prompt_ids(self, index: int) -> list[int] | None:
         """The prompt's ids on a streamed choice's first chunk only (vLLM's, with return_token_ids)."""
@@ -661,7 +662,7 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
         prompts = await in_thread(tokenizing, check_prompts, inputs, prompts, params,
                                   body.constraint_field or "tool_choice", "messages" if chat else "prompt",
                                   "max_completion_tokens" if chat and body.max_completion_tokens is not None
-                                  else "max_tokens")
+                                  else "max_tokens", body.cache_salt)
         name = body.model if body.model in names else served_model_name
         renderer = renderer_type(body, name, prompts, params, TokenStrings(inputs.tokenizer), inputs.speculative)
         choices = [Choice() for _ in range(len(prompts) * params.n)]
@@ -753,8 +754,8 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
         inputs = ready_inputs(body.model)
         tok = tokenizer_of(inputs)
         if isinstance(body, TokenizeChatRequest):
-            _, ids = await in_thread(templating, chat_prompt, inputs, body, config.trust_request_chat_template,
-                                     tool_use(body, config.tool_call_parser))
+            ids = (await in_thread(templating, chat_prompt, inputs, body, config.trust_request_chat_template,
+                                   tool_use(body, config.tool_call_parser))).ids
         else:
             ids = await in_thread(tokenizing, encode, tok, body.prompt, body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=inputs.max_model_len, tokens=ids,

@@ -153,6 +153,8 @@ class GenerationRequest(StrictModel):
     return_tokens_as_token_ids: bool = Field(False, description="logprobs name tokens as 'token_id:N' (vLLM extra)")
     request_id: str | None = Field(None, description="the response's id is the endpoint's prefix and this (vLLM "
                                                      "extra; default: a random one)")
+    cache_salt: str | None = Field(None, description="prefix-cache pages are shared only with requests of the same "
+                                                     "salt: a secret per tenant (vLLM extra)")
     # vLLM extras taken at their defaults (this server schedules first come, first served, and samples; it
     # has no beam search or whitespace pattern for JSON)
     priority: int = 0
@@ -178,6 +180,13 @@ class GenerationRequest(StrictModel):
             except RequestError as exc:
                 raise PydanticCustomError("stop", str(exc).removeprefix("stop: ")) from None
         return stop
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, salt: str | None) -> str | None:
+        if salt is not None and not salt:
+            raise PydanticCustomError("cache_salt", "must be a non-empty string if given (vLLM's rule)")
+        return salt
 
     @field_validator("stream_options")
     @classmethod
