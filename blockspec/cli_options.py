@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any
 
 from blockspec.assets import embedded
@@ -23,6 +24,26 @@ def port_number(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be 0-65535, got {value}")
     return value
+
+
+def token_count(text: str) -> int:
+    """A count of tokens in vLLM's human-readable form (argparse type): 2048, 1k = 1,000, 25.6k = 25,600,
+    1K = 1,024 (binary suffixes take whole numbers only); m / M, g / G likewise."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])", text.strip())
+    if match is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, or one with a suffix k / m / g (x 1000) or "
+                                             f"K / M / G (x 1024), like 32k or 8K; got {text!r}") from None
+    number, suffix = match.groups()
+    power = "kmg".index(suffix.lower()) + 1
+    if suffix.islower():
+        return int(float(number) * 1000**power)
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"binary suffixes take whole numbers ({text!r}); did you mean "
+                                         f"{number}{suffix.lower()}?")
+    return int(number) * 1024**power
 
 
 def json_object(text: str) -> dict[str, Any]:
@@ -89,10 +110,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(temperature, penalties, top-k/p, masks)")
     g.add_argument("--max-logprobs", type=int, default=EngineConfig.max_logprobs,
                    help="the most logprobs a request may ask for a token (-1: the whole vocabulary)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length to plan memory for (default: the model's, at most 4096)")
+    g.add_argument("--max-model-len", type=token_count, default=None,
+                   help="context length to plan memory for (default: the model's, at most 4096); 32k or 8K as vLLM "
+                        "takes them")
     g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, help="requests decoded together at most")
-    g.add_argument("--max-prefill-tokens", "--max-num-batched-tokens", dest="max_prefill_tokens", type=int,
+    g.add_argument("--max-prefill-tokens", "--max-num-batched-tokens", dest="max_prefill_tokens", type=token_count,
                    default=EngineConfig.max_prefill_tokens,
                    help="prompt tokens one step prefills at most (longer prompts are chunked); "
                         "--max-num-batched-tokens is vLLM's name for it (the running requests' decode rows come on "

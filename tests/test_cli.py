@@ -262,6 +262,24 @@ def test_async_scheduling_flag_reaches_the_engine(tmp_path, flag, expected):
     assert build_llm(args).engine.async_scheduling is expected
 
 
+def test_token_counts_in_vllms_human_readable_form(capsys):
+    """--max-model-len 32k and 8K as vLLM reads them (k = 1000, K = 1024); a count that is neither is one
+    line naming the flag."""
+    import argparse
+
+    from blockspec.cli import add_model_args
+
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    args = parser.parse_args(["--max-model-len", "25.6k", "--max-num-batched-tokens", "8K"])
+    assert (args.max_model_len, args.max_prefill_tokens) == (25600, 8192)
+    assert parser.parse_args(["--max-model-len", "4096"]).max_model_len == 4096
+    for bad, says in (("1.5K", "binary suffixes take whole numbers"), ("4kb", "must be an integer, or one with a suffix")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--max-model-len", bad])
+        assert f"argument --max-model-len: {says}" in capsys.readouterr().err
+
+
 def test_prompts_file_text_lines_and_jsonl(tmp_path):
     """A text file's lines are prompts as written, braces and all; a .jsonl file's lines are objects, and a
     line that is not one is named by file and line."""
