@@ -700,8 +700,13 @@ class ServerConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allowed_credentials: bool = False
+    # the role a chat response's message has when the request adds a generation prompt (vLLM's
+    # --response-role); a request that continues its last message gets that message's role
+    response_role: str = "assistant"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.response_role, str) or not self.response_role:
+            raise ConfigError(f"response_role must be a non-empty string, got {self.response_role!r}")
         if self.metrics_prefix not in ("vllm", "blockspec"):
             raise ConfigError(f"metrics_prefix must be 'vllm' or 'blockspec', got {self.metrics_prefix!r}")
         if self.log_stats_interval_s is not None and not self.log_stats_interval_s > 0:

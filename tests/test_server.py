@@ -9,8 +9,10 @@ import functools
 import gc
 import json
 import os
+import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -174,6 +176,63 @@ def test_cli_serve_subprocess(text_dir):
     finally:
         proc.terminate()
         proc.wait(PATIENCE)
+
+
+def test_cli_serve_over_https_under_a_root_path(text_dir, tmp_path):
+    """vLLM's --ssl-keyfile / --ssl-certfile serve HTTPS; under --root-path (a reverse proxy's prefix)
+    the API key still guards /v1/ (the scope's path then starts with the root path); --response-role names
+    a new turn's role, and a continued message keeps its own."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "blockspec.cli", "serve", "--model", str(text_dir), "--port", str(port),
+           "--max-model-len", "64", "--device", "cpu", "--log-level", "warning", "--ssl-keyfile", str(key),
+           "--ssl-certfile", str(cert), "--root-path", "/proxy", "--api-key", "k", "--response-role", "bot"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url, tls = f"https://127.0.0.1:{port}", {"verify": ssl.create_default_context(cafile=str(cert))}
+
+    def healthy() -> bool:
+        assert proc.poll() is None, proc.stderr.read().decode()
+        try:
+            return get(f"{url}/health", **tls).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(healthy, PATIENCE, "`blockspec serve` over HTTPS to become healthy")
+        assert get(f"{url}/v1/models", **tls).status_code == 401
+        auth = {"authorization": "Bearer k"}
+        assert get(f"{url}/v1/models", headers=auth, **tls).status_code == 200
+        chat = {"model": str(text_dir), "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        r = post(f"{url}/v1/chat/completions", json=chat, headers=auth, **tls)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "bot"
+        chat["messages"].append({"role": "assistant", "content": "def"})
+        r = post(f"{url}/v1/chat/completions", json={**chat, "add_generation_prompt": False,
+                                                     "continue_final_message": True}, headers=auth, **tls)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+        with pytest.raises(httpx.TransportError):  # plain HTTP on the TLS port is no answer
+            get(f"http://127.0.0.1:{port}/health", timeout=30)
+    finally:
+        proc.terminate()
+        proc.wait(PATIENCE)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--ssl-keyfile", "k.pem"], "HTTPS needs both --ssl-keyfile and --ssl-certfile"),
+    (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"], "--ssl-keyfile k.pem: no such file, or not readable"),
+    (["--ssl-cert-reqs", "2"], "--ssl-cert-reqs 1 or 2 checks client certificates against --ssl-ca-certs"),
+])
+def test_cli_serve_names_a_tls_flag_that_cannot_work_before_loading(tmp_path, capsys, monkeypatch, flags, says):
+    monkeypatch.chdir(tmp_path)
+    assert main(["serve", "--model", str(tmp_path / "missing"), "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {says}" in err and "missing" not in err
 
 
 def test_cli_serve_exits_when_the_model_cannot_load(tmp_path, capsys):

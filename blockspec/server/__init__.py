@@ -75,6 +75,20 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat template (rendering one runs the request's template "
                         "code on the server; default: refused)")
+    g.add_argument("--response-role", default=ServerConfig.response_role,
+                   help="the role of a chat response's message when the request adds a generation prompt (a "
+                        "request that continues its last message gets that message's role)")
+    g.add_argument("--root-path", default="",
+                   help="the path prefix a reverse proxy serves this server under (ASGI root_path, vLLM's flag)")
+    g.add_argument("--timeout-keep-alive", type=int, default=5,
+                   help="seconds an idle HTTP keep-alive connection stays open (default: %(default)s)")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM) and --ssl-certfile")
+    g.add_argument("--ssl-certfile", default=None, help="the certificate (PEM) for --ssl-keyfile")
+    g.add_argument("--ssl-ca-certs", default=None, help="CA certificates (PEM) that client certificates are checked "
+                                                         "against (with --ssl-cert-reqs)")
+    g.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                   help="whether a client certificate is required: 0 none, 1 optional, 2 required (Python's "
+                        "ssl.CERT_* values, as vLLM and uvicorn take them)")
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a process of its own, so the HTTP side never takes its interpreter "
                         "lock (default); --no-engine-process runs it on a thread of the server's process")
@@ -113,6 +127,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:  # vLLM refuses this at start too
         print("error: --enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)", file=sys.stderr)
         return 2
+    problem = ssl_problem(args)
+    if problem is not None:  # found before the model loads, not by uvicorn after
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         config = ServerConfig(api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                               trust_request_chat_template=args.trust_request_chat_template,
@@ -121,7 +139,8 @@ def run_serve(args: argparse.Namespace) -> int:
                               log_stats_interval_s=(None if args.disable_log_stats
                                                     else ServerConfig.log_stats_interval_s),
                               allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
-                              allowed_headers=tuple(args.allowed_headers), allowed_credentials=args.allowed_credentials)
+                              allowed_headers=tuple(args.allowed_headers), allowed_credentials=args.allowed_credentials,
+                              response_role=args.response_role)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -149,8 +168,8 @@ def run_serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     def ready(_: Any) -> None:
-        log.info("blockspec serve ready on http://%s:%d, model %s, %s", args.host, port, " / ".join(names),
-                 describe_speculation(speculative_config(args)))
+        log.info("blockspec serve ready on %s://%s:%d%s, model %s, %s", "https" if args.ssl_keyfile else "http",
+                 args.host, port, args.root_path, " / ".join(names), describe_speculation(speculative_config(args)))
 
     # the server's own lines (ready, throughput) in uvicorn's format, at --log-level
     handler = logging.StreamHandler()
@@ -162,8 +181,11 @@ def run_serve(args: argparse.Namespace) -> int:
     load = functools.partial(build_llm, args)  # pickles, for the engine process (which freezes after it)
     app = create_app(load if args.engine_process else freezing_after(load), names, on_engine_error=engine_failed,
                      engine_process=args.engine_process, config=config, on_ready=ready)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port,
-                                           log_level=args.uvicorn_log_level or args.log_level))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, root_path=args.root_path,
+                                           log_level=args.uvicorn_log_level or args.log_level,
+                                           timeout_keep_alive=args.timeout_keep_alive, ssl_keyfile=args.ssl_keyfile,
+                                           ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                                           ssl_cert_reqs=args.ssl_cert_reqs))
     # uvicorn stops gracefully at the first SIGINT or SIGTERM, then raises that signal again for the code
     # around it (a KeyboardInterrupt's traceback, or death by SIGTERM): this is that code, and the stop
     # it asked for is done, so the repeat is dropped and the command exits 0
@@ -178,6 +200,28 @@ def run_serve(args: argparse.Namespace) -> int:
         log.setLevel(level)
         log.propagate = propagate
     return 2 if app.state.engine.load_error else 0
+
+
+def ssl_problem(args: argparse.Namespace) -> str | None:
+    """What keeps the TLS flags from working: a key without a certificate (or the reverse), a file that
+    cannot be read, or a key and certificate that do not load together."""
+    if args.ssl_cert_reqs and not args.ssl_ca_certs:
+        return "--ssl-cert-reqs 1 or 2 checks client certificates against --ssl-ca-certs: give it"
+    if not args.ssl_keyfile and not args.ssl_certfile:
+        return "--ssl-ca-certs serves only with --ssl-keyfile and --ssl-certfile" if args.ssl_ca_certs else None
+    if not (args.ssl_keyfile and args.ssl_certfile):
+        return "HTTPS needs both --ssl-keyfile and --ssl-certfile"
+    import ssl
+
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
+                       ("--ssl-ca-certs", args.ssl_ca_certs)):
+        if path is not None and not os.access(path, os.R_OK):
+            return f"{flag} {path}: no such file, or not readable"
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    except (ssl.SSLError, ValueError) as exc:
+        return f"--ssl-certfile {args.ssl_certfile} and --ssl-keyfile {args.ssl_keyfile} do not load: {exc}"
+    return None
 
 
 def describe_speculation(cfg: dict[str, Any] | None) -> str:

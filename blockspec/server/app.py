@@ -478,8 +478,9 @@ class ChatRenderer(Renderer):
     prefix = "chatcmpl"
     chunk_type = ChatCompletionChunk
 
-    def __init__(self, *args: Any, tools: ToolUse | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tools: ToolUse | None = None, role: str = "assistant", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.role = role
         self.tools = tools if tools is not None and tools.calls_possible else None
         self.streams: dict[int, ToolStream] = {}  # with tools: each streamed choice's output so far
 
@@ -509,7 +510,7 @@ class ChatRenderer(Renderer):
 
     def opening_chunks(self) -> list[BaseModel]:
         return [ChatCompletionChunk(id=self.id, model=self.model, prompt_token_ids=self.prompt_ids(i), choices=[
-            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            ChatChunkChoice(index=i, delta=DeltaMessage(role=self.role, content=""))])
             for i in range(len(self.prompts) * self.params.n)]
 
     def chunk(self, d: Delta) -> BaseModel:
@@ -536,7 +537,7 @@ class ChatRenderer(Renderer):
         out = []
         for i, c in enumerate(choices):
             content, calls, finish_reason = self.message(c.text, c.finish_reason)
-            out.append(ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls),
+            out.append(ChatChoice(index=i, message=AssistantMessage(role=self.role, content=content, tool_calls=calls),
                                   logprobs=self.logprobs(c.logprobs, c.token_ids), finish_reason=finish_reason,
                                   stop_reason=c.stop_reason, token_ids=self.token_ids(c.token_ids)))
         return ChatCompletionResponse(id=self.id, model=self.model, usage=usage, spec_decode=spec, choices=out,
@@ -729,7 +730,10 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
                                         "response_format / structured_outputs, not both", param="tool_choice")
                 params = dataclasses.replace(params, structured_outputs=constraint)
         prompt = await in_thread(templating, chat_prompt, inputs, body, config.trust_request_chat_template, tools)
-        return await generate(request, body, inputs, [prompt], params, functools.partial(ChatRenderer, tools=tools))
+        # vLLM's rule: a new turn is the server's response role's; a continued message keeps its own role
+        role = config.response_role if body.add_generation_prompt else body.messages[-1].role
+        return await generate(request, body, inputs, [prompt], params,
+                              functools.partial(ChatRenderer, tools=tools, role=role))
 
     def model_card(inputs: ModelInputs, name: str) -> ModelCard:
         return ModelCard(id=name, root=str(inputs.model_dir), max_model_len=inputs.max_model_len)

@@ -108,6 +108,13 @@ class BodyLimit:
             headers=[(b"connection", b"close")])
 
 
+def route_path(scope: Scope) -> str:
+    """The request's path as the routes see it: under --root-path, uvicorn's scope path starts with the root
+    path (the ASGI rule), which routing strips."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 class APIKey:
     """With a key set, /v1/ routes need `Authorization: Bearer <key>` (as the OpenAI client sends it);
     /health and /metrics stay open for probes and scrapers."""
@@ -117,7 +124,7 @@ class APIKey:
         self.expected = f"Bearer {key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("path", "").startswith("/v1/"):
+        if scope["type"] == "http" and route_path(scope).startswith("/v1/"):
             given = dict(scope.get("headers", ())).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 return await send_error(send, 401, error_body(

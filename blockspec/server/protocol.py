@@ -506,7 +506,7 @@ class DeltaToolCall(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # ServerConfig.response_role, or the continued message's
     content: str | None
     tool_calls: list[ToolCall] | None = None
 
@@ -529,7 +529,7 @@ class ChatCompletionResponse(ResponseBase):
 
 
 class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
