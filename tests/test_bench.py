@@ -253,6 +253,28 @@ def test_draws_are_keyed_by_request_and_position_not_by_engine():
     assert counts([a], seed=2)[0] != alone[0]  # negative control: another seed draws otherwise
 
 
+def test_a_pass_counts_the_drafts_of_steps_that_also_admit_requests():
+    """Requests in waves (6 requests, 2 slots): steps that admit a request also verify the running ones'
+    drafts; the pass's acceptance counts them, so it equals the requests' own counters."""
+    from blockspec.bench.drafts import StepLog
+    from blockspec.bench.harness import drive
+    from blockspec.engine.engine import Engine
+
+    target, drafter, _ = _proposer_parts()
+    spec = SpeculativeConfig(method="dflash", model="random", adaptive_draft_length=False)
+    engine = Engine(target, None, EngineConfig(max_model_len=128, max_num_seqs=2), spec, drafter,
+                    proposer_cls=functools.partial(SyntheticProposer, profile=AcceptanceProfile("4.0"), seed=1))
+    engine.spec_totals = StepLog()
+    prompts = [[5 + i, 6, 7, 8] for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(6)]
+    got = drive(engine, prompts, params)
+    assert len(got.prefill_s) >= 3  # admissions while others decode
+    totals = engine.spec_totals
+    assert totals.num_drafts > 0 and len(got.drafts) == totals.num_drafts
+    assert sum(n for n, _ in got.drafts) == totals.num_draft_tokens
+    assert sum(a for _, a in got.drafts) == totals.num_accepted_tokens
+
+
 def test_a_mean_length_profile_is_the_whole_blocks_and_fewer_drafts_truncate_it():
     """"3.5" is the mean acceptance length of the drafter's whole block (7 drafts here); verifying only 3
     keeps the first 3 of the same rates, so the shorter draft length accepts less, as the same drafter
@@ -329,6 +351,52 @@ def test_cli_runs_and_rejects_bad_input(tmp_path, capsys):
     assert "rates must be in [0, 1]" in capsys.readouterr().err
     assert main(["bench", "--arch", "tiny"]) == 2  # neither --random-weights nor --model
     assert main(["bench", "--random-weights", "--arch", "tiny", "--prompts", "builtin"]) == 2
+
+
+RANDOM = dict(random_weights=True, arch="tiny", methods=("plain", "dflash"))
+
+
+@pytest.mark.parametrize("given, says", [
+    (dict(batch_sizes=(1, 1)), "--batch-sizes names 1 more than once"),
+    (dict(temperatures=(0.0, 0.7, 0.0)), "--temperatures names 0.0 more than once"),
+    (dict(temperatures=(float("nan"),)), r"--temperatures must be numbers >= 0, got \(nan,\)"),
+    (dict(peer_temperatures=(-1.0,), peers=("transformers",)), "--peer-temperatures must be numbers >= 0"),
+    (dict(waves=0), "--waves must be >= 1, got 0"),
+    (dict(repeats=0), "--repeats must be >= 1, got 0"),
+    (dict(peers=("transformers",), peer_batch_sizes=(0,)), r"--peer-batch-sizes must be integers >= 1, got \(0,\)"),
+    (dict(peers=("transformers",), peer_output_len=0), "--peer-output-len must be >= 1, got 0"),
+    (dict(peer_assistant="/a", peer_output_len=4), "--peer-assistant, --peer-output-len set.* give --peers too"),
+    (dict(random_weights=False, model="m", methods=("plain",), dspark_block_size=3),
+     "--dspark-block-size shapes the random DSpark drafter"),
+    (dict(random_weights=False, model="m", methods=("plain",), prompts="builtin", input_len=(64,)),
+     "--input-len sets the length of random-token prompts"),
+])
+def test_workload_options_that_cannot_apply_are_refused_by_flag(given, says):
+    """Each error names its flag: a repeated point (whose plain baseline would be another run's), a peer
+    option without --peers, or an option that changes nothing where it is given."""
+    with pytest.raises(ConfigError, match=says):
+        BenchConfig(**{**RANDOM, **given}).validate()
+
+
+def test_random_weights_refuse_prompts_past_the_arch_positions(tmp_path, capsys):
+    """--input-len beyond the random target's max_position_embeddings (4096 for tiny) is refused, as for a
+    checkpoint, not run past the positions the shape was made for."""
+    assert main(["bench", "--random-weights", "--arch", "tiny", "--device", "cpu", "--methods", "plain",
+                 "--input-len", "5000", "--output-len", "4", "--no-plots", "--out", str(tmp_path / "b")]) == 2
+    assert "need 5004 positions; --arch tiny has 4096 (max_position_embeddings)" in capsys.readouterr().err
+
+
+def test_peers_run_the_batch_they_report_and_drafters_keep_their_description(tmp_path):
+    """A peer batch larger than the engines' gets its own prompts (it ran one and reported three), and the
+    report names each drafter (its step terms live apart, under drafter_terms)."""
+    cfg = BenchConfig(**TINY_RUN, methods=("plain", "dflash"), batch_sizes=(1,), output_len=6, peers=("transformers",),
+                      peer_batch_sizes=(3,), synthetic_acceptance="2")
+    result = run_bench(cfg)
+    peer = next(r for r in result["runs"] if r["method"] == "hf-generate")
+    assert peer["batch"] == 3 and peer["num_requests"] == 3
+    assert result["model"]["drafters"]["dflash"].startswith("random weights, tiny shape: block")
+    assert "weight_bytes_gb" in result["model"]["drafter_terms"]["dflash"]
+    assert "- dflash: random weights, tiny shape: block" in markdown(result)
 
 
 def test_markdown_marks_slower_points(result):
@@ -1168,7 +1236,7 @@ def test_a_step_floor_is_its_weights_until_its_rows_fill_the_products():
         (spec, "products compute, attention bandwidth, draft products compute, draft attention bandwidth"))
     assert step_floor(model, floor, 1, 1, 0, drafter) == pytest.approx(
         (4e-3 + 0.8e-3, "products bandwidth, draft products bandwidth"))
-    model["drafters"] = {"dflash": drafter}
+    model["drafter_terms"] = {"dflash": drafter}
     run = {"status": "ok", "method": "dflash", "batch": 64, "prompt_tokens_mean": 500, "output_len": 1000,
            "steps_by_draft_length": {"0": {"steps": 5, "ms_median": 7.7}, "8": {"steps": 9, "ms_median": 23.3}}}
     add_step_floors([run], model, floor)

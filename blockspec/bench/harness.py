@@ -45,6 +45,7 @@ import dataclasses
 import datetime
 import hashlib
 import itertools
+import math
 import platform
 import shlex
 import subprocess
@@ -167,6 +168,8 @@ class BenchConfig:
     tensor_parallel_size: int = 1  # N > 1: N rank processes (one GPU each, or gloo on the CPU), rank 0 timing
     compare_tp1: bool = False  # with N > 1: TP = 1 in this process first, and the report compares them
     command: str | None = None
+    # the workload fields the caller set (set at construction, kept by dataclasses.replace)
+    _given: frozenset[str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         """Fill the workload fields left unset (None) from the workload preset, else BASE_WORKLOAD: a preset
@@ -174,6 +177,8 @@ class BenchConfig:
         synthetic acceptance applies only where a speculative method runs."""
         fill = {**BASE_WORKLOAD, **WORKLOADS.get(self.preset or "", {})}
         profile = fill.pop("synthetic_acceptance", None)
+        if self._given is None:
+            self._given = frozenset(name for name in fill if getattr(self, name) is not None)
         for name, value in fill.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -243,15 +248,7 @@ class BenchConfig:
                 raise ConfigError(f"method {m!r} unknown; allowed: {', '.join(METHODS)}")
             if not self.random_weights and m != "plain" and getattr(self, f"{m}_model") is None:
                 raise ConfigError(f"method {m} needs --{m}-model DIR (or use --random-weights)")
-        for name in ("batch_sizes", "input_len"):
-            values = getattr(self, name)
-            if not values or any(not isinstance(v, int) or v < 1 for v in values):
-                raise ConfigError(f"{name} must be integers >= 1, got {values!r}")
-        if not self.temperatures or any(t < 0 for t in (*self.temperatures, *self.peer_temperatures)):
-            raise ConfigError(f"temperatures must be >= 0, got {self.temperatures!r}")
-        for name in ("output_len", "repeats", "waves"):
-            if getattr(self, name) < (2 if name == "output_len" else 1):
-                raise ConfigError(f"{name} must be >= {2 if name == 'output_len' else 1}, got {getattr(self, name)}")
+        self._validate_workload()
         if self.synthetic_acceptance is not None:
             profile = AcceptanceProfile(self.synthetic_acceptance)  # parses or raises
             if self.random_weights and profile.is_mean_length:  # a mean length each drafter's block can reach
@@ -272,6 +269,38 @@ class BenchConfig:
                               "--random-weights use random-token prompts (--input-len) or a jsonl with "
                               "prompt_token_ids")
         self._validate_ranks()
+
+    def _validate_workload(self) -> None:
+        """The workload's lists and counts, each error naming its flag; options that would change nothing
+        (given where they do not apply) are refused, not ignored."""
+        for flag, values in (("--batch-sizes", self.batch_sizes), ("--input-len", self.input_len),
+                             ("--peer-batch-sizes", self.peer_batch_sizes or (1,))):
+            if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
+                raise ConfigError(f"{flag} must be integers >= 1, got {values!r}")
+        for flag, values in (("--temperatures", self.temperatures), ("--peer-temperatures", self.peer_temperatures)):
+            if not values or any(not math.isfinite(t) or t < 0 for t in values):
+                raise ConfigError(f"{flag} must be numbers >= 0, got {values!r}")
+        for flag, values in (("--batch-sizes", self.batch_sizes), ("--input-len", self.input_len),
+                             ("--temperatures", self.temperatures)):
+            twice = sorted({v for v in values if values.count(v) > 1})
+            if twice:  # a point run twice: its report rows and its plain baseline would be ambiguous
+                raise ConfigError(f"{flag} names {', '.join(map(str, twice))} more than once")
+        for flag, value, least in (("--output-len", self.output_len, 2), ("--repeats", self.repeats, 1),
+                                   ("--waves", self.waves, 1), ("--peer-output-len", self.peer_output_len, 1)):
+            if value is not None and value < least:
+                raise ConfigError(f"{flag} must be >= {least}, got {value}")
+        peer_flags = [flag for flag, given in (
+            ("--peer-assistant", self.peer_assistant is not None), ("--peer-batch-sizes", self.peer_batch_sizes),
+            ("--peer-output-len", self.peer_output_len is not None),
+            ("--peer-temperatures", self.peer_temperatures != (0.0,))) if given]
+        if peer_flags and not self.peers:
+            raise ConfigError(f"{', '.join(peer_flags)} set(s) the peers' runs: give --peers too")
+        if "input_len" in self._given and self.prompts is not None:
+            raise ConfigError("--input-len sets the length of random-token prompts; --prompts (and --preset default) "
+                              "bring their own")
+        if self.dspark_block_size is not None and not self.random_weights:
+            raise ConfigError("--dspark-block-size shapes the random DSpark drafter of --random-weights; a real "
+                              "drafter's block is its own")
 
     def _validate_k_sweep(self) -> None:
         """The fixed-K sweep compares speculative runs at fixed draft lengths with the adaptive policy: it
@@ -325,6 +354,11 @@ class BenchConfig:
     @property
     def synthetic(self) -> bool:
         return self.synthetic_acceptance is not None
+
+    @property
+    def prompt_count(self) -> int:
+        """Prompts a point needs: batch x waves for the engines, and each peer batch's."""
+        return max(max(self.batch_sizes) * self.waves, *(self.peer_batch_sizes or (1,)))
 
 
 @dataclass(frozen=True)
@@ -397,6 +431,13 @@ def load_prompts(cfg: BenchConfig, tokenizer: Any, vocab_size: int, count: int) 
     return {None: [out[i % len(out)] for i in range(count)]}
 
 
+def check_positions(max_len: int, positions: Any, model: str) -> None:
+    """A request may not run past the positions the target was trained on (`context_len`'s margin aside)."""
+    if isinstance(positions, int) and max_len - 8 > positions:
+        raise ConfigError(f"the prompts and --output-len need {max_len - 8} positions; {model} has {positions} "
+                          "(max_position_embeddings)")
+
+
 def context_len(prompts: list[list[int]], output_len: int) -> int:
     """Positions a request of `prompts` needs at most: the longest prompt, the output and a margin."""
     return max(map(len, prompts)) + output_len + 8
@@ -426,8 +467,9 @@ def _prepare_random(cfg: BenchConfig, device: torch.device, rank: Rank | None) -
 
     arch = get_arch(cfg.arch)
     dtype = resolve_dtype(cfg.dtype, "bfloat16", device)
-    prompts = load_prompts(cfg, None, arch.target.vocab_size, max(cfg.batch_sizes) * cfg.waves)
+    prompts = load_prompts(cfg, None, arch.target.vocab_size, cfg.prompt_count)
     max_len = context_len([p for group in prompts.values() for p in group], cfg.output_len)
+    check_positions(max_len, arch.target.max_position_embeddings, f"--arch {cfg.arch}")
     if device.type == "cpu":  # the host's memory is the limit: refused by name, not killed without a word
         need, free, name = weight_bytes(arch.target, dtype), available_memory(), str(dtype).removeprefix("torch.")
         if free is not None and need > 0.8 * free:
@@ -463,12 +505,9 @@ def _prepare_checkpoints(cfg: BenchConfig, device: torch.device, rank: Rank | No
     tokenizer = load_tokenizer(model_dir)
     raw = read_json(model_dir / "config.json")
     vocab = int(raw["vocab_size"])
-    prompts = load_prompts(cfg, tokenizer, vocab, max(cfg.batch_sizes) * cfg.waves)
+    prompts = load_prompts(cfg, tokenizer, vocab, cfg.prompt_count)
     max_len = context_len([p for group in prompts.values() for p in group], cfg.output_len)
-    positions = raw.get("max_position_embeddings")
-    if isinstance(positions, int) and max_len - 8 > positions:  # past the positions it was trained on
-        raise ConfigError(f"--input-len and --output-len need {max_len - 8} positions; {cfg.model} has "
-                          f"{positions} (max_position_embeddings)")
+    check_positions(max_len, raw.get("max_position_embeddings"), cfg.model)
     load = load_target if rank is None else shard_loader(rank.rank, rank.world_size)
     target, model_dir = load(model_dir, cfg.dtype, device, max_len + 64, cfg.quantization)
     weight = target.embed_tokens.weight
@@ -603,13 +642,13 @@ def drive(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
         engine.step()
         dt = time.perf_counter() - ts
         step = log.drain()
+        drafts += step  # acceptance counts every verified draft, in a prefill step too (as the engine's stats)
         if prefill:
             launched_s = 0.0  # what a launch-only call started, a prefill step commits
             prefill_s.append(dt)
             continue
         decode_s += dt
         decode_tokens += engine.num_generated - n0
-        drafts += step
         launched_s += dt
         if engine.num_generated > n0 or step:
             k = max((n for n, _ in step), default=0)
@@ -811,7 +850,7 @@ def measure_sweep(cfg: BenchConfig, device: torch.device, log: Callable[[str], N
     built for its prompts and timed together."""
     result: dict[str, Any] = {"benchmark": "blockspec bench", "synthetic": cfg.synthetic,
                               "synthetic_acceptance": None, **_environment(cfg, device),
-                              "config": dataclasses.asdict(cfg),
+                              "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "_given"},
                               "tensor_parallel_size": rank.world_size if rank is not None else 1}
     if cfg.synthetic:
         result["synthetic_acceptance"] = {"profile": cfg.synthetic_acceptance, "seed": cfg.synthetic_seed,
@@ -832,8 +871,9 @@ def measure_sweep(cfg: BenchConfig, device: torch.device, log: Callable[[str], N
                            "matmul_TFLOPs": matmul_rate(setup.target.embed_tokens.weight.dtype) / 1e12}
     methods = cfg.selected_methods()
     drafters = {m: setup.make_drafter(m) for m in methods if m != "plain"}
-    model["drafters"] = {m: dict(draft_step_terms(d, setup.target), kv_bytes_per_token=d.page_bytes(page, kv) / page)
-                         for m, d in drafters.items()}
+    # what a drafter's step reads and computes (the step floors'), beside its description under "drafters"
+    model["drafter_terms"] = {m: dict(draft_step_terms(d, setup.target), kv_bytes_per_token=d.page_bytes(page, kv) / page)
+                              for m, d in drafters.items()}
     capacities = {m: d.num_draft_slots for m, d in drafters.items()} if cfg.k_sweep else {}
     for method, capacity in capacities.items():
         if note := clip_note(method, cfg.k_sweep, capacity):

@@ -98,7 +98,7 @@ def add_step_floors(runs: list[dict[str, Any]], model: dict[str, Any], floor: di
         if run.get("status") != "ok":
             continue
         context = run["prompt_tokens_mean"] + run["output_len"] / 2
-        drafter = model.get("drafters", {}).get(run["method"])
+        drafter = model.get("drafter_terms", {}).get(run["method"])
         for k, entry in run.get("steps_by_draft_length", {}).items():
             requests = max(1, round(entry.get("requests_mean", run["batch"])))
             seconds, bound = step_floor(model, floor, requests, int(k), context, drafter)
@@ -311,6 +311,8 @@ def markdown(result: dict[str, Any]) -> str:
                                                                  in r["memory_gb"].items()) for r in spec_runs]
     lines += ["", "Against plain decoding:", ""]
     c = result["checks"]
+    if not any(r["method"] == "plain" for r in result["runs"]):
+        lines.append("- no plain run (--methods leaves plain out): nothing to compare with")
     if "plain_batch1_floor_ratio" in c:
         lines.append(f"- plain decode at batch 1: {c['plain_batch1_floor_ratio']:.1%} of the bandwidth floor")
     for method, v in c["batch1_T0"].items():
