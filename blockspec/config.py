@@ -474,7 +474,9 @@ def output_dir(path: str | os.PathLike[str], flag: str) -> Path:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        raise ConfigError(f"{flag} {path}: exists and is not a directory") from None
+        blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), out)
+        where = "exists and is not a directory" if blocker == out else f"{blocker} is a file, not a directory"
+        raise ConfigError(f"{flag} {path}: {where}") from None
     except OSError as exc:
         raise ConfigError(f"{flag} {path}: cannot create it ({exc.strerror})") from None
     if not os.access(out, os.W_OK | os.X_OK):

@@ -754,6 +754,8 @@ def test_bench_options_that_cannot_run_are_named_before_any_work(tmp_path, capsy
     blocker.write_text("x")
     assert main(["bench", "--random-weights", "--arch", "tiny", "--device", "cpu", "--out", str(blocker)]) == 2
     assert capsys.readouterr().err.endswith(f"error: --out {blocker}: exists and is not a directory\n")
+    assert main(["bench", "--random-weights", "--arch", "tiny", "--device", "cpu", "--out", str(blocker / "sub")]) == 2
+    assert capsys.readouterr().err.endswith(f"error: --out {blocker}/sub: {blocker} is a file, not a directory\n")
 
 
 def test_trace_policy_writes_what_each_speculative_policy_saw_and_chose(tmp_path):
