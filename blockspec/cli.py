@@ -181,8 +181,9 @@ def dashed_flags(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="blockspec",
-        description="Block-parallel speculative decoding (DFlash, DSpark) for Llama / Qwen models. "
-                    "Output is exactly what plain decoding gives; drafting only makes it faster.",
+        description="Block-parallel speculative decoding (DFlash, DSpark) for Llama / Qwen / Mistral models. "
+                    "Greedy output is exactly plain decoding's, and sampled output keeps its distribution; "
+                    "drafting only makes it faster.",
         epilog=EXAMPLES, formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"blockspec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

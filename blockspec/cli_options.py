@@ -136,7 +136,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                    help="launch each greedy step before the previous one is committed (auto: on for CUDA)")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs (target decode and prefill, the draft step): slower steps, faster start-up")
+                   help="no CUDA graphs (target decode and prefill, the draft step, the chained speculative step): "
+                        "slower steps, faster start-up")
     g.add_argument("--chat-template", default=None,
                    help="a chat template file, or the Jinja template itself, used instead of the tokenizer's "
                         "(default: the tokenizer's)")
@@ -164,7 +165,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "them (vLLM's automatic prefix caching; default: off)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default=None, choices=["dflash", "dspark"],
-                   help="drafter family (default: the --draft-model checkpoint's, else dflash); for the embedded target "
+                   help="drafter family (default: a local --draft-model's own, else dflash: name it for a hub "
+                        "DSpark drafter); for the embedded target "
                         "'default' it alone turns speculation on with that family's embedded drafter")
     s.add_argument("--draft-model", default=None,
                    help="drafter directory or hub id, or 'default' (the embedded drafter of --speculative-method); "

@@ -512,8 +512,8 @@ class EngineConfig:
     # bookkeeping overlaps the GPU's work; sampled verification launches only the next draft ahead
     # (None: on for CUDA, off for CPU, where a launch runs synchronously)
     async_scheduling: bool | None = None
-    # no CUDA graph anywhere (target decode and prefill, the draft step): every forward launches its
-    # kernels from Python (vLLM's enforce_eager); for debugging, and a faster start-up
+    # no CUDA graph anywhere (target decode and prefill, the draft step, the chained speculative step): every
+    # forward launches its kernels from Python (vLLM's enforce_eager); for debugging, and a faster start-up
     enforce_eager: bool = False
     # the target's and the drafter's K/V pools: "auto", the model's dtype; "fp8", e4m3 scaled by the
     # checkpoint's calibrated k/v scales, else 1.0 (half the bytes a decode step reads and a page holds;

@@ -1,7 +1,8 @@
 """`blockspec demo`: speculative vs plain decoding on the embedded default model, measured in one run.
 
 The default pair (a small Qwen3-architecture code model and its DFlash / DSpark drafters, trained on
-the Python standard library) ships inside the package, so this runs offline on any machine. Requests
+Python sources: 39 projects from the package index and the standard library, its json, asyncio and email
+packages held out for the prompts) ships inside the package, so this runs offline on any machine. Requests
 run one after another at batch 1, as a user at a terminal sends them; each prompt is one round, run
 plain and speculative back to back in alternating order (plain, speculative, speculative, plain, ...),
 so a drift of the machine's speed falls on both, and the speedup is the median of the rounds' ratios

@@ -1,5 +1,5 @@
-"""`LLM.get_metrics()` in the shape of vLLM's `vllm.v1.metrics.reader`: a list of Counter, Gauge, Vector and
-Histogram objects, each with a name and labels, so code written against vLLM's reader (its speculative
+"""`LLM.get_metrics()` in the shape of vLLM's `vllm.v1.metrics.reader`: a list of Counter, Gauge and Vector
+objects, each with a name and labels (the latency histograms are the server's, on /metrics), so code written against vLLM's reader (its speculative
 decoding example reads `vllm:spec_decode_num_drafts` and the per-position Vector by name) runs unchanged.
 
 Names vLLM has are under `vllm:`; counts only blockspec keeps (the draft-length policy's choices) are
@@ -38,15 +38,6 @@ class Gauge(Metric):
     """A value that goes up and down."""
 
     value: float
-
-
-@dataclass
-class Histogram(Metric):
-    """Observations in buckets keyed by their upper bound ('+Inf' holds them all)."""
-
-    count: int
-    sum: float
-    buckets: dict[str, int]
 
 
 # the engine's counters (`Engine.metrics()` keys) and vLLM's names for them

@@ -13,7 +13,7 @@ With calibration text, each layer's FP8 KV cache scales are written too (`self_a
 `v_scale`, the names vLLM and llm-compressor use): the largest |K| and |V| the model stores over the
 text, over 448, so a `kv_cache_dtype="fp8"` cache spans e4m3's range without saturating, where the
 default scale of 1.0 clips keys and values past 448 and stores those below 2**-6 at reduced precision.
-Per head (`per_head`), each KV head's largest |K| and |V| instead: a head of small values is not pushed
+Per head (`--kv-scales head`), each KV head's largest |K| and |V| instead: a head of small values is not pushed
 below e4m3's normal range by its layer's loudest head.
 """
 

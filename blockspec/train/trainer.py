@@ -217,8 +217,8 @@ class DrafterTrainConfig:
     method: Method = option("dflash", "drafter family")
     init_from: str | None = option(None, "fine-tune this drafter checkpoint (default: none, a new drafter)")
     num_layers: int = option(2, "draft decoder layers")
-    block_size: int | None = option(None, "block length: the anchor and the positions drafted after it "
-                                          "(None: 16 for dflash, 7 for dspark)")
+    block_size: int | None = option(None, "block length: DFlash's anchor and the positions drafted after it, "
+                                          "DSpark's drafted positions (None: 16 for dflash, 7 for dspark)")
     target_layer_ids: list[int] | None = option(None, "target layers whose outputs the drafter reads "
                                                       "(None: z-lab's uniform choice)")
     num_target_features: int | None = option(None, "how many target layers to tap when target_layer_ids is None, "

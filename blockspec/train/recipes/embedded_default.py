@@ -166,7 +166,7 @@ code; it is not an assistant.
 - **Held-out perplexity** ({', '.join(HELDOUT_PACKAGES)}): {t['train'].get('heldout_perplexity')}
   (validation perplexity on training-package chunks: {t['train'].get('valid_perplexity')}).
 
-Loads with `blockspec` (`LLM("target")`) and with `transformers.AutoModelForCausalLM`.
+Loads with `blockspec` (`LLM("default")`, or `LLM` given this directory) and with `transformers.AutoModelForCausalLM`.
 """
 
 
