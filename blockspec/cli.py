@@ -55,35 +55,35 @@ def cmd_chat_session(args: argparse.Namespace) -> int:
     sampling_params(args)  # bad flags fail before the model loads
     if sys.stdin is None:  # started with stdin closed: no conversation to read
         raise ConfigError("chat without --prompt reads the conversation from stdin, which is closed")
-    llm = build_llm(args)
-    params = sampling_params(args, llm.inputs.sampling_defaults)
-    messages: list[dict[str, str]] = []
-    tty = sys.stdin.isatty()
-    if tty:
-        print("blockspec chat: one message a line; Ctrl-D ends the conversation", file=sys.stderr)
-    ntok, t0 = 0, time.perf_counter()
-    try:
-        while True:
-            if tty:
-                print("> ", end="", file=sys.stderr, flush=True)
-            line = sys.stdin.readline()
-            if not line:
-                break
-            if not line.strip():
-                continue
-            messages.append({"role": "user", "content": line.rstrip("\n")})
-            try:
-                answer = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
-            except USER_ERRORS as exc:
-                print(f"error: {exc}", file=sys.stderr)
-                messages.pop()
-                continue
-            ntok += len(answer.token_ids)
-            print(answer.text, flush=True)
-            messages.append({"role": "assistant", "content": answer.text})
-    except KeyboardInterrupt:  # Ctrl-C ends the conversation as Ctrl-D does (an answer under way is dropped)
-        print(file=sys.stderr)
-    print_summary(llm, ntok, time.perf_counter() - t0)
+    with build_llm(args) as llm:  # closed on the way out: a tensor-parallel LLM's rank processes stop
+        params = sampling_params(args, llm.inputs.sampling_defaults)
+        messages: list[dict[str, str]] = []
+        tty = sys.stdin.isatty()
+        if tty:
+            print("blockspec chat: one message a line; Ctrl-D ends the conversation", file=sys.stderr)
+        ntok, t0 = 0, time.perf_counter()
+        try:
+            while True:
+                if tty:
+                    print("> ", end="", file=sys.stderr, flush=True)
+                line = sys.stdin.readline()
+                if not line:
+                    break
+                if not line.strip():
+                    continue
+                messages.append({"role": "user", "content": line.rstrip("\n")})
+                try:
+                    answer = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+                except USER_ERRORS as exc:
+                    print(f"error: {exc}", file=sys.stderr)
+                    messages.pop()
+                    continue
+                ntok += len(answer.token_ids)
+                print(answer.text, flush=True)
+                messages.append({"role": "assistant", "content": answer.text})
+        except KeyboardInterrupt:  # Ctrl-C ends the conversation as Ctrl-D does (an answer under way is dropped)
+            print(file=sys.stderr)
+        print_summary(llm, ntok, time.perf_counter() - t0)
     return 0
 
 
@@ -101,24 +101,24 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> int:
     if (chat or args.chat) and ids:
         raise ConfigError(f"chat takes text prompts; prompt {ids[0]} holds token ids (generate without --chat takes "
                           "them as given)")
-    llm = build_llm(args)
-    params = sampling_params(args, llm.inputs.sampling_defaults)
-    t0 = time.perf_counter()
-    if chat or args.chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)
-    else:
-        outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
-    dt = time.perf_counter() - t0
-    ntok = 0
-    for out in outs:
-        for c in out.outputs:
-            ntok += len(c.token_ids)
-            print(f"--- {out.request_id} [{c.finish_reason}]" + (f" error: {out.error}" if out.error else ""))
-            print(c.text)
-            if c.logprobs:
-                print(f"logprobs (token logprob (rank) | top {params.logprobs}):")
-                print(format_logprobs(c.token_ids, c.logprobs, llm.get_tokenizer(), params.logprobs or 0))
-    print_summary(llm, ntok, dt)
+    with build_llm(args) as llm:
+        params = sampling_params(args, llm.inputs.sampling_defaults)
+        t0 = time.perf_counter()
+        if chat or args.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+        dt = time.perf_counter() - t0
+        ntok = 0
+        for out in outs:
+            for c in out.outputs:
+                ntok += len(c.token_ids)
+                print(f"--- {out.request_id} [{c.finish_reason}]" + (f" error: {out.error}" if out.error else ""))
+                print(c.text)
+                if c.logprobs:
+                    print(f"logprobs (token logprob (rank) | top {params.logprobs}):")
+                    print(format_logprobs(c.token_ids, c.logprobs, llm.get_tokenizer(), params.logprobs or 0))
+        print_summary(llm, ntok, dt)
     return 0
 
 

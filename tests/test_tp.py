@@ -246,3 +246,43 @@ def test_tp2_preempts_in_step_and_gives_one_process_tokens(qwen3, caching):
         assert tp.get_stats()["num_preemptions"] == ref.get_stats()["num_preemptions"]
         hits = ref.get_stats()["num_prefix_cache_hits"]
         assert tp.get_stats()["num_prefix_cache_hits"] == hits and (hits > 0) == caching
+
+
+def test_an_interrupted_tp_call_stops_its_run_and_the_next_call_reads_its_own_reply(qwen3, monkeypatch):
+    """Ctrl-C during a tensor-parallel generate (a notebook's interrupt: the user's process only): the
+    ranks stop that run, its reply is dropped, and the next calls answer themselves, as one process does
+    (the reply used to stay in the pipe, and every later call returned the one before's)."""
+    import _thread
+    import threading
+
+    from blockspec.parallel.tp import RankGroup
+
+    long = SamplingParams(max_tokens=480, temperature=0.0, ignore_eos=True)
+    want = tokens(LLM(qwen3, seed=0).generate(PROMPTS[:1], GREEDY, use_tqdm=False))
+    with LLM(qwen3, tensor_parallel_size=2, seed=0, max_model_len=512) as tp:
+        reply = RankGroup.reply
+
+        def interrupt_soon(self, *a, **kw):  # once the long run is under way
+            threading.Timer(0.5, _thread.interrupt_main).start()
+            monkeypatch.setattr(RankGroup, "reply", reply)
+            return reply(self, *a, **kw)
+
+        monkeypatch.setattr(RankGroup, "reply", interrupt_soon)
+        with pytest.raises(KeyboardInterrupt):
+            tp.generate(PROMPTS[1:] * 8, long, use_tqdm=False)
+        assert tp.get_stats()["num_generated_tokens"] < 16 * 480  # stopped, not run to its end
+        assert tokens(tp.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == want
+        assert tokens(tp.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == want
+
+
+def test_a_tp_llm_nobody_closes_stops_its_ranks_when_collected(qwen3):
+    """No rank process or rendezvous directory outlives a tensor-parallel LLM that was never closed."""
+    import gc
+    import os
+
+    tp = LLM(qwen3, tensor_parallel_size=2, seed=0)
+    procs, directory = list(tp.ranks._procs), tp.ranks._dir
+    assert os.path.isdir(directory) and all(p.is_alive() for p in procs)
+    del tp
+    gc.collect()
+    assert not any(p.is_alive() for p in procs) and not os.path.exists(directory)

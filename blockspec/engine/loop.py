@@ -30,11 +30,18 @@ from blockspec.speculative.policy import PolicyView
 log = logging.getLogger("blockspec.engine")
 
 
-class OfflineRunner:
-    """Runs checked prompts to completion on an engine; outputs come back in prompt order."""
+class Interrupted(Exception):
+    """A run stopped at the user's request (a tensor-parallel rank's view of the user's Ctrl-C)."""
 
-    def __init__(self, engine: Engine) -> None:
+
+class OfflineRunner:
+    """Runs checked prompts to completion on an engine; outputs come back in prompt order. `interrupted`,
+    asked before each step with the run's step count, stops the run (its requests aborted) with
+    `Interrupted` when it says so."""
+
+    def __init__(self, engine: Engine, interrupted: Callable[[int], bool] | None = None) -> None:
         self.engine = engine
+        self.interrupted = interrupted
         self._ids = itertools.count()
 
     def run(self, prompts: list[Prompt], params: list[SamplingParams],
@@ -69,7 +76,11 @@ class OfflineRunner:
 
             bar_type = use_tqdm if callable(use_tqdm) else tqdm
             bar = bar_type(total=total, desc="Generating", unit="req", dynamic_ncols=True)
+        steps = 0
         while self.engine.has_unfinished():
+            if self.interrupted is not None and self.interrupted(steps):
+                raise Interrupted("the run was interrupted")
+            steps += 1
             changed = self.engine.step()
             if bar is not None:
                 finished = sum(1 for r in changed if r.finish_reason is not None)

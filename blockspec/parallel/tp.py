@@ -21,13 +21,16 @@ import dataclasses
 import os
 import pickle
 import shutil
+import signal
 import tempfile
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -414,9 +417,34 @@ def join_group(rank: int, world_size: int, init_file: str, device: str | torch.d
     return str(device), control
 
 
+# a run's ranks ask rank 0 every this many steps whether the user interrupted it (a host broadcast: rare
+# enough to cost nothing a step, often enough that an interrupted run stops at once)
+INTERRUPT_CHECK_STEPS = 16
+
+
+def _interrupt_check(conn: Connection | None, control: ProcessGroup | None) -> Callable[[int], bool]:
+    """What OfflineRunner asks before each step: every INTERRUPT_CHECK_STEPS steps, rank 0 looks for the
+    user's interrupt in its pipe (the only message sent while a call runs) and every rank learns the
+    answer in the same broadcast, so all stop at the same step."""
+
+    def interrupted(step: int) -> bool:
+        if step % INTERRUPT_CHECK_STEPS:
+            return False
+        flag = [conn is not None and conn.poll(0)]
+        dist.broadcast_object_list(flag, src=0, group=control)
+        if flag[0] and conn is not None:
+            _next_call(conn)  # the interrupt (or the user's process gone: the next call reads "close")
+        return bool(flag[0])
+
+    return interrupted
+
+
 def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | None, model: str,
                args: EngineArgs, num_threads: int) -> None:
-    """One rank: join the group, build its engine, then serve broadcast calls until "close"."""
+    """One rank: join the group, build its engine, then serve broadcast calls until "close". Ctrl-C is the
+    user's process's to handle (it interrupts the call, `RankGroup.call`): a terminal sends it to the
+    ranks too, which ignore it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(num_threads)
     device, control = join_group(rank, world_size, init_file, args.device)
     args = dataclasses.replace(args, device=device)
@@ -430,7 +458,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | No
             conn.send(reply)
         if setup is None:
             return
-        runner = OfflineRunner(setup.engine)
+        runner = OfflineRunner(setup.engine, _interrupt_check(conn, control))
         calls: dict[str, Callable[..., Any]] = {
             "run": runner.run,
             "metrics": setup.engine.metrics,
@@ -444,6 +472,8 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | No
             name, args, kwargs = msg[0]
             if name == "close":
                 return
+            if name == "interrupt":  # for a call that ended before it arrived: nothing to stop, no reply
+                continue
             if rank and "use_tqdm" in kwargs:
                 kwargs = {**kwargs, "use_tqdm": False}
             try:
@@ -519,6 +549,9 @@ class RankProcesses:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._procs = []
+        # closed when this object is collected or the interpreter exits, if not before: no rank processes
+        # or rendezvous directory outlive an LLM nobody closed
+        self._closing = weakref.finalize(self, _stop_ranks, self._procs, self._conn, self._dir)
         for rank in range(world_size):
             p = ctx.Process(target=main, daemon=True,
                             args=(rank, world_size, os.path.join(self._dir, "store"), child if rank == 0 else None,
@@ -554,22 +587,30 @@ class RankProcesses:
 
     def close(self) -> None:
         """Stop the ranks (a "close" call first, which ranks serving calls obey; then by force) and remove
-        the rendezvous file."""
-        if not self._procs:
-            return
-        if all(p.is_alive() for p in self._procs):
-            try:
-                self._conn.send(("close", (), {}))
-            except (BrokenPipeError, OSError):
-                pass
-        for p in self._procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        self._procs = []
-        self._conn.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        the rendezvous directory."""
+        self._closing()
+
+
+def _stop_ranks(procs: list[Any], conn: Connection, directory: str) -> None:
+    """`RankProcesses.close`, on what it holds (a finalizer must not hold the object itself)."""
+    if not procs:
+        return
+    if all(p.is_alive() for p in procs):
+        try:
+            conn.send(("close", (), {}))
+        except (BrokenPipeError, OSError):
+            pass
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    procs.clear()
+    conn.close()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+INTERRUPT_DRAIN_S = 60.0  # how long an interrupted call waits for its run to stop before the ranks are closed
 
 
 class RankGroup(RankProcesses):
@@ -595,11 +636,30 @@ class RankGroup(RankProcesses):
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Run `name` ("run": OfflineRunner.run, "metrics": Engine.metrics) on every rank in lockstep;
-        rank 0's result."""
+        rank 0's result. Interrupted (Ctrl-C), the ranks stop the call's run and its reply is read and
+        dropped before KeyboardInterrupt goes on, so the next call reads its own reply."""
         if not self._procs:
             raise RuntimeError("the tensor-parallel ranks are closed")
-        self._conn.send((name, args, kwargs))
-        return self.reply()
+        try:
+            message = ForkingPickler.dumps((name, args, kwargs))  # as Connection.send pickles
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            raise ConfigError(f"the call's arguments cannot be sent to the tensor-parallel ranks: {exc}") from None
+        self._conn.send_bytes(message)
+        try:
+            return self.reply()
+        except KeyboardInterrupt:
+            self._drop_reply()
+            raise
+
+    def _drop_reply(self, timeout_s: float = INTERRUPT_DRAIN_S) -> None:
+        """After an interrupted call: ask the ranks to stop its run and read its reply. If that reply does
+        not come (another Ctrl-C, a rank stuck), the ranks are closed: a later call raises, never reads a
+        stale reply."""
+        try:
+            self._conn.send(("interrupt", (), {}))
+            self.receive(timeout_s)
+        except BaseException:
+            self.close()
 
     def serve(self, commands: Connection, reports: Connection) -> None:
         """Serve a server front's pipes (`blockspec serve`'s engine process): the ranks run the
