@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 import re
 
 import pytest
@@ -392,6 +393,45 @@ def test_train_refuses_an_export_over_a_model_and_reads_jsonl_records_wherever_t
     assert "--tokenizer" in capsys.readouterr().err
 
 
+def test_data_that_cannot_train_says_why(tmp_path):
+    """A jsonl that is not UTF-8 names its file (it was a traceback); text files that are all empty or not
+    UTF-8 say so (it was "no training examples"); a single example trains with nothing held out (the
+    held-out split took it)."""
+    from blockspec.train.data import DataError, load_examples, split_examples
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'\xff\xfe{"text": "x"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl: not UTF-8 text \(byte 0"):
+        load_examples(bad, None, 32)
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.py").write_bytes(b"\xff\xfe")
+    (texts / "b.py").write_text("")
+    with pytest.raises(DataError, match=r"no text to train on \(2 file\(s\), each empty or not UTF-8\)"):
+        load_examples(texts, None, 32)
+    assert split_examples(["only"], 0.02, 0) == (["only"], [])
+    train, held = split_examples(list(range(10)), 0.02, 0)
+    assert len(train) == 9 and len(held) == 1
+
+
+def test_init_from_names_its_family_and_takes_default(tiny_target, tmp_path, capsys):
+    """--init-from a DSpark drafter without --method dspark names the flag; 'default' is the embedded
+    drafter of --method (it was read as a directory named default)."""
+    from blockspec.cli import main
+
+    _, target_dir = tiny_target
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "x"}\n')
+    dspark = str(Path(__file__).parent / "fixtures" / "drafters" / "dspark_vanilla")
+    assert main(["train", "--target", str(target_dir), "--data", str(data), "--out", str(tmp_path / "o"),
+                 "--init-from", dspark]) == 2
+    assert f"--init-from {dspark} is a dspark drafter: give --method dspark" in capsys.readouterr().err
+    data.write_text('{"text": "def f(x):\\n    return x + 1\\n"}\n' * 8)
+    assert main(["train", "--target", "default", "--data", str(data), "--out", str(tmp_path / "o"), "--init-from",
+                 "default", "--max-steps", "1", "--no-progress", "--eval-frac", "0", "--acceptance-prompts", "0"]) == 0
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["block_size"] == 16  # the embedded DFlash's
+
+
 def test_checkpoint_is_safetensors_and_a_weights_only_state(tiny_target, tmp_path):
     """The weights load with safetensors alone and the rest with torch.load(weights_only=True): no pickled
     objects; the state names its format version, and a weights file from another step is refused."""
@@ -584,7 +624,7 @@ def test_train_cli_flags_have_help_choices_and_one_line_errors(tmp_path, capsys)
     ("min_lr_ratio", -1.0, "--min-lr-ratio"), ("grad_clip", -1.0, "--grad-clip"), ("eval_frac", 1.5, "--eval-frac"),
     ("max_minutes", 0.0, "--max-minutes must be a number > 0"), ("num_target_features", 0, "--num-target-features"),
     ("num_layers", 0, "--num-layers"), ("block_size", 100000, "--block-size must be at most 256"),
-    ("num_heads", 0, "--num-heads must be an integer >= 1, or None"), ("hidden_size", -8, "--hidden-size"),
+    ("num_heads", 0, "--num-heads must be an integer >= 1, or None"), ("head_dim", -8, "--head-dim"),
     ("eval_batches", 0, "--eval-batches must be an integer >= 1"), ("eval_every", -1, "--eval-every"),
     ("checkpoint_every", -2, "--checkpoint-every"), ("regen_max_new_tokens", 0, "--regen-max-new-tokens"),
     ("ce_alpha", 0.0, "no loss trains the drafts")])
@@ -705,3 +745,7 @@ def test_the_export_records_its_engine_acceptance_for_the_draft_length_policy(ti
     none = dataclasses.replace(cfg, acceptance_prompts=0, max_steps=1)
     train_drafter(target_dir, data, none, eval_data=data[:2], out_dir=tmp_path / "n")
     assert not (tmp_path / "n" / ACCEPTANCE_FILE).exists()
+    # over the measured drafter's export, an export that measures nothing leaves no figures of the old one
+    # (the engine read them as its own, and refused them where the block differs)
+    train_drafter(target_dir, data, dataclasses.replace(none, block_size=3), eval_data=data[:2], out_dir=tmp_path / "d")
+    assert not (tmp_path / "d" / ACCEPTANCE_FILE).exists()

@@ -284,21 +284,24 @@ def jsonl_examples(path: str | Path, tokenizer: Any, max_len: int) -> list[Examp
     """Every usable record of a jsonl file: the conversations in file order (loss on the responses), then the
     {"text"} records packed with full loss, as text files are."""
     out, texts = [], []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{n}: not valid JSON: {exc}") from None
-            text = record_text(record, f"{path}:{n}")
-            if text is not None:
-                texts.append(text)
-                continue
-            ex = record_example(record, tokenizer, max_len, f"{path}:{n}")
-            if ex is not None:
-                out.append(ex)
+    try:
+        lines = Path(path).read_text(encoding="utf-8").split("\n")  # not splitlines: JSON strings may hold U+2028
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{n}: not valid JSON: {exc}") from None
+        text = record_text(record, f"{path}:{n}")
+        if text is not None:
+            texts.append(text)
+            continue
+        ex = record_example(record, tokenizer, max_len, f"{path}:{n}")
+        if ex is not None:
+            out.append(ex)
     if texts:
         out += text_examples(texts, tokenizer, max_len)
     if not out:
@@ -318,16 +321,20 @@ def load_examples(spec: str | Path, tokenizer: Any, max_len: int) -> list[Exampl
     out = [ex for p in files if p.suffix == ".jsonl" for ex in jsonl_examples(p, tokenizer, max_len)]
     texts = [p for p in files if p.suffix != ".jsonl"]
     if texts:
-        out += text_examples(read_texts(texts), tokenizer, max_len)
+        read = read_texts(texts)
+        if not read and not out:
+            raise DataError(f"{spec}: no text to train on ({len(texts)} file(s), each empty or not UTF-8)")
+        out += text_examples(read, tokenizer, max_len)
     return out
 
 
 def split_examples(examples: list[Example], eval_frac: float, seed: int) -> tuple[list[Example], list[Example]]:
-    """Seeded split into (train, eval); at least one eval example when eval_frac > 0."""
+    """Seeded split into (train, eval); at least one eval example when eval_frac > 0, never the last one
+    left to train on (a single example trains, with nothing held out)."""
     if eval_frac <= 0:
         return examples, []
     perm = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
-    n_eval = max(1, int(len(examples) * eval_frac))
+    n_eval = min(max(1, int(len(examples) * eval_frac)), len(examples) - 1)
     return [examples[i] for i in sorted(perm[n_eval:])], [examples[i] for i in sorted(perm[:n_eval])]
 
 

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockspec.assets import embedded
-from blockspec.config import ConfigError, ModelConfig, drafter_kind, output_dir
+from blockspec.config import ConfigError, ModelConfig, drafter_kind, drafter_method, output_dir
 from blockspec.models.kv_cache import dense_causal_meta
 from blockspec.models.llama import CausalLM
 from blockspec.models.loader import load_target, resolve_device
@@ -60,7 +60,7 @@ from blockspec.drafters import (
     save_dspark,
 )
 from blockspec.drafters.config import MARKOV_HEAD_TYPES
-from blockspec.drafters.formats import write_recorded_acceptance
+from blockspec.drafters.formats import ACCEPTANCE_FILE, write_recorded_acceptance
 from blockspec.train.data import Batches, DataError, Example, collate, load_examples, split_examples, text_files
 
 Method = Literal["dflash", "dspark"]
@@ -224,8 +224,8 @@ class DrafterTrainConfig:
     num_target_features: int | None = option(None, "how many target layers to tap when target_layer_ids is None, "
                                                    "at most all but the target's last (None: 3, or as many as "
                                                    "layers 1..L-2 of a smaller target hold)")
-    hidden_size: int | None = option(None, "drafter hidden size (None: the target's)")
-    intermediate_size: int | None = option(None, "drafter MLP width (None: the target's, or 3 x hidden_size)")
+    intermediate_size: int | None = option(None, "drafter MLP width (None: the target's; the hidden size is the "
+                                                 "target's, whose embedding and LM head the drafter shares)")
     num_heads: int | None = option(None, "attention heads (None: the target's)")
     num_kv_heads: int | None = option(None, "key/value heads (None: the target's, at most num_heads)")
     head_dim: int | None = option(None, "per-head width (None: the target's, or hidden_size / num_heads)")
@@ -327,7 +327,7 @@ class DrafterTrainConfig:
                 ("num_layers", lambda v: v >= 1, "an integer >= 1"),
                 ("block_size", lambda v: v <= MAX_BLOCK_SIZE, f"at most {MAX_BLOCK_SIZE}"),
                 *((name, lambda v: v is None or v >= 1, "an integer >= 1, or None (the target's)")
-                  for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")),
+                  for name in ("intermediate_size", "num_heads", "num_kv_heads", "head_dim")),
                 ("eval_batches", lambda v: v >= 1, "an integer >= 1"),
                 ("eval_every", lambda v: v >= 0, "an integer >= 0 (0: only at the end)"),
                 ("checkpoint_every", lambda v: v >= 0, "an integer >= 0 (0: only at the end)"),
@@ -398,7 +398,7 @@ def check_init_shape(cfg: DrafterTrainConfig, drafter: DraftModel) -> None:
     away from the method's) that the checkpoint does not have is refused by name, not silently ignored."""
     c = drafter.config
     held: dict[str, Any] = {name: getattr(c, name) for name in (
-        "num_layers", "block_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+        "num_layers", "block_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
         "mask_token_id")}
     held["target_layer_ids"] = list(c.target_layer_ids)
     held["num_target_features"] = len(c.target_layer_ids)
@@ -419,7 +419,7 @@ def check_init_shape(cfg: DrafterTrainConfig, drafter: DraftModel) -> None:
 def build_drafter(cfg: DrafterTrainConfig, target_cfg: ModelConfig, mask_token_id: int, seed: int = 0) -> DraftModel:
     """A freshly initialised drafter (HF-style N(0, 0.02) init) sharing the target's embedding and LM head."""
     taps = target_taps(cfg, target_cfg.num_hidden_layers)
-    hidden = cfg.hidden_size or target_cfg.hidden_size
+    hidden = target_cfg.hidden_size  # the drafter shares the target's embedding and LM head
     heads = cfg.num_heads or target_cfg.num_attention_heads
     # not given: the target's, cut to a divisor of the heads (each key/value head serves a group of them)
     kv_heads = cfg.num_kv_heads or math.gcd(heads, min(target_cfg.num_key_value_heads, heads))
@@ -430,8 +430,7 @@ def build_drafter(cfg: DrafterTrainConfig, target_cfg: ModelConfig, mask_token_i
         raise ConfigError(f"--num-heads {heads} must divide the hidden size {hidden}, or give --head-dim")
     dcfg = DrafterConfig(
         hidden_size=hidden,
-        intermediate_size=cfg.intermediate_size or (target_cfg.intermediate_size if hidden == target_cfg.hidden_size
-                                                    else 3 * hidden),
+        intermediate_size=cfg.intermediate_size or target_cfg.intermediate_size,
         num_layers=cfg.num_layers, num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=cfg.head_dim or (target_cfg.head_dim if cfg.num_heads is None else hidden // heads),
@@ -921,6 +920,9 @@ class DrafterTrainer:
         share storage, which safetensors refuses.
         """
         model = copy.deepcopy(self.drafter).cast("cpu", dtype).eval()
+        # a drafter exported here before leaves its measured acceptance, which the engine would read as this
+        # one's (and refuse where the block differs): this export measures its own, or has none
+        (Path(out_dir) / ACCEPTANCE_FILE).unlink(missing_ok=True)
         t = self.target
         vocab = SimpleNamespace(embed_tokens=SimpleNamespace(weight=t.embed_tokens.weight.detach().clone()),
                                 lm_head=SimpleNamespace(weight=t.lm_head.weight.detach().clone()))
@@ -1204,7 +1206,12 @@ def run_cli(args: argparse.Namespace) -> int:
             except DataError as exc:
                 raise DataError(f"{flag} {exc}") from None
     fields = {f.name for f in dataclasses.fields(DrafterTrainConfig)}
-    cfg = DrafterTrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    given = {k: v for k, v in vars(args).items() if k in fields}
+    if given.get("init_from"):  # 'default': the embedded drafter of --method, as elsewhere
+        given["init_from"] = embedded(given["init_from"], given.get("method") or "dflash")
+    cfg = DrafterTrainConfig(**given)
+    if cfg.init_from and (family := drafter_method(cfg.init_from)) not in (None, cfg.method):
+        raise ConfigError(f"--init-from {cfg.init_from} is a {family} drafter: give --method {family}")
     check_export_dir(args.out, embedded(args.target))
     output_dir(args.out, "--out")  # before the training: its export and checkpoints must have somewhere to go
     if cfg.checkpoint_dir:
