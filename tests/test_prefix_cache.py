@@ -60,6 +60,25 @@ def test_a_cache_salt_keeps_pages_to_the_requests_of_that_salt():
     assert len(unsalted) == 2 and not set(unsalted) & set(t.prefix.lookup(tokens, 11, "tenant-a"))
 
 
+def test_a_request_cut_by_a_stop_string_remembers_only_pages_its_tokens_fill():
+    """A stop string inside an accepted block leaves the cache holding positions past the cut output: a page
+    keyed by the tokens left (fewer than a page) would be a key no lookup ever matches."""
+    from blockspec.engine.scheduler import Scheduler
+    from blockspec.request import Request
+
+    t = table()
+    sched = Scheduler(t, 64, 0)
+    req = Request("a", None, [1, 2, 3, 4, 5], SamplingParams(), 0)
+    sched.add([req])
+    sched.admit()
+    req.output_ids = [6, 7]  # 7 tokens; the cache holds 9 positions (2 of tokens the stop string cut)
+    t.reserve(req.slot, 9)
+    req.num_cached = 9
+    sched.remember(req)
+    assert [len(tokens) for _, tokens in t.prefix.key_of.values()] == [4]
+    assert len(t.prefix.lookup([1, 2, 3, 4, 5, 6, 7, 9, 9], 9)) == 1
+
+
 def test_shared_pages_stay_until_no_slot_holds_them_then_idle_pages_go_oldest_first():
     t = table(pages=4)
     a = t.allocate()

@@ -209,11 +209,13 @@ class Scheduler:
                    for other, lo, hi in writing)
 
     def remember(self, req: Request) -> None:
-        """Remember the request's full pages of final K/V, and which of them hold its drafter context."""
+        """Remember the request's full pages of final K/V, and which of them hold its drafter context. A stop
+        string inside an accepted block cuts the output below what the cache holds: only its tokens count."""
         if self.pages.prefix is None:
             return
-        draft = min(req.num_cached, req.num_draft_ctx) if self.with_drafter else req.num_cached
-        self.pages.remember(req.slot, req.token_slice(0, req.num_cached), req.num_cached, draft, req.cache_salt)
+        final = min(req.num_cached, req.length)
+        draft = min(final, req.num_draft_ctx) if self.with_drafter else final
+        self.pages.remember(req.slot, req.token_slice(0, final), final, draft, req.cache_salt)
 
     def clear_suspect(self) -> None:
         """After a step that did not raise: a suspect (running alone) that committed a token is cleared;
