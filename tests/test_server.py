@@ -5,6 +5,7 @@ requests against LLM.generate, with and without speculation."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
 import json
@@ -220,6 +221,48 @@ def test_cli_serve_over_https_under_a_root_path(text_dir, tmp_path):
             get(f"http://127.0.0.1:{port}/health", timeout=30)
     finally:
         proc.terminate()
+        proc.wait(PATIENCE)
+
+
+@pytest.mark.parametrize("timeout", [None, "300"])
+def test_cli_serve_sigterm_aborts_requests_in_flight_or_waits_shutdown_timeout(text_dir, timeout):
+    """vLLM's --shutdown-timeout: by default SIGTERM aborts the requests in flight at once (the stream ends
+    before its tokens); with a timeout it lets them finish first (to max_tokens, then [DONE])."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "blockspec.cli", "serve", "--model", str(text_dir), "--port", str(port),
+           "--max-model-len", "400", "--device", "cpu", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd + (["--shutdown-timeout", timeout] if timeout else []), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert proc.poll() is None, proc.stderr.read().decode()
+        try:
+            return get(f"{url}/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(healthy, PATIENCE, "`blockspec serve` to become healthy")
+        body = {"prompt": "a", "max_tokens": 300, "ignore_eos": True, "stream": True, "temperature": 0}
+        lines = []
+        with pytest.raises(httpx.TransportError) if timeout is None else contextlib.nullcontext():
+            with stream("POST", f"{url}/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line and not lines:
+                        proc.send_signal(signal.SIGTERM)  # the first token is out: the request is in flight
+                    lines += [line] if line else []
+        assert proc.wait(PATIENCE) == 0
+        chunks = [json.loads(line.removeprefix("data: ")) for line in lines if line != "data: [DONE]"]
+        finish = [c["choices"][0]["finish_reason"] for c in chunks]
+        if timeout is None:
+            assert "length" not in finish and "data: [DONE]" not in lines
+        else:
+            assert finish[-1] == "length" and lines[-1] == "data: [DONE]"
+    finally:
+        proc.kill()
         proc.wait(PATIENCE)
 
 

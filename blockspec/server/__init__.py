@@ -80,6 +80,9 @@ def add_serve_parser(sub: Any) -> None:
                         "request that continues its last message gets that message's role)")
     g.add_argument("--root-path", default="",
                    help="the path prefix a reverse proxy serves this server under (ASGI root_path, vLLM's flag)")
+    g.add_argument("--shutdown-timeout", type=float, default=0.0,
+                   help="seconds SIGTERM or Ctrl-C waits for the requests in flight to finish before it aborts them "
+                        "(vLLM's flag; default: %(default)s, abort at once); new connections are refused meanwhile")
     g.add_argument("--timeout-keep-alive", type=int, default=5,
                    help="seconds an idle HTTP keep-alive connection stays open (default: %(default)s)")
     g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM) and --ssl-certfile")
@@ -127,7 +130,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:  # vLLM refuses this at start too
         print("error: --enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)", file=sys.stderr)
         return 2
-    problem = ssl_problem(args)
+    problem = ssl_problem(args) or (f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout:g}"
+                                    if not args.shutdown_timeout >= 0 else None)
     if problem is not None:  # found before the model loads, not by uvicorn after
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -183,7 +187,8 @@ def run_serve(args: argparse.Namespace) -> int:
                      engine_process=args.engine_process, config=config, on_ready=ready)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, root_path=args.root_path,
                                            log_level=args.uvicorn_log_level or args.log_level,
-                                           timeout_keep_alive=args.timeout_keep_alive, ssl_keyfile=args.ssl_keyfile,
+                                           timeout_keep_alive=args.timeout_keep_alive,
+                                           timeout_graceful_shutdown=args.shutdown_timeout, ssl_keyfile=args.ssl_keyfile,
                                            ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
                                            ssl_cert_reqs=args.ssl_cert_reqs))
     # uvicorn stops gracefully at the first SIGINT or SIGTERM, then raises that signal again for the code
