@@ -103,6 +103,24 @@ def test_sharded_checkpoint_loads(tmp_path):
     assert model.config.model_type == "qwen2" and model.config.qkv_bias
 
 
+def test_sharded_pytorch_bin_checkpoint_loads_as_its_safetensors(tmp_path):
+    """Older checkpoints ship pytorch_model-0000N-of-0000M.bin shards with pytorch_model.bin.index.json: the
+    same tensors as the safetensors file they were written from."""
+    path = save_tiny(tmp_path / "m", "llama", seed=2)
+    want, _ = load_target(path, device="cpu")
+    state = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors").unlink()
+    names = sorted(state)
+    shards = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+    for file, keys in shards.items():
+        torch.save({k: state[k] for k in keys}, path / file)
+    (path / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: file for file, keys in shards.items() for k in keys}}))
+    got, _ = load_target(path, device="cpu")
+    theirs = dict(want.named_parameters())
+    assert all(torch.equal(p, theirs[n]) for n, p in got.named_parameters()) and len(theirs) > 5
+
+
 def test_malformed_shard_index_and_unreadable_bin_are_named(tmp_path):
     """A sharded index whose weight_map names no file, and a truncated pytorch_model.bin, fail with one line
     naming the file (not a TypeError from joining a path, or pickle's error naming nothing)."""

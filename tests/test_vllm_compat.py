@@ -622,6 +622,30 @@ def test_the_hub_token_reaches_the_download(monkeypatch):
     assert (seen["token"], seen["revision"], seen["cache_dir"], seen["repo_id"]) == ("hf_abc", "r1", "/tmp/d", "org/gated")
 
 
+@pytest.mark.parametrize("files, weights", [
+    (["config.json", "model.safetensors", "pytorch_model.bin", "training_args.bin"], ["*.safetensors"]),
+    (["config.json", "pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json"], ["pytorch_model*.bin"]),
+    (None, ["*.safetensors", "pytorch_model*.bin"]),  # the listing failed (offline): the cache has what it has
+])
+def test_a_hub_download_fetches_one_weights_format(monkeypatch, tmp_path, files, weights):
+    """A repo with safetensors and .bin weights is fetched in safetensors alone (both doubled the download),
+    one with .bin alone in .bin; other .bin files (training state) never."""
+    import huggingface_hub
+
+    from blockspec.models.loader import HUB_PATTERNS, resolve_model_dir
+
+    def listing(repo_id, revision=None, token=None):
+        if files is None:
+            raise OSError("offline")
+        return files
+
+    seen = {}
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", listing)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda **kw: seen.update(kw) or str(tmp_path))
+    assert resolve_model_dir("org/m") == tmp_path
+    assert seen["allow_patterns"] == HUB_PATTERNS + weights
+
+
 # ---------------------------------------------------------------- vLLM's conventions
 def test_sampling_params_take_vllms_conventions(text_dir, text_llm):
     """seed=-1 is no seed, logprobs=True is 1, NumPy scalars are numbers (each was refused, or -1 a fixed

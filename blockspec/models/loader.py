@@ -6,6 +6,7 @@ Every failure names the path and the field at fault, before any weights are touc
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import logging
 import os
@@ -25,7 +26,22 @@ if TYPE_CHECKING:
     from blockspec.models.llama import CausalLM
 
 
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.bin"]
+HUB_PATTERNS = ["*.json", "*.model", "*.txt", "*.jinja"]  # configs, tokenizer files, chat templates
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")  # what read_state_dict reads, in its order
+
+
+def hub_patterns(repo_id: str, revision: str | None, token: str | None) -> list[str]:
+    """The files a hub download fetches: HUB_PATTERNS and one weights format, safetensors where the repo has
+    them, else PyTorch's .bin (a repo shipping both would be fetched twice over). Where the listing fails
+    (offline: the download reads the cache), both."""
+    from huggingface_hub import list_repo_files
+
+    try:
+        files = list_repo_files(repo_id, revision=revision, token=token)
+    except Exception:  # noqa: BLE001  offline, or the hub's error, which the download then names
+        return HUB_PATTERNS + list(WEIGHT_PATTERNS)
+    has = [p for p in WEIGHT_PATTERNS if any(fnmatch.fnmatch(f, p) for f in files)]
+    return HUB_PATTERNS + has[:1]
 
 
 def resolve_model_dir(name_or_path: str | os.PathLike[str], what: str = "model", revision: str | None = None,
@@ -45,8 +61,8 @@ def resolve_model_dir(name_or_path: str | os.PathLike[str], what: str = "model",
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id=text, allow_patterns=HUB_PATTERNS, revision=revision,
-                                      cache_dir=download_dir, token=token))
+        return Path(snapshot_download(repo_id=text, allow_patterns=hub_patterns(text, revision, token),
+                                      revision=revision, cache_dir=download_dir, token=token))
     except Exception as exc:  # hub errors come in many classes; the user needs the id and the cause
         at = f" at revision {revision!r}" if revision else ""
         raise ModelLoadError(
@@ -68,40 +84,50 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def read_state_dict(model_dir: Path) -> dict[str, Tensor]:
-    """All tensors of a checkpoint directory (single file or sharded index)."""
-    from safetensors.torch import load_file
-
-    single = model_dir / "model.safetensors"
-    index = model_dir / "model.safetensors.index.json"
-    if single.is_file():
-        files = [single]
-    elif index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ModelLoadError(f"{index}: missing 'weight_map'")
-        bad = next(((name, f) for name, f in weight_map.items() if not isinstance(f, str) or not f), None)
-        if bad is not None:
-            raise ModelLoadError(f"{index}: weight_map[{bad[0]!r}] must name a shard file, got {bad[1]!r}")
-        files = [model_dir / f for f in sorted(set(weight_map.values()))]
-    elif (model_dir / "pytorch_model.bin").is_file():
-        try:
-            return torch.load(model_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except Exception as exc:  # a truncated or foreign file: pickle's and zipfile's errors name neither
-            raise ModelLoadError(f"{model_dir / 'pytorch_model.bin'}: cannot read the checkpoint: "
-                                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    """All tensors of a checkpoint directory: safetensors (one file or a sharded index), else PyTorch's .bin (one
+    file or a sharded index, as older checkpoints ship them)."""
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (model_dir / single).is_file():
+            files = [model_dir / single]
+            break
+        if (model_dir / index).is_file():
+            files = shard_files(model_dir / index)
+            break
     else:
-        raise ModelLoadError(
-            f"{model_dir}: no weights found (model.safetensors, model.safetensors.index.json or pytorch_model.bin)"
-        )
+        raise ModelLoadError(f"{model_dir}: no weights found (model.safetensors, model.safetensors.index.json, "
+                             "pytorch_model.bin or pytorch_model.bin.index.json)")
     state: dict[str, Tensor] = {}
     for f in files:
         if not f.is_file():
             raise ModelLoadError(f"{f}: shard listed in the index is missing")
-        try:
-            state.update(load_file(str(f)))
-        except Exception as exc:
-            raise ModelLoadError(f"{f}: cannot read safetensors file: {exc}") from None
+        state.update(read_weights_file(f))
     return state
+
+
+def shard_files(index: Path) -> list[Path]:
+    """The shard files a sharded checkpoint's index names, each once."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ModelLoadError(f"{index}: missing 'weight_map'")
+    bad = next(((name, f) for name, f in weight_map.items() if not isinstance(f, str) or not f), None)
+    if bad is not None:
+        raise ModelLoadError(f"{index}: weight_map[{bad[0]!r}] must name a shard file, got {bad[1]!r}")
+    return [index.parent / f for f in sorted(set(weight_map.values()))]
+
+
+def read_weights_file(path: Path) -> dict[str, Tensor]:
+    """One safetensors file, or a .bin read with weights_only (tensors, never pickled code)."""
+    from safetensors.torch import load_file
+
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated or foreign file: pickle's and zipfile's errors name neither
+        kind = "safetensors file" if path.suffix == ".safetensors" else "checkpoint"
+        raise ModelLoadError(f"{path}: cannot read the {kind}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
 
 def assign_weights(module: nn.Module, state: dict[str, Tensor], source: str, optional: tuple[str, ...] = ()) -> None:
