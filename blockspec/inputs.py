@@ -19,7 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from blockspec.bad_words import word_sequences
 from blockspec.config import ConfigError
 from blockspec.errors import RequestError
-from blockspec.sampling_params import SamplingError, SamplingParams, is_int
+from blockspec.sampling_params import SamplingError, SamplingParams, is_int, plain_ints
 from blockspec.structured import new_matcher
 
 
@@ -201,7 +201,7 @@ class ModelInputs:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list) or not all(is_int(t) for t in ids):
                 raise RequestError(f"{where}: prompt_token_ids must be a list of ints")
-            return Prompt(prompt.get("prompt"), ids, check_salt(prompt.get("cache_salt"), where))
+            return Prompt(prompt.get("prompt"), plain_ints(ids), check_salt(prompt.get("cache_salt"), where))
         if isinstance(prompt, dict) and "prompt" in prompt:
             text, ids, _ = self.prompt_ids(prompt["prompt"], where, truncating, add_special_tokens)
             return Prompt(text, ids, check_salt(prompt.get("cache_salt"), where))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Self
 
@@ -48,6 +49,9 @@ class LLM:
             log.warning(note)
         self.tensor_parallel_size = tensor_parallel_size
         self.engine = self.ranks = None
+        # one call drives the engine (or the ranks' pipe) at a time: calls from other threads wait their turn
+        # (two at once stepped one engine from both, committing each step's tokens twice)
+        self._driving = threading.Lock()
         if tensor_parallel_size == 1:
             setup = build_engine(model, args)
             self.engine, self.inputs, self.model = setup.engine, setup.inputs, setup.model
@@ -93,9 +97,10 @@ class LLM:
             raise ConfigError("priority: blockspec schedules requests first come, first served; give none, or 0 "
                               "for every prompt")
         prepared, params = self.inputs.prepare(prompts, sampling_params)
-        if self.ranks is not None:
-            return self.ranks.call("run", prepared, params, use_tqdm=use_tqdm)
-        return self._runner.run(prepared, params, use_tqdm)
+        with self._driving:
+            if self.ranks is not None:
+                return self.ranks.call("run", prepared, params, use_tqdm=use_tqdm)
+            return self._runner.run(prepared, params, use_tqdm)
 
     def chat(
         self,
@@ -146,12 +151,14 @@ class LLM:
         """The engine's counters as a dict: speculation (vLLM's names), the draft-length policy's choices
         (`policy_steps`: decode steps by the number of drafts verified, 0 = plain), the draft / verify /
         rest time split, tokens, preemptions."""
-        return self.ranks.call("metrics") if self.ranks is not None else self.engine.metrics()
+        with self._driving:
+            return self.ranks.call("metrics") if self.ranks is not None else self.engine.metrics()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every remembered KV page (vLLM's): later prompts prefill in full until pages are remembered
         again; pages running requests hold stay theirs. False where prefix caching is off."""
-        return self.ranks.call("reset_prefix_cache") if self.ranks is not None else self.engine.reset_prefix_cache()
+        with self._driving:
+            return self.ranks.call("reset_prefix_cache") if self.ranks is not None else self.engine.reset_prefix_cache()
 
     def get_metrics(self) -> list[Metric]:
         """The counters as vLLM's `LLM.get_metrics()` gives them: Counter, Gauge and Vector objects named

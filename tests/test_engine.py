@@ -345,6 +345,48 @@ def test_an_interrupted_generate_leaves_nothing_queued(llm, monkeypatch):
     assert llm.generate("aa", SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_an_interrupt_while_prompts_are_queued_leaves_none_of_them(llm, monkeypatch):
+    """Ctrl-C while a call queues its prompts (3,000 of them take a while): the ones already queued go too
+    (they stayed, and the next call ran them all first)."""
+    add = llm.engine.add_request
+    added = []
+
+    def interrupted(*args, **kwargs):
+        if len(added) == 2:
+            raise KeyboardInterrupt
+        added.append(1)
+        return add(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine, "add_request", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["aa", "bb", "cc", "dd"], SamplingParams(max_tokens=5), use_tqdm=False)
+    monkeypatch.undo()
+    assert len(added) == 2 and not llm.engine.has_unfinished()
+
+
+def test_generate_from_two_threads_runs_one_call_at_a_time(llm):
+    """Two threads calling one LLM: each gets its own prompts' tokens, as called one after the other (both
+    stepped one engine at once, committing tokens twice, silently)."""
+    import threading
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [["hello", "abc"], ["world", "xyz", "q"]]
+    want = [[o.outputs[0].token_ids for o in llm.generate(p, params, use_tqdm=False)] for p in prompts]
+    got: dict[int, list] = {}
+    start = threading.Barrier(2)
+
+    def run(i: int) -> None:
+        start.wait()
+        got[i] = [o.outputs[0].token_ids for o in llm.generate(prompts[i], params, use_tqdm=False)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert got == {0: want[0], 1: want[1]}
+
+
 def test_llm_config_errors(tmp_path):
     path = save_tiny(tmp_path / "m", "llama")
     with pytest.raises(ConfigError, match="max_model_len=100000 exceeds"):

@@ -681,6 +681,9 @@ def test_sampling_params_take_vllms_conventions(text_dir, text_llm):
     assert [len(e) for e in out.outputs[0].logprobs] == [vocab, vocab]
     assert all(len(e) == vocab for e in out.prompt_logprobs[1:])
     assert out.outputs[0].logprobs[0][out.outputs[0].token_ids[0]].rank == 1
+    ids = text_llm.generate({"prompt_token_ids": list(np.array([5, 6, 7]))}, SamplingParams(max_tokens=1),
+                            use_tqdm=False)[0].prompt_token_ids
+    assert ids == [5, 6, 7] and all(type(t) is int for t in ids)  # NumPy's ids come back as Python ints
 
 
 def test_chat_takes_vllms_positional_order_and_names_bad_arguments(text_llm):

@@ -47,9 +47,10 @@ class OfflineRunner:
     def run(self, prompts: list[Prompt], params: list[SamplingParams],
             use_tqdm: bool | Callable[..., Any] = True) -> list[RequestOutput]:
         engine = self.engine
-        groups = [engine.add_request(str(next(self._ids)), p.text, p.ids, sp, p.cache_salt)
-                  for p, sp in zip(prompts, params)]
-        try:
+        groups: list[list[Request]] = []
+        try:  # queueing too: an interrupt while the prompts go in leaves none of them queued
+            for p, sp in zip(prompts, params):
+                groups.append(engine.add_request(str(next(self._ids)), p.text, p.ids, sp, p.cache_salt))
             self._steps(sum(len(g) for g in groups), use_tqdm)
         except BaseException:  # interrupted (Ctrl-C) or the engine broke: nothing of this call stays queued
             for group in groups:
