@@ -162,6 +162,25 @@ def test_an_interrupted_export_leaves_no_half_checkpoint(source, tmp_path, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
 
 
+def test_a_tied_model_stored_as_bin_keeps_its_embedding(tmp_path):
+    """torch.save stores a tied model's embedding and head as one tensor under both names: the export kept the
+    head and dropped the embedding, and its checkpoint did not load. The embedding is written, the tied head
+    left out, and the FP8 model gives the logits of the safetensors source's export."""
+    from factories import save_tiny
+
+    source = save_tiny(tmp_path / "tied", "qwen3", seed=3, tie=True)
+    state = load_file(str(source / "model.safetensors"))
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]  # one storage, two names
+    (source / "model.safetensors").unlink()
+    torch.save(state, source / "pytorch_model.bin")
+    written = write_fp8_checkpoint(source, tmp_path / "fp8", block=16)
+    out = load_file(str(written.out / "model.safetensors"))
+    assert "model.embed_tokens.weight" in out and "lm_head.weight" not in out
+    model, _ = load_target(written.out, "float32", "cpu", 64)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert written.bytes_before == sum(t.nbytes for n, t in state.items() if n != "lm_head.weight")
+
+
 def test_quantize_refuses_a_drafter_and_a_block_past_its_bound(tmp_path, capsys):
     """A drafter's FP8 twin would not load (a drafter goes FP8 at load); a 100000-wide block tried to allocate
     tens of GB. Both one line, before any work."""

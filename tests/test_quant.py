@@ -22,7 +22,7 @@ from blockspec.errors import ModelLoadError
 from blockspec.kernels import fp8
 from blockspec.models.kv_cache import causal_meta
 from blockspec.models.loader import load_target
-from blockspec.models.quant import Fp8Experts, Fp8Linear, Fp8Weight, concat_fp8, is_quantized
+from blockspec.models.quant import Fp8Checkpoint, Fp8Experts, Fp8Linear, Fp8Weight, concat_fp8, is_quantized
 from factories import save_drafter_target, save_moe_target
 from test_spec import FIXTURES, add_oracle, prompts, run
 
@@ -129,6 +129,32 @@ def test_layers_a_checkpoint_keeps_unquantized_load_as_they_are(target, tmp_path
     ours, _ = load_target(dirs / "fp8", "float32", "cpu", 128)
     ref, _ = load_target(dirs / "dequantized", "float32", "cpu", 128)
     assert type(ours.layers[0].mlp.gate_up_proj) is nn.Linear and type(ours.layers[3].self_attn.qkv_proj) is nn.Linear
+    assert isinstance(ours.layers[0].self_attn.qkv_proj, Fp8Linear)
+    with torch.no_grad():
+        assert (logits(ours, IDS) - logits(ref, IDS)).abs().max() < 1e-5
+
+
+def test_modules_to_not_convert_names_modules_up_to_a_boundary_as_transformers_reads_it():
+    """An entry keeps the modules it names from the start up to a module boundary, or by the name's end:
+    "model.layers.1" keeps layer 1, not layer 10 (a plain substring refused layer 10's FP8 weights), and
+    "mlp.gate" keeps the router, not mlp.gate_proj."""
+    fmt = Fp8Checkpoint((128, 128), ("lm_head", "model.layers.1", "mlp.gate", "model.layers.2.*.k_proj"), "cfg")
+    assert fmt.keeps("model.layers.1.mlp.down_proj") == "model.layers.1"
+    assert fmt.keeps("model.layers.10.mlp.down_proj") is None
+    assert fmt.keeps("model.layers.3.mlp.gate") == "mlp.gate" and fmt.keeps("model.layers.3.mlp.gate_proj") is None
+    assert fmt.keeps("lm_head") == "lm_head" and fmt.keeps("model.layers.2.self_attn.k_proj") is not None
+    assert Fp8Checkpoint(None, ("lm_head[",), "cfg").keeps("lm_head[") == "lm_head["  # not a pattern: itself
+
+
+def test_llm_compressors_older_naive_quantized_format_is_the_float_quantized_layout(target, tmp_path):
+    """Older llm-compressor FP8 checkpoints say "naive-quantized" for the float-quantized layout: they load,
+    equal to their dequantized reference."""
+    dirs = write_fp8(target, tmp_path, "tensor", ignore=["lm_head"])
+    cfg = json.loads((dirs / "fp8" / "config.json").read_text())
+    cfg["quantization_config"]["format"] = "naive-quantized"
+    (dirs / "fp8" / "config.json").write_text(json.dumps(cfg))
+    ours, _ = load_target(dirs / "fp8", "float32", "cpu", 128)
+    ref, _ = load_target(dirs / "dequantized", "float32", "cpu", 128)
     assert isinstance(ours.layers[0].self_attn.qkv_proj, Fp8Linear)
     with torch.no_grad():
         assert (logits(ours, IDS) - logits(ref, IDS)).abs().max() < 1e-5
@@ -352,7 +378,7 @@ def test_other_quantization_methods_are_refused_naming_the_field(target, tmp_pat
     ("no scale", r"layers.0.self_attn.q_proj.weight is FP8 but the checkpoint has neither"),
     ("bad scale", r"layers.0.self_attn.q_proj.weight_scale_inv has shape \(3, 3\), which fits weight \(32, 32\)"),
     ("not converted", r"layers.0.self_attn.\w_proj.weight is FP8 but quantization_config.modules_to_not_convert "
-                      r"lists .layers.0.self_attn."),
+                      r"lists .model.layers.0.self_attn."),
 ])
 def test_a_broken_fp8_checkpoint_names_the_tensor_or_field(target, tmp_path, fault, error):
     dirs = write_fp8(target, tmp_path, "block16")
@@ -367,7 +393,7 @@ def test_a_broken_fp8_checkpoint_names_the_tensor_or_field(target, tmp_path, fau
     elif fault == "bad scale":
         state[name] = torch.ones(3, 3)
     else:
-        cfg["quantization_config"]["modules_to_not_convert"] = ["layers.0.self_attn"]
+        cfg["quantization_config"]["modules_to_not_convert"] = ["model.layers.0.self_attn"]
     (path / "config.json").write_text(json.dumps(cfg))
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises((ConfigError, ModelLoadError), match=error):

@@ -126,6 +126,20 @@ def calibrate_kv_scales(model_dir: Path, sequences: list[list[int]], device: str
     return KVScales(k, v)
 
 
+def tied_head(state: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """A .bin stores a tied model's embedding and LM head as one tensor under both names, of which the writer
+    would keep one, the head, and drop the embedding: the head is left out where the config ties it (as
+    save_pretrained leaves it out), else written as a copy of its own."""
+    embed = next((n for n in state if n.endswith("embed_tokens.weight")), None)
+    head = "lm_head.weight"
+    if embed is None or head not in state:
+        return
+    if config.get("tie_word_embeddings") is True and torch.equal(state[head], state[embed]):
+        del state[head]
+    elif state[head].untyped_storage().data_ptr() == state[embed].untyped_storage().data_ptr():
+        state[head] = state[head].clone()
+
+
 def write_fp8_checkpoint(model: str | Path, out: Path, block: int = BLOCK, calibration: list[list[int]] | None = None,
                          device: str = "auto", per_head: bool = False, **hub) -> Fp8Export:
     """`model` (an HF directory or hub id; `hub`: `resolve_model_dir`'s revision, download_dir, token) as an FP8
@@ -152,10 +166,11 @@ def write_fp8_checkpoint(model: str | Path, out: Path, block: int = BLOCK, calib
     # before the state is read: the calibrating model is freed first
     kv_scales = calibrate_kv_scales(src, calibration, device, per_head) if calibration is not None else None
     state = per_expert(read_state_dict(src))
+    tied_head(state, config)
     written: dict[str, torch.Tensor] = {}
-    quantized = before = 0
+    quantized = 0
+    before = sum(t.nbytes for t in {t.untyped_storage().data_ptr(): t for t in state.values()}.values())
     for name, tensor in state.items():
-        before += tensor.nbytes
         if QUANTIZED.search(name) and tensor.dim() == 2 and tensor.is_floating_point():
             weight, scale = quantize_blocks(tensor, (block, block))
             # own storage each (the quantizer may hand back views of a block-padded buffer)

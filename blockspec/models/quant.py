@@ -206,7 +206,7 @@ class Fp8Checkpoint:
     not_converted: tuple[str, ...]
     source: str
     # the config field that lists them, which says how an entry names modules: HF's `modules_to_not_convert` a
-    # part of the name, compressed-tensors' `ignore` the whole name or a "re:" pattern, ModelOpt's
+    # start of the name up to a module boundary, or its end, compressed-tensors' `ignore` the whole name or a "re:" pattern, ModelOpt's
     # `exclude_modules` the whole name with * wildcards
     field: str = "modules_to_not_convert"
 
@@ -217,7 +217,14 @@ class Fp8Checkpoint:
                 return fnmatch.fnmatchcase(module, entry)
             if self.field == "ignore":
                 return bool(re.match(entry[3:], module)) if entry.startswith("re:") else entry == module
-            return entry in module
+            # transformers' rule: from the start up to a module boundary (as a regex: "model.layers.1" keeps
+            # model.layers.1.*, not model.layers.10.*), or as the name's end ("lm_head")
+            boundary = r"(?:(?<=\.)|(?=\.|$))"
+            try:
+                starts = re.match(rf"(?:{entry}){boundary}", module)
+            except re.error:  # not a pattern: the name itself
+                starts = re.match(rf"(?:{re.escape(entry)}){boundary}", module)
+            return bool(starts) or module.endswith(entry)
         return next((s for s in self.not_converted if hit(s)), None)
 
 
@@ -287,9 +294,9 @@ def compressed_tensors_fp8(qc: dict[str, Any], source: str) -> Fp8Checkpoint:
             raise ConfigError(f"{source}: {where}.weights must describe the weights' quantization "
                               "(a preset name in place of a scheme is not read)")
         layout = scheme.get("format") or qc.get("format")
-        if layout != "float-quantized":
+        if layout not in ("float-quantized", "naive-quantized"):  # the older name of the same layout (llm-compressor)
             raise ConfigError(f"{source}: {where} is stored {layout!r}; supported: compressed-tensors' "
-                              "float-quantized format (FP8 e4m3 weights)")
+                              "float-quantized (or naive-quantized) format (FP8 e4m3 weights)")
         w = scheme["weights"]
         if (w.get("type"), w.get("num_bits")) != ("float", 8):
             raise ConfigError(f"{source}: {where}.weights are {w.get('num_bits')}-bit {w.get('type')}; supported: "
