@@ -254,6 +254,7 @@ def test_logprob_tokens_are_shown_as_their_decoded_token():
     """The server shows each logprob token as the engine's decoded_token, without decoding it again;
     its own token strings serve only a token without one: an echoed prompt's first (no entry), and any
     token of a model without a tokenizer ('token_id:N')."""
+    from blockspec.inputs import Prompt
     from blockspec.request import Logprob, TokenStrings
     from blockspec.server.app import ChatRenderer, CompletionRenderer
     from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -263,16 +264,16 @@ def test_logprob_tokens_are_shown_as_their_decoded_token():
 
     params = SamplingParams(logprobs=2, prompt_logprobs=2)
     echo = CompletionRequest(prompt=[5, 6], echo=True, logprobs=2)
-    completion = CompletionRenderer(echo, NAME, [(None, [5, 6])], params, TokenStrings(Spelled()), False)
+    completion = CompletionRenderer(echo, NAME, [Prompt(None, [5, 6])], params, TokenStrings(Spelled()), False)
     got = completion.logprobs(0, entries(True), [5, 6])
     assert got.tokens == ["<5>", "six"] and got.top_logprobs == [None, {"six": -0.5, "seven": -1.5}]
     assert [e and {t: p.decoded_token for t, p in e.items()} for e in completion.prompt_logprobs(entries(True))] \
         == [None, {6: "six", 7: "seven"}]
     chat_body = ChatCompletionRequest(messages=[{"role": "user", "content": "a"}], logprobs=True, top_logprobs=2)
-    chat = ChatRenderer(chat_body, NAME, [(None, [5])], params, TokenStrings(Spelled()), False)
+    chat = ChatRenderer(chat_body, NAME, [Prompt(None, [5])], params, TokenStrings(Spelled()), False)
     content = chat.logprobs([entries(True)[1]], [6]).content[0]
     assert content.token == "six" and [t.token for t in content.top_logprobs] == ["six", "seven"]
-    bare = CompletionRenderer(CompletionRequest(prompt=[5, 6], logprobs=2), NAME, [(None, [5, 6])], params,
+    bare = CompletionRenderer(CompletionRequest(prompt=[5, 6], logprobs=2), NAME, [Prompt(None, [5, 6])], params,
                               TokenStrings(None), False)
     assert bare.logprobs(0, entries(False)[1:], [6]).tokens == ["token_id:6"]
 
