@@ -146,6 +146,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                                 per_head=args.kv_scales == "head")
     print(f"wrote {done.out}: {done.quantized} products in e4m3 ({args.block_size} x {args.block_size} blocks), "
           f"weights {done.bytes_before / 1e6:.1f} -> {done.bytes_after / 1e6:.1f} MB")
+    if done.ragged:
+        print(f"warning: {len(done.ragged)} products (e.g. {done.ragged[0]}) are not whole {args.block_size} x "
+              f"{args.block_size} blocks: blockspec and transformers load them, vLLM's block-FP8 layers refuse such "
+              "shapes", file=sys.stderr)
     if done.kv_scales is not None:
         scales = done.kv_scales.values()
         print(f"KV cache scales of {len(done.kv_scales.k)} layers{' per KV head' if args.kv_scales == 'head' else ''} "

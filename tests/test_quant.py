@@ -379,6 +379,8 @@ def test_other_quantization_methods_are_refused_naming_the_field(target, tmp_pat
     ("bad scale", r"layers.0.self_attn.q_proj.weight_scale_inv has shape \(3, 3\), which fits weight \(32, 32\)"),
     ("not converted", r"layers.0.self_attn.\w_proj.weight is FP8 but quantization_config.modules_to_not_convert "
                       r"lists .model.layers.0.self_attn."),
+    ("nan scale", r"layers.0.self_attn.q_proj.weight_scale_inv holds values that are not finite"),
+    ("no config", r"model.layers.\d+.\S+.weight is torch.float8_e4m3fn, but config.json has no quantization_config"),
 ])
 def test_a_broken_fp8_checkpoint_names_the_tensor_or_field(target, tmp_path, fault, error):
     dirs = write_fp8(target, tmp_path, "block16")
@@ -392,6 +394,10 @@ def test_a_broken_fp8_checkpoint_names_the_tensor_or_field(target, tmp_path, fau
         del state[name]
     elif fault == "bad scale":
         state[name] = torch.ones(3, 3)
+    elif fault == "nan scale":
+        state[name][0, 0] = float("nan")
+    elif fault == "no config":
+        del cfg["quantization_config"]
     else:
         cfg["quantization_config"]["modules_to_not_convert"] = ["model.layers.0.self_attn"]
     (path / "config.json").write_text(json.dumps(cfg))

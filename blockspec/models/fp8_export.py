@@ -55,6 +55,9 @@ class Fp8Export:
     bytes_before: int
     bytes_after: int
     kv_scales: KVScales | None = None
+    # products whose rows or columns are not whole blocks: blockspec and transformers' fine-grained FP8 read
+    # their edge blocks, vLLM refuses such shapes in its block-FP8 layers
+    ragged: tuple[str, ...] = ()
 
 
 CALIBRATION_TOKENS = 16384  # token ids a KV cache calibration prefills, in all
@@ -168,10 +171,12 @@ def write_fp8_checkpoint(model: str | Path, out: Path, block: int = BLOCK, calib
     state = per_expert(read_state_dict(src))
     tied_head(state, config)
     written: dict[str, torch.Tensor] = {}
-    quantized = 0
+    quantized, ragged = 0, []
     before = sum(t.nbytes for t in {t.untyped_storage().data_ptr(): t for t in state.values()}.values())
     for name, tensor in state.items():
         if QUANTIZED.search(name) and tensor.dim() == 2 and tensor.is_floating_point():
+            if tensor.shape[0] % block or tensor.shape[1] % block:
+                ragged.append(name)
             weight, scale = quantize_blocks(tensor, (block, block))
             # own storage each (the quantizer may hand back views of a block-padded buffer)
             written[name], written[name.removesuffix(".weight") + ".weight_scale_inv"] = weight.clone(), scale.clone()
@@ -207,4 +212,4 @@ def write_fp8_checkpoint(model: str | Path, out: Path, block: int = BLOCK, calib
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return Fp8Export(out, quantized, before, after, kv_scales)
+    return Fp8Export(out, quantized, before, after, kv_scales, tuple(ragged))

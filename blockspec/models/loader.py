@@ -250,7 +250,13 @@ def load_target(
     torch_dtype = resolve_dtype(dtype, cfg.torch_dtype, dev)
     state = read_state_dict(model_dir)
     kv_scales = quant.take_kv_scales(state, cfg.num_hidden_layers, cfg.num_key_value_heads, str(model_dir))
-    packed = quant.take_fp8_weights(state, fp8) if fp8 is not None else {}
+    if fp8 is not None:
+        packed = quant.take_fp8_weights(state, fp8)
+    elif (stray := next((n for n, t in state.items() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)), None)):
+        raise ModelLoadError(f"{model_dir}: {stray} is {state[stray].dtype}, but config.json has no "
+                             "quantization_config to say how its scales read (an FP8 checkpoint names its format there)")
+    else:
+        packed = {}
     prefix = "model." if any(k.startswith("model.") for k in state) else ""
     embed, head = state.get(f"{prefix}embed_tokens.weight"), state.get("lm_head.weight")
     if cfg.tie_word_embeddings and head is not None and embed is not None and not torch.equal(head, embed):

@@ -358,6 +358,8 @@ def take_fp8_weights(state: dict[str, Tensor], fmt: Fp8Checkpoint) -> dict[str, 
             raise ModelLoadError(f"{fmt.source}: {name} is FP8 but the checkpoint has neither "
                                  f"{module}.weight_scale_inv nor {module}.weight_scale")
         scale, block = _scale_layout(scale_name, weight, state.pop(scale_name), fmt)
+        if not torch.isfinite(scale).all():  # every product of the layer would be NaN, found only at decoding
+            raise ModelLoadError(f"{fmt.source}: {scale_name} holds values that are not finite")
         out[name] = Fp8Weight(weight, scale, block)
     for name in [n for n in state if n.endswith(ACTIVATION_SCALES)]:
         del state[name]  # weight-only FP8: activations stay in the model's dtype
