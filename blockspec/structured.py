@@ -121,6 +121,18 @@ def _compiled(grammar: str, tokenizer: LLTokenizer) -> GrammarMatcher:
     return LLMatcher(tokenizer, grammar, log_level=0)
 
 
+def ends_after(matcher: GrammarMatcher, tokens: list[int]) -> int | None:
+    """How many of `tokens` complete the grammar (it stops after them), or None: it runs on past them, or one
+    leaves it. The request ends there (`engine.output.grammar_ending`): rows past it are never emitted from."""
+    ahead = matcher.deep_copy()
+    for i, tok in enumerate(tokens):
+        if not ahead.consume_token(tok):
+            return None
+        if ahead.is_stopped():
+            return i + 1
+    return None
+
+
 class Masks:
     """Token bitmasks of a batch's rows ([rows, ceil(V / 32)] int32, bit t of a row: token t allowed),
     filled in parallel by llguidance; rows of requests without a grammar allow everything."""

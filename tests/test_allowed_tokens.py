@@ -41,7 +41,7 @@ def test_speculation_emits_only_the_allowed_tokens_as_plain_decoding_does(target
     assert generate(llm, params) == want
     assert llm.get_stats()["mean_acceptance_length"] > 2.0  # drafts were accepted around the banned one
 
-    monkeypatch.setattr(BatchSampling, "_allowed", lambda self, reqs, rows, drafts: self._grammar_masks(reqs, rows,
+    monkeypatch.setattr(BatchSampling, "_allowed", lambda self, reqs, rows, drafts, ends: self._grammar_masks(reqs, rows,
                                                                                                         drafts))
     broken = generate(llm, params)
     assert broken != want and any(b in out for out, b in zip(broken, banned))

@@ -389,21 +389,30 @@ def test_the_cpus_host_loop_gives_the_torch_rules_counts_and_tokens(k: int, voca
 
 
 @pytest.mark.parametrize("rule", ALL_RULES)
-def test_bad_rows_give_the_sentinel_and_spare_other_requests(rule: str) -> None:
+def test_a_bad_row_fails_its_request_where_its_next_token_comes_from_it(rule: str) -> None:
+    """The row a request's next token comes from (its first rejected draft's, or the bonus row) being bad
+    fails the request alone; a bad row past a rejected draft follows drafts plain decoding never takes (a
+    grammar's mask after a draft that ends it is one), and fails nothing."""
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(4, K + 1, 6, generator=g)
-    logits[0, 1, 2] = float("nan")
-    logits[1, 0] = float("-inf")
-    logits[2, 3, 0] = float("inf")  # bonus row, request 2 drafts all K
+    logits = torch.randn(5, K + 1, 6, generator=g)
+    drafts = torch.tensor([[1, 2, 3], [0, 2, 3], [4, 4, 4], [5, -1, -1], [1, 2, 3]])
+    for r, tokens in ((1, [5, 2, 3]), (2, [4, 4, 4]), (4, [1, 2, 3])):  # rows that prefer these tokens
+        for i, t in enumerate(tokens):
+            logits[r, i, t] = 30.0
+    logits[0, 0] = float("-inf")  # request 0: its first row, which it samples from, has no token
+    logits[1, 0, 0] = -30.0  # request 1 drafts 0 where its row wants 5: rejected at row 0 ...
+    logits[1, 2, 1] = float("nan")  # ... so its bad row 2 is never read
+    logits[2, 3, 0] = float("inf")  # request 2: every draft accepted, the bonus row is bad
     logits[3, 3, 0] = float("nan")  # request 3 drafts only 1: row 3 is not one of its rows
-    drafts = torch.tensor([[1, 2, 3], [0, 0, 0], [4, 4, 4], [5, -1, -1]])
-    lens = torch.tensor([3, 3, 3, 1])
-    p = _params(4 * (K + 1), 0.0 if rule == "greedy" else 0.8)
-    processed = process_logits(logits.view(-1, 6), p).view(4, K + 1, 6)
-    assert bad_rows(processed).any(1).tolist() == [True, True, True, True]
-    q = torch.softmax(torch.randn(4, K, 6, generator=g), -1) if rule in ("standard", "block") else None
+    logits[4, 2, 0] = float("nan")  # request 4 accepts drafts 0 and 1 and samples from its bad row 2
+    lens = torch.tensor([3, 3, 3, 1, 3])
+    p = _params(5 * (K + 1), 0.0 if rule == "greedy" else 0.8)
+    processed = process_logits(logits.view(-1, 6), p).view(5, K + 1, 6)
+    q = torch.softmax(torch.randn(5, K, 6, generator=g), -1) if rule in ("standard", "block") else None
     a, out = _run(rule, processed, drafts, lens, p, q)
-    assert a[:3].tolist() == [0, 0, 0] and (out[:3] == -1).all()
+    for r in (0, 2, 4):
+        assert a[r].item() == 0 and (out[r] == -1).all(), r
+    assert a[1].item() == 0 and 0 <= out[1, 0].item() < 6 and (out[1, 1:] == -1).all()
     assert 0 <= out[3, a[3]].item() < 6
 
 
@@ -484,7 +493,7 @@ def test_bonus_is_the_plain_target_sample_at_its_position() -> None:
 
 def test_sample_and_match_on_the_cpu_samples_only_the_rows_it_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU rows are sampled in position order while each request's drafts match: the same counts and
-    tokens as sampling every row, bad rows (before and after a mismatch) failing their requests as before,
+    tokens as sampling every row, a bad row failing its request where it is read (not past a mismatch),
     with fewer rows drawn; a sampler keyed otherwise is seen."""
     r, k, vocab = 24, 7, 40
     g = torch.Generator().manual_seed(3)
@@ -499,7 +508,7 @@ def test_sample_and_match_on_the_cpu_samples_only_the_rows_it_reads(monkeypatch:
     # drafts: each request's sampled tokens for a prefix of its own length, then a wrong one
     cut = torch.randint(0, k + 1, (r,), generator=g)
     cut[1] = 6  # request 1 matches through its bad row
-    cut[3] = 2  # request 3 mismatches before its bad row
+    cut[3] = 2  # request 3 mismatches before its bad row, which it never reads
     logits_bad = processed.clone()
     logits_bad[3, 5] = float("nan")
     drafts = torch.where(torch.arange(k)[None, :] < cut[:, None], every[:, :k], (every[:, :k] + 1) % vocab)
@@ -511,7 +520,8 @@ def test_sample_and_match_on_the_cpu_samples_only_the_rows_it_reads(monkeypatch:
     monkeypatch.setattr(verify_mod, "gumbel_argmax", lambda rows, keys: drawn.append(len(rows)) or real(rows, keys))
     got = verify_sample_and_match(logits_bad, drafts, lens, p)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert (got[1][1:4] == -1).all()  # a bad row fails its request, read (1, 2) or past its mismatch (3)
+    assert (got[1][1:3] == -1).all()  # a bad row read fails its request (1, 2)
+    assert got[0][3] == 2 and (got[1][3][:3] >= 0).all()  # one past its mismatch fails nothing (3)
     assert ((got[0] > 0) & (got[0] < k)).any() and (got[0] == k).any()
     assert sum(drawn) < 0.6 * sum(t > 0 for t in temps)
     monkeypatch.setattr(verify_mod, "STREAM_TARGET", verify_mod.STREAM_TARGET + 1)  # negative control

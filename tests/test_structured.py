@@ -160,6 +160,38 @@ def test_a_block_that_completes_the_grammar_ends_where_plain_decoding_does(targe
         assert llm.get_stats()["num_accepted_tokens"] > before["num_accepted_tokens"]
 
 
+@pytest.mark.parametrize("ban", ["min_tokens", "allowed_token_ids"])
+def test_a_block_that_completes_the_grammar_under_a_ban_on_eos_ends_where_plain_decoding_does(target, plain, ban):
+    """min_tokens past the grammar's length, or allowed_token_ids without EOS: the row after the draft that
+    completes the grammar allows only EOS, which the ban removed, and its request failed ("no token could be
+    sampled") where plain decoding ends at the grammar's last token. That row is never emitted from: it keeps
+    the grammar's mask."""
+    llm = speculative(target, num_speculative_tokens=3)
+    eos = llm.engine.output.eos_ids[0]
+    vocab = llm.engine.vocab_size
+    extra = {"min_tokens": 50} if ban == "min_tokens" else {"allowed_token_ids": [t for t in range(vocab) if t != eos]}
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(
+        regex=r"[a-c]{3}-[0-9]{2}"), **extra)
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "stop" for o in want)
+    plain_ids = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in want}
+    proposer = llm.engine.proposer
+    real = proposer.propose
+
+    def propose(reqs, budgets, last_tokens=None, draft_params=None):  # plain's own tokens, then EOS
+        block = real(reqs, budgets, last_tokens, draft_params)
+        for r, req in enumerate(reqs):
+            n = block.lens[r]
+            drafts = plain_ids[tuple(req.prompt_token_ids)][len(req.output_ids):][:n]
+            block.tokens[r, :n] = torch.tensor(drafts + [eos] * (n - len(drafts)))
+        return block
+
+    proposer.propose = propose
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.error for o in got] == [None] * len(PROMPTS)
+    assert ids(got) == ids(want) and [o.outputs[0].finish_reason for o in got] == ["stop"] * len(PROMPTS)
+
+
 def test_verify_rows_without_their_draft_masks_break_the_equality(target, plain, monkeypatch):
     """The control: each verify row but the first left unmasked, the unconstrained drafts pass."""
     add = Masks.add

@@ -21,7 +21,7 @@ from blockspec.request import Logprob, Request
 from blockspec.sample import Columns, RowParams, expand_history, logprobs as top_logprobs, process_logits, sample
 from blockspec.sample.processors import row_chunks, token_bitmask
 from blockspec.sampling_params import top_count
-from blockspec.structured import Masks
+from blockspec.structured import Masks, ends_after
 from blockspec.transfer import to_device
 
 LogprobEntries = list[list[dict[int, Logprob]]]  # per request, per emitted row: token -> Logprob
@@ -88,6 +88,10 @@ class BatchSampling:
         ps = [reqs[i].params for i in req_of_row]
         drafts = self._host_drafts(reqs, rows_per_req, block_tokens) if constrained else None
         aheads = ahead if isinstance(ahead, list) else [ahead] * len(reqs)
+        # a row after drafts that complete a request's grammar is never emitted from (the commit ends the request
+        # there): it keeps the grammar's own mask (its end), without the bans that would leave it no token
+        ends = [ends_after(r.grammar, d) if r.grammar is not None and d else None
+                for r, d in zip(reqs, drafts)] if drafts is not None else [None] * len(reqs)
 
         def col(values: list[Any], dtype: torch.dtype) -> Tensor:
             return to_device(values, dtype, dev)
@@ -98,6 +102,8 @@ class BatchSampling:
             p = req.params
             for tok, b in (p.logit_bias or {}).items():
                 bias_rows.append(row), bias_ids.append(tok), bias_vals.append(b)
+            if ends[ri] is not None and j >= ends[ri]:
+                continue
             if constrained and req.bad_words:  # banned after the output and the drafts before this row
                 for tok in banned_tokens(req.bad_words, req.output_ids, drafts[ri][:j] if drafts else ()):
                     bias_rows.append(row), bias_ids.append(tok), bias_vals.append(float("-inf"))
@@ -121,7 +127,7 @@ class BatchSampling:
             prompt_mask = masks[req_idx]
         return self._columns(reqs, req_of_row, offset, aheads).params(
             dev, output_counts=output_counts, prompt_mask=prompt_mask, logit_bias=logit_bias,
-            allowed=self._allowed(reqs, rows_per_req, drafts) if constrained else None)
+            allowed=self._allowed(reqs, rows_per_req, drafts, ends) if constrained else None)
 
     @staticmethod
     def _columns(reqs: list[Request], req_of_row: list[int], offset: list[int], aheads: list[int]) -> Columns:
@@ -135,16 +141,18 @@ class BatchSampling:
             presence_penalty=[p.presence_penalty for p in ps], frequency_penalty=[p.frequency_penalty for p in ps],
             repetition_penalty=[p.repetition_penalty for p in ps])
 
-    def _allowed(self, reqs: list[Request], rows_per_req: list[int], drafts: list[list[int]] | None
-                 ) -> Tensor | None:
+    def _allowed(self, reqs: list[Request], rows_per_req: list[int], drafts: list[list[int]] | None,
+                 ends: list[int | None]) -> Tensor | None:
         """Each row's bitmask of the tokens it may emit: its grammar's (`_grammar_masks`) and its
-        allowed_token_ids'; None when no request restricts its tokens."""
+        allowed_token_ids' (not past the drafts that end its grammar: `ends`); None when no request restricts
+        its tokens."""
         grammar = self._grammar_masks(reqs, rows_per_req, drafts)
         if all(r.allowed_bits is None for r in reqs):
             return grammar
         everything = torch.full_like(next(r.allowed_bits for r in reqs if r.allowed_bits is not None), -1)
-        per_req = torch.stack([everything if r.allowed_bits is None else r.allowed_bits for r in reqs])
-        rows = per_req.repeat_interleave(to_device(rows_per_req, torch.int64, self.device), dim=0)
+        per_row = [everything if r.allowed_bits is None or (end is not None and j >= end) else r.allowed_bits
+                   for r, rows, end in zip(reqs, rows_per_req, ends) for j in range(rows)]
+        rows = torch.stack(per_row)
         return rows if grammar is None else grammar & rows
 
     @staticmethod

@@ -5,7 +5,7 @@ ops over [R, K + 1] int64 tensors: at batch 1 each is a kernel launch of a few m
 and tens of microseconds of host time, in every greedy speculative step. This kernel reads a
 request's row ids, drafts and draft length once and writes what the rule returns: the accepted count
 and the emitted tokens (the accepted drafts, then the row's id at the first mismatch, then -1), with
-a count of 0 and every token -1 for a request whose rows 0..draft length hold a bad id (-1). A draft
+a count of 0 and every token -1 for a request whose id at that first mismatch is bad (-1). A draft
 id outside [0, vocab) ends the draft there.
 """
 
@@ -35,7 +35,7 @@ if triton is not None:
         # accepted: drafts before the first one that differs from its row's id, at most n
         a = tl.min(tl.where((cols < n) & (drafts != ids), cols, n), 0)
         nxt = tl.sum(tl.where(cols == a, ids, 0), 0)
-        bad = (tl.max(tl.where((cols <= n) & (ids < 0), 1, 0), 0) > 0) | (nxt < 0)
+        bad = nxt < 0  # the row its next token comes from; rows past it follow rejected drafts
         out = tl.where(cols < a, drafts, tl.where(cols == a, nxt, -1))
         tl.store(Out + r * stride_o + cols, tl.where(bad, -1, out), mask=cols <= k)
         tl.store(NumAcc + r, tl.where(bad, 0, a))

@@ -6,9 +6,11 @@ Target tensors are processed log-probs from ``process_logits`` (greedy rows: shi
 and ``params`` is the RowParams of those R*(K+1) rows, request-major.
 
 Every rule returns ``(num_accepted [R] int64, out_tokens [R, K+1] int64)``: out_tokens[r, :a] are
-the accepted drafts, out_tokens[r, a] the recovered or bonus token, the rest -1. A request with a
-bad target row (NaN, +inf, all -inf) among rows 0..draft_len gets a = 0 and all -1, so the engine
-can fail it with a clear error while the others continue. A draft id outside [0, V) inside the
+the accepted drafts, out_tokens[r, a] the recovered or bonus token, the rest -1. A request with a bad
+row (NaN, +inf, all -inf: no token can be sampled) among the rows it reads, 0..a, gets a = 0 and all -1,
+so the engine can fail it with a clear error while the others continue; a bad row past them follows drafts
+that were not accepted, which plain decoding never reaches, and fails nothing (a grammar's mask after a
+draft that ends it, with min_tokens banning EOS, is such a row). A draft id outside [0, V) inside the
 draft truncates the block there (it is treated as the end of the draft).
 
 Greedy requests (temperature 0) follow ``verify_greedy`` under every rule.
@@ -106,7 +108,7 @@ def verify_standard(target: Tensor, q_probs: Tensor | None, drafts: Tensor, draf
     a = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
     log_rho = torch.zeros(a.shape, dtype=torch.float64, device=a.device)
     nxt = _next_token(target, q_probs, drafts, a, lens, log_rho, params, round_, chunk_elems)
-    return _finish(a, nxt, drafts, row_bad, lens, greedy_req, greedy_out)
+    return _finish(a, nxt, drafts, row_bad, greedy_req, greedy_out)
 
 
 def verify_block(target: Tensor, q_probs: Tensor | None, drafts: Tensor, draft_lens: Tensor,
@@ -127,12 +129,16 @@ def verify_block(target: Tensor, q_probs: Tensor | None, drafts: Tensor, draft_l
     lens, row_bad, greedy_req, greedy_out = _common(target, drafts, draft_lens, params)
     log_ratio, eta = _ratios(target, q_probs, drafts, params, round_)
     r, k = drafts.shape
+    # a bad row (no token to sample: an emptied mask) is a continuation of probability 0, not NaN, whose h would
+    # read as 1 and choose a tau past it
+    log_ratio = log_ratio.masked_fill(row_bad[:, :k], float("-inf"))
     log_rho = [torch.zeros(r, dtype=torch.float64, device=drafts.device)]
     for i in range(k):
         log_rho.append(torch.clamp(log_rho[-1] + log_ratio[:, i], max=0.0))
     log_rho_t = torch.stack(log_rho, dim=1)  # [R, K+1], column i = log rho_i
     rho = log_rho_t.exp()
     mass = _residual_mass(target, q_probs, drafts, rho[:, :k], log_ratio, chunk_elems)  # Z_0..Z_{K-1}
+    mass = mass.masked_fill(row_bad[:, :k], 0.0)
     z_next = torch.cat([mass[:, 1:], torch.zeros_like(mass[:, :1])], dim=1)  # Z_i for i = 1..K
     denom = z_next + 1 - rho[:, 1:]
     h = torch.where(denom > 0, z_next / denom, 1.0)
@@ -142,7 +148,7 @@ def verify_block(target: Tensor, q_probs: Tensor | None, drafts: Tensor, draft_l
     tau = torch.where(chosen, steps, 0).amax(dim=1) if k > 0 else torch.zeros_like(lens)
     nxt = _next_token(target, q_probs, drafts, tau, lens, log_rho_t.gather(1, tau.unsqueeze(1)).squeeze(1),
                       params, round_, chunk_elems)
-    return _finish(tau, nxt, drafts, row_bad, lens, greedy_req, greedy_out)
+    return _finish(tau, nxt, drafts, row_bad, greedy_req, greedy_out)
 
 
 def accept_matching(ids: Tensor, drafts: Tensor, draft_lens: Tensor, vocab: int | None) -> tuple[Tensor, Tensor]:
@@ -166,7 +172,7 @@ def _accept_on_host(ids: Tensor, drafts: Tensor, draft_lens: Tensor, vocab: int 
         a = 0
         while a < n and draft[a] == row[a]:
             a += 1
-        if min(row[: n + 1]) < 0:  # a bad row among the request's rows 0..n fails it
+        if row[a] < 0:  # the row its next token comes from is bad: it fails
             counts.append(0)
             rows.append([-1] * (k + 1))
         else:
@@ -184,19 +190,14 @@ def _draft_lengths(drafts: Tensor, draft_lens: Tensor, vocab: int | None) -> Ten
     return torch.minimum(draft_lens, valid.to(torch.int64).cumprod(dim=1).sum(dim=1))
 
 
-def _bad_requests(row_bad: Tensor, lens: Tensor) -> Tensor:
-    """Requests with a bad row among their real rows 0..draft_len."""
-    rows = torch.arange(row_bad.shape[1], device=row_bad.device).unsqueeze(0)
-    return (row_bad & (rows <= lens.unsqueeze(1))).any(dim=1)
-
-
-def _emit(a: Tensor, nxt: Tensor, drafts: Tensor, bad: Tensor) -> tuple[Tensor, Tensor]:
-    """(a, out_tokens) from the accepted count and the next token; bad requests -> (0, all -1)."""
+def _emit(a: Tensor, nxt: Tensor, drafts: Tensor) -> tuple[Tensor, Tensor]:
+    """(a, out_tokens) from the accepted count and the next token; a request whose next token's row is bad
+    (nxt -1) -> (0, all -1)."""
     r, k = drafts.shape
     cols = torch.arange(k + 1, device=drafts.device).unsqueeze(0)
     padded = torch.cat([drafts, drafts.new_full((r, 1), -1)], dim=1)
     out = torch.where(cols < a.unsqueeze(1), padded, torch.where(cols == a.unsqueeze(1), nxt.unsqueeze(1), -1))
-    bad = bad | (nxt < 0)
+    bad = nxt < 0
     return torch.where(bad, 0, a), out.masked_fill(bad.unsqueeze(1), -1)
 
 
@@ -207,7 +208,7 @@ def _verify_ids(ids: Tensor, drafts: Tensor, lens: Tensor) -> tuple[Tensor, Tens
     match = (drafts == ids[:, :k]) & (steps < lens.unsqueeze(1))
     a = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
     nxt = ids.gather(1, a.unsqueeze(1)).squeeze(1)
-    return _emit(a, nxt, drafts, _bad_requests(ids < 0, lens))
+    return _emit(a, nxt, drafts)
 
 
 def _common(target: Tensor, drafts: Tensor, draft_lens: Tensor,
@@ -293,9 +294,13 @@ def _residual_scores(log_p: Tensor, q_probs: Tensor | None, draft: Tensor, row: 
     return torch.where(log_q < shifted, shifted + torch.log1p(-torch.exp(log_q - shifted)), float("-inf"))
 
 
-def _finish(a: Tensor, nxt: Tensor, drafts: Tensor, row_bad: Tensor, lens: Tensor, greedy_req: Tensor,
+def _finish(a: Tensor, nxt: Tensor, drafts: Tensor, row_bad: Tensor, greedy_req: Tensor,
             greedy_out: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """Emit the probabilistic result, overriding greedy requests with their verify_greedy result."""
-    num, out = _emit(a, nxt, drafts, _bad_requests(row_bad, lens))
+    """Emit the probabilistic result, overriding greedy requests with their verify_greedy result. A request with a
+    bad row among rows 0..a fails: block verification can choose a tau past a bad row (its NaN h), which the
+    drafts it accepts would pass through."""
+    rows = torch.arange(row_bad.shape[1], device=a.device).unsqueeze(0)
+    nxt = torch.where((row_bad & (rows <= a.unsqueeze(1))).any(dim=1), -1, nxt)
+    num, out = _emit(a, nxt, drafts)
     num = torch.where(greedy_req, greedy_out[0], num)
     return num, torch.where(greedy_req.unsqueeze(1), greedy_out[1], out)
