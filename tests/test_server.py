@@ -302,6 +302,11 @@ def test_cli_serve_refuses_tensor_parallelism_on_a_thread_by_name(text_dir, caps
     assert main(["serve", "--model", str(text_dir), "--tensor-parallel-size", "2", "--no-engine-process",
                  "--port", "0"]) == 2
     assert "--tensor-parallel-size 2 needs the engine process" in capsys.readouterr().err
+    # a target the ranks cannot split is named before the server starts (it was found by the engine process,
+    # after uvicorn's start-up lines, and said twice)
+    assert main(["serve", "--model", str(text_dir), "--tensor-parallel-size", "3", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error: tensor_parallel_size=3 does not divide") == 1 and "(--tensor-parallel-size)" in err
 
 
 # ---------------------------------------------------------------- API shape

@@ -84,7 +84,7 @@ from blockspec.bench.timing import (
 )
 from blockspec.assets import embedded
 from blockspec.inputs import read_prompts_file
-from blockspec.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig, output_dir
+from blockspec.config import ConfigError, EngineConfig, SpeculativeConfig, output_dir
 from blockspec.engine.engine import Engine
 from blockspec.engine.memory import cache_extent
 from blockspec.models.cpu_linear import PackedProduct
@@ -324,8 +324,7 @@ class BenchConfig:
     def _validate_ranks(self) -> None:
         """The tensor-parallel options: shapes that split, no more ranks than GPUs, no peers
         (transformers runs the whole target in one process), checked before any rank process starts."""
-        from blockspec.models.loader import read_json, resolve_model_dir
-        from blockspec.parallel.tp import check_ranks
+        from blockspec.parallel.tp import check_ranks, target_for_ranks
 
         n = self.tensor_parallel_size
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -339,11 +338,9 @@ class BenchConfig:
             raise ConfigError(f"--peers run the whole target in this process: leave them out with "
                               f"--tensor-parallel-size {n}")
         if self.random_weights:
-            target = get_arch(self.arch).target
+            check_ranks(get_arch(self.arch).target, n, self.device)
         else:
-            path = resolve_model_dir(self.model) / "config.json"
-            target = ModelConfig.from_hf(read_json(path), str(path))
-        check_ranks(target, n, self.device)
+            target_for_ranks(self.model, n, self.device)
 
     def selected_methods(self) -> tuple[str, ...]:
         if self.methods is not None:

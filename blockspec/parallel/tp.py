@@ -528,6 +528,15 @@ def portable(exc: Exception) -> Exception:
         return RuntimeError("".join(traceback.format_exception(exc)))
 
 
+def target_for_ranks(model: str | os.PathLike[str], world_size: int, device: str | torch.device, **hub: Any) -> Path:
+    """The target's directory (a hub id downloaded; `hub`: resolve_model_dir's revision, download_dir, token),
+    once `check_ranks` has found that `world_size` ranks can run it."""
+    model_dir = resolve_model_dir(model, **hub)
+    path = model_dir / "config.json"
+    check_ranks(ModelConfig.from_hf(read_json(path), str(path)), world_size, device)
+    return model_dir
+
+
 def check_ranks(cfg: ModelConfig, world_size: int, device: str | torch.device) -> None:
     """Raise ConfigError, before any rank is spawned, when `world_size` ranks cannot run this target:
     shapes that do not split, fewer GPUs than ranks. (FP8 scale blocks that a rank's share would cut are
@@ -622,10 +631,7 @@ class RankGroup(RankProcesses):
                  num_threads: int | None = None, startup_timeout_s: float = 600.0) -> None:
         """num_threads: torch threads per rank; default: this process's, shared
         out so the ranks do not oversubscribe the CPU."""
-        model_dir = resolve_model_dir(model, **args.hub(args.revision))
-        config = read_json(model_dir / "config.json")
-        # before spawning anything
-        check_ranks(ModelConfig.from_hf(config, str(model_dir / "config.json")), world_size, args.device)
+        model_dir = target_for_ranks(model, world_size, args.device, **args.hub(args.revision))  # before any spawn
         num_threads = num_threads or max(1, torch.get_num_threads() // world_size)
         super().__init__(_rank_main, world_size, (str(model_dir), args, num_threads))
         try:

@@ -130,6 +130,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:  # vLLM refuses this at start too
         print("error: --enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)", file=sys.stderr)
         return 2
+    if args.tensor_parallel_size > 1:  # a target the ranks cannot split is named before the server starts
+        from blockspec.assets import embedded
+        from blockspec.parallel.tp import target_for_ranks
+
+        target_for_ranks(embedded(args.model), args.tensor_parallel_size, args.device, revision=args.revision,
+                         download_dir=args.download_dir, token=args.hf_token)
     problem = ssl_problem(args) or (f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout:g}"
                                     if not args.shutdown_timeout >= 0 else None)
     if problem is not None:  # found before the model loads, not by uvicorn after
