@@ -16,8 +16,7 @@ import torch
 from blockspec.sample import verify as verify_mod
 from blockspec.sample.processors import RowParams, expand_history, process_logits
 from blockspec.sample.sampler import greedy_ids, sample_draft, sample_processed
-from blockspec.sample.verify import (bad_rows, verify_block, verify_greedy, verify_sample_and_match,
-                                     verify_standard)
+from blockspec.sample.verify import verify_block, verify_greedy, verify_sample_and_match, verify_standard
 from factories import acceptance_cases
 
 V, K = 4, 3
