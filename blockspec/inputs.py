@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, NotRequired, Required, TypedDict
@@ -90,25 +90,38 @@ def checked_template(text: str, where: str) -> str:
     return text
 
 
+def read_text_lines(path: str | Path, error: type[Exception], where: str = "") -> list[str]:
+    """A UTF-8 file's lines (split at newlines only: a JSON string may hold U+2028); a file that cannot be read
+    raises `error` naming it, after `where` (the option that gave it)."""
+    try:
+        return Path(path).read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as exc:
+        raise error(f"{where}{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    except OSError as exc:
+        raise error(f"{where}{path}: {exc.strerror or exc}") from None
+
+
+def jsonl_records(path: str | Path, error: type[Exception], where: str = "") -> Iterator[tuple[int, Any]]:
+    """(line number, value) of each non-blank line of a .jsonl file; a line that is not JSON raises `error`
+    naming the file and line, after `where` (`read_text_lines`)."""
+    for n, line in enumerate(read_text_lines(path, error, where), 1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise error(f"{where}{path}:{n}: not valid JSON ({exc.msg}); a .jsonl file holds one object a line") \
+                from None
+
+
 def read_prompts_file(path: str, flag: str) -> list[PromptType]:
     """A prompts file (`flag` names the option that gave it): a .jsonl file holds one JSON object a line with
     'prompt' (text) or 'prompt_token_ids'; any other file's lines are each one prompt as written (a line of
     code may start with a brace). Blank lines are skipped."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{flag} {path}: {exc}") from None
     if not path.endswith(".jsonl"):
-        return [line for line in lines if line.strip()]
+        return [line for line in read_text_lines(path, ConfigError, f"{flag} ") if line.strip()]
     prompts: list[PromptType] = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{flag} {path}:{n}: not a JSON object ({exc.msg}); a .jsonl prompts file holds one "
-                              "object a line") from None
+    for n, record in jsonl_records(path, ConfigError, f"{flag} "):
         if isinstance(record, dict) and "prompt_token_ids" in record:
             prompts.append({"prompt_token_ids": record["prompt_token_ids"]})
         elif isinstance(record, dict) and isinstance(record.get("prompt"), str):

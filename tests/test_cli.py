@@ -291,7 +291,7 @@ def test_prompts_file_text_lines_and_jsonl(tmp_path):
     lines = tmp_path / "p.jsonl"
     lines.write_text('{"prompt": "a"}\n\n{"prompt_token_ids": [1, 2]}\n')
     assert read_prompts_file(str(lines), "--prompts-file") == ["a", {"prompt_token_ids": [1, 2]}]
-    for bad, says in (('{"text": "a"}', "give 'prompt'"), ("{k: v}", "not a JSON object"), ('"a"', "give 'prompt'")):
+    for bad, says in (('{"text": "a"}', "give 'prompt'"), ("{k: v}", "not valid JSON"), ('"a"', "give 'prompt'")):
         lines.write_text('{"prompt": "a"}\n' + bad + "\n")
         with pytest.raises(ConfigError, match=rf"^--prompts-file {lines}:2: {says}"):
             read_prompts_file(str(lines), "--prompts-file")

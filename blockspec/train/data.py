@@ -19,7 +19,7 @@ from torch import Tensor
 
 from blockspec.config import ConfigError
 from blockspec.errors import RequestError
-from blockspec.inputs import text_content
+from blockspec.inputs import jsonl_records, text_content
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -284,17 +284,7 @@ def jsonl_examples(path: str | Path, tokenizer: Any, max_len: int) -> list[Examp
     """Every usable record of a jsonl file: the conversations in file order (loss on the responses), then the
     {"text"} records packed with full loss, as text files are."""
     out, texts = [], []
-    try:
-        lines = Path(path).read_text(encoding="utf-8").split("\n")  # not splitlines: JSON strings may hold U+2028
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{n}: not valid JSON: {exc}") from None
+    for n, record in jsonl_records(path, DataError):
         text = record_text(record, f"{path}:{n}")
         if text is not None:
             texts.append(text)
