@@ -19,6 +19,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -154,29 +155,37 @@ def test_load_failure_is_reported(text_dir, place):
         server.close()
 
 
-def test_cli_serve_subprocess(text_dir):
+@contextlib.contextmanager
+def cli_server(text_dir: Path, *flags: str, scheme: str = "http", verify: Any = True
+               ) -> Iterator[tuple[subprocess.Popen, str, int]]:
+    """`blockspec serve` of the text model in a process of its own, healthy: (process, url, port); stopped after."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "blockspec.cli", "serve", "--model", str(text_dir), "--port", str(port),
-           "--max-model-len", "64", "--served-model-name", "cli", "--device", "cpu", "--log-level", "warning"]
+           "--device", "cpu", "--log-level", "warning", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
+    url = f"{scheme}://127.0.0.1:{port}"
 
     def healthy() -> bool:
         assert proc.poll() is None, proc.stderr.read().decode()
         try:
-            return get(f"{url}/health").status_code == 200
+            return get(f"{url}/health", verify=verify).status_code == 200
         except httpx.TransportError:
             return False
 
     try:
         wait_until(healthy, PATIENCE, "`blockspec serve` to become healthy")
-        r = post(f"{url}/v1/completions", json={"model": "cli", "prompt": "hi", "max_tokens": 3})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+        yield proc, url, port
     finally:
         proc.terminate()
         proc.wait(PATIENCE)
+
+
+def test_cli_serve_subprocess(text_dir):
+    with cli_server(text_dir, "--max-model-len", "64", "--served-model-name", "cli") as (_, url, _):
+        r = post(f"{url}/v1/completions", json={"model": "cli", "prompt": "hi", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
 
 
 def test_cli_serve_over_https_under_a_root_path(text_dir, tmp_path):
@@ -189,24 +198,10 @@ def test_cli_serve_over_https_under_a_root_path(text_dir, tmp_path):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
                     "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "blockspec.cli", "serve", "--model", str(text_dir), "--port", str(port),
-           "--max-model-len", "64", "--device", "cpu", "--log-level", "warning", "--ssl-keyfile", str(key),
-           "--ssl-certfile", str(cert), "--root-path", "/proxy", "--api-key", "k", "--response-role", "bot"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url, tls = f"https://127.0.0.1:{port}", {"verify": ssl.create_default_context(cafile=str(cert))}
-
-    def healthy() -> bool:
-        assert proc.poll() is None, proc.stderr.read().decode()
-        try:
-            return get(f"{url}/health", **tls).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_until(healthy, PATIENCE, "`blockspec serve` over HTTPS to become healthy")
+    tls = {"verify": ssl.create_default_context(cafile=str(cert))}
+    with cli_server(text_dir, "--max-model-len", "64", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
+                    "--root-path", "/proxy", "--api-key", "k", "--response-role", "bot", scheme="https",
+                    **tls) as (_, url, port):
         assert get(f"{url}/v1/models", **tls).status_code == 401
         auth = {"authorization": "Bearer k"}
         assert get(f"{url}/v1/models", headers=auth, **tls).status_code == 200
@@ -219,33 +214,14 @@ def test_cli_serve_over_https_under_a_root_path(text_dir, tmp_path):
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
         with pytest.raises(httpx.TransportError):  # plain HTTP on the TLS port is no answer
             get(f"http://127.0.0.1:{port}/health", timeout=30)
-    finally:
-        proc.terminate()
-        proc.wait(PATIENCE)
 
 
 @pytest.mark.parametrize("timeout", [None, "300"])
 def test_cli_serve_sigterm_aborts_requests_in_flight_or_waits_shutdown_timeout(text_dir, timeout):
     """vLLM's --shutdown-timeout: by default SIGTERM aborts the requests in flight at once (the stream ends
     before its tokens); with a timeout it lets them finish first (to max_tokens, then [DONE])."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "blockspec.cli", "serve", "--model", str(text_dir), "--port", str(port),
-           "--max-model-len", "400", "--device", "cpu", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd + (["--shutdown-timeout", timeout] if timeout else []), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert proc.poll() is None, proc.stderr.read().decode()
-        try:
-            return get(f"{url}/health").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_until(healthy, PATIENCE, "`blockspec serve` to become healthy")
+    flags = ["--shutdown-timeout", timeout] if timeout else []
+    with cli_server(text_dir, "--max-model-len", "400", *flags) as (proc, url, _):
         body = {"prompt": "a", "max_tokens": 300, "ignore_eos": True, "stream": True, "temperature": 0}
         lines = []
         with pytest.raises(httpx.TransportError) if timeout is None else contextlib.nullcontext():
@@ -261,9 +237,6 @@ def test_cli_serve_sigterm_aborts_requests_in_flight_or_waits_shutdown_timeout(t
             assert "length" not in finish and "data: [DONE]" not in lines
         else:
             assert finish[-1] == "length" and lines[-1] == "data: [DONE]"
-    finally:
-        proc.kill()
-        proc.wait(PATIENCE)
 
 
 @pytest.mark.parametrize("flags, says", [

@@ -129,6 +129,25 @@ def test_json_schema_output_is_valid_and_speculation_gives_plain_output(target, 
     assert metrics["num_accepted_tokens"] > 0 and metrics["num_accepted_tokens"] < metrics["num_draft_tokens"]
 
 
+def drafting_plains_tokens_then(llm: LLM, plain_outputs: list, eos: int):
+    """The speculative LLM's drafts become plain decoding's own tokens of each prompt, then EOS; returns the
+    proposer's own propose, to put back."""
+    plain_ids = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in plain_outputs}
+    proposer = llm.engine.proposer
+    real = proposer.propose
+
+    def propose(reqs, budgets, last_tokens=None, draft_params=None):
+        block = real(reqs, budgets, last_tokens, draft_params)
+        for r, req in enumerate(reqs):
+            n = block.lens[r]
+            drafts = plain_ids[tuple(req.prompt_token_ids)][len(req.output_ids):][:n]
+            block.tokens[r, :n] = torch.tensor(drafts + [eos] * (n - len(drafts)))
+        return block
+
+    proposer.propose = propose
+    return real
+
+
 def test_a_block_that_completes_the_grammar_ends_where_plain_decoding_does(target, plain):
     """Drafts are plain decoding's own tokens, then EOS: the grammar's last token is an accepted draft and
     the row after it, masked to EOS, accepts the EOS draft. The request must end at the grammar's last
@@ -140,22 +159,10 @@ def test_a_block_that_completes_the_grammar_ends_where_plain_decoding_does(targe
         params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=spec)
         want = plain.generate(PROMPTS, params, use_tqdm=False)
         assert all(o.outputs[0].finish_reason == "stop" and eos not in o.outputs[0].token_ids for o in want)
-        plain_ids = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in want}
-        proposer = llm.engine.proposer
-        real = proposer.propose
-
-        def propose(reqs, budgets, last_tokens=None, draft_params=None):
-            block = real(reqs, budgets, last_tokens, draft_params)
-            for r, req in enumerate(reqs):
-                n = block.lens[r]
-                drafts = plain_ids[tuple(req.prompt_token_ids)][len(req.output_ids):][:n]
-                block.tokens[r, :n] = torch.tensor(drafts + [eos] * (n - len(drafts)))
-            return block
-
-        proposer.propose = propose
+        real = drafting_plains_tokens_then(llm, want, eos)
         before = llm.get_stats()
         got = llm.generate(PROMPTS, params, use_tqdm=False)
-        proposer.propose = real
+        llm.engine.proposer.propose = real
         assert ids(got) == ids(want) and [o.outputs[0].stop_reason for o in got] == [None] * len(PROMPTS)
         assert llm.get_stats()["num_accepted_tokens"] > before["num_accepted_tokens"]
 
@@ -174,19 +181,7 @@ def test_a_block_that_completes_the_grammar_under_a_ban_on_eos_ends_where_plain_
         regex=r"[a-c]{3}-[0-9]{2}"), **extra)
     want = plain.generate(PROMPTS, params, use_tqdm=False)
     assert all(o.outputs[0].finish_reason == "stop" for o in want)
-    plain_ids = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in want}
-    proposer = llm.engine.proposer
-    real = proposer.propose
-
-    def propose(reqs, budgets, last_tokens=None, draft_params=None):  # plain's own tokens, then EOS
-        block = real(reqs, budgets, last_tokens, draft_params)
-        for r, req in enumerate(reqs):
-            n = block.lens[r]
-            drafts = plain_ids[tuple(req.prompt_token_ids)][len(req.output_ids):][:n]
-            block.tokens[r, :n] = torch.tensor(drafts + [eos] * (n - len(drafts)))
-        return block
-
-    proposer.propose = propose
+    drafting_plains_tokens_then(llm, want, eos)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.error for o in got] == [None] * len(PROMPTS)
     assert ids(got) == ids(want) and [o.outputs[0].finish_reason for o in got] == ["stop"] * len(PROMPTS)
