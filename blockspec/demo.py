@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,15 +31,29 @@ HELDOUT = ("json", "asyncio", "email")  # kept out of all training by the recipe
 
 
 def default_pair() -> tuple[Path, bool]:
-    """The shipped default pair, or (until one is shipped) a quick pair built once with the recipe on CPU."""
+    """The shipped default pair, or (in an install without it) a quick pair built once with the recipe on CPU,
+    into a directory of its own renamed into the cache whole: an interrupted build leaves no half pair there."""
     if (PAIR / "target" / "config.json").is_file():
         return PAIR, True
-    if not (CACHE / "target" / "config.json").is_file():
+    if not (CACHE / "metrics.json").is_file():  # the recipe's last file: the pair is whole
         from blockspec.train.recipes.embedded_default import run as build
 
-        print(f"No trained default is shipped in this checkout: building a quick pair with the recipe on "
-              f"CPU (about a minute, cached in {CACHE}) ...", flush=True)
-        build(CACHE, "cpu", 0.0, 0.0, True, 0, False)
+        print(f"No trained default is installed: building a quick pair with the recipe on the CPU (a few "
+              f"seconds; cached in {CACHE}, or $BLOCKSPEC_CACHE) ...", flush=True)
+        try:
+            CACHE.parent.mkdir(parents=True, exist_ok=True)
+            partial = Path(tempfile.mkdtemp(prefix=f".{CACHE.name}.partial-", dir=CACHE.parent))
+        except OSError as exc:
+            raise ConfigError(f"cannot write the quick pair's cache {CACHE.parent}: {exc.strerror or exc} (set "
+                              "BLOCKSPEC_CACHE to a writable directory)") from None
+        try:
+            build(partial, "cpu", 0.0, 0.0, True, 0, False)
+            for tar in partial.glob("*.tar"):  # the recipe's packs for a device call: not needed here
+                tar.unlink()
+            shutil.rmtree(CACHE, ignore_errors=True)  # a half pair an older build left
+            partial.replace(CACHE)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
     return CACHE, False
 
 
@@ -173,7 +189,15 @@ def run_demo(args: argparse.Namespace) -> int:
         spec["num_speculative_tokens"] = args.num_speculative_tokens
     llm = LLM(str(target), device=args.device, dtype=args.dtype, speculative_config=spec, seed=0, max_num_seqs=1)
     engine = llm.engine
-    prompts = args.prompt or continued_prompts(llm, heldout_prompts(2 * args.num_prompts), args.num_prompts)
+    prompts = args.prompt
+    if not prompts:
+        candidates = heldout_prompts(2 * args.num_prompts)
+        if not candidates:  # a Python without its stdlib sources (some distributions ship .pyc only)
+            raise ConfigError(f"no held-out prompts: this Python has no sources of its {', '.join(HELDOUT)} packages "
+                              f"under {sysconfig.get_paths()['stdlib']}; give --prompt")
+        prompts = continued_prompts(llm, candidates, args.num_prompts)
+        if not prompts:
+            raise ConfigError(f"the target ends each of the {len(candidates)} held-out prompts at once; give --prompt")
     base_params = dict(temperature=args.temperature, seed=0, max_tokens=args.max_tokens)
     modes = {"plain": SamplingParams(**base_params, use_speculation=False), "spec": SamplingParams(**base_params)}
     for use in (False, True):  # warm-up of both paths

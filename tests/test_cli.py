@@ -280,6 +280,45 @@ def test_token_counts_in_vllms_human_readable_form(capsys):
         assert f"argument --max-model-len: {says}" in capsys.readouterr().err
 
 
+def test_an_install_without_the_pair_builds_a_quick_one_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Without the embedded pair the demo builds a quick pair into a directory of its own, renamed into the cache
+    whole: a build stopped half-way leaves nothing the next run takes for a pair (it took a lone target's
+    config.json for one, and failed every later run); an unwritable cache is one line naming it."""
+    import blockspec.demo as demo
+    import blockspec.train.recipes.embedded_default as recipe
+    from blockspec.config import ConfigError
+
+    monkeypatch.setattr(demo, "PAIR", tmp_path / "none")
+    monkeypatch.setattr(demo, "CACHE", tmp_path / "cache" / "default-quick")
+
+    def half_build(out, *args):
+        (out / "target").mkdir(parents=True)
+        (out / "target" / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(recipe, "run", half_build)
+    with pytest.raises(KeyboardInterrupt):
+        demo.default_pair()
+    assert not demo.CACHE.exists() and not list((tmp_path / "cache").iterdir())
+
+    def whole_build(out, *args):
+        for part in ("target", "dflash", "dspark"):
+            (out / part).mkdir(parents=True)
+            (out / part / "config.json").write_text("{}")
+        (out / "target.tar").write_bytes(b"x")
+        (out / "metrics.json").write_text("{}")
+
+    monkeypatch.setattr(recipe, "run", whole_build)
+    assert demo.default_pair() == (demo.CACHE, False)
+    assert (demo.CACHE / "dspark" / "config.json").is_file() and not (demo.CACHE / "target.tar").exists()
+    monkeypatch.setattr(recipe, "run", half_build)
+    assert demo.default_pair() == (demo.CACHE, False)  # built once: reused
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(demo, "CACHE", tmp_path / "file" / "default-quick")
+    with pytest.raises(ConfigError, match=r"cannot write the quick pair's cache .*file: .* \(set BLOCKSPEC_CACHE"):
+        demo.default_pair()
+
+
 def test_prompts_file_text_lines_and_jsonl(tmp_path):
     """A text file's lines are prompts as written, braces and all; a .jsonl file's lines are objects, and a
     line that is not one is named by file and line."""
