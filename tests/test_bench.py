@@ -399,6 +399,23 @@ def test_peers_run_the_batch_they_report_and_drafters_keep_their_description(tmp
     assert "- dflash: random weights, tiny shape: block" in markdown(result)
 
 
+def test_the_commit_recorded_is_blockspecs_own_checkouts(tmp_path):
+    """A bench run records the commit of the checkout blockspec runs from; installed inside some project's
+    repository (its ignored .venv), it recorded that project's commit as blockspec's."""
+    import subprocess
+
+    from blockspec.bench.harness import source_commit
+
+    assert source_commit() is not None  # this checkout
+    project = tmp_path / "project"
+    installed = project / ".venv" / "site-packages" / "blockspec"
+    installed.mkdir(parents=True)
+    for args in (["init", "-q"], ["-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "--allow-empty",
+                                  "-m", "my app"]):
+        subprocess.run(["git", *args], cwd=project, check=True)
+    assert source_commit(installed) is None
+
+
 def test_markdown_marks_slower_points(result):
     slow = json.loads(json.dumps(result))
     for r in slow["runs"]:

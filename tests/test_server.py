@@ -251,6 +251,16 @@ def test_cli_serve_names_a_tls_flag_that_cannot_work_before_loading(tmp_path, ca
     assert f"error: {says}" in err and "missing" not in err
 
 
+def test_cli_serve_without_the_server_extras_says_which_to_install(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    assert main(["serve", "--model", str(tmp_path / "missing"), "--port", "0"]) == 2
+    assert capsys.readouterr().err == 'error: serve needs the server extras (uvicorn not installed): pip install ' \
+                                      '"blockspec[server]"\n'
+
+
 def test_cli_serve_exits_when_the_model_cannot_load(tmp_path, capsys):
     assert main(["serve", "--model", str(tmp_path / "missing"), "--port", "0", "--log-level", "critical"]) == 2
     assert "error:" in capsys.readouterr().err

@@ -793,14 +793,26 @@ def source_digest(root: Path | None = None) -> str:
     return digest.hexdigest()[:12]
 
 
+def source_commit(package: Path = Path(__file__).resolve().parents[1]) -> str | None:
+    """The commit of the blockspec checkout `package` (this code's) is in (`git describe --dirty`), or None: an
+    install (a package inside some other repository, say a project's ignored .venv, is not that repository's code)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], check=False, cwd=package, capture_output=True, text=True, timeout=5)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() or None if out.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != package.parent:
+        return None
+    return git("describe", "--always", "--dirty")
+
+
 def _environment(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
     import transformers
 
-    try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], check=False, cwd=Path(__file__).parent,
-                                capture_output=True, text=True, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
     cpu = platform.processor() or platform.machine()
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -809,7 +821,7 @@ def _environment(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "git_commit": commit,
+        "git_commit": source_commit(),
         "source_digest": source_digest(),
         "command": cfg.command or " ".join(sys.argv),
     }

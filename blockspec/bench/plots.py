@@ -10,8 +10,8 @@ without it.
 
 from __future__ import annotations
 
+import sys
 import textwrap
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -207,7 +207,8 @@ def write_plots(result: dict[str, Any], out: Path) -> dict[str, Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        warnings.warn("matplotlib is not installed: no plots written (pip install matplotlib)", stacklevel=2)
+        print('warning: matplotlib is not installed: no plots written (pip install "blockspec[bench]")',
+              file=sys.stderr)
         return {}
     paths = {}
     for key, name, make in (("plot_speedup", "speedup_vs_plain.png", speedup_figure),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import ipaddress
 import logging
 import os
@@ -18,6 +19,7 @@ from typing import Any
 from blockspec.config import ConfigError, ServerConfig
 
 log = logging.getLogger("blockspec")
+SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")  # the [server] extra's
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -123,6 +125,10 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until interrupted; exit 2 if the model cannot be loaded or the engine process dies."""
+    missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
+    if missing:  # one line, not an ImportError's traceback at start-up
+        raise ConfigError(f"serve needs the server extras ({', '.join(missing)} not installed): "
+                          'pip install "blockspec[server]"')
     if args.tensor_parallel_size != 1 and not args.engine_process:  # the ranks take their steps from pipes
         print(f"error: --tensor-parallel-size {args.tensor_parallel_size} needs the engine process: drop "
               "--no-engine-process", file=sys.stderr)
@@ -164,7 +170,6 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host} with no API key: anyone who reaches this address can use the model "
               "(--api-key or BLOCKSPEC_API_KEY sets one)", file=sys.stderr)
     import uvicorn
-
     from uvicorn.logging import DefaultFormatter
 
     from blockspec.cli_options import build_llm, speculative_config
