@@ -450,6 +450,13 @@ class SpeculativeConfig:
                               or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in c)):
             raise ConfigError(f"{at}draft_length_candidates must be a non-empty list of draft lengths "
                               f">= 1 (at most num_speculative_tokens), got {c!r}")
+        k = self.num_speculative_tokens
+        if c is not None and k is not None and max(c) > k:  # the drafter's own K is known only at load
+            raise ConfigError(f"{at}draft_length_candidates {list(c)}: each must be in 1..{k} "
+                              "(num_speculative_tokens)")
+        if c is not None and self.adaptive_draft_length is False:
+            raise ConfigError(f"{at}draft_length_candidates are the adaptive draft-length policy's choices; with "
+                              "adaptive_draft_length false every step verifies num_speculative_tokens")
         check_integer(self, "max_batch_for_speculation", 1, optional=True, prefix=at)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"{at}quantization {self.quantization!r} is not supported; supported: "
@@ -641,8 +648,11 @@ class EngineArgs(EngineConfig):
         combination whose cost a user should know of."""
         notes = []
         spec = SpeculativeConfig.from_user(self.speculative_config)
-        if spec is not None and spec.draft_sample_method == "probabilistic" and spec.adaptive_draft_length:
-            notes.append("speculative_config: probabilistic drafts with adaptive_draft_length: a seeded request's "
+        # only greedy drafts verified by sample-and-match give a seeded request the same tokens at any draft length
+        keyed = spec is not None and spec.draft_sample_method == "greedy" and spec.rejection_sample_method == "standard"
+        if spec is not None and not keyed and spec.adaptive_draft_length:
+            how = "probabilistic drafts" if spec.draft_sample_method == "probabilistic" else "block verification"
+            notes.append(f"speculative_config: {how} with adaptive_draft_length: a seeded request's "
                          "tokens depend on how many drafts each step verified, chosen from measured step times, so "
                          "seeded runs may differ; adaptive_draft_length=False makes them repeat")
         if self.trust_remote_code:

@@ -399,6 +399,12 @@ def test_llm_config_errors(tmp_path):
         with pytest.raises(ConfigError, match=r"draft_length_candidates must be a non-empty list of draft lengths"):
             LLM(str(path), device="cpu", speculative_config={"method": "dflash", "model": "x",
                                                               "draft_length_candidates": bad})
+    # candidates past a given K, or with no policy to choose among them, are refused before the models load
+    for extra, says in (({"num_speculative_tokens": 4, "draft_length_candidates": [6]}, r"\[6\]: each must be in 1..4"),
+                        ({"draft_length_candidates": [2], "adaptive_draft_length": False}, "with adaptive_draft_length "
+                                                                                            "false every step")):
+        with pytest.raises(ConfigError, match=says):
+            LLM(str(path), device="cpu", speculative_config={"method": "dflash", "model": "missing", **extra})
     with pytest.raises(ConfigError, match="async_scheduling must be true, false or None"):
         LLM(str(path), device="cpu", async_scheduling="yes")
     # a wrong type names its field (it used to raise float()'s or '<''s own error, or pass: "false" as true),

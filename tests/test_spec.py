@@ -1428,3 +1428,23 @@ def test_a_request_preempted_with_a_step_in_flight_and_admitted_again_drops_that
         while engine.has_unfinished():
             engine.step()
         assert [r.output_ids for r in reqs] == expected, k
+
+
+def test_speculative_options_a_drafter_cannot_use_and_plain_steps_over_the_batch_limit(tmp_path):
+    """markov_top_k on a drafter without a Markov head is refused (it was ignored); a DFlash checkpoint given
+    as DSpark names the method it is; a batch over max_batch_for_speculation decodes plain, exactly, and its
+    steps count as policy_steps' 0 (no step was counted at all)."""
+    from blockspec.errors import ModelLoadError
+
+    target = save_drafter_target(tmp_path / "t")
+    with pytest.raises(ConfigError, match="markov_top_k restricts a DSpark drafter's Markov head; DFlashDraft has"):
+        spec_llm(target, "dflash", "dflash", markov_top_k=5)
+    with pytest.raises(ModelLoadError, match="a DFlash checkpoint: speculative_config method 'dflash'"):
+        spec_llm(target, "dspark", "dflash")
+    llm = spec_llm(target, "dflash", "dflash", max_batch_for_speculation=1)
+    ps = prompts(3)
+    plain_llm = LLM(str(target), device="cpu", dtype="float32", max_model_len=160)
+    assert run(llm, ps, GREEDY) == run(plain_llm, ps, GREEDY)
+    stats = llm.get_stats()
+    assert stats["policy_steps"].get(0, 0) > 0 and stats["num_drafts"] == sum(
+        n for k, n in stats["policy_steps"].items() if k)

@@ -83,13 +83,16 @@ def test_vllm_knobs_without_a_counterpart_are_accepted_with_a_note(text_dir, cap
 
 
 def test_probabilistic_drafts_with_an_adaptive_draft_length_are_flagged():
-    """Their seeded tokens depend on the timed draft lengths; a pinned K or greedy drafts draw no note."""
+    """Their seeded tokens depend on the timed draft lengths; a pinned K or greedy drafts by sample-and-match
+    draw no note."""
     from blockspec.config import EngineArgs
 
     def notes(**spec) -> list[str]:
         return EngineArgs(speculative_config={"method": "dflash", "model": "d", **spec}).unhonoured()
 
     assert any("seeded runs may differ" in n for n in notes(draft_sample_method="probabilistic"))
+    # greedy drafts under block verification are not sample-and-match either: their seeded tokens depend on K
+    assert any("block verification with adaptive_draft_length" in n for n in notes(rejection_sample_method="block"))
     assert notes(draft_sample_method="probabilistic", adaptive_draft_length=False) == notes() == []
 
 

@@ -208,7 +208,8 @@ def _native(method: str, raw: dict[str, Any], state: dict[str, Tensor],
             cfg = replace(cfg, draft_vocab_size=kw["head_rows"])
         return cfg, None, kw, "zlab"
     if arch and not any("DSpark" in a for a in arch):
-        raise ModelLoadError(f"{source}: architectures {arch} is not a DSpark drafter (Qwen3DSparkModel)")
+        dflash = " (a DFlash checkpoint: speculative_config method 'dflash')" if any("DFlash" in a for a in arch) else ""
+        raise ModelLoadError(f"{source}: architectures {arch} is not a DSpark drafter (Qwen3DSparkModel){dflash}")
     cfg, heads = parse_deepspec_config(raw, source)
     state.pop("mask_embedding", None)
     embed, head = state.get("embed_tokens.weight"), state.get("lm_head.weight")

@@ -495,6 +495,8 @@ class Engine:
                     self.proposer.observe_step(len(launch.reqs), rows, seconds)
             return touched  # requests that joined since the launch wait for the next one
         spec = self._speculating(decoding)
+        if not spec and self.proposer is not None:  # a plain step the policy did not choose (a batch over
+            self.policy.chosen[0] += 1  # max_batch_for_speculation, or none of it may draft): policy_steps' 0
         k = self._choose(len(spec)) if spec else 0
         if spec and not k and self.agree(self.policy.parked_again(len(spec))):
             # the policy's re-tries found plain best at this batch size again: the batch, which could

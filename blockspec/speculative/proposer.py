@@ -119,6 +119,10 @@ class Proposer:
             raise ConfigError("speculative_config.confidence_threshold / adaptive_verification need a DSpark drafter "
                               f"with a confidence head; {type(drafter).__name__} has none")
         self.has_confidence = has_conf
+        heads = getattr(drafter, "heads", None)
+        if cfg.markov_top_k and not (heads is not None and heads.markov_rank > 0):
+            raise ConfigError(f"speculative_config.markov_top_k restricts a DSpark drafter's Markov head; "
+                              f"{type(drafter).__name__} has none")
         self.calibration: Tensor | None = None
         self.reset_stats()
         self.graphs = DraftGraphs(drafter, target, self.context.cache, self.context.pending, k, cfg.markov_top_k,
