@@ -150,9 +150,12 @@ class BatchSampling:
         if all(r.allowed_bits is None for r in reqs):
             return grammar
         everything = torch.full_like(next(r.allowed_bits for r in reqs if r.allowed_bits is not None), -1)
-        per_row = [everything if r.allowed_bits is None or (end is not None and j >= end) else r.allowed_bits
-                   for r, rows, end in zip(reqs, rows_per_req, ends) for j in range(rows)]
-        rows = torch.stack(per_row)
+        per_req = torch.stack([everything if r.allowed_bits is None else r.allowed_bits for r in reqs])
+        rows = per_req.repeat_interleave(to_device(rows_per_req, torch.int64, self.device), dim=0)
+        if any(end is not None for end in ends):  # rows past a grammar's end: its mask alone
+            starts = itertools.accumulate(rows_per_req, initial=0)
+            past = [row + j for row, n, end in zip(starts, rows_per_req, ends) if end is not None for j in range(end, n)]
+            rows[to_device(past, torch.int64, self.device)] = -1
         return rows if grammar is None else grammar & rows
 
     @staticmethod
