@@ -39,7 +39,8 @@ class TokensPrompt(TypedDict, total=False):
 
 
 PromptType = str | TextPrompt | TokensPrompt | dict[str, Any]
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+PROMPT_FIELDS = ("prompt", "prompt_token_ids")  # a prompt dict's text or ids
+PROMPT_KEYS = (*PROMPT_FIELDS, "cache_salt")
 
 
 class Prompt(NamedTuple):
@@ -206,7 +207,7 @@ class ModelInputs:
                 raise RequestError(f"{where}: the prompt has {len(prompt)} characters, more than max_model_len "
                                    f"({self.max_model_len}) tokens can hold (at most {self.max_prompt_chars})")
             return Prompt(prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
-        if (isinstance(prompt, dict) and set(prompt) & set(PROMPT_KEYS[:2])
+        if (isinstance(prompt, dict) and set(prompt) & set(PROMPT_FIELDS)
                 and (other := sorted(map(str, set(prompt) - set(PROMPT_KEYS))))):
             raise RequestError(f"{where}: a prompt dict takes {', '.join(PROMPT_KEYS)} only; {other} is not "
                                "supported (blockspec serves text models)")

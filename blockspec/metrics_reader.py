@@ -1,6 +1,7 @@
 """`LLM.get_metrics()` in the shape of vLLM's `vllm.v1.metrics.reader`: a list of Counter, Gauge and Vector
-objects, each with a name and labels (the latency histograms are the server's, on /metrics), so code written against vLLM's reader (its speculative
-decoding example reads `vllm:spec_decode_num_drafts` and the per-position Vector by name) runs unchanged.
+objects, each with a name and labels (the latency histograms are the server's, on /metrics), so code written
+against vLLM's reader (its speculative decoding example reads `vllm:spec_decode_num_drafts` and the
+per-position Vector by name) runs unchanged.
 
 Names vLLM has are under `vllm:`; counts only blockspec keeps (the draft-length policy's choices) are
 under `blockspec:`. The engine's own dict, with the time split and calibration figures, stays

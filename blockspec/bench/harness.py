@@ -881,8 +881,8 @@ def measure_sweep(cfg: BenchConfig, device: torch.device, log: Callable[[str], N
     methods = cfg.selected_methods()
     drafters = {m: setup.make_drafter(m) for m in methods if m != "plain"}
     # what a drafter's step reads and computes (the step floors'), beside its description under "drafters"
-    model["drafter_terms"] = {m: dict(draft_step_terms(d, setup.target), kv_bytes_per_token=d.page_bytes(page, kv) / page)
-                              for m, d in drafters.items()}
+    model["drafter_terms"] = {m: dict(draft_step_terms(d, setup.target),
+                                      kv_bytes_per_token=d.page_bytes(page, kv) / page) for m, d in drafters.items()}
     capacities = {m: d.num_draft_slots for m, d in drafters.items()} if cfg.k_sweep else {}
     for method, capacity in capacities.items():
         if note := clip_note(method, cfg.k_sweep, capacity):

@@ -5,9 +5,9 @@ are free; every step, each running request gets pages for its next positions and
 steps launched before the next reservation); where the pool runs short the newest is preempted: its
 slot and pages go back and it waits first, to be recomputed through a prefill. Suspects (the
 requests of a step that raised) are admitted one at a time, so one that breaks a step does so alone.
-With prefix caching, an admitted request starts from the remembered pages its tokens begin with
-under its cache salt (never its last token: the prefill computes at least one), and the full pages of final K/V it writes
-are remembered after each prefill chunk, when it is preempted and when it finishes.
+With prefix caching, an admitted request starts from the remembered pages its tokens begin with under its
+cache salt (never its last token: the prefill computes at least one), and the full pages of final K/V it
+writes are remembered after each prefill chunk, when it is preempted and when it finishes.
 """
 
 from __future__ import annotations

@@ -280,8 +280,8 @@ class PrefixCache:
     def insert(self, pages: list[int], tokens: list[int], final: int, draft_final: int,
                salt: str | None = None) -> list[int]:
         """Remember `pages` (a slot's, in position order) whose positions below `final` hold tokens' K/V, and
-        below `draft_final` the drafter's context too, under `salt`; returns the pages this frees. A page whose key another
-        page has stays unremembered (its holder keeps it to itself), unless it holds the drafter's context
+        below `draft_final` the drafter's context too, under `salt`; returns the pages this frees. A page whose
+        key another page has stays unremembered (its holder keeps it to itself), unless it holds the drafter's context
         and the other does not: then the key moves to it, and the other is freed (or when its holders let
         go: an orphan, which takes its key back if the page that took it is gone)."""
         parent: int | str | None = salt

@@ -206,8 +206,8 @@ class Fp8Checkpoint:
     not_converted: tuple[str, ...]
     source: str
     # the config field that lists them, which says how an entry names modules: HF's `modules_to_not_convert` a
-    # start of the name up to a module boundary, or its end, compressed-tensors' `ignore` the whole name or a "re:" pattern, ModelOpt's
-    # `exclude_modules` the whole name with * wildcards
+    # start of the name up to a module boundary, or its end; compressed-tensors' `ignore` the whole name or a
+    # "re:" pattern; ModelOpt's `exclude_modules` the whole name with * wildcards
     field: str = "modules_to_not_convert"
 
     def keeps(self, module: str) -> str | None:

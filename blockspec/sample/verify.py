@@ -297,8 +297,7 @@ def _residual_scores(log_p: Tensor, q_probs: Tensor | None, draft: Tensor, row: 
 def _finish(a: Tensor, nxt: Tensor, drafts: Tensor, row_bad: Tensor, greedy_req: Tensor,
             greedy_out: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
     """Emit the probabilistic result, overriding greedy requests with their verify_greedy result. A request with a
-    bad row among rows 0..a fails: block verification can choose a tau past a bad row (its NaN h), which the
-    drafts it accepts would pass through."""
+    bad row among the rows it read, 0..a, fails (its accepted drafts would have passed through that row)."""
     rows = torch.arange(row_bad.shape[1], device=a.device).unsqueeze(0)
     nxt = torch.where((row_bad & (rows <= a.unsqueeze(1))).any(dim=1), -1, nxt)
     num, out = _emit(a, nxt, drafts)

@@ -68,8 +68,9 @@ def target_card(rec: dict[str, Any], params: int, size: int, fp8: bool = False) 
     weights = ("FP8: the decoder layers' products in e4m3 with scales over 128 x 128 blocks, as `blockspec quantize` "
                "writes them from the trained bf16 model, embeddings and norms bf16; on a CPU blockspec computes "
                "with them dequantized to fp32" if fp8 else "bf16; blockspec loads it as fp32 on a CPU")
-    loads = ("blockspec (`LLM(\"default\")`, or `LLM` given this directory), vLLM and SGLang, and `transformers` where it reads FP8 checkpoints"
-             if fp8 else "`blockspec` (`LLM(\"default\")`, or `LLM` given this directory) and with `transformers.AutoModelForCausalLM`")
+    ours = "`LLM(\"default\")`, or `LLM` given this directory"
+    loads = (f"blockspec ({ours}), vLLM and SGLang, and `transformers` where it reads FP8 checkpoints"
+             if fp8 else f"`blockspec` ({ours}) and with `transformers.AutoModelForCausalLM`")
     return f"""# blockspec flagship target (Qwen3 architecture, Python code)
 
 A small causal LM pretrained from scratch by `python -m blockspec.train.recipes.flagship` so that
