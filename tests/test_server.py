@@ -221,8 +221,10 @@ def test_cli_serve_sigterm_aborts_requests_in_flight_or_waits_shutdown_timeout(t
     """vLLM's --shutdown-timeout: by default SIGTERM aborts the requests in flight at once (the stream ends
     before its tokens); with a timeout it lets them finish first (to max_tokens, then [DONE])."""
     flags = ["--shutdown-timeout", timeout] if timeout else []
-    with cli_server(text_dir, "--max-model-len", "400", *flags) as (proc, url, _):
-        body = {"prompt": "a", "max_tokens": 300, "ignore_eos": True, "stream": True, "temperature": 0}
+    with cli_server(text_dir, "--max-model-len", "512", *flags) as (proc, url, _):
+        # aborted, the request has the most the context holds left to run: far more than the shutdown's moment
+        body = {"prompt": "a", "max_tokens": 500 if timeout is None else 300, "ignore_eos": True, "stream": True,
+                "temperature": 0}
         lines = []
         with pytest.raises(httpx.TransportError) if timeout is None else contextlib.nullcontext():
             with stream("POST", f"{url}/v1/completions", json=body) as r:
