@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from blockspec.assets import embedded
-from blockspec.config import LOGPROBS_MODES, ConfigError, EngineArgs, EngineConfig, drafter_method
+from blockspec.config import LOGPROBS_MODES, ConfigError, EngineArgs, EngineConfig, infer_method
 from blockspec.llm import LLM
 from blockspec.request import Logprob
 from blockspec.sampling_params import SamplingParams
@@ -255,7 +255,7 @@ def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
                               "alone takes its embedded drafter)")
         cfg["model"] = "default"
     if "method" not in cfg:  # the checkpoint says which family it is, else DFlash
-        cfg["method"] = (drafter_method(cfg["model"]) if cfg["model"] != "default" else None) or "dflash"
+        cfg["method"] = infer_method(str(cfg["model"]), cfg.get("revision"), args.download_dir, args.hf_token)
     if isinstance(cfg["model"], str):
         cfg["model"] = embedded(cfg["model"], cfg["method"])
     return cfg

@@ -345,6 +345,26 @@ def drafter_method(model: str | os.PathLike[str]) -> str | None:
     return next((m for m in SPEC_METHODS if m in kind), None)
 
 
+def infer_method(model: str, revision: str | None = None, download_dir: str | os.PathLike[str] | None = None,
+                 token: str | None = None) -> str:
+    """speculative_config's method where a user names only the drafter (vLLM infers it from the draft model too):
+    the family its config.json names, read from a local directory or, for a hub id, fetched alone at `revision`
+    into `download_dir` with `token` (the hub cache answers where it holds it); DFlash for the embedded 'default',
+    and where the config names neither or cannot be fetched (the drafter's load then says what is wrong)."""
+    path = Path(model).expanduser()
+    if model == "default":
+        return SPEC_METHODS[0]
+    if not path.is_dir() and model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import hf_hub_download
+
+            path = Path(hf_hub_download(model, "config.json", revision=revision, cache_dir=download_dir,
+                                        token=token)).parent
+        except Exception:  # noqa: BLE001  offline and not cached, or no such repo: the drafter's download names why
+            return SPEC_METHODS[0]
+    return drafter_method(path) or SPEC_METHODS[0]
+
+
 def drafter_kind(config: dict[str, Any]) -> str | None:
     """What names a checkpoint's config.json as a drafter's (a DFlash / DSpark architecture, or speculators'
     model type), or None for any other model's."""
@@ -608,6 +628,11 @@ class EngineArgs(EngineConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        spec = self.speculative_config
+        if isinstance(spec, dict) and "method" not in spec and isinstance(spec.get("model"), (str, os.PathLike)):
+            # the drafter's own config names its family, as vLLM infers a method from the draft model
+            self.speculative_config = {**spec, "method": infer_method(str(spec["model"]), spec.get("revision"),
+                                                                      self.download_dir, self.hf_token)}
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization {self.quantization!r} is not supported; supported: "
                               f"{', '.join(QUANTIZATIONS)} (FP8 checkpoints load as FP8 without it)")

@@ -1441,6 +1441,10 @@ def test_speculative_options_a_drafter_cannot_use_and_plain_steps_over_the_batch
         spec_llm(target, "dflash", "dflash", markov_top_k=5)
     with pytest.raises(ModelLoadError, match="a DFlash checkpoint: speculative_config method 'dflash'"):
         spec_llm(target, "dspark", "dflash")
+    for fixture, drafter in (("dspark_vanilla", "DSparkDraft"), ("dflash", "DFlashDraft")):  # no method: the config's
+        llm = LLM(str(target), device="cpu", dtype="float32", max_model_len=160,
+                  speculative_config={"model": str(FIXTURES / fixture)})
+        assert type(llm.engine.proposer.drafter).__name__ == drafter
     llm = spec_llm(target, "dflash", "dflash", max_batch_for_speculation=1)
     ps = prompts(3)
     plain_llm = LLM(str(target), device="cpu", dtype="float32", max_model_len=160)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from blockspec import LLM, ConfigError, SamplingError, SamplingParams
+from blockspec.config import EngineArgs
 from blockspec.cli import main
 from blockspec.cli_options import add_model_args, add_sampling_args, build_llm, format_spec_metrics
 from blockspec.errors import RequestError
@@ -598,6 +599,11 @@ def test_hub_ids_load_at_a_revision_from_a_download_dir(tmp_path, monkeypatch):
                   tokenizer_revision="v1") == tokens(str(old[1]))
     spec = {"method": "dflash", "model": "org/draft", "revision": "v1"}
     assert tokens("org/tiny", download_dir=str(cache), revision="v1", speculative_config=spec) == tokens(str(old[1]))
+    # the method left out: the drafter's config.json, fetched from the download dir at its revision, names it
+    hub_cache(cache, "org/spark", {"d" * 40: FIXTURES / "dspark_vanilla"}, {"v1": "d" * 40})
+    for drafter, method in (("org/draft", "dflash"), ("org/spark", "dspark")):
+        args = EngineArgs(download_dir=str(cache), speculative_config={"model": drafter, "revision": "v1"})
+        assert args.speculative_config["method"] == method
     with pytest.raises(ModelLoadError, match=r"model 'org/tiny' at revision 'v2' is not a local directory"):
         LLM("org/tiny", device="cpu", download_dir=str(cache), revision="v2")
     with pytest.raises(ModelLoadError, match=r"dflash drafter 'org/draft' is not a local directory"):
