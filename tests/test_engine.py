@@ -79,13 +79,18 @@ def test_stops_and_lengths(llm):
     shown = llm.generate("a", SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_id],
                                              include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
     assert shown.token_ids == ids[: k + 1] and shown.text == decode(ids[: k + 1])
-    eos_ids = llm.engine.output.eos_ids
-    llm.engine.output.eos_ids = [stop_id]
+    # the tokenizer's EOS stops with no stop_reason; another EOS id (generation_config's) names itself, as vLLM's
+    # stop_token_ids from generation_config do
+    output = llm.engine.output
+    eos_ids, primary = output.eos_ids, output.primary_eos
     try:
-        eos = llm.generate("a", SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+        for output.primary_eos, reason in ((stop_id, None), (primary, stop_id)):
+            output.eos_ids = [stop_id]
+            eos = llm.generate("a", SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+            assert (eos.token_ids, eos.text, eos.finish_reason, eos.stop_reason) == (
+                ids[: k + 1], decode(ids[:k]), "stop", reason)
     finally:
-        llm.engine.output.eos_ids = eos_ids
-    assert (eos.token_ids, eos.text, eos.finish_reason, eos.stop_reason) == (ids[: k + 1], decode(ids[:k]), "stop", None)
+        output.eos_ids, output.primary_eos = eos_ids, primary
     # stop string: text cut before it (or kept with include_stop_str_in_output)
     needle = text[10:13]
     cut = llm.generate("a", SamplingParams(temperature=0, max_tokens=40, stop=[needle]), use_tqdm=False)[0]

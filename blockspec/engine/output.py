@@ -41,8 +41,11 @@ class Ending:
 
 
 class OutputProcessor:
-    def __init__(self, eos_ids: list[int], max_model_len: int) -> None:
+    def __init__(self, eos_ids: list[int], max_model_len: int, primary_eos: int | None = None) -> None:
         self.eos_ids = eos_ids
+        # the tokenizer's EOS; a stop at another of eos_ids (generation_config's) names its id as stop_reason, as
+        # vLLM's stop_token_ids from generation_config do
+        self.primary_eos = primary_eos
         self.max_model_len = max_model_len
         self.num_generated = 0  # tokens committed, over every request
 
@@ -65,11 +68,11 @@ class OutputProcessor:
             eos = n_out >= p.min_tokens and not p.ignore_eos and tok in self.eos_ids
             stop_id = n_out >= p.min_tokens and bool(p.stop_token_ids) and tok in p.stop_token_ids
             # the token that stops a request is in its token ids, its text only with include_stop_str_in_output
-            # (vLLM's rule, EOS included); an EOS stop has no stop_reason, a stop id is its own
+            # (vLLM's rule, EOS included); the tokenizer's EOS has no stop_reason, a stop id (or another EOS) is its own
             shown = req.detok is not None and (not (eos or stop_id) or p.include_stop_str_in_output)
             new_text = req.detok.add(tok) if shown else ""
             if eos or stop_id:
-                return Ending("stop", None if eos else tok)
+                return Ending("stop", None if eos and tok == self.primary_eos else tok)
             if n_out >= p.min_tokens and p.stop_strings and new_text:
                 stop = self._stop_string(req, len(new_text))
                 if stop is not None:
