@@ -17,6 +17,11 @@ class RequestError(ValueError):
     """A request cannot be served as given (empty, too long, ids outside the vocabulary)."""
 
 
+class ConversationError(RequestError):
+    """A chat conversation cannot be rendered: its messages, or the chat template on them (the server's 400
+    names `messages`)."""
+
+
 class ConstraintError(RequestError):
     """A request's structured-output constraint cannot be compiled: `reason` says why in one line, the
     message names the request too."""

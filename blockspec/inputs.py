@@ -7,6 +7,7 @@ weights: the server's front process, which holds no weights, checks requests wit
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from blockspec.bad_words import word_sequences
 from blockspec.config import ConfigError
-from blockspec.errors import RequestError
+from blockspec.errors import ConversationError, RequestError
 from blockspec.sampling_params import SamplingError, SamplingParams, is_int, plain_ints
 from blockspec.structured import new_matcher
 
@@ -145,14 +146,61 @@ def text_content(parts: list[Any], where: str) -> str:
     return "\n".join(texts)
 
 
+TEMPLATE_ARGUMENTS = ("add_generation_prompt", "continue_final_message")
+"""apply_chat_template's own arguments that chat_template_kwargs may set, over the call's (vLLM merges the
+kwargs over them too); its others (tokenize, return_dict, ...) are the engine's."""
+
+
+def engine_template_arguments(tokenizer: Any, kwargs: dict[str, Any]) -> list[str]:
+    """The keys of `kwargs` that are apply_chat_template's own arguments, which the engine sets (not a template
+    variable, nor tools, documents or a template, which pass to it as given, nor TEMPLATE_ARGUMENTS)."""
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters)
+    return sorted((own - {"kwargs", "chat_template", "tools", "documents", *TEMPLATE_ARGUMENTS}) & set(kwargs))
+
+
+def template_messages(messages: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+    """Messages as chat templates take them, as vLLM hands them over: an assistant's tool calls with their
+    arguments as objects (OpenAI clients send JSON text, which a template's `tojson` would quote again; none
+    given, {}), and an empty tool_calls list left out (a template may take the key for a call)."""
+    out = []
+    for j, m in enumerate(messages):
+        calls = m.get("tool_calls")
+        if m.get("role") == "assistant" and isinstance(calls, list):
+            if not calls:
+                m = {k: v for k, v in m.items() if k != "tool_calls"}
+            else:
+                m = {**m, "tool_calls": [with_object_arguments(c, f"{where}, message {j}: tool_calls[{i}]")
+                                         for i, c in enumerate(calls)]}
+        out.append(m)
+    return out
+
+
+def with_object_arguments(call: Any, where: str) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or isinstance(fn.get("arguments"), (dict, list)):
+        return call
+    text = fn.get("arguments")
+    try:
+        arguments = json.loads(text) if text else {}
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise ConversationError(f"{where}.function.arguments is not JSON ({getattr(exc, 'msg', exc)}): "
+                                f"{str(text)[:80]!r}") from None
+    return {**call, "function": {**fn, "arguments": arguments}}
+
+
 def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool,
              where: str, **template_kwargs: Any) -> list[int]:
     """A conversation's token ids through the chat template: with a new assistant turn opened
     (`add_generation_prompt`), or with the final message left open for the model to continue
-    (`continue_final_message`: a reply's first words given, as vLLM takes them), not both."""
+    (`continue_final_message`: a reply's first words given, as vLLM takes them), not both. A template that
+    fails on the messages is the request's error (`ConversationError`), whatever it raised."""
+    taken = engine_template_arguments(tokenizer, template_kwargs)
+    if taken:
+        raise RequestError(f"chat_template_kwargs.{taken[0]} is set by blockspec, not a template variable")
     if add_generation_prompt and continue_final_message:
         raise RequestError(f"{where}: continue_final_message and add_generation_prompt cannot both be true (vLLM's "
                            "rule): set add_generation_prompt to false to continue the final message")
+    messages = template_messages(messages, where)
     try:
         ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
                                             continue_final_message=continue_final_message, **template_kwargs)
@@ -160,9 +208,11 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prom
         if continue_final_message and "final message" in str(exc):
             raise RequestError(f"{where}: continue_final_message: the chat template does not render the final "
                                "message's content as written, so it cannot be left open") from None
-        raise
-    except jinja2.TemplateError as exc:  # the template's raise_exception, or an error rendering these messages
-        raise RequestError(f"{where}: the chat template failed on these messages: {exc}") from None
+        raise ConversationError(f"{where}: the chat template failed on these messages: {exc}") from None
+    except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError, ArithmeticError) as exc:
+        # the template's raise_exception, or its code failing on these messages (None + 'a', a missing key)
+        detail = exc if isinstance(exc, jinja2.TemplateError) else f"{type(exc).__name__}: {exc}"
+        raise ConversationError(f"{where}: the chat template failed on these messages: {detail}") from None
     return list(ids if isinstance(ids, list) else ids["input_ids"])
 
 
@@ -307,11 +357,16 @@ class ModelInputs:
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(f"{self.model_dir} has no tokenizer chat template; use generate() with plain text")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        kwargs = dict(chat_template_kwargs or {})  # vLLM's merge: the kwargs' apply_chat_template arguments win
+        add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+        continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
         prompts: list[PromptType] = []
         for i, conv in enumerate(conversations):
+            # content may be left out of a message that carries tool calls (OpenAI's and vLLM's rule)
             if not isinstance(conv, (list, tuple)) or not conv or not all(
-                    isinstance(m, dict) and "role" in m and "content" in m for m in conv):
+                    isinstance(m, dict) and "role" in m and ("content" in m or m.get("tool_calls")) for m in conv):
                 raise RequestError(f"conversation {i}: messages must be a non-empty list of {{'role', 'content'}}")
+            conv = [m if "content" in m else {**m, "content": None} for m in conv]
             for j, m in enumerate(conv):  # a dict or a number would reach the template as its Python text
                 if not isinstance(m["content"], str | list | None):
                     raise RequestError(f"conversation {i}, message {j}: content must be text or a list of text parts, "
@@ -320,6 +375,6 @@ class ModelInputs:
                     if isinstance(m["content"], list) else m for j, m in enumerate(conv)]
             ids = chat_ids(self.tokenizer, conv, add_generation_prompt, continue_final_message, f"conversation {i}",
                            chat_template=read_chat_template(chat_template) if chat_template is not None else None,
-                           **(chat_template_kwargs or {}))
+                           **kwargs)
             prompts.append({"prompt_token_ids": ids})
         return prompts

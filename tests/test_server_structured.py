@@ -181,6 +181,13 @@ def test_the_parsers_find_calls_in_each_family_format():
                                  '{"name": "weather", "parameters": {"city": "Lima"}}')
     assert content == "" and [c.name for c in calls] == ["time", "weather"]
     assert llama3_json("plain text")[1] == []
+    # vLLM's readings: a ';' inside an argument is text; hermes content is what precedes the first call, a last
+    # call left unclosed still counts, and arguments keep non-ASCII text
+    assert llama3_json('{"name": "sql", "parameters": {"q": "SELECT 1; SELECT 2"}}') == (
+        "", [Call("sql", '{"q": "SELECT 1; SELECT 2"}')])
+    content, calls = hermes('Two.\n<tool_call>\n{"name": "a", "arguments": {"city": "Zürich"}}\n</tool_call>\n'
+                            'between\n<tool_call>\n{"name": "b", "arguments": {}}')
+    assert content == "Two." and calls == [Call("a", '{"city": "Zürich"}'), Call("b", "{}")]
     schema = required_schema([WEATHER["function"]], parallel=False)
     assert schema["maxItems"] == 1 and schema["items"]["anyOf"][0]["properties"]["name"] == {"const": "weather"}
 

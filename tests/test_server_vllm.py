@@ -89,6 +89,15 @@ def test_tokenize_a_conversation_as_chat_renders_it(server, tokenizer):
     assert r.json()["count"] == chat.usage.prompt_tokens
     r = post(f"{server.url}/tokenize", json={"messages": messages, "bogus": 1})
     assert r.status_code == 400 and "bogus" in r.json()["error"]["message"]
+    # tools render without a tool-call parser (nothing is parsed), as vLLM's /tokenize; documents are accepted
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = post(f"{server.url}/tokenize", json={"messages": messages, "tools": tools, "documents": [{"text": "d"}]})
+    assert r.status_code == 200 and r.json()["tokens"] == tokenizer.encode("<user>hi there\n<assistant>")
+    # a history the template cannot take names messages (not continue_final_message)
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
+    r = post(f"{server.url}/tokenize", json={"messages": messages + [{"role": "assistant", "tool_calls": [call]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "tool_calls[0].function.arguments is not JSON" in r.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------- request fields

@@ -6,6 +6,7 @@ get_metrics() objects, generation_config.json defaults, logprob ranks, and the c
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import logging
@@ -19,7 +20,7 @@ from blockspec import LLM, ConfigError, SamplingError, SamplingParams
 from blockspec.config import EngineArgs
 from blockspec.cli import main
 from blockspec.cli_options import add_model_args, add_sampling_args, build_llm, format_spec_metrics
-from blockspec.errors import RequestError
+from blockspec.errors import ConversationError, RequestError
 from blockspec.metrics_reader import Counter, Gauge, Vector
 from factories import DRAFTER_TARGET_KW, save_drafter_target, save_tiny, save_tiny_model_with_tokenizer, save_tiny_tokenizer
 
@@ -248,6 +249,35 @@ def test_chat_template_and_conversation_mistakes_are_one_line(text_llm, text_dir
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
     out = text_llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, chat_template=shown, tools=tools)
     assert out[0].prompt_token_ids == text_llm.get_tokenizer().encode("get_time;hi")
+
+
+def test_tool_call_histories_and_template_arguments_reach_the_template_as_vllm_passes_them(text_llm):
+    """An assistant's tool calls with JSON-text arguments (as OpenAI clients send them) reach the template as
+    objects (a template's tojson quoted them again: Llama 3.1's history read '"{\\"city\\": ...}"'); an empty
+    tool_calls list is left out; content may be left out beside tool calls; chat_template_kwargs may set
+    add_generation_prompt (vLLM's merge), not tokenize; a template failing in its own code is one line."""
+    shown = ("{% for m in messages %}{{ m['role'] }}:{% if m.tool_calls is defined %}{% for c in m.tool_calls %}"
+             "{{ c.function.arguments | tojson }}{% endfor %}{% else %}{{ m['content'] }}{% endif %};{% endfor %}"
+             "{% if add_generation_prompt %}A:{% endif %}")
+    encode = functools.partial(text_llm.get_tokenizer().encode, add_special_tokens=False)
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "ok", "tool_calls": []}]
+
+    def ids(messages, **kw):
+        return text_llm.chat(messages, GREEDY, use_tqdm=False, chat_template=shown, **kw)[0].prompt_token_ids
+
+    assert ids(msgs) == encode('user:hi;assistant:{"city": "Paris"};tool:sunny;assistant:ok;A:')
+    assert ids(msgs[:1], chat_template_kwargs={"add_generation_prompt": False}) == encode("user:hi;")
+    with pytest.raises(RequestError, match=r"^chat_template_kwargs.tokenize is set by blockspec, not a template"):
+        ids(msgs[:1], chat_template_kwargs={"tokenize": False})
+    unreadable = {**call, "function": {"name": "weather", "arguments": "{city"}}
+    with pytest.raises(ConversationError, match=r"^conversation 0, message 1: tool_calls\[0\].function.arguments "
+                                                r"is not JSON \(Expecting property name"):
+        ids([msgs[0], {"role": "assistant", "tool_calls": [unreadable]}])
+    with pytest.raises(ConversationError, match=r"^conversation 0: the chat template failed on these messages: "
+                                                r"TypeError"):
+        text_llm.chat(msgs[:1], GREEDY, use_tqdm=False, chat_template="{{ none + 'a' }}")
 
 
 def test_vllm_prompt_and_params_helpers(text_llm, target_dir):

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import inspect
 import json
 import logging
 import re
@@ -33,8 +32,8 @@ from starlette.exceptions import HTTPException
 from blockspec import __version__
 from blockspec.config import ServerConfig
 from blockspec.request import Logprob, SpecStats, TokenStrings
-from blockspec.errors import USER_ERRORS, ConstraintError, RequestError
-from blockspec.inputs import ModelInputs, Prompt, chat_ids, check_text
+from blockspec.errors import USER_ERRORS, ConstraintError, ConversationError, RequestError
+from blockspec.inputs import ModelInputs, Prompt, chat_ids, check_text, engine_template_arguments
 from blockspec.llm import LLM
 from blockspec.sampling_params import SamplingParams
 from blockspec.engine.loop import Delta
@@ -187,6 +186,8 @@ def template_arguments(tokenizer: Any, body: ChatCompletionRequest, trusted: boo
     where the server trusts request templates. Arguments of apply_chat_template itself (tokenize,
     conversation, ...) are the server's to set, not a template variable."""
     kwargs = dict(body.chat_template_kwargs or {})
+    if body.documents is not None:  # vLLM's: to the template as its `documents`, as transformers takes them
+        kwargs["documents"] = body.documents
     template = kwargs.pop("chat_template", None) or body.chat_template
     if template is not None:
         if not trusted:
@@ -195,17 +196,18 @@ def template_arguments(tokenizer: Any, body: ChatCompletionRequest, trusted: boo
         if not isinstance(template, str):
             raise APIError(400, "chat_template must be a string", param="chat_template")
         kwargs["chat_template"] = template
-    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs", "chat_template"}
-    taken = sorted(own & set(kwargs))
+    taken = engine_template_arguments(tokenizer, kwargs)
     if taken:
         raise APIError(400, f"chat_template_kwargs.{taken[0]} is set by the server, not by a request",
                        param="chat_template_kwargs")
     return kwargs
 
 
-def tool_use(body: ChatCompletionRequest, parser_name: str | None, hide_when_none: bool = False) -> ToolUse | None:
+def tool_use(body: ChatCompletionRequest, parser_name: str | None, hide_when_none: bool = False,
+             generating: bool = True) -> ToolUse | None:
     """The request's tools and tool choice (None without tools); a choice that needs tools, or "auto"
-    without a parser configured, is a 400. `hide_when_none`: ServerConfig.exclude_tools_when_tool_choice_none."""
+    without a parser configured where the output is `generating` (/tokenize only renders the tools), is a
+    400. `hide_when_none`: ServerConfig.exclude_tools_when_tool_choice_none."""
     choice = body.tool_choice
     named = {"name": choice.function.name} if isinstance(choice, NamedToolChoice) else None
     if not body.tools:
@@ -214,7 +216,7 @@ def tool_use(body: ChatCompletionRequest, parser_name: str | None, hide_when_non
         return None
     use = ToolUse([t.function.model_dump(exclude_none=True) for t in body.tools], named or choice or "auto",
                   body.parallel_tool_calls, PARSERS[parser_name] if parser_name else None, hide_when_none)
-    if use.choice == "auto" and use.parser is None:
+    if use.choice == "auto" and use.parser is None and generating:
         raise APIError(400, 'tool_choice "auto" needs the server started with --tool-call-parser (hermes for Qwen, '
                             'llama3_json for Llama 3); "required" or a named function work without one',
                        param="tool_choice")
@@ -243,8 +245,13 @@ def chat_prompt(inputs: ModelInputs, body: ChatCompletionRequest, trusted_templa
     kwargs = template_arguments(tok, body, trusted_templates)
     if tools is not None and tools.template_tools() is not None:
         kwargs["tools"] = tools.template_tools()
+    # vLLM's merge: chat_template_kwargs' apply_chat_template arguments win over the request's fields
+    add_prompt = kwargs.pop("add_generation_prompt", body.add_generation_prompt)
+    continue_final = kwargs.pop("continue_final_message", body.continue_final_message)
     try:
-        ids = chat_ids(tok, messages, body.add_generation_prompt, body.continue_final_message, "messages", **kwargs)
+        ids = chat_ids(tok, messages, add_prompt, continue_final, "messages", **kwargs)
+    except ConversationError as exc:
+        raise user_error(exc, "messages") from None
     except RequestError as exc:
         raise user_error(exc, "continue_final_message") from None
     except Exception as exc:  # template errors (jinja raise_exception, bad kwargs) are the request's fault
@@ -759,7 +766,8 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
         tok = tokenizer_of(inputs)
         if isinstance(body, TokenizeChatRequest):
             ids = (await in_thread(templating, chat_prompt, inputs, body, config.trust_request_chat_template,
-                                   tool_use(body, config.tool_call_parser))).ids
+                                   tool_use(body, config.tool_call_parser, config.exclude_tools_when_tool_choice_none,
+                                            generating=False))).ids
         else:
             ids = await in_thread(tokenizing, encode, tok, body.prompt, body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=inputs.max_model_len, tokens=ids,

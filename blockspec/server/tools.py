@@ -148,7 +148,7 @@ class ToolUse:
                 listed = json.loads(text)
             except json.JSONDecodeError:  # cut short by max_tokens: no complete call
                 return text, []
-            return None, [Call(c["name"], json.dumps(c["parameters"])) for c in listed]
+            return None, [Call(c["name"], arguments_text(c["parameters"])) for c in listed]
         if self.choice == "auto" and self.parser is not None:
             content, calls = self.parser.split(text)
             if not self.parallel:  # parallel_tool_calls false: at most one call, as OpenAI's API answers
@@ -202,28 +202,41 @@ def _loads(text: str) -> Any:
         return None
 
 
+def arguments_text(value: Any) -> str:
+    """A call's arguments as the JSON text OpenAI's API carries, non-ASCII kept as written (vLLM's)."""
+    return json.dumps(value, ensure_ascii=False)
+
+
 def hermes(text: str) -> tuple[str, list[Call]]:
-    """Qwen2.5 / Qwen3 / Hermes calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks."""
+    """Qwen2.5 / Qwen3 / Hermes calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, the
+    last one maybe unclosed (the output ended at EOS or a stop string); the content is the text before the
+    first (vLLM's rule)."""
     calls = []
-    for block in re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.DOTALL):
-        value = _loads(block)
+    for closed, open_tail in re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>|<tool_call>\s*(.*)", text, re.DOTALL):
+        value = _loads(closed or open_tail.strip())
         if isinstance(value, dict) and isinstance(value.get("name"), str):
-            calls.append(Call(value["name"], json.dumps(value.get("arguments", {}))))
-    content = re.sub(r"<tool_call>.*?</tool_call>", "", text, flags=re.DOTALL).strip() if calls else text
-    return content, calls
+            calls.append(Call(value["name"], arguments_text(value.get("arguments", {}))))
+    return (text[:text.index("<tool_call>")].strip() if calls else text), calls
 
 
 def llama3_json(text: str) -> tuple[str, list[Call]]:
     """Llama 3.1+ calls: the output is `{"name": ..., "parameters": {...}}` (after an optional
-    `<|python_tag|>`), several separated by ';'."""
+    `<|python_tag|>`), several separated by ';'; each object is read whole, so a ';' inside an argument
+    is text."""
     body = text.strip().removeprefix("<|python_tag|>").strip()
-    calls = []
-    for part in (p.strip() for p in body.split(";")):
-        value = _loads(part)
+    calls, at, decoder = [], 0, json.JSONDecoder()
+    while at < len(body):
+        try:
+            value, end = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            return text, []
         if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
             return text, []
-        calls.append(Call(value["name"], json.dumps(value.get("parameters", value.get("arguments", {})))))
-    return "", calls
+        calls.append(Call(value["name"], arguments_text(value.get("parameters", value.get("arguments", {})))))
+        at = end
+        while at < len(body) and (body[at].isspace() or body[at] == ";"):
+            at += 1
+    return ("", calls) if calls else (text, [])
 
 
 def before(text: str, marker: str) -> str:
