@@ -287,6 +287,8 @@ def test_constraints_that_leave_no_token_are_named_not_blamed_on_the_model(llm):
     assert outs[0].error.startswith("no token could be sampled at output token 1: this request's "
                                     "allowed_token_ids, bad_words leave no token allowed there")
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 3
+    # a request that failed before any token has no first-token time (the latency histograms leave it out)
+    assert outs[0].metrics["first_token_time"] is None and outs[1].metrics["first_token_time"] is not None
     # asking for logprobs too: the row's missing token (-1) was decoded as a logprob entry's text, which
     # failed the whole step (every request in it recomputed) and reported an engine failure
     logged = [SamplingParams(**{**kw, "logprobs": 1}) for kw in (

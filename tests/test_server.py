@@ -322,6 +322,14 @@ def test_streaming_completion_with_usage(text_server):
     counts = [c.usage.completion_tokens for c in running]
     assert counts == sorted(counts) and counts[-1] == 24 and counts[0] < 24
     assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in running)
+    # with n > 1 each chunk's usage is its own choice's (vLLM's previous_num_tokens[i]), not the choices' sum
+    pair = list(client.completions.create(model="tiny", prompt="import os", max_tokens=6, temperature=0, n=2,
+                                          stream=True, extra_body=NO_EOS,
+                                          stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    for i in (0, 1):
+        own = [c.usage.completion_tokens for c in pair if c.choices and c.choices[0].index == i]
+        assert own == sorted(own) and own[-1] == 6
+    assert pair[-1].usage.completion_tokens == 12
     with stream("POST", f"{text_server.url}/v1/completions",
                       json={"prompt": "x", "max_tokens": 3, "stream": True}) as r:
         lines = [line for line in r.iter_lines() if line]

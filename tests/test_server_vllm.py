@@ -518,7 +518,7 @@ def test_metrics_have_vllms_names_and_labels_and_no_created_series(server, token
     assert grew("vllm:iteration_tokens_total_sum", after, before) == len(tokenizer.encode("abc")) + 5
     assert grew("vllm:request_generation_tokens_count", end, mid) == 3
     assert grew("vllm:request_generation_tokens_sum", end, mid) == 18
-    assert grew("vllm:request_params_n_sum", end, mid) == 9
+    assert (grew("vllm:request_params_n_count", end, mid), grew("vllm:request_params_n_sum", end, mid)) == (1, 3)
     assert grew("vllm:request_max_num_generation_tokens_count", end, mid) == 1
     assert grew("vllm:request_max_num_generation_tokens_sum", end, mid) == 6
     assert not any(name.startswith("blockspec:") and name[len("blockspec:"):] in ("num_requests_running",
@@ -533,6 +533,26 @@ def test_metrics_prefix_blockspec(text_dir):
         names = set(families(live))
         assert {"blockspec:num_requests_running", "blockspec:generation_tokens", "blockspec:request_failure"} <= names
         assert not any(name.startswith("vllm:") for name in names)
+    finally:
+        live.close()
+
+
+def test_a_metric_that_fails_costs_no_request_its_tokens(text_dir, monkeypatch, caplog):
+    """A step report whose observation raises (a Prometheus counter refuses a negative step: the server then
+    answered nothing, while /health said ok) still delivers the step's tokens, and the log says why."""
+    from blockspec.server.metrics import ServerMetrics
+
+    def refuse(self, report):
+        raise ValueError("Counters can only be incremented by non-negative amounts.")
+
+    monkeypatch.setattr(ServerMetrics, "observe", refuse)
+    live = LiveServer(create_app(functools.partial(load, text_dir), "tiny")).wait_ready()
+    try:
+        with caplog.at_level(logging.ERROR, logger="blockspec.server"):
+            out = live.client().completions.create(model="tiny", prompt="abc", max_tokens=4,
+                                                   extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 4
+        assert any("could not be observed" in r.getMessage() for r in caplog.records)
     finally:
         live.close()
 
@@ -554,7 +574,7 @@ def test_prefix_caching_reports_cached_prompt_tokens_in_usage_and_metrics(text_d
         wait_until(lambda: metric(live.metrics(), "vllm:prefix_cache_hits_total") == second, PATIENCE,
                    "the prefix-cache counter")
         queries = metric(live.metrics(), "vllm:prefix_cache_queries_total")
-        assert queries == 2 * (outs[0].usage.prompt_tokens - 1)  # each looks up all but its last token
+        assert queries == 2 * outs[0].usage.prompt_tokens  # each looks up its prompt (vLLM's count)
         # vLLM's cache_salt: a salted request finds only its salt's pages
         salted = [client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0,
                                             extra_body={"cache_salt": salt}) for salt in ("s1", "s1", "s2")]

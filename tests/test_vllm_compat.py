@@ -395,6 +395,9 @@ def test_get_metrics_gives_vllms_reader_objects(target_dir, caplog):
     steps = {m.labels["draft_length"]: m.value for m in llm.get_metrics()
              if m.name == "blockspec:spec_decode_policy_steps"}
     assert steps == {str(k): n for k, n in stats["policy_steps"].items()} and steps[str(k)] > 0
+    # n copies each read the prompt (vLLM counts a child request's prompt at its first token)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(n=2, temperature=0.5, max_tokens=2), use_tqdm=False)
+    assert llm.get_stats()["num_prompt_tokens"] == 4 + 2 * 3
 
 
 def test_no_draft_is_explained():

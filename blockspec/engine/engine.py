@@ -122,7 +122,6 @@ class Engine:
         self.spec_totals = SpecStats()
         self.timer = StepTimer(self.device)
         self.num_steps = 0
-        self.num_prompt_tokens = 0
         self.num_prefilled_tokens = 0  # prompt positions through the target (recomputed ones too)
         self.num_steps_launched_ahead = 0
         self.num_spec_steps_chained = 0
@@ -218,8 +217,7 @@ class Engine:
         self.spec_totals = SpecStats()
         self.timer = StepTimer(self.device)
         self.num_steps = 0
-        self.output.num_generated = 0
-        self.num_prompt_tokens = 0
+        self.output.num_generated = self.output.num_prompt_tokens = 0
         self.num_prefilled_tokens = 0
         self.num_steps_launched_ahead = 0
         self.num_spec_steps_chained = 0
@@ -267,7 +265,6 @@ class Engine:
                 req.grammar = grammar.deep_copy()
             reqs.append(req)
         self.scheduler.add(reqs)
-        self.num_prompt_tokens += len(prompt_ids)  # once for the n copies, which read one prompt
         return reqs
 
     def abort(self, request_id: str, error: str | None = None) -> None:
@@ -408,7 +405,7 @@ class Engine:
                 writing = [(r, s, s + len(run)) for r, s, run in zip(chosen, starts, runs)]
                 if self.scheduler.waits_for_page(req, writing):
                     continue
-                req.shares_settled = True
+                self.scheduler.settle_shares(req)
                 if self.context is not None:
                     self.context.forget(req)  # its context starts after the pages it shares
                 if req.num_cached_tokens is None:  # its first prefill: what the prefix cache held of its prompt
@@ -931,7 +928,7 @@ class Engine:
             out["num_parked_requests"] = self.policy.parked_joins
         out["num_steps"] = self.num_steps
         out["num_generated_tokens"] = self.num_generated
-        out["num_prompt_tokens"] = self.num_prompt_tokens
+        out["num_prompt_tokens"] = self.output.num_prompt_tokens
         out["num_preemptions"] = self.num_preemptions
         prefix = self.pages.prefix
         out["num_prefix_cache_queries"] = prefix.queried_tokens if prefix else 0  # prompt tokens looked up

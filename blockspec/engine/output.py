@@ -48,17 +48,19 @@ class OutputProcessor:
         self.primary_eos = primary_eos
         self.max_model_len = max_model_len
         self.num_generated = 0  # tokens committed, over every request
+        self.num_prompt_tokens = 0  # each request's prompt at its first token (n copies: n times, as vLLM counts)
 
     def commit(self, req: Request, tokens: list[int], lps: list[dict[int, Logprob]] | None) -> Ending | None:
         """Append tokens one by one until one ends the request; how it ended, or None while it runs on.
         A -1 token (a row whose logits were not finite) fails the request there. A request with a grammar
         advances it by each token and ends at the token that completes it."""
-        if req.first_token_time is None:
-            req.first_token_time = time.perf_counter()
         p = req.params
         for j, tok in enumerate(tokens):
             if tok < 0:
                 return Ending("error", error=no_token(req))
+            if req.first_token_time is None:  # a request failing before any token has no first-token time
+                req.first_token_time = time.perf_counter()
+                self.num_prompt_tokens += len(req.prompt_token_ids)
             req.output_ids.append(tok)
             self.num_generated += 1
             if lps is not None and req.logprobs is not None:

@@ -122,15 +122,13 @@ class Scheduler:
             if self.running and (req.suspect or self.running[0].suspect):
                 break
             slot = self.pages.allocate()
-            looked_up = self._share_prefix(req, slot)
+            self._share_prefix(req, slot)
             need = self.pages_wanted(req)
             watermark = self.pages.num_pages // 100 if self.running else 0
             if self.pages.missing(slot, need) + watermark > self.pages.num_free_pages:
                 self.pages.release(slot)
                 req.num_cached = 0
                 break
-            if looked_up:
-                self.pages.prefix.count(looked_up, req.num_cached)
             self.pages.reserve(slot, need)
             req.kv_capacity = self.pages.held(slot) * self.pages.page_size
             self.waiting.popleft()
@@ -145,17 +143,25 @@ class Scheduler:
         return joined
 
     # ---------------------------------------------------------------- prefix caching
-    def _share_prefix(self, req: Request, slot: int) -> int:
+    def _share_prefix(self, req: Request, slot: int) -> None:
         """Map the remembered pages the request's tokens start with into its new slot and count them as
-        computed; returns the positions looked up (0 without prefix caching). A request that wants its
-        prompt's logprobs, or skips reading the cache, computes every position."""
+        computed. A request that wants its prompt's logprobs, or skips reading the cache, computes every
+        position."""
         if self.pages.prefix is None or not req.params.reads_prefix_cache:
-            return 0
+            return
         pages = self._remembered(req, needs_draft=False)  # whether it feeds the drafter is decided after
         self.pages.share(slot, pages)
         req.num_cached = len(pages) * self.pages.page_size
         req.cached_draft_ctx = self.pages.prefix.with_draft(pages) * self.pages.page_size
-        return req.prefill_len - 1
+
+    def settle_shares(self, req: Request) -> None:
+        """A request's shared pages are final for its first prefill chunk since its admission: its lookup
+        counts now, once (vLLM's prefix-cache queries and hits: its tokens, and those it shares; a preempted
+        request finding its own pages again is not counted, as vLLM keeps those lookups apart)."""
+        req.shares_settled = True
+        prefix = self.pages.prefix
+        if prefix is not None and req.params.reads_prefix_cache and req.num_preemptions == 0:
+            prefix.count(req.prefill_len, req.num_cached)
 
     def _remembered(self, req: Request, needs_draft: bool) -> list[int]:
         """The remembered pages the request's tokens start with (never its last token); with `needs_draft`,
@@ -185,13 +191,11 @@ class Scheduler:
             return True
         self.pages.truncate(req.slot, held)
         self.pages.share(req.slot, pages[held:])
-        prefix.count(0, len(pages) * size - req.num_cached)
         req.num_cached = len(pages) * size
         req.cached_draft_ctx = prefix.with_draft(pages) * size
         if self.pages.reserve(req.slot, self.pages_wanted(req)):
             req.kv_capacity = self.pages.held(req.slot) * size
             return True
-        prefix.count(1 - req.prefill_len, -req.num_cached)  # looked up again when it is admitted again
         self.requeue(req)
         return False
 

@@ -370,17 +370,21 @@ class Renderer:
     def response(self, choices: list[Choice]) -> BaseModel:
         raise NotImplementedError
 
-    def usage(self, choices: list[Choice]) -> tuple[Usage, SpecDecodeStats | None]:
-        prompt = sum(len(p.ids) for p in self.prompts)
-        completion = sum(len(c.token_ids) for c in choices)
+    def usage(self, choices: list[Choice], index: int | None = None) -> tuple[Usage, SpecDecodeStats | None]:
+        """The request's usage, or (`index`) one choice's so far with its prompt's, as vLLM's
+        continuous_usage_stats gives each chunk."""
+        prompts = range(len(self.prompts)) if index is None else [index // self.params.n]
+        counted = choices if index is None else [choices[index]]
+        prompt = sum(len(self.prompts[i].ids) for i in prompts)
+        completion = sum(len(c.token_ids) for c in counted)
         spec = None
         if self.with_spec:
             total = SpecStats()
-            for c in choices:
+            for c in counted:
                 total.merge(c.spec)
             spec = SpecDecodeStats(**total.as_dict())
         # a prompt's n choices share its prefill: its first one's count stands for the prompt
-        cached = [choices[i * self.params.n].cached_tokens for i in range(len(self.prompts))]
+        cached = [choices[i * self.params.n].cached_tokens for i in prompts]
         details = None if None in cached else PromptTokensDetails(cached_tokens=sum(cached))
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=details), spec
@@ -696,8 +700,8 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
                     if d.error:
                         raise request_failed(d.error)
                     for chunk in renderer.chunks(d):
-                        if renderer.body.continuous_usage:  # the usage so far, on every chunk
-                            chunk.usage, chunk.spec_decode = renderer.usage(choices)
+                        if renderer.body.continuous_usage:  # the chunk's choice's usage so far, on every chunk
+                            chunk.usage, chunk.spec_decode = renderer.usage(choices, d.index)
                         yield sse(chunk)
             except Exception as exc:
                 yield sse(ErrorResponse(error=api_error_of(exc).info))

@@ -212,7 +212,10 @@ class AsyncEngine:
     def _receive(self, report: Report) -> None:
         """A report from the engine, on the event loop."""
         if isinstance(report, StepReport):
-            self.metrics.observe(report.metrics)
+            try:
+                self.metrics.observe(report.metrics)
+            except Exception:  # noqa: BLE001  a metric's fault never costs a request its tokens
+                log.exception("metrics: a step's report could not be observed; its outputs go out regardless")
             for request_id, item in report.outputs:
                 out = self._queues.get(request_id)
                 if out is not None:  # else: the client left; its abort is on its way

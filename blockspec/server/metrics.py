@@ -94,8 +94,8 @@ class ServerMetrics:
         self.request_max_generation = vllm(Histogram, "request_max_num_generation_tokens", "The most tokens one "
                                            "of a prompt's n copies generated, once its copies all finished.",
                                            buckets=TOKEN_BUCKETS)
-        self.request_params_n = vllm(Histogram, "request_params_n", "The n of each finished request.",
-                                     buckets=N_BUCKETS)
+        self.request_params_n = vllm(Histogram, "request_params_n", "The n of each finished request, once its "
+                                     "copies all finished.", buckets=N_BUCKETS)
         self.request_params_max_tokens = vllm(Histogram, "request_params_max_tokens", "The max_tokens of each "
                                               "finished request that gave one.", buckets=TOKEN_BUCKETS)
         self.iteration_tokens = vllm(Histogram, "iteration_tokens_total", "Tokens of each engine step: prompt "
@@ -191,14 +191,13 @@ class ServerMetrics:
         labels = self.labels
         self.request_prompt_tokens.labels(*labels).observe(f.prompt_tokens)
         self.request_generation_tokens.labels(*labels).observe(f.generation_tokens)
-        self.request_params_n.labels(*labels).observe(f.n)
         if f.max_tokens is not None:
             self.request_params_max_tokens.labels(*labels).observe(f.max_tokens)
         self._observe_copies(f)
 
     def _observe_copies(self, f: Finish) -> None:
-        """The most any of a prompt's copies generated, once the last of them finishes (a failed copy
-        counts as finished with what it had)."""
+        """The request's n and the most any of a prompt's copies generated, once the last of them finishes
+        (a failed copy counts as finished with what it had), as vLLM observes them once a request."""
         labels = self.labels
         left, most = self._copies.pop(f.group, (f.n, 0))
         most = max(most, f.generation_tokens)
@@ -206,6 +205,7 @@ class ServerMetrics:
             self._copies[f.group] = (left - 1, most)
         else:
             self.request_max_generation.labels(*labels).observe(most)
+            self.request_params_n.labels(*labels).observe(f.n)
 
     def interval_summary(self) -> list[str]:
         """Lines for the periodic log, over the time since the last call (vLLM's fields: prompt and
