@@ -270,3 +270,20 @@ def test_bad_constraints_fail_before_any_work(plain, target):
     with pytest.raises(RequestError, match="structured outputs need the model's tokenizer"):
         bare.generate([{"prompt_token_ids": [5, 6]}],
                       SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")), use_tqdm=False)
+
+
+def test_an_output_leaving_its_grammar_fails_with_one_line():
+    """llguidance's error for a token the grammar refuses is a line followed by kilobytes of its parser's state;
+    the request's error keeps the line."""
+    from blockspec.engine.output import grammar_ending
+
+    class Refusing:
+        def consume_tokens(self, tokens):
+            return False
+
+        def get_error(self):
+            return 'Parser Error: token "\\ufffd[16386]" doesn\'t satisfy the grammar\n' + "state " * 2000
+
+    ending = grammar_ending(Refusing(), [16386])
+    assert ending.reason == "error" and "\n" not in ending.error and len(ending.error) < 300
+    assert ending.error.startswith("the output left its structured-output grammar: Parser Error: token")

@@ -109,6 +109,7 @@ class OutputProcessor:
 def grammar_ending(grammar: GrammarMatcher, tokens: list[int]) -> Ending | None:
     """Advance a request's grammar by committed tokens: it ends (stop) once the grammar is complete,
     and fails if a token left it (the masks make that impossible unless they are bypassed)."""
-    if not grammar.consume_tokens(tokens):
-        return Ending("error", error=f"the output left its structured-output grammar: {grammar.get_error()}")
+    if not grammar.consume_tokens(tokens):  # llguidance's error: a line, then its parser's state (kilobytes)
+        reason = (grammar.get_error().strip().splitlines() or ["no reason given"])[0][:200]
+        return Ending("error", error=f"the output left its structured-output grammar: {reason}")
     return Ending("stop") if grammar.is_stopped() else None
