@@ -725,6 +725,9 @@ class ServerConfig:
     # how tool calls are found in a model's text for tool_choice "auto" ("hermes": Qwen, "llama3_json":
     # Llama 3; None: "auto" is refused, "required" and named functions still work)
     tool_call_parser: str | None = None
+    # how a thinking model's reasoning is told from its answer ("qwen3", "deepseek_r1": `<think>` blocks, returned
+    # as reasoning_content; None: it stays in the content)
+    reasoning_parser: str | None = None
     # tool_choice "none" leaves the request's tools out of the chat template (vLLM's flag; by default the
     # model is shown the tools it may not call)
     exclude_tools_when_tool_choice_none: bool = False
@@ -760,3 +763,5 @@ class ServerConfig:
         check_bool(self, "exclude_tools_when_tool_choice_none")
         if self.tool_call_parser not in (None, "hermes", "llama3_json"):
             raise ConfigError(f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
+            raise ConfigError(f"reasoning_parser must be qwen3 or deepseek_r1, got {self.reasoning_parser!r}")

@@ -224,3 +224,55 @@ def test_required_tool_choice_keeps_each_tools_definitions_and_auto_honours_para
         stream = ToolStream(use)
         stream.feed(two)
         assert len(stream.finish()[1]) == found
+
+
+@pytest.mark.parametrize("text, thinking, qwen3, deepseek_r1", [
+    ("<think>\nplan\n</think>\n\nanswer", False, ("\nplan\n", "\n\nanswer"), ("\nplan\n", "\n\nanswer")),
+    ("plain answer", False, (None, "plain answer"), ("plain answer", None)),  # R1 always starts thinking
+    ("<think>cut off by max_tokens", False, ("cut off by max_tokens", None), ("cut off by max_tokens", None)),
+    ("thought</think>answer", True, ("thought", "answer"), ("thought", "answer")),  # the prompt opened the block
+    ("<think></think>\n\nhi <think>", False, (None, "\n\nhi <think>"), (None, "\n\nhi <think>")),
+])
+def test_reasoning_parsers_split_thinking_from_content(text, thinking, qwen3, deepseek_r1):
+    """vLLM's --reasoning-parser readings; read in pieces at every split point, an output splits as it does whole
+    (a tag cut between two pieces included)."""
+    from blockspec.server.reasoning import PARSERS as REASONING, ReasoningStream
+
+    for name, want in (("qwen3", qwen3), ("deepseek_r1", deepseek_r1)):
+        parser = REASONING[name]
+        start = parser.starts_thinking("...<|im_start|>assistant\n<think>\n" if thinking else "<think>\n\n</think>\n")
+        assert parser.split(text, start) == want, name
+        for cut in range(len(text) + 1):
+            reader, got = ReasoningStream(start), ["", ""]
+            for piece in (text[:cut], text[cut:], ""):
+                for i, part in enumerate(reader.feed(piece)):
+                    got[i] += part
+            for i, part in enumerate(reader.finish()):
+                got[i] += part
+            assert (got[0] or None, got[1] or None) == want, (name, cut)
+
+
+def test_a_reasoning_parser_returns_the_think_block_as_reasoning_content(target):
+    """`--reasoning-parser qwen3`: the output's think block is the message's reasoning_content, whole and streamed
+    (as reasoning_content deltas, then content), and tool calls are looked for in the content only."""
+    live = LiveServer(create_app(functools.partial(load, target, False), "tiny",
+                                 config=ServerConfig(reasoning_parser="qwen3", tool_call_parser="hermes"))).wait_ready()
+    try:
+        client, messages = live.client(), [{"role": "user", "content": "x"}]
+        forced = {"structured_outputs": {"regex": "<think>[a-c]{5}</think>[d-f]{4}"}}
+        whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
+                                               extra_body=forced).choices[0].message
+        thought, answer = whole.model_extra["reasoning_content"], whole.content
+        assert len(thought) == 5 and set(thought) <= set("abc") and len(answer) == 4 and set(answer) <= set("def")
+        chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
+                                                     stream=True, extra_body=forced))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == thought
+        assert "".join(d.content or "" for d in deltas) == answer
+        tool_in_thought = {"structured_outputs": {"regex": '<think><tool_call>\\n\\{"name": "time", "arguments": '
+                                                           '\\{\\}\\}\\n</tool_call></think>ok'}}
+        out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=120, temperature=0,
+                                             tools=[TIME], extra_body=tool_in_thought).choices[0]
+        assert out.message.tool_calls is None and out.message.content == "ok" and out.finish_reason == "stop"
+    finally:
+        live.close()

@@ -68,6 +68,9 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
                    help="how tool calls are found in the model's text for tool_choice \"auto\" (hermes: Qwen2.5 / "
                         "Qwen3, llama3_json: Llama 3.1+); without it \"auto\" is refused (default: %(default)s)")
+    g.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
+                   help="return a thinking model's <think> block as the message's reasoning_content, the rest as its "
+                        "content (default: %(default)s, the thinking stays in the content)")
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="tool_choice \"none\" leaves the request's tools out of the chat template (default: the "
                         "model is shown the tools it may not call, as vLLM does)")
@@ -150,7 +153,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         config = ServerConfig(api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                               trust_request_chat_template=args.trust_request_chat_template,
-                              tool_call_parser=args.tool_call_parser, metrics_prefix=args.metrics_prefix,
+                              tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                              metrics_prefix=args.metrics_prefix,
                               exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                               log_stats_interval_s=(None if args.disable_log_stats
                                                     else ServerConfig.log_stats_interval_s),

@@ -41,6 +41,8 @@ from blockspec.engine.output import NO_TOKEN
 from blockspec.server.async_engine import AsyncEngine, EngineError
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.middleware import APIKey, BodyLimit, InternalErrors
+from blockspec.server.reasoning import PARSERS as REASONING_PARSERS
+from blockspec.server.reasoning import ReasoningParser, ReasoningStream
 from blockspec.server.tools import PARSERS, ToolStream, ToolUse
 from blockspec.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
@@ -489,20 +491,24 @@ class ChatRenderer(Renderer):
     prefix = "chatcmpl"
     chunk_type = ChatCompletionChunk
 
-    def __init__(self, *args: Any, tools: ToolUse | None = None, role: str = "assistant", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tools: ToolUse | None = None, role: str = "assistant",
+                 reasoning: ReasoningParser | None = None, thinking: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.role = role
         self.tools = tools if tools is not None and tools.calls_possible else None
         self.streams: dict[int, ToolStream] = {}  # with tools: each streamed choice's output so far
+        self.reasoning, self.thinking = reasoning, thinking  # `thinking`: the output starts inside a think block
+        self.thoughts: dict[int, ReasoningStream] = {}  # with a reasoning parser: each streamed choice's reader
 
-    def message(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall] | None, str | None]:
-        """(content, tool calls, finish reason) of a choice's whole text."""
-        if self.tools is None:
-            return text, None, finish_reason
-        content, calls = self.tools.split(text)
-        if not calls:
-            return text, None, finish_reason
-        return content, [ToolCall(**c.as_openai()) for c in calls], self.tools.finish_reason(finish_reason)
+    def message(self, text: str, finish_reason: str | None) -> AssistantMessage:
+        """A choice's whole text as its message: reasoning, content, tool calls (looked for in the content)."""
+        reasoning, content = self.reasoning.split(text, self.thinking) if self.reasoning else (None, text)
+        calls = []
+        if self.tools is not None and content is not None:
+            said, calls = self.tools.split(content)
+            content = said if calls else content
+        return AssistantMessage(role=self.role, reasoning_content=reasoning, content=content,
+                                tool_calls=[ToolCall(**c.as_openai()) for c in calls] or None)
 
     def logprobs(self, entries: list[dict[int, Logprob]] | None, ids: list[int]) -> ChatLogprobs | None:
         if entries is None or self.params.logprobs is None:
@@ -525,10 +531,18 @@ class ChatRenderer(Renderer):
             for i in range(len(self.prompts) * self.params.n)]
 
     def chunk(self, d: Delta) -> BaseModel:
-        delta, finish_reason = DeltaMessage(content=d.text), d.finish_reason
+        thought, text = "", d.text
+        if self.reasoning is not None:
+            reader = self.thoughts.setdefault(d.index, ReasoningStream(self.thinking))
+            thought, text = reader.feed(d.text)
+            if d.finish_reason is not None:
+                more, rest = reader.finish()
+                thought, text = thought + more, text + rest
+                del self.thoughts[d.index]
+        delta, finish_reason = DeltaMessage(content=text if text or not thought else None), d.finish_reason
         if self.tools is not None:
             stream = self.streams.setdefault(d.index, ToolStream(self.tools))
-            content, named = stream.feed(d.text)
+            content, named = stream.feed(text)
             calls = [DeltaToolCall(index=0, **named)] if named else []
             if d.finish_reason is not None:
                 rest, found = stream.finish()
@@ -537,7 +551,9 @@ class ChatRenderer(Renderer):
                 if stream.call_id is not None or found:
                     finish_reason = self.tools.finish_reason(d.finish_reason)
                 del self.streams[d.index]
-            delta = DeltaMessage(content=content if content or not calls else None, tool_calls=calls or None)
+            delta = DeltaMessage(content=content if content or not (calls or thought) else None,
+                                 tool_calls=calls or None)
+        delta.reasoning_content = thought or None
         choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=self.logprobs(d.logprobs, d.token_ids),
                                  finish_reason=finish_reason, stop_reason=d.stop_reason,
                                  token_ids=self.token_ids(d.token_ids))
@@ -547,8 +563,9 @@ class ChatRenderer(Renderer):
         usage, spec = self.usage(choices)
         out = []
         for i, c in enumerate(choices):
-            content, calls, finish_reason = self.message(c.text, c.finish_reason)
-            out.append(ChatChoice(index=i, message=AssistantMessage(role=self.role, content=content, tool_calls=calls),
+            message = self.message(c.text, c.finish_reason)
+            finish_reason = self.tools.finish_reason(c.finish_reason) if message.tool_calls else c.finish_reason
+            out.append(ChatChoice(index=i, message=message,
                                   logprobs=self.logprobs(c.logprobs, c.token_ids), finish_reason=finish_reason,
                                   stop_reason=c.stop_reason, token_ids=self.token_ids(c.token_ids)))
         return ChatCompletionResponse(id=self.id, model=self.model, usage=usage, spec_decode=spec, choices=out,
@@ -743,8 +760,12 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
         prompt = await in_thread(templating, chat_prompt, inputs, body, config.trust_request_chat_template, tools)
         # vLLM's rule: a new turn is the server's response role's; a continued message keeps its own role
         role = config.response_role if body.add_generation_prompt else body.messages[-1].role
+        reasoning = REASONING_PARSERS[config.reasoning_parser] if config.reasoning_parser else None
+        # whether the output starts inside a think block the prompt left open: its last tokens' text says
+        thinking = reasoning is not None and reasoning.starts_thinking(inputs.tokenizer.decode(prompt.ids[-8:]))
         return await generate(request, body, inputs, [prompt], params,
-                              functools.partial(ChatRenderer, tools=tools, role=role))
+                              functools.partial(ChatRenderer, tools=tools, role=role, reasoning=reasoning,
+                                                thinking=thinking))
 
     def model_card(inputs: ModelInputs, name: str) -> ModelCard:
         return ModelCard(id=name, root=str(inputs.model_dir), max_model_len=inputs.max_model_len)

@@ -514,6 +514,7 @@ class DeltaToolCall(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: str = "assistant"  # ServerConfig.response_role, or the continued message's
+    reasoning_content: str | None = None  # with a reasoning parser: the thinking (vLLM's field)
     content: str | None
     tool_calls: list[ToolCall] | None = None
 
@@ -537,6 +538,7 @@ class ChatCompletionResponse(ResponseBase):
 
 class DeltaMessage(BaseModel):
     role: str | None = None
+    reasoning_content: str | None = None  # with a reasoning parser: the thinking (vLLM's field)
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
