@@ -21,7 +21,7 @@ from blockspec.config import EngineArgs
 from blockspec.cli import main
 from blockspec.cli_options import add_model_args, add_sampling_args, build_llm, format_spec_metrics
 from blockspec.errors import ConversationError, RequestError
-from blockspec.metrics_reader import Counter, Gauge, Vector
+from blockspec.metrics_reader import Counter, Gauge, Histogram, Vector
 from factories import DRAFTER_TARGET_KW, save_drafter_target, save_tiny, save_tiny_model_with_tokenizer, save_tiny_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
@@ -396,8 +396,21 @@ def test_get_metrics_gives_vllms_reader_objects(target_dir, caplog):
              if m.name == "blockspec:spec_decode_policy_steps"}
     assert steps == {str(k): n for k, n in stats["policy_steps"].items()} and steps[str(k)] > 0
     # n copies each read the prompt (vLLM counts a child request's prompt at its first token)
-    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(n=2, temperature=0.5, max_tokens=2), use_tqdm=False)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(n=2, temperature=0.5, max_tokens=2, ignore_eos=True),
+                 use_tqdm=False)
     assert llm.get_stats()["num_prompt_tokens"] == 4 + 2 * 3
+    # vLLM's request histograms and finish reasons: three requests (one, then two copies of one prompt)
+    metrics = {(m.name, m.labels.get("finished_reason")): m for m in llm.get_metrics()}
+    assert metrics["vllm:request_success", "length"].value == 3 and metrics["vllm:request_success", "stop"].value == 0
+    generated = metrics["vllm:request_generation_tokens", None]
+    assert isinstance(generated, Histogram) and (generated.count, generated.sum) == (3, 12 + 2 + 2)
+    assert list(generated.buckets.values()) == sorted(generated.buckets.values()) and generated.buckets["+Inf"] == 3
+    assert (generated.buckets["1.0"], generated.buckets["2.0"], generated.buckets["10.0"]) == (0, 2, 2)
+    n = metrics["vllm:request_params_n", None]
+    assert (n.count, n.sum) == (2, 3)  # once a request, when its copies all finished
+    ttft, e2e = metrics["vllm:time_to_first_token_seconds", None], metrics["vllm:e2e_request_latency_seconds", None]
+    assert ttft.count == e2e.count == 3 and 0 < ttft.sum <= e2e.sum
+    assert 0 <= metrics["vllm:kv_cache_usage_perc", None].value < 1
 
 
 def test_no_draft_is_explained():

@@ -25,6 +25,7 @@ from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.drafters import DraftModel
 from blockspec.engine import memory
 from blockspec.engine.batch import BatchSampling, needs_history, needs_processing
+from blockspec.engine.latency import RequestHistograms
 from blockspec.engine.output import OutputProcessor
 from blockspec.engine.pipeline import Pipeline, PlainLaunch, SpecLaunch, current_rows, priced_from, verify_rows
 from blockspec.engine.scheduler import Scheduler
@@ -123,6 +124,7 @@ class Engine:
         self.timer = StepTimer(self.device)
         self.num_steps = 0
         self.num_prefilled_tokens = 0  # prompt positions through the target (recomputed ones too)
+        self.finished = RequestHistograms()  # finished requests' latencies, sizes and reasons
         self.num_steps_launched_ahead = 0
         self.num_spec_steps_chained = 0
         self.num_spec_steps_from_committed = 0  # a batch's first steps run as the chained step's body
@@ -218,6 +220,7 @@ class Engine:
         self.timer = StepTimer(self.device)
         self.num_steps = 0
         self.output.num_generated = self.output.num_prompt_tokens = 0
+        self.finished = RequestHistograms()
         self.num_prefilled_tokens = 0
         self.num_steps_launched_ahead = 0
         self.num_spec_steps_chained = 0
@@ -903,6 +906,7 @@ class Engine:
             req.error = error
         req.finish_time = time.perf_counter()
         self.scheduler.retire(req)
+        self.finished.observe(req)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every remembered page (`PageTable.forget_prefixes`); False without prefix caching."""
@@ -934,4 +938,9 @@ class Engine:
         out["num_prefix_cache_queries"] = prefix.queried_tokens if prefix else 0  # prompt tokens looked up
         out["num_prefix_cache_hits"] = prefix.hit_tokens if prefix else 0  # of them found, not prefilled
         out["num_requests_running"], out["num_requests_waiting"] = len(self.running), len(self.waiting)
+        out["kv_cache_usage"] = 1 - self.pages.num_free_pages / self.pages.num_pages  # share of KV pages in use
+        out["finished_requests"] = dict(self.finished.reasons)  # by finish reason (stop, length, abort, error)
+        # each REQUEST_HISTOGRAMS histogram: bucket bounds, counts per bucket (the last past every bound), sum
+        out["request_histograms"] = {name: (h.bounds, list(h.counts), h.sum)
+                                     for name, h in self.finished.histograms.items()}
         return out

@@ -18,9 +18,10 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from blockspec.engine.engine import Engine
+from blockspec.engine.latency import Finish
 from blockspec.errors import USER_ERRORS
 from blockspec.inputs import ModelInputs, Prompt
 from blockspec.request import Logprob, Request, RequestOutput, SpecStats, group_metrics
@@ -117,29 +118,6 @@ class EngineGauges:
                    num_prefilled=engine.num_prefilled_tokens)
 
 
-def span(start: float | None, end: float | None) -> float | None:
-    """Seconds from start to end, or None where either did not happen."""
-    return None if start is None or end is None else max(end - start, 0.0)
-
-
-class Finish(NamedTuple):
-    """A finished request's times, in vLLM's intervals (None: the phase did not happen, e.g. a request
-    aborted while it waited)."""
-
-    reason: str  # stop, length, abort, error
-    e2e: float  # from arrival at the front to the finish
-    queue: float | None  # from the engine's arrival to its first slot
-    prefill: float | None  # from its first slot to its first token
-    decode: float | None  # from its first token to its last
-    inference: float | None  # from its first slot to its last token
-    tpot: float | None  # decode time per output token after the first
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    n: int = 1  # the copies its prompt asked for (SamplingParams.n)
-    max_tokens: int | None = None  # its SamplingParams.max_tokens
-    group: tuple[str, int] = ("", 0)  # its prompt: the front's request id and the prompt's index in it
-
-
 @dataclass
 class StepMetrics:
     """What the metrics learn from one engine step."""
@@ -156,14 +134,7 @@ class StepMetrics:
         self.first_tokens.append((len(req.prompt_token_ids), max(req.first_token_time - arrival, 0.0)))
 
     def finish(self, req: Request, arrival: float, finish_time: float, group: tuple[str, int] = ("", 0)) -> None:
-        first = req.first_token_time
-        decode = span(first, finish_time)
-        n = len(req.output_ids)
-        self.finishes.append(Finish(req.finish_reason or "abort", max(finish_time - arrival, 0.0),
-                                    span(req.arrival_time, req.scheduled_time), span(req.scheduled_time, first),
-                                    decode, span(req.scheduled_time, finish_time),
-                                    decode / (n - 1) if decode is not None and n > 1 else None,
-                                    len(req.prompt_token_ids), n, req.params.n, req.params.max_tokens, group))
+        self.finishes.append(Finish.of(req, arrival, finish_time, group))
 
 
 @dataclass

@@ -17,21 +17,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from blockspec.engine.loop import Finish, StepMetrics
+from blockspec.engine.latency import (ITERATION_BUCKETS, N_BUCKETS, REQUEST_BUCKETS, TOKEN_BUCKETS, TPOT_BUCKETS,
+                                      TTFT_BUCKETS, Copies)
+from blockspec.engine.loop import StepMetrics
 from blockspec.request import SpecStats
 from blockspec.speculative.policy import PolicyView
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
-# vLLM's inter-token buckets, from 10 ms, with four below it: a step of a small model on a GPU takes less
-TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                   480.0, 960.0, 1920.0, 7680.0)
-# vLLM's 1-2-5 series for token counts (vLLM ends it at max_model_len; here at a million)
-TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
-N_BUCKETS = (1, 2, 5, 10, 20)
-ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
 LABELS = ["model_name", "engine"]  # vLLM's; this server runs one engine, "0"
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -124,6 +115,16 @@ class ServerMetrics:
             metric.labels(*self.labels)  # export every series from the start, at zero
         for reason in FINISH_REASONS:
             self.request_success.labels(*self.labels, reason)
+        # a finished request's histograms by their names in `Finish.observations`
+        self.finished = {"e2e_request_latency_seconds": self.e2e, "request_queue_time_seconds": self.queue_time,
+                         "request_prefill_time_seconds": self.prefill_time,
+                         "request_decode_time_seconds": self.decode_time,
+                         "request_inference_time_seconds": self.inference_time,
+                         "request_time_per_output_token_seconds": self.request_tpot,
+                         "request_prompt_tokens": self.request_prompt_tokens,
+                         "request_generation_tokens": self.request_generation_tokens,
+                         "request_params_max_tokens": self.request_params_max_tokens}
+        self.copies = Copies()
         self._seen_spec = SpecStats()
         self._seen_generated = 0
         self._seen_prefilled = 0
@@ -131,7 +132,6 @@ class ServerMetrics:
         self._seen_prefix = (0, 0)
         self._prompt_total = 0
         self._seen_chosen: dict[int, int] = {}
-        self._copies: dict[tuple[str, int], tuple[int, int]] = {}  # a prompt's copies not finished, most generated
         self._seen_parked: tuple[set[int], int] = (set(), 0)  # buckets parked, requests that joined them
         self._last_gauges = (0, 0, 0.0)  # running, waiting, KV usage of the latest report
         # the periodic log's interval: its start, and the totals then (prompt, generated, speculation)
@@ -175,37 +175,14 @@ class ServerMetrics:
         for f in report.finishes:
             if f.reason == "error":
                 self.request_failure.labels(*labels).inc()
-                self._observe_copies(f)
-                continue
-            self.request_success.labels(*labels, f.reason).inc()
-            self.e2e.labels(*labels).observe(f.e2e)
-            self._observe_tokens(f)
-            for histogram, seconds in ((self.queue_time, f.queue), (self.prefill_time, f.prefill),
-                                       (self.decode_time, f.decode), (self.inference_time, f.inference),
-                                       (self.request_tpot, f.tpot)):
-                if seconds is not None:
-                    histogram.labels(*labels).observe(seconds)
-
-    def _observe_tokens(self, f: Finish) -> None:
-        """A finished request's token counts and parameters."""
-        labels = self.labels
-        self.request_prompt_tokens.labels(*labels).observe(f.prompt_tokens)
-        self.request_generation_tokens.labels(*labels).observe(f.generation_tokens)
-        if f.max_tokens is not None:
-            self.request_params_max_tokens.labels(*labels).observe(f.max_tokens)
-        self._observe_copies(f)
-
-    def _observe_copies(self, f: Finish) -> None:
-        """The request's n and the most any of a prompt's copies generated, once the last of them finishes
-        (a failed copy counts as finished with what it had), as vLLM observes them once a request."""
-        labels = self.labels
-        left, most = self._copies.pop(f.group, (f.n, 0))
-        most = max(most, f.generation_tokens)
-        if left > 1:
-            self._copies[f.group] = (left - 1, most)
-        else:
-            self.request_max_generation.labels(*labels).observe(most)
-            self.request_params_n.labels(*labels).observe(f.n)
+            else:
+                self.request_success.labels(*labels, f.reason).inc()
+            for name, value in f.observations():
+                self.finished[name].labels(*labels).observe(value)
+            done = self.copies.finished(f)
+            if done is not None:
+                self.request_params_n.labels(*labels).observe(done[0])
+                self.request_max_generation.labels(*labels).observe(done[1])
 
     def interval_summary(self) -> list[str]:
         """Lines for the periodic log, over the time since the last call (vLLM's fields: prompt and
