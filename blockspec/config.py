@@ -107,7 +107,7 @@ class ModelConfig:
             if cfg.get(name) is None:
                 raise ConfigError(f"{source}: field {name!r} must be a positive integer, got None")
             hf_field(cfg, name, source)
-        if cfg.get("hidden_act", "silu") != "silu":
+        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' swish is SiLU
             raise ConfigError(f"{source}: field 'hidden_act' {cfg.get('hidden_act')!r} is not supported (silu only)")
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         if str(dtype).replace("torch.", "") not in HF_DTYPES:
@@ -123,34 +123,7 @@ class ModelConfig:
         if head_dim % 2:
             raise ConfigError(f"{source}: head_dim must be even for RoPE, got {head_dim}")
         layers = cfg["num_hidden_layers"]
-        given_types = cfg.get("layer_types") or ()
-        if not isinstance(given_types, list | tuple) or not all(isinstance(t, str) for t in given_types):
-            raise ConfigError(f"{source}: field 'layer_types' must be a list of strings, got {given_types!r}")
-        layer_types = tuple(given_types)
-        if layer_types and len(layer_types) != layers:
-            raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries for {layers} layers")
-        # sliding_window is read only where a layer may slide (Qwen2 configs carry one they do not use)
-        slides = hf_flag(cfg, "use_sliding_window", source, model_type == "mistral")
-        window = None
-        if slides or "sliding_attention" in layer_types:  # MistralConfig's window where the key is absent: 4096
-            window = hf_field(cfg, "sliding_window", source, 4096 if "sliding_window" not in cfg and
-                              model_type == "mistral" else None)
-        if not layer_types:
-            if window is not None:
-                full = cfg.get("max_window_layers", layers)  # Qwen2: the first layers attend in full
-                if not isinstance(full, int) or isinstance(full, bool) or full < 0:
-                    raise ConfigError(f"{source}: field 'max_window_layers' must be an integer >= 0, got {full!r}")
-                layer_types = tuple(
-                    "sliding_attention" if i >= full or model_type == "mistral" else "full_attention"
-                    for i in range(layers)
-                )
-            else:
-                layer_types = ("full_attention",) * layers
-        bad = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-        if bad:
-            raise ConfigError(f"{source}: layer_types {bad} not supported (full_attention, sliding_attention)")
-        if "sliding_attention" in layer_types and window is None:
-            raise ConfigError(f"{source}: sliding_attention layers need a positive sliding_window")
+        window, layer_types = sliding_layers(cfg, model_type, layers, source)
         bos_ids = token_ids(cfg, "bos_token_id", source, many=False)
         attention_bias = hf_flag(cfg, "attention_bias", source)
         return ModelConfig(
@@ -171,7 +144,7 @@ class ModelConfig:
             mlp_bias=hf_flag(cfg, "mlp_bias", source),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=hf_flag(cfg, "tie_word_embeddings", source),
-            sliding_window=window if "sliding_attention" in layer_types else None,
+            sliding_window=window,
             layer_types=layer_types,
             torch_dtype=str(dtype).replace("torch.", ""),
             eos_token_ids=token_ids(cfg, "eos_token_id", source),
@@ -208,6 +181,12 @@ class ModelConfig:
             cfg["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
         if self.bos_token_id is not None:
             cfg["bos_token_id"] = self.bos_token_id
+        if self.mlp_bias:
+            cfg["mlp_bias"] = True
+        if self.sliding_window is not None:  # the window, and which layers take it, as `sliding_layers` reads them
+            cfg.update(sliding_window=self.sliding_window, use_sliding_window=True)
+            if self.model_type != "qwen3_moe" and set(self.layer_types) != {"sliding_attention"}:
+                cfg["layer_types"] = list(self.layer_types)
         if self.model_type in ("qwen3_moe", "qwen2_moe"):
             cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                        moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
@@ -255,6 +234,44 @@ def token_ids(cfg: dict[str, Any], name: str, source: str, many: bool = True) ->
     return tuple(ids)
 
 
+def sliding_layers(cfg: dict[str, Any], model_type: str, layers: int,
+                   source: str) -> tuple[int | None, tuple[str, ...]]:
+    """The sliding window's width and each layer's attention, as transformers 5 reads each family's config: Llama
+    never slides; Mistral slides every layer while sliding_window is set (4096 where the key is absent; a
+    layer_types list is Ministral's, per layer); the Qwen families only with use_sliding_window, Qwen2 and Qwen3
+    from layer max_window_layers on (28 where absent), Qwen2-MoE every other layer below it, unless layer_types
+    lists them, and Qwen3-MoE every layer."""
+    full = ("full_attention",) * layers
+    given = cfg.get("layer_types") or ()
+    if not isinstance(given, list | tuple) or not all(isinstance(t, str) for t in given):
+        raise ConfigError(f"{source}: field 'layer_types' must be a list of strings, got {given!r}")
+    if given and len(given) != layers:
+        raise ConfigError(f"{source}: layer_types has {len(given)} entries for {layers} layers")
+    if model_type == "llama":
+        return None, full
+    if model_type == "mistral":
+        window = hf_field(cfg, "sliding_window", source, 4096 if "sliding_window" not in cfg else None)
+        types = tuple(given) or (("sliding_attention",) * layers if window is not None else full)
+    else:
+        # sliding_window is read only where the flag is on (Qwen configs carry one they do not use)
+        window = hf_field(cfg, "sliding_window", source) if hf_flag(cfg, "use_sliding_window", source) else None
+        if window is None:
+            return None, full
+        bound = cfg.get("max_window_layers", 28)
+        if not isinstance(bound, int) or isinstance(bound, bool) or bound < 0:
+            raise ConfigError(f"{source}: field 'max_window_layers' must be an integer >= 0, got {bound!r}")
+        rule = {"qwen2_moe": lambda i: (i + 1) % 2 == 1 and i < bound, "qwen3_moe": lambda i: True}.get(
+            model_type, lambda i: i >= bound)
+        computed = tuple("sliding_attention" if rule(i) else "full_attention" for i in range(layers))
+        types = computed if model_type == "qwen3_moe" or not given else tuple(given)
+    bad = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if bad:
+        raise ConfigError(f"{source}: layer_types {bad} not supported (full_attention, sliding_attention)")
+    if "sliding_attention" in types and window is None:
+        raise ConfigError(f"{source}: sliding_attention layers need a positive sliding_window")
+    return (window if "sliding_attention" in types else None), types
+
+
 # the rope_scaling / rope_parameters fields transformers' rope validation requires for each type. llama3's
 # original_max_position_embeddings is required as transformers 4 requires it (5 fills in max_position_embeddings,
 # which for Llama 3.1 is not the pre-training length); yarn's defaults to max_position_embeddings in both
@@ -273,6 +290,9 @@ def rope_from_hf(cfg: dict[str, Any], source: str) -> RopeConfig:
     params = cfg.get(given) or {}
     where = f"{source} (rope)"
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type in ("llama3", "yarn") and cfg.get("original_max_position_embeddings") is not None:
+        # transformers' rule: a top-level original_max_position_embeddings wins over the rope dict's
+        params = {**params, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{source}: rope type {rope_type!r} not supported; supported: {', '.join(ROPE_TYPES)}")
     missing = [f"{given}.{name}" for name in ROPE_REQUIRED.get(rope_type, ()) if params.get(name) is None]

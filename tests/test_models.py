@@ -360,6 +360,58 @@ def test_fields_a_config_leaves_out_take_transformers_defaults(name):
         name, (16, None))
 
 
+# (transformers config class, config.json fields over the tiny shape, the layers that slide, the window)
+SLIDING_CASES = [
+    ("Qwen3MoeConfig", dict(use_sliding_window=True, sliding_window=32), (0, 1, 2), 32),  # no per-layer rule: all
+    ("Qwen2MoeConfig", dict(use_sliding_window=True, sliding_window=32, max_window_layers=3), None, 32),
+    ("Qwen2Config", dict(use_sliding_window=True, sliding_window=32, num_hidden_layers=30), None, 32),  # from 28
+    ("Qwen3Config", dict(use_sliding_window=True, sliding_window=32, num_hidden_layers=30), None, 32),
+    ("Qwen3Config", dict(use_sliding_window=False, sliding_window=32), (), None),  # the flag off: a window unused
+    ("MistralConfig", dict(sliding_window=32, use_sliding_window=False), (0, 1, 2), 32),  # not Mistral's field
+    ("LlamaConfig", dict(sliding_window=32, use_sliding_window=True,
+                         layer_types=["sliding_attention"] * 3), (), None),  # Llama never slides
+]
+
+
+@pytest.mark.parametrize("name, fields, sliding, window", SLIDING_CASES)
+def test_sliding_layers_are_read_as_transformers_reads_each_family(name, fields, sliding, window):
+    """Which layers slide, from config.json as hub checkpoints write it (no layer_types where transformers 5
+    would add them): each family has its own rule, and a rule of another family made a different model in
+    silence (Qwen3-MoE attended in full everywhere, Qwen2-MoE on the wrong layers, a missing max_window_layers
+    read as all of them, Mistral dropped its window for a field it does not have)."""
+    from blockspec.config import ModelConfig
+
+    kind = getattr(transformers, name)
+    shape = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                 num_hidden_layers=3, vocab_size=128, **({"num_experts": 4, "moe_intermediate_size": 32,
+                                                           "num_experts_per_tok": 2} if "Moe" in name else {}))
+    raw = {**kind(**shape).to_dict(), **fields}
+    if "layer_types" not in fields:
+        raw.pop("layer_types", None)
+    hf = kind(**{k: v for k, v in raw.items() if k != "layer_types" or "layer_types" in fields})
+    ours = ModelConfig.from_hf(raw)
+    if sliding is None:  # the families that write layer_types: theirs from the same fields
+        sliding = tuple(i for i, t in enumerate(hf.layer_types) if t == "sliding_attention")
+    assert tuple(i for i, t in enumerate(ours.layer_types) if t == "sliding_attention") == sliding
+    assert ours.sliding_window == window and (window is None or sliding)
+    assert ModelConfig.from_hf(ours.to_hf()) == ours  # blockspec writes what it reads (the bench's peer models)
+
+
+def test_top_level_rope_fields_and_swish_read_as_in_transformers():
+    """A top-level original_max_position_embeddings wins over the rope dict's (transformers' rule for llama3 and
+    yarn); hidden_act "swish" is SiLU in transformers, so it loads."""
+    from blockspec.config import ModelConfig, rope_from_hf
+
+    raw = {"max_position_embeddings": 256, "original_max_position_embeddings": 32,
+           "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}
+    assert rope_from_hf(raw, "config.json").original_max_position_embeddings == 32
+    tiny = transformers.Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                    intermediate_size=128, num_hidden_layers=2, vocab_size=128).to_dict()
+    assert ModelConfig.from_hf({**tiny, "hidden_act": "swish"}).num_hidden_layers == 2
+    with pytest.raises(ConfigError, match="'hidden_act' 'gelu' is not supported"):
+        ModelConfig.from_hf({**tiny, "hidden_act": "gelu"})
+
+
 def test_rope_scaling_beside_rope_parameters_wins_as_in_transformers():
     """A config with both fields (a transformers-4 rope_scaling left beside a 5.x rope_parameters): transformers
     takes rope_scaling whole, and so must blockspec, or its tables are another model's."""

@@ -116,7 +116,8 @@ class RequestHistograms:
     finished for each reason."""
 
     def __init__(self) -> None:
-        self.histograms = {name: Buckets(bounds, [0] * (len(bounds) + 1)) for name, bounds in REQUEST_HISTOGRAMS.items()}
+        self.histograms = {name: Buckets(bounds, [0] * (len(bounds) + 1))
+                           for name, bounds in REQUEST_HISTOGRAMS.items()}
         self.reasons: Counter[str] = Counter()
         self.copies = Copies()
 
