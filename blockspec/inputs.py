@@ -287,7 +287,8 @@ class ModelInputs:
                                    f"max_model_len ({limit}); allowed: -1 or 1..{limit - 1}")
             ids = ids[-(limit - 1 if keep == -1 else keep):]
         if len(ids) >= limit:
-            raise RequestError(f"{where}: prompt has {len(ids)} tokens; max_model_len is {limit}")
+            raise RequestError(f"{where}: prompt has {len(ids)} tokens; at most {limit - 1} fit (max_model_len {limit} "
+                               "less one for an output token); truncate_prompt_tokens keeps the last ones")
         vocab = self.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:

@@ -222,7 +222,7 @@ def test_bad_requests_fail_before_any_work(llm):
     good = SamplingParams(max_tokens=4)
     with pytest.raises(RequestError, match="prompt 1: the prompt is empty"):
         llm.generate(["ok", ""], good, use_tqdm=False)
-    with pytest.raises(RequestError, match="max_model_len is 192"):
+    with pytest.raises(RequestError, match=r"prompt has \d+ tokens; at most 191 fit \(max_model_len 192 less one"):
         llm.generate(["ok", "x" * 400], good, use_tqdm=False)
     with pytest.raises(RequestError, match="outside the vocabulary"):
         llm.generate([{"prompt_token_ids": [5, 999]}], good, use_tqdm=False)
@@ -273,6 +273,23 @@ def test_nonfinite_logits_fail_one_request_only(llm, monkeypatch):
     outs = llm.generate(["aa", "bb"], SamplingParams(temperature=0.8, seed=1, max_tokens=3), use_tqdm=False)
     assert outs[0].error and "non-finite" in outs[0].error and outs[0].outputs[0].finish_reason == "error"
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 3
+
+
+def test_an_id_already_in_flight_is_refused(llm):
+    """A request whose id (or one of its n copies' ids) is in flight already is refused: the two would share
+    aborts and outputs."""
+    engine = llm.engine
+    engine.add_request("r", None, [5, 6, 7], SamplingParams(max_tokens=2))
+    engine.add_request("q-0", None, [5, 6, 7], SamplingParams(max_tokens=2))
+    try:
+        with pytest.raises(RequestError, match=r"^request r: id 'r' is already in flight; each request needs its own"):
+            engine.add_request("r", None, [5], SamplingParams(max_tokens=2))
+        with pytest.raises(RequestError, match=r"^request q: id 'q-0' is already in flight"):
+            engine.add_request("q", None, [5], SamplingParams(max_tokens=2, n=2, temperature=1.0))
+    finally:
+        engine.abort("r")
+        engine.abort("q-0")
+    assert not engine.has_unfinished()
 
 
 def test_constraints_that_leave_no_token_are_named_not_blamed_on_the_model(llm):

@@ -100,6 +100,26 @@ def test_tokenize_a_conversation_as_chat_renders_it(server, tokenizer):
     assert "tool_calls[0].function.arguments is not JSON" in r.json()["error"]["message"]
 
 
+def test_requests_that_share_a_request_id_each_get_their_own_tokens(server):
+    """Two requests sent at once with one request_id, and "a" with n = 2 beside "a-0": each gets its own tokens
+    (one client waited forever while the other got both requests' tokens, the ids' queues and engine requests
+    overwritten), and both keep the id they asked for."""
+    import concurrent.futures
+
+    url = f"{server.url}/v1/completions"
+    cases = [({"prompt": "def quicksort(xs):", "request_id": "same"}, {"prompt": "class Foo:", "request_id": "same"}),
+             ({"prompt": "import os", "request_id": "a", "n": 2, "temperature": 0.8, "seed": 1},
+              {"prompt": "x = 1", "request_id": "a-0"})]
+    for pair in cases:
+        bodies = [{"max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True, **b} for b in pair]
+        alone = [post(url, json=b).json() for b in bodies]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(lambda b: post(url, json=b).json(), bodies))
+        for want, got in zip(alone, together):
+            assert got["id"] == want["id"] == f"cmpl-{want['id'][5:]}"
+            assert [c["token_ids"] for c in got["choices"]] == [c["token_ids"] for c in want["choices"]]
+
+
 # ---------------------------------------------------------------- request fields
 def test_fields_that_change_nothing_are_accepted_and_named_in_the_log(server, caplog):
     client = server.client()

@@ -245,6 +245,11 @@ class Engine:
             raise RequestError(f"request {request_id}: prompt has {len(prompt_ids)} tokens; the context holds "
                                f"{limit} (max_model_len), leaving no room to generate")
         params.check_model(self.vocab_size, self.config.max_logprobs)
+        ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        taken = sorted(self.scheduler.ids().intersection(ids))
+        if taken:  # two requests of one id would share its aborts and its outputs
+            raise RequestError(f"request {request_id}: id {taken[0]!r} is already in flight; each request needs its "
+                               "own id")
         grammar = None
         if params.structured_outputs is not None:  # compiled before queueing: a bad grammar fails here
             grammar = new_matcher(params.structured_outputs, self.tokenizer, self.vocab_size, tuple(self.eos_ids),
@@ -257,8 +262,7 @@ class Engine:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.seed_gen))
             if params.n > 1:
                 seed = hash((seed, i)) & (2**62 - 1)
-            rid = request_id if params.n == 1 else f"{request_id}-{i}"
-            req = Request(rid, prompt, list(prompt_ids), params, seed, index=i, cache_salt=cache_salt, bad_words=bad)
+            req = Request(ids[i], prompt, list(prompt_ids), params, seed, index=i, cache_salt=cache_salt, bad_words=bad)
             req.prompt_logprobs = prompt_logprobs
             if params.detokenize:
                 req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)

@@ -68,8 +68,9 @@ def check_plan(pages: int, per_seq: int, per_page: int, config: EngineConfig,
     size = config.kv_page_size
     if budget is None:
         raise ConfigError(f"num_kv_pages={pages} ({pages * size} positions of kv_page_size={size}) cannot hold one "
-                          f"sequence of max_model_len={config.max_model_len}, which needs {per_seq} pages: raise "
-                          f"num_kv_pages or lower max_model_len")
+                          f"sequence of max_model_len={config.max_model_len}, which needs {per_seq} pages (a slot "
+                          "also holds the positions a step writes past the context: the next token, and with a "
+                          f"drafter its verify rows and block): num_kv_pages >= {per_seq}, or a lower max_model_len")
     left, total, used, reserve = budget
     raise ConfigError(
         f"one sequence of max_model_len={config.max_model_len} needs {per_seq} KV pages "

@@ -43,6 +43,10 @@ class Scheduler:
         return [r for r in itertools.chain(self.waiting, self.running)
                 if r.request_id == request_id or (r.params.n > 1 and r.request_id == f"{request_id}-{r.index}")]
 
+    def ids(self) -> set[str]:
+        """The ids of the requests waiting or running."""
+        return {r.request_id for r in itertools.chain(self.waiting, self.running)}
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

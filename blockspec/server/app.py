@@ -695,10 +695,13 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
         name = body.model if body.model in names else served_model_name
         renderer = renderer_type(body, name, prompts, params, TokenStrings(inputs.tokenizer), inputs.speculative)
         choices = [Choice() for _ in range(len(prompts) * params.n)]
-        deltas = engine.generate(renderer.id, prompts, params)
+        # the engine's id: the response's, made unique (clients may send one request_id twice, or "a" and "a-0")
+        engine_id = f"{renderer.id}-{uuid.uuid4().hex[:12]}"
+        deltas = engine.generate(engine_id, prompts, params)
         if body.stream:
-            return StreamingResponse(stream(request, renderer, deltas, choices), media_type="text/event-stream")
-        async with abort_on_disconnect(request, engine, renderer.id), contextlib.aclosing(deltas):
+            return StreamingResponse(stream(request, engine_id, renderer, deltas, choices),
+                                     media_type="text/event-stream")
+        async with abort_on_disconnect(request, engine, engine_id), contextlib.aclosing(deltas):
             async for d in deltas:
                 choices[d.index].add(d)
         errors = [c.error for c in choices if c.error]
@@ -706,9 +709,9 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
             raise request_failed(errors[0])
         return JSONResponse(renderer.response(choices).model_dump())
 
-    async def stream(request: Request, renderer: Renderer, deltas: AsyncIterator[Delta],
+    async def stream(request: Request, engine_id: str, renderer: Renderer, deltas: AsyncIterator[Delta],
                      choices: list[Choice]) -> AsyncIterator[str]:
-        async with abort_on_disconnect(request, engine, renderer.id), contextlib.aclosing(deltas):
+        async with abort_on_disconnect(request, engine, engine_id), contextlib.aclosing(deltas):
             for chunk in renderer.opening_chunks():
                 yield sse(chunk)
             try:

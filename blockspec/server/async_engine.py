@@ -186,6 +186,8 @@ class AsyncEngine:
         Leaving early (client gone, task cancelled) aborts the request, so its slot is freed at the
         next step boundary. Errors raised while adding the request are re-raised here.
         """
+        if request_id in self._queues:  # its deltas would go to the other's queue (the server makes ids unique)
+            raise RuntimeError(f"request id {request_id!r} is already in flight")
         out: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
         self._queues[request_id] = out
         self._commands.put(Add(request_id, prompts, params, time.perf_counter()))
