@@ -19,6 +19,7 @@ from blockspec.cli_options import (
     build_llm,
     format_logprobs,
     format_spec_metrics,
+    json_object,
     sampling_params,
     settle_model,
 )
@@ -47,6 +48,11 @@ def print_summary(llm: LLM, ntok: int, seconds: float) -> None:
               f"rest {m.get('rest_s', 0):.3f} s", file=sys.stderr)
 
 
+def opening(args: argparse.Namespace) -> list[dict[str, str]]:
+    """A conversation's first messages: the system prompt, where one is given."""
+    return [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+
+
 def cmd_chat_session(args: argparse.Namespace) -> int:
     """A conversation: each line of stdin is the user's next turn, answered with the whole conversation
     so far; a turn the model cannot take (too long for the context) is reported and dropped."""
@@ -57,7 +63,7 @@ def cmd_chat_session(args: argparse.Namespace) -> int:
         raise ConfigError("chat without --prompt reads the conversation from stdin, which is closed")
     with build_llm(args) as llm:  # closed on the way out: a tensor-parallel LLM's rank processes stop
         params = sampling_params(args, llm.inputs.sampling_defaults)
-        messages: list[dict[str, str]] = []
+        messages = opening(args)
         tty = sys.stdin.isatty()
         if tty:
             print("blockspec chat: one message a line; Ctrl-D ends the conversation", file=sys.stderr)
@@ -73,7 +79,8 @@ def cmd_chat_session(args: argparse.Namespace) -> int:
                     continue
                 messages.append({"role": "user", "content": line.rstrip("\n")})
                 try:
-                    answer = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+                    answer = llm.chat(messages, params, use_tqdm=False,
+                                      chat_template_kwargs=args.chat_template_kwargs)[0].outputs[0]
                 except USER_ERRORS as exc:
                     print(f"error: {exc}", file=sys.stderr)
                     messages.pop()
@@ -98,6 +105,9 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> int:
         raise ConfigError("give at least one --prompt or --prompts-file" + (f" ({args.prompts_file} holds no "
                           "prompt)" if args.prompts_file else ""))
     ids = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+    if not (chat or args.chat) and (args.system_prompt or args.chat_template_kwargs):
+        raise ConfigError("--system-prompt and --chat-template-kwargs shape a conversation: use them with chat or "
+                          "--chat")
     if (chat or args.chat) and ids:
         raise ConfigError(f"chat takes text prompts; prompt {ids[0]} holds token ids (generate without --chat takes "
                           "them as given)")
@@ -105,7 +115,8 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> int:
         params = sampling_params(args, llm.inputs.sampling_defaults)
         t0 = time.perf_counter()
         if chat or args.chat:
-            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)
+            outs = llm.chat([opening(args) + [{"role": "user", "content": p}] for p in prompts], params,
+                            use_tqdm=len(prompts) > 1, chat_template_kwargs=args.chat_template_kwargs)
         else:
             outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
         dt = time.perf_counter() - t0
@@ -202,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="a text file, one prompt a line; or a .jsonl file, one object a line with 'prompt' "
                             "or 'prompt_token_ids' (default: none)")
         p.add_argument("--chat", action="store_true", help="apply the chat template")
+        p.add_argument("--system-prompt", default=None,
+                       help="a system message opening each conversation (chat, or --chat; default: none)")
+        p.add_argument("--chat-template-kwargs", type=json_object, default=None,
+                       help="the chat template's variables as a JSON object, e.g. '{\"enable_thinking\": false}' "
+                            "for Qwen3 (chat, or --chat; default: none)")
     from blockspec.bench import add_bench_parser
     from blockspec.demo import add_demo_parser
     from blockspec.models import fp8_export

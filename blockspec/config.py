@@ -748,6 +748,8 @@ class ServerConfig:
     # how a thinking model's reasoning is told from its answer ("qwen3", "deepseek_r1": `<think>` blocks, returned
     # as reasoning_content; None: it stays in the content)
     reasoning_parser: str | None = None
+    # chat template variables for every chat request (vLLM's --default-chat-template-kwargs); a request's win
+    default_chat_template_kwargs: dict[str, Any] | None = None
     # tool_choice "none" leaves the request's tools out of the chat template (vLLM's flag; by default the
     # model is shown the tools it may not call)
     exclude_tools_when_tool_choice_none: bool = False
@@ -783,5 +785,8 @@ class ServerConfig:
         check_bool(self, "exclude_tools_when_tool_choice_none")
         if self.tool_call_parser not in (None, "hermes", "llama3_json"):
             raise ConfigError(f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}")
+        if not isinstance(self.default_chat_template_kwargs, dict | None):
+            raise ConfigError(f"default_chat_template_kwargs must be a JSON object, got "
+                              f"{self.default_chat_template_kwargs!r}")
         if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
             raise ConfigError(f"reasoning_parser must be qwen3 or deepseek_r1, got {self.reasoning_parser!r}")

@@ -120,6 +120,21 @@ def test_requests_that_share_a_request_id_each_get_their_own_tokens(server):
             assert [c["token_ids"] for c in got["choices"]] == [c["token_ids"] for c in want["choices"]]
 
 
+def test_default_chat_template_kwargs_apply_under_the_requests(text_dir):
+    """vLLM's --default-chat-template-kwargs: every chat request's template variables, a request's own winning."""
+    live = LiveServer(create_app(functools.partial(load, text_dir), NAME, config=ServerConfig(
+        default_chat_template_kwargs={"suffix": "D"}, trust_request_chat_template=True))).wait_ready()
+    try:
+        tok = load(text_dir).get_tokenizer()
+        body = {"messages": [{"role": "user", "content": "hi"}],
+                "chat_template": "{{ messages[0]['content'] }}{{ suffix }}"}
+        assert post(f"{live.url}/tokenize", json=body).json()["tokens"] == tok.encode("hiD", add_special_tokens=False)
+        own = post(f"{live.url}/tokenize", json={**body, "chat_template_kwargs": {"suffix": "R"}}).json()["tokens"]
+        assert own == tok.encode("hiR", add_special_tokens=False)
+    finally:
+        live.close()
+
+
 # ---------------------------------------------------------------- request fields
 def test_fields_that_change_nothing_are_accepted_and_named_in_the_log(server, caplog):
     client = server.client()
@@ -186,9 +201,10 @@ def test_add_special_tokens_puts_the_tokenizers_bos_where_vllm_does(offline, tex
     bare = tok.encode("hello", add_special_tokens=False)
     assert [completion_prompts(inputs, "hello", False, flag)[0][1] for flag in (True, False)] == [[0] + bare, bare]
     chat = {"messages": [{"role": "user", "content": "a"}]}
-    opened = chat_prompt(inputs, ChatCompletionRequest(**chat), False)[1]
+    opened = chat_prompt(inputs, ChatCompletionRequest(**chat), ServerConfig())[1]
     assert opened[0] != 0
-    assert chat_prompt(inputs, ChatCompletionRequest(**chat, add_special_tokens=True), False)[1] == [0] + opened
+    assert chat_prompt(inputs, ChatCompletionRequest(**chat, add_special_tokens=True),
+                       ServerConfig())[1] == [0] + opened
 
 
 def test_best_of_must_equal_n(server):
@@ -733,5 +749,6 @@ def test_tool_choice_none_shows_the_tools_unless_the_server_excludes_them(offlin
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], chat_template=shown, tool_choice="none",
                                  tools=[{"type": "function", "function": {"name": "get_time", "parameters": {}}}])
     for hide, text in ((False, "get_time;hi"), (True, "hi")):
-        ids = chat_prompt(offline.inputs, body, True, tool_use(body, None, hide))[1]
+        ids = chat_prompt(offline.inputs, body, ServerConfig(trust_request_chat_template=True),
+                          tool_use(body, None, hide))[1]
         assert ids == tokenizer.encode(text, add_special_tokens=False), hide

@@ -583,6 +583,24 @@ def test_chat_keeps_the_conversation(text_dir, capsys, monkeypatch):
     assert out == f"{first}\n{second}\n" and "tokens in" in err
 
 
+def test_chat_takes_a_system_prompt_and_template_variables(text_dir, capsys):
+    """`--system-prompt` opens each conversation and `--chat-template-kwargs` reaches the template (Qwen3's
+    enable_thinking could not be turned off from the command line); outside a chat they are refused."""
+    args = [str(text_dir), "--prompt", "hi", "--system-prompt", "be brief", "--chat-template", TEMPLATE,
+            "--chat-template-kwargs", '{"suffix": "!"}', "--max-tokens", "4", "--device", "cpu", "--max-model-len",
+            "96", "--ignore-eos"]
+    assert main(["chat", *args]) == 0
+    out = capsys.readouterr().out
+    llm = LLM(str(text_dir), device="cpu", max_model_len=96, chat_template=TEMPLATE)
+    want = llm.chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+                    SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False,
+                    chat_template_kwargs={"suffix": "!"})[0]
+    assert want.prompt_token_ids == llm.get_tokenizer().encode("[be brief][hi]!")
+    assert want.outputs[0].text in out
+    assert main(["generate", *args]) == 2
+    assert "--system-prompt and --chat-template-kwargs shape a conversation" in capsys.readouterr().err
+
+
 def test_chat_ends_at_ctrl_c_and_a_turn_too_long_is_dropped(text_dir, capsys, monkeypatch):
     lines = iter(["x" * 200 + "\n", "hi\n"])  # the first cannot fit max_model_len 96; then Ctrl-C
 

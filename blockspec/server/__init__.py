@@ -23,7 +23,7 @@ SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")  # the [server] ext
 
 
 def add_serve_parser(sub: Any) -> None:
-    from blockspec.cli_options import HelpFormatter, add_model_args, json_strings, port_number
+    from blockspec.cli_options import HelpFormatter, add_model_args, json_object, json_strings, port_number
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)",
                        description="Serve a model over the OpenAI API: /v1/completions, /v1/chat/completions, "
@@ -71,6 +71,9 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
                    help="return a thinking model's <think> block as the message's reasoning_content, the rest as its "
                         "content (default: %(default)s, the thinking stays in the content)")
+    g.add_argument("--default-chat-template-kwargs", type=json_object, default=None,
+                   help="chat template variables for every chat request, as a JSON object (a request's "
+                        "chat_template_kwargs win), e.g. '{\"enable_thinking\": false}' (default: none)")
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="tool_choice \"none\" leaves the request's tools out of the chat template (default: the "
                         "model is shown the tools it may not call, as vLLM does)")
@@ -154,6 +157,7 @@ def run_serve(args: argparse.Namespace) -> int:
         config = ServerConfig(api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                               trust_request_chat_template=args.trust_request_chat_template,
                               tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                              default_chat_template_kwargs=args.default_chat_template_kwargs,
                               metrics_prefix=args.metrics_prefix,
                               exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                               log_stats_interval_s=(None if args.disable_log_stats

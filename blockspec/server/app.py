@@ -183,11 +183,12 @@ def check_strings(value: Any, where: str) -> None:
             check_strings(item, f"{where}.{i}")
 
 
-def template_arguments(tokenizer: Any, body: ChatCompletionRequest, trusted: bool) -> dict[str, Any]:
-    """The chat template's extra variables from `chat_template_kwargs`, and the request's own template
-    where the server trusts request templates. Arguments of apply_chat_template itself (tokenize,
-    conversation, ...) are the server's to set, not a template variable."""
-    kwargs = dict(body.chat_template_kwargs or {})
+def template_arguments(tokenizer: Any, body: ChatCompletionRequest, trusted: bool,
+                       defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The chat template's extra variables from `chat_template_kwargs` over the server's `defaults`, and the
+    request's own template where the server trusts request templates. Arguments of apply_chat_template itself
+    (tokenize, conversation, ...) are the server's to set, not a template variable."""
+    kwargs = {**(defaults or {}), **(body.chat_template_kwargs or {})}
     if body.documents is not None:  # vLLM's: to the template as its `documents`, as transformers takes them
         kwargs["documents"] = body.documents
     template = kwargs.pop("chat_template", None) or body.chat_template
@@ -225,11 +226,11 @@ def tool_use(body: ChatCompletionRequest, parser_name: str | None, hide_when_non
     return use
 
 
-def chat_prompt(inputs: ModelInputs, body: ChatCompletionRequest, trusted_templates: bool,
+def chat_prompt(inputs: ModelInputs, body: ChatCompletionRequest, config: ServerConfig,
                 tools: ToolUse | None = None) -> Prompt:
-    """The conversation rendered by the chat template (with the tools the model may call) and tokenized
-    (in a worker thread: a template's loops and a long conversation's tokens are no work for the event
-    loop)."""
+    """The conversation rendered by the chat template (with the tools the model may call, and the server's
+    template variables and trust in request templates) and tokenized (in a worker thread: a template's loops
+    and a long conversation's tokens are no work for the event loop)."""
     tok = inputs.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
@@ -244,7 +245,7 @@ def chat_prompt(inputs: ModelInputs, body: ChatCompletionRequest, trusted_templa
     if chars > inputs.max_prompt_chars and body.truncate_prompt_tokens is None:  # truncating keeps the last tokens
         raise APIError(400, f"messages have {chars} characters, more than max_model_len ({inputs.max_model_len}) "
                             f"tokens can hold (at most {inputs.max_prompt_chars})", param="messages")
-    kwargs = template_arguments(tok, body, trusted_templates)
+    kwargs = template_arguments(tok, body, config.trust_request_chat_template, config.default_chat_template_kwargs)
     if tools is not None and tools.template_tools() is not None:
         kwargs["tools"] = tools.template_tools()
     # vLLM's merge: chat_template_kwargs' apply_chat_template arguments win over the request's fields
@@ -760,7 +761,7 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
                     raise APIError(400, "a tool choice that forces a call constrains the output already: give it or "
                                         "response_format / structured_outputs, not both", param="tool_choice")
                 params = dataclasses.replace(params, structured_outputs=constraint)
-        prompt = await in_thread(templating, chat_prompt, inputs, body, config.trust_request_chat_template, tools)
+        prompt = await in_thread(templating, chat_prompt, inputs, body, config, tools)
         # vLLM's rule: a new turn is the server's response role's; a continued message keeps its own role
         role = config.response_role if body.add_generation_prompt else body.messages[-1].role
         reasoning = REASONING_PARSERS[config.reasoning_parser] if config.reasoning_parser else None
@@ -793,7 +794,7 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
         inputs = ready_inputs(body.model)
         tok = tokenizer_of(inputs)
         if isinstance(body, TokenizeChatRequest):
-            ids = (await in_thread(templating, chat_prompt, inputs, body, config.trust_request_chat_template,
+            ids = (await in_thread(templating, chat_prompt, inputs, body, config,
                                    tool_use(body, config.tool_call_parser, config.exclude_tools_when_tool_choice_none,
                                             generating=False))).ids
         else:
