@@ -298,7 +298,7 @@ class ModelInputs:
             raise RequestError(f"{where}: stop strings are matched in the output's text and {self.model_dir} has no "
                                "tokenizer to decode it; use stop_token_ids")
         if params.allowed_token_ids and params.min_tokens:  # every allowed token banned until min_tokens
-            ends = set(params.stop_token_ids or []) | (set() if params.ignore_eos else set(self.eos_ids))
+            ends = set(params.stop_token_ids or []) | set(self.eos_ids)
             if set(params.allowed_token_ids) <= ends:
                 raise RequestError(f"{where}: allowed_token_ids {sorted(set(params.allowed_token_ids))[:5]} are all "
                                    f"EOS or stop_token_ids, which min_tokens={params.min_tokens} bans: no token can "

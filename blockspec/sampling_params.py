@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import logging
 import math
 import numbers
 import reprlib
@@ -15,11 +16,14 @@ class SamplingError(ValueError):
     """An invalid sampling value; the message names the field and the allowed range."""
 
 
+log = logging.getLogger("blockspec")
+
 MAX_LOGPROBS = 20
 MAX_BAD_WORDS = 128  # each is matched against every sampled row's history on the host (vLLM's runner V2: as many)
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: -100 bans a token, +100 all but forces it
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values, to which from_optional clamps them (vLLM's)
 INT64 = (-(2**63), 2**63 - 1)  # seeds are keyed as int64 on the device
-GREEDY_BELOW = 1e-5  # temperatures under this decode greedily
+FLOAT32_MAX = 3.4028234663852886e38
+MIN_TEMPERATURE = 1e-2  # a positive temperature below this is raised to it (vLLM's: smaller ones overflow float32)
 SHORT = reprlib.Repr()  # a bad value quoted in an error, cut short
 SHORT.maxstring = SHORT.maxother = 60
 SHORT.maxlong = 40
@@ -92,8 +96,9 @@ class StructuredOutputsParams:
 
 @dataclass
 class SamplingParams:
-    """How one request is decoded. temperature 0 is greedy, and so is one below 1e-5 (vLLM's rule: the
-    scaled logits of a smaller one can overflow float32); top_k 0 or -1 turns top-k off.
+    """How one request is decoded. temperature 0 is greedy; a positive one below 0.01 samples at 0.01, with a
+    warning (vLLM's rule: the scaled logits of a smaller one can overflow float32); top_k 0 or -1 turns top-k
+    off. With n > 1 and a seed, copy i samples with seed + i (vLLM's), so copy 0 is the request run alone.
 
     `prompt_logprobs` (k): every prompt token after the first with its logprob given the tokens before
     it and the k most likely alternatives with their ranks (the first token: None). They are the model's
@@ -196,14 +201,18 @@ class SamplingParams:
         integer("best_of", self.n, self.n, f"None or n ({self.n}): every sample is returned and none is ranked "
                 "(vLLM V1 dropped best_of)", optional=True)
         check(number("temperature") >= 0, "temperature", ">= 0 (0 = greedy)")
-        if self.temperature < GREEDY_BELOW:
-            self.temperature = 0.0
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            log.warning("temperature %g is below %g, whose scaled logits stay finite: sampling at %g (vLLM's rule)",
+                        self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
+        check(self.temperature > 0 or self.n == 1, "n", "1 with greedy sampling (temperature 0): its copies would "
+              "all be the same (vLLM's rule)")
         check(0 < number("top_p") <= 1, "top_p", "in (0, 1]")
         integer("top_k", -1, INT64[1], "an integer >= -1 (0 or -1 = off)")
         check(0 <= number("min_p") <= 1, "min_p", "in [0, 1]")
         check(-2 <= number("presence_penalty") <= 2, "presence_penalty", "in [-2, 2]")
         check(-2 <= number("frequency_penalty") <= 2, "frequency_penalty", "in [-2, 2]")
-        check(0 < number("repetition_penalty") <= 10, "repetition_penalty", "in (0, 10]")
+        check(number("repetition_penalty") > 0, "repetition_penalty", "> 0 (1 = off)")
         integer("seed", INT64[0], INT64[1], f"an integer in [{INT64[0]}, {INT64[1]}] or None", optional=True)
         integer("max_tokens", 1, None, "an integer >= 1, or None (until the context is full)", optional=True)
         integer("min_tokens", 0, None, "an integer >= 0")
@@ -231,14 +240,14 @@ class SamplingParams:
         check(not stops or self.detokenize, "stop", "None with detokenize=False: stop strings are matched in the "
               "output text, which it does not make (vLLM's rule)")
         self.stop_strings = tuple(stops)
+        self.stop = list(dict.fromkeys(stops))  # vLLM's shape: a list, each string once
         ids = self.stop_token_ids or []
         check(isinstance(ids, (list, tuple)) and all(is_int(i) and i >= 0 for i in ids), "stop_token_ids",
               "a list of token ids >= 0")
         bias = self.logit_bias or {}
         check(isinstance(bias, dict) and all(
-            token_id(k) is not None and is_number(v) and abs(v) <= MAX_LOGIT_BIAS for k, v in bias.items()),
-            "logit_bias",
-            f"a dict of token id (>= 0) -> bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            token_id(k) is not None and is_number(v) and abs(v) <= FLOAT32_MAX for k, v in bias.items()),
+            "logit_bias", "a dict of token id (>= 0) -> a bias finite in float32, where logits are biased")
         self.logit_bias = {token_id(k): float(v) for k, v in bias.items()} or None
         allowed = self.allowed_token_ids
         check(allowed is None or (isinstance(allowed, (list, tuple)) and len(allowed) > 0
@@ -252,7 +261,21 @@ class SamplingParams:
         check(words is None or (isinstance(words, (list, tuple)) and len(words) <= MAX_BAD_WORDS and all(
             isinstance(w, str) and w.strip() for w in words)), "bad_words",
             f"None or a list of at most {MAX_BAD_WORDS} strings, none empty or only whitespace")
-        self.bad_words = list(words) if words else None
+        self.bad_words = list(words) if words else []
+        self.stop_token_ids = list(dict.fromkeys(ids))
+
+    @classmethod
+    def from_optional(cls, **fields: Any) -> SamplingParams:
+        """vLLM's constructor for API layers: the numeric knobs given as None take their defaults, and logit_bias
+        values are clamped to OpenAI's [-100, 100]; every other field as given."""
+        knobs = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "min_tokens")
+        given = {k: v for k, v in fields.items() if v is not None or k not in knobs}
+        bias = given.get("logit_bias")
+        if isinstance(bias, dict):
+            given["logit_bias"] = {k: max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, v)) if is_number(v) else v
+                                   for k, v in bias.items()}
+        return cls(**given)
 
     @property
     def greedy(self) -> bool:

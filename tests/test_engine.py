@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import transformers
 
 from blockspec import LLM, SamplingError, SamplingParams
 from blockspec.config import ConfigError, SpeculativeConfig
+from blockspec.engine.batch import entries
 from blockspec.errors import RequestError
 from factories import FAIL_PROMPT, FAMILIES, llm_with_faults, save_tiny, save_tiny_model_with_tokenizer
 
@@ -191,7 +193,7 @@ def test_chat_content_parts_are_their_texts(llm):
     (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=-2), "logprobs"), (dict(stop=[""]), "stop"),
     (dict(temperature=float("nan")), "temperature"), (dict(n=0), "n"),
     # bools are not counts (but vLLM's logprobs=True, which is 1), values must fit the device's int64 seeds and
-    # OpenAI's logit_bias range
+    # the float32 logits a bias is added to
     (dict(n=True), "n"), (dict(max_tokens=True), "max_tokens"), (dict(logprobs=1.0), "logprobs"),
     (dict(stop_token_ids=[True]), "stop_token_ids"), (dict(logit_bias={5: 1e308}), "logit_bias"),
     (dict(logit_bias={"abc": 1}), "logit_bias"), (dict(logit_bias={-1: 5}), "logit_bias"), (dict(stop=123), "stop"),
@@ -206,16 +208,50 @@ def test_invalid_sampling_values_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
-def test_a_temperature_below_1e_5_decodes_greedily(llm):
-    """logits / 1e-39 overflow float32 (the request used to fail with non-finite logits); vLLM decodes
-    temperatures under 1e-5 greedily, and so does blockspec. 1e-5 itself still samples."""
-    greedy = llm.generate(["ab"], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]
-    for t in (1e-45, 1e-39, 1e-20, 9.9e-6):
-        params = SamplingParams(temperature=t, max_tokens=6, seed=1)
-        assert params.greedy and params.temperature == 0.0
-        out = llm.generate(["ab"], params, use_tqdm=False)[0].outputs[0]
-        assert out.finish_reason == "length" and out.token_ids == greedy.token_ids
-    assert not SamplingParams(temperature=1e-5).greedy
+def test_a_tiny_temperature_samples_at_one_hundredth_and_greedy_takes_one_copy(llm, caplog):
+    """logits / 1e-39 overflow float32 (the request used to fail with non-finite logits): vLLM raises a positive
+    temperature below 0.01 to 0.01, with a warning, and only 0 is greedy; so does blockspec (it took anything
+    under 1e-5 as greedy). Greedy sampling takes n = 1 (vLLM's rule: its copies would all be the same)."""
+    with caplog.at_level(logging.WARNING, logger="blockspec"):
+        for t in (1e-45, 1e-39, 1e-20, 9.9e-3):
+            params = SamplingParams(temperature=t, max_tokens=6, seed=1)
+            assert not params.greedy and params.temperature == 0.01
+            out = llm.generate(["ab"], params, use_tqdm=False)[0].outputs[0]
+            assert out.finish_reason == "length" and len(out.token_ids) == 6
+    assert sum("is below 0.01" in r.getMessage() for r in caplog.records) == 4
+    assert SamplingParams(temperature=0.01).temperature == 0.01
+    with pytest.raises(SamplingError, match=r"SamplingParams\.n=3 is invalid; allowed: 1 with greedy sampling"):
+        SamplingParams(temperature=0, n=3)
+
+
+def test_sampling_conventions_follow_vllms(llm):
+    """vLLM's conventions, each of which blockspec read otherwise: a stop string counts only where it ends in text
+    after the min_tokens-th token; copy i of a seeded n > 1 request samples with seed + i (copy 0 is the request
+    alone); a sampled token tied with a better-ranked one ranks after it; stop, stop_token_ids and bad_words are
+    lists; repetition_penalty is any positive number, logit_bias any finite one (from_optional clamps to OpenAI's
+    [-100, 100])."""
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base = llm.generate("a", greedy, use_tqdm=False)[0].outputs[0]
+    needle = llm.get_tokenizer().decode(base.token_ids[:2])  # a stop string the 2nd token completes, once
+    assert needle and base.text.count(needle) == 1
+
+    def stopped(min_tokens: int) -> list[int]:
+        return llm.generate("a", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[needle],
+                                                min_tokens=min_tokens), use_tqdm=False)[0].outputs[0].token_ids
+
+    assert stopped(1) == base.token_ids[:2] and stopped(2) == base.token_ids
+    sampled = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+    copies = llm.generate("a", SamplingParams(n=2, seed=42, **sampled), use_tqdm=False)[0].outputs
+    for i, copy in enumerate(copies):
+        alone = llm.generate("a", SamplingParams(seed=42 + i, **sampled), use_tqdm=False)[0].outputs[0]
+        assert copy.token_ids == alone.token_ids, i
+    scores = torch.tensor([[0.0, 2.0, 2.0, 1.0]])
+    ranked = entries(scores, torch.tensor([2]), [2])[0]
+    assert ranked[2].rank == 2 and ranked[1].rank == 1  # token 2 ties token 1, which topk lists first
+    p = SamplingParams(stop="x", repetition_penalty=20.0, logit_bias={5: 150.0})
+    assert (p.stop, p.stop_token_ids, p.bad_words, p.logit_bias) == (["x"], [], [], {5: 150.0})
+    q = SamplingParams.from_optional(temperature=None, top_p=None, logit_bias={5: 150.0, 6: -300.0}, max_tokens=None)
+    assert (q.temperature, q.top_p, q.logit_bias, q.max_tokens) == (1.0, 1.0, {5: 100.0, 6: -100.0}, None)
 
 
 def test_bad_requests_fail_before_any_work(llm):
@@ -321,8 +357,14 @@ def test_constraints_that_leave_no_token_are_named_not_blamed_on_the_model(llm):
     both = SamplingParams(max_tokens=4, allowed_token_ids=[eos, 9], stop_token_ids=[9], min_tokens=2)
     with pytest.raises(RequestError, match="are all EOS or stop_token_ids"):
         llm.generate("aa", both, use_tqdm=False)
-    ok = SamplingParams(max_tokens=2, allowed_token_ids=[eos], min_tokens=2, ignore_eos=True)  # EOS is no stop
-    assert llm.generate("aa", ok, use_tqdm=False)[0].outputs[0].token_ids == [eos, eos]
+    # min_tokens bans EOS whatever ignore_eos says (vLLM's: EOS ids are always among the ids it bans), so an
+    # ignore_eos request's first min_tokens tokens are no EOS either
+    with pytest.raises(RequestError, match="are all EOS or stop_token_ids"):
+        llm.generate("aa", SamplingParams(max_tokens=2, allowed_token_ids=[eos], min_tokens=2, ignore_eos=True),
+                     use_tqdm=False)
+    forced = SamplingParams(temperature=0, max_tokens=4, min_tokens=2, ignore_eos=True, logit_bias={eos: 60.0})
+    ids = llm.generate("aa", forced, use_tqdm=False)[0].outputs[0].token_ids
+    assert eos not in ids[:2] and ids[2:] == [eos, eos]
 
 
 def test_the_extreme_seeds_and_biases_that_are_allowed_work(llm):
@@ -1038,7 +1080,7 @@ def test_abort_takes_a_request_and_its_copies_not_a_request_whose_id_starts_alik
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     job = engine.add_request("job", None, [5, 6, 7], params)
-    copies = engine.add_request("pair", None, [5, 6, 7], SamplingParams(n=2, temperature=0, max_tokens=6))
+    copies = engine.add_request("pair", None, [5, 6, 7], SamplingParams(n=2, temperature=0.5, max_tokens=6))
     others = [engine.add_request(rid, None, [8, 9], params)[0] for rid in ("job-2", "job-x", "pair-5")]
     engine.step()
     engine.abort("job")

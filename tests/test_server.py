@@ -323,7 +323,7 @@ def test_streaming_completion_with_usage(text_server):
     assert counts == sorted(counts) and counts[-1] == 24 and counts[0] < 24
     assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in running)
     # with n > 1 each chunk's usage is its own choice's (vLLM's previous_num_tokens[i]), not the choices' sum
-    pair = list(client.completions.create(model="tiny", prompt="import os", max_tokens=6, temperature=0, n=2,
+    pair = list(client.completions.create(model="tiny", prompt="import os", max_tokens=6, temperature=0.8, n=2,
                                           stream=True, extra_body=NO_EOS,
                                           stream_options={"include_usage": True, "continuous_usage_stats": True}))
     for i in (0, 1):

@@ -32,7 +32,7 @@ def entries(scores: Tensor, tokens: Tensor, tops: list[int], normalize: bool = T
     `normalize=False` the values to report as they are): its token's value and rank (1 + the tokens more
     likely), then its `tops[row]` most likely tokens, ranked 1..n (no text: `BatchSampling.named`)."""
     lp, top_ids, top_lp = top_logprobs(scores, tokens.clamp(min=0), max(tops, default=0), normalize)
-    rank = (scores > scores.gather(1, tokens.clamp(min=0)[:, None])).sum(-1) + 1
+    rank = (scores >= scores.gather(1, tokens.clamp(min=0)[:, None])).sum(-1)  # vLLM's: ties rank ahead of it
     host = torch.cat([lp[:, None], rank[:, None].float(), top_lp], 1).tolist()
     ids = torch.cat([tokens[:, None], top_ids], 1).tolist()
     out = []
@@ -42,10 +42,10 @@ def entries(scores: Tensor, tokens: Tensor, tops: list[int], normalize: bool = T
             out.append({})
             continue
         entry = {tok: Logprob(host[row][0], int(host[row][1]))}
-        # the alternatives come sorted, most likely first: the i-th has rank i + 1
+        # the alternatives come sorted, most likely first: the i-th has rank i + 1, the sampled token's included
+        # (vLLM's: its place among them replaces its own rank)
         for place, (t, v) in enumerate(zip(ids[row][1 : 1 + top], host[row][2:]), 1):
-            if t not in entry:
-                entry[t] = Logprob(v, place)
+            entry[t] = Logprob(v, place)
         out.append(entry)
     return out
 
@@ -107,8 +107,8 @@ class BatchSampling:
             if constrained and req.bad_words:  # banned after the output and the drafts before this row
                 for tok in banned_tokens(req.bad_words, req.output_ids, drafts[ri][:j] if drafts else ()):
                     bias_rows.append(row), bias_ids.append(tok), bias_vals.append(float("-inf"))
-            if len(req.output_ids) + j < p.min_tokens:  # min_tokens: stop ids impossible at this row
-                for tok in set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(self.eos_ids)):
+            if len(req.output_ids) + j < p.min_tokens:  # min_tokens: stop and EOS ids (ignore_eos too) impossible here
+                for tok in set(p.stop_token_ids or []) | set(self.eos_ids):
                     bias_rows.append(row), bias_ids.append(tok), bias_vals.append(float("-inf"))
         logit_bias = (col(bias_rows, torch.int64), col(bias_ids, torch.int64), col(bias_vals, torch.float32)) \
             if bias_rows else None

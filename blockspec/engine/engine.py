@@ -259,9 +259,10 @@ class Engine:
         prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         reqs = []
         for i in range(params.n):
-            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.seed_gen))
-            if params.n > 1:
-                seed = hash((seed, i)) & (2**62 - 1)
+            if params.seed is not None:  # vLLM's: copy i takes seed + i (kept an int64, as the noise keys it)
+                seed = (params.seed + i + 2**63) % 2**64 - 2**63
+            else:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_gen))
             req = Request(ids[i], prompt, list(prompt_ids), params, seed, index=i, cache_salt=cache_salt, bad_words=bad)
             req.prompt_logprobs = prompt_logprobs
             if params.detokenize:

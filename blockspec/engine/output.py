@@ -75,7 +75,8 @@ class OutputProcessor:
             new_text = req.detok.add(tok) if shown else ""
             if eos or stop_id:
                 return Ending("stop", None if eos and tok == self.primary_eos else tok)
-            if n_out >= p.min_tokens and p.stop_strings and new_text:
+            # a stop string must end in text made after the min_tokens-th token (vLLM's rule)
+            if n_out > p.min_tokens and p.stop_strings and new_text:
                 stop = self._stop_string(req, len(new_text))
                 if stop is not None:
                     return Ending("stop", stop)

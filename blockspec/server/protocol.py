@@ -135,7 +135,7 @@ class GenerationRequest(StrictModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias, clamped to [-100, 100]
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = Field(None, description="the only tokens the output may hold (vLLM extra)")
     truncate_prompt_tokens: int | None = Field(None, description="keep the prompt's last k tokens; -1: as many as "
@@ -232,7 +232,7 @@ class GenerationRequest(StrictModel):
             if getattr(self, name) is not None})
         if max_tokens is not None or "max_tokens" not in given:
             given["max_tokens"] = max_tokens
-        return SamplingParams(
+        return SamplingParams.from_optional(  # vLLM's: logit_bias clamped to [-100, 100]
             n=self.n, seed=self.seed, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=self.wanted_prompt_logprobs, bad_words=self.bad_words,
