@@ -246,7 +246,7 @@ class Engine:
                                f"{limit} (max_model_len), leaving no room to generate")
         params.check_model(self.vocab_size, self.config.max_logprobs)
         ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
-        taken = sorted(self.scheduler.ids().intersection(ids))
+        taken = sorted(self.scheduler.request_ids.intersection(ids))
         if taken:  # two requests of one id would share its aborts and its outputs
             raise RequestError(f"request {request_id}: id {taken[0]!r} is already in flight; each request needs its "
                                "own id")

@@ -32,20 +32,18 @@ class Scheduler:
         self.lookahead = lookahead
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.request_ids: set[str] = set()  # of the requests waiting or running
         self.num_preemptions = 0
 
     def add(self, reqs: list[Request]) -> None:
         self.waiting.extend(reqs)
+        self.request_ids.update(r.request_id for r in reqs)
 
     def find(self, request_id: str) -> list[Request]:
         """The requests of `request_id` (its n > 1 copies are `request_id-i`), waiting or running; not another
         caller's request whose id merely starts with it."""
         return [r for r in itertools.chain(self.waiting, self.running)
                 if r.request_id == request_id or (r.params.n > 1 and r.request_id == f"{request_id}-{r.index}")]
-
-    def ids(self) -> set[str]:
-        """The ids of the requests waiting or running."""
-        return {r.request_id for r in itertools.chain(self.waiting, self.running)}
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -59,6 +57,7 @@ class Scheduler:
             self.pages.release(req.slot)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
+        self.request_ids.discard(req.request_id)
         req.status = Status.FINISHED
 
     # ---------------------------------------------------------------- pages
