@@ -116,8 +116,7 @@ class Engine:
                 self.runner.head_screen = screened_greedy(model.lm_head, drafter.head_product)
         self.sampling = BatchSampling(self.runner, self.vocab_size, self.eos_ids, config.logprobs_mode,
                                       TokenStrings(tokenizer) if tokenizer is not None else None)
-        self.output = OutputProcessor(self.eos_ids, config.max_model_len,
-                                      getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None)
+        self.output = OutputProcessor(self.eos_ids, config.max_model_len, getattr(tokenizer, "eos_token_id", None))
         self.pipeline = Pipeline()
         self.seed_gen = torch.Generator().manual_seed(config.seed)
         self.spec_totals = SpecStats()
