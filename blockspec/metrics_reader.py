@@ -15,6 +15,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+from blockspec.engine.latency import FINISH_REASONS
+
 
 @dataclass
 class Metric:
@@ -79,7 +81,7 @@ def metrics_of(stats: dict[str, Any], model_name: str, speculative: bool) -> lis
     out.append(Gauge("vllm:kv_cache_usage_perc", dict(labels), stats["kv_cache_usage"]))
     finished = stats["finished_requests"]
     out += [Counter("vllm:request_success", {**labels, "finished_reason": reason}, finished.get(reason, 0))
-            for reason in ("stop", "length", "abort")]
+            for reason in FINISH_REASONS]
     out.append(Counter("blockspec:request_failure", dict(labels), finished.get("error", 0)))
     out += [histogram(f"vllm:{name}", dict(labels), *counts) for name, counts in stats["request_histograms"].items()]
     if speculative:

@@ -24,6 +24,8 @@ TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**
 N_BUCKETS = (1, 2, 5, 10, 20)
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
 
+FINISH_REASONS = ("stop", "length", "abort")  # vLLM's request_success labels (a failed request is counted apart)
+
 # the histograms of a finished request (vLLM's names, without the prefix) and their buckets
 REQUEST_HISTOGRAMS = {
     "time_to_first_token_seconds": TTFT_BUCKETS, "e2e_request_latency_seconds": REQUEST_BUCKETS,

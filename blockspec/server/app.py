@@ -501,7 +501,7 @@ class ChatRenderer(Renderer):
         self.reasoning, self.thinking = reasoning, thinking  # `thinking`: the output starts inside a think block
         self.thoughts: dict[int, ReasoningStream] = {}  # with a reasoning parser: each streamed choice's reader
 
-    def message(self, text: str, finish_reason: str | None) -> AssistantMessage:
+    def message(self, text: str) -> AssistantMessage:
         """A choice's whole text as its message: reasoning, content, tool calls (looked for in the content)."""
         reasoning, content = self.reasoning.split(text, self.thinking) if self.reasoning else (None, text)
         calls = []
@@ -564,7 +564,7 @@ class ChatRenderer(Renderer):
         usage, spec = self.usage(choices)
         out = []
         for i, c in enumerate(choices):
-            message = self.message(c.text, c.finish_reason)
+            message = self.message(c.text)
             finish_reason = self.tools.finish_reason(c.finish_reason) if message.tool_calls else c.finish_reason
             out.append(ChatChoice(index=i, message=message,
                                   logprobs=self.logprobs(c.logprobs, c.token_ids), finish_reason=finish_reason,

@@ -17,14 +17,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from blockspec.engine.latency import (ITERATION_BUCKETS, N_BUCKETS, REQUEST_BUCKETS, TOKEN_BUCKETS, TPOT_BUCKETS,
-                                      TTFT_BUCKETS, Copies)
+from blockspec.engine.latency import (FINISH_REASONS, ITERATION_BUCKETS, N_BUCKETS, REQUEST_BUCKETS, TOKEN_BUCKETS,
+                                      TPOT_BUCKETS, TTFT_BUCKETS, Copies)
 from blockspec.engine.loop import StepMetrics
 from blockspec.request import SpecStats
 from blockspec.speculative.policy import PolicyView
 
 LABELS = ["model_name", "engine"]  # vLLM's; this server runs one engine, "0"
-FINISH_REASONS = ("stop", "length", "abort")
 
 
 class ServerMetrics:

@@ -54,21 +54,14 @@ class ReasoningStream:
     def feed(self, piece: str) -> tuple[str, str]:
         """(reasoning, content) to send now."""
         text, self.held = self.held + piece, ""
-        if self.at_start and not self.thinking:
+        if self.at_start:  # the output may open its block (or write the <think> its prompt opened: R1-0528)
             opening = text.lstrip()
-            if opening.startswith(START):
-                self.thinking, text = True, opening[len(START):]
-            elif opening and START.startswith(opening) or not opening:
+            if not opening or START.startswith(opening) and opening != START:
                 self.held = text  # whitespace, or the tag's beginning: not known yet
                 return "", ""
             self.at_start = False
-        elif self.at_start and self.thinking:  # R1-0528 writes the <think> its prompt opened already
-            opening = text.lstrip()
-            if not opening or START.startswith(opening) and opening != START:
-                self.held = text
-                return "", ""
-            self.at_start = False
-            text = opening[len(START):] if opening.startswith(START) else text
+            if opening.startswith(START):
+                self.thinking, text = True, opening[len(START):]
         if not self.thinking:
             return "", text
         at = text.find(END)
