@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from blockspec.assets import embedded
-from blockspec.config import LOGPROBS_MODES, ConfigError, EngineArgs, EngineConfig, infer_method
+from blockspec.config import LOGPROBS_MODES, REASONING_PARSERS, ConfigError, EngineArgs, EngineConfig, infer_method
 from blockspec.llm import LLM
 from blockspec.request import Logprob
 from blockspec.sampling_params import SamplingParams
@@ -141,6 +141,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None,
                    help="a chat template file, or the Jinja template itself, used instead of the tokenizer's "
                         "(default: the tokenizer's)")
+    g.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                   help="how a thinking model's <think> block is read: structured outputs constrain the answer after "
+                        "it, and the server returns it as the message's reasoning_content (default: %(default)s, no "
+                        "block: the thinking is content and a grammar holds it too)")
     g.add_argument("--generation-config", default=EngineArgs.generation_config,
                    help="default sampling parameters: 'auto' reads the model's generation_config.json "
                         "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), 'vllm' ignores "
@@ -287,6 +291,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
                kv_page_size=args.kv_page_size, num_kv_pages=args.num_kv_pages,
                async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
                enforce_eager=args.enforce_eager, chat_template=args.chat_template,
+               reasoning_parser=args.reasoning_parser,
                generation_config=args.generation_config, trust_remote_code=args.trust_remote_code,
                tokenizer_mode=args.tokenizer_mode, task=args.task,
                enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,

@@ -22,6 +22,7 @@ class ConfigError(ValueError):
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # blockspec.reasoning
 
 
 @dataclass(frozen=True)
@@ -573,6 +574,9 @@ class EngineConfig:
     # vLLM's automatic prefix caching: full KV pages are remembered by their tokens and a prompt that
     # starts with them skips their prefill (None: off, as False; kv_cache.PrefixCache)
     enable_prefix_caching: bool | None = None
+    # how a thinking model's think block is read (vLLM's reasoning_parser: "qwen3", "deepseek_r1"; None: no
+    # block): a structured output's grammar then starts after it, and the server returns it as reasoning_content
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         for name, low in (("max_num_seqs", 1), ("max_prefill_tokens", 1), ("graph_prefill_tokens", 0)):
@@ -594,6 +598,9 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "async_scheduling"):  # None: off / auto
             check_bool(self, name, optional=True)
         check_bool(self, "enforce_eager")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ConfigError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} or None, got "
+                              f"{self.reasoning_parser!r}")
 
 
 @dataclass
@@ -745,9 +752,6 @@ class ServerConfig:
     # how tool calls are found in a model's text for tool_choice "auto" ("hermes": Qwen, "llama3_json":
     # Llama 3; None: "auto" is refused, "required" and named functions still work)
     tool_call_parser: str | None = None
-    # how a thinking model's reasoning is told from its answer ("qwen3", "deepseek_r1": `<think>` blocks, returned
-    # as reasoning_content; None: it stays in the content)
-    reasoning_parser: str | None = None
     # chat template variables for every chat request (vLLM's --default-chat-template-kwargs); a request's win
     default_chat_template_kwargs: dict[str, Any] | None = None
     # tool_choice "none" leaves the request's tools out of the chat template (vLLM's flag; by default the
@@ -788,5 +792,3 @@ class ServerConfig:
         if not isinstance(self.default_chat_template_kwargs, dict | None):
             raise ConfigError(f"default_chat_template_kwargs must be a JSON object, got "
                               f"{self.default_chat_template_kwargs!r}")
-        if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
-            raise ConfigError(f"reasoning_parser must be qwen3 or deepseek_r1, got {self.reasoning_parser!r}")

@@ -20,6 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from blockspec.bad_words import word_sequences
 from blockspec.config import ConfigError
 from blockspec.errors import ConversationError, RequestError
+from blockspec.reasoning import ThinkTokens
 from blockspec.sampling_params import SamplingError, SamplingParams, is_int, plain_ints
 from blockspec.structured import new_matcher
 
@@ -231,6 +232,7 @@ class ModelInputs:
     max_logprobs: int = 20  # EngineConfig.max_logprobs
     # SamplingParams fields the model's generation_config.json sets (engine/build.py reads it)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    think: ThinkTokens | None = None  # the engine's reasoning parser (EngineConfig.reasoning_parser)
 
     @functools.cached_property
     def max_prompt_chars(self) -> int:

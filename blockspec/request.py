@@ -6,12 +6,15 @@ import bisect
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
 from blockspec.bad_words import BadWords
 from blockspec.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from blockspec.structured import Grammar
 
 
 class Status(enum.Enum):
@@ -237,7 +240,7 @@ class Request:
     num_failed_steps: int = 0  # engine steps it took part in that raised
     suspect: bool = False  # in a step that raised: it runs alone until it commits a token past suspect_since
     suspect_since: int = 0
-    grammar: Any = None  # structured output: the matcher of its constraint, advanced by committed tokens
+    grammar: Grammar | None = None  # structured output: its constraint, advanced by committed tokens
     # what its parameters ask of every step, fixed at creation: a step tests them for each of its rows
     # sampling reads committed tokens (penalties, min_tokens, a grammar, a longer bad word) or keeps logprobs
     needs_history: bool = field(init=False)

@@ -7,6 +7,9 @@ the target's processed distribution at every verified position is exactly the co
 draft the grammar forbids has probability zero there and is rejected, never emitted. Drafts
 themselves are not constrained.
 
+With a reasoning parser the grammar holds the answer, not the thinking (`Grammar`): the tokens of a think block
+are free, and the grammar starts at the token after its `</think>`, a committed one or a draft.
+
 llguidance loads at the first constrained request, not with blockspec: its torch helpers import torch's
 compiler stack and its tokenizer bridge transformers, about 4 s that a run without grammars never needs.
 """
@@ -16,11 +19,13 @@ from __future__ import annotations
 import functools
 import re
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
 from blockspec.errors import ConstraintError, RequestError
+from blockspec.reasoning import ThinkTokens
 from blockspec.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -121,16 +126,85 @@ def _compiled(grammar: str, tokenizer: LLTokenizer) -> GrammarMatcher:
     return LLMatcher(tokenizer, grammar, log_level=0)
 
 
-def ends_after(matcher: GrammarMatcher, tokens: list[int]) -> int | None:
-    """How many of `tokens` complete the grammar (it stops after them), or None: it runs on past them, or one
-    leaves it. The request ends there (`engine.output.grammar_ending`): rows past it are never emitted from."""
-    ahead = matcher.deep_copy()
-    for i, tok in enumerate(tokens):
-        if not ahead.consume_token(tok):
+class Grammar:
+    """A request's constraint and where it starts: at the output's first token, or with a reasoning parser
+    (`think`) after the output's think block. Under qwen3's rule an output not yet thinking may open a block
+    with its first token, so that token's row allows `<think>` beside what the grammar allows."""
+
+    def __init__(self, matcher: GrammarMatcher, think: ThinkTokens | None = None,
+                 prompt_ids: Sequence[int] = ()) -> None:
+        self.matcher = matcher
+        self.think = think
+        # "answer": the grammar holds each token; "thinking": free until `</think>`; "first": the first token
+        # may open a block (qwen3), else the grammar holds it
+        self.phase = ("answer" if think is None else "thinking" if think.starts_thinking(prompt_ids)
+                      else "first" if think.may_open else "answer")
+
+    def copy(self) -> Grammar:
+        """An independent copy (each of a prompt's n copies advances its own)."""
+        twin = Grammar(self.matcher.deep_copy(), self.think)
+        twin.phase = self.phase
+        return twin
+
+    def _start(self, tokens: Sequence[int]) -> int | None:
+        """The index in `tokens` (the next tokens of the output) of the first the grammar holds; None where all of
+        them are thinking."""
+        if self.phase == "answer":
+            return 0
+        think, at = self.think, 0
+        if self.phase == "first":
+            if not tokens or tokens[0] != think.start:
+                return 0
+            at = 1
+        for i in range(at, len(tokens)):
+            if tokens[i] == think.end:
+                return i + 1
+        return None
+
+    def consume(self, tokens: Sequence[int]) -> bool:
+        """Advance by committed tokens; False where one left the grammar."""
+        if not tokens:
+            return True
+        start = self._start(tokens)
+        if start is None:
+            self.phase = "thinking"
+            return True
+        self.phase = "answer"
+        return self.matcher.consume_tokens(list(tokens[start:]))
+
+    def is_stopped(self) -> bool:
+        return self.phase == "answer" and self.matcher.is_stopped()
+
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+    def ends_after(self, tokens: list[int]) -> int | None:
+        """How many of `tokens` complete the grammar (it stops after them), or None: it runs on past them, or one
+        leaves it. The request ends there (`engine.output.grammar_ending`): rows past it are never emitted from."""
+        start = self._start(tokens)
+        if start is None:
             return None
-        if ahead.is_stopped():
-            return i + 1
-    return None
+        ahead = self.matcher.deep_copy()
+        for i, tok in enumerate(tokens[start:]):
+            if not ahead.consume_token(tok):
+                return None
+            if ahead.is_stopped():
+                return start + i + 1
+        return None
+
+    def rows(self, row: int, drafts: list[int]) -> tuple[list[tuple[GrammarMatcher, int, list[int]]], int | None]:
+        """The mask fills of a request's rows from `row` (one, then one after each draft): (matcher, first row, the
+        drafts it follows from there) entries, and the row that also allows `<think>` (or None). Rows before the
+        grammar starts allow everything."""
+        start = self._start(drafts)
+        if self.phase != "first":
+            return ([] if start is None else [(self.matcher, row + start, drafts[start:])]), None
+        if start == 0:  # the first token either opens a block or is the grammar's
+            return [(self.matcher, row, drafts)], row
+        fills = [(self.matcher, row, [])]  # the first draft opened a block: its row as above, then free rows
+        if start is not None:  # the block closes within the drafts: the grammar from the row after its end
+            fills.append((self.matcher.deep_copy(), row + start, drafts[start:]))
+        return fills, row
 
 
 class Masks:
@@ -142,11 +216,15 @@ class Masks:
 
         self.bits = llguidance.torch.allocate_token_bitmask(rows, vocab_size)
         self._entries: list[tuple[GrammarMatcher, int, list[int]]] = []
+        self._opening: list[tuple[int, int]] = []  # (row, token): a row that also allows the token
 
-    def add(self, matcher: GrammarMatcher, row: int, drafts: list[int]) -> None:
-        """Row `row` gets the matcher's current mask; row `row + 1 + j` the mask after drafts[0..j], up to
+    def add(self, grammar: Grammar, row: int, drafts: list[int]) -> None:
+        """Row `row` gets the grammar's current mask; row `row + 1 + j` the mask after drafts[0..j], up to
         the first draft the grammar forbids (rows past it are never emitted from)."""
-        self._entries.append((matcher, row, drafts))
+        fills, opening = grammar.rows(row, drafts)
+        self._entries.extend(fills)
+        if opening is not None:
+            self._opening.append((opening, grammar.think.start))
 
     def fill(self) -> Tensor:
         import llguidance.torch
@@ -157,6 +235,9 @@ class Masks:
             llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(_executor(), with_drafts, self.bits)
         if alone:
             llguidance.torch.fill_next_token_bitmask_par(_executor(), alone, self.bits)
+        for row, tok in self._opening:
+            bit = 1 << (tok % 32)
+            self.bits[row, tok // 32] |= bit - (1 << 32 if bit >= 1 << 31 else 0)  # as a signed int32
         return self.bits
 
 

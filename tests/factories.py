@@ -118,10 +118,11 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-def save_tiny_tokenizer(path: Path, drop: str = "") -> Path:
+def save_tiny_tokenizer(path: Path, drop: str = "", think: bool = False) -> Path:
     """A character-level tokenizer over printable ASCII: id 0 = <s>, 1 = </s> (EOS), chars from 2 (98 ids;
-    fewer without the characters in `drop`)."""
-    from tokenizers import Tokenizer, decoders, models
+    fewer without the characters in `drop`); with `think`, <think> and </think> after them, one token each
+    (a thinking model's tags)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     chars = [chr(c) for c in range(32, 127) if chr(c) not in drop] + ["\n"]
@@ -129,6 +130,8 @@ def save_tiny_tokenizer(path: Path, drop: str = "") -> Path:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    if think:
+        fast.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
     return Path(path)
@@ -145,12 +148,13 @@ def save_tiny_model_with_tokenizer(path: Path, family: str = "qwen3", seed: int 
 DRAFTER_TARGET_KW = dict(vocab=96, hidden=32, layers=5, heads=4, kv_heads=2, head_dim=8)
 
 
-def save_drafter_target(path: Path, tokenizer: bool = False) -> Path:
+def save_drafter_target(path: Path, tokenizer: bool = False, think: bool = False) -> Path:
     """The fixtures' target checkpoint (qwen3, seed 0): the drafter fixtures fit it. With `tokenizer`, a
-    character tokenizer of its 96 ids (printable ASCII but '`' and '~')."""
+    character tokenizer of its 96 ids (printable ASCII but '`' and '~'); with `think`, one whose last two ids
+    are <think> and </think> (printable ASCII but '`', '~', '^' and '|')."""
     save_tiny(path, "qwen3", seed=0, **DRAFTER_TARGET_KW)
-    if tokenizer:
-        save_tiny_tokenizer(path, drop="`~")
+    if tokenizer or think:
+        save_tiny_tokenizer(path, drop="`~^|" if think else "`~", think=think)
     return Path(path)
 
 

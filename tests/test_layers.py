@@ -10,7 +10,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "blockspec"
 
 # bottom to top; a module may import its own layer and those below it
 LAYERS = [
-    {"config", "errors", "sampling_params", "bad_words", "request", "structured", "inputs", "transfer", "assets"},
+    {"config", "errors", "sampling_params", "bad_words", "request", "reasoning", "structured", "inputs", "transfer",
+     "assets"},
     {"kernels"},
     {"models", "sample"},
     {"drafters"},

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from blockspec import LLM, SamplingParams
 from blockspec.config import ServerConfig
@@ -236,12 +237,14 @@ def test_required_tool_choice_keeps_each_tools_definitions_and_auto_honours_para
 def test_reasoning_parsers_split_thinking_from_content(text, thinking, qwen3, deepseek_r1):
     """vLLM's --reasoning-parser readings; read in pieces at every split point, an output splits as it does whole
     (a tag cut between two pieces included)."""
-    from blockspec.server.reasoning import PARSERS as REASONING, ReasoningStream
+    from blockspec.reasoning import ThinkTokens
+    from blockspec.server.reasoning import ReasoningStream, split_reasoning
 
+    start_id, end_id = 7, 8
+    prompt = [1, 2, start_id, 3] if thinking else [1, start_id, end_id, 3]  # the prompt left a block open, or not
     for name, want in (("qwen3", qwen3), ("deepseek_r1", deepseek_r1)):
-        parser = REASONING[name]
-        start = parser.starts_thinking("...<|im_start|>assistant\n<think>\n" if thinking else "<think>\n\n</think>\n")
-        assert parser.split(text, start) == want, name
+        start = ThinkTokens(name, start_id, end_id).starts_thinking(prompt)
+        assert split_reasoning(text, start) == want, name
         for cut in range(len(text) + 1):
             reader, got = ReasoningStream(start), ["", ""]
             for piece in (text[:cut], text[cut:], ""):
@@ -252,27 +255,65 @@ def test_reasoning_parsers_split_thinking_from_content(text, thinking, qwen3, de
             assert (got[0] or None, got[1] or None) == want, (name, cut)
 
 
-def test_a_reasoning_parser_returns_the_think_block_as_reasoning_content(target):
-    """`--reasoning-parser qwen3`: the output's think block is the message's reasoning_content, whole and streamed
-    (as reasoning_content deltas, then content), and tool calls are looked for in the content only."""
-    live = LiveServer(create_app(functools.partial(load, target, False), "tiny",
-                                 config=ServerConfig(reasoning_parser="qwen3", tool_call_parser="hermes"))).wait_ready()
+@pytest.mark.parametrize("prompt, qwen3", [([5, 7, 6], True), ([7, 8, 6], False), ([8, 7], True), ([5, 6], False),
+                                           ([7, 6, 8, 5], False)])
+def test_where_an_output_starts_thinking(prompt, qwen3):
+    """qwen3: where the prompt's last <think> (7) comes after its last </think> (8); deepseek_r1: always."""
+    from blockspec.reasoning import ThinkTokens
+
+    assert ThinkTokens("qwen3", 7, 8).starts_thinking(prompt) is qwen3
+    assert ThinkTokens("deepseek_r1", 7, 8).starts_thinking(prompt) is True
+
+
+def thinking_llm(target: Path) -> LLM:
+    return LLM(str(target), device="cpu", max_model_len=160, reasoning_parser="qwen3")
+
+
+def test_a_reasoning_parser_returns_the_think_block_as_reasoning_content(tmp_path):
+    """reasoning_parser qwen3: the output's think block (the prompt opened it) is the message's reasoning_content,
+    whole and streamed (as reasoning_content deltas, then content), and the structured output holds the answer
+    after it."""
+    target = save_drafter_target(tmp_path, think=True)
+    live = LiveServer(create_app(functools.partial(thinking_llm, target), "tiny",
+                                 config=ServerConfig(tool_call_parser="hermes"))).wait_ready()
     try:
-        client, messages = live.client(), [{"role": "user", "content": "x"}]
-        forced = {"structured_outputs": {"regex": "<think>[a-c]{5}</think>[d-f]{4}"}}
-        whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
-                                               extra_body=forced).choices[0].message
+        client = live.client()
+        end = str(AutoTokenizer.from_pretrained(target).convert_tokens_to_ids("</think>"))
+        ask = dict(model="tiny", messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": "<think>"}],
+                   max_tokens=40, temperature=0.8, seed=2, logit_bias={end: 1.5},
+                   extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                               "structured_outputs": {"regex": "[d-f]{4}"}})
+        whole = client.chat.completions.create(**ask).choices[0].message
         thought, answer = whole.model_extra["reasoning_content"], whole.content
-        assert len(thought) == 5 and set(thought) <= set("abc") and len(answer) == 4 and set(answer) <= set("def")
-        chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
-                                                     stream=True, extra_body=forced))
+        assert len(thought) >= 2 and "think>" not in thought and len(answer) == 4 and set(answer) <= set("def")
+        chunks = list(client.chat.completions.create(stream=True, **ask))
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == thought
         assert "".join(d.content or "" for d in deltas) == answer
-        tool_in_thought = {"structured_outputs": {"regex": '<think><tool_call>\\n\\{"name": "time", "arguments": '
-                                                           '\\{\\}\\}\\n</tool_call></think>ok'}}
-        out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=120, temperature=0,
-                                             tools=[TIME], extra_body=tool_in_thought).choices[0]
-        assert out.message.tool_calls is None and out.message.content == "ok" and out.finish_reason == "stop"
     finally:
         live.close()
+
+
+def test_tool_calls_are_looked_for_in_the_content_only():
+    """A tool call written inside the think block is thinking, whole and streamed; one in the content is a call."""
+    from blockspec.engine.loop import Delta
+    from blockspec.inputs import Prompt
+    from blockspec.request import TokenStrings
+    from blockspec.server.app import ChatRenderer, tool_use
+    from blockspec.server.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "x"}], tools=[TIME])
+    call = '<tool_call>\n{"name": "time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    for text, calls, content in ((f"<think>{call}</think>ok", 0, "ok"), (f"<think>hm</think>{call}", 1, None)):
+        def renderer() -> ChatRenderer:
+            return ChatRenderer(body, "tiny", [Prompt("x", [1])], SamplingParams(), TokenStrings(None), False,
+                                tools=tool_use(body, "hermes"), reasoning=True, thinking=False)
+
+        message = renderer().message(text)
+        assert len(message.tool_calls or []) == calls and message.content == content, text
+        streamed = renderer()
+        pieces = [streamed.chunk(Delta(0, text[i: i + 5], [], None)) for i in range(0, len(text), 5)]
+        pieces.append(streamed.chunk(Delta(0, "", [], None, finish_reason="stop")))
+        deltas = [p.choices[0].delta for p in pieces]
+        assert sum(len(d.tool_calls or []) for d in deltas) == calls
+        assert "".join(d.content or "" for d in deltas) == (content or "")

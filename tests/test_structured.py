@@ -7,6 +7,7 @@ the masks of the rows after the first taken away shows the equality test catches
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -18,10 +19,11 @@ import pytest
 import torch
 
 from blockspec import LLM, SamplingParams
+from blockspec.config import ConfigError, EngineConfig
 from blockspec.errors import RequestError
 from blockspec.sample.processors import apply_bitmask
 from blockspec.sampling_params import SamplingError, StructuredOutputsParams
-from blockspec.structured import Masks
+from blockspec.structured import Grammar, Masks
 from factories import save_drafter_target
 
 FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
@@ -47,8 +49,9 @@ def speculative(target: Path, method: str = "dflash", fixture: str = "dflash", *
                                    **spec})
 
 
-def with_unconstrained_drafts(llm: LLM, plain: LLM) -> None:
-    """Drafts = what the target would say next without the grammar (its greedy continuation)."""
+def with_unconstrained_drafts(llm: LLM, plain: LLM, **params) -> None:
+    """Drafts = what the target would say next without the grammar (its greedy continuation; `params`: more
+    SamplingParams of that continuation)."""
     proposer = llm.engine.proposer
     real = proposer.propose
 
@@ -60,7 +63,8 @@ def with_unconstrained_drafts(llm: LLM, plain: LLM) -> None:
                 continue
             ids = req.prompt_token_ids + req.output_ids
             free = plain.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=block.lens[r],
-                                                                              ignore_eos=True), use_tqdm=False)
+                                                                              ignore_eos=True, **params),
+                                  use_tqdm=False)
             drafts = free[0].outputs[0].token_ids
             tokens[r, : len(drafts)] = torch.tensor(drafts)
         block.tokens = tokens
@@ -284,6 +288,125 @@ def test_an_output_leaving_its_grammar_fails_with_one_line():
         def get_error(self):
             return 'Parser Error: token "\\ufffd[16386]" doesn\'t satisfy the grammar\n' + "state " * 2000
 
-    ending = grammar_ending(Refusing(), [16386])
+    ending = grammar_ending(Grammar(Refusing()), [16386])
     assert ending.reason == "error" and "\n" not in ending.error and len(ending.error) < 300
     assert ending.error.startswith("the output left its structured-output grammar: Parser Error: token")
+
+
+# ---------------------------------------------------------------- a thinking model's grammar (reasoning_parser)
+ANSWER = StructuredOutputsParams(regex=r"[a-c]{3}-[0-9]{2}")
+THOUGHTS = ["hello<think>", "x = 1<think>", "def f():<think>", "The answer<think>"]
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory) -> Path:
+    """The fixtures' target with <think> and </think> as tokens of its tokenizer."""
+    return save_drafter_target(tmp_path_factory.mktemp("thinker"), think=True)
+
+
+def think_ids(llm: LLM) -> tuple[int, int]:
+    vocab = llm.engine.tokenizer.get_vocab()
+    return vocab["<think>"], vocab["</think>"]
+
+
+def thought_then_answer(free: LLM, prompt: str, params: SamplingParams) -> tuple[list[int], int]:
+    """What a grammar that starts after the think block gives, built from outputs without one: the output
+    without the grammar up to its first </think>, then the constrained output of the prompt and that thought
+    (the noise is keyed by position, so a sampled answer draws alike); and the thought's length."""
+    _, end = think_ids(free)
+    unconstrained = free.generate([prompt], dataclasses.replace(params, structured_outputs=None),
+                                  use_tqdm=False)[0].outputs[0].token_ids
+    assert end in unconstrained, "the premise: the thought ends within max_tokens"
+    thought = unconstrained[: unconstrained.index(end) + 1]
+    ids = free.engine.tokenizer.encode(prompt) + thought
+    answer = free.generate([{"prompt_token_ids": ids}], dataclasses.replace(params, max_tokens=params.max_tokens
+                                                                            - len(thought)), use_tqdm=False)
+    return thought + answer[0].outputs[0].token_ids, len(thought)
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_reasoning_parsers_grammar_holds_the_answer_after_the_think_block(thinker, parser, temperature):
+    """With a reasoning parser the grammar starts after </think>: the thought is the unconstrained output's, the
+    answer the constrained output that follows it (vLLM's reasoning_parser with structured outputs)."""
+    free = LLM(str(thinker), device="cpu", max_model_len=160)
+    llm = LLM(str(thinker), device="cpu", max_model_len=160, reasoning_parser=parser)
+    _, end = think_ids(llm)
+    params = SamplingParams(temperature=temperature, seed=4, max_tokens=40, logit_bias={end: 1.5},
+                            structured_outputs=ANSWER)
+    prompts = THOUGHTS + (["no tag: R1 always starts thinking"] if parser == "deepseek_r1" else [])
+    got = llm.generate(prompts, params, use_tqdm=False)
+    thoughts = []
+    for prompt, out in zip(prompts, got):
+        want, thought = thought_then_answer(free, prompt, params)
+        thoughts.append(thought)
+        assert out.outputs[0].token_ids == want, prompt
+        answer = out.outputs[0].text.split("</think>", 1)[1]
+        assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", answer) and out.outputs[0].finish_reason == "stop", answer
+    assert max(thoughts) >= 3, "the premise: some thought spans several tokens"
+    # without the parser the grammar holds the output from its first token
+    assert all(re.fullmatch(r"[a-c]{3}-[0-9]{2}", t) for t in texts(free.generate(prompts, params, use_tqdm=False)))
+
+
+def test_qwen3s_output_may_open_a_think_block_with_its_first_token_only(thinker):
+    """qwen3: an output whose prompt left no block open may open one with its first token (its row allows <think>
+    beside the grammar's tokens), then the grammar holds the answer after </think>; a prompt that closed its block
+    (enable_thinking false) without a first <think> is constrained from its first token."""
+    free = LLM(str(thinker), device="cpu", max_model_len=160)
+    llm = LLM(str(thinker), device="cpu", max_model_len=160, reasoning_parser="qwen3")
+    start, end = think_ids(llm)
+    opening = SamplingParams(temperature=0, max_tokens=40, logit_bias={start: 30.0, end: 40.0}, structured_outputs=ANSWER)
+    for out in llm.generate(PROMPTS, opening, use_tqdm=False):
+        assert out.outputs[0].token_ids[:2] == [start, end], out.outputs[0].text
+        assert re.fullmatch(r"<think></think>[a-c]{3}-[0-9]{2}", out.outputs[0].text)
+    closed = [p + "<think></think>" for p in PROMPTS]
+    no_opening = SamplingParams(temperature=0, max_tokens=40, logit_bias={start: -100.0}, structured_outputs=ANSWER)
+    assert ids(llm.generate(closed, no_opening, use_tqdm=False)) == ids(free.generate(closed, no_opening,
+                                                                                      use_tqdm=False))
+    # a first token of the grammar's (biased above <think>): no later row allows <think>, biased as it is
+    a = llm.engine.tokenizer.encode("a")[0]
+    late = SamplingParams(temperature=0, max_tokens=40, logit_bias={a: 40.0, start: 30.0}, structured_outputs=ANSWER)
+    for out in llm.generate(closed, late, use_tqdm=False):
+        assert re.fullmatch(r"a[a-c]{2}-[0-9]{2}", out.outputs[0].text), out.outputs[0].text
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_drafts_across_the_end_of_a_think_block_keep_plain_decodings_output(thinker, temperature, monkeypatch):
+    """Drafts are the target's continuation without the grammar: thinking tokens, </think>, then tokens the
+    grammar forbids. Verify rows after a drafted </think> get the grammar's masks, so the output is plain
+    decoding's; the control takes those masks away where the step starts inside the block (rows of a step that
+    began thinking left free), and the forbidden drafts get through."""
+    plain = LLM(str(thinker), device="cpu", max_model_len=160, reasoning_parser="qwen3")
+    free = LLM(str(thinker), device="cpu", max_model_len=160)
+    _, end = think_ids(plain)
+    params = SamplingParams(temperature=temperature, seed=4, max_tokens=40, logit_bias={end: 1.5},
+                            structured_outputs=ANSWER)
+    want = plain.generate(THOUGHTS, params, use_tqdm=False)
+    llm = LLM(str(thinker), device="cpu", max_model_len=160, reasoning_parser="qwen3",
+              speculative_config={"method": "dflash", "model": str(FIXTURES / "dflash"), "num_speculative_tokens": 3,
+                                  "adaptive_draft_length": False})
+    with_unconstrained_drafts(llm, free, logit_bias={end: 1.5})
+    rows, crossed = Grammar.rows, []
+
+    def seen(self, row, drafts):  # steps that verify drafts past a drafted </think>
+        fills, opening = rows(self, row, drafts)
+        crossed.extend(first for _, first, _ in fills if self.phase == "thinking" and first > row)
+        return fills, opening
+
+    monkeypatch.setattr(Grammar, "rows", seen)
+    assert ids(llm.generate(THOUGHTS, params, use_tqdm=False)) == ids(want)
+    stats = llm.get_stats()
+    assert crossed and 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    monkeypatch.setattr(Grammar, "rows", lambda self, row, drafts: ([], None) if self.phase == "thinking"
+                        else rows(self, row, drafts))
+    broken = llm.generate(THOUGHTS, params, use_tqdm=False)
+    assert ids(broken) != ids(want) or any(o.error for o in broken)
+
+
+def test_a_reasoning_parser_needs_the_tokenizers_think_tokens(target, thinker):
+    with pytest.raises(ConfigError, match="reasoning_parser must be one of qwen3, deepseek_r1"):
+        EngineConfig(reasoning_parser="r1")
+    with pytest.raises(ConfigError, match="the tokenizer has no <think> or </think> token"):
+        LLM(str(target), device="cpu", max_model_len=160, reasoning_parser="qwen3")
+    llm = LLM(str(thinker), device="cpu", max_model_len=160, reasoning_parser="deepseek_r1")
+    assert (llm.engine.think.start, llm.engine.think.end) == think_ids(llm)

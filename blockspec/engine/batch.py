@@ -21,7 +21,7 @@ from blockspec.request import Logprob, Request
 from blockspec.sample import Columns, RowParams, expand_history, logprobs as top_logprobs, process_logits, sample
 from blockspec.sample.processors import row_chunks, token_bitmask
 from blockspec.sampling_params import top_count
-from blockspec.structured import Masks, ends_after
+from blockspec.structured import Masks
 from blockspec.transfer import to_device
 
 LogprobEntries = list[list[dict[int, Logprob]]]  # per request, per emitted row: token -> Logprob
@@ -90,7 +90,7 @@ class BatchSampling:
         aheads = ahead if isinstance(ahead, list) else [ahead] * len(reqs)
         # a row after drafts that complete a request's grammar is never emitted from (the commit ends the request
         # there): it keeps the grammar's own mask (its end), without the bans that would leave it no token
-        ends = [ends_after(r.grammar, d) if r.grammar is not None and d else None
+        ends = [r.grammar.ends_after(d) if r.grammar is not None and d else None
                 for r, d in zip(reqs, drafts)] if drafts is not None else [None] * len(reqs)
 
         def col(values: list[Any], dtype: torch.dtype) -> Tensor:

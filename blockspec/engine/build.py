@@ -161,5 +161,5 @@ def build_engine(
         if done["graphs"]:
             log.info("warm-up: %d CUDA graphs captured in %.1f s", done["graphs"], done["seconds"])
     inputs = ModelInputs(model_dir, tok, max_len, target.config.vocab_size, spec is not None, tuple(engine.eos_ids),
-                         config.max_logprobs, sampling_defaults=defaults)
+                         config.max_logprobs, sampling_defaults=defaults, think=engine.think)
     return EngineSetup(engine, inputs, target, model_dir, tok, spec)

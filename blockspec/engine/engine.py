@@ -37,12 +37,13 @@ from blockspec.models.kv_cache import PageTable, kv_storage_dtype
 from blockspec.models.llama import CausalLM
 from blockspec.models.quant import is_quantized, quantize_model
 from blockspec.models.runner import BATCH_BUCKETS, CAPTURES, ModelRunner, bucket, pool_bytes
+from blockspec.reasoning import ThinkTokens
 from blockspec.request import IncrementalDetokenizer, Logprob, Request, SpecStats, Status, TokenStrings
 from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.context import DraftContext
 from blockspec.speculative.policy import DraftLengthPolicy
 from blockspec.speculative.proposer import Proposer, draft_length
-from blockspec.structured import new_matcher
+from blockspec.structured import Grammar, new_matcher
 from blockspec.transfer import to_device
 
 log = logging.getLogger("blockspec.engine")
@@ -69,6 +70,8 @@ class Engine:
         self.device = model.embed_tokens.weight.device
         self.vocab_size = model.config.vocab_size
         self.eos_ids = sorted(set(eos_token_ids))
+        # a thinking model's think block: structured outputs' grammars start after it
+        self.think = ThinkTokens.of(config.reasoning_parser, tokenizer) if config.reasoning_parser else None
         self.attention_backend = resolve_backend(config.attention_backend, self.device)
         model.attention_backend = self.attention_backend
         drafter = drafter if spec_config is not None else None
@@ -251,8 +254,8 @@ class Engine:
                                "own id")
         grammar = None
         if params.structured_outputs is not None:  # compiled before queueing: a bad grammar fails here
-            grammar = new_matcher(params.structured_outputs, self.tokenizer, self.vocab_size, tuple(self.eos_ids),
-                                  f"request {request_id}")
+            grammar = Grammar(new_matcher(params.structured_outputs, self.tokenizer, self.vocab_size,
+                                          tuple(self.eos_ids), f"request {request_id}"), self.think, prompt_ids)
         bad = word_sequences(params.bad_words, self.tokenizer, self.vocab_size) if params.bad_words else ()
         # the n copies read one prompt: whichever prefills a position first computes its entry, for all
         prompt_logprobs = [None] if params.prompt_logprobs is not None else None
@@ -269,7 +272,7 @@ class Engine:
             if params.logprobs is not None:
                 req.logprobs = []
             if grammar is not None:
-                req.grammar = grammar.deep_copy()
+                req.grammar = grammar.copy()
             reqs.append(req)
         self.scheduler.add(reqs)
         return reqs

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from blockspec.request import Logprob, Request
 
 if TYPE_CHECKING:
-    from blockspec.structured import GrammarMatcher
+    from blockspec.structured import Grammar
 
 NON_FINITE = "the target produced non-finite logits (NaN or inf) for this request"
 NO_TOKEN = "no token could be sampled"  # how the error of a request whose own masks leave no token begins
@@ -107,10 +107,10 @@ class OutputProcessor:
         return None
 
 
-def grammar_ending(grammar: GrammarMatcher, tokens: list[int]) -> Ending | None:
+def grammar_ending(grammar: Grammar, tokens: list[int]) -> Ending | None:
     """Advance a request's grammar by committed tokens: it ends (stop) once the grammar is complete,
     and fails if a token left it (the masks make that impossible unless they are bypassed)."""
-    if not grammar.consume_tokens(tokens):  # llguidance's error: a line, then its parser's state (kilobytes)
-        reason = (grammar.get_error().strip().splitlines() or ["no reason given"])[0][:200]
+    if not grammar.consume(tokens):  # llguidance's error: a line, then its parser's state (kilobytes)
+        reason = (grammar.error().strip().splitlines() or ["no reason given"])[0][:200]
         return Ending("error", error=f"the output left its structured-output grammar: {reason}")
     return Ending("stop") if grammar.is_stopped() else None

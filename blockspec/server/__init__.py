@@ -68,9 +68,6 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
                    help="how tool calls are found in the model's text for tool_choice \"auto\" (hermes: Qwen2.5 / "
                         "Qwen3, llama3_json: Llama 3.1+); without it \"auto\" is refused (default: %(default)s)")
-    g.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
-                   help="return a thinking model's <think> block as the message's reasoning_content, the rest as its "
-                        "content (default: %(default)s, the thinking stays in the content)")
     g.add_argument("--default-chat-template-kwargs", type=json_object, default=None,
                    help="chat template variables for every chat request, as a JSON object (a request's "
                         "chat_template_kwargs win), e.g. '{\"enable_thinking\": false}' (default: none)")
@@ -156,7 +153,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         config = ServerConfig(api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                               trust_request_chat_template=args.trust_request_chat_template,
-                              tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                              tool_call_parser=args.tool_call_parser,
                               default_chat_template_kwargs=args.default_chat_template_kwargs,
                               metrics_prefix=args.metrics_prefix,
                               exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,

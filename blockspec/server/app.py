@@ -41,8 +41,7 @@ from blockspec.engine.output import NO_TOKEN
 from blockspec.server.async_engine import AsyncEngine, EngineError
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.middleware import APIKey, BodyLimit, InternalErrors
-from blockspec.server.reasoning import PARSERS as REASONING_PARSERS
-from blockspec.server.reasoning import ReasoningParser, ReasoningStream
+from blockspec.server.reasoning import ReasoningStream, split_reasoning
 from blockspec.server.tools import PARSERS, ToolStream, ToolUse
 from blockspec.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
@@ -493,17 +492,18 @@ class ChatRenderer(Renderer):
     chunk_type = ChatCompletionChunk
 
     def __init__(self, *args: Any, tools: ToolUse | None = None, role: str = "assistant",
-                 reasoning: ReasoningParser | None = None, thinking: bool = False, **kwargs: Any) -> None:
+                 reasoning: bool = False, thinking: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.role = role
         self.tools = tools if tools is not None and tools.calls_possible else None
         self.streams: dict[int, ToolStream] = {}  # with tools: each streamed choice's output so far
-        self.reasoning, self.thinking = reasoning, thinking  # `thinking`: the output starts inside a think block
+        # `reasoning`: the think block is reasoning_content (a reasoning parser); `thinking`: the output starts in one
+        self.reasoning, self.thinking = reasoning, thinking
         self.thoughts: dict[int, ReasoningStream] = {}  # with a reasoning parser: each streamed choice's reader
 
     def message(self, text: str) -> AssistantMessage:
         """A choice's whole text as its message: reasoning, content, tool calls (looked for in the content)."""
-        reasoning, content = self.reasoning.split(text, self.thinking) if self.reasoning else (None, text)
+        reasoning, content = split_reasoning(text, self.thinking) if self.reasoning else (None, text)
         calls = []
         if self.tools is not None and content is not None:
             said, calls = self.tools.split(content)
@@ -533,7 +533,7 @@ class ChatRenderer(Renderer):
 
     def chunk(self, d: Delta) -> BaseModel:
         thought, text = "", d.text
-        if self.reasoning is not None:
+        if self.reasoning:
             reader = self.thoughts.setdefault(d.index, ReasoningStream(self.thinking))
             thought, text = reader.feed(d.text)
             if d.finish_reason is not None:
@@ -764,9 +764,8 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
         prompt = await in_thread(templating, chat_prompt, inputs, body, config, tools)
         # vLLM's rule: a new turn is the server's response role's; a continued message keeps its own role
         role = config.response_role if body.add_generation_prompt else body.messages[-1].role
-        reasoning = REASONING_PARSERS[config.reasoning_parser] if config.reasoning_parser else None
-        # whether the output starts inside a think block the prompt left open: its last tokens' text says
-        thinking = reasoning is not None and reasoning.starts_thinking(inputs.tokenizer.decode(prompt.ids[-8:]))
+        reasoning = inputs.think is not None  # the engine's reasoning parser: its think block is reasoning_content
+        thinking = reasoning and inputs.think.starts_thinking(prompt.ids)
         return await generate(request, body, inputs, [prompt], params,
                               functools.partial(ChatRenderer, tools=tools, role=role, reasoning=reasoning,
                                                 thinking=thinking))
