@@ -330,6 +330,15 @@ def test_streaming_completion_with_usage(text_server):
         own = [c.usage.completion_tokens for c in pair if c.choices and c.choices[0].index == i]
         assert own == sorted(own) and own[-1] == 6
     assert pair[-1].usage.completion_tokens == 12
+    # vLLM's: continuous_usage_stats only beside include_usage; a chat stream's role chunk carries the prompt's
+    alone = list(client.completions.create(model="tiny", prompt="import os", max_tokens=3, stream=True,
+                                           stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in alone)
+    chat = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                               stream=True, stream_options={"include_usage": True,
+                                                                            "continuous_usage_stats": True}))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
+    assert chat[0].usage.prompt_tokens == chat[-1].usage.prompt_tokens > 0
     with stream("POST", f"{text_server.url}/v1/completions",
                       json={"prompt": "x", "max_tokens": 3, "stream": True}) as r:
         lines = [line for line in r.iter_lines() if line]

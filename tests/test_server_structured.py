@@ -129,6 +129,11 @@ def test_a_named_tool_choice_streams_its_arguments_as_they_come(server):
     assert "".join(p.function.arguments for p in pieces) == whole.function.arguments
     finishes = [choice.finish_reason for chunk in chunks for choice in chunk.choices if choice.finish_reason]
     assert finishes == ["stop"]
+    # the openai SDK's stream helper accumulates the pieces: a later piece's `"type": null` broke it
+    with server.client().chat.completions.stream(**kw) as events:
+        final = events.get_final_completion().choices[0].message.tool_calls[0]
+    assert (final.type, final.function.name, final.function.arguments) == ("function", "weather",
+                                                                           whole.function.arguments)
 
 
 def test_auto_tool_streams_send_content_until_a_call_can_begin():
@@ -139,13 +144,18 @@ def test_auto_tool_streams_send_content_until_a_call_can_begin():
     pieces = ["Sure", ", one", " moment.\n<tool", '_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}',
               "\n</tool_call>"]
     sent = [stream.feed(p)[0] for p in pieces]
-    assert sent == ["Sure", ", one", " moment.", "", ""]
+    assert sent == ["Sure", ", one", " moment.\n", "", ""]
     rest, calls = stream.finish()
     assert rest is None and calls == [Call("weather", '{"city": "Oslo"}')]
     assert "".join(sent) == use.split("".join(pieces))[0]
     plain = ToolStream(use)
-    assert [plain.feed(p)[0] for p in ("no <", "call ", "here ")] == ["no", " <call", " here"]
-    assert plain.finish() == (" ", [])  # the held-back tail goes at the end: the whole text, as sent unstreamed
+    assert [plain.feed(p)[0] for p in ("no <", "call ", "here ")] == ["no ", "<call ", "here "]
+    assert plain.finish() == (None, [])
+    # content around the text before a call, whitespace included, streamed as the whole output keeps it (vLLM's)
+    spaced = ToolStream(use)
+    pieces = ["\n\n  Hi", "  \n<tool_call>", '{"name": "time", "arguments": {}}</tool_call>']
+    sent = [spaced.feed(p)[0] for p in pieces]
+    assert "".join(sent) + (spaced.finish()[0] or "") == use.split("".join(pieces))[0] == "\n\n  Hi  \n"
     llama = ToolStream(ToolUse([TIME["function"]], "auto", parser=PARSERS["llama3_json"]))
     assert [llama.feed(p)[0] for p in (" ", '{"name": "time", ', '"parameters": {"zone": "UTC"}}')] == ["", "", ""]
     assert llama.finish() == (None, [Call("time", '{"zone": "UTC"}')])
@@ -176,7 +186,7 @@ def test_auto_tool_choice_needs_a_parser(target):
 
 def test_the_parsers_find_calls_in_each_family_format():
     content, calls = hermes('Sure.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
-    assert content == "Sure." and calls == [Call("weather", '{"city": "Oslo"}')]
+    assert content == "Sure.\n" and calls == [Call("weather", '{"city": "Oslo"}')]
     assert hermes("no calls here") == ("no calls here", [])
     content, calls = llama3_json('<|python_tag|>{"name": "time", "parameters": {"zone": "UTC"}}; '
                                  '{"name": "weather", "parameters": {"city": "Lima"}}')
@@ -188,7 +198,7 @@ def test_the_parsers_find_calls_in_each_family_format():
         "", [Call("sql", '{"q": "SELECT 1; SELECT 2"}')])
     content, calls = hermes('Two.\n<tool_call>\n{"name": "a", "arguments": {"city": "Zürich"}}\n</tool_call>\n'
                             'between\n<tool_call>\n{"name": "b", "arguments": {}}')
-    assert content == "Two." and calls == [Call("a", '{"city": "Zürich"}'), Call("b", "{}")]
+    assert content == "Two.\n" and calls == [Call("a", '{"city": "Zürich"}'), Call("b", "{}")]
     schema = required_schema([WEATHER["function"]], parallel=False)
     assert schema["maxItems"] == 1 and schema["items"]["anyOf"][0]["properties"]["name"] == {"const": "weather"}
 
@@ -317,3 +327,21 @@ def test_tool_calls_are_looked_for_in_the_content_only():
         deltas = [p.choices[0].delta for p in pieces]
         assert sum(len(d.tool_calls or []) for d in deltas) == calls
         assert "".join(d.content or "" for d in deltas) == (content or "")
+
+
+def test_a_streams_chunks_share_one_created_time(monkeypatch):
+    """OpenAI's chunks of one stream carry one `created` (vLLM's too); each chunk stamped its own second."""
+    from blockspec.engine.loop import Delta
+    from blockspec.inputs import Prompt
+    from blockspec.request import TokenStrings
+    from blockspec.server import protocol
+    from blockspec.server.app import ChatRenderer, Choice
+    from blockspec.server.protocol import ChatCompletionRequest
+
+    clock = iter(range(1_000_000, 1_000_100))
+    monkeypatch.setattr(protocol.time, "time", lambda: next(clock))
+    body = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "x"}])
+    renderer = ChatRenderer(body, "tiny", [Prompt("x", [1])], SamplingParams(), TokenStrings(None), False)
+    chunks = renderer.opening_chunks() + [renderer.chunk(Delta(0, t, [], None)) for t in ("a", "b", "c")]
+    chunks.append(renderer.usage_chunk([Choice()]))
+    assert {c.created for c in chunks} == {renderer.created}

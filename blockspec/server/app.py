@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -333,6 +334,7 @@ class Renderer:
     def __init__(self, body: GenerationRequest, model: str, prompts: list[Prompt], params: SamplingParams,
                  strings: TokenStrings, with_spec: bool) -> None:
         self.id = f"{self.prefix}-{body.request_id or uuid.uuid4().hex}"
+        self.created = int(time.time())  # one timestamp for every chunk of a stream (OpenAI's, vLLM's)
         self.body, self.model, self.prompts, self.params = body, model, prompts, params
         self.strings, self.with_spec = strings, with_spec
 
@@ -393,7 +395,8 @@ class Renderer:
 
     def usage_chunk(self, choices: list[Choice]) -> BaseModel:
         usage, spec = self.usage(choices)
-        return self.chunk_type(id=self.id, model=self.model, choices=[], usage=usage, spec_decode=spec)
+        return self.chunk_type(id=self.id, created=self.created, model=self.model, choices=[], usage=usage,
+                               spec_decode=spec)
 
 
 class CompletionRenderer(Renderer):
@@ -442,7 +445,7 @@ class CompletionRenderer(Renderer):
         echo = CompletionChoice(index=d.index, text=self.echo(d.index),
                                 logprobs=self.logprobs(d.index, *self.echoed_logprobs(d.index, d.prompt_logprobs)),
                                 prompt_token_ids=self.first_prompt_ids(d.index))
-        return [CompletionResponse(id=self.id, model=self.model, choices=[echo]), self.chunk(d)]
+        return [CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[echo]), self.chunk(d)]
 
     def logprobs(self, index: int, entries: list[dict[int, Logprob] | None] | None,
                  ids: list[int]) -> CompletionLogprobs | None:
@@ -468,7 +471,7 @@ class CompletionRenderer(Renderer):
                                   finish_reason=d.finish_reason, stop_reason=d.stop_reason,
                                   token_ids=self.token_ids(d.token_ids),
                                   prompt_token_ids=self.first_prompt_ids(d.index))
-        return CompletionResponse(id=self.id, model=self.model, choices=[choice])
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def response(self, choices: list[Choice]) -> BaseModel:
         usage, spec = self.usage(choices)
@@ -480,7 +483,8 @@ class CompletionRenderer(Renderer):
                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                         token_ids=self.token_ids(c.token_ids), prompt_token_ids=self.prompt_ids(i),
                                         prompt_logprobs=self.prompt_logprobs(c.prompt_logprobs)))
-        return CompletionResponse(id=self.id, model=self.model, usage=usage, spec_decode=spec, choices=out)
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage, spec_decode=spec,
+                                  choices=out)
 
 
 class ChatRenderer(Renderer):
@@ -527,9 +531,10 @@ class ChatRenderer(Renderer):
         return ChatLogprobs(content=content)
 
     def opening_chunks(self) -> list[BaseModel]:
-        return [ChatCompletionChunk(id=self.id, model=self.model, prompt_token_ids=self.prompt_ids(i), choices=[
-            ChatChunkChoice(index=i, delta=DeltaMessage(role=self.role, content=""))])
-            for i in range(len(self.prompts) * self.params.n)]
+        return [ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
+                                    prompt_token_ids=self.prompt_ids(i),
+                                    choices=[ChatChunkChoice(index=i, delta=DeltaMessage(role=self.role, content=""))])
+                for i in range(len(self.prompts) * self.params.n)]
 
     def chunk(self, d: Delta) -> BaseModel:
         thought, text = "", d.text
@@ -558,7 +563,7 @@ class ChatRenderer(Renderer):
         choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=self.logprobs(d.logprobs, d.token_ids),
                                  finish_reason=finish_reason, stop_reason=d.stop_reason,
                                  token_ids=self.token_ids(d.token_ids))
-        return ChatCompletionChunk(id=self.id, model=self.model, choices=[choice])
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def response(self, choices: list[Choice]) -> BaseModel:
         usage, spec = self.usage(choices)
@@ -569,7 +574,8 @@ class ChatRenderer(Renderer):
             out.append(ChatChoice(index=i, message=message,
                                   logprobs=self.logprobs(c.logprobs, c.token_ids), finish_reason=finish_reason,
                                   stop_reason=c.stop_reason, token_ids=self.token_ids(c.token_ids)))
-        return ChatCompletionResponse(id=self.id, model=self.model, usage=usage, spec_decode=spec, choices=out,
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage, spec_decode=spec,
+                                      choices=out,
                                       prompt_logprobs=self.prompt_logprobs(choices[0].prompt_logprobs),
                                       prompt_token_ids=self.prompt_ids(0))
 
@@ -714,6 +720,8 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
                      choices: list[Choice]) -> AsyncIterator[str]:
         async with abort_on_disconnect(request, engine, engine_id), contextlib.aclosing(deltas):
             for chunk in renderer.opening_chunks():
+                if renderer.body.continuous_usage:  # vLLM's: the role chunk too, its prompt and no output yet
+                    chunk.usage, chunk.spec_decode = renderer.usage(choices, chunk.choices[0].index)
                 yield sse(chunk)
             try:
                 async for d in deltas:

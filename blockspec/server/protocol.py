@@ -8,12 +8,13 @@ ordinary top-level fields here, which is where the OpenAI client's `extra_body` 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 import time
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
-    BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator,
+    BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_serializer,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -91,6 +92,8 @@ class StrictModel(BaseModel):
 class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
+    # OpenAI's: random padding on streamed events against length side channels; accepted, none is added
+    include_obfuscation: bool | None = None
 
 
 class JsonSchemaFormat(StrictModel):
@@ -196,7 +199,7 @@ class GenerationRequest(StrictModel):
     @field_validator("stream_options")
     @classmethod
     def _only_when_streaming(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
-        if options is not None and not info.data.get("stream", False):
+        if options is not None and options.model_fields_set and not info.data.get("stream", False):  # {}: vLLM's too
             raise PydanticCustomError("stream_options", "only with stream: true (OpenAI's and vLLM's rule)")
         return options
 
@@ -283,7 +286,8 @@ class GenerationRequest(StrictModel):
 
     @property
     def continuous_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+        """Usage on every chunk: continuous_usage_stats, which vLLM honours only beside include_usage."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @property
     def wanted_prompt_logprobs(self) -> int | None:
@@ -497,12 +501,22 @@ class ToolCall(BaseModel):
     function: ToolCallFunction
 
 
-class DeltaFunction(BaseModel):
+class WithoutNulls(BaseModel):
+    """Written without its null fields: a later piece of a streamed call names no id, type or name (OpenAI's and
+    vLLM's chunks leave them out; the openai SDK's stream accumulator takes a `"type": null` as the call's type
+    and then refuses the call)."""
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunction(WithoutNulls):
     name: str | None = None
     arguments: str | None = None  # a piece of the JSON text
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(WithoutNulls):
     """A streamed call, or a piece of one: the first piece carries its id, type and name, later ones more of
     its arguments (OpenAI's and vLLM's streaming)."""
 

@@ -189,9 +189,8 @@ class ToolStream:
         if isinstance(self.use.choice, dict):
             return None, []
         content, calls = self.use.split(self.text)
-        for head in (self.sent, self.sent.strip()):  # a whole output's content may be the stripped text
-            if content is not None and content.startswith(head):
-                return content[len(head):] or None, calls
+        if content is not None and content.startswith(self.sent):
+            return content[len(self.sent):] or None, calls
         return None, calls
 
 
@@ -216,7 +215,7 @@ def hermes(text: str) -> tuple[str, list[Call]]:
         value = _loads(closed or open_tail.strip())
         if isinstance(value, dict) and isinstance(value.get("name"), str):
             calls.append(Call(value["name"], arguments_text(value.get("arguments", {}))))
-    return (text[:text.index("<tool_call>")].strip() if calls else text), calls
+    return (text[:text.index("<tool_call>")] if calls else text), calls
 
 
 def llama3_json(text: str) -> tuple[str, list[Call]]:
@@ -251,8 +250,8 @@ def before(text: str, marker: str) -> str:
 
 
 def hermes_streamable(text: str) -> str:
-    """Content before the first `<tool_call>` (trailing whitespace held back: the split strips it)."""
-    return before(text, "<tool_call>").rstrip()
+    """Content before the first `<tool_call>`, as the split keeps it (whitespace included: vLLM's)."""
+    return before(text, "<tool_call>")
 
 
 def llama3_streamable(text: str) -> str:
