@@ -317,6 +317,36 @@ def test_preempted_requests_under_cuda_graphs_give_plain_outputs(tmp_path, metho
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
+def test_a_reasoning_parsers_grammar_under_cuda_graphs_gives_plain_outputs(tmp_path, method, fixture):
+    """Structured outputs after a think block on the GPU (masks copied to the device, verify graphs, the plain
+    step launched ahead for the other rows): speculative outputs equal plain decoding's, answers keep the grammar."""
+    import re
+    from pathlib import Path
+
+    from blockspec.sampling_params import StructuredOutputsParams
+
+    target = save_drafter_target(tmp_path / "t", think=True)
+    kw = dict(device="cuda", dtype="float32", max_model_len=160, reasoning_parser="qwen3")
+    plain = LLM(str(target), **kw)
+    spec = LLM(str(target), **kw, speculative_config={
+        "method": method, "model": str(Path(__file__).parent / "fixtures" / "drafters" / fixture),
+        "adaptive_draft_length": False})
+    end = plain.engine.think.end
+    prompts = ["hello<think>", "x = 1<think>", "def f():<think>", "The answer<think>", "no block"]
+    params = [SamplingParams(temperature=t, seed=4, max_tokens=40, logit_bias={end: 1.5},
+                             structured_outputs=StructuredOutputsParams(regex=r"[a-c]{3}-[0-9]{2}"))
+              for t in (0.0, 0.8, 0.0, 0.8, 0.0)]
+    want = plain.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in want]
+    for o in want:
+        answer = o.outputs[0].text.split("</think>")[-1]
+        assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", answer) and o.outputs[0].finish_reason == "stop", o.outputs[0].text
+    assert spec.get_stats()["num_drafts"] > 0
+
+
+@pytest.mark.gpu
 def test_a_cache_plan_beyond_the_gpu_is_refused_before_allocating(tmp_path):
     """Too little of the card left for the pages of one max_model_len sequence: a clear error at
     start-up naming the numbers, not a CUDA out-of-memory error from inside an allocation."""
