@@ -4,16 +4,16 @@
 The engine reads the blocks by token (a structured output's grammar holds the answer, not the thinking:
 `structured.Grammar`); the server splits the text alike (`server.reasoning`: reasoning_content and content).
 
-- `qwen3`: an output thinks where its first token opens a block, or where its prompt left one open (Qwen3's
-  thinking-only templates open it in the prompt); with `enable_thinking` false the template closes an empty
-  block in the prompt, and the output is all answer.
-- `deepseek_r1`: an output always starts thinking (R1's template opens the block in the prompt; R1-0528 also
-  writes `<think>` itself), until `</think>` or its end.
+- an output thinks where its prompt left a block open (Qwen3's thinking-only templates and R1's open it there), or
+  where its first token opens one;
+- a prompt that closed its block at its end (Qwen3's template with `enable_thinking` false) gets the answer at once;
+- `deepseek_r1`: with no tag in its prompt an output starts thinking (R1's older templates leave the opening to the
+  model, which may also skip writing it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ class ThinkTokens:
     end: int
 
     @classmethod
-    def of(cls, parser: str, tokenizer: Any) -> ThinkTokens:
+    def of(cls, parser: str, tokenizer: Any, vocab_size: int) -> ThinkTokens:
         """The parser's (one of config.REASONING_PARSERS) tags in `tokenizer`, or a ConfigError naming what is
         missing."""
         if tokenizer is None:
@@ -42,21 +42,26 @@ class ThinkTokens:
         if missing:
             raise ConfigError(f"reasoning_parser {parser!r}: the tokenizer has no {' or '.join(missing)} token (a "
                               f"thinking model's tokenizer holds {START} and {END} as one token each)")
+        outside = [tag for tag in (START, END) if vocab[tag] >= vocab_size]
+        if outside:
+            raise ConfigError(f"reasoning_parser {parser!r}: the tokenizer's {' and '.join(outside)} (id "
+                              f"{', '.join(str(vocab[t]) for t in outside)}) lie outside the model's vocabulary of "
+                              f"{vocab_size}")
         return cls(parser, vocab[START], vocab[END])
 
-    def starts_thinking(self, prompt_ids: Sequence[int]) -> bool:
-        """Whether an output begins inside a think block: always under deepseek_r1; under qwen3 where the
-        prompt's last `<think>` comes after its last `</think>`."""
-        if self.parser == "deepseek_r1":
-            return True
-        for tok in reversed(prompt_ids):
-            if tok == self.end:
-                return False
-            if tok == self.start:
-                return True
-        return False
+    def phase(self, prompt_ids: Sequence[int], decode: Callable[[list[int]], str]) -> str:
+        """Where an output of this prompt starts (`decode`: the text of ids):
 
-    @property
-    def may_open(self) -> bool:
-        """Whether an output that does not start thinking may open a block with its first token (qwen3)."""
-        return self.parser == "qwen3"
+        - "thinking": inside a block, the prompt's last tag being `<think>` (or, under deepseek_r1, the prompt
+          holding no tag);
+        - "answer": the prompt closed its block at its end, whitespace aside (Qwen3's enable_thinking false, a
+          continued message whose block is closed): vLLM's reading of such a prompt;
+        - "first": its first token may open a block, else it is the answer (qwen3 with no tag in the prompt, and
+          either parser after an earlier turn's closed block).
+        """
+        for i in range(len(prompt_ids) - 1, -1, -1):
+            if prompt_ids[i] == self.start:
+                return "thinking"
+            if prompt_ids[i] == self.end:
+                return "answer" if not decode(list(prompt_ids[i + 1:])).strip() else "first"
+        return "thinking" if self.parser == "deepseek_r1" else "first"

@@ -128,23 +128,19 @@ def _compiled(grammar: str, tokenizer: LLTokenizer) -> GrammarMatcher:
 
 class Grammar:
     """A request's constraint and where it starts: at the output's first token, or with a reasoning parser
-    (`think`) after the output's think block. Under qwen3's rule an output not yet thinking may open a block
-    with its first token, so that token's row allows `<think>` beside what the grammar allows."""
+    (`think`) after the output's think block. An output that may open a block with its first token (phase
+    "first") has that token's row allow `<think>` beside what the grammar allows."""
 
-    def __init__(self, matcher: GrammarMatcher, think: ThinkTokens | None = None,
-                 prompt_ids: Sequence[int] = ()) -> None:
+    def __init__(self, matcher: GrammarMatcher, think: ThinkTokens | None = None, phase: str = "answer") -> None:
         self.matcher = matcher
         self.think = think
         # "answer": the grammar holds each token; "thinking": free until `</think>`; "first": the first token
-        # may open a block (qwen3), else the grammar holds it
-        self.phase = ("answer" if think is None else "thinking" if think.starts_thinking(prompt_ids)
-                      else "first" if think.may_open else "answer")
+        # may open a block, else the grammar holds it (`ThinkTokens.phase`)
+        self.phase = phase
 
     def copy(self) -> Grammar:
         """An independent copy (each of a prompt's n copies advances its own)."""
-        twin = Grammar(self.matcher.deep_copy(), self.think)
-        twin.phase = self.phase
-        return twin
+        return Grammar(self.matcher.deep_copy(), self.think, self.phase)
 
     def _start(self, tokens: Sequence[int]) -> int | None:
         """The index in `tokens` (the next tokens of the output) of the first the grammar holds; None where all of

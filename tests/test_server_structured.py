@@ -237,42 +237,49 @@ def test_required_tool_choice_keeps_each_tools_definitions_and_auto_honours_para
         assert len(stream.finish()[1]) == found
 
 
-@pytest.mark.parametrize("text, thinking, qwen3, deepseek_r1", [
-    ("<think>\nplan\n</think>\n\nanswer", False, ("\nplan\n", "\n\nanswer"), ("\nplan\n", "\n\nanswer")),
-    ("plain answer", False, (None, "plain answer"), ("plain answer", None)),  # R1 always starts thinking
-    ("<think>cut off by max_tokens", False, ("cut off by max_tokens", None), ("cut off by max_tokens", None)),
-    ("thought</think>answer", True, ("thought", "answer"), ("thought", "answer")),  # the prompt opened the block
-    ("<think></think>\n\nhi <think>", False, (None, "\n\nhi <think>"), (None, "\n\nhi <think>")),
+@pytest.mark.parametrize("text, phase, want", [
+    ("<think>\nplan\n</think>\n\nanswer", "first", ("\nplan\n", "\n\nanswer")),
+    ("plain answer", "first", (None, "plain answer")),
+    ("plain answer", "thinking", ("plain answer", None)),  # R1 with no tag in its prompt
+    ("<think>cut off by max_tokens", "first", ("cut off by max_tokens", None)),
+    ("thought</think>answer", "thinking", ("thought", "answer")),  # the prompt opened the block
+    ("<think>again</think>answer", "thinking", ("again", "answer")),  # R1-0528 writes the <think> its prompt opened
+    ("<think></think>\n\nhi <think>", "first", (None, "\n\nhi <think>")),
+    ("<think>x</think>y", "answer", (None, "<think>x</think>y")),  # the prompt closed its block: all content
 ])
-def test_reasoning_parsers_split_thinking_from_content(text, thinking, qwen3, deepseek_r1):
-    """vLLM's --reasoning-parser readings; read in pieces at every split point, an output splits as it does whole
-    (a tag cut between two pieces included)."""
-    from blockspec.reasoning import ThinkTokens
+def test_reasoning_parsers_split_thinking_from_content(text, phase, want):
+    """vLLM's --reasoning-parser readings from where an output starts; read in pieces at every split point, an
+    output splits as it does whole (a tag cut between two pieces included)."""
     from blockspec.server.reasoning import ReasoningStream, split_reasoning
 
-    start_id, end_id = 7, 8
-    prompt = [1, 2, start_id, 3] if thinking else [1, start_id, end_id, 3]  # the prompt left a block open, or not
-    for name, want in (("qwen3", qwen3), ("deepseek_r1", deepseek_r1)):
-        start = ThinkTokens(name, start_id, end_id).starts_thinking(prompt)
-        assert split_reasoning(text, start) == want, name
-        for cut in range(len(text) + 1):
-            reader, got = ReasoningStream(start), ["", ""]
-            for piece in (text[:cut], text[cut:], ""):
-                for i, part in enumerate(reader.feed(piece)):
-                    got[i] += part
-            for i, part in enumerate(reader.finish()):
+    assert split_reasoning(text, phase) == want
+    for cut in range(len(text) + 1):
+        reader, got = ReasoningStream.starting(phase), ["", ""]
+        for piece in (text[:cut], text[cut:], ""):
+            for i, part in enumerate(reader.feed(piece)):
                 got[i] += part
-            assert (got[0] or None, got[1] or None) == want, (name, cut)
+        for i, part in enumerate(reader.finish()):
+            got[i] += part
+        assert (got[0] or None, got[1] or None) == want, cut
 
 
-@pytest.mark.parametrize("prompt, qwen3", [([5, 7, 6], True), ([7, 8, 6], False), ([8, 7], True), ([5, 6], False),
-                                           ([7, 6, 8, 5], False)])
-def test_where_an_output_starts_thinking(prompt, qwen3):
-    """qwen3: where the prompt's last <think> (7) comes after its last </think> (8); deepseek_r1: always."""
+@pytest.mark.parametrize("prompt, qwen3, deepseek_r1", [
+    ([5, 7, 6], "thinking", "thinking"),  # the prompt left a block open
+    ([8, 7], "thinking", "thinking"),
+    ([5, 7, 8], "answer", "answer"),  # closed at its end (enable_thinking false): vLLM's reading
+    ([5, 7, 6, 8, 9, 9], "answer", "answer"),  # ... whitespace aside
+    ([7, 6, 8, 5], "first", "first"),  # an earlier turn's closed block: the output may open its own
+    ([5, 6], "first", "thinking"),  # no tag: R1's older templates leave the opening to the model
+])
+def test_where_an_output_starts_thinking(prompt, qwen3, deepseek_r1):
+    """<think> is 7, </think> 8, 9 a whitespace token."""
     from blockspec.reasoning import ThinkTokens
 
-    assert ThinkTokens("qwen3", 7, 8).starts_thinking(prompt) is qwen3
-    assert ThinkTokens("deepseek_r1", 7, 8).starts_thinking(prompt) is True
+    def decode(ids: list[int]) -> str:
+        return "".join(" " if t == 9 else "x" for t in ids)
+
+    assert ThinkTokens("qwen3", 7, 8).phase(prompt, decode) == qwen3
+    assert ThinkTokens("deepseek_r1", 7, 8).phase(prompt, decode) == deepseek_r1
 
 
 def thinking_llm(target: Path) -> LLM:
@@ -300,6 +307,13 @@ def test_a_reasoning_parser_returns_the_think_block_as_reasoning_content(tmp_pat
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == thought
         assert "".join(d.content or "" for d in deltas) == answer
+        # vLLM's include_reasoning false: the thinking is dropped, whole and streamed
+        ask["extra_body"]["include_reasoning"] = False
+        bare = client.chat.completions.create(**ask).choices[0].message
+        assert bare.model_extra.get("reasoning_content") is None and bare.content == answer
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **ask) if c.choices]
+        assert not any(d.model_extra.get("reasoning_content") for d in deltas)
+        assert "".join(d.content or "" for d in deltas) == answer
     finally:
         live.close()
 
@@ -317,7 +331,7 @@ def test_tool_calls_are_looked_for_in_the_content_only():
     for text, calls, content in ((f"<think>{call}</think>ok", 0, "ok"), (f"<think>hm</think>{call}", 1, None)):
         def renderer() -> ChatRenderer:
             return ChatRenderer(body, "tiny", [Prompt("x", [1])], SamplingParams(), TokenStrings(None), False,
-                                tools=tool_use(body, "hermes"), reasoning=True, thinking=False)
+                                tools=tool_use(body, "hermes"), phase="first")
 
         message = renderer().message(text)
         assert len(message.tool_calls or []) == calls and message.content == content, text

@@ -24,7 +24,7 @@ from blockspec.errors import RequestError
 from blockspec.sample.processors import apply_bitmask
 from blockspec.sampling_params import SamplingError, StructuredOutputsParams
 from blockspec.structured import Grammar, Masks
-from factories import save_drafter_target
+from factories import save_drafter_target, save_tiny_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -348,25 +348,29 @@ def test_a_reasoning_parsers_grammar_holds_the_answer_after_the_think_block(thin
     assert all(re.fullmatch(r"[a-c]{3}-[0-9]{2}", t) for t in texts(free.generate(prompts, params, use_tqdm=False)))
 
 
-def test_qwen3s_output_may_open_a_think_block_with_its_first_token_only(thinker):
-    """qwen3: an output whose prompt left no block open may open one with its first token (its row allows <think>
-    beside the grammar's tokens), then the grammar holds the answer after </think>; a prompt that closed its block
-    (enable_thinking false) without a first <think> is constrained from its first token."""
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_an_output_may_open_a_think_block_with_its_first_token_only(thinker, parser):
+    """An output whose prompt left no block open may open one with its first token (its row allows <think> beside
+    the grammar's tokens: qwen3 with no tag in its prompt, either parser after an earlier turn's block), then the
+    grammar holds the answer after </think>; later rows never allow <think>. A prompt that closed its block at its
+    end (Qwen3's enable_thinking false) is constrained from its first token, <think> biased up as it may be."""
     free = LLM(str(thinker), device="cpu", max_model_len=160)
-    llm = LLM(str(thinker), device="cpu", max_model_len=160, reasoning_parser="qwen3")
+    llm = LLM(str(thinker), device="cpu", max_model_len=160, reasoning_parser=parser)
     start, end = think_ids(llm)
     opening = SamplingParams(temperature=0, max_tokens=40, logit_bias={start: 30.0, end: 40.0}, structured_outputs=ANSWER)
-    for out in llm.generate(PROMPTS, opening, use_tqdm=False):
-        assert out.outputs[0].token_ids[:2] == [start, end], out.outputs[0].text
-        assert re.fullmatch(r"<think></think>[a-c]{3}-[0-9]{2}", out.outputs[0].text)
-    closed = [p + "<think></think>" for p in PROMPTS]
-    no_opening = SamplingParams(temperature=0, max_tokens=40, logit_bias={start: -100.0}, structured_outputs=ANSWER)
-    assert ids(llm.generate(closed, no_opening, use_tqdm=False)) == ids(free.generate(closed, no_opening,
-                                                                                      use_tqdm=False))
+    earlier = [p + "<think>x</think>turn\n" for p in PROMPTS]  # an earlier turn's block, then more text
+    for out in llm.generate(earlier + (PROMPTS if parser == "qwen3" else []), opening, use_tqdm=False):
+        assert re.fullmatch(r"<think></think>[a-c]{3}-[0-9]{2}", out.outputs[0].text), out.outputs[0].text
+    closed = [p + "<think></think>\n\n" for p in PROMPTS]
+    for bias in (30.0, -100.0):
+        pushed = SamplingParams(temperature=0, max_tokens=40, logit_bias={start: bias}, structured_outputs=ANSWER)
+        got = llm.generate(closed, pushed, use_tqdm=False)
+        assert ids(got) == ids(free.generate(closed, pushed, use_tqdm=False))
+        assert all(re.fullmatch(r"[a-c]{3}-[0-9]{2}", t) for t in texts(got)), texts(got)
     # a first token of the grammar's (biased above <think>): no later row allows <think>, biased as it is
     a = llm.engine.tokenizer.encode("a")[0]
     late = SamplingParams(temperature=0, max_tokens=40, logit_bias={a: 40.0, start: 30.0}, structured_outputs=ANSWER)
-    for out in llm.generate(closed, late, use_tqdm=False):
+    for out in llm.generate(earlier, late, use_tqdm=False):
         assert re.fullmatch(r"a[a-c]{2}-[0-9]{2}", out.outputs[0].text), out.outputs[0].text
 
 
@@ -403,10 +407,14 @@ def test_drafts_across_the_end_of_a_think_block_keep_plain_decodings_output(thin
     assert ids(broken) != ids(want) or any(o.error for o in broken)
 
 
-def test_a_reasoning_parser_needs_the_tokenizers_think_tokens(target, thinker):
+def test_a_reasoning_parser_needs_the_tokenizers_think_tokens(target, thinker, tmp_path):
     with pytest.raises(ConfigError, match="reasoning_parser must be one of qwen3, deepseek_r1"):
         EngineConfig(reasoning_parser="r1")
     with pytest.raises(ConfigError, match="the tokenizer has no <think> or </think> token"):
         LLM(str(target), device="cpu", max_model_len=160, reasoning_parser="qwen3")
     llm = LLM(str(thinker), device="cpu", max_model_len=160, reasoning_parser="deepseek_r1")
     assert (llm.engine.think.start, llm.engine.think.end) == think_ids(llm)
+    wide = save_drafter_target(tmp_path / "wide")  # the 96-id model under a tokenizer whose tags are ids 96, 97
+    save_tiny_tokenizer(wide, drop="`~", think=True)
+    with pytest.raises(ConfigError, match="outside the model's vocabulary of 96"):
+        LLM(str(wide), device="cpu", max_model_len=160, reasoning_parser="qwen3")

@@ -71,7 +71,8 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.eos_ids = sorted(set(eos_token_ids))
         # a thinking model's think block: structured outputs' grammars start after it
-        self.think = ThinkTokens.of(config.reasoning_parser, tokenizer) if config.reasoning_parser else None
+        self.think = (ThinkTokens.of(config.reasoning_parser, tokenizer, self.vocab_size) if config.reasoning_parser
+                      else None)
         self.attention_backend = resolve_backend(config.attention_backend, self.device)
         model.attention_backend = self.attention_backend
         drafter = drafter if spec_config is not None else None
@@ -254,8 +255,9 @@ class Engine:
                                "own id")
         grammar = None
         if params.structured_outputs is not None:  # compiled before queueing: a bad grammar fails here
+            phase = self.think.phase(prompt_ids, self.tokenizer.decode) if self.think is not None else "answer"
             grammar = Grammar(new_matcher(params.structured_outputs, self.tokenizer, self.vocab_size,
-                                          tuple(self.eos_ids), f"request {request_id}"), self.think, prompt_ids)
+                                          tuple(self.eos_ids), f"request {request_id}"), self.think, phase)
         bad = word_sequences(params.bad_words, self.tokenizer, self.vocab_size) if params.bad_words else ()
         # the n copies read one prompt: whichever prefills a position first computes its entry, for all
         prompt_logprobs = [None] if params.prompt_logprobs is not None else None

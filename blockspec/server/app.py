@@ -496,18 +496,19 @@ class ChatRenderer(Renderer):
     chunk_type = ChatCompletionChunk
 
     def __init__(self, *args: Any, tools: ToolUse | None = None, role: str = "assistant",
-                 reasoning: bool = False, thinking: bool = False, **kwargs: Any) -> None:
+                 phase: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.role = role
         self.tools = tools if tools is not None and tools.calls_possible else None
         self.streams: dict[int, ToolStream] = {}  # with tools: each streamed choice's output so far
-        # `reasoning`: the think block is reasoning_content (a reasoning parser); `thinking`: the output starts in one
-        self.reasoning, self.thinking = reasoning, thinking
+        # with a reasoning parser: where the output starts (`ThinkTokens.phase`), its think block reasoning_content
+        self.phase = phase
         self.thoughts: dict[int, ReasoningStream] = {}  # with a reasoning parser: each streamed choice's reader
 
     def message(self, text: str) -> AssistantMessage:
         """A choice's whole text as its message: reasoning, content, tool calls (looked for in the content)."""
-        reasoning, content = split_reasoning(text, self.thinking) if self.reasoning else (None, text)
+        reasoning, content = split_reasoning(text, self.phase) if self.phase is not None else (None, text)
+        reasoning = reasoning if self.body.include_reasoning else None  # vLLM's include_reasoning false: dropped
         calls = []
         if self.tools is not None and content is not None:
             said, calls = self.tools.split(content)
@@ -538,13 +539,14 @@ class ChatRenderer(Renderer):
 
     def chunk(self, d: Delta) -> BaseModel:
         thought, text = "", d.text
-        if self.reasoning:
-            reader = self.thoughts.setdefault(d.index, ReasoningStream(self.thinking))
+        if self.phase is not None:
+            reader = self.thoughts.setdefault(d.index, ReasoningStream.starting(self.phase))
             thought, text = reader.feed(d.text)
             if d.finish_reason is not None:
                 more, rest = reader.finish()
                 thought, text = thought + more, text + rest
                 del self.thoughts[d.index]
+            thought = thought if self.body.include_reasoning else ""
         delta, finish_reason = DeltaMessage(content=text if text or not thought else None), d.finish_reason
         if self.tools is not None:
             stream = self.streams.setdefault(d.index, ToolStream(self.tools))
@@ -772,11 +774,10 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
         prompt = await in_thread(templating, chat_prompt, inputs, body, config, tools)
         # vLLM's rule: a new turn is the server's response role's; a continued message keeps its own role
         role = config.response_role if body.add_generation_prompt else body.messages[-1].role
-        reasoning = inputs.think is not None  # the engine's reasoning parser: its think block is reasoning_content
-        thinking = reasoning and inputs.think.starts_thinking(prompt.ids)
+        # the engine's reasoning parser: where the output starts, its think block reasoning_content
+        phase = inputs.think.phase(prompt.ids, inputs.tokenizer.decode) if inputs.think is not None else None
         return await generate(request, body, inputs, [prompt], params,
-                              functools.partial(ChatRenderer, tools=tools, role=role, reasoning=reasoning,
-                                                thinking=thinking))
+                              functools.partial(ChatRenderer, tools=tools, role=role, phase=phase))
 
     def model_card(inputs: ModelInputs, name: str) -> ModelCard:
         return ModelCard(id=name, root=str(inputs.model_dir), max_model_len=inputs.max_model_len)

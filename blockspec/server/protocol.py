@@ -40,8 +40,6 @@ IGNORED_FIELDS = {
     "reasoning_effort": "a reasoning budget no supported chat template reads",
     # vLLM's per-request choice of structured-output backend: this server compiles every constraint with llguidance
     "guided_decoding_backend": "a structured-output backend choice (one backend here)",
-    # vLLM's: without a reasoning parser (none here) the reasoning stays in the content, as vLLM's does
-    "include_reasoning": "whether a reasoning parser's reasoning_content is returned (no reasoning parser here)",
     "kv_transfer_params": "vLLM's disaggregated-prefill KV hand-off (one engine here)",
     "vllm_xargs": "vLLM's extra arguments for its plugins (none here)",
     "mm_processor_kwargs": "a multimodal processor's options (text models here)",
@@ -390,6 +388,8 @@ class ChatCompletionRequest(GenerationRequest):
     chat_template: str | None = Field(None, description="a template of the request's own (only where the server "
                                                         "trusts request templates)")
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = Field(True, description="with a reasoning parser, return the think block as "
+                                                      "reasoning_content (vLLM's; false drops it)")
     documents: list[dict[str, str]] | None = Field(None, description="documents for a retrieval chat template, "
                                                                      "each a dict of strings (vLLM extra)")
     add_special_tokens: bool = Field(False, description="the tokenizer's special tokens (BOS) before the chat "

@@ -24,6 +24,12 @@ class ReasoningStream:
     at_start: bool = True  # nothing but whitespace read yet: the output may still open its block
     held: str = ""
 
+    @classmethod
+    def starting(cls, phase: str) -> ReasoningStream:
+        """A reader of an output that starts at `phase` (`ThinkTokens.phase`): inside its block, free to open one,
+        or (its prompt closed the block) all content."""
+        return cls(thinking=phase == "thinking", at_start=phase != "answer")
+
     def feed(self, piece: str) -> tuple[str, str]:
         """(reasoning, content) to send now."""
         text, self.held = self.held + piece, ""
@@ -51,10 +57,10 @@ class ReasoningStream:
         return (held, "") if self.thinking else ("", held)
 
 
-def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str | None]:
-    """(reasoning, content) of a whole output that starts inside a think block or not; None for an empty part
+def split_reasoning(text: str, phase: str) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a whole output that starts at `phase` (`ThinkTokens.phase`); None for an empty part
     (vLLM's)."""
-    reader = ReasoningStream(thinking)
+    reader = ReasoningStream.starting(phase)
     reasoning, content = reader.feed(text)
     more, rest = reader.finish()
     return (reasoning + more) or None, (content + rest) or None
