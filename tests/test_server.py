@@ -188,6 +188,17 @@ def test_cli_serve_subprocess(text_dir):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
 
 
+def test_cli_serve_that_cannot_load_says_why_once_and_exits_2(text_dir):
+    """A model that cannot serve as asked (a reasoning parser over a tokenizer without think tokens) is one line
+    on stderr, said once (the engine process's log said it as well), and exit status 2."""
+    cmd = [sys.executable, "-m", "blockspec.cli", "serve", "--model", str(text_dir), "--port", "0", "--device", "cpu",
+           "--log-level", "warning", "--reasoning-parser", "qwen3"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=PATIENCE)
+    lines = [line for line in done.stderr.splitlines() if "<think>" in line]
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: reasoning_parser 'qwen3'"), \
+        done.stderr
+
+
 def test_cli_serve_over_https_under_a_root_path(text_dir, tmp_path):
     """vLLM's --ssl-keyfile / --ssl-certfile serve HTTPS; under --root-path (a reverse proxy's prefix)
     the API key still guards /v1/ (the scope's path then starts with the root path); --response-role names

@@ -76,7 +76,8 @@ def _loaded(load: Callable[[], LLM], send: Callable[[Report], None]) -> LLM | No
         return load()
     except Exception as exc:
         message = str(exc) if isinstance(exc, USER_ERRORS) else f"{type(exc).__name__}: {exc}"
-        log.error("loading the model failed: %s", message, exc_info=not isinstance(exc, USER_ERRORS))
+        if not isinstance(exc, USER_ERRORS):  # a user error's one line is the front's to say (`_failed`)
+            log.error("loading the model failed: %s", message, exc_info=True)
         send(LoadFailed(message))
         return None
 
@@ -238,6 +239,8 @@ class AsyncEngine:
             out.put_nowait(error)
         if self._on_engine_error is not None:
             self._on_engine_error(message)
+        else:
+            log.error("the engine cannot serve: %s", message)
 
     def _post(self, report: Report) -> None:
         """Hand a report to the event loop (from an engine or reader thread)."""
