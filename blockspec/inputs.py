@@ -162,16 +162,22 @@ def engine_template_arguments(tokenizer: Any, kwargs: dict[str, Any]) -> list[st
 def template_messages(messages: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
     """Messages as chat templates take them, as vLLM hands them over: an assistant's tool calls with their
     arguments as objects (OpenAI clients send JSON text, which a template's `tojson` would quote again; none
-    given, {}), and an empty tool_calls list left out (a template may take the key for a call)."""
+    given, {}), an empty tool_calls list left out (a template may take the key for a call), and its thinking
+    sent back as `reasoning` (vLLM's name) also as `reasoning_content`, the name chat templates read (Qwen3's)."""
     out = []
     for j, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            out.append(m)
+            continue
         calls = m.get("tool_calls")
-        if m.get("role") == "assistant" and isinstance(calls, list):
+        if isinstance(calls, list):
             if not calls:
                 m = {k: v for k, v in m.items() if k != "tool_calls"}
             else:
                 m = {**m, "tool_calls": [with_object_arguments(c, f"{where}, message {j}: tool_calls[{i}]")
                                          for i, c in enumerate(calls)]}
+        if isinstance(m.get("reasoning"), str) and m.get("reasoning_content") is None:
+            m = {**m, "reasoning_content": m["reasoning"]}
         out.append(m)
     return out
 

@@ -303,9 +303,11 @@ def test_a_reasoning_parser_returns_the_think_block_as_reasoning_content(tmp_pat
         whole = client.chat.completions.create(**ask).choices[0].message
         thought, answer = whole.model_extra["reasoning_content"], whole.content
         assert len(thought) >= 2 and "think>" not in thought and len(answer) == 4 and set(answer) <= set("def")
+        assert whole.model_extra["reasoning"] == thought  # vLLM's name since its rename, beside DeepSeek's
         chunks = list(client.chat.completions.create(stream=True, **ask))
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == thought
+        assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == thought
         assert "".join(d.content or "" for d in deltas) == answer
         # vLLM's include_reasoning false: the thinking is dropped, whole and streamed
         ask["extra_body"]["include_reasoning"] = False

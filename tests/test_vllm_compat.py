@@ -278,6 +278,12 @@ def test_tool_call_histories_and_template_arguments_reach_the_template_as_vllm_p
     with pytest.raises(ConversationError, match=r"^conversation 0: the chat template failed on these messages: "
                                                 r"TypeError"):
         text_llm.chat(msgs[:1], GREEDY, use_tqdm=False, chat_template="{{ none + 'a' }}")
+    # thinking sent back under vLLM's `reasoning` reaches a template as `reasoning_content` (Qwen3's name)
+    thought = "{% for m in messages %}{{ m['role'] }}:{{ m.reasoning_content or '' }}|{{ m['content'] }};{% endfor %}"
+    turns = [msgs[0], {"role": "assistant", "content": "a", "reasoning": "r"},
+             {"role": "assistant", "content": "b", "reasoning_content": "s", "reasoning": "ignored"}]
+    got = text_llm.chat(turns, GREEDY, use_tqdm=False, chat_template=thought, add_generation_prompt=False)
+    assert got[0].prompt_token_ids == encode("user:|hi;assistant:r|a;assistant:s|b;")
 
 
 def test_vllm_prompt_and_params_helpers(text_llm, target_dir):

@@ -526,9 +526,20 @@ class DeltaToolCall(WithoutNulls):
     function: DeltaFunction
 
 
-class AssistantMessage(BaseModel):
+class WithReasoning(BaseModel):
+    """A message with its thinking (a reasoning parser's), written under both names clients read: `reasoning`
+    (vLLM's since its rename, OpenRouter's) and `reasoning_content` (DeepSeek's, vLLM's before)."""
+
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _both_names(self, handler: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        data = handler(self)
+        return {"role": data.pop("role"), "reasoning": data.get("reasoning_content"), **data}
+
+
+class AssistantMessage(WithReasoning):
     role: str = "assistant"  # ServerConfig.response_role, or the continued message's
-    reasoning_content: str | None = None  # with a reasoning parser: the thinking (vLLM's field)
     content: str | None
     tool_calls: list[ToolCall] | None = None
 
@@ -550,9 +561,8 @@ class ChatCompletionResponse(ResponseBase):
     prompt_token_ids: list[int] | None = None
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(WithReasoning):
     role: str | None = None
-    reasoning_content: str | None = None  # with a reasoning parser: the thinking (vLLM's field)
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
