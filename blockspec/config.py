@@ -425,6 +425,8 @@ def check_bool(cfg: Any, name: str, optional: bool = False, prefix: str = "") ->
     raise ConfigError(f"{prefix}{name} must be {'true, false or None' if optional else 'true or false'}, got {value!r}")
 
 
+# vLLM's names for DSpark's options -> this config's
+VLLM_SPEC_NAMES = {"enable_adaptive_verification": "adaptive_verification", "dspark_draft_topk": "markov_top_k"}
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REJECTION_SAMPLE_METHODS = ("standard", "block")
 
@@ -450,6 +452,22 @@ class SpeculativeConfig:
     revision: str | None = None  # the drafter's branch, tag or commit, for a hub id (None: the default branch)
 
     @staticmethod
+    def _with_our_names(value: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's spellings of DSpark's options (VLLM_SPEC_NAMES) as this config's; both given and differing is a
+        ConfigError naming both."""
+        value = dict(value)
+        for theirs, ours in VLLM_SPEC_NAMES.items():
+            if theirs not in value:
+                continue
+            given = value.pop(theirs)
+            given = 0 if theirs == "dspark_draft_topk" and given is None else given  # vLLM's None: no pruning
+            if ours in value and value[ours] != given:
+                raise ConfigError(f"speculative_config: {theirs}={given!r} and {ours}={value[ours]!r} name the same "
+                                  "option; give one of them")
+            value[ours] = given
+        return value
+
+    @staticmethod
     def from_user(value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":
         if value is None:
             return None
@@ -458,7 +476,8 @@ class SpeculativeConfig:
             return value
         if not isinstance(value, dict):
             raise ConfigError(f"speculative_config must be a dict or None, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        value = SpeculativeConfig._with_our_names(value)
+        known = {f.name for f in dataclasses.fields(SpeculativeConfig)} | set(VLLM_SPEC_NAMES)
         unknown = sorted(set(value) - known)
         if unknown:
             raise ConfigError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")

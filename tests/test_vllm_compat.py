@@ -67,6 +67,21 @@ def test_vllm_options_map_to_the_engine(text_dir, caplog):
     assert llm.get_tokenizer() is llm.tokenizer is not None
 
 
+def test_vllms_spellings_of_dsparks_options_configure_it(tmp_path):
+    """vLLM names DSpark's options enable_adaptive_verification and dspark_draft_topk (None: the whole vocabulary);
+    they were unknown fields. Both spellings of one option must agree."""
+    target = save_drafter_target(tmp_path / "t")
+    spec = {"method": "dspark", "model": str(FIXTURES / "dspark_vanilla"), "enable_adaptive_verification": True,
+            "dspark_draft_topk": 8}
+    config = LLM(str(target), device="cpu", max_model_len=96, speculative_config=spec).speculative_config
+    assert config.adaptive_verification and config.markov_top_k == 8
+    config = LLM(str(target), device="cpu", max_model_len=96,
+                 speculative_config={**spec, "dspark_draft_topk": None}).speculative_config
+    assert config.markov_top_k == 0
+    with pytest.raises(ConfigError, match="dspark_draft_topk=8 and markov_top_k=4 name the same option"):
+        LLM(str(target), device="cpu", speculative_config={**spec, "markov_top_k": 4})
+
+
 def test_vllm_knobs_without_a_counterpart_are_accepted_with_a_note(text_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="blockspec"):
         LLM(str(text_dir), device="cpu", max_model_len=64, enable_chunked_prefill=False, swap_space=4,
