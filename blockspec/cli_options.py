@@ -28,7 +28,9 @@ def port_number(text: str) -> int:
 
 def token_count(text: str) -> int:
     """A count of tokens in vLLM's human-readable form (argparse type): 2048, 1k = 1,000, 25.6k = 25,600,
-    1K = 1,024 (binary suffixes take whole numbers only); m / M, g / G likewise."""
+    1K = 1,024 (binary suffixes take whole numbers only); m / M, g / G likewise; "auto" is -1."""
+    if text.strip() == "auto":
+        return -1
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])", text.strip())
     if match is None:
         try:
@@ -112,7 +114,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the most logprobs a request may ask for a token (-1: the whole vocabulary)")
     g.add_argument("--max-model-len", type=token_count, default=None,
                    help="context length to plan memory for (default: the model's, at most 4096); 32k or 8K as vLLM "
-                        "takes them")
+                        "takes them; -1 or auto: the model's whole length")
     g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, help="requests decoded together at most")
     g.add_argument("--max-prefill-tokens", "--max-num-batched-tokens", dest="max_prefill_tokens", type=token_count,
                    default=EngineConfig.max_prefill_tokens,
@@ -133,8 +135,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="KV pages to allocate (default: what --gpu-memory-utilization leaves on CUDA, enough for "
                         "max-num-seqs x max-model-len on the CPU); requests that run short are preempted and "
                         "recomputed")
-    g.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
-                   help="launch each greedy step before the previous one is committed (auto: on for CUDA)")
+    g.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"], nargs="?", const="on",
+                   help="launch each greedy step before the previous one is committed (auto: on for CUDA; the flag "
+                        "alone, as vLLM's: on)")
+    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const="off",
+                   help="the same as --async-scheduling off (vLLM's)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (target decode and prefill, the draft step, the chained speculative step): "
                         "slower steps, faster start-up")

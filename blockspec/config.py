@@ -640,7 +640,9 @@ class EngineArgs(EngineConfig):
     # (embeddings, LM head and norms stay in dtype); an FP8 checkpoint loads as FP8 whatever this is
     quantization: str | None = None
     device: str = "auto"
-    max_model_len: int | None = None  # None: the model config's, at most 4096
+    # None: the model config's, at most 4096; -1 or "auto" (vLLM's): the model config's whole length (one sequence
+    # of it must fit the KV pages, or the start is refused)
+    max_model_len: int | str | None = None
     seed: int | None = None  # the engine's seed for requests that give none (None: 0)
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     warmup: bool = True  # capture every CUDA graph at start-up, not inside the first requests
@@ -673,7 +675,12 @@ class EngineArgs(EngineConfig):
     max_seq_len_to_capture: int | None = None
 
     def __post_init__(self) -> None:
+        whole = self.max_model_len in (-1, "auto")  # the model's whole length, known once its config is read
+        if whole:
+            self.max_model_len = None
         super().__post_init__()
+        if whole:
+            self.max_model_len = -1
         spec = self.speculative_config
         if isinstance(spec, dict) and "method" not in spec and isinstance(spec.get("model"), (str, os.PathLike)):
             # the drafter's own config names its family, as vLLM infers a method from the draft model

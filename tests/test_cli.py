@@ -247,9 +247,12 @@ def test_generate_with_tensor_parallel_size_two(tmp_path, capsys):
     assert capsys.readouterr().out == single
 
 
-@pytest.mark.parametrize("flag, expected", [("auto", False), ("on", True), ("off", False)])
-def test_async_scheduling_flag_reaches_the_engine(tmp_path, flag, expected):
-    """--async-scheduling auto | on | off sets the engine's pipelining (auto: off on the CPU)."""
+@pytest.mark.parametrize("flags, expected", [(["--async-scheduling", "auto"], False), (["--async-scheduling", "on"], True),
+                                            (["--async-scheduling", "off"], False), (["--async-scheduling"], True),
+                                            (["--no-async-scheduling"], False)])
+def test_async_scheduling_flag_reaches_the_engine(tmp_path, flags, expected):
+    """--async-scheduling auto | on | off sets the engine's pipelining (auto: off on the CPU); vLLM's forms, the flag
+    alone and --no-async-scheduling, too."""
     import argparse
 
     from blockspec.cli import add_model_args, add_sampling_args, build_llm
@@ -258,7 +261,7 @@ def test_async_scheduling_flag_reaches_the_engine(tmp_path, flag, expected):
     add_model_args(parser)
     add_sampling_args(parser)
     path = save_tiny(tmp_path / "t", "qwen3", seed=0)
-    args = parser.parse_args(["--model", str(path), "--device", "cpu", "--async-scheduling", flag])
+    args = parser.parse_args(["--model", str(path), "--device", "cpu", *flags])
     assert build_llm(args).engine.async_scheduling is expected
 
 
@@ -274,6 +277,7 @@ def test_token_counts_in_vllms_human_readable_form(capsys):
     args = parser.parse_args(["--max-model-len", "25.6k", "--max-num-batched-tokens", "8K"])
     assert (args.max_model_len, args.max_prefill_tokens) == (25600, 8192)
     assert parser.parse_args(["--max-model-len", "4096"]).max_model_len == 4096
+    assert parser.parse_args(["--max-model-len", "auto"]).max_model_len == -1  # vLLM's: the model's whole length
     for bad, says in (("1.5K", "binary suffixes take whole numbers"), ("4kb", "must be an integer, or one with a suffix")):
         with pytest.raises(SystemExit):
             parser.parse_args(["--max-model-len", bad])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 
 import pytest
@@ -457,6 +458,11 @@ def test_llm_config_errors(tmp_path):
     path = save_tiny(tmp_path / "m", "llama")
     with pytest.raises(ConfigError, match="max_model_len=100000 exceeds"):
         LLM(str(path), device="cpu", max_model_len=100000)
+    whole = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    for given in (-1, "auto"):  # vLLM's: the model's whole length (blockspec's default stops at 4096)
+        assert LLM(str(path), device="cpu", max_model_len=given).engine.config.max_model_len == whole
+    with pytest.raises(ConfigError, match="max_model_len must be an integer >= 2"):
+        LLM(str(path), device="cpu", max_model_len=-2)
     with pytest.raises(ConfigError, match="speculative_config.method"):
         LLM(str(path), device="cpu", speculative_config={"method": "medusa", "model": "x"})
     with pytest.raises(ConfigError, match="unknown field"):

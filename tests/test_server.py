@@ -131,10 +131,12 @@ def test_health_is_503_while_loading_then_200(text_dir):
     try:
         r = get(f"{server.url}/health")
         assert r.status_code == 503 and r.json() == {"status": "loading"}
+        assert get(f"{server.url}/ping").status_code == 503  # vLLM's (SageMaker's) health check
         r = post(f"{server.url}/v1/completions", json={"prompt": "a"})
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
         release.set()
         server.wait_ready()
+        assert get(f"{server.url}/ping").status_code == post(f"{server.url}/ping").status_code == 200
         models = server.client().models.list().data
         assert [m.id for m in models] == ["late"] and models[0].max_model_len == MAX_LEN
     finally:

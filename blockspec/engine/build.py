@@ -129,7 +129,7 @@ def build_engine(
     # tokenizer's AutoConfig), whose errors would neither name the file nor stay on one line
     config_path = model_dir / "config.json"
     cfg_len = ModelConfig.from_hf(read_json(config_path), str(config_path)).max_position_embeddings
-    max_len = a.max_model_len or min(cfg_len, 4096)
+    max_len = cfg_len if a.max_model_len == -1 else a.max_model_len or min(cfg_len, 4096)
     if max_len > cfg_len:
         raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings ({cfg_len})")
     defaults = generation_defaults(model_dir, a.generation_config)  # before the weights: a bad file fails fast

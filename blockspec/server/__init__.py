@@ -44,6 +44,9 @@ def add_serve_parser(sub: Any) -> None:
                    help="uvicorn's own log level (vLLM's flag; default: --log-level)")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="accepted for vLLM's sake: blockspec logs no request's contents")
+    g.add_argument("--enable-log-requests", "--enable-log-outputs", dest="enable_log_requests", action="store_true",
+                   help="vLLM's request (and output) logging: accepted with a warning, blockspec logs no request's "
+                        "contents")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="accepted for vLLM's sake: usage always has prompt_tokens_details (cached_tokens)")
     g.add_argument("--metrics-prefix", default=ServerConfig.metrics_prefix, choices=["vllm", "blockspec"],
@@ -171,6 +174,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: cannot listen on {args.host} port {args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     port = sock.getsockname()[1]  # the one the system chose for --port 0
+    if args.enable_log_requests:
+        print("warning: --enable-log-requests / --enable-log-outputs: blockspec logs no request's prompt or output; "
+              "ignored", file=sys.stderr)
     if config.api_key is None and not loopback(args.host):
         print(f"warning: serving on {args.host} with no API key: anyone who reaches this address can use the model "
               "(--api-key or BLOCKSPEC_API_KEY sets one)", file=sys.stderr)

@@ -825,6 +825,7 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
         return VersionResponse(version=__version__)
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's health check)
     async def health() -> Response:
         if not engine.ready:
             status = {"status": "failed", "error": engine.load_error} if engine.load_error else {"status": "loading"}
