@@ -141,11 +141,11 @@ def test_fields_that_change_nothing_are_accepted_and_named_in_the_log(server, ca
     with caplog.at_level(logging.INFO, logger="blockspec.server"):
         r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "a"}], max_tokens=2,
                                            store=True, metadata={"k": "v"}, service_tier="auto",
-                                           parallel_tool_calls=False, reasoning_effort="low")
+                                           parallel_tool_calls=False, reasoning_effort="low", verbosity="low")
     assert r.choices[0].message.content is not None
     lines = [rec.getMessage() for rec in caplog.records if "accepted and ignored" in rec.getMessage()]
     assert len(lines) == 1
-    for name in ("store", "metadata", "service_tier", "reasoning_effort", "parallel_tool_calls"):
+    for name in ("store", "metadata", "service_tier", "reasoning_effort", "verbosity", "parallel_tool_calls"):
         assert name in lines[0]
     r = post(f"{server.url}/v1/completions", json={"prompt": "a", "suffix": "b"})  # suffix would change the output
     assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"

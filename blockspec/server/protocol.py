@@ -38,6 +38,7 @@ IGNORED_FIELDS = {
     # o-series reasoning budget; the Llama / Qwen chat templates read none (Qwen3's thinking is
     # chat_template_kwargs.enable_thinking)
     "reasoning_effort": "a reasoning budget no supported chat template reads",
+    "verbosity": "an answer-length hint no supported chat template reads",
     # vLLM's per-request choice of structured-output backend: this server compiles every constraint with llguidance
     "guided_decoding_backend": "a structured-output backend choice (one backend here)",
     "kv_transfer_params": "vLLM's disaggregated-prefill KV hand-off (one engine here)",
