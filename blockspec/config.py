@@ -767,8 +767,9 @@ class EngineArgs(EngineConfig):
 class ServerConfig:
     """What the HTTP server accepts, beyond what the engine checks."""
 
-    # with a key, /v1/ routes need `Authorization: Bearer <key>` (None: open, for a loopback server)
-    api_key: str | None = None
+    # with a key (or several, any one opening them), /v1/ routes need `Authorization: Bearer <key>` (None: open, for a
+    # loopback server)
+    api_key: str | tuple[str, ...] | None = None
     # request bodies larger than this are refused (413) before they are parsed: 4 MiB holds a prompt of
     # a 128K-token context, as text or as token ids, several times over
     max_request_bytes: int = 4 << 20
@@ -805,8 +806,11 @@ class ServerConfig:
             raise ConfigError(f"log_stats_interval_s must be > 0 or None, got {self.log_stats_interval_s!r}")
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
             raise ConfigError(f"max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
-        if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key.strip()):
-            raise ConfigError("api_key must be a non-empty string or None")
+        keys = [self.api_key] if isinstance(self.api_key, str) else self.api_key
+        if keys is not None and not (isinstance(keys, (list, tuple)) and keys
+                                     and all(isinstance(k, str) and k.strip() for k in keys)):
+            raise ConfigError(f"api_key must be a non-empty string, a list of them (vLLM's: any one opens /v1/), or "
+                              f"None; got {self.api_key!r}")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             value = getattr(self, name)
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from blockspec import LLM, SamplingParams
 from blockspec.cli import main
-from blockspec.config import ServerConfig
+from blockspec.config import ConfigError, ServerConfig
 from blockspec.server.app import create_app
 from factories import save_tiny_model_with_tokenizer
 from live_server import PATIENCE, LiveServer, get, metric, post, wait_until
@@ -655,11 +655,36 @@ def test_serve_takes_vllms_key_variable_and_cors_flag(monkeypatch):
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["serve", "m", "--allow-credentials"])
-    assert args.api_key == "secret" and args.allowed_credentials is True
+    assert args.api_key == ["secret"] and args.allowed_credentials is True
     monkeypatch.setenv("BLOCKSPEC_API_KEY", "ours")
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))
-    assert parser.parse_args(["serve", "m"]).api_key == "ours"
+    assert parser.parse_args(["serve", "m"]).api_key == ["ours"]
+    assert parser.parse_args(["serve", "m", "--api-key", "k1", "k2"]).api_key == ["k1", "k2"]  # vLLM's list
+
+
+def test_any_of_several_api_keys_opens_the_api():
+    """vLLM's --api-key takes several keys; each opens /v1/, and nothing else does."""
+    import asyncio
+
+    from blockspec.server.middleware import APIKey
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def status(key: str | None) -> int:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+        await APIKey(app, ("k1", "k2"))({"type": "http", "path": "/v1/models", "headers": headers}, None, send)
+        return sent[0]["status"]
+
+    assert [asyncio.run(status(k)) for k in ("k1", "k2", "k3", None)] == [200, 200, 401, 401]
+    with pytest.raises(ConfigError, match="api_key must be a non-empty string, a list of them"):
+        ServerConfig(api_key=("k1", ""))
 
 
 def serve_command(text_dir: Path, *extra: str) -> tuple[subprocess.Popen, str, list[str]]:

@@ -55,9 +55,10 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--disable-log-stats", action="store_true",
                    help=f"no throughput lines in the log (otherwise one every {ServerConfig.log_stats_interval_s:g} s "
                         "while busy)")
-    g.add_argument("--api-key", default=os.environ.get("BLOCKSPEC_API_KEY") or os.environ.get("VLLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $BLOCKSPEC_API_KEY, else vLLM's "
-                        "$VLLM_API_KEY; none: open)")
+    env_key = os.environ.get("BLOCKSPEC_API_KEY") or os.environ.get("VLLM_API_KEY")
+    g.add_argument("--api-key", nargs="+", default=[env_key] if env_key else None,
+                   help="require 'Authorization: Bearer KEY' on /v1/ routes, any one of the keys given (default: "
+                        "$BLOCKSPEC_API_KEY, else vLLM's $VLLM_API_KEY; none: open)")
     g.add_argument("--allowed-origins", type=json_strings, default=list(ServerConfig.allowed_origins),
                    help="CORS: the origins browsers may call from, as a JSON list (vLLM's flag)")
     g.add_argument("--allowed-methods", type=json_strings, default=list(ServerConfig.allowed_methods),
@@ -154,7 +155,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
-        config = ServerConfig(api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+        config = ServerConfig(api_key=tuple(args.api_key) if args.api_key else None,
+                              max_request_bytes=args.max_request_bytes,
                               trust_request_chat_template=args.trust_request_chat_template,
                               tool_call_parser=args.tool_call_parser,
                               default_chat_template_kwargs=args.default_chat_template_kwargs,

@@ -11,7 +11,7 @@ import json
 import logging
 import secrets
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 log = logging.getLogger("blockspec.server")
@@ -116,17 +116,18 @@ def route_path(scope: Scope) -> str:
 
 
 class APIKey:
-    """With a key set, /v1/ routes need `Authorization: Bearer <key>` (as the OpenAI client sends it);
-    /health and /metrics stay open for probes and scrapers."""
+    """With a key set (or several, any one of which opens them: vLLM's), /v1/ routes need
+    `Authorization: Bearer <key>` (as the OpenAI client sends it); /health and /metrics stay open for probes and
+    scrapers."""
 
-    def __init__(self, app: ASGIApp, key: str) -> None:
+    def __init__(self, app: ASGIApp, key: str | Sequence[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {key}".encode()
+        self.expected = [f"Bearer {k}".encode() for k in ([key] if isinstance(key, str) else key)]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and route_path(scope).startswith("/v1/"):
             given = dict(scope.get("headers", ())).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            if not any([secrets.compare_digest(given, key) for key in self.expected]):  # each compared: no early exit
                 return await send_error(send, 401, error_body(
                     "missing or incorrect API key: send it as 'Authorization: Bearer <key>'",
                     "invalid_request_error", code="invalid_api_key"))
