@@ -83,10 +83,12 @@ class LLM:
         use_tqdm: bool | Callable[..., Any] = True,
         lora_request: None = None,
         priority: Sequence[int] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate for all prompts as one batch; outputs come back in prompt order (`use_tqdm`: a progress
         bar, or the bar's class, as vLLM takes it). `lora_request` and `priority` are vLLM's, taken where
-        they ask for nothing: no adapter, equal priorities.
+        they ask for nothing: no adapter, equal priorities; `tokenization_kwargs` too (`truncate_prompt_tokens`,
+        where current vLLM takes it, for every prompt).
 
         Every prompt and parameter is checked before any work starts, so one bad prompt cannot
         cost the others their results.
@@ -96,7 +98,7 @@ class LLM:
         if priority is not None and any(p != 0 for p in priority):
             raise ConfigError("priority: blockspec schedules requests first come, first served; give none, or 0 "
                               "for every prompt")
-        prepared, params = self.inputs.prepare(prompts, sampling_params)
+        prepared, params = self.inputs.prepare(prompts, self._truncating(sampling_params, tokenization_kwargs))
         with self._driving:
             if self.ranks is not None:
                 return self.ranks.call("run", prepared, params, use_tqdm=use_tqdm)
@@ -125,16 +127,12 @@ class LLM:
         the reply is text (the server's tool_choice parses calls out of it). `lora_request`,
         `chat_template_content_format`, `tokenization_kwargs` and `mm_processor_kwargs` are vLLM's, taken where
         they ask for nothing blockspec lacks (text content is given to the template as text: "auto" or
-        "string"; truncation is SamplingParams.truncate_prompt_tokens)."""
+        "string"; tokenization_kwargs as `generate` takes them)."""
         if chat_template_content_format not in ("auto", "string"):
             raise ConfigError(f"chat_template_content_format {chat_template_content_format!r}: blockspec gives "
                               "text content to the template as a string; allowed: 'auto', 'string'")
         if mm_processor_kwargs is not None:
             raise ConfigError("mm_processor_kwargs: blockspec serves text models; give none")
-        if tokenization_kwargs:
-            raise ConfigError(f"tokenization_kwargs {sorted(tokenization_kwargs)}: blockspec tokenizes a conversation "
-                              "through its chat template alone; give none (truncate with "
-                              "SamplingParams.truncate_prompt_tokens)")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ConfigError(f"chat_template_kwargs must be a dict of the template's variables or None, got "
                               f"{type(chat_template_kwargs).__name__}")
@@ -145,7 +143,27 @@ class LLM:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         prompts = self.inputs.chat_prompts(messages, add_generation_prompt, chat_template, chat_template_kwargs,
                                            continue_final_message)
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request, tokenization_kwargs=tokenization_kwargs)
+
+    def _truncating(self, sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                    tokenization_kwargs: dict[str, Any] | None) -> SamplingParams | Sequence[SamplingParams] | None:
+        """The parameters with vLLM's tokenization_kwargs applied: `truncate_prompt_tokens` (keep a prompt's last k
+        tokens), the one key blockspec takes; a SamplingParams asking otherwise is refused."""
+        if not tokenization_kwargs:
+            return sampling_params
+        if not isinstance(tokenization_kwargs, dict) or set(tokenization_kwargs) != {"truncate_prompt_tokens"}:
+            raise ConfigError(f"tokenization_kwargs {sorted(tokenization_kwargs)}: blockspec takes "
+                              "truncate_prompt_tokens only (the tokenizer's other options are the model's)")
+        keep = tokenization_kwargs["truncate_prompt_tokens"]
+
+        def truncated(p: SamplingParams) -> SamplingParams:
+            if p.truncate_prompt_tokens not in (None, keep):
+                raise ConfigError(f"tokenization_kwargs truncate_prompt_tokens={keep} and SamplingParams."
+                                  f"truncate_prompt_tokens={p.truncate_prompt_tokens} disagree; give one of them")
+            return dataclasses.replace(p, truncate_prompt_tokens=keep)
+
+        given = sampling_params if sampling_params is not None else self.get_default_sampling_params()
+        return truncated(given) if isinstance(given, SamplingParams) else [truncated(p) for p in given]
 
     def get_stats(self) -> dict[str, Any]:
         """The engine's counters as a dict: speculation (vLLM's names), the draft-length policy's choices

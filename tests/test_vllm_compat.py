@@ -797,6 +797,16 @@ def test_chat_takes_vllms_positional_order_and_names_bad_arguments(text_llm):
                      ({"tokenization_kwargs": {"truncation": True}}, r"^tokenization_kwargs \['truncation'\]")):
         with pytest.raises(ConfigError, match=says):
             text_llm.chat(conv, GREEDY, use_tqdm=False, **kw)
+    # current vLLM's place for truncate_prompt_tokens: tokenization_kwargs, as SamplingParams' keeps the last k
+    cut = text_llm.chat(conv, GREEDY, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 3})
+    assert cut[0].prompt_token_ids == opened[-3:]
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+    assert text_llm.generate(prompt, GREEDY, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 2})[0] \
+        .prompt_token_ids == [8, 9]
+    with pytest.raises(ConfigError, match="truncate_prompt_tokens=2 and SamplingParams.truncate_prompt_tokens=3 "
+                                          "disagree"):
+        text_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, truncate_prompt_tokens=3),
+                          use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 2})
 
 
 def test_vllms_llm_names_are_taken(text_dir):
