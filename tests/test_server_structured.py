@@ -4,6 +4,7 @@ keeps the constraint, and a server that drafts gives what plain constrained deco
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -354,7 +355,7 @@ def test_a_streams_chunks_share_one_created_time(monkeypatch):
     from blockspec.server.app import ChatRenderer, Choice
     from blockspec.server.protocol import ChatCompletionRequest
 
-    clock = iter(range(1_000_000, 1_000_100))
+    clock = itertools.count(1_000_000)  # each call a second later
     monkeypatch.setattr(protocol.time, "time", lambda: next(clock))
     body = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "x"}])
     renderer = ChatRenderer(body, "tiny", [Prompt("x", [1])], SamplingParams(), TokenStrings(None), False)
