@@ -311,6 +311,9 @@ class ModelInputs:
                 raise RequestError(f"{where}: allowed_token_ids {sorted(set(params.allowed_token_ids))[:5]} are all "
                                    f"EOS or stop_token_ids, which min_tokens={params.min_tokens} bans: no token can "
                                    "be sampled")
+        if params.thinking_token_budget is not None and self.think is None:
+            raise RequestError(f"{where}: thinking_token_budget needs the engine's reasoning_parser, which reads the "
+                               "think block")
         if params.structured_outputs is not None:  # compiles it: a grammar that cannot fails here
             new_matcher(params.structured_outputs, self.tokenizer, vocab, self.eos_ids, where)
         if params.bad_words:  # tokenized as the engine will: no tokenizer, or ids past the vocabulary, fail here

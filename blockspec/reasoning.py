@@ -49,6 +49,15 @@ class ThinkTokens:
                               f"{vocab_size}")
         return cls(parser, vocab[START], vocab[END])
 
+    def step(self, phase: str, tok: int) -> tuple[str, bool]:
+        """The phase after the output's next token `tok`, and whether `tok` is the answer's (not thinking, nor a
+        tag)."""
+        if phase == "answer":
+            return "answer", True
+        if phase == "first":
+            return ("thinking", False) if tok == self.start else ("answer", True)
+        return ("answer" if tok == self.end else "thinking"), False
+
     def phase(self, prompt_ids: Sequence[int], decode: Callable[[list[int]], str]) -> str:
         """Where an output of this prompt starts (`decode`: the text of ids):
 
@@ -65,3 +74,33 @@ class ThinkTokens:
             if prompt_ids[i] == self.end:
                 return "answer" if not decode(list(prompt_ids[i + 1:])).strip() else "first"
         return "thinking" if self.parser == "deepseek_r1" else "first"
+
+
+@dataclass
+class ThinkingBudget:
+    """vLLM's `thinking_token_budget`: once an output has thought `budget` tokens in its block (the tags aside),
+    `</think>` is the only token it may emit. Advanced by committed tokens; a verify row's state follows the
+    drafts before it."""
+
+    think: ThinkTokens
+    budget: int
+    phase: str  # ThinkTokens.phase, then where the committed output is
+    spent: int = 0  # thinking tokens of the current block
+
+    def _after(self, phase: str, spent: int, tok: int) -> tuple[str, int]:
+        after, _ = self.think.step(phase, tok)
+        return after, spent + 1 if phase == after == "thinking" else 0
+
+    def consume(self, tokens: Sequence[int]) -> None:
+        for tok in tokens:
+            self.phase, self.spent = self._after(self.phase, self.spent, tok)
+
+    def forced(self, drafts: Sequence[int]) -> list[int]:
+        """The rows (0: the next token, j: the token after drafts[:j]) whose budget is spent: `</think>` only."""
+        phase, spent, rows = self.phase, self.spent, []
+        for j in range(len(drafts) + 1):
+            if phase == "thinking" and spent >= self.budget:
+                rows.append(j)
+            if j < len(drafts):
+                phase, spent = self._after(phase, spent, drafts[j])
+        return rows

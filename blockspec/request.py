@@ -14,6 +14,7 @@ from blockspec.bad_words import BadWords
 from blockspec.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from blockspec.reasoning import ThinkingBudget
     from blockspec.structured import Grammar
 
 
@@ -241,8 +242,10 @@ class Request:
     suspect: bool = False  # in a step that raised: it runs alone until it commits a token past suspect_since
     suspect_since: int = 0
     grammar: Grammar | None = None  # structured output: its constraint, advanced by committed tokens
+    thinking_budget: ThinkingBudget | None = None  # thinking_token_budget's count, advanced by committed tokens
     # what its parameters ask of every step, fixed at creation: a step tests them for each of its rows
-    # sampling reads committed tokens (penalties, min_tokens, a grammar, a longer bad word) or keeps logprobs
+    # sampling reads committed tokens (penalties, min_tokens, a grammar or thinking budget, a longer bad word) or
+    # keeps logprobs
     needs_history: bool = field(init=False)
     needs_processing: bool = field(init=False)  # more than the raw logits' argmax (see Engine.needs_processing)
     # its rows sample from their own values alone (temperature, top-k / top-p / min-p, seed, position): no
@@ -253,7 +256,8 @@ class Request:
         p = self.params
         # a grammar's masks and a longer bad word's ban follow the committed tokens, as penalties do
         self.needs_history = (p.uses_penalties or bool(p.min_tokens) or p.logprobs is not None
-                              or p.structured_outputs is not None or any(len(w) > 1 for w in self.bad_words))
+                              or p.structured_outputs is not None or p.thinking_token_budget is not None
+                              or any(len(w) > 1 for w in self.bad_words))
         self.needs_processing = (self.needs_history or not p.greedy or bool(p.logit_bias) or bool(self.bad_words)
                                  or p.allowed_token_ids is not None)
         self.row_values_only = not (self.needs_history or p.logit_bias or self.bad_words

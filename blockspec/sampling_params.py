@@ -115,6 +115,8 @@ class SamplingParams:
     them), in plain steps and verify rows alike, so speculation keeps the output.
     `truncate_prompt_tokens`: keep only the prompt's last k tokens (vLLM's left truncation); -1 keeps as many
     as the context holds beside one output token.
+    `thinking_token_budget` (vLLM's; needs the engine's reasoning_parser): once the output has thought that many
+    tokens in its think block, `</think>` is the only token it may emit (0: the block closes at once).
     `spaces_between_special_tokens`: accepted as vLLM accepts it, and, as with vLLM's detokenizer for a fast
     tokenizer, the text does not depend on it: the tokenizers blockspec loads (the `tokenizers` library's
     decoders, transformers 5's Python tokenizers) join special tokens without that choice.
@@ -151,6 +153,7 @@ class SamplingParams:
     best_of: int | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    thinking_token_budget: int | None = None
     logits_processors: list[Any] | None = None  # vLLM's name, refused unless empty: see `verify`
     skip_reading_prefix_cache: bool | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -257,6 +260,9 @@ class SamplingParams:
         truncate = self.truncate_prompt_tokens
         check(truncate is None or (is_int(truncate) and (truncate == -1 or 1 <= truncate <= INT64[1])),
               "truncate_prompt_tokens", "None, -1 (as many as the context holds) or an integer >= 1")
+        budget = self.thinking_token_budget
+        check(budget is None or (is_int(budget) and 0 <= budget <= INT64[1]), "thinking_token_budget",
+              "None or an integer >= 0")
         words = self.bad_words
         check(words is None or (isinstance(words, (list, tuple)) and len(words) <= MAX_BAD_WORDS and all(
             isinstance(w, str) and w.strip() for w in words)), "bad_words",

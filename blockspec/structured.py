@@ -145,17 +145,16 @@ class Grammar:
     def _start(self, tokens: Sequence[int]) -> int | None:
         """The index in `tokens` (the next tokens of the output) of the first the grammar holds; None where all of
         them are thinking."""
-        if self.phase == "answer":
+        phase = self.phase
+        if phase == "answer":
             return 0
-        think, at = self.think, 0
-        if self.phase == "first":
-            if not tokens or tokens[0] != think.start:
-                return 0
-            at = 1
-        for i in range(at, len(tokens)):
-            if tokens[i] == think.end:
+        for i, tok in enumerate(tokens):
+            phase, answer = self.think.step(phase, tok)
+            if answer:
+                return i
+            if phase == "answer":
                 return i + 1
-        return None
+        return len(tokens) if phase == "first" else None
 
     def consume(self, tokens: Sequence[int]) -> bool:
         """Advance by committed tokens; False where one left the grammar."""

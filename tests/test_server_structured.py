@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -310,6 +311,10 @@ def test_a_reasoning_parser_returns_the_think_block_as_reasoning_content(tmp_pat
         assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == thought
         assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == thought
         assert "".join(d.content or "" for d in deltas) == answer
+        # vLLM's thinking_token_budget: the think block closes after that many tokens (a character each here)
+        budget = {**ask, "extra_body": {**ask["extra_body"], "thinking_token_budget": 1}}
+        short = client.chat.completions.create(**budget).choices[0].message
+        assert len(short.model_extra["reasoning"]) == 1 and re.fullmatch("[d-f]{4}", short.content)
         # vLLM's include_reasoning false: the thinking is dropped, whole and streamed
         ask["extra_body"]["include_reasoning"] = False
         bare = client.chat.completions.create(**ask).choices[0].message

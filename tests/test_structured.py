@@ -23,6 +23,7 @@ from blockspec.config import ConfigError, EngineConfig
 from blockspec.errors import RequestError
 from blockspec.sample.processors import apply_bitmask
 from blockspec.sampling_params import SamplingError, StructuredOutputsParams
+from blockspec.reasoning import ThinkingBudget
 from blockspec.structured import Grammar, Masks
 from factories import save_drafter_target, save_tiny_tokenizer
 
@@ -418,3 +419,55 @@ def test_a_reasoning_parser_needs_the_tokenizers_think_tokens(target, thinker, t
     save_tiny_tokenizer(wide, drop="`~", think=True)
     with pytest.raises(ConfigError, match="outside the model's vocabulary of 96"):
         LLM(str(wide), device="cpu", max_model_len=160, reasoning_parser="qwen3")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_thinking_token_budget_closes_the_block_after_that_many_tokens(thinker, temperature):
+    """vLLM's thinking_token_budget: the output thinks k tokens at most, then `</think>` is its only token; the rest
+    is what follows such a thought (the noise is keyed by position, so a sampled output draws alike). Here the
+    model never closes its block itself (`</think>` biased far down)."""
+    free = LLM(str(thinker), device="cpu", max_model_len=160)
+    llm = LLM(str(thinker), device="cpu", max_model_len=160, reasoning_parser="qwen3")
+    _, end = think_ids(llm)
+    for k in (0, 1, 3):
+        params = SamplingParams(temperature=temperature, seed=4, max_tokens=20, logit_bias={end: -100.0},
+                                thinking_token_budget=k)
+        for prompt in THOUGHTS:
+            got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+            unbounded = dataclasses.replace(params, thinking_token_budget=None)
+            thought = free.generate([prompt], unbounded, use_tqdm=False)[0].outputs[0].token_ids[:k] + [end]
+            rest = free.generate([{"prompt_token_ids": free.engine.tokenizer.encode(prompt) + thought}],
+                                 dataclasses.replace(unbounded, max_tokens=20 - len(thought)), use_tqdm=False)
+            assert got == thought + rest[0].outputs[0].token_ids, (prompt, k)
+    with_grammar = SamplingParams(temperature=temperature, seed=4, max_tokens=20, logit_bias={end: -100.0},
+                                  thinking_token_budget=2, structured_outputs=ANSWER)
+    for out in llm.generate(THOUGHTS, with_grammar, use_tqdm=False):
+        thought, answer = out.outputs[0].text.split("</think>")
+        assert len(out.outputs[0].token_ids) == 2 + 1 + len(answer) and re.fullmatch(r"[a-c]{3}-[0-9]{2}", answer)
+    with pytest.raises(RequestError, match="thinking_token_budget needs the engine's reasoning_parser"):
+        free.generate(THOUGHTS, params, use_tqdm=False)
+    with pytest.raises(SamplingError, match="thinking_token_budget"):
+        SamplingParams(thinking_token_budget=-1)
+
+
+def test_drafts_past_a_spent_thinking_budget_keep_plain_decodings_output(thinker, monkeypatch):
+    """Drafts are the target's greedy continuation without a budget: thinking on past it. The verify row where the
+    budget runs out allows `</think>` alone, so the drafts past it are rejected and the output is plain decoding's;
+    the control forces only a step's first row, and the drafts past the budget get through."""
+    temperature = 0.0  # drafts the target accepts whole until the budget row
+    plain = LLM(str(thinker), device="cpu", max_model_len=160, reasoning_parser="qwen3")
+    free = LLM(str(thinker), device="cpu", max_model_len=160)
+    _, end = think_ids(plain)
+    params = SamplingParams(temperature=temperature, seed=4, max_tokens=24, logit_bias={end: -100.0},
+                            thinking_token_budget=7)  # runs out inside a step's drafts (1 + 4 + 4 accepted)
+    want = plain.generate(THOUGHTS, params, use_tqdm=False)
+    llm = LLM(str(thinker), device="cpu", max_model_len=160, reasoning_parser="qwen3",
+              speculative_config={"method": "dflash", "model": str(FIXTURES / "dflash"), "num_speculative_tokens": 3,
+                                  "adaptive_draft_length": False})
+    with_unconstrained_drafts(llm, free, logit_bias={end: -100.0})
+    assert ids(llm.generate(THOUGHTS, params, use_tqdm=False)) == ids(want)
+    stats = llm.get_stats()
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    forced = ThinkingBudget.forced
+    monkeypatch.setattr(ThinkingBudget, "forced", lambda self, drafts: [j for j in forced(self, drafts) if j == 0])
+    assert ids(llm.generate(THOUGHTS, params, use_tqdm=False)) != ids(want)

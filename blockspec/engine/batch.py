@@ -144,26 +144,36 @@ class BatchSampling:
     def _allowed(self, reqs: list[Request], rows_per_req: list[int], drafts: list[list[int]] | None,
                  ends: list[int | None]) -> Tensor | None:
         """Each row's bitmask of the tokens it may emit: its grammar's (`_grammar_masks`) and its
-        allowed_token_ids' (not past the drafts that end its grammar: `ends`); None when no request restricts
-        its tokens."""
+        allowed_token_ids' (not past the drafts that end its grammar: `ends`), or `</think>` alone where its
+        thinking budget is spent; None when no request restricts its tokens."""
         grammar = self._grammar_masks(reqs, rows_per_req, drafts)
-        if all(r.allowed_bits is None for r in reqs):
+        starts = list(itertools.accumulate(rows_per_req, initial=0))
+        # rows whose thinking budget is spent: `</think>` alone (ThinkingBudget.forced)
+        forced = [(start + j, r.thinking_budget.think.end)
+                  for r, start, d in zip(reqs, starts, drafts or [[]] * len(reqs))
+                  if r.thinking_budget is not None for j in r.thinking_budget.forced(d)]
+        if all(r.allowed_bits is None for r in reqs) and not forced:
             return grammar
-        everything = torch.full_like(next(r.allowed_bits for r in reqs if r.allowed_bits is not None), -1)
+        everything = torch.full(((self.vocab_size + 31) // 32,), -1, dtype=torch.int32, device=self.device)
         per_req = torch.stack([everything if r.allowed_bits is None else r.allowed_bits for r in reqs])
         rows = per_req.repeat_interleave(to_device(rows_per_req, torch.int64, self.device), dim=0)
         if any(end is not None for end in ends):  # rows past a grammar's end: its mask alone
-            starts = itertools.accumulate(rows_per_req, initial=0)
-            past = [row + j for row, n, end in zip(starts, rows_per_req, ends) if end is not None for j in range(end, n)]
+            past = [row + j for row, n, end in zip(starts, rows_per_req, ends) if end is not None
+                    for j in range(end, n)]
             rows[to_device(past, torch.int64, self.device)] = -1
-        return rows if grammar is None else grammar & rows
+        allowed = rows if grammar is None else grammar & rows
+        if forced:
+            allowed[to_device([row for row, _ in forced], torch.int64, self.device)] = torch.stack(
+                [token_bitmask([tok], self.vocab_size, self.device) for _, tok in forced])
+        return allowed
 
     @staticmethod
     def _host_drafts(reqs: list[Request], rows_per_req: list[int], block_tokens: Tensor | None
                      ) -> list[list[int]] | None:
         """Each request's drafts its verify rows follow, up to the first padding, read to the host once
         where a grammar or a bad word of several tokens depends on them; else None."""
-        follow = [r.grammar is not None or any(len(w) > 1 for w in r.bad_words) for r in reqs]
+        follow = [r.grammar is not None or r.thinking_budget is not None or any(len(w) > 1 for w in r.bad_words)
+                  for r in reqs]
         if block_tokens is None or not any(follow):
             return None
         return [list(itertools.takewhile(lambda t: t >= 0, block[: rows - 1]))

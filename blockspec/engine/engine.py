@@ -37,7 +37,7 @@ from blockspec.models.kv_cache import PageTable, kv_storage_dtype
 from blockspec.models.llama import CausalLM
 from blockspec.models.quant import is_quantized, quantize_model
 from blockspec.models.runner import BATCH_BUCKETS, CAPTURES, ModelRunner, bucket, pool_bytes
-from blockspec.reasoning import ThinkTokens
+from blockspec.reasoning import ThinkingBudget, ThinkTokens
 from blockspec.request import IncrementalDetokenizer, Logprob, Request, SpecStats, Status, TokenStrings
 from blockspec.sampling_params import SamplingParams
 from blockspec.speculative.context import DraftContext
@@ -253,9 +253,14 @@ class Engine:
         if taken:  # two requests of one id would share its aborts and its outputs
             raise RequestError(f"request {request_id}: id {taken[0]!r} is already in flight; each request needs its "
                                "own id")
+        budget = params.thinking_token_budget
+        if budget is not None and self.think is None:
+            raise RequestError(f"request {request_id}: thinking_token_budget needs the engine's reasoning_parser, "
+                               "which reads the think block")
+        # where the output starts: inside a think block, free to open one, or at its answer
+        phase = self.think.phase(prompt_ids, self.tokenizer.decode) if self.think is not None else "answer"
         grammar = None
         if params.structured_outputs is not None:  # compiled before queueing: a bad grammar fails here
-            phase = self.think.phase(prompt_ids, self.tokenizer.decode) if self.think is not None else "answer"
             grammar = Grammar(new_matcher(params.structured_outputs, self.tokenizer, self.vocab_size,
                                           tuple(self.eos_ids), f"request {request_id}"), self.think, phase)
         bad = word_sequences(params.bad_words, self.tokenizer, self.vocab_size) if params.bad_words else ()
@@ -275,6 +280,8 @@ class Engine:
                 req.logprobs = []
             if grammar is not None:
                 req.grammar = grammar.copy()
+            if budget is not None:
+                req.thinking_budget = ThinkingBudget(self.think, budget, phase)
             reqs.append(req)
         self.scheduler.add(reqs)
         return reqs

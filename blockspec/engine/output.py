@@ -63,6 +63,8 @@ class OutputProcessor:
                 self.num_prompt_tokens += len(req.prompt_token_ids)
             req.output_ids.append(tok)
             self.num_generated += 1
+            if req.thinking_budget is not None:
+                req.thinking_budget.consume([tok])
             if lps is not None and req.logprobs is not None:
                 req.logprobs.append(lps[j])
                 req.cumulative_logprob += lps[j][tok].logprob

@@ -140,6 +140,8 @@ class GenerationRequest(StrictModel):
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias, clamped to [-100, 100]
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = Field(None, description="the only tokens the output may hold (vLLM extra)")
+    thinking_token_budget: int | None = Field(None, description="with a reasoning parser, the tokens the think "
+                                                                "block may take before it is closed (vLLM extra)")
     truncate_prompt_tokens: int | None = Field(None, description="keep the prompt's last k tokens; -1: as many as "
                                                                  "the context holds (vLLM extra)")
     prompt_logprobs: int | None = Field(None, description="the prompt tokens' logprobs with this many alternatives "
@@ -239,7 +241,7 @@ class GenerationRequest(StrictModel):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=self.wanted_prompt_logprobs, bad_words=self.bad_words,
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
-            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, thinking_token_budget=self.thinking_token_budget,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens, use_speculation=self.use_speculation,
