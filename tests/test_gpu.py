@@ -319,8 +319,9 @@ def test_preempted_requests_under_cuda_graphs_give_plain_outputs(tmp_path, metho
 @pytest.mark.gpu
 @pytest.mark.parametrize("method, fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
 def test_a_reasoning_parsers_grammar_under_cuda_graphs_gives_plain_outputs(tmp_path, method, fixture):
-    """Structured outputs after a think block on the GPU (masks copied to the device, verify graphs, the plain
-    step launched ahead for the other rows): speculative outputs equal plain decoding's, answers keep the grammar."""
+    """Structured outputs after a think block, some with a thinking budget, on the GPU (masks copied to the device,
+    verify graphs, the plain step launched ahead for the other rows): speculative outputs equal plain decoding's,
+    answers keep the grammar."""
     import re
     from pathlib import Path
 
@@ -334,9 +335,9 @@ def test_a_reasoning_parsers_grammar_under_cuda_graphs_gives_plain_outputs(tmp_p
         "adaptive_draft_length": False})
     end = plain.engine.think.end
     prompts = ["hello<think>", "x = 1<think>", "def f():<think>", "The answer<think>", "no block"]
-    params = [SamplingParams(temperature=t, seed=4, max_tokens=40, logit_bias={end: 1.5},
+    params = [SamplingParams(temperature=t, seed=4, max_tokens=40, logit_bias={end: 1.5}, thinking_token_budget=budget,
                              structured_outputs=StructuredOutputsParams(regex=r"[a-c]{3}-[0-9]{2}"))
-              for t in (0.0, 0.8, 0.0, 0.8, 0.0)]
+              for t, budget in ((0.0, None), (0.8, 2), (0.0, 1), (0.8, None), (0.0, None))]
     want = plain.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in want]
