@@ -162,9 +162,12 @@ class BatchSampling:
                     for j in range(end, n)]
             rows[to_device(past, torch.int64, self.device)] = -1
         allowed = rows if grammar is None else grammar & rows
-        if forced:
-            allowed[to_device([row for row, _ in forced], torch.int64, self.device)] = torch.stack(
-                [token_bitmask([tok], self.vocab_size, self.device) for _, tok in forced])
+        if forced:  # one bit a row: (row, token // 32) holds 1 << token % 32, as a signed int32
+            rows_at = to_device([row for row, _ in forced], torch.int64, self.device)
+            allowed[rows_at] = 0
+            words = to_device([tok // 32 for _, tok in forced], torch.int64, self.device)
+            allowed[rows_at, words] = to_device([(1 << tok % 32) - (tok % 32 == 31) * 2**32 for _, tok in forced],
+                                                torch.int32, self.device)
         return allowed
 
     @staticmethod

@@ -257,8 +257,9 @@ class Engine:
         if budget is not None and self.think is None:
             raise RequestError(f"request {request_id}: thinking_token_budget needs the engine's reasoning_parser, "
                                "which reads the think block")
-        # where the output starts: inside a think block, free to open one, or at its answer
-        phase = self.think.phase(prompt_ids, self.tokenizer.decode) if self.think is not None else "answer"
+        # where the output starts (inside a think block, free to open one, or at its answer), for what reads it
+        reads_phase = self.think is not None and (budget is not None or params.structured_outputs is not None)
+        phase = self.think.phase(prompt_ids, self.tokenizer.decode) if reads_phase else "answer"
         grammar = None
         if params.structured_outputs is not None:  # compiled before queueing: a bad grammar fails here
             grammar = Grammar(new_matcher(params.structured_outputs, self.tokenizer, self.vocab_size,
