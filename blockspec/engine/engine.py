@@ -70,7 +70,7 @@ class Engine:
         self.device = model.embed_tokens.weight.device
         self.vocab_size = model.config.vocab_size
         self.eos_ids = sorted(set(eos_token_ids))
-        # a thinking model's think block: structured outputs' grammars start after it
+        # a thinking model's think block: structured outputs' grammars start after it, thinking budgets count in it
         self.think = (ThinkTokens.of(config.reasoning_parser, tokenizer, self.vocab_size) if config.reasoning_parser
                       else None)
         self.attention_backend = resolve_backend(config.attention_backend, self.device)
