@@ -338,6 +338,11 @@ class Renderer:
         self.body, self.model, self.prompts, self.params = body, model, prompts, params
         self.strings, self.with_spec = strings, with_spec
 
+    @property
+    def head(self) -> dict[str, Any]:
+        """The fields every response and chunk of this request opens with."""
+        return {"id": self.id, "created": self.created, "model": self.model}
+
     def prompt_ids(self, index: int) -> list[int] | None:
         return self.prompts[index // self.params.n].ids if self.body.return_token_ids else None
 
@@ -395,8 +400,7 @@ class Renderer:
 
     def usage_chunk(self, choices: list[Choice]) -> BaseModel:
         usage, spec = self.usage(choices)
-        return self.chunk_type(id=self.id, created=self.created, model=self.model, choices=[], usage=usage,
-                               spec_decode=spec)
+        return self.chunk_type(**self.head, choices=[], usage=usage, spec_decode=spec)
 
 
 class CompletionRenderer(Renderer):
@@ -445,7 +449,7 @@ class CompletionRenderer(Renderer):
         echo = CompletionChoice(index=d.index, text=self.echo(d.index),
                                 logprobs=self.logprobs(d.index, *self.echoed_logprobs(d.index, d.prompt_logprobs)),
                                 prompt_token_ids=self.first_prompt_ids(d.index))
-        return [CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[echo]), self.chunk(d)]
+        return [CompletionResponse(**self.head, choices=[echo]), self.chunk(d)]
 
     def logprobs(self, index: int, entries: list[dict[int, Logprob] | None] | None,
                  ids: list[int]) -> CompletionLogprobs | None:
@@ -471,7 +475,7 @@ class CompletionRenderer(Renderer):
                                   finish_reason=d.finish_reason, stop_reason=d.stop_reason,
                                   token_ids=self.token_ids(d.token_ids),
                                   prompt_token_ids=self.first_prompt_ids(d.index))
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
+        return CompletionResponse(**self.head, choices=[choice])
 
     def response(self, choices: list[Choice]) -> BaseModel:
         usage, spec = self.usage(choices)
@@ -483,8 +487,7 @@ class CompletionRenderer(Renderer):
                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                         token_ids=self.token_ids(c.token_ids), prompt_token_ids=self.prompt_ids(i),
                                         prompt_logprobs=self.prompt_logprobs(c.prompt_logprobs)))
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage, spec_decode=spec,
-                                  choices=out)
+        return CompletionResponse(**self.head, usage=usage, spec_decode=spec, choices=out)
 
 
 class ChatRenderer(Renderer):
@@ -532,8 +535,7 @@ class ChatRenderer(Renderer):
         return ChatLogprobs(content=content)
 
     def opening_chunks(self) -> list[BaseModel]:
-        return [ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                    prompt_token_ids=self.prompt_ids(i),
+        return [ChatCompletionChunk(**self.head, prompt_token_ids=self.prompt_ids(i),
                                     choices=[ChatChunkChoice(index=i, delta=DeltaMessage(role=self.role, content=""))])
                 for i in range(len(self.prompts) * self.params.n)]
 
@@ -565,7 +567,7 @@ class ChatRenderer(Renderer):
         choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=self.logprobs(d.logprobs, d.token_ids),
                                  finish_reason=finish_reason, stop_reason=d.stop_reason,
                                  token_ids=self.token_ids(d.token_ids))
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
+        return ChatCompletionChunk(**self.head, choices=[choice])
 
     def response(self, choices: list[Choice]) -> BaseModel:
         usage, spec = self.usage(choices)
@@ -576,8 +578,7 @@ class ChatRenderer(Renderer):
             out.append(ChatChoice(index=i, message=message,
                                   logprobs=self.logprobs(c.logprobs, c.token_ids), finish_reason=finish_reason,
                                   stop_reason=c.stop_reason, token_ids=self.token_ids(c.token_ids)))
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage, spec_decode=spec,
-                                      choices=out,
+        return ChatCompletionResponse(**self.head, usage=usage, spec_decode=spec, choices=out,
                                       prompt_logprobs=self.prompt_logprobs(choices[0].prompt_logprobs),
                                       prompt_token_ids=self.prompt_ids(0))
 
