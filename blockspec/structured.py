@@ -202,6 +202,12 @@ class Grammar:
         return fills, row
 
 
+def token_bit(tok: int) -> tuple[int, int]:
+    """(word, value) of token `tok`'s bit in a bitmask row: bit tok % 32 of word tok // 32, as a signed int32."""
+    bit = 1 << tok % 32
+    return tok // 32, bit - (1 << 32 if bit >= 1 << 31 else 0)
+
+
 class Masks:
     """Token bitmasks of a batch's rows ([rows, ceil(V / 32)] int32, bit t of a row: token t allowed),
     filled in parallel by llguidance; rows of requests without a grammar allow everything."""
@@ -231,8 +237,8 @@ class Masks:
         if alone:
             llguidance.torch.fill_next_token_bitmask_par(_executor(), alone, self.bits)
         for row, tok in self._opening:
-            bit = 1 << (tok % 32)
-            self.bits[row, tok // 32] |= bit - (1 << 32 if bit >= 1 << 31 else 0)  # as a signed int32
+            word, value = token_bit(tok)
+            self.bits[row, word] |= value
         return self.bits
 
 

@@ -21,7 +21,7 @@ from blockspec.request import Logprob, Request
 from blockspec.sample import Columns, RowParams, expand_history, logprobs as top_logprobs, process_logits, sample
 from blockspec.sample.processors import row_chunks, token_bitmask
 from blockspec.sampling_params import top_count
-from blockspec.structured import Masks
+from blockspec.structured import Masks, token_bit
 from blockspec.transfer import to_device
 
 LogprobEntries = list[list[dict[int, Logprob]]]  # per request, per emitted row: token -> Logprob
@@ -162,12 +162,12 @@ class BatchSampling:
                     for j in range(end, n)]
             rows[to_device(past, torch.int64, self.device)] = -1
         allowed = rows if grammar is None else grammar & rows
-        if forced:  # one bit a row: (row, token // 32) holds 1 << token % 32, as a signed int32
+        if forced:  # one bit a row
             rows_at = to_device([row for row, _ in forced], torch.int64, self.device)
+            words, values = zip(*(token_bit(tok) for _, tok in forced))
             allowed[rows_at] = 0
-            words = to_device([tok // 32 for _, tok in forced], torch.int64, self.device)
-            allowed[rows_at, words] = to_device([(1 << tok % 32) - (tok % 32 == 31) * 2**32 for _, tok in forced],
-                                                torch.int32, self.device)
+            allowed[rows_at, to_device(list(words), torch.int64, self.device)] = to_device(list(values), torch.int32,
+                                                                                          self.device)
         return allowed
 
     @staticmethod
