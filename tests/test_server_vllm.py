@@ -323,6 +323,38 @@ def test_logprob_tokens_are_shown_as_their_decoded_token():
     assert bare.logprobs(0, entries(False)[1:], [6]).tokens == ["token_id:6"]
 
 
+def test_masked_logprobs_and_the_whole_vocabulary_as_vllm_shows_them():
+    """A logprob of -inf (processed logprobs of a token top-k, a grammar or min_tokens masked) is shown as
+    -9999.0, as vLLM and OpenAI show it: JSON has no infinity (it was a 500, and null streamed); -1 alternatives
+    is every token (chat dropped the last, completions gave only the sampled one); an explicit prompt_logprobs
+    is kept beside echo, which otherwise asks the logprobs' count for the prompt (vLLM)."""
+    from blockspec.inputs import Prompt
+    from blockspec.request import Logprob, TokenStrings
+    from blockspec.server.app import ChatRenderer, CompletionRenderer
+    from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    entry = {6: Logprob(-0.5, 1, "six"), 7: Logprob(-1.5, 2, "seven"), 8: Logprob(float("-inf"), 3, "eight")}
+    for k in (3, -1):
+        params = SamplingParams(logprobs=k)
+        completion = CompletionRenderer(CompletionRequest(prompt=[5], logprobs=k), NAME, [Prompt(None, [5])], params,
+                                        TokenStrings(Spelled()), False)
+        chat_body = ChatCompletionRequest(messages=[{"role": "user", "content": "a"}], logprobs=True, top_logprobs=k)
+        chat = ChatRenderer(chat_body, NAME, [Prompt(None, [5])], params, TokenStrings(Spelled()), False)
+        legacy = completion.logprobs(0, [entry], [8])
+        content = chat.logprobs([entry], [8]).content[0]
+        assert legacy.token_logprobs == [-9999.0] and legacy.top_logprobs == [{"six": -0.5, "seven": -1.5,
+                                                                               "eight": -9999.0}]
+        assert content.logprob == -9999.0 and [(t.token, t.logprob) for t in content.top_logprobs] == \
+            [("six", -0.5), ("seven", -1.5), ("eight", -9999.0)]
+        for shown in (legacy, content):
+            json.dumps(shown.model_dump(), allow_nan=False)  # what a JSON response writes
+            assert None not in json.loads(shown.model_dump_json()).values()  # what a stream writes
+    assert CompletionRequest(prompt="a", echo=True, logprobs=2, prompt_logprobs=-1).wanted_prompt_logprobs == -1
+    assert CompletionRequest(prompt="a", echo=True, logprobs=3, prompt_logprobs=1).wanted_prompt_logprobs == 1
+    assert CompletionRequest(prompt="a", echo=True, logprobs=-1).wanted_prompt_logprobs == -1
+    assert CompletionRequest(prompt="a", logprobs=2).wanted_prompt_logprobs is None
+
+
 def test_prompt_logprobs_in_extra_body(server, offline, tokenizer):
     """vLLM's prompt_logprobs: on each completion choice, and on a chat response; each entry maps token ids
     to logprob, rank and text; refused with stream."""

@@ -325,6 +325,15 @@ class Choice:
             self.cached_tokens = d.cached_tokens
 
 
+LOWEST_LOGPROB = -9999.0
+"""What a logprob of -inf (a token the processors masked: processed logprobs) is shown as, as vLLM and OpenAI
+show it: JSON has no infinity."""
+
+
+def shown_logprob(lp: Logprob) -> float:
+    return max(lp.logprob, LOWEST_LOGPROB)
+
+
 class Renderer:
     """Builds one endpoint's response, stream chunks and usage from choices and deltas."""
 
@@ -358,12 +367,12 @@ class Renderer:
         return lp.decoded_token if lp is not None and lp.decoded_token is not None else self.strings(tok)
 
     def prompt_logprobs(self, entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
-        """The prompt's logprobs as vLLM returns them (each token with its text; -inf as -9999), where the
+        """The prompt's logprobs as vLLM returns them (each token with its text), where the
         request asked for them."""
         if entries is None or self.params.prompt_logprobs is None:
             return None
         return [None if entry is None else {
-            t: PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank, decoded_token=self.token_text(t, lp))
+            t: PromptLogprob(logprob=shown_logprob(lp), rank=lp.rank, decoded_token=self.token_text(t, lp))
             for t, lp in entry.items()} for entry in entries]
 
     def opening_chunks(self) -> list[BaseModel]:
@@ -462,9 +471,10 @@ class CompletionRenderer(Renderer):
         for tok, entry in zip(ids, entries):
             s = self.token_text(tok, entry[tok] if entry is not None else None)
             out.tokens.append(s)
-            out.token_logprobs.append(entry[tok].logprob if entry is not None else None)
+            out.token_logprobs.append(shown_logprob(entry[tok]) if entry is not None else None)
             out.top_logprobs.append(None if entry is None else {
-                self.token_text(t, lp): lp.logprob for t, lp in entry.items() if t == tok or (lp.rank or 0) <= top})
+                self.token_text(t, lp): shown_logprob(lp) for t, lp in entry.items()
+                if t == tok or top < 0 or (lp.rank or 0) <= top})  # -1: the whole vocabulary
             out.text_offset.append(offset)
             offset += len(s)
         self.offsets[index] = offset
@@ -525,11 +535,11 @@ class ChatRenderer(Renderer):
 
         def top(tok: int, lp: Logprob) -> TopLogprob:
             s = self.token_text(tok, lp)
-            return TopLogprob(token=s, logprob=lp.logprob, bytes=list(s.encode()))
+            return TopLogprob(token=s, logprob=shown_logprob(lp), bytes=list(s.encode()))
 
-        content = []
+        content, k = [], self.params.logprobs if self.params.logprobs >= 0 else None  # -1: the whole vocabulary
         for tok, entry in zip(ids, entries):
-            ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[: self.params.logprobs]
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
             content.append(TokenLogprob(**top(tok, entry[tok]).model_dump(),
                                         top_logprobs=[top(t, lp) for t, lp in ranked]))
         return ChatLogprobs(content=content)

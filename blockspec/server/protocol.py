@@ -308,9 +308,10 @@ class CompletionRequest(GenerationRequest):
 
     @property
     def wanted_prompt_logprobs(self) -> int | None:
-        """With echo and logprobs the echoed prompt tokens carry logprobs too, as the output's do (vLLM)."""
-        if self.echo and self.logprobs is not None:
-            return max(self.prompt_logprobs or 0, self.logprobs)
+        """With echo and logprobs the echoed prompt tokens carry logprobs too, as the output's do, unless
+        prompt_logprobs says how many (vLLM)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
         return self.prompt_logprobs
 
     @field_validator("best_of")
