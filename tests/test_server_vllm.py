@@ -323,6 +323,27 @@ def test_logprob_tokens_are_shown_as_their_decoded_token():
     assert bare.logprobs(0, entries(False)[1:], [6]).tokens == ["token_id:6"]
 
 
+def test_echo_with_max_tokens_zero_scores_the_prompt(server, offline, tokenizer):
+    """vLLM's (and OpenAI's legacy) scoring request: echo with max_tokens 0 returns the prompt and its tokens'
+    logprobs, nothing generated, whole or streamed; max_tokens 0 without echo stays a 400."""
+    client = server.client()
+    ids = tokenizer.encode("abcd")
+    want = offline.generate("abcd", SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    r = client.completions.create(model=NAME, prompt="abcd", max_tokens=0, echo=True, logprobs=1)
+    choice = r.choices[0]
+    assert choice.text == "abcd" and choice.finish_reason == "length" and r.usage.completion_tokens == 0
+    assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in ids] and choice.logprobs.token_logprobs[0] is None
+    assert [round(p, 5) for p in choice.logprobs.token_logprobs[1:]] == \
+        [round(e[t].logprob, 5) for e, t in zip(want.prompt_logprobs[1:], ids[1:])]
+    chunks = list(client.completions.create(model=NAME, prompt="abcd", max_tokens=0, echo=True, logprobs=1,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == "abcd"
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == choice.logprobs.tokens
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=NAME, prompt="abcd", max_tokens=0)
+    assert exc.value.body["param"] == "max_tokens"
+
+
 def test_masked_logprobs_and_the_whole_vocabulary_as_vllm_shows_them():
     """A logprob of -inf (processed logprobs of a token top-k, a grammar or min_tokens masked) is shown as
     -9999.0, as vLLM and OpenAI show it: JSON has no infinity (it was a 500, and null streamed); -1 alternatives

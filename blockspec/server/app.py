@@ -593,6 +593,14 @@ class ChatRenderer(Renderer):
                                       prompt_token_ids=self.prompt_ids(0))
 
 
+async def prompt_only(deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """A scoring request's deltas (`CompletionRequest.scores_only`): the one token it generated dropped, so its
+    choices hold the echoed prompt alone."""
+    async with contextlib.aclosing(deltas):
+        async for d in deltas:
+            yield dataclasses.replace(d, text="", token_ids=[], logprobs=None if d.logprobs is None else [])
+
+
 def sse(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json()}\n\n"
 
@@ -718,6 +726,8 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
         # the engine's id: the response's, made unique (clients may send one request_id twice, or "a" and "a-0")
         engine_id = f"{renderer.id}-{uuid.uuid4().hex[:12]}"
         deltas = engine.generate(engine_id, prompts, params)
+        if isinstance(body, CompletionRequest) and body.scores_only:
+            deltas = prompt_only(deltas)
         if body.stream:
             return StreamingResponse(stream(request, engine_id, renderer, deltas, choices),
                                      media_type="text/event-stream")
@@ -755,7 +765,7 @@ def create_app(load: Callable[[], LLM], served_model_name: str | Sequence[str],
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         inputs = ready_inputs(body.model)
-        params = body.to_sampling_params(body.max_tokens, body.logprobs, inputs.sampling_defaults,
+        params = body.to_sampling_params(1 if body.scores_only else body.max_tokens, body.logprobs, inputs.sampling_defaults,
                                          model=(inputs.vocab_size, inputs.max_logprobs))
         prompts = await in_thread(tokenizing, completion_prompts, inputs, body.prompt,
                                   params.truncate_prompt_tokens is not None, body.add_special_tokens)

@@ -291,6 +291,12 @@ class GenerationRequest(StrictModel):
         return self.include_usage and self.stream_options.continuous_usage_stats
 
     @property
+    def scores_only(self) -> bool:
+        """echo with max_tokens 0: the prompt's text and (with logprobs) its tokens' logprobs, nothing generated
+        (vLLM's, OpenAI's legacy way of scoring a text)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
     def wanted_prompt_logprobs(self) -> int | None:
         """Alternatives per prompt token the engine computes (None: no prompt logprobs)."""
         return self.prompt_logprobs
