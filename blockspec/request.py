@@ -118,6 +118,17 @@ class RequestOutput:
     num_cached_tokens: int | None = None
 
 
+def prompt_tail(tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool) -> list[int]:
+    """The prompt tokens an output's text is decoded after: the last 6, or where those are all skipped special
+    tokens, as many more (doubling) as it takes to reach text, else a decoder that strips a leading space
+    (Llama-2, Mistral) takes the first output token's."""
+    n = 6
+    while skip_special_tokens and tokenizer is not None and n < len(prompt_ids) \
+            and not tokenizer.decode(prompt_ids[-n:], skip_special_tokens=True):
+        n *= 2
+    return list(prompt_ids[-n:])
+
+
 class IncrementalDetokenizer:
     """Text of a growing token list without re-decoding it all each step. Seeded with the prompt's
     last tokens (so the first token's leading space comes out right), it returns only new text and
@@ -140,7 +151,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool, fast: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
-        self.ids: list[int] = list(prompt_ids[-6:])
+        self.ids: list[int] = prompt_tail(tokenizer, prompt_ids, skip_special_tokens)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self._parts: list[str] = []  # the text as `add` returned it, joined into one on a whole read

@@ -721,6 +721,29 @@ def test_streamed_text_equals_the_offsets_chunk_for_chunk(skip):
     assert 250 < streamed < 300  # both kinds of prompt tail were drawn
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_first_output_space_after_a_tail_of_skipped_special_tokens(fast):
+    """A decoder that strips one leading space (Llama-2, Mistral) strips it from the whole text: after a prompt
+    ending in more skipped special tokens than the detokeniser's usual window, the first output token keeps its
+    space as a decode of the whole prompt gives it (vLLM primes with the whole prompt)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from blockspec.request import IncrementalDetokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "\u2581hello": 3, "\u2581world": 4, "\u2581there": 5}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    for tail in (1, 6, 13):
+        prompt = [1, 3, 4] + [2] * tail
+        whole = tok.decode(prompt + [3, 5], skip_special_tokens=True)
+        detok = IncrementalDetokenizer(tok, prompt, True, fast=fast)
+        assert "".join(detok.add(t) for t in [3, 5]) == whole[len(tok.decode(prompt, skip_special_tokens=True)):] \
+            == " hello there"
+
+
 def test_a_refused_stream_step_hands_over_to_the_offsets():
     """When the stream refuses a step (its check that the emitted text is still a prefix), the
     offsets decode that token and the rest from the same state: no text lost or repeated."""
