@@ -1222,6 +1222,32 @@ def test_steps_launched_ahead_survive_stops_aborts_and_arrivals(target, plain):
     assert last.finish_reason == "stop" and engine.pipeline.inflight is None
 
 
+def test_a_launch_whose_requests_all_left_fails_no_other(target, plain, caplog):
+    """A step launched ahead whose every request leaves before its finish (aborted here; preempted for pages
+    alike) finishes with no current rows. The requests decoding by then, one verified on the host (a
+    penalty), take the next step: no draft is launched for an empty batch (it raised, and retried alone the
+    penalised request failed with an error)."""
+    ps = [p["prompt_token_ids"] for p in prompts(3, seed=15)]
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    penalised = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.2)
+    alone = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in ps[1:]],
+                                                            [greedy, penalised], use_tqdm=False)]
+    engine = spec_llm(target, "dflash", "dflash", num_speculative_tokens=3).engine
+    engine.async_scheduling = True
+    engine.policy.choose = lambda batch: 3
+    engine.add_request("a", None, ps[0], greedy)
+    while not isinstance(engine.pipeline.inflight, SpecLaunch):
+        engine.step()
+    joined = [engine.add_request(name, None, p, sp)[0]
+              for name, p, sp in (("c", ps[1], greedy), ("b", ps[2], penalised))]
+    engine.abort("a")
+    with caplog.at_level(logging.ERROR, logger="blockspec"):
+        while engine.has_unfinished():
+            engine.step()
+    assert not [r for r in caplog.records if "engine step failed" in r.getMessage()]
+    assert [r.output_ids for r in joined] == alone and [r.finish_reason for r in joined] == ["length", "length"]
+
+
 def test_pipelined_steps_are_priced_one_step_each_across_switches(target):
     """A pipelined step costs the time from its predecessor's commit, which holds the launch of its
     successor. Three intervals are no sample: after a speculative step, the first plain commit closes

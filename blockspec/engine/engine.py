@@ -870,6 +870,8 @@ class Engine:
             return
         whole = self._accepted_on_device(nxt) and len(self._speculating(nxt)) == len(nxt)
         reqs = nxt if whole else verified
+        if not reqs:  # a step whose requests all left since its launch (aborted, preempted): nothing to draft for
+            return
         steps = [pending(r) for r in reqs]
         tokens = [t for _, t in steps]
         k = self._choose(len(nxt)) if whole else None
