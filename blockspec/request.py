@@ -229,6 +229,7 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens its first prefill found in the prefix cache
     cached_draft_ctx: int = 0  # of the positions its shared pages hold, those with the drafter's context too
     shares_settled: bool = False  # since its admission: its shared pages are settled for its first prefill chunk
+    prefix_lookup_counted: bool = False  # its prompt's prefix-cache lookup is in the queries and hits (once)
     feeds_drafter: bool = False  # set at admission: the drafter gets its context and it may draft
     output_counts: Tensor | None = None  # [V] int32 history for penalties (device)
     prompt_mask: Tensor | None = None  # [V] bool tokens of the prompt (device)

@@ -304,6 +304,33 @@ def test_preempted_requests_come_back_through_their_remembered_pages(target, met
     assert stats["num_prefix_cache_queries"] == sum(len(p["prompt_token_ids"]) for p in batch)
 
 
+def test_a_prompt_lookup_counts_once_however_its_request_comes_back(target):
+    """A request preempted before its first prefill chunk counts its prompt's lookup at the chunk it later
+    runs (it was never counted); one retried after a failed step is not counted again, with its output
+    (it was)."""
+    tight = llm(target, True, num_kv_pages=21, max_prefill_tokens=32)
+    prompt = list(range(2, 50))
+    tight.generate([{"prompt_token_ids": prompt}] * 4,
+                   [SamplingParams(temperature=0.9, seed=i, max_tokens=60, ignore_eos=True) for i in range(4)],
+                   use_tqdm=False)
+    stats = tight.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["num_prefix_cache_queries"] == 4 * len(prompt)
+    flaky = llm(target, True)
+    real, calls = flaky.engine.runner.forward_ids, []
+
+    def failing_once(*args, **kwargs):  # the third forward (a decode step) fails, as a device fault would
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device fault")
+        return real(*args, **kwargs)
+
+    flaky.engine.runner.forward_ids = failing_once
+    batch = [{"prompt_token_ids": [5 + i] * 20} for i in range(2)]
+    outs = flaky.generate(batch, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(calls) > 3 and [o.outputs[0].finish_reason for o in outs] == ["length", "length"]
+    assert flaky.get_stats()["num_prefix_cache_queries"] == 40
+
+
 def test_a_corrupted_remembered_page_changes_the_output(target):
     """The negative control: the second request reads the first one's pages. Garbage in them changes its
     tokens; the same garbage in pages nobody remembers changes nothing."""

@@ -158,12 +158,14 @@ class Scheduler:
         req.cached_draft_ctx = self.pages.prefix.with_draft(pages) * self.pages.page_size
 
     def settle_shares(self, req: Request) -> None:
-        """A request's shared pages are final for its first prefill chunk since its admission: its lookup
-        counts now, once (vLLM's prefix-cache queries and hits: its tokens, and those it shares; a preempted
-        request finding its own pages again is not counted, as vLLM keeps those lookups apart)."""
+        """A request's shared pages are final for its first prefill chunk since its admission: its prompt's
+        lookup counts at the first of these, once (vLLM's prefix-cache queries and hits: its tokens, and those
+        it shares; a preempted or retried request finding its own pages again is not counted, as vLLM keeps
+        those lookups apart)."""
         req.shares_settled = True
         prefix = self.pages.prefix
-        if prefix is not None and req.params.reads_prefix_cache and req.num_preemptions == 0:
+        if prefix is not None and req.params.reads_prefix_cache and not req.prefix_lookup_counted:
+            req.prefix_lookup_counted = True
             prefix.count(req.prefill_len, req.num_cached)
 
     def _remembered(self, req: Request, needs_draft: bool) -> list[int]:
