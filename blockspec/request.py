@@ -250,7 +250,8 @@ class Request:
     truncated_text: str | None = None
     num_preemptions: int = 0  # times its pages were taken back and its tokens recomputed later
     requeues: int = 0  # times it went back to the queue: rows of a step launched in an earlier stay are stale
-    num_failed_steps: int = 0  # engine steps it took part in that raised
+    num_failed_steps: int = 0  # engine steps it took part in that raised, less those another request was failed for
+    last_failure: str | None = None  # the error id of the last of them
     suspect: bool = False  # in a step that raised: it runs alone until it commits a token past suspect_since
     suspect_since: int = 0
     grammar: Grammar | None = None  # structured output: its constraint, advanced by committed tokens

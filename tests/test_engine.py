@@ -394,6 +394,29 @@ def test_a_request_whose_steps_fail_fails_alone_and_the_llm_serves_on(tmp_path):
     assert again.outputs[0].token_ids == want[0].outputs[0].token_ids
 
 
+def test_a_request_beside_many_failing_ones_is_not_failed_for_them(tmp_path):
+    """Three requests, one after another, make the steps they share with a long request fail: each is found
+    failing alone and failed; the long request, cleared each time, gives its tokens as alone (the failed
+    steps counted against it too, and it was failed at the third)."""
+    path = save_tiny_model_with_tokenizer(tmp_path / "m", "qwen3", seed=7)
+    llm = llm_with_faults(model=str(path), device="cpu", max_model_len=96, max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    engine, tokenizer = llm.engine, llm.get_tokenizer()
+    bystander = engine.add_request("bystander", "hello", tokenizer.encode("hello"), params)[0]
+    culprits = []
+    for i in range(3):
+        engine.step()
+        engine.step()
+        culprits.append(engine.add_request(f"bad{i}", FAIL_PROMPT, tokenizer.encode(FAIL_PROMPT), params)[0])
+        while culprits[-1].finish_reason is None:
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    want = LLM(str(path), device="cpu", max_model_len=96).generate(["hello"], params, use_tqdm=False)[0]
+    assert [c.finish_reason for c in culprits] == ["error"] * 3
+    assert bystander.finish_reason == "length" and bystander.output_ids == want.outputs[0].token_ids
+
+
 def test_an_interrupted_generate_leaves_nothing_queued(llm, monkeypatch):
     step = llm.engine.step
     calls = []

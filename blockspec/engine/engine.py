@@ -11,6 +11,7 @@ everything else (logits, probabilities, acceptance) stays on the device.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
@@ -49,7 +50,8 @@ from blockspec.transfer import to_device
 log = logging.getLogger("blockspec.engine")
 
 # A request that took part in this many failed steps is failed at the next, even where it did not run
-# alone: each isolation lets it commit a token, so a fault it causes only beside others ends there.
+# alone: each isolation lets it commit a token, so a fault it causes only beside others ends there. A
+# failed step whose cause was then found (a request that failed it again alone) counts against no other.
 MAX_FAILED_STEPS = 3
 
 
@@ -348,8 +350,11 @@ class Engine:
         self._drop_launches()
         failed = []
         alone = len(running) == 1 and running[0].suspect
+        if alone:  # the cause of the step it was a suspect of: that step counts against the others no more
+            self._acquit(running[0])
         for req in reversed(list(running)):  # newest first: each goes to the queue's front, oldest ends first
             req.num_failed_steps += 1
+            req.last_failure = error_id
             if alone or req.num_failed_steps >= MAX_FAILED_STEPS:
                 self._fail(req, f"the engine failed while serving this request (error id {error_id}; the "
                                 "server log has the details)")
@@ -358,6 +363,17 @@ class Engine:
                 self.scheduler.requeue(req)
                 req.suspect, req.suspect_since = True, len(req.output_ids)
         return failed
+
+    def _acquit(self, culprit: Request) -> None:
+        """The requests that shared `culprit`'s last failed step, cleared of it: `culprit` has failed a step
+        alone, so it caused that one (a bystander beside three failing requests was failed at the third)."""
+        episode = culprit.last_failure
+        if episode is None:
+            return
+        for req in itertools.chain(self.scheduler.running, self.scheduler.waiting):
+            if req is not culprit and req.last_failure == episode:
+                req.num_failed_steps -= 1
+                req.last_failure = None
 
     # ---------------------------------------------------------------- schedule
     def _schedule(self) -> None:
