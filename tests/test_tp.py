@@ -14,6 +14,7 @@ from blockspec.config import ConfigError
 from blockspec.errors import RequestError
 from blockspec.models.loader import load_target
 from blockspec.parallel import shard_model
+from blockspec.parallel import tp as tp_module
 
 DFLASH = str(Path(__file__).parent / "fixtures" / "drafters" / "dflash")
 SPEC = {"method": "dflash", "model": DFLASH, "adaptive_draft_length": False}
@@ -62,6 +63,33 @@ def test_tp2_matches_tp1_greedy_and_seeded(qwen3, spec):
         assert tokens(tp.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == ref_greedy[:1]
     if spec is not None:  # speculation is exact: the same tokens as plain decoding
         assert ref_greedy == reference(qwen3, None, GREEDY)
+
+
+DSPARK_BUDGET = {"method": "dspark", "model": str(Path(DFLASH).parent / "dspark_vanilla"),
+                 "adaptive_verification": True}
+
+
+def _rank_whose_verify_rows_cost_more(rank: int, *args) -> None:
+    """Rank 1's clock prices verify rows higher than rank 0's (a slower or busier device): its profile runs the
+    same forwards (their collectives match); only the times it reports differ."""
+    if rank == 1:
+        import blockspec.speculative.proposer as proposer
+
+        real = proposer.profile_verify
+        proposer.profile_verify = lambda runner, batch, rows: (real(runner, batch, rows), 0.001 * rows ** 3)[1]
+    return tp_module._rank_main(rank, *args)
+
+
+def test_dspark_verify_budget_is_rank0s(qwen3, monkeypatch):
+    """DSpark's load-aware verify budget prices rows by each process's clock: ranks whose clocks differ verify
+    rank 0's draft counts (each verified its own, and their collectives parted: a rank aborted)."""
+    monkeypatch.setattr(tp_module, "_rank_main", _rank_whose_verify_rows_cost_more)
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8 + i, 9]} for i in range(4)]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    want = tokens(LLM(qwen3, seed=0).generate(prompts, params, use_tqdm=False))
+    with LLM(qwen3, tensor_parallel_size=2, seed=0, speculative_config=DSPARK_BUDGET) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.error for o in outs] == [None] * len(prompts) and tokens(outs) == want
 
 
 def boost_biases(path: Path, scale: float = 25.0) -> None:

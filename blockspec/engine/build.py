@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, overload
 
 import torch
 
@@ -26,6 +26,16 @@ from blockspec.models.loader import load_target, read_json, resolve_device, reso
 from blockspec.sampling_params import SamplingError, SamplingParams
 
 log = logging.getLogger("blockspec")
+
+class Agree(Protocol):
+    """Rank 0's decision, or list of decisions, on every tensor-parallel rank (each passes its own)."""
+
+    @overload
+    def __call__(self, decision: int) -> int: ...
+
+    @overload
+    def __call__(self, decision: list[int]) -> list[int]: ...
+
 
 TargetLoader = Callable[[Path, "str | torch.dtype", torch.device, int, "str | None"], tuple[CausalLM, Path]]
 
@@ -102,11 +112,16 @@ def agreed_pages(config: EngineConfig, target: CausalLM, drafter: Any, spec: Spe
     return dataclasses.replace(config, num_kv_pages=fewest_pages(mine))
 
 
-def agree_on_draft_length(engine: Engine, agree: Callable[[int], int]) -> None:
+def agree_on_draft_length(engine: Engine, agree: Agree) -> None:
     """Have `engine` take its draft-length decisions through `agree` (rank 0's, on tensor-parallel
-    ranks): an adaptive policy decides from each process's clock. A fixed K needs none."""
-    if engine.proposer is not None and engine.policy.adaptive:
+    ranks): an adaptive policy decides from each process's clock, and so does DSpark's load-aware verify
+    budget (each request's drafts). A fixed K and a static confidence threshold need none."""
+    if engine.proposer is None:
+        return
+    if engine.policy.adaptive:
         engine.agree = agree
+    if engine.proposer.cfg.adaptive_verification:
+        engine.proposer.agree_lengths = agree
 
 
 def build_engine(
@@ -115,7 +130,7 @@ def build_engine(
     *,
     load: TargetLoader = load_target,
     fewest_pages: Callable[[int], int] | None = None,
-    agree: Callable[[int], int] | None = None,
+    agree: Agree | None = None,
 ) -> EngineSetup:
     """The engine of `LLM(model, ...)`. A tensor-parallel rank passes `load` (its shard of the
     target), `fewest_pages` (every rank must hold the pages the least of them can: the ranks'

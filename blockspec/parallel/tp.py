@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockspec.config import ConfigError, EngineArgs, ModelConfig
-from blockspec.engine.build import EngineSetup, TargetLoader, build_engine
+from blockspec.engine.build import Agree, EngineSetup, TargetLoader, build_engine
 from blockspec.engine.engine import Engine
 from blockspec.engine.loop import OfflineRunner, Stop, serve_engine
 from blockspec.inputs import ModelInputs
@@ -387,16 +387,17 @@ def fewest(value: int, group: ProcessGroup | None) -> int:
     return int(least)
 
 
-def rank0_decides(group: ProcessGroup) -> Callable[[int], int]:
-    """An `Engine.agree` for ranks in lockstep: every rank passes its own decision and gets rank 0's."""
-    box = torch.zeros(1, dtype=torch.int64)
+def rank0_decides(group: ProcessGroup) -> Agree:
+    """An `Engine.agree` for ranks in lockstep: every rank passes its own decision (an int, or a list as long
+    on every rank) and gets rank 0's."""
 
-    def agree(decision: int) -> int:
-        box[0] = int(decision)
+    def agree(decision: int | list[int]) -> int | list[int]:
+        many = isinstance(decision, list)
+        box = torch.tensor(decision if many else [int(decision)], dtype=torch.int64)
         dist.broadcast(box, src=0, group=group)
-        return int(box[0])
+        return box.tolist() if many else int(box[0])
 
-    return agree
+    return agree  # type: ignore[return-value]
 
 
 def join_group(rank: int, world_size: int, init_file: str, device: str | torch.device) -> tuple[str, ProcessGroup]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate
 from operator import mul
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -114,6 +115,9 @@ class Proposer:
         k = self.num_speculative_tokens = context.num_drafts
         self.taps = tuple(drafter.target_layer_ids)
         self.cost_table: StepCostTable | None = None
+        # the load-aware budget's draft counts, as every tensor-parallel rank takes them (rank 0's: the cost
+        # table is each process's clock; `build.agree_on_draft_length`)
+        self.agree_lengths: Callable[[list[int]], list[int]] = lambda lens: lens
         has_conf = drafter.has_confidence
         if (cfg.confidence_threshold > 0 or cfg.adaptive_verification) and not has_conf:
             raise ConfigError("speculative_config.confidence_threshold / adaptive_verification need a DSpark drafter "
@@ -365,7 +369,7 @@ class Proposer:
             if self.cost_table is None:
                 # a function of the runner, not of the proposer, which would then reference itself
                 self.cost_table = StepCostTable(partial(profile_verify, self.runner), self.num_speculative_tokens + 1)
-            lens = schedule_prefixes(survival, lens, self.cost_table)
+            lens = self.agree_lengths(schedule_prefixes(survival, lens, self.cost_table))
             self.budget_history.append(sum(lens))
         return lens, survival
 
