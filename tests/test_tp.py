@@ -92,6 +92,58 @@ def test_dspark_verify_budget_is_rank0s(qwen3, monkeypatch):
     assert [o.error for o in outs] == [None] * len(prompts) and tokens(outs) == want
 
 
+class NotebookBar:
+    """A progress bar class the ranks cannot import once it is said to live in __main__ (defined in a notebook
+    cell or under `python -c`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_call_the_ranks_cannot_read_is_an_error_and_a_dead_rank_0_is_named(qwen3, monkeypatch):
+    """Arguments that pickle in the user's process but cannot be rebuilt in rank 0 are a ConfigError naming
+    them, and the ranks serve the next call (rank 0 died, and later calls raised a bare BrokenPipeError); once
+    rank 0 has exited, a call names it."""
+    import sys
+
+    monkeypatch.setattr(NotebookBar, "__module__", "__main__")
+    monkeypatch.setattr(sys.modules["__main__"], "NotebookBar", NotebookBar, raising=False)
+    want = tokens(LLM(qwen3, seed=0).generate(PROMPTS[:1], GREEDY, use_tqdm=False))
+    with LLM(qwen3, tensor_parallel_size=2, seed=0) as llm:
+        with pytest.raises(ConfigError, match="cannot be read by the tensor-parallel ranks"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=NotebookBar)
+        assert tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == want
+        rank0 = llm.ranks._procs[0]
+        rank0.kill()
+        rank0.join()
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[0"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+
+
+def _rank_1_cannot_build(rank: int, *args) -> None:
+    if rank == 1:
+        def out_of_memory(*a, **kw):
+            raise RuntimeError("CUDA out of memory on rank 1 (simulated)")
+
+        tp_module.build_engine = out_of_memory
+    return tp_module._rank_main(rank, *args)
+
+
+def test_a_start_up_error_on_another_rank_than_0_is_printed(qwen3, monkeypatch, capfd):
+    """A start-up error of one rank only (its device's memory) is printed by that rank: rank 0, left in a
+    collective, reports only that its peer went away."""
+    monkeypatch.setattr(tp_module, "_rank_main", _rank_1_cannot_build)
+    with pytest.raises(Exception):
+        LLM(qwen3, tensor_parallel_size=2, seed=0)
+    assert "rank 1 failed to start: RuntimeError: CUDA out of memory on rank 1" in capfd.readouterr().err
+
+
 def boost_biases(path: Path, scale: float = 25.0) -> None:
     """Make the checkpoint's biases large enough that counting one world_size times would change tokens."""
     from safetensors.torch import load_file, save_file

@@ -22,6 +22,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -455,6 +456,9 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | No
             reply: tuple[str, Any] = ("ok", setup.inputs)
         except Exception as exc:  # noqa: BLE001  every rank fails alike (same config, same weights); rank 0 reports it
             setup, reply = None, ("err", portable(exc))
+            if rank:  # unless only this one failed (its device's memory): then what rank 0 reports is its exit
+                print(f"blockspec: tensor-parallel rank {rank} failed to start: {type(exc).__name__}: {exc}",
+                      file=sys.stderr, flush=True)
         if conn is not None:
             conn.send(reply)
         if setup is None:
@@ -466,6 +470,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | No
             "reset_prefix_cache": setup.engine.reset_prefix_cache,
             # every rank runs the server's engine loop until it stops
             "serve": lambda: _serve(setup.engine, setup.inputs, control, conn),
+            "unreadable": _refuse_unreadable,
         }
         while True:
             msg: list[Any] = [_next_call(conn) if conn is not None else None]
@@ -513,11 +518,20 @@ def _serve(engine: Engine, inputs: ModelInputs, control: ProcessGroup, conn: Con
 
 
 def _next_call(conn: Connection) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
-    """The user's next call; "close" when the user's process has gone, so no rank waits forever."""
+    """The user's next call; "close" when the user's process has gone, so no rank waits forever; "unreadable"
+    (answered with an error) for a call whose arguments pickled in the user's process but cannot be rebuilt
+    here (a class defined in a notebook or `python -c`, which the ranks cannot import)."""
     try:
         return conn.recv()
     except EOFError:
         return "close", (), {}
+    except Exception as exc:  # noqa: BLE001  whatever unpickling raises
+        return "unreadable", (f"{type(exc).__name__}: {exc}",), {}
+
+
+def _refuse_unreadable(reason: str) -> None:
+    raise ConfigError(f"the call's arguments cannot be read by the tensor-parallel ranks ({reason}): pass "
+                      "objects the ranks can import (a tqdm class from a module, not from __main__)")
 
 
 def portable(exc: Exception) -> Exception:
@@ -577,17 +591,20 @@ class RankProcesses:
             raise value
         return value
 
+    def _check_alive(self) -> None:
+        """Raise, naming them, if rank 0 or a rank that crashed has exited. A rank other than 0 may end
+        cleanly before rank 0's answer lands (a sweep's last gather, a setup error every rank hit)."""
+        dead = [i for i, p in enumerate(self._procs) if p.exitcode is not None and (i == 0 or p.exitcode)]
+        if dead:
+            raise RuntimeError(f"tensor-parallel rank(s) {dead} exited (codes "
+                               f"{[self._procs[i].exitcode for i in dead]})")
+
     def receive(self, timeout_s: float | None = None) -> Any:
         """Rank 0's next message, failing fast if any rank process dies instead."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._conn.poll(0.1):
-            # A rank other than 0 may end cleanly before rank 0's answer lands (a sweep's last gather,
-            # a setup error every rank hit): only a crash fails; and an answer sent just before its
-            # sender exited is still read (the poll below), whatever the exit code.
-            dead = [i for i, p in enumerate(self._procs) if p.exitcode is not None and (i == 0 or p.exitcode)]
-            if dead and not self._conn.poll(0):
-                raise RuntimeError(f"tensor-parallel rank(s) {dead} exited (codes "
-                                   f"{[self._procs[i].exitcode for i in dead]})")
+            if not self._conn.poll(0):  # an answer sent just before its sender exited is still read
+                self._check_alive()
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"tensor-parallel ranks gave no answer in {timeout_s:.0f} s")
         try:
@@ -651,7 +668,12 @@ class RankGroup(RankProcesses):
             message = ForkingPickler.dumps((name, args, kwargs))  # as Connection.send pickles
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
             raise ConfigError(f"the call's arguments cannot be sent to the tensor-parallel ranks: {exc}") from None
-        self._conn.send_bytes(message)
+        self._check_alive()
+        try:
+            self._conn.send_bytes(message)
+        except OSError:  # rank 0 died since the last call: name the ranks that exited
+            self._check_alive()
+            raise
         try:
             return self.reply()
         except KeyboardInterrupt:
