@@ -237,6 +237,11 @@ def test_kv_cache_scales_are_the_calibration_texts_amax_over_448(source, tmp_pat
     assert llm.engine.runner.cache.k_scales[2] == pytest.approx(float(written["model.layers.2.self_attn.k_scale"]))
     assert [len(s) for s in calibration_sequences(load_tokenizer(source), ["ab" * 700, "c" * 50], 1000, 512)] == [
         512, 488]
+    # sequences longer than the model's positions (512) are prefilled in pieces of that length
+    from blockspec.models.fp8_export import calibrate_kv_scales
+
+    long = (sequences[0] * 3)[:700]
+    assert calibrate_kv_scales(source, [long], "cpu") == calibrate_kv_scales(source, [long[:512], long[512:]], "cpu")
     assert cli_main(["quantize", str(source), "--out", str(tmp_path / "none"), "--kv-calibration",
                      str(tmp_path / "missing.txt")]) == 2
     assert "--kv-calibration: no such file" in capsys.readouterr().err

@@ -110,8 +110,9 @@ def calibrate_kv_scales(model_dir: Path, sequences: list[list[int]], device: str
     model, _ = load_target(model_dir, "auto", device)
     dev = model.embed_tokens.weight.device
     amax = torch.zeros(2, len(model.layers), model.config.num_key_value_heads, dtype=torch.float64)
+    longest = model.config.max_position_embeddings  # a longer sequence is prefilled in pieces of the model's length
     with torch.no_grad():
-        for seq in sequences:
+        for seq in (whole[i:i + longest] for whole in sequences for i in range(0, len(whole), longest)):
             cache = model.new_cache(1, len(seq))  # the model's dtype: the values an FP8 cache would store
             meta = causal_meta([0], [0], [len(seq)], len(seq), cache.trash, dev, model.config.sliding_window,
                                model.config.layer_types)
