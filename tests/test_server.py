@@ -768,6 +768,24 @@ def test_deltas_that_waited_together_are_merged_per_choice():
     assert got[1].spec is None and errors == ["device lost"]
 
 
+def test_a_request_checked_while_the_engine_died_is_answered_with_the_error():
+    """A request that passed the ready check before the engine's death was known (its prompt tokenizing, its
+    constraint compiling) is failed with the engine's error, not left waiting for an engine that is gone."""
+    from blockspec.server.async_engine import AsyncEngine, EngineError
+    from blockspec.server.metrics import ServerMetrics
+
+    async def run() -> str:
+        engine = AsyncEngine(lambda: None, ServerMetrics("m"))
+        engine._failed("the engine process exited with code -9")  # no request in flight to fail
+        try:
+            await asyncio.wait_for(engine.generate("late", [(None, [1])], SamplingParams()).__anext__(), 10)
+        except EngineError as exc:
+            return str(exc)
+        return "answered"
+
+    assert asyncio.run(run()) == "the engine stopped: the engine process exited with code -9"
+
+
 def test_serving_moves_what_loading_left_alive_out_of_the_collectors_reach():
     """`blockspec serve` freezes what the load left alive, so a full collection no longer walks the
     weights' Python objects, the tokenizer and the modules while requests wait."""

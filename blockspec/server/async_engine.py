@@ -191,7 +191,10 @@ class AsyncEngine:
             raise RuntimeError(f"request id {request_id!r} is already in flight")
         out: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
         self._queues[request_id] = out
-        self._commands.put(Add(request_id, prompts, params, time.perf_counter()))
+        if self.load_error is not None:  # the engine stopped while this request was checked: none will answer it
+            out.put_nowait(EngineError(f"the engine stopped: {self.load_error}"))
+        else:
+            self._commands.put(Add(request_id, prompts, params, time.perf_counter()))
         left = len(prompts) * params.n
         try:
             while left:
