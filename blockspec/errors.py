@@ -35,5 +35,10 @@ class ConstraintError(RequestError):
         return exc
 
 
+class RanksParted(RuntimeError):
+    """A tensor-parallel step failed on some ranks but not on all (one device out of memory): the ranks no longer
+    step in lockstep, so none can go on and the LLM's ranks are closed (a new LLM starts them again)."""
+
+
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, ModelLoadError, SamplingError, RequestError,
                                             json.JSONDecodeError, FileNotFoundError)

@@ -417,6 +417,27 @@ def test_a_request_beside_many_failing_ones_is_not_failed_for_them(tmp_path):
     assert bystander.finish_reason == "length" and bystander.output_ids == want.outputs[0].token_ids
 
 
+def test_a_server_loop_whose_ranks_parted_stops_instead_of_serving_on(tmp_path):
+    """A step that failed on some tensor-parallel ranks only (`RanksParted`) ends the server's engine loop: its
+    ranks can no longer step together, so failing the requests in flight and serving on would hang them."""
+    from blockspec.engine.loop import Add, EngineLoop
+    from blockspec.errors import RanksParted
+    from blockspec.inputs import Prompt
+
+    path = save_tiny_model_with_tokenizer(tmp_path / "m", "qwen3", seed=7)
+    llm = llm_with_faults(model=str(path), device="cpu", max_model_len=64)
+    engine, tokenizer = llm.engine, llm.get_tokenizer()
+
+    def parted(exc: Exception) -> None:
+        raise RanksParted(f"this rank's step failed alone ({exc})")
+
+    engine.check_failed_alike = parted
+    add = Add("r", [Prompt(FAIL_PROMPT, tokenizer.encode(FAIL_PROMPT))], SamplingParams(max_tokens=4), 0.0)
+    commands = iter([[add]])
+    with pytest.raises(RanksParted, match="failed alone"):
+        EngineLoop(engine, lambda report: None).run(lambda block: next(commands))  # no more: StopIteration
+
+
 def test_an_interrupted_generate_leaves_nothing_queued(llm, monkeypatch):
     step = llm.engine.step
     calls = []

@@ -92,6 +92,65 @@ def test_dspark_verify_budget_is_rank0s(qwen3, monkeypatch):
     assert [o.error for o in outs] == [None] * len(prompts) and tokens(outs) == want
 
 
+MARKED = [91, 5, 6]  # a prompt whose request makes every rank's decode raise
+
+
+def _decode_fails(when) -> None:
+    """Make this rank's decode raise whenever `when(engine, requests)` says so."""
+    from blockspec.engine.engine import Engine
+
+    decode = Engine._decode
+
+    def failing(self, decoding):
+        if when(self, decoding):
+            raise RuntimeError("simulated device fault")
+        return decode(self, decoding)
+
+    Engine._decode = failing
+
+
+def _ranks_failing_on_the_marked_request(rank: int, *args) -> None:
+    _decode_fails(lambda engine, reqs: any(r.prompt_token_ids[:3] == MARKED for r in reqs))
+    return tp_module._rank_main(rank, *args)
+
+
+def test_a_step_failing_on_every_rank_is_recovered_by_all_alike(qwen3, monkeypatch):
+    """A request whose rows make every rank's step fail fails alone, on every rank the same way; the requests
+    beside it give the tokens of a single process, and the ranks serve the next call."""
+    monkeypatch.setattr(tp_module, "_rank_main", _ranks_failing_on_the_marked_request)
+    want = tokens(LLM(qwen3, seed=0).generate(PROMPTS, GREEDY, use_tqdm=False))
+    with LLM(qwen3, tensor_parallel_size=2, seed=0) as llm:
+        outs = llm.generate([PROMPTS[0], {"prompt_token_ids": MARKED}, *PROMPTS[1:]], GREEDY, use_tqdm=False)
+        assert outs[1].outputs[0].finish_reason == "error" and "error id" in outs[1].error
+        assert [o.error for o in outs[::2]] == [None, None] and tokens(outs[:1] + outs[2:]) == want
+        assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+
+
+def _rank_1_faults_at_its_third_decode(rank: int, *args) -> None:
+    tp_module.FAILED_ALIKE_WAIT_S = 2.0  # how long rank 1 waits for rank 0 to fail too (it never does)
+    if rank == 1:
+        calls = iter(range(10**6))
+        _decode_fails(lambda engine, reqs: next(calls) == 2)
+    return tp_module._rank_main(rank, *args)
+
+
+def test_a_step_failing_on_one_rank_only_closes_the_ranks_with_an_error(qwen3, monkeypatch, capfd):
+    """A step that fails on rank 1 only (its device's fault): rank 1 recovering alone would pair its retry's
+    collectives with rank 0's next step's (the ranks parted, and generate waited out the group's 10-minute
+    timeout). The call fails naming rank 1, rank 1 prints its cause, and later calls say the ranks are gone."""
+    monkeypatch.setattr(tp_module, "_rank_main", _rank_1_faults_at_its_third_decode)
+    llm = LLM(qwen3, tensor_parallel_size=2, seed=0)
+    try:
+        with pytest.raises(RuntimeError, match=r"rank 1|rank\(s\) \[1\]"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert "rank 1's step failed (RuntimeError: simulated device fault), and not on every rank" in \
+            capfd.readouterr().err
+        with pytest.raises(RuntimeError, match="tensor-parallel rank"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.close()
+
+
 class NotebookBar:
     """A progress bar class the ranks cannot import once it is said to live in __main__ (defined in a notebook
     cell or under `python -c`)."""

@@ -139,6 +139,9 @@ class Engine:
         # The draft-length policy decides from measured wall times, which differ between processes: the
         # ranks of a tensor-parallel engine take rank 0's decision through this (identity here)
         self.agree: Callable[[int], int] = lambda decision: decision
+        # A failed step is recovered by every rank alike only when it failed on every rank: a tensor-parallel
+        # engine's ranks check that through this before recovering (it raises RanksParted when they differ)
+        self.check_failed_alike: Callable[[Exception], None] = lambda exc: None
 
     @property
     def running(self) -> list[Request]:
@@ -309,7 +312,8 @@ class Engine:
         fails alone (`_recover`)."""
         try:
             touched = self._step()
-        except Exception:
+        except Exception as exc:
+            self.check_failed_alike(exc)
             return self._recover()
         self.scheduler.clear_suspect()
         return touched

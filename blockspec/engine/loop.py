@@ -22,7 +22,7 @@ from typing import Any
 
 from blockspec.engine.engine import Engine
 from blockspec.engine.latency import Finish
-from blockspec.errors import USER_ERRORS
+from blockspec.errors import USER_ERRORS, RanksParted
 from blockspec.inputs import ModelInputs, Prompt
 from blockspec.request import Logprob, Request, RequestOutput, SpecStats, group_metrics
 from blockspec.sampling_params import SamplingParams
@@ -290,6 +290,8 @@ class EngineLoop:
             if engine.has_unfinished():
                 try:
                     engine.step()
+                except RanksParted:  # no rank can step on: the ranks close
+                    raise
                 except Exception:  # the engine's own recovery failed: fail what is in flight, keep serving
                     error_id = uuid.uuid4().hex[:12]
                     log.exception("engine step failed (error id %s); failing the %d requests in flight",

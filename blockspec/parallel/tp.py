@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import re
 import shutil
 import signal
 import sys
@@ -33,7 +34,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,7 @@ from blockspec.config import ConfigError, EngineArgs, ModelConfig
 from blockspec.engine.build import Agree, EngineSetup, TargetLoader, build_engine
 from blockspec.engine.engine import Engine
 from blockspec.engine.loop import OfflineRunner, Stop, serve_engine
+from blockspec.errors import RanksParted
 from blockspec.inputs import ModelInputs
 from blockspec.models.layers import GatedMLP
 from blockspec.models.llama import Attention, CausalLM
@@ -360,8 +362,12 @@ def rank_engine(rank: int, world_size: int, control: ProcessGroup, model: str | 
     """One rank's engine: its shard of the target (`shard_loader`); its KV pages are the fewest any
     rank's memory allows, and its draft-length decisions rank 0's (`control`: a CPU group for host
     messages)."""
-    return build_engine(model, args, load=shard_loader(rank, world_size),
-                        fewest_pages=lambda mine: fewest(mine, control), agree=rank0_decides(control))
+    # met only after a failed step, so never inside another collective; its timeout is how long the others may take
+    faults = dist.new_group(backend="gloo", timeout=timedelta(seconds=FAILED_ALIKE_WAIT_S))
+    setup = build_engine(model, args, load=shard_loader(rank, world_size),
+                         fewest_pages=lambda mine: fewest(mine, control), agree=rank0_decides(control))
+    setup.engine.check_failed_alike = failed_alike(rank, faults)
+    return setup
 
 
 def shard_loader(rank: int, world_size: int) -> TargetLoader:
@@ -399,6 +405,38 @@ def rank0_decides(group: ProcessGroup) -> Agree:
         return box.tolist() if many else int(box[0])
 
     return agree  # type: ignore[return-value]
+
+
+# how long a rank whose step failed waits for the others to fail it too: ranks in lockstep reach the same failure
+# a host's moment apart, while a rank whose step went on sits in the next collective and never comes
+FAILED_ALIKE_WAIT_S = 60.0
+
+
+def failed_alike(rank: int, group: ProcessGroup) -> Callable[[Exception], None]:
+    """An `Engine.check_failed_alike` for ranks in lockstep: returns once every rank's step has failed (the same
+    request's rows fail on each, so they recover alike), raises RanksParted when some rank's did not within
+    FAILED_ALIKE_WAIT_S (its step went on, or its peer is gone): a rank recovering alone would pair its retry's
+    collectives with the others' next step's. `group`: a gloo group of its own whose timeout is that wait."""
+
+    def check(exc: Exception) -> None:
+        try:
+            dist.barrier(group=group)  # times out at the group's FAILED_ALIKE_WAIT_S
+        except RuntimeError as barrier:
+            raise RanksParted(f"tensor-parallel rank {rank}'s step failed ({_brief(exc)}), and not on every rank "
+                              f"({_brief(barrier)}): the ranks no longer step in lockstep, so they "
+                              "are closed; a new LLM starts them again") from exc
+
+    return check
+
+
+def _brief(exc: BaseException) -> str:
+    """An exception on one line; gloo's ("[.../pair.cc:553] Connection closed by peer [...]. This is typically
+    caused by ...") as its first sentence, without the source location or the advice."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    if (gloo := re.match(r"\[[^\]]*\.cc:\d+\]\s*", text)) is not None:
+        text = text[gloo.end():].split(". ")[0]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def join_group(rank: int, world_size: int, init_file: str, device: str | torch.device) -> tuple[str, ProcessGroup]:
@@ -484,12 +522,24 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | No
                 kwargs = {**kwargs, "use_tqdm": False}
             try:
                 reply = ("ok", calls[name](*args, **kwargs))
+            except RanksParted as exc:  # the group is broken: report, and end without tearing it down
+                _part(conn, exc)
             except Exception as exc:  # noqa: BLE001  every rank raises alike
                 reply = ("err", portable(exc))
             if conn is not None:
                 conn.send(reply)
     finally:
         dist.destroy_process_group()
+
+
+def _part(conn: Connection | None, exc: RanksParted) -> NoReturn:
+    """End a rank whose group has parted: rank 0 sends the error as its call's reply; every rank prints it (the
+    user's process names a rank that exits with an error) and exits without destroying the group, whose
+    teardown could wait on a peer stuck in a collective."""
+    print(f"blockspec: {exc}", file=sys.stderr, flush=True)
+    if conn is not None:
+        conn.send(("err", exc))
+    os._exit(1)
 
 
 SERVE_HEARTBEAT_S = 30.0  # an idle server's ranks still meet in a collective, far inside the group's timeout
@@ -650,6 +700,7 @@ class RankGroup(RankProcesses):
         """num_threads: torch threads per rank; default: this process's, shared
         out so the ranks do not oversubscribe the CPU."""
         model_dir = target_for_ranks(model, world_size, args.device, **args.hub(args.revision))  # before any spawn
+        self._parted: str | None = None  # why the ranks were closed, when a step parted them
         num_threads = num_threads or max(1, torch.get_num_threads() // world_size)
         super().__init__(_rank_main, world_size, (str(model_dir), args, num_threads))
         try:
@@ -662,6 +713,8 @@ class RankGroup(RankProcesses):
         """Run `name` ("run": OfflineRunner.run, "metrics": Engine.metrics) on every rank in lockstep;
         rank 0's result. Interrupted (Ctrl-C), the ranks stop the call's run and its reply is read and
         dropped before KeyboardInterrupt goes on, so the next call reads its own reply."""
+        if self._parted is not None:
+            raise RanksParted(f"this LLM's tensor-parallel ranks were closed when a step parted them ({self._parted})")
         if not self._procs:
             raise RuntimeError("the tensor-parallel ranks are closed")
         try:
@@ -679,6 +732,11 @@ class RankGroup(RankProcesses):
         except KeyboardInterrupt:
             self._drop_reply()
             raise
+        except RanksParted as exc:  # the ranks have exited or are stuck in a collective: close them all
+            exited = [i for i, p in enumerate(self._procs) if i and p.exitcode]  # before rank 0 knew: the cause
+            self._parted = str(exc) + (f"; rank(s) {exited} exited first, each printing its error" if exited else "")
+            self.close()
+            raise RanksParted(self._parted) from None
 
     def _drop_reply(self, timeout_s: float = INTERRUPT_DRAIN_S) -> None:
         """After an interrupted call: ask the ranks to stop its run and read its reply. If that reply does
