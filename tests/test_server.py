@@ -231,27 +231,44 @@ def test_cli_serve_over_https_under_a_root_path(text_dir, tmp_path):
 
 @pytest.mark.parametrize("timeout", [None, "300"])
 def test_cli_serve_sigterm_aborts_requests_in_flight_or_waits_shutdown_timeout(text_dir, timeout):
-    """vLLM's --shutdown-timeout: by default SIGTERM aborts the requests in flight at once (the stream ends
-    before its tokens); with a timeout it lets them finish first (to max_tokens, then [DONE])."""
+    """vLLM's --shutdown-timeout: by default SIGTERM stops the requests in flight at once, each answered with
+    why (a stream's error event and [DONE], a non-streamed request's 503, in OpenAI's error format; they got a
+    cut connection and a plain-text 500, and the log a traceback each); with a timeout they finish first (to
+    max_tokens, then [DONE])."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def running() -> float:
+        text = get(f"{url}/metrics").text
+        return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                   if s.name == "vllm:num_requests_running")
+
     flags = ["--shutdown-timeout", timeout] if timeout else []
     with cli_server(text_dir, "--max-model-len", "512", *flags) as (proc, url, _):
-        # aborted, the request has the most the context holds left to run: far more than the shutdown's moment
-        body = {"prompt": "a", "max_tokens": 500 if timeout is None else 300, "ignore_eos": True, "stream": True,
-                "temperature": 0}
+        # stopped, each request has far more left to run than the shutdown's moment
+        body = {"prompt": "a", "max_tokens": 500 if timeout is None else 300, "ignore_eos": True, "temperature": 0}
+        answers = []
+        whole = threading.Thread(target=lambda: answers.append(post(f"{url}/v1/completions", json=body)))
+        if timeout is None:  # running before the stream starts (a moment ahead of it: far less than its run)
+            whole.start()
+            wait_until(lambda: running() >= 1, PATIENCE, "the non-streamed request to run")
         lines = []
-        with pytest.raises(httpx.TransportError) if timeout is None else contextlib.nullcontext():
-            with stream("POST", f"{url}/v1/completions", json=body) as r:
-                for line in r.iter_lines():
-                    if line and not lines:
-                        proc.send_signal(signal.SIGTERM)  # the first token is out: the request is in flight
-                    lines += [line] if line else []
+        with stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line and not lines:
+                    proc.send_signal(signal.SIGTERM)  # the first token is out: the requests are in flight
+                lines += [line] if line else []
         assert proc.wait(PATIENCE) == 0
-        chunks = [json.loads(line.removeprefix("data: ")) for line in lines if line != "data: [DONE]"]
-        finish = [c["choices"][0]["finish_reason"] for c in chunks]
+        assert "Traceback" not in proc.stderr.read().decode()
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
         if timeout is None:
-            assert "length" not in finish and "data: [DONE]" not in lines
+            whole.join(PATIENCE)
+            said = "the server is shutting down and stopped this request before it finished"
+            assert chunks[-1]["error"]["message"].startswith(said) and chunks[-1]["error"]["code"] == 503
+            assert "length" not in [c["choices"][0]["finish_reason"] for c in chunks[:-1]]
+            assert answers[0].status_code == 503 and answers[0].json()["error"]["message"].startswith(said)
         else:
-            assert finish[-1] == "length" and lines[-1] == "data: [DONE]"
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("flags, says", [

@@ -7,6 +7,7 @@ handler, which re-raises after answering and so makes the server drop a keep-ali
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -35,9 +36,18 @@ async def send_error(send: Send, status: int, body: dict[str, Any], headers: lis
     await send({"type": "http.response.body", "body": payload})
 
 
+SHUTDOWN_MESSAGE = ("the server is shutting down and stopped this request before it finished (--shutdown-timeout "
+                    "lets the requests in flight finish first)")
+
+
 class InternalErrors:
     """An exception no handler took becomes a 500 whose body names no internals (the log has them,
-    under the id the body gives), and the connection stays open for the client's next request."""
+    under the id the body gives), and the connection stays open for the client's next request.
+
+    A route cancelled by the server's shutdown (uvicorn cancels the requests in flight once --shutdown-timeout
+    has passed) is answered in the same format: a 503, or, for a stream under way, an error event and
+    `[DONE]`, so a client learns why it ended (it got a plain-text 500 or a cut connection, and the log a
+    traceback per request)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -45,15 +55,27 @@ class InternalErrors:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = False
+        started = streaming = ended = False
 
         async def watch(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            nonlocal started, streaming, ended
+            if message["type"] == "http.response.start":
+                started = True
+                streaming = dict(message.get("headers", ())).get(b"content-type", b"").startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body":
+                ended = not message.get("more_body", False)
             await send(message)
 
         try:
             await self.app(scope, receive, watch)
+        except asyncio.CancelledError:  # the shutdown's; nothing awaits this task's end, so it ends here
+            log.warning("%s %s stopped by the server's shutdown", scope.get("method"), scope.get("path"))
+            body = error_body(SHUTDOWN_MESSAGE, "service_unavailable", code=503)
+            if not started:
+                await send_error(send, 503, body)
+            elif streaming and not ended:
+                await send({"type": "http.response.body", "more_body": False,
+                            "body": f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()})
         except Exception:
             error_id = uuid.uuid4().hex[:12]
             log.exception("%s %s failed (error id %s)", scope.get("method"), scope.get("path"), error_id)
