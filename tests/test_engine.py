@@ -368,6 +368,27 @@ def test_constraints_that_leave_no_token_are_named_not_blamed_on_the_model(llm):
     assert eos not in ids[:2] and ids[2:] == [eos, eos]
 
 
+def test_streamed_text_is_held_back_for_a_stop_string_only_when_the_stop_string_is_cut(llm):
+    """A stream holds back the text that could begin a stop string while the string would be cut from the output;
+    kept (include_stop_str_in_output) it is sent as it comes, as vLLM does: it was held back to the end."""
+    from blockspec.engine.loop import _Tracker
+
+    text = llm.generate("a", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    stop = next(text[i:i + 4] for i in range(20, len(text) - 4) if text.count(text[i:i + 4]) == 1)
+    for keep in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=40, stop=[stop], include_stop_str_in_output=keep)
+        req = llm.engine.add_request(f"keep {keep}", "a", llm.tokenizer.encode("a"), params)[0]
+        tracker, sent, lagged = _Tracker(req, "r", 0, 0.0), "", False
+        while req.finish_reason is None:
+            llm.engine.step()
+            if (delta := tracker.poll()) is not None:
+                sent += delta[1]
+            lagged = lagged or (req.finish_reason is None and sent != req.text)
+        assert sent == req.text == text[: text.index(stop) + (len(stop) if keep else 0)]
+        assert lagged != keep
+
+
 def test_the_extreme_seeds_and_biases_that_are_allowed_work(llm):
     params = [SamplingParams(temperature=0.7, seed=seed, max_tokens=4, ignore_eos=True, logit_bias={7: -100.0})
               for seed in (2**63 - 1, -(2**63))]

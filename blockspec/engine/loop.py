@@ -230,15 +230,16 @@ class _Tracker:
     last_tokens_at: float | None = None  # when the report with its latest tokens was sent
 
     def poll(self) -> DeltaFields | None:
-        """The new output since the last poll (a Delta's fields), or None. While a stop string could
-        still match, its possible beginning is held back, so streamed text never has to be taken back."""
+        """The new output since the last poll (a Delta's fields), or None. While a stop string that the output
+        would not keep could still match, its possible beginning is held back, so streamed text never has to be
+        taken back."""
         req = self.req
         done = req.finish_reason is not None
         n = len(req.output_ids)
         if n == self.sent_tokens and not done:
             return None
         visible = req.text_length
-        if not done and req.params.stop_strings:
+        if not done and req.params.stop_strings and not req.params.include_stop_str_in_output:
             visible = max(self.sent_chars, visible - max(map(len, req.params.stop_strings)) + 1)
         spec = None
         if done:
