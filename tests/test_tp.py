@@ -134,17 +134,31 @@ def _rank_1_faults_at_its_third_decode(rank: int, *args) -> None:
     return tp_module._rank_main(rank, *args)
 
 
-def test_a_step_failing_on_one_rank_only_closes_the_ranks_with_an_error(qwen3, monkeypatch, capfd):
-    """A step that fails on rank 1 only (its device's fault): rank 1 recovering alone would pair its retry's
-    collectives with rank 0's next step's (the ranks parted, and generate waited out the group's 10-minute
-    timeout). The call fails naming rank 1, rank 1 prints its cause, and later calls say the ranks are gone."""
-    monkeypatch.setattr(tp_module, "_rank_main", _rank_1_faults_at_its_third_decode)
+def _rank_1_dies_at_its_third_decode(rank: int, *args) -> None:
+    if rank == 1:
+        import os
+
+        calls = iter(range(10**6))
+        _decode_fails(lambda engine, reqs: next(calls) == 2 and os._exit(9))
+    return tp_module._rank_main(rank, *args)
+
+
+@pytest.mark.parametrize("fault", ["fails", "dies"])
+def test_a_step_failing_on_one_rank_only_closes_the_ranks_with_an_error(qwen3, monkeypatch, capfd, fault):
+    """A step that fails on rank 1 only (its device's fault), or a rank 1 that dies mid-run: rank 0 (or 1)
+    recovering alone would pair its retry's collectives with the other's next step's (the ranks parted, and
+    generate waited out the group's 10-minute timeout, or failed every request). The call fails naming rank 1,
+    a rank whose step failed prints its cause, and later calls say the ranks are gone."""
+    monkeypatch.setattr(tp_module, "_rank_main", _rank_1_faults_at_its_third_decode if fault == "fails"
+                        else _rank_1_dies_at_its_third_decode)
     llm = LLM(qwen3, tensor_parallel_size=2, seed=0)
     try:
-        with pytest.raises(RuntimeError, match=r"rank 1|rank\(s\) \[1\]"):
+        said = "each rank whose step failed printed why" if fault == "fails" else r"rank\(s\) \[1\] died \(exit codes \[9\]"
+        with pytest.raises(RuntimeError, match=rf"the ranks no longer step in lockstep.*{said}"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert "rank 1's step failed (RuntimeError: simulated device fault), and not on every rank" in \
-            capfd.readouterr().err
+        if fault == "fails":
+            assert "rank 1's step failed (RuntimeError: simulated device fault), and not on every rank" in \
+                capfd.readouterr().err
         with pytest.raises(RuntimeError, match="tensor-parallel rank"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     finally:

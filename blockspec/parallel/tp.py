@@ -532,6 +532,9 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | No
         dist.destroy_process_group()
 
 
+PARTED_EXIT_CODE = 1  # a rank that ended for RanksParted (any other code: it died)
+
+
 def _part(conn: Connection | None, exc: RanksParted) -> NoReturn:
     """End a rank whose group has parted: rank 0 sends the error as its call's reply; every rank prints it (the
     user's process names a rank that exits with an error) and exits without destroying the group, whose
@@ -539,7 +542,7 @@ def _part(conn: Connection | None, exc: RanksParted) -> NoReturn:
     print(f"blockspec: {exc}", file=sys.stderr, flush=True)
     if conn is not None:
         conn.send(("err", exc))
-    os._exit(1)
+    os._exit(PARTED_EXIT_CODE)
 
 
 SERVE_HEARTBEAT_S = 30.0  # an idle server's ranks still meet in a collective, far inside the group's timeout
@@ -612,6 +615,11 @@ def check_ranks(cfg: ModelConfig, world_size: int, device: str | torch.device) -
                           f"{torch.cuda.device_count()} visible")
 
 
+# how long rank 0 has to answer once another rank died, and the parted ranks to exit before a call's error names
+# those that died
+PARTED_EXIT_WAIT_S = 5.0
+
+
 class RankProcesses:
     """`world_size` spawned processes, each running `main(rank, world_size, init_file, conn, *args)`
     (`init_file`: the group's rendezvous; `conn`: rank 0's end of a pipe to this process, None on
@@ -650,11 +658,16 @@ class RankProcesses:
                                f"{[self._procs[i].exitcode for i in dead]})")
 
     def receive(self, timeout_s: float | None = None) -> Any:
-        """Rank 0's next message, failing fast if any rank process dies instead."""
+        """Rank 0's next message, failing fast if any rank process dies instead. A rank other than 0 that died
+        leaves rank 0 PARTED_EXIT_WAIT_S to answer first: its answer says what the death did to the call."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._conn.poll(0.1):
-            if not self._conn.poll(0):  # an answer sent just before its sender exited is still read
+            try:
                 self._check_alive()
+            except RuntimeError:
+                if not self._conn.poll(PARTED_EXIT_WAIT_S if self._procs[0].exitcode is None else 0):
+                    raise  # an answer sent just before its sender exited is still read
+                break
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"tensor-parallel ranks gave no answer in {timeout_s:.0f} s")
         try:
@@ -733,8 +746,12 @@ class RankGroup(RankProcesses):
             self._drop_reply()
             raise
         except RanksParted as exc:  # the ranks have exited or are stuck in a collective: close them all
-            exited = [i for i, p in enumerate(self._procs) if i and p.exitcode]  # before rank 0 knew: the cause
-            self._parted = str(exc) + (f"; rank(s) {exited} exited first, each printing its error" if exited else "")
+            deadline = time.monotonic() + PARTED_EXIT_WAIT_S  # every rank that saw it exits: how each ended
+            for p in self._procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            exited = {i: p.exitcode for i, p in enumerate(self._procs) if p.exitcode not in (None, PARTED_EXIT_CODE)}
+            self._parted = str(exc) + (f"; rank(s) {list(exited)} died (exit codes {list(exited.values())})"
+                                       if exited else "; each rank whose step failed printed why")
             self.close()
             raise RanksParted(self._parted) from None
 
