@@ -405,7 +405,8 @@ def test_tp2_preempts_in_step_and_gives_one_process_tokens(qwen3, caching):
 def test_an_interrupted_tp_call_stops_its_run_and_the_next_call_reads_its_own_reply(qwen3, monkeypatch):
     """Ctrl-C during a tensor-parallel generate (a notebook's interrupt: the user's process only): the
     ranks stop that run, its reply is dropped, and the next calls answer themselves, as one process does
-    (the reply used to stay in the pipe, and every later call returned the one before's)."""
+    (the reply used to stay in the pipe, and every later call returned the one before's); so too after a
+    Ctrl-C that lands once the call has ended."""
     import _thread
     import threading
 
@@ -426,6 +427,9 @@ def test_an_interrupted_tp_call_stops_its_run_and_the_next_call_reads_its_own_re
             tp.generate(PROMPTS[1:] * 8, long, use_tqdm=False)
         assert tp.get_stats()["num_generated_tokens"] < 16 * 480  # stopped, not run to its end
         assert tokens(tp.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == want
+        # a Ctrl-C landing just after a call's reply was read: nothing to stop, and the ranks serve on (they were
+        # closed once the interrupt's wait for a reply that never came ran out)
+        tp.ranks._drop_reply()
         assert tokens(tp.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == want
 
 

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from blockspec.config import ConfigError, EngineArgs, ModelConfig
 from blockspec.engine.build import Agree, EngineSetup, TargetLoader, build_engine
 from blockspec.engine.engine import Engine
-from blockspec.engine.loop import OfflineRunner, Stop, serve_engine
+from blockspec.engine.loop import Interrupted, OfflineRunner, Stop, serve_engine
 from blockspec.errors import RanksParted
 from blockspec.inputs import ModelInputs
 from blockspec.models.layers import GatedMLP
@@ -462,6 +462,11 @@ def join_group(rank: int, world_size: int, init_file: str, device: str | torch.d
 INTERRUPT_CHECK_STEPS = 16
 
 
+# what rank 0 sends once it has taken a user's interrupt, after the reply of the call it stopped if any: the user's
+# process reads up to it, so whether the interrupt stopped a run or came after its reply, no reply is left behind
+INTERRUPT_SEEN = ("interrupt seen", None)
+
+
 def _interrupt_check(conn: Connection | None, control: ProcessGroup | None) -> Callable[[int], bool]:
     """What OfflineRunner asks before each step: every INTERRUPT_CHECK_STEPS steps, rank 0 looks for the
     user's interrupt in its pipe (the only message sent while a call runs) and every rank learns the
@@ -516,7 +521,9 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | No
             name, args, kwargs = msg[0]
             if name == "close":
                 return
-            if name == "interrupt":  # for a call that ended before it arrived: nothing to stop, no reply
+            if name == "interrupt":  # for a call that ended before it arrived: nothing to stop
+                if conn is not None:
+                    conn.send(INTERRUPT_SEEN)
                 continue
             if rank and "use_tqdm" in kwargs:
                 kwargs = {**kwargs, "use_tqdm": False}
@@ -528,6 +535,8 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: Connection | No
                 reply = ("err", portable(exc))
             if conn is not None:
                 conn.send(reply)
+                if reply[0] == "err" and isinstance(reply[1], Interrupted):  # the run the interrupt stopped
+                    conn.send(INTERRUPT_SEEN)
     finally:
         dist.destroy_process_group()
 
@@ -756,12 +765,15 @@ class RankGroup(RankProcesses):
             raise RanksParted(self._parted) from None
 
     def _drop_reply(self, timeout_s: float = INTERRUPT_DRAIN_S) -> None:
-        """After an interrupted call: ask the ranks to stop its run and read its reply. If that reply does
+        """After an interrupted call: ask the ranks to stop its run, and read its reply if it is still to come,
+        up to rank 0's INTERRUPT_SEEN (the interrupt may have landed after the reply was read). If that does
         not come (another Ctrl-C, a rank stuck), the ranks are closed: a later call raises, never reads a
         stale reply."""
+        deadline = time.monotonic() + timeout_s
         try:
             self._conn.send(("interrupt", (), {}))
-            self.receive(timeout_s)
+            while self.receive(max(0.0, deadline - time.monotonic())) != INTERRUPT_SEEN:
+                pass
         except BaseException:
             self.close()
 
