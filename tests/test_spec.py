@@ -1248,36 +1248,38 @@ def test_a_launch_whose_requests_all_left_fails_no_other(target, plain, caplog):
     assert [r.output_ids for r in joined] == alone and [r.finish_reason for r in joined] == ["length", "length"]
 
 
-def test_pipelined_steps_are_priced_one_step_each_across_switches(target):
+def test_pipelined_steps_are_priced_one_step_each_across_switches(target, monkeypatch):
     """A pipelined step costs the time from its predecessor's commit, which holds the launch of its
     successor. Three intervals are no sample: after a speculative step, the first plain commit closes
     two steps (the plain launch that committed nothing, and itself); a plain commit that launched no
     successor (the policy turns to speculation) holds no launch; and a speculative finish that launches
     no successor (the policy turns to plain) closes an interval with no launch in it, which would make
     speculation look as cheap as a plain step."""
+    import types
+
+    from blockspec.engine import engine as engine_module
+    from blockspec.engine import pipeline, timer
+
     llm = spec_llm(target, "dflash", "dflash", adaptive_draft_length=True, num_speculative_tokens=3)
     engine = llm.engine
     engine.async_scheduling = True
     plan = iter([0, 0, 0, 3, 3, 3, 0, 3, 3] * 40)  # runs of plain steps, and lone ones
     engine.policy.choose = lambda batch: next(plan)
-    # far above a step of this model (and than a pause of the collector, which is off below): each
-    # step's price holds one launch, so one delay
-    delay = 0.1
+    # the engine's clock moves by a delay at each launch and by nothing else, so each step's price counts the
+    # launches it holds, whatever the machine's speed (real sleeps failed on a busy host)
+    now, delay = [0.0], 0.125  # a power of two: sums of it are exact
+    for module in (engine_module, pipeline, timer):
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     for name in ("_plain_step_pipelined", "_launch_spec"):
         def slow(*args, real=getattr(engine, name), **kw):
-            clock.sleep(delay)
+            now[0] += delay
             return real(*args, **kw)
         setattr(engine, name, slow)
     seen: list[tuple[int, float, bool]] = []
     observe = engine.policy.observe_time
     engine.policy.observe_time = lambda batch, k, seconds, refill=False: (seen.append((k, seconds, refill)),
                                                                           observe(batch, k, seconds, refill))
-    gc.disable()  # after a long test session a full collection can take a good part of a delay
-    try:
-        llm.generate(prompts(1, seed=5), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
-                     use_tqdm=False)
-    finally:
-        gc.enable()
+    llm.generate(prompts(1, seed=5), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
     plain = [s for k, s, _ in seen if k == 0]
     spec = [s for k, s, _ in seen if k == 3]
     assert len(plain) >= 5 and len(spec) >= 5
@@ -1289,8 +1291,8 @@ def test_pipelined_steps_are_priced_one_step_each_across_switches(target):
     tail = seen[first - 1 : first - 1 + 4 * ((len(seen) - first + 1) // 4)]
     assert len(tail) >= 16 and [(k, r) for k, _, r in tail] == [(0, False), (3, True), (3, False), (3, True)] * (
         len(tail) // 4), seen
-    assert all(delay <= s < 1.9 * delay for s in plain), plain  # one launch each
-    assert all(s >= 1.9 * delay for _, s, r in seen if r) and all(s >= delay for _, s, _ in seen), seen
+    assert all(s == delay for s in plain), plain  # one launch each
+    assert all(s == 2 * delay for _, s, r in seen if r) and all(s >= delay for _, s, _ in seen), seen
 
 
 def test_a_step_returns_every_request_it_emitted_for(target, plain):
