@@ -390,8 +390,10 @@ def test_the_cpus_host_loop_gives_the_torch_rules_counts_and_tokens(k: int, voca
 @pytest.mark.parametrize("rule", ALL_RULES)
 def test_a_bad_row_fails_its_request_where_its_next_token_comes_from_it(rule: str) -> None:
     """The row a request's next token comes from (its first rejected draft's, or the bonus row) being bad
-    fails the request alone; a bad row past a rejected draft follows drafts plain decoding never takes (a
-    grammar's mask after a draft that ends it is one), and fails nothing."""
+    fails the request alone, there: its accepted drafts come first, as plain decoding commits them before it
+    reads that row (one of them may stop the request, so the bad row is never read); a bad row past a rejected
+    draft follows drafts plain decoding never takes (a grammar's mask after a draft that ends it is one), and
+    fails nothing."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, K + 1, 6, generator=g)
     drafts = torch.tensor([[1, 2, 3], [0, 2, 3], [4, 4, 4], [5, -1, -1], [1, 2, 3]])
@@ -409,8 +411,9 @@ def test_a_bad_row_fails_its_request_where_its_next_token_comes_from_it(rule: st
     processed = process_logits(logits.view(-1, 6), p).view(5, K + 1, 6)
     q = torch.softmax(torch.randn(5, K, 6, generator=g), -1) if rule in ("standard", "block") else None
     a, out = _run(rule, processed, drafts, lens, p, q)
-    for r in (0, 2, 4):
-        assert a[r].item() == 0 and (out[r] == -1).all(), r
+    for r, accepted in ((0, 0), (2, 3), (4, 2)):  # the accepted drafts, then -1 where the bad row is read
+        assert a[r].item() == accepted, r
+        assert out[r].tolist() == drafts[r, :accepted].tolist() + [-1] * (K + 1 - accepted), r
     assert a[1].item() == 0 and 0 <= out[1, 0].item() < 6 and (out[1, 1:] == -1).all()
     assert 0 <= out[3, a[3]].item() < 6
 
@@ -519,7 +522,8 @@ def test_sample_and_match_on_the_cpu_samples_only_the_rows_it_reads(monkeypatch:
     monkeypatch.setattr(verify_mod, "gumbel_argmax", lambda rows, keys: drawn.append(len(rows)) or real(rows, keys))
     got = verify_sample_and_match(logits_bad, drafts, lens, p)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert (got[1][1:3] == -1).all()  # a bad row read fails its request (1, 2)
+    assert got[0][1] == 5 and got[1][1].tolist() == drafts[1, :5].tolist() + [-1] * 3  # a bad row read fails its
+    assert got[0][2] == 0 and (got[1][2] == -1).all()  # request there, after its accepted drafts (1, 2)
     assert got[0][3] == 2 and (got[1][3][:3] >= 0).all()  # one past its mismatch fails nothing (3)
     assert ((got[0] > 0) & (got[0] < k)).any() and (got[0] == k).any()
     assert sum(drawn) < 0.6 * sum(t > 0 for t in temps)

@@ -1480,3 +1480,30 @@ def test_speculative_options_a_drafter_cannot_use_and_plain_steps_over_the_batch
     stats = llm.get_stats()
     assert stats["policy_steps"].get(0, 0) > 0 and stats["num_drafts"] == sum(
         n for k, n in stats["policy_steps"].items() if k)
+
+
+@pytest.fixture(scope="module")
+def text_target(tmp_path_factory) -> Path:
+    return save_drafter_target(tmp_path_factory.mktemp("text_target"), tokenizer=True)
+
+
+@pytest.mark.parametrize("method,fixture", [("dflash", "dflash"), ("dspark", "dspark_vanilla")])
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_a_stop_before_a_row_without_tokens_stops_as_plain_decoding(text_target, method, fixture, logprobs):
+    """A request whose own masks leave no token after its stop token (allowed_token_ids {a, b}, b stops it, bad
+    words ban both after b): plain decoding stops at b and never reads that row. A verify step that accepts the
+    drafted b reads it as its next token's row: the request still stops at b, with plain decoding's tokens (the
+    accepted drafts are committed before the bad row fails anything), not an error with its drafts dropped."""
+    plain = LLM(str(text_target), device="cpu", max_model_len=160)
+    a, b = plain.get_tokenizer().encode("ab")
+    ps = [{"prompt_token_ids": [10 + (i * 7 + j) % 80 for i in range(22 + j)]} for j in range(3)]
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=20, allowed_token_ids=[a, b], stop_token_ids=[b],
+                            bad_words=["ba", "bb"], logprobs=logprobs)
+    want = plain.generate(ps, params, use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "stop" and len(o.outputs[0].token_ids) > 1 for o in want)
+    llm = spec_llm(text_target, method, fixture)
+    add_oracle(llm, {tuple(p["prompt_token_ids"]): o.outputs[0].token_ids for p, o in zip(ps, want)}, corrupt=0.0)
+    got = llm.generate(ps, params, use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.error) for o in got] == \
+        [(o.outputs[0].token_ids, "stop", None) for o in want]
+    assert llm.get_stats()["num_accepted_tokens"] > 0

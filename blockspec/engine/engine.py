@@ -791,7 +791,7 @@ class Engine:
                                        [not reqs[j].params.greedy for j in live])
         self.proposer.record_outcome([lens[j] for j in live], [num_acc[j] for j in live])
         for j in live:
-            req, a = reqs[j], num_acc[j]  # a non-finite row gives a = 0 and token -1: _append fails it alone
+            req, a = reqs[j], num_acc[j]  # a bad row gives token -1 after the accepted drafts: _append fails it there
             req.spec.record(lens[j], a)
             self.spec_totals.record(lens[j], a)
             req.num_cached += a + 1

@@ -35,10 +35,11 @@ if triton is not None:
         # accepted: drafts before the first one that differs from its row's id, at most n
         a = tl.min(tl.where((cols < n) & (drafts != ids), cols, n), 0)
         nxt = tl.sum(tl.where(cols == a, ids, 0), 0)
-        bad = nxt < 0  # the row its next token comes from; rows past it follow rejected drafts
+        # a bad row at a (nxt -1, the row its next token comes from) fails the request after its accepted
+        # drafts, as plain decoding commits them before it reads that row; rows past it follow rejected drafts
         out = tl.where(cols < a, drafts, tl.where(cols == a, nxt, -1))
-        tl.store(Out + r * stride_o + cols, tl.where(bad, -1, out), mask=cols <= k)
-        tl.store(NumAcc + r, tl.where(bad, 0, a))
+        tl.store(Out + r * stride_o + cols, out, mask=cols <= k)
+        tl.store(NumAcc + r, a)
 
 
 def accept_matching(ids: Tensor, drafts: Tensor, draft_lens: Tensor, vocab: int | None) -> tuple[Tensor, Tensor]:

@@ -7,11 +7,12 @@ and ``params`` is the RowParams of those R*(K+1) rows, request-major.
 
 Every rule returns ``(num_accepted [R] int64, out_tokens [R, K+1] int64)``: out_tokens[r, :a] are
 the accepted drafts, out_tokens[r, a] the recovered or bonus token, the rest -1. A request with a bad
-row (NaN, +inf, all -inf: no token can be sampled) among the rows it reads, 0..a, gets a = 0 and all -1,
-so the engine can fail it with a clear error while the others continue; a bad row past them follows drafts
-that were not accepted, which plain decoding never reaches, and fails nothing (a grammar's mask after a
-draft that ends it, with min_tokens banning EOS, is such a row). A draft id outside [0, V) inside the
-draft truncates the block there (it is treated as the end of the draft).
+row (NaN, +inf, all -inf: no token can be sampled) among the rows it reads, 0..a, gets out_tokens[r, a] = -1
+after its accepted drafts, so the engine commits those drafts as plain decoding would (one that stops the
+request ends it there, the bad row never read) and then fails it with a clear error while the others
+continue; a bad row past them follows drafts that were not accepted, which plain decoding never reaches,
+and fails nothing (a grammar's mask after a draft that ends it, with min_tokens banning EOS, is such a row).
+A draft id outside [0, V) inside the draft truncates the block there (it is treated as the end of the draft).
 
 Greedy requests (temperature 0) follow ``verify_greedy`` under every rule.
 
@@ -172,12 +173,8 @@ def _accept_on_host(ids: Tensor, drafts: Tensor, draft_lens: Tensor, vocab: int 
         a = 0
         while a < n and draft[a] == row[a]:
             a += 1
-        if row[a] < 0:  # the row its next token comes from is bad: it fails
-            counts.append(0)
-            rows.append([-1] * (k + 1))
-        else:
-            counts.append(a)
-            rows.append(draft[:a] + [row[a]] + [-1] * (k - a))
+        counts.append(a)  # row[a] -1 (the row its next token comes from is bad): it fails after its drafts
+        rows.append(draft[:a] + [row[a]] + [-1] * (k - a))
     out = torch.tensor(rows, dtype=torch.int64).view(len(rows), k + 1)
     return torch.tensor(counts, dtype=torch.int64), out
 
@@ -192,13 +189,12 @@ def _draft_lengths(drafts: Tensor, draft_lens: Tensor, vocab: int | None) -> Ten
 
 def _emit(a: Tensor, nxt: Tensor, drafts: Tensor) -> tuple[Tensor, Tensor]:
     """(a, out_tokens) from the accepted count and the next token; a request whose next token's row is bad
-    (nxt -1) -> (0, all -1)."""
+    (nxt -1) gets its accepted drafts and -1 after them: plain decoding commits those drafts (a stop among them
+    ends the request there) before it reads the bad row, which fails the request at the commit."""
     r, k = drafts.shape
     cols = torch.arange(k + 1, device=drafts.device).unsqueeze(0)
     padded = torch.cat([drafts, drafts.new_full((r, 1), -1)], dim=1)
-    out = torch.where(cols < a.unsqueeze(1), padded, torch.where(cols == a.unsqueeze(1), nxt.unsqueeze(1), -1))
-    bad = nxt < 0
-    return torch.where(bad, 0, a), out.masked_fill(bad.unsqueeze(1), -1)
+    return a, torch.where(cols < a.unsqueeze(1), padded, torch.where(cols == a.unsqueeze(1), nxt.unsqueeze(1), -1))
 
 
 def _verify_ids(ids: Tensor, drafts: Tensor, lens: Tensor) -> tuple[Tensor, Tensor]:
@@ -297,7 +293,7 @@ def _residual_scores(log_p: Tensor, q_probs: Tensor | None, draft: Tensor, row: 
 def _finish(a: Tensor, nxt: Tensor, drafts: Tensor, row_bad: Tensor, greedy_req: Tensor,
             greedy_out: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
     """Emit the probabilistic result, overriding greedy requests with their verify_greedy result. A request with a
-    bad row among the rows it read, 0..a, fails (its accepted drafts would have passed through that row)."""
+    bad row among the rows it read, 0..a, fails there, after its accepted drafts (nxt -1)."""
     rows = torch.arange(row_bad.shape[1], device=a.device).unsqueeze(0)
     nxt = torch.where((row_bad & (rows <= a.unsqueeze(1))).any(dim=1), -1, nxt)
     num, out = _emit(a, nxt, drafts)

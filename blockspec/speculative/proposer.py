@@ -426,10 +426,10 @@ class Proposer:
     # ---------------------------------------------------------------- verify
     def verify(self, reqs: list[Request], block: DraftBlock, hidden: Tensor, params: RowParams | None,
                want_logprobs: bool = False) -> tuple[list[int], list[list[int]], tuple[Tensor, Tensor, Tensor] | None]:
-        """Accepted counts and emitted tokens per request (one host copy; a -1 count: the request
-        failed), and for logprobs every verify row's raw logits and processed distribution with the token
-        each emitted. `params`: the verify rows' sampling parameters; None where every row is plain greedy
-        (acceptance by argmax ids)."""
+        """Accepted counts and emitted tokens per request (one host copy; a -1 token after the accepted
+        drafts: the request fails there), and for logprobs every verify row's raw logits and processed
+        distribution with the token each emitted. `params`: the verify rows' sampling parameters; None where
+        every row is plain greedy (acceptance by argmax ids)."""
         r, rows, _ = hidden.shape
         if params is None:
             acc, _, toks = self.unpack(self.accept_greedy(block, hidden).tolist())
