@@ -83,6 +83,21 @@ def add_oracle(llm: LLM, expected: dict[tuple, list[int]], corrupt: float = 0.15
     proposer.propose = propose
 
 
+def counter_clock(monkeypatch) -> list[float]:
+    """The engine's clock (engine, pipeline and timer modules) as a counter the test moves, `now[0] += s`:
+    a price then counts the delays a test puts in a step, whatever the machine's speed (real sleeps
+    failed on a busy host)."""
+    import types
+
+    from blockspec.engine import engine as engine_module
+    from blockspec.engine import pipeline, timer
+
+    now = [0.0]
+    for module in (engine_module, pipeline, timer):
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    return now
+
+
 def run(llm: LLM, ps: list[dict], params: SamplingParams) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
 
@@ -835,11 +850,11 @@ def test_policy_prices_steps_by_wall_time_with_host_work(target):
         assert seconds >= delay * tokens, (k, seconds, tokens)
 
 
-def policy_choices(target: Path, plain: LLM, spec_delay: float, gap: float) -> list[int]:
+def policy_choices(target: Path, plain: LLM, monkeypatch, spec_delay: float, gap: float) -> list[int]:
     """The draft lengths an adaptive engine chose, step by step, for one request of 60 sampled tokens whose
-    drafts are its own continuation (10 % corrupted; sample-and-match accepts the rest): every speculative
-    launch sleeps `spec_delay`, and the caller works `gap` between steps (a server streaming what each step
-    emitted)."""
+    drafts are its own continuation (10 % corrupted; sample-and-match accepts the rest): on the counter
+    clock, every speculative launch takes `spec_delay`, and the caller works `gap` between steps (a server
+    streaming what each step emitted); the model's own compute takes no time."""
     p = prompts(1, seed=9)[0]
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=60, ignore_eos=True)
     expected = {tuple(p["prompt_token_ids"]): run(plain, [p], params)[0]}
@@ -847,9 +862,10 @@ def policy_choices(target: Path, plain: LLM, spec_delay: float, gap: float) -> l
     add_oracle(llm, expected, corrupt=0.1, seed=3)
     engine = llm.engine
     engine.async_scheduling = True
+    now = counter_clock(monkeypatch)
 
     def slow(*args, real=engine._launch_spec, **kw):
-        clock.sleep(spec_delay)
+        now[0] += spec_delay
         return real(*args, **kw)
 
     engine._launch_spec = slow
@@ -857,30 +873,26 @@ def policy_choices(target: Path, plain: LLM, spec_delay: float, gap: float) -> l
     choose = engine.policy.choose
     engine.policy.choose = lambda batch: chosen.append(choose(batch)) or chosen[-1]
     engine.add_request("r", None, p["prompt_token_ids"], params)
-    gc.disable()  # a full collection can take a good part of a gap
-    try:
-        while engine.has_unfinished():
-            engine.step()
-            clock.sleep(gap)
-    finally:
-        gc.enable()
+    while engine.has_unfinished():
+        engine.step()
+        now[0] += gap
     return chosen
 
 
-def test_where_plain_steps_are_faster_as_they_run_the_policy_takes_them(target, plain):
+def test_where_plain_steps_are_faster_as_they_run_the_policy_takes_them(target, plain, monkeypatch):
     """A plain step here costs the caller's gap (30 ms), a speculative one that and its 300 ms launch for
-    about 3.4 tokens: plain decoding is about three times faster (and stays faster unless the model's own
-    compute passes 125 ms a step), and the engine takes the plain path once it has measured both. Where a
-    launch costs 5 ms (the control), speculation is about three times faster and the engine drafts. (How a
-    plain re-try between speculative steps is priced: `test_pipelined_steps_are_priced_one_step_each_across_switches`.)"""
-    slow = policy_choices(target, plain, spec_delay=0.3, gap=0.03)
+    about 3.4 tokens: plain decoding is about three times faster, and the engine takes the plain path once
+    it has measured both. Where a launch costs 5 ms (the control), speculation is about three times faster
+    and the engine drafts. (How a plain re-try between speculative steps is priced:
+    `test_pipelined_steps_are_priced_one_step_each_across_switches`.)"""
+    slow = policy_choices(target, plain, monkeypatch, spec_delay=0.3, gap=0.03)
     settled = slow[len(slow) // 3:]
     assert settled.count(0) >= 0.8 * len(settled), slow
-    fast = policy_choices(target, plain, spec_delay=0.005, gap=0.03)
+    fast = policy_choices(target, plain, monkeypatch, spec_delay=0.005, gap=0.03)
     assert fast[len(fast) // 3:].count(0) <= 0.2 * len(fast[len(fast) // 3:]), fast
 
 
-def test_policy_prices_a_step_from_the_end_of_the_one_before(target):
+def test_policy_prices_a_step_from_the_end_of_the_one_before(target, monkeypatch):
     """A server works between steps (it streams what each step emitted); a pipelined plain step's
     commit-to-commit price holds that work, so a step the host runs start to finish is priced from
     the previous step's end too. Priced from its own launch, a speculative step at T > 0 looked
@@ -893,16 +905,17 @@ def test_policy_prices_a_step_from_the_end_of_the_one_before(target):
     observe = engine.policy.observe_time
     engine.policy.observe_time = lambda batch, k, seconds, refill=False: (seen.append((k, seconds)),
                                                                           observe(batch, k, seconds, refill))
-    gap = 0.1  # the caller's work between steps: several times a step of this model
+    now, gap = counter_clock(monkeypatch), 0.125  # the caller's work between steps; the steps take no time
     engine.add_request("r", None, prompts(1, seed=4)[0]["prompt_token_ids"],
                        SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True))
     engine.step()  # prefill: no step before it to price from
     while engine.has_unfinished():
-        clock.sleep(gap)
+        now[0] += gap
         engine.step()
     assert {k for k, _ in seen} == {0, 2}
     # the first decode step follows the prefill, whose end prices nothing; every later one holds the gap
-    assert seen[0][1] < gap and all(seconds >= gap for _, seconds in seen[1:]), seen
+    assert seen[0][1] == 0 and all(seconds == gap for _, seconds in seen[1:]), seen
+
 
 @pytest.mark.parametrize("open_launch", ["draft", "step"])
 def test_the_time_split_holds_steps_not_the_idle_time_between_requests(target, open_launch):
@@ -1255,21 +1268,14 @@ def test_pipelined_steps_are_priced_one_step_each_across_switches(target, monkey
     successor (the policy turns to speculation) holds no launch; and a speculative finish that launches
     no successor (the policy turns to plain) closes an interval with no launch in it, which would make
     speculation look as cheap as a plain step."""
-    import types
-
-    from blockspec.engine import engine as engine_module
-    from blockspec.engine import pipeline, timer
-
     llm = spec_llm(target, "dflash", "dflash", adaptive_draft_length=True, num_speculative_tokens=3)
     engine = llm.engine
     engine.async_scheduling = True
     plan = iter([0, 0, 0, 3, 3, 3, 0, 3, 3] * 40)  # runs of plain steps, and lone ones
     engine.policy.choose = lambda batch: next(plan)
     # the engine's clock moves by a delay at each launch and by nothing else, so each step's price counts the
-    # launches it holds, whatever the machine's speed (real sleeps failed on a busy host)
-    now, delay = [0.0], 0.125  # a power of two: sums of it are exact
-    for module in (engine_module, pipeline, timer):
-        monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    # launches it holds
+    now, delay = counter_clock(monkeypatch), 0.125  # a power of two: sums of it are exact
     for name in ("_plain_step_pipelined", "_launch_spec"):
         def slow(*args, real=getattr(engine, name), **kw):
             now[0] += delay
