@@ -187,14 +187,14 @@ def _draft_lengths(drafts: Tensor, draft_lens: Tensor, vocab: int | None) -> Ten
     return torch.minimum(draft_lens, valid.to(torch.int64).cumprod(dim=1).sum(dim=1))
 
 
-def _emit(a: Tensor, nxt: Tensor, drafts: Tensor) -> tuple[Tensor, Tensor]:
-    """(a, out_tokens) from the accepted count and the next token; a request whose next token's row is bad
+def _emit(a: Tensor, nxt: Tensor, drafts: Tensor) -> Tensor:
+    """out_tokens from the accepted count and the next token; a request whose next token's row is bad
     (nxt -1) gets its accepted drafts and -1 after them: plain decoding commits those drafts (a stop among them
     ends the request there) before it reads the bad row, which fails the request at the commit."""
     r, k = drafts.shape
     cols = torch.arange(k + 1, device=drafts.device).unsqueeze(0)
     padded = torch.cat([drafts, drafts.new_full((r, 1), -1)], dim=1)
-    return a, torch.where(cols < a.unsqueeze(1), padded, torch.where(cols == a.unsqueeze(1), nxt.unsqueeze(1), -1))
+    return torch.where(cols < a.unsqueeze(1), padded, torch.where(cols == a.unsqueeze(1), nxt.unsqueeze(1), -1))
 
 
 def _verify_ids(ids: Tensor, drafts: Tensor, lens: Tensor) -> tuple[Tensor, Tensor]:
@@ -204,7 +204,7 @@ def _verify_ids(ids: Tensor, drafts: Tensor, lens: Tensor) -> tuple[Tensor, Tens
     match = (drafts == ids[:, :k]) & (steps < lens.unsqueeze(1))
     a = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
     nxt = ids.gather(1, a.unsqueeze(1)).squeeze(1)
-    return _emit(a, nxt, drafts)
+    return a, _emit(a, nxt, drafts)
 
 
 def _common(target: Tensor, drafts: Tensor, draft_lens: Tensor,
@@ -296,6 +296,5 @@ def _finish(a: Tensor, nxt: Tensor, drafts: Tensor, row_bad: Tensor, greedy_req:
     bad row among the rows it read, 0..a, fails there, after its accepted drafts (nxt -1)."""
     rows = torch.arange(row_bad.shape[1], device=a.device).unsqueeze(0)
     nxt = torch.where((row_bad & (rows <= a.unsqueeze(1))).any(dim=1), -1, nxt)
-    num, out = _emit(a, nxt, drafts)
-    num = torch.where(greedy_req, greedy_out[0], num)
-    return num, torch.where(greedy_req.unsqueeze(1), greedy_out[1], out)
+    num = torch.where(greedy_req, greedy_out[0], a)
+    return num, torch.where(greedy_req.unsqueeze(1), greedy_out[1], _emit(a, nxt, drafts))
