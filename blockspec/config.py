@@ -371,16 +371,18 @@ def infer_method(model: str, revision: str | None = None, download_dir: str | os
     """speculative_config's method where a user names only the drafter (vLLM infers it from the draft model too):
     the family its config.json names, read from a local directory or, for a hub id, fetched alone at `revision`
     into `download_dir` with `token` (the hub cache answers where it holds it); DFlash for the embedded 'default',
-    and where the config names neither or cannot be fetched (the drafter's load then says what is wrong)."""
+    and where the config names neither or cannot be fetched (the drafter's load then says what is wrong). Fetched
+    as the load fetches the drafter, a snapshot: offline it asks the hub once (a single file's download retries
+    with backoff, 23 s before it read the cache)."""
     path = Path(model).expanduser()
     if model == "default":
         return SPEC_METHODS[0]
     if not path.is_dir() and model.count("/") == 1 and not model.startswith((".", "/", "~")):
         try:
-            from huggingface_hub import hf_hub_download
+            from huggingface_hub import snapshot_download
 
-            path = Path(hf_hub_download(model, "config.json", revision=revision, cache_dir=download_dir,
-                                        token=token)).parent
+            path = Path(snapshot_download(repo_id=model, allow_patterns=["config.json"], revision=revision,
+                                          cache_dir=download_dir, token=token))
         except Exception:  # noqa: BLE001  offline and not cached, or no such repo: the drafter's download names why
             return SPEC_METHODS[0]
     return drafter_method(path) or SPEC_METHODS[0]

@@ -723,21 +723,54 @@ def test_the_hub_token_reaches_the_download(monkeypatch):
 ])
 def test_a_hub_download_fetches_one_weights_format(monkeypatch, tmp_path, files, weights):
     """A repo with safetensors and .bin weights is fetched in safetensors alone (both doubled the download),
-    one with .bin alone in .bin; other .bin files (training state) never."""
+    one with .bin alone in .bin; other .bin files (training state) never. The listing asks the hub once, at the
+    revision and with the token: offline it fails at once and the download reads the cache (a listing that
+    retried took 23 s to give up)."""
+    from types import SimpleNamespace
+
     import huggingface_hub
 
     from blockspec.models.loader import HUB_PATTERNS, resolve_model_dir
 
-    def listing(repo_id, revision=None, token=None):
+    asked = []
+
+    def info(self, repo_id, revision=None, token=None):
+        asked.append((repo_id, revision, token))
         if files is None:
             raise OSError("offline")
-        return files
+        return SimpleNamespace(siblings=[SimpleNamespace(rfilename=f) for f in files])
 
     seen = {}
-    monkeypatch.setattr(huggingface_hub, "list_repo_files", listing)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", info)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda **kw: seen.update(kw) or str(tmp_path))
-    assert resolve_model_dir("org/m") == tmp_path
+    assert resolve_model_dir("org/m", revision="r1", token="hf_t") == tmp_path
     assert seen["allow_patterns"] == HUB_PATTERNS + weights
+    assert asked == [("org/m", "r1", "hf_t")]
+
+
+@pytest.mark.parametrize("online", [True, False])
+def test_a_hub_drafters_family_is_read_from_its_config_alone(monkeypatch, tmp_path, online):
+    """With no method given, a hub drafter's family comes from its config.json, fetched alone at the revision, into
+    the download dir, with the token; offline (nothing cached) the hub is asked once and the method is DFlash, the
+    drafter's own load then naming the cause."""
+    import huggingface_hub
+
+    from blockspec.config import infer_method
+
+    (tmp_path / "config.json").write_text((FIXTURES / "dspark_vanilla" / "config.json").read_text())
+    asked = []
+
+    def snapshot(**kw):
+        asked.append(kw)
+        if not online:
+            raise OSError("offline")
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    assert infer_method("org/drafter", revision="r1", download_dir="/tmp/d", token="hf_t") == \
+        ("dspark" if online else "dflash")
+    assert asked == [dict(repo_id="org/drafter", allow_patterns=["config.json"], revision="r1", cache_dir="/tmp/d",
+                          token="hf_t")]
 
 
 # ---------------------------------------------------------------- vLLM's conventions

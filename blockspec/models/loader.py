@@ -33,11 +33,12 @@ WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")  # what read_state_dic
 def hub_patterns(repo_id: str, revision: str | None, token: str | None) -> list[str]:
     """The files a hub download fetches: HUB_PATTERNS and one weights format, safetensors where the repo has
     them, else PyTorch's .bin (a repo shipping both would be fetched twice over). Where the listing fails
-    (offline: the download reads the cache), both."""
-    from huggingface_hub import list_repo_files
+    (offline: the download reads the cache), both. The listing is the repo's info, one request: the paged file
+    listing retries a failed connection with backoff, 23 s before an offline load reached the cache."""
+    from huggingface_hub import HfApi
 
     try:
-        files = list_repo_files(repo_id, revision=revision, token=token)
+        files = [s.rfilename for s in HfApi().model_info(repo_id, revision=revision, token=token).siblings or []]
     except Exception:  # noqa: BLE001  offline, or the hub's error, which the download then names
         return HUB_PATTERNS + list(WEIGHT_PATTERNS)
     has = [p for p in WEIGHT_PATTERNS if any(fnmatch.fnmatch(f, p) for f in files)]
