@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import re
 import sys
 import time
@@ -193,7 +194,16 @@ def dashed_flags(argv: list[str]) -> list[str]:
             if a.startswith("--") else a for a in argv]
 
 
+def tolerant_output() -> None:
+    """Text the terminal's encoding cannot show (a model's output or a prompt under an ASCII or Windows code-page
+    stdout) is printed escaped (\\u672c) rather than ending the command with a UnicodeEncodeError after the work."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
+
+
 def main(argv: list[str] | None = None) -> int:
+    tolerant_output()
     parser = argparse.ArgumentParser(
         prog="blockspec",
         description="Block-parallel speculative decoding (DFlash, DSpark) for Llama / Qwen / Mistral models. "

@@ -352,3 +352,21 @@ def test_ctrl_c_ends_a_command_with_one_line_and_130(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_generate", interrupted)
     assert cli.main(["generate", "default", "--prompt", "x"]) == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_output_the_terminal_cannot_encode_is_escaped_not_a_traceback(monkeypatch):
+    """Under an ASCII (or Windows code-page) stdout a model's non-ASCII text prints escaped; it used to end the
+    command with a UnicodeEncodeError after all the work was done."""
+    import blockspec.cli as cli
+
+    def generate(args, chat=False):
+        print("def f(): return '\u672c'")
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_generate", generate)
+    out = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(out, encoding="ascii"))
+    assert cli.main(["generate", "default", "--prompt", "x"]) == 0
+    sys.stdout.flush()
+    assert out.getvalue() == b"def f(): return '\\u672c'\n"
+
