@@ -64,12 +64,14 @@ def check_salt(salt: Any, where: str) -> str | None:
 
 def check_text(text: str, where: str) -> None:
     """Text must be valid Unicode to be tokenized: JSON can carry a lone surrogate (\\ud800) that no
-    encoding represents."""
+    encoding represents, and Python reads a byte that is not UTF-8 (command line, stdin) as one of U+DC80-U+DCFF."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        byte = f" (what Python reads for byte 0x{code - 0xDC00:02x} of input that is not UTF-8)" if code >= 0xDC80 else ""
         raise RequestError(f"{where}: not valid Unicode: a lone surrogate {text[exc.start]!r} at character "
-                           f"{exc.start}") from None
+                           f"{exc.start}{byte}") from None
 
 
 def read_chat_template(value: str) -> str:
@@ -207,6 +209,12 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prom
     if add_generation_prompt and continue_final_message:
         raise RequestError(f"{where}: continue_final_message and add_generation_prompt cannot both be true (vLLM's "
                            "rule): set add_generation_prompt to false to continue the final message")
+    for j, m in enumerate(messages):  # a lone surrogate (undecodable bytes read from stdin) breaks the tokenizer
+        if isinstance(m, dict) and isinstance(m.get("content"), str):
+            try:
+                check_text(m["content"], f"{where}, message {j}")
+            except RequestError as exc:  # the messages' fault, as a template failing on them is
+                raise ConversationError(str(exc)) from None
     messages = template_messages(messages, where)
     try:
         ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,

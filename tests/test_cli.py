@@ -370,3 +370,11 @@ def test_output_the_terminal_cannot_encode_is_escaped_not_a_traceback(monkeypatc
     sys.stdout.flush()
     assert out.getvalue() == b"def f(): return '\\u672c'\n"
 
+
+def test_chat_text_that_was_not_utf8_is_named_as_such(tmp_path, capsys):
+    """A chat turn holding bytes that are not UTF-8 (read from a Latin-1 terminal, Python's lone surrogates) is
+    one line naming the byte, not a tokenizer's TypeError from inside the chat template."""
+    path = save_tiny_model_with_tokenizer(tmp_path / "m")
+    assert main(["chat", str(path), "--prompt", "caf\udce9", "--device", "cpu", "--max-tokens", "2"]) == 2
+    assert ("error: conversation 0, message 0: not valid Unicode: a lone surrogate '\\udce9' at character 3 (what "
+            "Python reads for byte 0xe9 of input that is not UTF-8)") in capsys.readouterr().err
