@@ -716,6 +716,27 @@ def test_the_hub_token_reaches_the_download(monkeypatch):
     assert (seen["token"], seen["revision"], seen["cache_dir"], seen["repo_id"]) == ("hf_abc", "r1", "/tmp/d", "org/gated")
 
 
+def test_a_failed_hub_fetch_is_one_line(monkeypatch):
+    """huggingface_hub's error for a repo neither reachable nor cached puts its advice on a second line; the load's
+    error keeps it on the first."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from blockspec.errors import ModelLoadError
+
+    def unreachable(**kw):
+        raise LocalEntryNotFoundError("Got: ConnectError: [Errno -2] Name or service not known\nAn error happened "
+                                      "while trying to locate the files on the Hub.")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda *a, **kw: None)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    with pytest.raises(ModelLoadError) as info:
+        LLM("org/absent", device="cpu")
+    assert str(info.value) == ("model 'org/absent' is not a local directory and could not be fetched from the Hugging "
+                               "Face hub: LocalEntryNotFoundError: Got: ConnectError: [Errno -2] Name or service not "
+                               "known An error happened while trying to locate the files on the Hub.")
+
+
 @pytest.mark.parametrize("files, weights", [
     (["config.json", "model.safetensors", "pytorch_model.bin", "training_args.bin"], ["*.safetensors"]),
     (["config.json", "pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json"], ["pytorch_model*.bin"]),

@@ -66,9 +66,10 @@ def resolve_model_dir(name_or_path: str | os.PathLike[str], what: str = "model",
                                       revision=revision, cache_dir=download_dir, token=token))
     except Exception as exc:  # hub errors come in many classes; the user needs the id and the cause
         at = f" at revision {revision!r}" if revision else ""
+        cause = " ".join(str(exc).split())  # on one line: a failed connection's message has the hub's advice below
         raise ModelLoadError(
             f"{what} {text!r}{at} is not a local directory and could not be fetched from the Hugging Face hub: "
-            f"{type(exc).__name__}: {exc}"
+            f"{type(exc).__name__}: {cause}"
         ) from None
 
 
