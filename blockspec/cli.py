@@ -1,4 +1,7 @@
-"""`blockspec` command line: generate, chat, demo, serve, bench, train."""
+"""`blockspec` command line: generate, chat, demo, serve, bench, train.
+
+Importing this module loads no torch: `main` imports the engine inside its Ctrl-C handling, so an interrupt in the
+seconds torch takes to load ends with one line as an interrupt later does."""
 
 from __future__ import annotations
 
@@ -8,24 +11,14 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blockspec import __version__
 from blockspec.assets import embedded
 from blockspec.config import ConfigError
-from blockspec.cli_options import (
-    HelpFormatter,
-    add_model_args,
-    add_sampling_args,
-    build_llm,
-    format_logprobs,
-    format_spec_metrics,
-    json_object,
-    sampling_params,
-    settle_model,
-)
-from blockspec.inputs import read_prompts_file
-from blockspec.llm import LLM
+
+if TYPE_CHECKING:
+    from blockspec.llm import LLM
 
 EXAMPLES = """examples:
   blockspec demo                                   # speculative decoding on the embedded default model
@@ -40,6 +33,8 @@ EXAMPLES = """examples:
 
 def print_summary(llm: LLM, ntok: int, seconds: float) -> None:
     """Tokens per second, and with speculation configured what it did (or why it drafted nothing)."""
+    from blockspec.cli_options import format_spec_metrics
+
     m = llm.get_stats()
     print(f"--- {ntok} tokens in {seconds:.2f} s ({ntok / max(seconds, 1e-9):.1f} tok/s)", file=sys.stderr)
     if llm.speculative_config is not None:
@@ -57,6 +52,7 @@ def opening(args: argparse.Namespace) -> list[dict[str, str]]:
 def cmd_chat_session(args: argparse.Namespace) -> int:
     """A conversation: each line of stdin is the user's next turn, answered with the whole conversation
     so far; a turn the model cannot take (too long for the context) is reported and dropped."""
+    from blockspec.cli_options import build_llm, sampling_params
     from blockspec.errors import USER_ERRORS
 
     sampling_params(args)  # bad flags fail before the model loads
@@ -96,6 +92,9 @@ def cmd_chat_session(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace, chat: bool = False) -> int:
+    from blockspec.cli_options import build_llm, format_logprobs, sampling_params
+    from blockspec.inputs import read_prompts_file
+
     sampling_params(args)  # bad flags fail before the model loads
     prompts: list[Any] = list(args.prompt or [])
     if args.prompts_file:
@@ -204,6 +203,17 @@ def tolerant_output() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     tolerant_output()
+    try:
+        return run_command(argv)
+    except KeyboardInterrupt:  # Ctrl-C: what was printed stands; the shell's code for SIGINT, no traceback
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def run_command(argv: list[str] | None) -> int:
+    """The command `argv` (None: the process's arguments) names; a user's error is one line and exit code 2."""
+    from blockspec.cli_options import HelpFormatter, add_model_args, add_sampling_args, json_object, settle_model
+
     parser = argparse.ArgumentParser(
         prog="blockspec",
         description="Block-parallel speculative decoding (DFlash, DSpark) for Llama / Qwen / Mistral models. "
@@ -276,9 +286,6 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as exc:
         print(f"error: {flagged(str(exc))}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: what was printed stands; the shell's code for SIGINT, no traceback
-        print("interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

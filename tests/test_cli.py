@@ -255,7 +255,7 @@ def test_async_scheduling_flag_reaches_the_engine(tmp_path, flags, expected):
     alone and --no-async-scheduling, too."""
     import argparse
 
-    from blockspec.cli import add_model_args, add_sampling_args, build_llm
+    from blockspec.cli_options import add_model_args, add_sampling_args, build_llm
 
     parser = argparse.ArgumentParser()
     add_model_args(parser)
@@ -270,7 +270,7 @@ def test_token_counts_in_vllms_human_readable_form(capsys):
     line naming the flag."""
     import argparse
 
-    from blockspec.cli import add_model_args
+    from blockspec.cli_options import add_model_args
 
     parser = argparse.ArgumentParser()
     add_model_args(parser)
@@ -378,3 +378,21 @@ def test_chat_text_that_was_not_utf8_is_named_as_such(tmp_path, capsys):
     assert main(["chat", str(path), "--prompt", "caf\udce9", "--device", "cpu", "--max-tokens", "2"]) == 2
     assert ("error: conversation 0, message 0: not valid Unicode: a lone surrogate '\\udce9' at character 3 (what "
             "Python reads for byte 0xe9 of input that is not UTF-8)") in capsys.readouterr().err
+
+
+def test_ctrl_c_while_torch_loads_is_one_line_and_130():
+    """Ctrl-C in the seconds torch takes to import (the start of every command) ends as an interrupt later does:
+    importing the command line loads no torch, and `main` imports the engine inside its interrupt handling. The
+    interrupt comes as torch is looked up, as a signal there would."""
+    import subprocess
+
+    script = ("import sys\n"
+              "class Interrupt:\n"
+              "    def find_spec(self, name, path=None, target=None):\n"
+              "        if name == 'torch':\n"
+              "            raise KeyboardInterrupt\n"
+              "sys.meta_path.insert(0, Interrupt())\n"
+              "from blockspec.cli import main\n"
+              "sys.exit(main(['generate', 'default', '--prompt', 'x']))\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stderr) == (130, "interrupted\n")
