@@ -360,7 +360,7 @@ def drafter_method(model: str | os.PathLike[str]) -> str | None:
     model type), or None (a hub id, no such file, or a config that names neither)."""
     path = Path(model) / "config.json"
     try:
-        kind = (drafter_kind(json.loads(path.read_text())) or "").lower()
+        kind = (drafter_kind(json.loads(path.read_text(encoding="utf-8"))) or "").lower()
     except (OSError, ValueError, AttributeError):
         return None
     return next((m for m in SPEC_METHODS if m in kind), None)

@@ -82,7 +82,11 @@ def read_chat_template(value: str) -> str:
     path = Path(value).expanduser()
     if not path.is_file():
         raise ConfigError(f"chat_template {value!r} is neither a file nor a Jinja template")
-    return checked_template(path.read_text(), f"chat_template {path}")
+    try:
+        text = path.read_text(encoding="utf-8")  # as transformers reads a model's chat_template.jinja
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"chat_template {path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    return checked_template(text, f"chat_template {path}")
 
 
 def checked_template(text: str, where: str) -> str:

@@ -396,3 +396,25 @@ def test_ctrl_c_while_torch_loads_is_one_line_and_130():
               "sys.exit(main(['generate', 'default', '--prompt', 'x']))\n")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert (run.returncode, run.stderr) == (130, "interrupted\n")
+
+
+def test_model_files_are_read_as_utf8_under_an_ascii_locale(tmp_path):
+    """config.json and a chat template file are UTF-8 whatever the locale says: under LC_ALL=C without Python's
+    UTF-8 mode (ASCII, as a Windows code page is not UTF-8 either) a non-ASCII character in either was a
+    UnicodeDecodeError traceback."""
+    import json
+    import os
+    import subprocess
+
+    path = save_tiny_model_with_tokenizer(tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "_name_or_path": "/home/j\u00f6hn/\u65e5\u672c"},
+                                                 ensure_ascii=False), encoding="utf-8")
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ '# caf\u00e9' }}{% for m in messages %}{{ m.content }}{% endfor %}", encoding="utf-8")
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": ""}
+    run = subprocess.run([sys.executable, "-m", "blockspec", "chat", str(path), "--prompt", "x", "--chat-template",
+                          str(template), "--device", "cpu", "--max-tokens", "2"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "--- 0 [length]" in run.stdout

@@ -345,7 +345,7 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path, plots: bool = Tru
         paths["policy_trace"] = out / "policy_trace.json"
         paths["policy_trace"].write_text(json.dumps(result.pop("policy_traces")) + "\n")
     paths["json"].write_text(json.dumps(result, indent=1) + "\n")
-    paths["markdown"].write_text(markdown(result))
+    paths["markdown"].write_text(markdown(result), encoding="utf-8")  # model paths may be any text
     if plots:
         paths.update(write_plots(result, out))
     return paths

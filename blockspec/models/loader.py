@@ -76,8 +76,10 @@ def resolve_model_dir(name_or_path: str | os.PathLike[str], what: str = "model",
 def read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing")
-    try:
-        data = json.loads(path.read_text())
+    try:  # JSON is UTF-8 whatever the locale's encoding (ASCII under LC_ALL=C, a code page on Windows)
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ModelLoadError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):

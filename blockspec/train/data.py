@@ -137,13 +137,13 @@ def save_tokenizer(tokenizer: Any, out_dir: str | Path) -> None:
     out = Path(out_dir)
     tokenizer.save_pretrained(str(out))
     cfg_path = out / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     jinja = out / "chat_template.jinja"
     if jinja.is_file():
-        cfg["chat_template"] = jinja.read_text()
+        cfg["chat_template"] = jinja.read_text(encoding="utf-8")
         jinja.unlink()
-    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 # ---------------------------------------------------------------- examples
