@@ -365,6 +365,30 @@ def _ending_rank(rank: int, world_size: int, init_file: str, conn, rank1_code: i
         time.sleep(300)  # alive, silent: only rank 1's crash can end the wait
 
 
+def _sigint_reporting_rank(rank: int, world_size: int, init_file: str, conn) -> None:
+    """Rank 0 answers whether SIGINT was ignored when its target began (before anything of blockspec ran)."""
+    import signal
+
+    if conn is not None:
+        conn.send(("ok", signal.getsignal(signal.SIGINT) is signal.SIG_IGN))
+
+
+def test_rank_processes_start_with_ctrl_c_ignored():
+    """A terminal's Ctrl-C reaches the ranks too: they ignore it from their interpreter's start (a rank still
+    importing torch printed a traceback), while the user's process, which handles it, keeps its handler."""
+    import signal
+
+    from blockspec.parallel.tp import RankProcesses
+
+    before = signal.getsignal(signal.SIGINT)
+    ranks = RankProcesses(_sigint_reporting_rank, 1, ())
+    try:
+        assert ranks.reply(timeout_s=120) is True
+    finally:
+        ranks.close()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 def test_rank_processes_wait_for_rank_0_past_a_clean_exit_and_fail_fast_on_a_crash():
     """A rank other than 0 that ends cleanly before rank 0's answer lands (a sweep's last gather) is no
     failure: the answer is read; one that crashed fails the wait at once."""

@@ -17,6 +17,7 @@ same engine steps in lockstep, and rank 0 sends the result back.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -29,7 +30,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
@@ -629,6 +630,22 @@ def check_ranks(cfg: ModelConfig, world_size: int, device: str | torch.device) -
 PARTED_EXIT_WAIT_S = 5.0
 
 
+@contextlib.contextmanager
+def _children_ignore_sigint() -> Iterator[None]:
+    """Processes started inside ignore SIGINT from their first instruction: an ignored signal stays ignored across
+    exec, and Python installs its KeyboardInterrupt handler only where SIGINT is at its default. A terminal sends
+    Ctrl-C to the ranks too, and one landing while a rank's interpreter started and imported torch (seconds, before
+    `_rank_main` ignores it) printed that rank's traceback. This process ignores it only while they start."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+
+
 class RankProcesses:
     """`world_size` spawned processes, each running `main(rank, world_size, init_file, conn, *args)`
     (`init_file`: the group's rendezvous; `conn`: rank 0's end of a pipe to this process, None on
@@ -643,12 +660,13 @@ class RankProcesses:
         # closed when this object is collected or the interpreter exits, if not before: no rank processes
         # or rendezvous directory outlive an LLM nobody closed
         self._closing = weakref.finalize(self, _stop_ranks, self._procs, self._conn, self._dir)
-        for rank in range(world_size):
-            p = ctx.Process(target=main, daemon=True,
-                            args=(rank, world_size, os.path.join(self._dir, "store"), child if rank == 0 else None,
-                                  *args))
-            p.start()
-            self._procs.append(p)
+        with _children_ignore_sigint():
+            for rank in range(world_size):
+                p = ctx.Process(target=main, daemon=True,
+                                args=(rank, world_size, os.path.join(self._dir, "store"),
+                                      child if rank == 0 else None, *args))
+                p.start()
+                self._procs.append(p)
         child.close()
 
     def reply(self, timeout_s: float | None = None) -> Any:
