@@ -699,6 +699,22 @@ def test_hub_ids_load_at_a_revision_from_a_download_dir(tmp_path, monkeypatch):
     assert list(build_llm(args).generate(["abc"], params, use_tqdm=False)[0].outputs[0].token_ids) == tokens(str(old[1]))
 
 
+def test_a_hub_generation_config_is_read_from_the_download_dir(tmp_path, monkeypatch):
+    """generation_config given as a hub id is fetched as the model is, from the run's download dir (offline: the
+    given cache); it ignored download_dir and looked in the default cache."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    source = tmp_path / "gen"
+    source.mkdir()
+    (source / "generation_config.json").write_text('{"temperature": 0.25, "top_k": 7}')
+    cache = hub_cache(tmp_path / "cache", "org/gen", {"e" * 40: source}, {"main": "e" * 40})
+    llm = LLM(str(save_drafter_target(tmp_path / "m")), device="cpu", download_dir=str(cache),
+              generation_config="org/gen")
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k) == (0.25, 7)
+
+
 def test_the_hub_token_reaches_the_download(monkeypatch):
     import huggingface_hub
 

@@ -70,14 +70,15 @@ GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": 
                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
-def generation_defaults(model_dir: Path, source: str) -> dict[str, Any]:
+def generation_defaults(model_dir: Path, source: str, hub: dict[str, Any] | None = None) -> dict[str, Any]:
     """Default sampling parameters from a generation_config.json, as vLLM's `--generation-config`
     reads them: "auto" takes the model directory's, "vllm" none, anything else names a directory.
     The values the file sets (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)
-    replace SamplingParams' defaults; a file that sets none of them (EOS ids only) changes nothing."""
+    replace SamplingParams' defaults; a file that sets none of them (EOS ids only) changes nothing. A hub id is
+    fetched with `hub`'s options (`EngineArgs.hub`: the run's download directory and token)."""
     if source == "vllm":
         return {}
-    folder = model_dir if source == "auto" else resolve_model_dir(source, "generation_config")
+    folder = model_dir if source == "auto" else resolve_model_dir(source, "generation_config", **(hub or {}))
     path = folder / "generation_config.json"
     if not path.is_file():
         if source != "auto":
@@ -147,7 +148,7 @@ def build_engine(
     max_len = cfg_len if a.max_model_len == -1 else a.max_model_len or min(cfg_len, 4096)
     if max_len > cfg_len:
         raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings ({cfg_len})")
-    defaults = generation_defaults(model_dir, a.generation_config)  # before the weights: a bad file fails fast
+    defaults = generation_defaults(model_dir, a.generation_config, a.hub())  # before the weights: a bad file fails fast
     margin = 64  # RoPE rows for draft/verify positions past the committed length
     target, model_dir = load(model_dir, a.dtype, dev, max_len + margin, a.quantization)
     tok = load_tokenizer(resolve_model_dir(a.tokenizer, "tokenizer", **a.hub(a.tokenizer_revision)) if a.tokenizer
